@@ -1,0 +1,245 @@
+"""METP MLP: ``y = f(x·W1ᵀ + b1)·W2ᵀ + b2`` with the weights on a ring and the tokens local.
+
+Layout on rank ``r`` of a METP group of size ``p`` (exactly what Megatron TP rank ``r`` holds):
+
+* ``x``, ``y``: this rank's tokens, ``[n, b, h]`` with ``n = s/p``;
+* ``fc1_weight`` (``W1_r``): ColumnParallelLinear shard, ``[k·F/p, h]`` where ``F`` is the FFN size
+  and ``k = 2`` for SwiGLU (rows ``[gate_r | up_r]``), else 1; ``fc1_bias`` ``[k·F/p]``;
+* ``fc2_weight`` (``W2_r``): RowParallelLinear shard ``[h, F/p]``; ``fc2_bias`` ``[h]`` replicated.
+
+Forward (``p`` steps, weight ring). At step ``t`` rank ``r`` holds shard ``j = (r - t) mod p`` and
+computes ``y_r += f(x_r·W1_jᵀ + b1_j)·W2_jᵀ`` while shard ``j-1`` is in flight. Then ``y_r += b2``.
+Partial sums accumulate in fp32 and are cast to the input dtype once.
+
+Backward (``p`` steps). With ``g = dL/dy_r``, ``z_j = x_r·W1_jᵀ + b1_j`` and ``a_j = f(z_j)``::
+
+    dz_j = (g·W2_j) ⊙ f'(z_j)          dx_r  = Σ_j dz_j·W1_j          (local, fp32 accumulation)
+    dW2_j = Σ_r gᵀ·a_j                 dW1_j = Σ_r dz_jᵀ·x_r          db1_j = Σ_r Σ_tokens dz_j
+
+Rank ``r`` visits shards ``r-1, r-2, …, r`` (its own last). A gradient accumulator travels with
+each shard: at every step a rank adds its tokens' contribution and passes the accumulator on, so
+after ``p`` steps every shard's gradient arrives complete at its owner — a ring reduce-scatter
+fused into the rotation, no all-reduce. ``db2`` is the local token sum: ``b2`` is replicated, so its
+gradient is reduced over the group by whoever reduces replicated parameters (Megatron DDP over DP×CP).
+
+Communication per rank and call: forward ``p-1`` weight shards; backward ``p-1`` weight shards plus
+``p-1`` gradient shards (fp32 by default, ``grad_reduce_dtype``). Nothing scales with ``s``.
+
+Memory: by default only ``x`` (and the parameters) are saved; ``z_j`` is recomputed as the shard
+passes in backward. ``keep_intermediate=True`` saves every ``z_j`` instead (``[n·b, k·F]``, the whole
+intermediate of this rank's tokens) and skips the recompute.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..groups import METPGroup, as_metp_group
+from ..ring import RingExchanger
+from . import activations as act
+from ._flat import FlatLayout
+
+
+def _mm_acc(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` with the product rounded once, into ``acc``'s dtype.
+
+    For 16-bit operands and an fp32 ``acc`` the product is formed in fp32 (``out_dtype`` on CUDA,
+    an fp32 matmul elsewhere), so summing ``p`` ring partials rounds no more often than stock TP's
+    single matmul does.
+    """
+    if acc.dtype == a.dtype:
+        acc.addmm_(a, b)
+    elif a.is_cuda and _HAS_MM_OUT_DTYPE:
+        acc.add_(torch.mm(a, b, out_dtype=acc.dtype))
+    else:
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+
+
+def _probe_mm_out_dtype() -> bool:
+    try:
+        a = torch.empty(1, 1, dtype=torch.bfloat16, device="meta")
+        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+
+
+_HAS_MM_OUT_DTYPE = _probe_mm_out_dtype()
+
+
+def _check_inputs(x, w1, w2, b1, b2, group: METPGroup, activation, ffn_hidden_size,
+                  grad_reduce_dtype):
+    if activation not in act.ACTIVATIONS:
+        raise ValueError(f"activation must be one of {act.ACTIVATIONS}, got {activation!r}")
+    if x.dim() != 3:
+        raise ValueError(f"x must be this rank's tokens [s/p, b, h], got shape {tuple(x.shape)}")
+    h = x.shape[-1]
+    k = act.fc1_rows_per_ffn(activation)
+    if w1.dim() != 2 or w1.shape[1] != h:
+        raise ValueError(f"fc1_weight must be [{k}*ffn/p, h={h}] (ColumnParallelLinear shard), "
+                         f"got {tuple(w1.shape)}")
+    if w1.shape[0] % k:
+        raise ValueError(f"fc1_weight for activation={activation!r} must have an even number of rows "
+                         f"(gate then up), got {w1.shape[0]}")
+    f = w1.shape[0] // k
+    if w2.dim() != 2 or tuple(w2.shape) != (h, f):
+        raise ValueError(f"fc2_weight must be [h={h}, ffn/p={f}] (RowParallelLinear shard matching "
+                         f"fc1_weight), got {tuple(w2.shape)}")
+    if b1 is not None and tuple(b1.shape) != (w1.shape[0],):
+        raise ValueError(f"fc1_bias must be [{w1.shape[0]}] like fc1_weight's rows, got {tuple(b1.shape)}")
+    if b2 is not None and tuple(b2.shape) != (h,):
+        raise ValueError(f"fc2_bias must be replicated [h={h}], got {tuple(b2.shape)}")
+    if ffn_hidden_size is not None:
+        if ffn_hidden_size % group.size:
+            raise ValueError(f"ffn_hidden_size={ffn_hidden_size} is not divisible by the METP group "
+                             f"size {group.size}; pick a METP size that divides it")
+        if f != ffn_hidden_size // group.size:
+            raise ValueError(f"fc1_weight holds {f} FFN units but ffn_hidden_size/p = "
+                             f"{ffn_hidden_size}/{group.size} = {ffn_hidden_size // group.size}: "
+                             f"the shards do not match the group size (wrong group?)")
+    named = [("x", x), ("fc1_weight", w1), ("fc2_weight", w2), ("fc1_bias", b1), ("fc2_bias", b2)]
+    for name, t in named[1:]:
+        if t is None:
+            continue
+        if t.dtype != x.dtype:
+            raise ValueError(f"{name} has dtype {t.dtype} but x has {x.dtype}; cast them to one dtype")
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}; move them to one device")
+    if not x.is_floating_point():
+        raise ValueError(f"x must be floating point, got {x.dtype}")
+    if grad_reduce_dtype is not None and not grad_reduce_dtype.is_floating_point:
+        raise ValueError(f"grad_reduce_dtype must be a floating dtype, got {grad_reduce_dtype}")
+    backend = group.backend
+    if backend is not None:
+        if "nccl" in backend and not x.is_cuda:
+            raise ValueError(f"group {group.name!r} uses NCCL but x is on {x.device}; move the "
+                             f"tensors to this rank's GPU")
+        if backend == "gloo" and x.is_cuda:
+            raise ValueError(f"group {group.name!r} uses gloo, which cannot send CUDA tensors here; "
+                             f"use an NCCL group for GPU tensors")
+
+
+class _METPMLPFunction(torch.autograd.Function):
+    """Autograd function of :func:`metp_mlp` (see the module docstring for the equations)."""
+
+    @staticmethod
+    def forward(ctx, x, w1, b1, w2, b2, group: METPGroup, activation: str, keep: bool,
+                grad_dtype: torch.dtype):
+        n_tok = x.shape[0] * x.shape[1]
+        h = x.shape[-1]
+        x2 = x.reshape(n_tok, h)
+        layout = FlatLayout.of([w1, b1, w2])
+        ring = RingExchanger(group, "mlp weights (fwd)")
+        acc_dtype = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+        y = torch.zeros(n_tok, h, dtype=acc_dtype, device=x.device)
+        kept = [None] * group.size
+        payload = layout.pack([w1, b1, w2]) if group.size > 1 else None
+        shards = ring.circulate(payload) if group.size > 1 else [(0, None)]
+        for t, flat in shards:
+            j = group.owner_at_step(t)
+            w1j, b1j, w2j = (w1, b1, w2) if flat is None else layout.unpack(flat)
+            z = torch.addmm(b1j, x2, w1j.t()) if b1j is not None else torch.mm(x2, w1j.t())
+            _mm_acc(y, act.forward(activation, z), w2j.t())
+            if keep:
+                kept[j] = z
+        if b2 is not None:
+            y.add_(b2)
+        ctx.group, ctx.activation, ctx.keep, ctx.grad_dtype = group, activation, keep, grad_dtype
+        ctx.x_shape = x.shape
+        ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
+        ctx.save_for_backward(x, w1, b1, w2, *(kept if keep else []))
+        return y.to(x.dtype).view(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        group: METPGroup = ctx.group
+        x, w1, b1, w2, *kept = ctx.saved_tensors
+        b1 = b1 if ctx.has_b1 else None
+        p, r = group.size, group.rank
+        n_tok, h = x.shape[0] * x.shape[1], x.shape[-1]
+        x2 = x.reshape(n_tok, h)
+        g = grad_y.reshape(n_tok, h).to(x.dtype)
+        acc_dtype = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+        grad_dtype = ctx.grad_dtype or acc_dtype
+        dx = torch.zeros(n_tok, h, dtype=acc_dtype, device=x.device)
+        db2 = g.sum(0, dtype=acc_dtype).to(x.dtype) if ctx.has_b2 else None
+
+        w_layout = FlatLayout.of([w1, b1, w2])
+        g_layout = w_layout  # gradients of (W1_j, b1_j, W2_j) have the weights' shapes
+        w_ring = RingExchanger(group, "mlp weights (bwd)")
+        g_ring = RingExchanger(group, "mlp weight grads (bwd)")
+
+        def shard_grads(w1j, b1j, w2j, j) -> torch.Tensor:
+            """This rank's contribution to shard j's (dW1, db1, dW2), flat, and dx += dz·W1_j."""
+            if ctx.keep:
+                z = kept[j]
+            else:
+                z = torch.addmm(b1j, x2, w1j.t()) if b1j is not None else torch.mm(x2, w1j.t())
+            a = act.forward(ctx.activation, z)
+            dz = act.backward(ctx.activation, z, torch.mm(g, w2j))
+            _mm_acc(dx, dz, w1j)
+            out = g_layout.zeros(grad_dtype, x.device)
+            dw1, db1, dw2 = g_layout.unpack(out)
+            _mm_acc(dw1, dz.t(), x2)
+            _mm_acc(dw2, g.t(), a)
+            if db1 is not None:
+                db1.copy_(dz.sum(0, dtype=acc_dtype))
+            return out
+
+        # Rank r visits shards r-1, r-2, ..., r+1, r: its own last, so each gradient
+        # accumulator ends its p-1 hops at the shard's owner.
+        if p == 1:
+            acc = shard_grads(w1, b1, w2, r)
+        else:
+            first = w_layout.pack([w1, b1, w2])
+            pending_w = w_ring.start(first, torch.empty_like(first), step=0)
+            held = pending_w.wait()  # shard r-1; the one transfer not hidden behind compute
+            pending_g = None
+            acc = None
+            # steps 0 .. p-2 use circulating shards r-1 .. r+1; step p-1 uses the local shard.
+            for t, flat in w_ring.circulate(held, steps=p - 1):
+                j = group.owner_at_step(t, offset=1)
+                contrib = shard_grads(*w_layout.unpack(flat), j)
+                if pending_g is not None:
+                    contrib.add_(pending_g.wait())
+                pending_g = g_ring.start(contrib, torch.empty_like(contrib), step=t)
+            contrib = shard_grads(w1, b1, w2, r)
+            contrib.add_(pending_g.wait())
+            acc = contrib
+
+        dw1, db1, dw2 = g_layout.unpack(acc)
+        return (dx.to(x.dtype).view(ctx.x_shape), dw1.to(w1.dtype),
+                db1.to(w1.dtype) if db1 is not None else None, dw2.to(w2.dtype), db2,
+                None, None, None, None)
+
+
+def metp_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor, *, group,
+             activation: str = "gelu", fc1_bias: Optional[torch.Tensor] = None,
+             fc2_bias: Optional[torch.Tensor] = None, keep_intermediate: bool = False,
+             ffn_hidden_size: Optional[int] = None,
+             grad_reduce_dtype: Optional[torch.dtype] = torch.float32) -> torch.Tensor:
+    """The METP MLP block ``y = f(x·W1ᵀ + b1)·W2ᵀ + b2`` over a weight ring.
+
+    Args:
+        x: this rank's tokens ``[s/p, b, h]``.
+        fc1_weight: this rank's ColumnParallelLinear shard ``[k·F/p, h]`` (``k=2`` for swiglu,
+            rows gate then up, as Megatron's TP shard).
+        fc2_weight: this rank's RowParallelLinear shard ``[h, F/p]``.
+        group: a :class:`~megatron_metp.groups.METPGroup` (or a ProcessGroup, or ``None`` for p=1).
+        activation: ``"gelu"`` or ``"swiglu"``.
+        fc1_bias: ``[k·F/p]``, sharded like ``fc1_weight``. fc2_bias: ``[h]``, replicated, added once.
+        keep_intermediate: save ``x·W1ᵀ`` of every shard instead of recomputing it in backward.
+        ffn_hidden_size: the full ``F``; when given, the shard shapes are checked against it.
+        grad_reduce_dtype: dtype of the weight-gradient accumulators that travel the ring
+            (default fp32; ``None`` = the accumulation dtype, fp32 for 16-bit inputs).
+
+    Returns:
+        ``y`` ``[s/p, b, h]``: this rank's tokens' MLP output. Gradients of the weight shards are
+        complete (summed over every rank's tokens); ``fc2_bias``'s gradient is this rank's part.
+    """
+    group = as_metp_group(group)
+    _check_inputs(x, fc1_weight, fc2_weight, fc1_bias, fc2_bias, group, activation,
+                  ffn_hidden_size, grad_reduce_dtype)
+    return _METPMLPFunction.apply(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, group,
+                                  activation, bool(keep_intermediate), grad_reduce_dtype)

@@ -1,0 +1,131 @@
+"""Ring exchange: double-buffered neighbour send/recv inside one METP group.
+
+Every METP schedule is a rotation: at each step a rank sends the buffer it holds to ``next`` and
+receives the buffer of ``prev``, while it computes on what it holds. :class:`RingExchanger` posts
+one such exchange (a ``batch_isend_irecv`` of one send and one receive); :meth:`RingExchanger.circulate`
+turns it into a double-buffered loop that posts step ``t+1``'s transfer *before* handing out step
+``t``'s buffer for compute, and waits only when the next buffer is needed.
+
+Streams: on CUDA, ProcessGroupNCCL runs point-to-point work on its own internal stream, ordered
+after the current stream when the transfer is posted; ``Work.wait()`` makes the current stream wait
+for it, without blocking the host (no ``cuda.synchronize`` anywhere). The receive buffer is handed to
+compute only after that wait, so stream ordering is correct. On gloo (CPU) the wait blocks the host
+with the group's ``timeout_s``; on NCCL the process group's own timeout and watchdog apply.
+
+Failure: a peer that does not answer within ``timeout_s`` (gloo) or whose connection breaks ends in
+:class:`RingTimeoutError`/:class:`RingPeerError` naming the group, the step and the peer.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .groups import METPGroup
+
+
+class RingError(RuntimeError):
+    """A ring exchange failed; the message names the group, step and peer."""
+
+
+class RingTimeoutError(RingError):
+    """The peer did not complete its half of a ring step within the group's timeout."""
+
+
+class RingPeerError(RingError):
+    """The transport reported an error (e.g. the peer process died) during a ring step."""
+
+
+class PendingExchange:
+    """A posted ring step. :meth:`wait` returns the receive buffer once it is valid."""
+
+    def __init__(self, works, recv: torch.Tensor, group: METPGroup, step: int, what: str):
+        self._works = works
+        self.recv = recv
+        self._group = group
+        self._step = step
+        self._what = what
+        self._done = False
+
+    def wait(self) -> torch.Tensor:
+        if self._done:
+            return self.recv
+        g = self._group
+        for w in self._works:
+            try:
+                if self.recv.is_cuda:
+                    w.wait()  # stream-ordered; the NCCL watchdog owns the timeout
+                else:
+                    w.wait(g.timeout)
+            except Exception as exc:  # noqa: BLE001 - re-raised with ring context
+                text = str(exc)
+                kind = RingTimeoutError if "imed out" in text or "imeout" in text else RingPeerError
+                raise kind(
+                    f"METP ring {g.name!r} (rank {g.rank} of {g.size}, global ranks {list(g.ranks)}): "
+                    f"step {self._step} of {self._what!r} failed waiting for peer "
+                    f"{g.prev_rank} (send to {g.next_rank}) after {g.timeout_s:g} s timeout: "
+                    f"{text.splitlines()[0] if text else type(exc).__name__}. "
+                    f"A peer rank died or stalled; check its log. Raise METP_RING_TIMEOUT_S "
+                    f"if the step is legitimately slow.") from exc
+        self._done = True
+        return self.recv
+
+
+class RingExchanger:
+    """Posts neighbour exchanges on one :class:`METPGroup` and counts them in ``group.stats``."""
+
+    def __init__(self, group: METPGroup, what: str = "shard"):
+        self.group = group
+        self.what = what
+
+    def start(self, send: torch.Tensor, recv: torch.Tensor, *, step: int) -> PendingExchange:
+        """Send ``send`` to ``next`` and receive ``prev``'s buffer into ``recv`` (same size).
+
+        Returns at once; ``send`` must not be modified and ``recv`` not read until ``wait()``.
+        """
+        g = self.group
+        if g.size == 1:
+            raise RingError(f"METP ring {g.name!r} has size 1: there is nothing to exchange")
+        if send.numel() != recv.numel() or send.dtype != recv.dtype:
+            raise ValueError(f"ring exchange needs equal send/recv buffers, got {tuple(send.shape)} "
+                             f"{send.dtype} and {tuple(recv.shape)} {recv.dtype}")
+        ops = [dist.P2POp(dist.isend, send, g.next_rank, g.group),
+               dist.P2POp(dist.irecv, recv, g.prev_rank, g.group)]
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except Exception as exc:  # noqa: BLE001
+            raise RingPeerError(f"METP ring {g.name!r}: posting step {step} of {self.what!r} to "
+                                f"{g.next_rank}/from {g.prev_rank} failed: {exc}") from exc
+        nbytes = send.numel() * send.element_size()
+        g.stats.steps += 1
+        g.stats.bytes_sent += nbytes
+        g.stats.bytes_received += nbytes
+        return PendingExchange(works, recv, g, step, self.what)
+
+    def circulate(self, payload: torch.Tensor, steps: Optional[int] = None
+                  ) -> Iterator[Tuple[int, torch.Tensor]]:
+        """Yield ``(t, buffer)`` for ``t = 0 .. steps-1`` while the buffers rotate forward.
+
+        At ``t = 0`` the buffer is ``payload`` (this rank's own); at step ``t`` it is the payload
+        of the rank ``t`` places behind in the ring. The transfer for ``t+1`` is posted before
+        ``t`` is yielded, so compute on the yielded buffer overlaps it (double buffering: two
+        buffers in all). ``payload`` is consumed: it becomes one of the two buffers, so pass a
+        tensor the caller no longer needs. ``steps`` defaults to the group size; ``steps - 1``
+        exchanges are posted.
+        """
+        p = self.group.size
+        steps = p if steps is None else steps
+        if steps > p:
+            raise ValueError(f"circulate: {steps} steps exceed the ring size {p}")
+        current, spare = payload, None
+        for t in range(steps):
+            pending = None
+            if t + 1 < steps:
+                if spare is None:
+                    spare = torch.empty_like(payload)
+                pending = self.start(current, spare, step=t)
+            yield t, current
+            if pending is not None:
+                current, spare = pending.wait(), current

@@ -1,0 +1,94 @@
+"""Fork a few gloo ranks for one test and bring their results back.
+
+``run_ranks(fn, world_size, *args)`` forks ``world_size`` processes; each initialises a gloo
+process group through a FileStore, calls ``fn(rank, world_size, *args)`` with one thread, and sends
+the (picklable) return value back. A rank that raises makes the whole call raise with that rank's
+traceback; a rank that hangs past ``timeout`` is killed and reported. Forking keeps this to about a
+second per call (spawning costs ~15 s).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+
+def _child(fn, rank, world_size, store_path, queue, args, kwargs):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    try:
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args, **kwargs)
+        # Plain pickle: torch's ForkingPickler would pass tensors as shared-memory handles that
+        # die with this process.
+        queue.put((rank, "ok", pickle.dumps(result)))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        # Flush the result to the parent, then exit without destroy_process_group (a peer may
+        # be gone; exiting closes the sockets).
+        queue.close()
+        queue.join_thread()
+        os._exit(0)
+
+
+class RankError(AssertionError):
+    pass
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, allow_errors: bool = False,
+              **kwargs):
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` forked gloo ranks.
+
+    Returns the list of per-rank results. With ``allow_errors=True`` a failing rank's entry is
+    ``("error", traceback_text)`` instead of raising, and a rank that never reports is ``None``.
+    """
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    fd, store_path = tempfile.mkstemp(prefix="metp_store_")
+    os.close(fd)
+    os.unlink(store_path)
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, store_path, queue, args, kwargs),
+                         daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world_size and time.monotonic() < deadline:
+            try:
+                rank, status, value = queue.get(timeout=max(0.05, min(1.0, deadline - time.monotonic())))
+            except Exception:  # queue.Empty
+                if all(not p.is_alive() for p in procs) and queue.empty():
+                    break
+                continue
+            results[rank] = (status, value)
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        if os.path.exists(store_path):
+            os.unlink(store_path)
+    out = []
+    for r in range(world_size):
+        status, value = results.get(r, (None, None))
+        if allow_errors:
+            out.append(None if status is None else
+                       (pickle.loads(value) if status == "ok" else ("error", value)))
+            continue
+        if status is None:
+            raise RankError(f"rank {r} of {world_size} did not report within {timeout:g} s")
+        if status == "error":
+            raise RankError(f"rank {r} of {world_size} failed:\n{value}")
+        out.append(pickle.loads(value))
+    return out

@@ -1,0 +1,81 @@
+"""Ring exchanger: rotation order, byte/step counters, and failures that end with a message."""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_metp import METPGroup, RingExchanger, RingPeerError, RingTimeoutError
+from tests.harness import run_ranks
+
+
+def _rotate(rank, world, numel):
+    g = METPGroup.from_process_group(dist.group.WORLD, name="test-ring")
+    ring = RingExchanger(g)
+    seen = []
+    payload = torch.full((numel,), float(rank))
+    for t, buf in ring.circulate(payload):
+        seen.append(int(buf[0].item()))
+        assert bool((buf == buf[0]).all())
+    return seen, g.stats.snapshot(), (g.prev_rank, g.next_rank)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_circulate_visits_shards_in_ring_order_and_counts_bytes(p):
+    numel = 5
+    out = run_ranks(_rotate, p, numel)
+    for r, (seen, stats, (prev, nxt)) in enumerate(out):
+        assert seen == [(r - t) % p for t in range(p)]
+        assert (prev, nxt) == ((r - 1) % p, (r + 1) % p)
+        # closed form: p-1 exchanges of numel fp32 each way
+        assert stats == {"steps": p - 1, "bytes_sent": (p - 1) * numel * 4,
+                         "bytes_received": (p - 1) * numel * 4}
+
+
+def _subgroups(rank, world):
+    # two rings {0,2} and {1,3} inside a world of 4: neighbours are global ranks of the subgroup
+    pgs = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    mine = pgs[rank % 2]
+    g = METPGroup.from_process_group(mine, name=f"ring{rank % 2}")
+    seen = [int(b[0].item()) for _, b in RingExchanger(g).circulate(torch.full((3,), float(rank)))]
+    return g.ranks, seen
+
+
+def test_rings_inside_subgroups_use_global_neighbour_ranks():
+    out = run_ranks(_subgroups, 4)
+    assert out[0] == ((0, 2), [0, 2]) and out[2] == ((0, 2), [2, 0])
+    assert out[1] == ((1, 3), [1, 3]) and out[3] == ((1, 3), [3, 1])
+
+
+def _stalled_peer(rank, world, mode):
+    g = METPGroup.from_process_group(dist.group.WORLD, name="stall-test", timeout_s=1.5)
+    if rank == 1:
+        if mode == "die":
+            os._exit(3)
+        time.sleep(6)  # never posts its half of the exchange
+        return "slept"
+    t0 = time.monotonic()
+    try:
+        for _ in RingExchanger(g, "probe").circulate(torch.zeros(4)):
+            pass
+    except (RingTimeoutError, RingPeerError) as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - t0
+    return "no error"
+
+
+@pytest.mark.parametrize("mode", ["stall", "die"])
+def test_peer_that_never_answers_fails_with_group_step_and_peer(mode):
+    out = run_ranks(_stalled_peer, 2, mode, allow_errors=True, timeout=30)
+    kind, msg, elapsed = out[0]
+    assert kind in ("RingTimeoutError", "RingPeerError")
+    assert "stall-test" in msg and "step 0" in msg and "peer 1" in msg and "probe" in msg
+    assert elapsed < 5.0
+
+
+def test_single_rank_group_has_nothing_to_exchange():
+    g = METPGroup.single()
+    assert (g.size, g.rank) == (1, 0)
+    steps = list(RingExchanger(g).circulate(torch.ones(2)))
+    assert len(steps) == 1 and g.stats.steps == 0
