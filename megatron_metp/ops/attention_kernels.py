@@ -1,0 +1,190 @@
+"""Block attention kernels behind one interface: ``forward`` → ``(out, lse)``, ``backward`` → grads.
+
+A ring step attends one block of queries to one block of keys/values. Every kernel here works on
+``q [b, hq, n, d]``, ``k, v [b, hkv, m, d]`` (heads first; ``hq`` a multiple of ``hkv`` for GQA/MQA)
+with one of two masks: ``causal=False`` (no mask) or ``causal=True`` (square block, query ``i``
+sees keys ``≤ i``: the diagonal block of a causal ring).
+
+* ``forward(q, k, v, causal, scale) -> (out, lse)``: ``out = softmax(q·kᵀ·scale)·v`` and
+  ``lse = log Σ_keys exp(q·kᵀ·scale)`` (natural log, fp32, ``[b, hq, n]``).
+* ``backward(dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv)`` where ``out`` and ``lse``
+  are the *final* (merged over all blocks) output and log-sum-exp of these query rows, so that
+  ``P = exp(q·kᵀ·scale − lse)`` are this block's true probabilities and
+  ``dS = P ⊙ (dout·vᵀ − rowsum(dout ⊙ out))``, ``dq = dS·k·scale``, ``dk = dSᵀ·q·scale``,
+  ``dv = Pᵀ·dout``. Grads of ``k, v`` come back with ``hkv`` heads (summed over each group).
+
+Kernels, best first (``select_kernel``): ``flash_attn`` (GPU, package installed) → ``torch_flash``
+(PyTorch's fused flash kernel that returns the log-sum-exp: CUDA, or the CPU variant) →
+``reference`` (plain PyTorch, fp32, materialises the ``n×m`` block scores). Override with the
+``kernel=`` argument of the ops or ``METP_ATTENTION_KERNEL``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Tuple
+
+import torch
+
+KERNELS = ("flash_attn", "torch_flash", "reference")
+
+try:  # pragma: no cover - GPU only
+    import flash_attn  # noqa: F401
+    from flash_attn.flash_attn_interface import _flash_attn_backward, _flash_attn_forward
+    _HAS_FLASH_ATTN = True
+except Exception:  # noqa: BLE001 - any import failure means "not available"
+    _HAS_FLASH_ATTN = False
+
+
+def _expand_kv(t: torch.Tensor, hq: int) -> torch.Tensor:
+    """``[b, hkv, m, d]`` → ``[b, hq, m, d]``: query head ``i`` uses KV head ``i // (hq/hkv)``."""
+    hkv = t.shape[1]
+    return t if hkv == hq else t.repeat_interleave(hq // hkv, dim=1)
+
+
+def _fold_kv(t: torch.Tensor, hkv: int) -> torch.Tensor:
+    """Inverse of :func:`_expand_kv` for gradients: sum the query heads of each KV head."""
+    b, hq, m, d = t.shape
+    return t if hkv == hq else t.view(b, hkv, hq // hkv, m, d).sum(2)
+
+
+def _causal_mask(n: int, m: int, device) -> torch.Tensor:
+    return torch.ones(n, m, dtype=torch.bool, device=device).tril()
+
+
+class ReferenceKernel:
+    """Plain PyTorch in fp32; materialises the block's scores (the unfused path)."""
+
+    name = "reference"
+
+    @staticmethod
+    def forward(q, k, v, causal: bool, scale: float):
+        hq = q.shape[1]
+        s = torch.matmul(q.float(), _expand_kv(k, hq).float().transpose(-1, -2)) * scale
+        if causal:
+            s.masked_fill_(~_causal_mask(s.shape[-2], s.shape[-1], s.device), float("-inf"))
+        lse = torch.logsumexp(s, dim=-1)
+        out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), _expand_kv(v, hq).float())
+        return out, lse
+
+    @staticmethod
+    def backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+        hq, hkv = q.shape[1], k.shape[1]
+        qf, kf, vf = q.float(), _expand_kv(k, hq).float(), _expand_kv(v, hq).float()
+        s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
+        if causal:
+            s.masked_fill_(~_causal_mask(s.shape[-2], s.shape[-1], s.device), float("-inf"))
+        prob = torch.exp(s - lse.unsqueeze(-1))
+        do = dout.float()
+        dv = torch.matmul(prob.transpose(-1, -2), do)
+        delta = (do * out.float()).sum(-1, keepdim=True)
+        ds = prob * (torch.matmul(do, vf.transpose(-1, -2)) - delta)
+        dq = torch.matmul(ds, kf) * scale
+        dk = torch.matmul(ds.transpose(-1, -2), qf) * scale
+        return dq, _fold_kv(dk, hkv), _fold_kv(dv, hkv)
+
+
+class TorchFlashKernel:
+    """PyTorch's fused flash-attention kernels (they return the log-sum-exp).
+
+    CPU: ``_scaled_dot_product_flash_attention_for_cpu``; CUDA: ``_scaled_dot_product_flash_attention``.
+    GQA is handled by expanding K/V locally for the kernel (never before sending).
+    """
+
+    name = "torch_flash"
+
+    @staticmethod
+    def forward(q, k, v, causal: bool, scale: float):
+        hq = q.shape[1]
+        q = q.contiguous()
+        k, v = _expand_kv(k, hq).contiguous(), _expand_kv(v, hq).contiguous()
+        if q.is_cuda:
+            res = torch.ops.aten._scaled_dot_product_flash_attention(
+                q, k, v, 0.0, causal, False, scale=scale)
+            return res[0], res[1]
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=None, scale=scale)
+        return out, lse
+
+    @staticmethod
+    def backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+        hq, hkv = q.shape[1], k.shape[1]
+        q = q.contiguous()
+        ke, ve = _expand_kv(k, hq).contiguous(), _expand_kv(v, hq).contiguous()
+        out = out.to(q.dtype).contiguous()
+        dout = dout.to(q.dtype).contiguous()
+        if q.is_cuda:
+            n, m = q.shape[2], k.shape[2]
+            empty = torch.empty(0, device=q.device, dtype=torch.int32)
+            zero = torch.zeros((), device=q.device, dtype=torch.int64)
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+                dout, q, ke, ve, out, lse.contiguous(), empty, empty, n, m, 0.0, causal,
+                zero, zero, scale=scale)
+        else:
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dout, q, ke, ve, out, lse.contiguous(), 0.0, causal, attn_mask=None, scale=scale)
+        return dq, _fold_kv(dk, hkv), _fold_kv(dv, hkv)
+
+
+class FlashAttnKernel:  # pragma: no cover - needs a GPU and the flash-attn package
+    """Dao-AILab flash-attn (native GQA; layout ``[b, n, h, d]``)."""
+
+    name = "flash_attn"
+
+    @staticmethod
+    def forward(q, k, v, causal: bool, scale: float):
+        qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+        # flash-attn >= 2.6 interface; other versions fail here with a TypeError naming it.
+        res = _flash_attn_forward(qt, kt, vt, 0.0, scale, causal=causal, window_size_left=-1,
+                                  window_size_right=-1, softcap=0.0, alibi_slopes=None,
+                                  return_softmax=False)
+        out, lse = res[0], res[1]
+        return out.transpose(1, 2), lse
+
+    @staticmethod
+    def backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+        qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+        dot = dout.to(q.dtype).transpose(1, 2).contiguous()
+        ot = out.to(q.dtype).transpose(1, 2).contiguous()
+        dq, dk, dv = torch.empty_like(qt), torch.empty_like(kt), torch.empty_like(vt)
+        _flash_attn_backward(dot, qt, kt, vt, ot, lse.contiguous(), dq, dk, dv, 0.0, scale,
+                             causal, -1, -1, 0.0, None, False)
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+_BY_NAME = {"reference": ReferenceKernel, "torch_flash": TorchFlashKernel,
+            "flash_attn": FlashAttnKernel}
+
+
+def available_kernels(device: torch.device, dtype: torch.dtype = torch.float32) -> Tuple[str, ...]:
+    """Kernels usable for ``dtype`` tensors on ``device``, best first.
+
+    The CUDA flash kernels take 16-bit inputs only; fp32 on CUDA uses the reference kernel.
+    """
+    names = []
+    half = dtype in (torch.float16, torch.bfloat16)
+    if device.type == "cuda" and _HAS_FLASH_ATTN and half:
+        names.append("flash_attn")
+    if device.type == "cpu" or (device.type == "cuda" and half):
+        names.append("torch_flash")
+    names.append("reference")
+    return tuple(names)
+
+
+def select_kernel(device: torch.device, dtype: torch.dtype = torch.float32,
+                  requested: Optional[str] = None):
+    """The kernel for ``dtype`` tensors on ``device``: ``requested`` (or ``METP_ATTENTION_KERNEL``)
+    if given and available, else the best available. Raises ``ValueError`` for an unknown or
+    unavailable request, naming what is available."""
+    requested = requested or os.environ.get("METP_ATTENTION_KERNEL") or None
+    avail = available_kernels(device, dtype)
+    if requested is None:
+        return _BY_NAME[avail[0]]
+    if requested not in KERNELS:
+        raise ValueError(f"attention kernel must be one of {KERNELS} (kernel= or "
+                         f"METP_ATTENTION_KERNEL), got {requested!r}")
+    if requested not in avail:
+        hint = " (pip install flash-attn on a GPU machine)" if requested == "flash_attn" else ""
+        raise ValueError(f"attention kernel {requested!r} is not available for {dtype} on "
+                         f"{device.type}{hint}; available: {avail}")
+    return _BY_NAME[requested]
