@@ -99,6 +99,11 @@ class METPGroup:
         return cls.from_process_group(None, name=name)
 
     @property
+    def rank_global(self) -> int:
+        """This process's global rank."""
+        return self.ranks[self.rank]
+
+    @property
     def timeout(self) -> datetime.timedelta:
         return datetime.timedelta(seconds=self.timeout_s)
 

@@ -41,7 +41,9 @@ class RingPeerError(RingError):
 class PendingExchange:
     """A posted ring step. :meth:`wait` returns the receive buffer once it is valid."""
 
-    def __init__(self, works, recv: torch.Tensor, group: METPGroup, step: int, what: str):
+    def __init__(self, works, recv: torch.Tensor, group: METPGroup, step: int, what: str,
+                 peer: Optional[int] = None):
+        self._peer = group.prev_rank if peer is None else peer
         self._works = works
         self.recv = recv
         self._group = group
@@ -65,7 +67,8 @@ class PendingExchange:
                 raise kind(
                     f"METP ring {g.name!r} (rank {g.rank} of {g.size}, global ranks {list(g.ranks)}): "
                     f"step {self._step} of {self._what!r} failed waiting for peer "
-                    f"{g.prev_rank} (send to {g.next_rank}) after {g.timeout_s:g} s timeout: "
+                    f"{self._peer} (ring {g.prev_rank} -> {g.rank_global} -> {g.next_rank}, "
+                    f"timeout {g.timeout_s:g} s): "
                     f"{text.splitlines()[0] if text else type(exc).__name__}. "
                     f"A peer rank died or stalled; check its log. Raise METP_RING_TIMEOUT_S "
                     f"if the step is legitimately slow.") from exc
@@ -103,6 +106,33 @@ class RingExchanger:
         g.stats.bytes_sent += nbytes
         g.stats.bytes_received += nbytes
         return PendingExchange(works, recv, g, step, self.what)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, *, step: int) -> PendingExchange:
+        """Async broadcast of ``tensor`` from group member ``src`` (index in the group).
+
+        Used where every rank needs the *same* shard at the same step (METP attention's head-group
+        weights). Counted as ``tensor`` bytes received by each non-source rank.
+        """
+        g = self.group
+        work = dist.broadcast(tensor, src=g.ranks[src], group=g.group, async_op=True)
+        if g.rank != src:
+            g.stats.steps += 1
+            g.stats.bytes_received += tensor.numel() * tensor.element_size()
+        return PendingExchange([work], tensor, g, step, self.what, peer=g.ranks[src])
+
+    def reduce(self, tensor: torch.Tensor, dst: int, *, step: int) -> PendingExchange:
+        """Async sum of ``tensor`` over the group into member ``dst`` (index in the group).
+
+        Used to deliver a weight shard's gradient to its owner. Counted as ``tensor`` bytes sent
+        by each non-destination rank. After ``wait()`` only ``dst``'s tensor holds the sum.
+        """
+        g = self.group
+        work = dist.reduce(tensor, dst=g.ranks[dst], op=dist.ReduceOp.SUM, group=g.group,
+                           async_op=True)
+        if g.rank != dst:
+            g.stats.steps += 1
+            g.stats.bytes_sent += tensor.numel() * tensor.element_size()
+        return PendingExchange([work], tensor, g, step, self.what, peer=g.ranks[dst])
 
     def circulate(self, payload: torch.Tensor, steps: Optional[int] = None
                   ) -> Iterator[Tuple[int, torch.Tensor]]:

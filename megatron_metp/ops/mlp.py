@@ -39,33 +39,8 @@ import torch
 from ..groups import METPGroup, as_metp_group
 from ..ring import RingExchanger
 from . import activations as act
+from ._accum import mm_acc as _mm_acc
 from ._flat import FlatLayout
-
-
-def _mm_acc(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a @ b`` with the product rounded once, into ``acc``'s dtype.
-
-    For 16-bit operands and an fp32 ``acc`` the product is formed in fp32 (``out_dtype`` on CUDA,
-    an fp32 matmul elsewhere), so summing ``p`` ring partials rounds no more often than stock TP's
-    single matmul does.
-    """
-    if acc.dtype == a.dtype:
-        acc.addmm_(a, b)
-    elif a.is_cuda and _HAS_MM_OUT_DTYPE:
-        acc.add_(torch.mm(a, b, out_dtype=acc.dtype))
-    else:
-        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
-
-
-def _probe_mm_out_dtype() -> bool:
-    try:
-        a = torch.empty(1, 1, dtype=torch.bfloat16, device="meta")
-        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
-    except (TypeError, RuntimeError, NotImplementedError):
-        return False
-
-
-_HAS_MM_OUT_DTYPE = _probe_mm_out_dtype()
 
 
 def _check_inputs(x, w1, w2, b1, b2, group: METPGroup, activation, ffn_hidden_size,
