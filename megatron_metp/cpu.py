@@ -52,7 +52,7 @@ __all__ = ["enable", "disable", "is_enabled", "cuda_to_cpu", "CpuRNGStatesTracke
 _LOCK = threading.Lock()
 _SAVED: list = []  # (owner, attribute, original value), in patch order
 _ENABLED = False
-_DP_STREAM_NAME = "default-rng"
+_DEFAULT_STREAM = "default-rng"  # Megatron's name for "no named stream forked"
 
 
 def _refuse_on_cuda(force: bool, what: str) -> None:
@@ -110,7 +110,7 @@ def _make_tracker_class():
                 raise Exception(f"rng state {name} is not added")
             outer_name = self._current_state_name
             outer_state = torch.get_rng_state()
-            if outer_name != _DP_STREAM_NAME:
+            if outer_name != _DEFAULT_STREAM:
                 self.states_[outer_name] = outer_state
             torch.set_rng_state(self.states_[name])
             self._current_state_name = name
@@ -121,7 +121,7 @@ def _make_tracker_class():
                     raise Exception(f"current rng state {self._current_state_name} is not the "
                                     f"forked state {name}")
                 self.states_[name] = torch.get_rng_state()
-                if outer_name != _DP_STREAM_NAME:
+                if outer_name != _DEFAULT_STREAM:
                     outer_state = self.states_[outer_name]
                 torch.set_rng_state(outer_state)
                 self._current_state_name = outer_name

@@ -134,8 +134,8 @@ class RingExchanger:
             g.stats.bytes_sent += tensor.numel() * tensor.element_size()
         return PendingExchange([work], tensor, g, step, self.what, peer=g.ranks[dst])
 
-    def circulate(self, payload: torch.Tensor, steps: Optional[int] = None
-                  ) -> Iterator[Tuple[int, torch.Tensor]]:
+    def circulate(self, payload: torch.Tensor, steps: Optional[int] = None,
+                  spare: Optional[torch.Tensor] = None) -> Iterator[Tuple[int, torch.Tensor]]:
         """Yield ``(t, buffer)`` for ``t = 0 .. steps-1`` while the buffers rotate forward.
 
         At ``t = 0`` the buffer is ``payload`` (this rank's own); at step ``t`` it is the payload
@@ -143,13 +143,14 @@ class RingExchanger:
         ``t`` is yielded, so compute on the yielded buffer overlaps it (double buffering: two
         buffers in all). ``payload`` is consumed: it becomes one of the two buffers, so pass a
         tensor the caller no longer needs. ``steps`` defaults to the group size; ``steps - 1``
-        exchanges are posted.
+        exchanges are posted. ``spare`` (same size and dtype, no longer needed) is used as the
+        second buffer instead of a new allocation.
         """
         p = self.group.size
         steps = p if steps is None else steps
         if steps > p:
             raise ValueError(f"circulate: {steps} steps exceed the ring size {p}")
-        current, spare = payload, None
+        current = payload
         for t in range(steps):
             pending = None
             if t + 1 < steps:

@@ -73,8 +73,3 @@ def reference_mlp(full, activation, dtype=torch.float32):
     return {"y": y.detach(), "dx": leaf["x"].grad, "dw1": leaf["w1"].grad, "dw2": leaf["w2"].grad,
             "db1": None if leaf["b1"] is None else leaf["b1"].grad,
             "db2": None if leaf["b2"] is None else leaf["b2"].grad}
-
-
-def rel_err(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()

@@ -7,8 +7,8 @@ import torch.distributed as dist
 from megatron_metp import METPGroup
 from megatron_metp.ops import metp_mlp
 from tests.harness import run_ranks
-from tests.mlp_cases import (full_mlp_params, reference_mlp, rel_err, shard_params,
-                             unshard_grads)
+from tests.mlp_cases import full_mlp_params, reference_mlp, shard_params, unshard_grads
+from tests.numerics import rel_err
 
 S, B, H, FFN = 12, 2, 8, 12  # s divisible by 1..4, ffn by 1..4
 

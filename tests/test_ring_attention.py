@@ -10,7 +10,7 @@ from megatron_metp import METPGroup
 from megatron_metp.ops import (local_positions, ring_attention, select_kernel, shard_sequence,
                                unshard_sequence)
 from tests.harness import run_ranks
-from tests.mlp_cases import rel_err
+from tests.numerics import rel_err
 
 S, B, D = 24, 2, 4  # S divisible by 2p for p = 1..4
 

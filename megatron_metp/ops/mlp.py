@@ -173,7 +173,7 @@ class _METPMLPFunction(torch.autograd.Function):
             pending_g = None
             acc = None
             # steps 0 .. p-2 use circulating shards r-1 .. r+1; step p-1 uses the local shard.
-            for t, flat in w_ring.circulate(held, steps=p - 1):
+            for t, flat in w_ring.circulate(held, steps=p - 1, spare=first):
                 j = group.owner_at_step(t, offset=1)
                 contrib = shard_grads(*w_layout.unpack(flat), j)
                 if pending_g is not None:

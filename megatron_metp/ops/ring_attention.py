@@ -139,7 +139,7 @@ def ring_attention_backward(dout, q, k, v, out, lse, group: METPGroup, causal: b
         first = kv_layout.pack([k, v])
         held = kv_ring.start(first, torch.empty_like(first), step=0).wait()  # block r-1
         pending = None
-        for t, flat in kv_ring.circulate(held, steps=p - 1):
+        for t, flat in kv_ring.circulate(held, steps=p - 1, spare=first):
             contrib = block_grads(*kv_layout.unpack(flat), (r - 1 - t) % p)
             if pending is not None:
                 contrib.add_(pending.wait())
