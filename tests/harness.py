@@ -92,3 +92,22 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, allow_errors: 
             raise RankError(f"rank {r} of {world_size} failed:\n{value}")
         out.append(pickle.loads(value))
     return out
+
+
+def value_errors(cases: dict) -> dict:
+    """Call each ``cases[name]()``; map name to its ``ValueError`` message, or ``None`` if it
+    raised nothing (other exceptions propagate: a bad-input check must raise ValueError)."""
+    msgs = {}
+    for name, call in cases.items():
+        try:
+            call()
+            msgs[name] = None
+        except ValueError as exc:
+            msgs[name] = str(exc)
+    return msgs
+
+
+def assert_messages(msgs: dict, expect: dict) -> None:
+    """Every case raised, and its message contains the expected fragment."""
+    for name, needle in expect.items():
+        assert msgs[name] is not None and needle in msgs[name], (name, msgs[name])
