@@ -1,0 +1,1 @@
+"""megatron-core integration: METP process groups, modules, layer spec, checkpoint mapping."""

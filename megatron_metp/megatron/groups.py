@@ -1,0 +1,69 @@
+"""The process groups a METP layer needs, passed to every module explicitly.
+
+``METPGroups`` bundles the tensor-parallel group, the METP ring (Megatron's context-parallel group:
+METP shards the sequence exactly like CP) and the pure data-parallel group over which METP-sharded
+weights reduce their gradients. It is built once, next to Megatron's own groups, and handed to
+:func:`megatron_metp.megatron.spec.get_gpt_layer_metp_spec`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch.distributed as dist
+
+from ..groups import METPGroup
+
+
+def _size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+@dataclass
+class METPGroups:
+    """``tp``: Megatron's TP group; ``metp``: the METP ring; ``dp``: pure data parallel (no CP)."""
+
+    tp: Optional[dist.ProcessGroup]
+    metp: METPGroup
+    dp: Optional[dist.ProcessGroup] = None
+
+    @property
+    def tp_size(self) -> int:
+        return _size(self.tp)
+
+    @property
+    def tp_rank(self) -> int:
+        return _rank(self.tp)
+
+    @property
+    def shards(self) -> int:
+        """Shards per weight: ``TP × METP``."""
+        return self.tp_size * self.metp.size
+
+    @property
+    def shard_index(self) -> int:
+        """This rank's shard of a weight split over ``TP × METP``, TP-major:
+        ``tp_rank · p + metp_rank`` — the index stock TP of size ``t·p`` gives the same rows."""
+        return self.tp_rank * self.metp.size + self.metp.rank
+
+    @classmethod
+    def from_parallel_state(cls, timeout_s: Optional[float] = None) -> "METPGroups":
+        """Groups of an initialised ``megatron.core.parallel_state`` (METP = its CP group)."""
+        from megatron.core import parallel_state as ps
+
+        cp = ps.get_context_parallel_group()
+        metp = METPGroup.from_process_group(cp if dist.get_world_size(cp) > 1 else None,
+                                            name=_name(ps), timeout_s=timeout_s)
+        return cls(tp=ps.get_tensor_model_parallel_group(), metp=metp,
+                   dp=ps.get_data_parallel_group(with_context_parallel=False))
+
+
+def _name(ps) -> str:
+    return (f"metp[tp={ps.get_tensor_model_parallel_rank()},"
+            f"pp={ps.get_pipeline_model_parallel_rank()},"
+            f"dp={ps.get_data_parallel_rank()}]")

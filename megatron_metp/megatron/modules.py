@@ -1,0 +1,195 @@
+"""Megatron modules of a METP layer: Megatron's own classes, applied through the METP ops.
+
+* :class:`METPSelfAttention` is Megatron's ``SelfAttention`` (same constructor, submodule names,
+  parameters and ``(output, bias)`` contract) whose forward runs
+  :func:`megatron_metp.ops.metp_attention` over its ``linear_qkv``/``linear_proj`` shards;
+* :class:`METPMLP` is Megatron's ``MLP`` whose forward runs :func:`megatron_metp.ops.metp_mlp`;
+* :class:`METPRingCoreAttention` is a ``core_attention`` for Megatron's stock ``SelfAttention``
+  that runs :func:`megatron_metp.ops.ring_attention` over the METP group: with replicated
+  (TP-only) weights this is the ring self-attention baseline (``weight_ring=False``).
+
+Why whole-block forwards rather than five swapped linears: the METP schedule recomputes each weight
+shard's intermediate as the shard passes (``f(x·W1_j)`` in the MLP, ``Q/K/V`` of head group ``j`` in
+attention). Chaining separate ring linears would store the full-width intermediates — the memory
+METP exists to save (DESIGN.md §1).
+
+With TP size ``t > 1`` each TP rank runs the METP ops on its ``1/t`` of the heads / FFN units,
+between Megatron's ``copy_to`` / ``reduce_from`` tensor-parallel regions (as ColumnParallel →
+RowParallel do). Sequence parallelism is not combined with METP.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                    reduce_from_tensor_model_parallel_region)
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.module import MegatronModule
+
+from ..ops import metp_attention, metp_mlp, ring_attention
+from .groups import METPGroups
+
+
+def _mask_is_causal(attn_mask_type) -> bool:
+    if attn_mask_type == AttnMaskType.causal:
+        return True
+    if attn_mask_type == AttnMaskType.no_mask:
+        return False
+    raise ValueError(f"METP attention supports causal and no_mask attention, got {attn_mask_type}; "
+                     f"padding/arbitrary masks are not supported with --metp-parallel-size")
+
+
+def _single_rope(rotary_pos_emb):
+    if isinstance(rotary_pos_emb, tuple):
+        q_emb, k_emb = rotary_pos_emb
+        if q_emb is not k_emb and not torch.equal(q_emb, k_emb):
+            raise ValueError("METP attention needs the same RoPE table for queries and keys")
+        return q_emb
+    return rotary_pos_emb
+
+
+def check_config(config) -> None:
+    """Refuse TransformerConfig settings the METP layer cannot honour, naming the flag."""
+    problems = []
+    if config.sequence_parallel:
+        problems.append("--sequence-parallel (METP already shards the sequence)")
+    if getattr(config, "qk_layernorm", False):
+        problems.append("--qk-layernorm")
+    if config.attention_dropout:
+        problems.append("--attention-dropout > 0 (set --attention-dropout 0)")
+    if getattr(config, "rotary_interleaved", False):
+        problems.append("--rotary-interleaved")
+    if getattr(config, "num_moe_experts", None):
+        problems.append("--num-experts (MoE)")
+    if getattr(config, "multi_latent_attention", False):
+        problems.append("--multi-latent-attention")
+    if getattr(config, "attention_output_gate", False):
+        problems.append("attention_output_gate")
+    if problems:
+        raise ValueError("--metp-parallel-size does not support: " + "; ".join(problems))
+
+
+def mlp_activation(config) -> str:
+    """The METP op's activation name for Megatron's MLP settings."""
+    act = config.activation_func
+    if config.gated_linear_unit and act is F.silu:
+        return "swiglu"
+    if not config.gated_linear_unit and act is F.gelu:
+        return "gelu"
+    raise ValueError(f"METP MLP supports GeLU (--no-swiglu, activation F.gelu) and SwiGLU "
+                     f"(--swiglu); got activation {getattr(act, '__name__', act)} with "
+                     f"gated_linear_unit={config.gated_linear_unit}")
+
+
+class METPSelfAttention(SelfAttention):
+    """Megatron ``SelfAttention`` whose forward is the METP attention schedule.
+
+    ``hidden_states`` ``[s/p, b, h]`` (this METP rank's tokens, Megatron's CP order);
+    returns ``(output [s/p, b, h], linear_proj.bias)`` exactly like ``SelfAttention``.
+    """
+
+    def __init__(self, config, submodules, layer_number, attn_mask_type=AttnMaskType.causal,
+                 cp_comm_type=None, pg_collection=None, *, groups: METPGroups, kernel=None):
+        check_config(config)
+        super().__init__(config=config, submodules=submodules, layer_number=layer_number,
+                         attn_mask_type=attn_mask_type, cp_comm_type=cp_comm_type,
+                         pg_collection=pg_collection)
+        self.groups, self.kernel = groups, kernel
+        self.causal = _mask_is_causal(attn_mask_type)
+        t = groups.tp_size
+        for count, flag in ((config.num_attention_heads, "--num-attention-heads"),
+                            (config.num_query_groups, "--num-query-groups")):
+            if count % groups.shards:
+                raise ValueError(f"{flag} ({count}) is not divisible by TP×METP = {groups.shards}")
+        self.heads_tp = config.num_attention_heads // t
+        self.groups_tp = config.num_query_groups // t
+
+    def forward(self, hidden_states, attention_mask=None, key_value_states=None,
+                inference_context=None, rotary_pos_emb=None, rotary_pos_cos=None,
+                rotary_pos_sin=None, rotary_pos_cos_sin=None, attention_bias=None,
+                packed_seq_params=None, sequence_len_offset=None, *, inference_params=None):
+        if key_value_states is not None or inference_context is not None or \
+                inference_params is not None:
+            raise ValueError("METP attention supports training self-attention only (no "
+                             "cross-attention or inference KV cache)")
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("METP attention does not support packed sequences or attention_bias")
+        if rotary_pos_cos is not None or rotary_pos_sin is not None:
+            raise ValueError("METP attention takes RoPE as rotary_pos_emb, not cos/sin tables")
+        tp = self.groups.tp if self.groups.tp_size > 1 else None
+        x = copy_to_tensor_model_parallel_region(hidden_states, group=tp) if tp else hidden_states
+        out = metp_attention(x, self.linear_qkv.weight, self.linear_proj.weight,
+                             group=self.groups.metp, num_heads=self.heads_tp,
+                             num_query_groups=self.groups_tp, causal=self.causal,
+                             layout="dual_chunk", rotary_pos_emb=_single_rope(rotary_pos_emb),
+                             qkv_bias=self.linear_qkv.bias, proj_bias=None,
+                             softmax_scale=self.config.softmax_scale, kernel=self.kernel)
+        if tp:
+            out = reduce_from_tensor_model_parallel_region(out, group=tp)
+        return out, self.linear_proj.bias
+
+
+class METPMLP(MLP):
+    """Megatron ``MLP`` whose forward is the METP MLP weight ring.
+
+    ``hidden_states`` ``[s/p, b, h]``; returns ``(output, linear_fc2.bias)`` like ``MLP``.
+    """
+
+    def __init__(self, config, submodules, is_expert=False, input_size=None, ffn_hidden_size=None,
+                 tp_group=None, *, groups: METPGroups, keep_intermediate=False):
+        check_config(config)
+        if is_expert:
+            raise ValueError("METP MLP does not support MoE experts")
+        self.activation = mlp_activation(config)
+        ffn = ffn_hidden_size if ffn_hidden_size is not None else config.ffn_hidden_size
+        super().__init__(config=config, submodules=submodules, is_expert=False,
+                         input_size=input_size, ffn_hidden_size=ffn, tp_group=groups.tp)
+        self.groups, self.keep_intermediate = groups, keep_intermediate
+        if ffn % groups.shards:
+            raise ValueError(f"--ffn-hidden-size ({ffn}) is not divisible by TP×METP = "
+                             f"{groups.shards}")
+        self.ffn_tp = ffn // groups.tp_size
+
+    def forward(self, hidden_states, per_token_scale=None, **kwargs):
+        if per_token_scale is not None:
+            raise ValueError("METP MLP does not support per_token_scale (MoE)")
+        tp = self.groups.tp if self.groups.tp_size > 1 else None
+        x = copy_to_tensor_model_parallel_region(hidden_states, group=tp) if tp else hidden_states
+        y = metp_mlp(x, self.linear_fc1.weight, self.linear_fc2.weight, group=self.groups.metp,
+                     activation=self.activation, fc1_bias=self.linear_fc1.bias, fc2_bias=None,
+                     keep_intermediate=self.keep_intermediate, ffn_hidden_size=self.ffn_tp)
+        if tp:
+            y = reduce_from_tensor_model_parallel_region(y, group=tp)
+        return y, self.linear_fc2.bias
+
+
+class METPRingCoreAttention(MegatronModule):
+    """``core_attention`` running the K/V ring over the METP group (ring self-attention).
+
+    Called like Megatron's ``DotProductAttention``: ``q [s/p, b, heads, d]``, ``k, v`` with
+    ``query groups`` heads; returns ``[s/p, b, heads·d]``.
+    """
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type="self",
+                 cp_comm_type=None, softmax_scale=None, pg_collection=None, *,
+                 groups: METPGroups, kernel=None):
+        super().__init__(config=config)
+        if config.attention_dropout:
+            raise ValueError("ring attention has no attention dropout; set --attention-dropout 0")
+        self.groups, self.kernel = groups, kernel
+        self.causal = _mask_is_causal(attn_mask_type)
+        self.softmax_scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("ring attention does not support packed sequences or attention_bias")
+        causal = self.causal if attn_mask_type is None else _mask_is_causal(attn_mask_type)
+        out = ring_attention(query, key, value, group=self.groups.metp, causal=causal,
+                             layout="dual_chunk", softmax_scale=self.softmax_scale,
+                             kernel=self.kernel)
+        n, b = out.shape[:2]
+        return out.reshape(n, b, -1)

@@ -1,0 +1,68 @@
+"""``get_gpt_layer_metp_spec``: Megatron's local GPT layer spec with METP modules swapped in."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from functools import partial
+from typing import Optional
+
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from .groups import METPGroups
+from .linear import METPLinear
+from .modules import METPMLP, METPRingCoreAttention, METPSelfAttention
+
+
+class _DropUnknownMLPWarning(logging.Filter):
+    """TransformerLayer warns 'Unknown MLP type' for any MLP class other than ``MLP`` itself;
+    :class:`METPMLP` is an ``MLP`` subclass that receives its groups from the spec."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Unknown MLP type" not in record.getMessage()
+
+
+logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(_DropUnknownMLPWarning())
+
+
+def get_gpt_layer_metp_spec(groups: METPGroups, *, weight_ring: bool = True,
+                            normalization: Optional[str] = None, kernel: Optional[str] = None,
+                            keep_intermediate: bool = False) -> ModuleSpec:
+    """A ``TransformerLayer`` spec for megatron-core's ``GPTModel`` running METP.
+
+    Starts from ``get_gpt_layer_local_spec(normalization=...)`` and keeps ``TransformerLayer``,
+    the norms and bias-dropout-add. With ``weight_ring=True`` (METP) ``SelfAttention``/``MLP``
+    become their METP subclasses and ``linear_qkv``/``linear_fc1`` (column) and
+    ``linear_proj``/``linear_fc2`` (row) hold ``TP×METP`` shards; ``core_attention`` is the K/V
+    ring. With ``weight_ring=False`` (ring self-attention baseline) the linears stay Megatron's
+    TP layers, replicated over the METP group, and only ``core_attention`` becomes the K/V ring.
+
+    Args:
+        groups: the TP / METP / DP groups (explicit; nothing is read from globals later).
+        normalization: ``"LayerNorm"`` or ``"RMSNorm"`` as for the local spec.
+        kernel: attention block kernel (``flash_attn`` / ``torch_flash`` / ``reference``).
+        keep_intermediate: keep the MLP's ``x·W1_j`` instead of recomputing it (more memory).
+    """
+    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization=normalization))
+    layer = spec.submodules
+    attn = layer.self_attention
+    core = partial(METPRingCoreAttention, groups=groups, kernel=kernel)
+    attn.submodules.core_attention = core
+    if not weight_ring:
+        return spec
+    attn.module = METPSelfAttention
+    attn.params = {**attn.params, "groups": groups, "kernel": kernel}
+    # SelfAttention calls its linear_qkv builder directly, and build_module()s the others.
+    attn.submodules.linear_qkv = partial(METPLinear, groups=groups, mode="column")
+    attn.submodules.linear_proj = _linear(groups, "row")
+    mlp = layer.mlp
+    mlp.module = METPMLP
+    mlp.params = {**(mlp.params or {}), "groups": groups, "keep_intermediate": keep_intermediate}
+    mlp.submodules.linear_fc1 = _linear(groups, "column")
+    mlp.submodules.linear_fc2 = _linear(groups, "row")
+    return spec
+
+
+def _linear(groups: METPGroups, mode: str) -> ModuleSpec:
+    return ModuleSpec(module=METPLinear, params={"groups": groups, "mode": mode})
