@@ -1,0 +1,96 @@
+"""Set up Megatron's parallel state with METP as its context-parallel dimension.
+
+World = TP × METP × PP × DP. METP is placed on Megatron's CP axis, so Megatron itself sizes DP,
+splits batches in the dual-chunk order, slices RoPE and shapes pipeline messages; with Megatron's
+default rank order (``tp-cp-ep-dp-pp``) a METP ring's neighbours are adjacent right after TP —
+on the same node whenever TP·METP ≤ GPUs per node.
+
+Gradients: METP-sharded weights are marked ``allreduce=False``, which sends them down Megatron's
+expert-parameter path (DDP's expert buffers over the *expert data-parallel* group, the distributed
+optimizer's expert shards, grad norms over the expert model-parallel group). Folding
+``expert_model_parallel_size = METP`` makes the expert groups coincide with the METP groups, so
+that expert-DP group is exactly pure DP (checked in the tests for TP×METP×PP×DP layouts), while
+replicated parameters reduce over DP×METP as under CP. Scaling matches too: a sharded weight's
+gradient already holds the sum over the METP group (the op's ring reduce), and DDP scales expert
+gradients by ``1/|DP×CP|`` like dense ones.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch.distributed as dist
+
+from .groups import METPGroups
+
+
+def validate_metp_config(*, world_size: int, tensor_model_parallel_size: int = 1,
+                         pipeline_model_parallel_size: int = 1, metp_parallel_size: int = 1,
+                         context_parallel_size: int = 1, seq_length: Optional[int] = None,
+                         num_experts: Optional[int] = None,
+                         sequence_parallel: bool = False) -> int:
+    """Check a METP configuration before any rank starts work; return the DP size.
+
+    Raises ``ValueError`` naming the flag and the fix.
+    """
+    t, pp, p = tensor_model_parallel_size, pipeline_model_parallel_size, metp_parallel_size
+    for flag, v in (("--tensor-model-parallel-size", t), ("--pipeline-model-parallel-size", pp),
+                    ("--metp-parallel-size", p), ("--context-parallel-size", context_parallel_size)):
+        if v < 1:
+            raise ValueError(f"{flag} must be >= 1, got {v}")
+    if p > 1 and context_parallel_size > 1:
+        raise ValueError(f"--metp-parallel-size {p} cannot be combined with "
+                         f"--context-parallel-size {context_parallel_size}: METP already shards "
+                         f"the sequence (it uses the CP dimension); drop --context-parallel-size")
+    if p > 1 and num_experts:
+        raise ValueError(f"--metp-parallel-size {p} does not support MoE (--num-experts "
+                         f"{num_experts}) yet; use --metp-parallel-size 1 for MoE models")
+    if p > 1 and sequence_parallel:
+        raise ValueError("--sequence-parallel cannot be combined with --metp-parallel-size > 1: "
+                         "METP already shards the sequence; drop --sequence-parallel")
+    model = t * p * pp
+    if world_size % model:
+        raise ValueError(f"world size {world_size} is not divisible by TP×METP×PP = {t}×{p}×{pp} = "
+                         f"{model}; change --tensor-model-parallel-size / --metp-parallel-size / "
+                         f"--pipeline-model-parallel-size or the number of GPUs")
+    if seq_length is not None and p > 1 and seq_length % (2 * p):
+        raise ValueError(f"--seq-length {seq_length} is not divisible by 2×METP = {2 * p} (METP "
+                         f"splits the sequence into 2·p balanced chunks); pad or change "
+                         f"--seq-length")
+    return world_size // model
+
+
+def initialize_model_parallel(tensor_model_parallel_size: int = 1,
+                              pipeline_model_parallel_size: int = 1,
+                              metp_parallel_size: int = 1, *, seq_length: Optional[int] = None,
+                              num_experts: Optional[int] = None,
+                              ring_timeout_s: Optional[float] = None,
+                              **megatron_kwargs) -> METPGroups:
+    """Megatron's ``initialize_model_parallel`` with METP on the CP axis; returns the groups.
+
+    ``megatron_kwargs`` go to ``megatron.core.parallel_state.initialize_model_parallel`` (for
+    example ``virtual_pipeline_model_parallel_size``, ``order``); ``context_parallel_size`` there
+    must stay 1 when ``metp_parallel_size > 1``.
+    """
+    from megatron.core import parallel_state as ps
+
+    if not dist.is_initialized():
+        raise ValueError("initialize torch.distributed first (torchrun/srun + "
+                         "torch.distributed.init_process_group)")
+    cp = megatron_kwargs.pop("context_parallel_size", 1)
+    ep = megatron_kwargs.pop("expert_model_parallel_size", 1)
+    if metp_parallel_size > 1 and ep not in (1, metp_parallel_size):
+        raise ValueError(f"expert_model_parallel_size {ep} cannot be combined with "
+                         f"--metp-parallel-size {metp_parallel_size}: METP uses the expert "
+                         f"groups for its weight gradients")
+    validate_metp_config(world_size=dist.get_world_size(),
+                         tensor_model_parallel_size=tensor_model_parallel_size,
+                         pipeline_model_parallel_size=pipeline_model_parallel_size,
+                         metp_parallel_size=metp_parallel_size, context_parallel_size=cp,
+                         seq_length=seq_length, num_experts=num_experts)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tensor_model_parallel_size,
+                                 pipeline_model_parallel_size=pipeline_model_parallel_size,
+                                 context_parallel_size=max(cp, metp_parallel_size),
+                                 expert_model_parallel_size=max(ep, metp_parallel_size),
+                                 **megatron_kwargs)
+    return METPGroups.from_parallel_state(timeout_s=ring_timeout_s)

@@ -1,0 +1,338 @@
+"""A small Megatron training loop for tiny GPTs: stock TP, METP and ring self-attention, same data.
+
+It uses megatron-core's real pieces — ``GPTModel``, ``DistributedDataParallel``,
+``get_megatron_optimizer`` (with or without the distributed optimizer), the pipeline schedules and
+``finalize_model_grads`` — so tests and ``make demo`` exercise what ``pretrain_gpt.py`` runs.
+Every layout starts from the same full weights (:func:`full_weight`, a deterministic function of
+the parameter's global name) and sees the same global batches (:func:`global_batch`), so losses can
+be compared across layouts step by step.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .groups import METPGroups
+from .linear import is_metp_sharded
+
+
+@dataclass
+class GPTSize:
+    """Geometry of the tiny GPT."""
+
+    num_layers: int = 2
+    hidden_size: int = 32
+    num_attention_heads: int = 4
+    num_query_groups: Optional[int] = None
+    ffn_hidden_size: int = 64
+    vocab_size: int = 128
+    seq_length: int = 32
+    swiglu: bool = False
+    bias: bool = True
+    position_embedding_type: str = "rope"
+    normalization: str = "LayerNorm"
+
+
+@dataclass
+class Layout:
+    """How the job is parallelised. ``mode``: ``"metp"``, ``"tp"`` (stock Megatron) or
+    ``"ring"`` (ring self-attention: sequence over the METP group, weights replicated there)."""
+
+    tp: int = 1
+    pp: int = 1
+    metp: int = 1
+    mode: str = "metp"
+    micro_batch_size: int = 1
+    global_batch_size: int = 4
+    distributed_optimizer: bool = False
+    lr: float = 1e-3
+    kernel: Optional[str] = None
+    extra: Dict = field(default_factory=dict)
+
+    def describe(self) -> str:
+        name = {"metp": f"METP={self.metp}", "tp": "stock", "ring": f"ring-SA={self.metp}"}[self.mode]
+        parts = [name] + [f"{k}={v}" for k, v in (("TP", self.tp), ("PP", self.pp)) if v > 1]
+        dp = dist.get_world_size() // (self.tp * self.pp * self.metp) if dist.is_initialized() else 1
+        if dp > 1:
+            parts.append(f"DP={dp}" + ("+distopt" if self.distributed_optimizer else ""))
+        return " × ".join(parts)
+
+
+def transformer_config(size: GPTSize, layout: Layout):
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=size.num_layers, hidden_size=size.hidden_size,
+        num_attention_heads=size.num_attention_heads,
+        num_query_groups=size.num_query_groups or size.num_attention_heads,
+        ffn_hidden_size=size.ffn_hidden_size, normalization=size.normalization,
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        context_parallel_size=layout.metp,
+        use_cpu_initialization=True, perform_initialization=True,
+        attention_dropout=0.0, hidden_dropout=0.0, add_bias_linear=size.bias,
+        gated_linear_unit=size.swiglu, activation_func=F.silu if size.swiglu else F.gelu,
+        bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False,
+        params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        batch_p2p_sync=False, **layout.extra)
+
+
+def build_model(size: GPTSize, layout: Layout, groups: METPGroups):
+    """This pipeline stage's ``GPTModel`` (untied embeddings, so stages stay independent)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from .spec import get_gpt_layer_metp_spec
+
+    cfg = transformer_config(size, layout)
+    if layout.mode == "tp":
+        spec = get_gpt_layer_local_spec(normalization=size.normalization)
+    else:
+        spec = get_gpt_layer_metp_spec(groups, weight_ring=layout.mode == "metp",
+                                       normalization=size.normalization, kernel=layout.kernel)
+    return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=size.vocab_size,
+                    max_sequence_length=size.seq_length,
+                    pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+                    share_embeddings_and_output_weights=False,
+                    position_embedding_type=size.position_embedding_type)
+
+
+# ---------------------------------------------------------------- same weights in every layout
+
+def _global_name(model, name: str) -> str:
+    """``decoder.layers.<local>.`` → ``decoder.layers.<global>.`` (pipeline stages)."""
+    if not name.startswith("decoder.layers."):
+        return name
+    local = int(name.split(".")[2])
+    glob = model.decoder.layers[local].layer_number - 1
+    return name.replace(f"decoder.layers.{local}.", f"decoder.layers.{glob}.", 1)
+
+
+def full_weight(name: str, shape, seed: int = 1234) -> torch.Tensor:
+    """The full (unsharded) initial value of parameter ``name``: deterministic, rank-independent."""
+    if name.endswith("layer_norm_weight") or name.endswith("layernorm.weight") or \
+            name.endswith("final_layernorm.weight"):
+        return torch.ones(shape)
+    if name.endswith("bias"):
+        gen = torch.Generator().manual_seed(seed + zlib.crc32(name.encode()))
+        return torch.randn(shape, generator=gen) * 0.02
+    gen = torch.Generator().manual_seed(seed + zlib.crc32(name.encode()))
+    return torch.randn(shape, generator=gen) * 0.05
+
+
+def shard_for(param: torch.Tensor, full: torch.Tensor, groups: METPGroups, gated: bool) -> torch.Tensor:
+    """This rank's piece of ``full`` for ``param``, by Megatron's TP attributes (and METP's)."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return full
+    dim = param.partition_dim
+    if is_metp_sharded(param):
+        n, idx = groups.shards, groups.shard_index
+    else:
+        n, idx = groups.tp_size, groups.tp_rank
+    if gated:  # SwiGLU fc1: shard r holds [gate_r | up_r]
+        return torch.cat([h.chunk(n, dim=dim)[idx] for h in full.chunk(2, dim=dim)], dim=dim)
+    return full.chunk(n, dim=dim)[idx]
+
+
+def full_shape(param: torch.Tensor, groups: METPGroups):
+    shape = list(param.shape)
+    if getattr(param, "tensor_model_parallel", False):
+        shape[param.partition_dim] *= groups.shards if is_metp_sharded(param) else groups.tp_size
+    return shape
+
+
+def load_initial_weights(model, groups: METPGroups, size: GPTSize, seed: int = 1234) -> None:
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            gname = _global_name(model, name)
+            gated = size.swiglu and "linear_fc1.weight" in name or \
+                (size.swiglu and "linear_fc1.bias" in name)
+            full = full_weight(gname, full_shape(param, groups), seed)
+            param.copy_(shard_for(param, full, groups, gated))
+
+
+# ---------------------------------------------------------------- data
+
+def global_batch(size: GPTSize, step: int, global_batch_size: int, seed: int = 7):
+    """The ``step``-th global batch: tokens and labels ``[global_batch_size, seq]``."""
+    gen = torch.Generator().manual_seed(seed * 100003 + step)
+    tokens = torch.randint(0, size.vocab_size, (global_batch_size, size.seq_length + 1),
+                           generator=gen)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def _microbatches(size: GPTSize, layout: Layout, step: int):
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    tokens, labels = global_batch(size, step, layout.global_batch_size)
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    mb = layout.micro_batch_size
+    per_dp = layout.global_batch_size // dp
+    start = dp_rank * per_dp
+    pos = torch.arange(size.seq_length).unsqueeze(0)
+    for i in range(per_dp // mb):
+        sl = slice(start + i * mb, start + (i + 1) * mb)
+        batch = {"tokens": tokens[sl], "labels": labels[sl], "loss_mask": torch.ones(mb, size.seq_length),
+                 "position_ids": pos.expand(mb, -1).contiguous()}
+        if ps.get_context_parallel_world_size() > 1:
+            batch = get_batch_on_this_cp_rank(batch, cp_group=ps.get_context_parallel_group())
+        yield batch
+
+
+def _forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    mask = batch["loss_mask"]
+
+    def loss_func(output_tensor):
+        losses = output_tensor.float().view(-1) * mask.view(-1)
+        loss = losses.sum()
+        num_tokens = mask.sum().to(torch.int)
+        report = torch.stack([loss.detach().clone(), num_tokens.float()])
+        return loss, num_tokens, {"lm loss": report}
+
+    return output, loss_func
+
+
+# ---------------------------------------------------------------- the loop
+
+@dataclass
+class StepRecord:
+    iteration: int
+    lm_loss: float
+    grad_norm: float
+    seconds: float
+
+
+def train(size: GPTSize, layout: Layout, steps: int, *, log: Optional[Callable[[str], None]] = None,
+          checkpoint_fn: Optional[Callable] = None, start_step: int = 0, state=None,
+          seed: int = 1234) -> List[StepRecord]:
+    """Build the model for ``layout`` on the already-initialised world and train ``steps`` steps.
+
+    ``state`` (from a previous call) continues training; ``checkpoint_fn(step, state)`` is called
+    after every step. Returns one record per step; rank 0's ``log`` gets Megatron-style lines.
+    """
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from .. import cpu
+
+    if state is None:
+        state = setup(size, layout, seed=seed)
+    ddp, opt, groups = state["model"], state["optimizer"], state["groups"]
+    cfg = ddp.config
+    fwd_bwd = get_forward_backward_func()
+    records = []
+    dp = dist.get_world_size() // (layout.tp * layout.pp * layout.metp)
+    n_mb = layout.global_batch_size // (dp * layout.micro_batch_size)
+    for step in range(start_step, start_step + steps):
+        t0 = time.perf_counter()
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        reports = fwd_bwd(forward_step_func=_forward_step,
+                          data_iterator=_microbatches(size, layout, step), model=[ddp],
+                          num_microbatches=n_mb, seq_length=size.seq_length,
+                          micro_batch_size=layout.micro_batch_size, forward_only=False)
+        with cpu.cuda_to_cpu() if cpu.is_enabled() else _null():
+            ok, grad_norm, _ = opt.step()
+        lm = _reduce_loss(reports)
+        dt = time.perf_counter() - t0
+        rec = StepRecord(step + 1, lm, float(grad_norm or 0.0), dt)
+        records.append(rec)
+        if log is not None and dist.get_rank() == 0:
+            log(megatron_log_line(rec, steps + start_step, layout, opt))
+        if checkpoint_fn is not None:
+            checkpoint_fn(step + 1, state)
+    return records
+
+
+def setup(size: GPTSize, layout: Layout, *, seed: int = 1234) -> dict:
+    """Model (wrapped in Megatron DDP) and optimizer for ``layout``, from the shared initial weights."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from .. import cpu
+
+    groups = METPGroups.from_parallel_state()
+    model = build_model(size, layout, groups)
+    load_initial_weights(model, groups, size, seed)
+    ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                            use_distributed_optimizer=layout.distributed_optimizer)
+    ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=model)
+    model.config.finalize_model_grads_func = finalize_model_grads
+    model.config.no_sync_func = ddp.no_sync
+    opt_cfg = OptimizerConfig(optimizer="adam", lr=layout.lr, weight_decay=0.0, clip_grad=1.0,
+                              use_distributed_optimizer=layout.distributed_optimizer,
+                              params_dtype=torch.float32)
+    with cpu.cuda_to_cpu() if cpu.is_enabled() else _null():
+        opt = get_megatron_optimizer(opt_cfg, [ddp], use_gloo_process_groups=False)
+    return {"model": ddp, "optimizer": opt, "groups": groups}
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _reduce_loss(reports) -> float:
+    """Mean ``lm loss`` over the global batch (sum and token count reduced over DP×CP)."""
+    from megatron.core import parallel_state as ps
+
+    total = torch.zeros(2)
+    if ps.is_pipeline_last_stage():
+        for r in reports:
+            total += r["lm loss"].float()
+    dist.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=True))
+    # pipeline: the last stage holds the loss; share it with the stage holding rank 0
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
+    return (total[0] / total[1].clamp_min(1)).item()
+
+
+def megatron_log_line(rec: StepRecord, total: int, layout: Layout, opt) -> str:
+    """One line in Megatron's training-log format."""
+    lr = opt.param_groups[0]["lr"] if hasattr(opt, "param_groups") else layout.lr
+    return (f" iteration {rec.iteration:8d}/{total:8d} | consumed samples: "
+            f"{rec.iteration * layout.global_batch_size:12d} | elapsed time per iteration (ms): "
+            f"{rec.seconds * 1000:.1f} | learning rate: {lr:.6E} | global batch size: "
+            f"{layout.global_batch_size:5d} | lm loss: {rec.lm_loss:.6E} | loss scale: 1.0 | "
+            f"grad norm: {rec.grad_norm:.3f} | number of skipped iterations:   0 | "
+            f"number of nan iterations:   0 |")
+
+
+def init_parallel(layout: Layout, seq_length: Optional[int] = None) -> METPGroups:
+    """Megatron's parallel state for ``layout`` on the initialised world (plus RNG seeds)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from .parallel import initialize_model_parallel
+
+    if layout.mode not in ("metp", "tp", "ring"):
+        raise ValueError(f"layout.mode must be 'metp', 'tp' or 'ring', got {layout.mode!r}")
+    if layout.mode == "metp":
+        groups = initialize_model_parallel(layout.tp, layout.pp, layout.metp, seq_length=seq_length,
+                                           create_gloo_process_groups=False)
+    else:
+        ps.initialize_model_parallel(tensor_model_parallel_size=layout.tp,
+                                     pipeline_model_parallel_size=layout.pp,
+                                     context_parallel_size=layout.metp,
+                                     create_gloo_process_groups=False)
+        groups = METPGroups.from_parallel_state()
+    torch.manual_seed(1234)
+    model_parallel_cuda_manual_seed(1234)
+    return groups
