@@ -88,15 +88,20 @@ sweep by the cross product of the values given (the others keep their defaults).
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
-import subprocess
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MiB = 2 ** 20
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _fakemem  # noqa: E402  (benchmarks/_fakemem.py: fake world, trackers, worker driver)
+from _fakemem import REPO, MiB  # noqa: E402,F401
+
+_tracker_class = _fakemem.tracker_class
+_comm_counter_class = _fakemem.comm_counter_class
+_snap = _fakemem.snap
+_fmt = _fakemem.fmt
+_write_out = _fakemem.write_out
 BF16 = 2  # bytes per element of every tensor built here (default dtype bf16)
 FP32 = 4
 
@@ -225,99 +230,11 @@ def metp_peak_model(c):
 
 def _worker(spec):
     """Runs in a fresh process: one fake world of size p, every case of that p."""
-    import warnings
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    warnings.filterwarnings("ignore")
-    sys.path.insert(0, REPO)
-
-    import torch
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    torch.set_num_threads(1)
-    p = spec["p"]
-    dist.init_process_group("fake", rank=0, world_size=p, store=FakeStore())
-    # Shim (c) of reference/megatron-core-on-cpu.md, this process only.
-    torch.cuda.current_device = lambda: torch.device("cpu")
-    torch.set_default_dtype(torch.bfloat16)
-    for case in spec["cases"]:
-        t0 = time.perf_counter()
-        try:
-            res = _measure(case)
-        except Exception as exc:  # noqa: BLE001 - reported in the table
-            import traceback
-            res = {"error": f"{type(exc).__name__}: {exc}",
-                   "traceback": traceback.format_exc()}
-        res.update(case)
-        res["seconds"] = round(time.perf_counter() - t0, 3)
-        print(RESULT_TAG + json.dumps(res), flush=True)
+    _fakemem.worker_loop(spec, RESULT_TAG, _measure)
 
 
-def _tracker_class():
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    class _Tracker(MemTracker):
-        """MemTracker that also keeps the largest forward+backward allocation (ACT+TEMP) seen."""
-
-        work_peak = 0
-
-        def _update_peak_stats(self, peak_state):
-            super()._update_peak_stats(peak_state)
-            for snap in self._curr_mem_snap.values():
-                work = sum(v for k, v in snap.items() if getattr(k, "name", None) in ("ACT", "TEMP"))
-                self.work_peak = max(self.work_peak, work)
-
-    return _Tracker
-
-
-def _comm_counter_class():
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    def nbytes(t):
-        return t.numel() * t.element_size()
-
-    def tensors(a):
-        if isinstance(a, torch.Tensor):
-            return [a]
-        if isinstance(a, (list, tuple)):
-            return [t for x in a for t in tensors(x)]
-        return []
-
-    class _CommCounter(TorchDispatchMode):
-        """Counts bytes sent by this rank through dispatched c10d ops (ring convention)."""
-
-        def __init__(self, p):
-            super().__init__()
-            self.p = p
-            self.sent = 0
-            self.ops = {}
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.namespace == "c10d":
-                name = func._schema.name.split("::")[-1]
-                p = self.p
-                if name == "send":
-                    sent = sum(nbytes(t) for t in tensors(args[0]))
-                elif name in ("recv_", "recv_any_source_"):
-                    sent = 0
-                elif name == "allreduce_":
-                    sent = 2 * (p - 1) * sum(nbytes(t) for t in tensors(args[0])) // p
-                elif name == "_allgather_base_":  # (output [N], input [N/p])
-                    sent = (p - 1) * nbytes(args[1])
-                elif name == "_reduce_scatter_base_":  # (output [N/p], input [N])
-                    sent = (p - 1) * nbytes(args[0])
-                elif name in ("barrier", "monitored_barrier_"):
-                    sent = 0
-                else:
-                    sent = None
-                key = name if sent is not None else name + " (not counted)"
-                self.ops[key] = self.ops.get(key, 0) + 1
-                self.sent += sent or 0
-            return func(*args, **(kwargs or {}))
-
-    return _CommCounter
+def _run_worker(p, cases, timeout):
+    return _fakemem.run_worker(__file__, RESULT_TAG, p, cases, timeout)
 
 
 def _build_metp(case, group):
@@ -459,19 +376,6 @@ def _measure(case):
     return res
 
 
-def _snap(tracker, kind):
-    snap = tracker.get_tracker_snapshot(kind)
-    total, cats = 0, {}
-    for dev_snap in snap.values():
-        for k, v in dev_snap.items():
-            if k == "Total":
-                total += v
-            else:
-                name = getattr(k, "name", str(k))
-                cats[name] = cats.get(name, 0) + v
-    return {"total": total, "cat": cats}
-
-
 # --------------------------------------------------------------------------- driver
 
 def _cases(args):
@@ -494,30 +398,6 @@ def _cases(args):
             cases.append({"act": act, "s": s, "b": args.batch, "h": h, "ffn": ffn, "p": p,
                           "method": m, "bias": args.bias})
     return cases
-
-
-def _run_worker(p, cases, timeout):
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps({"p": p, "cases": cases})]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
-    except subprocess.TimeoutExpired:
-        return [dict(c, error=f"worker for p={p} timed out after {timeout} s") for c in cases]
-    got = [json.loads(line[len(RESULT_TAG):]) for line in proc.stdout.splitlines()
-           if line.startswith(RESULT_TAG)]
-    if len(got) < len(cases):
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-15:]
-        err = f"worker for p={p} exited {proc.returncode}: " + " | ".join(tail)
-        got += [dict(c, error=err) for c in cases[len(got):]]
-    return got
-
-
-def _fmt(v, nd=1):
-    if v is None:
-        return ""
-    if isinstance(v, float):
-        return f"{v:,.{nd}f}"
-    return str(v)
 
 
 def _label(r):
@@ -601,23 +481,6 @@ def _print_tables(rows, args):
                           "analytic within 1 % for every row." if not notes else ""))
     for n in notes:
         print(f"- {n}")
-
-
-def _write_out(rows, path):
-    if path.endswith(".csv"):
-        keys = []
-        for r in rows:
-            for k in r:
-                if k not in keys and k not in ("traceback",):
-                    keys.append(k)
-        with open(path, "w", newline="") as fh:
-            w = csv.DictWriter(fh, fieldnames=keys, extrasaction="ignore")
-            w.writeheader()
-            for r in rows:
-                w.writerow({k: (json.dumps(v) if isinstance(v, dict) else v) for k, v in r.items()})
-    else:
-        with open(path, "w") as fh:
-            json.dump(rows, fh, indent=1)
 
 
 def main(argv=None):

@@ -145,16 +145,6 @@ def _quiet_megatron_warnings():
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
 
 
-def _preload_megatron():
-    """Import what the ranks use once in the parent, so that each forked rank inherits it
-    (about 2 s per rank otherwise). Importing patches nothing."""
-    with warnings.catch_warnings():
-        _quiet_megatron_warnings()
-        warnings.simplefilter("ignore", DeprecationWarning)  # import-time only (torch.jit, MLA)
-        import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
-        import megatron.core.transformer.attention  # noqa: F401
-
-
 def _stock_rank(rank, p, full, num_heads, num_query_groups, causal, dtype, rotary_pos_emb):
     import megatron_metp.cpu as mcpu
 
@@ -234,7 +224,6 @@ def stock_tp_self_attention(p, full: dict, *, num_heads, num_query_groups, causa
         raise ValueError(f"TP size {p} does not divide the qkv rows / proj columns")
     if rotary_pos_emb is None:
         rotary_pos_emb = full.get("rotary_pos_emb")
-    _preload_megatron()
     out = run_ranks(_stock_rank, p, full, num_heads, num_query_groups, causal, dtype,
                     rotary_pos_emb)
     return {"y": out[0]["y"], "dx": out[0]["dx"],
