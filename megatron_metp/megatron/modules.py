@@ -145,12 +145,12 @@ class METPMLP(MLP):
             raise ValueError("METP MLP does not support MoE experts")
         self.activation = mlp_activation(config)
         ffn = ffn_hidden_size if ffn_hidden_size is not None else config.ffn_hidden_size
-        super().__init__(config=config, submodules=submodules, is_expert=False,
-                         input_size=input_size, ffn_hidden_size=ffn, tp_group=groups.tp)
-        self.groups, self.keep_intermediate = groups, keep_intermediate
         if ffn % groups.shards:
             raise ValueError(f"--ffn-hidden-size ({ffn}) is not divisible by TP×METP = "
                              f"{groups.shards}")
+        super().__init__(config=config, submodules=submodules, is_expert=False,
+                         input_size=input_size, ffn_hidden_size=ffn, tp_group=groups.tp)
+        self.groups, self.keep_intermediate = groups, keep_intermediate
         self.ffn_tp = ffn // groups.tp_size
 
     def forward(self, hidden_states, per_token_scale=None, **kwargs):

@@ -68,7 +68,7 @@ def transformer_config(size: GPTSize, layout: Layout):
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    return TransformerConfig(
+    kwargs = dict(
         num_layers=size.num_layers, hidden_size=size.hidden_size,
         num_attention_heads=size.num_attention_heads,
         num_query_groups=size.num_query_groups or size.num_attention_heads,
@@ -80,8 +80,9 @@ def transformer_config(size: GPTSize, layout: Layout):
         gated_linear_unit=size.swiglu, activation_func=F.silu if size.swiglu else F.gelu,
         bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False,
-        params_dtype=torch.float32, pipeline_dtype=torch.float32,
-        batch_p2p_sync=False, **layout.extra)
+        params_dtype=torch.float32, pipeline_dtype=torch.float32, batch_p2p_sync=False)
+    kwargs.update(layout.extra)
+    return TransformerConfig(**kwargs)
 
 
 def build_model(size: GPTSize, layout: Layout, groups: METPGroups):
