@@ -30,6 +30,11 @@ What ``enable()`` patches (ids as in ``reference/megatron-core-on-cpu.md``):
     they are replaced by CPU versions. Unfused ``DotProductAttention`` with
     ``AttnMaskType.causal`` and no explicit mask reaches them.
 
+(h) ``dist_checkpointing`` saves: ``torch.cuda.synchronize`` becomes a no-op; the async file
+    writer's result queue (a ``spawn`` Manager process, left orphaned on CPU) becomes an
+    in-process ``queue.Queue``; its ``_process_memory`` (psutil, optional) reports 0 when psutil is
+    absent instead of raising inside a writer process, which would hang the save.
+
 (f) is not global: wrap optimizer construction and ``step()`` in :func:`cuda_to_cpu`, a
 ``TorchFunctionMode`` that maps CUDA devices to the CPU, drops ``pin_memory``, makes
 ``Tensor.cuda()`` a no-op and makes a zero-argument ``Tensor.type()`` report ``torch.cuda.*``.
@@ -230,6 +235,22 @@ def _sliding_window_causal_mask(sq, skv, window_size):
 
 # ------------------------------------------------------------------ switch
 
+def _no_sync(device=None) -> None:
+    """``torch.cuda.synchronize`` on CPU: nothing to wait for."""
+
+
+_WRITE_QUEUE = None
+
+
+def _in_process_queue():
+    global _WRITE_QUEUE
+    if _WRITE_QUEUE is None:
+        import queue
+
+        _WRITE_QUEUE = queue.Queue()
+    return _WRITE_QUEUE
+
+
 def _patch(owner, name, value) -> None:
     _SAVED.append((owner, name, getattr(owner, name)))
     setattr(owner, name, value)
@@ -241,7 +262,7 @@ def is_enabled() -> bool:
 
 
 def enable(force: bool = False) -> None:
-    """Apply shims (b), (c), (d), (e), (g); a second call does nothing.
+    """Apply shims (b), (c), (d), (e), (g), (h); a second call does nothing.
 
     Raises ``RuntimeError`` when ``torch.cuda.is_available()`` unless ``force=True``.
     Any RNG tracker created before the call is dropped, so the next ``get_cuda_rng_tracker()`` or
@@ -261,6 +282,7 @@ def enable(force: bool = False) -> None:
             from megatron.core.pipeline_parallel import schedules
             from megatron.core.tensor_parallel import random as mrandom
             from megatron.core.transformer import utils as tutils
+            from megatron.core.dist_checkpointing.strategies import filesystem_async
 
         _tracker_class()
         try:
@@ -274,6 +296,10 @@ def enable(force: bool = False) -> None:
             for mod in (tutils, fused_softmax):  # (g)
                 _patch(mod, "get_default_causal_mask", _default_causal_mask)
                 _patch(mod, "get_sliding_window_causal_mask", _sliding_window_causal_mask)
+            _patch(torch.cuda, "synchronize", _no_sync)  # (h)
+            _patch(filesystem_async, "_get_write_results_queue", _in_process_queue)
+            if not getattr(filesystem_async, "HAVE_PSUTIL", True):
+                _patch(filesystem_async, "_process_memory", lambda: 0)
         except BaseException:
             _restore()
             raise

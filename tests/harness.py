@@ -57,7 +57,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, allow_errors: 
     os.close(fd)
     os.unlink(store_path)
     procs = [ctx.Process(target=_child, args=(fn, r, world_size, store_path, queue, args, kwargs),
-                         daemon=True) for r in range(world_size)]
+                         daemon=False) for r in range(world_size)]
     for p in procs:
         p.start()
     results = {}

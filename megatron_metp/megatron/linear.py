@@ -24,6 +24,7 @@ import zlib
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch.nn import Parameter
 
 from .groups import METPGroups
@@ -97,6 +98,49 @@ class METPLinear(torch.nn.Module):
                 _mark_sharded(self.bias, partition_dim=0, stride=stride)
         else:
             self.register_parameter("bias", None)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: Optional[dict] = None) -> dict:
+        """Megatron ``dist_checkpointing`` view: the global tensor split ``t·p`` ways, TP-major.
+
+        A shard is unique within its DP replica group: ``replica_id = (0, 0, pure-DP rank)``.
+        Row-parallel biases are replicated over TP×METP×DP: ``(0, tp rank, DP×CP rank)`` as
+        Megatron's replicated tensors. Because the shard index equals stock TP's rank index for
+        TP size ``t·p``, a checkpoint moves between METP p, METP p′ and stock TP (SwiGLU's fc1 is
+        split into gate and up by ``MLP.sharded_state_dict`` from these offsets, as for TP).
+        """
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+        from megatron.core.transformer.utils import make_sharded_object_for_checkpoint
+
+        g = self.groups
+        dp_rank = dist.get_rank(g.dp) if g.dp is not None else 0
+        dp_cp_rank = dp_rank * g.metp.size + g.metp.rank
+        axis = len(sharded_offsets) + (0 if self.mode == "column" else 1)
+        out = {}
+        for name, param in (("weight", self.weight), ("bias", self.bias)):
+            if param is None:
+                continue
+            key = f"{prefix}{name}"
+            if is_metp_sharded(param):
+                out[key] = ShardedTensor.from_rank_offsets(
+                    key, param, *sharded_offsets, (axis if name == "weight" else len(sharded_offsets),
+                                                   g.shard_index, g.shards),
+                    replica_id=(0, 0, dp_rank), prepend_axis_num=len(sharded_offsets))
+            else:
+                out[key] = ShardedTensor.from_rank_offsets(
+                    key, param, *sharded_offsets, replica_id=(0, g.tp_rank, dp_cp_rank),
+                    prepend_axis_num=len(sharded_offsets))
+        key = f"{prefix}_extra_state"  # as Megatron's TP linears, so checkpoints interoperate
+        out[key] = make_sharded_object_for_checkpoint(self.get_extra_state(), key, sharded_offsets,
+                                                      (0, g.tp_rank, dp_cp_rank))
+        return out
+
+    def get_extra_state(self) -> None:
+        """Nothing extra; present so state dicts match Megatron's TP linear layers."""
+        return None
+
+    def set_extra_state(self, state) -> None:
+        """Extra state is ignored (as in Megatron's TP linear layers)."""
 
     def forward(self, *args, **kwargs):
         raise RuntimeError(f"METP {self.mode}-parallel {self.name!r} weights are applied by "
