@@ -40,6 +40,21 @@ def _child(fn, rank, world_size, store_path, queue, args, kwargs):
         os._exit(0)
 
 
+def preload_megatron() -> None:
+    """Import megatron-core once in the parent: every forked rank inherits it (about 3 s per rank
+    otherwise). Importing patches nothing."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import megatron.core.distributed  # noqa: F401
+        import megatron.core.models.gpt  # noqa: F401
+        import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
+        import megatron.core.optimizer  # noqa: F401
+        import megatron.core.pipeline_parallel  # noqa: F401
+        import megatron.core.transformer.attention  # noqa: F401
+
+
 class RankError(AssertionError):
     pass
 

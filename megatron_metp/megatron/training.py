@@ -170,11 +170,11 @@ def global_batch(size: GPTSize, step: int, global_batch_size: int, seed: int = 7
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
-def _microbatches(size: GPTSize, layout: Layout, step: int):
+def _microbatches(size: GPTSize, layout: Layout, step: int, batch_fn=None):
     from megatron.core import parallel_state as ps
     from megatron.core.utils import get_batch_on_this_cp_rank
 
-    tokens, labels = global_batch(size, step, layout.global_batch_size)
+    tokens, labels = (batch_fn or global_batch)(size, step, layout.global_batch_size)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     mb = layout.micro_batch_size
     per_dp = layout.global_batch_size // dp
@@ -216,11 +216,12 @@ class StepRecord:
 
 def train(size: GPTSize, layout: Layout, steps: int, *, log: Optional[Callable[[str], None]] = None,
           checkpoint_fn: Optional[Callable] = None, start_step: int = 0, state=None,
-          seed: int = 1234) -> List[StepRecord]:
+          seed: int = 1234, batch_fn: Optional[Callable] = None) -> List[StepRecord]:
     """Build the model for ``layout`` on the already-initialised world and train ``steps`` steps.
 
     ``state`` (from a previous call) continues training; ``checkpoint_fn(step, state)`` is called
-    after every step. Returns one record per step; rank 0's ``log`` gets Megatron-style lines.
+    after every step; ``batch_fn(size, step, global_batch_size) -> (tokens, labels)`` replaces
+    :func:`global_batch` as the data. Returns one record per step; rank 0's ``log`` gets Megatron-style lines.
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -242,7 +243,7 @@ def train(size: GPTSize, layout: Layout, steps: int, *, log: Optional[Callable[[
         ddp.zero_grad_buffer()
         opt.zero_grad()
         reports = fwd_bwd(forward_step_func=_forward_step,
-                          data_iterator=_microbatches(size, layout, step), model=[ddp],
+                          data_iterator=_microbatches(size, layout, step, batch_fn), model=[ddp],
                           num_microbatches=n_mb, seq_length=size.seq_length,
                           micro_batch_size=layout.micro_batch_size, forward_only=False)
         with cpu.cuda_to_cpu() if cpu.is_enabled() else _null():
