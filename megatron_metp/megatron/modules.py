@@ -126,7 +126,8 @@ class METPSelfAttention(SelfAttention):
                              num_query_groups=self.groups_tp, causal=self.causal,
                              layout="dual_chunk", rotary_pos_emb=_single_rope(rotary_pos_emb),
                              qkv_bias=self.linear_qkv.bias, proj_bias=None,
-                             softmax_scale=self.config.softmax_scale, kernel=self.kernel)
+                             softmax_scale=self.config.softmax_scale, kernel=self.kernel,
+                             label=f"layer {self.layer_number} self_attention")
         if tp:
             out = reduce_from_tensor_model_parallel_region(out, group=tp)
         return out, self.linear_proj.bias
@@ -151,7 +152,12 @@ class METPMLP(MLP):
         super().__init__(config=config, submodules=submodules, is_expert=False,
                          input_size=input_size, ffn_hidden_size=ffn, tp_group=groups.tp)
         self.groups, self.keep_intermediate = groups, keep_intermediate
+        self.layer_number = None
         self.ffn_tp = ffn // groups.tp_size
+
+    def set_layer_number(self, layer_number: int) -> None:
+        """Called by ``TransformerLayer``; used in NaN/Inf reports."""
+        self.layer_number = layer_number
 
     def forward(self, hidden_states, per_token_scale=None, **kwargs):
         if per_token_scale is not None:
@@ -160,7 +166,8 @@ class METPMLP(MLP):
         x = copy_to_tensor_model_parallel_region(hidden_states, group=tp) if tp else hidden_states
         y = metp_mlp(x, self.linear_fc1.weight, self.linear_fc2.weight, group=self.groups.metp,
                      activation=self.activation, fc1_bias=self.linear_fc1.bias, fc2_bias=None,
-                     keep_intermediate=self.keep_intermediate, ffn_hidden_size=self.ffn_tp)
+                     keep_intermediate=self.keep_intermediate, ffn_hidden_size=self.ffn_tp,
+                     label=f"layer {self.layer_number} mlp")
         if tp:
             y = reduce_from_tensor_model_parallel_region(y, group=tp)
         return y, self.linear_fc2.bias
@@ -180,6 +187,7 @@ class METPRingCoreAttention(MegatronModule):
         if config.attention_dropout:
             raise ValueError("ring attention has no attention dropout; set --attention-dropout 0")
         self.groups, self.kernel = groups, kernel
+        self.layer_number = layer_number
         self.causal = _mask_is_causal(attn_mask_type)
         self.softmax_scale = softmax_scale
 
@@ -190,6 +198,6 @@ class METPRingCoreAttention(MegatronModule):
         causal = self.causal if attn_mask_type is None else _mask_is_causal(attn_mask_type)
         out = ring_attention(query, key, value, group=self.groups.metp, causal=causal,
                              layout="dual_chunk", softmax_scale=self.softmax_scale,
-                             kernel=self.kernel)
+                             kernel=self.kernel, label=f"layer {self.layer_number} core_attention")
         n, b = out.shape[:2]
         return out.reshape(n, b, -1)

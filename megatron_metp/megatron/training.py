@@ -18,6 +18,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from ..finite import set_iteration
 from .groups import METPGroups
 from .linear import is_metp_sharded
 
@@ -239,6 +240,7 @@ def train(size: GPTSize, layout: Layout, steps: int, *, log: Optional[Callable[[
     dp = dist.get_world_size() // (layout.tp * layout.pp * layout.metp)
     n_mb = layout.global_batch_size // (dp * layout.micro_batch_size)
     for step in range(start_step, start_step + steps):
+        set_iteration(step + 1)
         t0 = time.perf_counter()
         ddp.zero_grad_buffer()
         opt.zero_grad()

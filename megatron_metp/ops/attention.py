@@ -50,6 +50,7 @@ from typing import Optional
 
 import torch
 
+from ..finite import check_finite
 from ..groups import METPGroup, as_metp_group
 from ..ring import RingExchanger
 from ._accum import mm_acc
@@ -173,7 +174,10 @@ def _keep_if_owner(in_flight, rank, acc):
 class _METPAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, wqkv, bqkv, wo, bo, freqs, group: METPGroup, geo: _Geometry, causal, layout,
-                scale, kernel):
+                scale, kernel, label):
+        check_finite(f"{label} (forward)", x=x, qkv_weight=wqkv, proj_weight=wo, qkv_bias=bqkv,
+                     proj_bias=bo)
+        ctx.label = label
         p, r = group.size, group.rank
         n, b, h = x.shape
         x2 = x.reshape(n * b, h)
@@ -205,6 +209,7 @@ class _METPAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
+        check_finite(f"{ctx.label} (backward)", grad_output=grad_y)
         group, geo, causal, layout, scale, kernel = ctx.args
         has_bq, has_bo, has_freqs = ctx.has
         saved = ctx.saved_tensors
@@ -258,7 +263,7 @@ class _METPAttentionFunction(torch.autograd.Function):
         dwq, dbq, dwp = layout_w.unpack(acc)
         return (dx.to(x.dtype).view(n, b, h), dwq.to(wqkv.dtype),
                 dbq.to(wqkv.dtype) if dbq is not None else None, dwp.to(wo.dtype), dbo,
-                None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None)
 
 
 def metp_attention(x: torch.Tensor, qkv_weight: torch.Tensor, proj_weight: torch.Tensor, *, group,
@@ -267,7 +272,7 @@ def metp_attention(x: torch.Tensor, qkv_weight: torch.Tensor, proj_weight: torch
                    qkv_bias: Optional[torch.Tensor] = None,
                    proj_bias: Optional[torch.Tensor] = None,
                    softmax_scale: Optional[float] = None,
-                   kernel: Optional[str] = None) -> torch.Tensor:
+                   kernel: Optional[str] = None, label: str = "metp_attention") -> torch.Tensor:
     """The METP self-attention block (before the residual): ``y = Attn(x)·Woᵀ + bo``.
 
     Args:
@@ -283,6 +288,7 @@ def metp_attention(x: torch.Tensor, qkv_weight: torch.Tensor, proj_weight: torch
             for the whole sequence (this rank's positions are selected).
         qkv_bias: ``[(G/p)·(A/G+2)·d]`` sharded like ``qkv_weight``; proj_bias: ``[h]`` replicated.
         softmax_scale: default ``1/sqrt(d)``. kernel: block kernel name, default best available.
+        label: names this call in NaN/Inf reports (:mod:`megatron_metp.finite`).
 
     Returns: ``y [s/p, b, h]``. Weight-shard gradients are complete; ``proj_bias``'s is this
     rank's token partial (replicated parameter, reduced over the group by the caller's DDP).
@@ -298,4 +304,5 @@ def metp_attention(x: torch.Tensor, qkv_weight: torch.Tensor, proj_weight: torch
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     kern = select_kernel(x.device, x.dtype, kernel)
     return _METPAttentionFunction.apply(x, qkv_weight, qkv_bias, proj_weight, proj_bias, freqs,
-                                        group, geo, bool(causal), layout, float(scale), kern)
+                                        group, geo, bool(causal), layout, float(scale), kern,
+                                        label)

@@ -36,6 +36,7 @@ from typing import Optional
 
 import torch
 
+from ..finite import check_finite
 from ..groups import METPGroup, as_metp_group
 from ..ring import RingExchanger
 from . import activations as act
@@ -100,7 +101,10 @@ class _METPMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, group: METPGroup, activation: str, keep: bool,
-                grad_dtype: torch.dtype):
+                grad_dtype: torch.dtype, label: str):
+        check_finite(f"{label} (forward)", x=x, fc1_weight=w1, fc2_weight=w2, fc1_bias=b1,
+                     fc2_bias=b2)
+        ctx.label = label
         n_tok = x.shape[0] * x.shape[1]
         h = x.shape[-1]
         x2 = x.reshape(n_tok, h)
@@ -128,6 +132,7 @@ class _METPMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
+        check_finite(f"{ctx.label} (backward)", grad_output=grad_y)
         group: METPGroup = ctx.group
         x, w1, b1, w2, *kept = ctx.saved_tensors
         b1 = b1 if ctx.has_b1 else None
@@ -186,14 +191,15 @@ class _METPMLPFunction(torch.autograd.Function):
         dw1, db1, dw2 = g_layout.unpack(acc)
         return (dx.to(x.dtype).view(ctx.x_shape), dw1.to(w1.dtype),
                 db1.to(w1.dtype) if db1 is not None else None, dw2.to(w2.dtype), db2,
-                None, None, None, None)
+                None, None, None, None, None)
 
 
 def metp_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor, *, group,
              activation: str = "gelu", fc1_bias: Optional[torch.Tensor] = None,
              fc2_bias: Optional[torch.Tensor] = None, keep_intermediate: bool = False,
              ffn_hidden_size: Optional[int] = None,
-             grad_reduce_dtype: Optional[torch.dtype] = torch.float32) -> torch.Tensor:
+             grad_reduce_dtype: Optional[torch.dtype] = torch.float32,
+             label: str = "metp_mlp") -> torch.Tensor:
     """The METP MLP block ``y = f(x·W1ᵀ + b1)·W2ᵀ + b2`` over a weight ring.
 
     Args:
@@ -208,6 +214,7 @@ def metp_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor
         ffn_hidden_size: the full ``F``; when given, the shard shapes are checked against it.
         grad_reduce_dtype: dtype of the weight-gradient accumulators that travel the ring
             (default fp32; ``None`` = the accumulation dtype, fp32 for 16-bit inputs).
+        label: names this call in NaN/Inf reports (:mod:`megatron_metp.finite`).
 
     Returns:
         ``y`` ``[s/p, b, h]``: this rank's tokens' MLP output. Gradients of the weight shards are
@@ -217,4 +224,4 @@ def metp_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor
     _check_inputs(x, fc1_weight, fc2_weight, fc1_bias, fc2_bias, group, activation,
                   ffn_hidden_size, grad_reduce_dtype)
     return _METPMLPFunction.apply(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, group,
-                                  activation, bool(keep_intermediate), grad_reduce_dtype)
+                                  activation, bool(keep_intermediate), grad_reduce_dtype, label)

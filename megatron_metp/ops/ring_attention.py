@@ -31,6 +31,7 @@ from typing import Optional
 
 import torch
 
+from ..finite import check_finite
 from ..groups import METPGroup, as_metp_group
 from ..ring import RingExchanger
 from . import lse as lse_ops
@@ -160,7 +161,9 @@ def _to_seq_first(t):
 
 class _RingAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, layout, scale, kernel):
+    def forward(ctx, q, k, v, group, causal, layout, scale, kernel, label):
+        check_finite(f"{label} (forward)", q=q, k=k, v=v)
+        ctx.label = label
         qh, kh, vh = (_to_heads_first(t) for t in (q, k, v))
         out, lse = ring_attention_forward(qh, kh, vh, group, causal, layout, scale, kernel)
         out = out.to(q.dtype)
@@ -170,16 +173,17 @@ class _RingAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
+        check_finite(f"{ctx.label} (backward)", grad_output=dout)
         qh, kh, vh, out, lse = ctx.saved_tensors
         dq, dk, dv = ring_attention_backward(_to_heads_first(dout.to(qh.dtype)), qh, kh, vh, out,
                                              lse, *ctx.args)
         return (_to_seq_first(dq).to(qh.dtype), _to_seq_first(dk).to(kh.dtype),
-                _to_seq_first(dv).to(vh.dtype), None, None, None, None, None)
+                _to_seq_first(dv).to(vh.dtype), None, None, None, None, None, None)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, causal: bool = True,
                    layout: str = "dual_chunk", softmax_scale: Optional[float] = None,
-                   kernel: Optional[str] = None) -> torch.Tensor:
+                   kernel: Optional[str] = None, label: str = "ring_attention") -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence's keys, K/V on a ring.
 
     Args:
@@ -191,6 +195,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, 
         softmax_scale: default ``1/sqrt(d)``.
         kernel: block kernel name (``"flash_attn"``, ``"torch_flash"``, ``"reference"``); default
             the best available. The one used is counted in ``group.stats.kernels``.
+        label: names this call in NaN/Inf reports (:mod:`megatron_metp.finite`).
 
     Returns: ``[s/p, b, hq, d]``. With replicated weights around it this is ring self-attention
     (sequence parallelism); inside :func:`metp_attention` it is the inner loop.
@@ -199,4 +204,5 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, 
     check_attention_inputs(q, k, v, group, causal, layout)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     kern = select_kernel(q.device, q.dtype, kernel)
-    return _RingAttentionFunction.apply(q, k, v, group, bool(causal), layout, float(scale), kern)
+    return _RingAttentionFunction.apply(q, k, v, group, bool(causal), layout, float(scale), kern,
+                                        label)
