@@ -42,7 +42,7 @@ Memory columns (MiB, rank 0):
   output) and ``c = 4`` for SwiGLU (fc1 output ``2F/p``, silu(gate), product); TP+SP the same with
   the input ``/p`` plus Megatron's persistent ``s·b·h·2`` all-gather buffer (one per model on a GPU).
 * ``rings≈`` (METP rows): of that peak, the ring buffers alone: 2 bf16 weight shards
-  and 3 fp32 gradient accumulators, ``(2·2 + 3·4)·w`` bytes for a shard of ``w`` elements.
+  and the 2 fp32 buffers of the travelling gradient sum, ``(2·2 + 2·4)·w`` bytes for a shard of ``w`` elements.
 * ``peak≈`` (METP rows): an analytical model of ``metp_mlp``'s backward peak from the buffers its
   code allocates (see ``metp_peak_model``); the ratio ``peak/peak≈`` shows how well it explains the
   measurement (and drifts if the op changes).
@@ -169,7 +169,7 @@ def metp_ring_buffers(c):
     if p == 1:
         return 0
     w = metp_shard_numel(h, ffn, p, act, bias)
-    return 2 * w * BF16 + 3 * w * FP32
+    return 2 * w * BF16 + 2 * w * FP32
 
 
 def metp_peak_model(c):
@@ -182,9 +182,8 @@ def metp_peak_model(c):
       fp32 (``n·h·4``); with keep, every shard's ``x·W1_jᵀ`` (``n·k·F·2``);
     * the weight ring: this rank's shard packed for sending (reused as ``circulate``'s spare once
       sent) and the shard received: ``2·Ws``;
-    * the gradient ring at any step after the first: the accumulator sent at the previous step
-      (still referenced), the one being received, and the one being filled: ``3·Gs`` (the last
-      exists only from the weight-gradient products on).
+    * the gradient ring: the two buffers of the travelling sum (one being sent / filled, one
+      receiving), ``2·Gs`` (one ``Gs`` when p = 1); contributions are added into them in place.
 
     On top, the largest of the per-step phases of ``shard_grads`` (``z = x·W1_jᵀ`` ``n·kf·2``
     unless kept, ``a = f(z)`` and ``da = g·W2_j`` ``n·f·2`` each, ``dz`` ``n·kf·2``; SwiGLU's backward
@@ -205,14 +204,14 @@ def metp_peak_model(c):
     alive = ws + 3 * n * h * BF16 + n * h * FP32
     if keep:
         alive += n * _k(act) * ffn * BF16
-    if p > 1:
-        alive += 2 * ws + 2 * gs  # the third Gs is counted in the phases below
+    # the gradient sum travelling the ring: two reused buffers (one when p = 1)
+    alive += 2 * ws + 2 * gs if p > 1 else gs
     z = 0 if keep else n * kf * BF16
     a = da = n * f * BF16
     dz = n * kf * BF16
     halves = 2 * n * f * BF16 if act == "swiglu" else 0
     locals_ = z + a + dz
-    new_acc = gs  # the accumulator being filled (allocated also for p=1)
+    new_acc = 0  # contributions are added into the travelling buffers in place
     if gpumm:
         ext_dx, ext_dw1, ext_dw2 = n * h * FP32, kf * h * FP32, h * f * FP32
     else:

@@ -160,3 +160,38 @@ class RingExchanger:
             yield t, current
             if pending is not None:
                 current, spare = pending.wait(), current
+
+
+class TravellingSum:
+    """A partial sum that travels the ring, each rank adding its contribution on the way.
+
+    Used to deliver a shard's gradient to its owner: at every step call :meth:`buffer` (it waits
+    for the partial sum arriving from ``prev``, or gives zeros at the first step), add this rank's
+    contribution into it in place, then :meth:`pass_on` (posts the send to ``next`` and the
+    receive of the next partial sum into the other buffer). Two buffers in all, reused; the
+    transfer overlaps whatever the caller computes between :meth:`pass_on` and the next
+    :meth:`buffer`. After the last step :meth:`buffer` holds the complete sum.
+    """
+
+    def __init__(self, exchanger: RingExchanger, numel: int, dtype: torch.dtype, device):
+        self._ring = exchanger
+        self._bufs = [torch.zeros(numel, dtype=dtype, device=device), None]
+        self._cur = 0
+        self._pending: Optional[PendingExchange] = None
+        self._step = 0
+
+    def buffer(self) -> torch.Tensor:
+        """Where this step's contribution goes (already holds the previous ranks' sum)."""
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+        return self._bufs[self._cur]
+
+    def pass_on(self) -> None:
+        """Send the current partial sum to ``next``; receive ``prev``'s into the other buffer."""
+        send = self._bufs[self._cur]
+        if self._bufs[1 - self._cur] is None:
+            self._bufs[1 - self._cur] = torch.empty_like(send)
+        self._pending = self._ring.start(send, self._bufs[1 - self._cur], step=self._step)
+        self._cur = 1 - self._cur
+        self._step += 1

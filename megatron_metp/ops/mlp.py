@@ -38,7 +38,7 @@ import torch
 
 from ..finite import check_finite
 from ..groups import METPGroup, as_metp_group
-from ..ring import RingExchanger
+from ..ring import RingExchanger, TravellingSum
 from . import activations as act
 from ._accum import mm_acc as _mm_acc
 from ._flat import FlatLayout
@@ -150,8 +150,9 @@ class _METPMLPFunction(torch.autograd.Function):
         w_ring = RingExchanger(group, "mlp weights (bwd)")
         g_ring = RingExchanger(group, "mlp weight grads (bwd)")
 
-        def shard_grads(w1j, b1j, w2j, j) -> torch.Tensor:
-            """This rank's contribution to shard j's (dW1, db1, dW2), flat, and dx += dz·W1_j."""
+        def shard_grads(w1j, b1j, w2j, j, sums) -> None:
+            """dx += dz·W1_j, and this rank's (dW1, db1, dW2) of shard j added into the sum
+            travelling with the shard (waited for only after dz and dx are done)."""
             if ctx.keep:
                 z = kept[j]
             else:
@@ -159,34 +160,24 @@ class _METPMLPFunction(torch.autograd.Function):
             a = act.forward(ctx.activation, z)
             dz = act.backward(ctx.activation, z, torch.mm(g, w2j))
             _mm_acc(dx, dz, w1j)
-            out = g_layout.zeros(grad_dtype, x.device)
-            dw1, db1, dw2 = g_layout.unpack(out)
+            dw1, db1, dw2 = g_layout.unpack(sums.buffer())
             _mm_acc(dw1, dz.t(), x2)
             _mm_acc(dw2, g.t(), a)
             if db1 is not None:
-                db1.copy_(dz.sum(0, dtype=acc_dtype))
-            return out
+                db1.add_(dz.sum(0, dtype=acc_dtype))
 
-        # Rank r visits shards r-1, r-2, ..., r+1, r: its own last, so each gradient
-        # accumulator ends its p-1 hops at the shard's owner.
-        if p == 1:
-            acc = shard_grads(w1, b1, w2, r)
-        else:
+        # Rank r visits shards r-1, r-2, ..., r+1, r: its own last, so each gradient sum ends
+        # its p-1 hops at the shard's owner.
+        sums = TravellingSum(g_ring, g_layout.numel, grad_dtype, x.device)
+        if p > 1:
             first = w_layout.pack([w1, b1, w2])
-            pending_w = w_ring.start(first, torch.empty_like(first), step=0)
-            held = pending_w.wait()  # shard r-1; the one transfer not hidden behind compute
-            pending_g = None
-            acc = None
-            # steps 0 .. p-2 use circulating shards r-1 .. r+1; step p-1 uses the local shard.
+            held = w_ring.start(first, torch.empty_like(first), step=0).wait()  # shard r-1; the
+            # one transfer not hidden behind compute
             for t, flat in w_ring.circulate(held, steps=p - 1, spare=first):
-                j = group.owner_at_step(t, offset=1)
-                contrib = shard_grads(*w_layout.unpack(flat), j)
-                if pending_g is not None:
-                    contrib.add_(pending_g.wait())
-                pending_g = g_ring.start(contrib, torch.empty_like(contrib), step=t)
-            contrib = shard_grads(w1, b1, w2, r)
-            contrib.add_(pending_g.wait())
-            acc = contrib
+                shard_grads(*w_layout.unpack(flat), group.owner_at_step(t, offset=1), sums)
+                sums.pass_on()
+        shard_grads(w1, b1, w2, r, sums)
+        acc = sums.buffer()
 
         dw1, db1, dw2 = g_layout.unpack(acc)
         return (dx.to(x.dtype).view(ctx.x_shape), dw1.to(w1.dtype),

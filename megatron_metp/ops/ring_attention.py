@@ -33,7 +33,7 @@ import torch
 
 from ..finite import check_finite
 from ..groups import METPGroup, as_metp_group
-from ..ring import RingExchanger
+from ..ring import RingExchanger, TravellingSum
 from . import lse as lse_ops
 from ._flat import FlatLayout
 from .attention_kernels import select_kernel
@@ -118,35 +118,33 @@ def ring_attention_backward(dout, q, k, v, out, lse, group: METPGroup, causal: b
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kv_layout = FlatLayout.of([k, v])
 
-    def block_grads(kj, vj, j):
-        acc = kv_layout.zeros(torch.float32, q.device)
+    def block_grads(kj, vj, j, sums):
+        """dq += this block's; its dK/dV added into the sum travelling with the block (waited
+        for only after the kernel has run)."""
         plan = block_plan(r, j, n, causal, layout)
-        if plan is not None:
-            qs, ks, blk_causal = plan
-            dq_b, dk_b, dv_b = kernel.backward(dout[:, :, qs], q[:, :, qs], kj[:, :, ks],
-                                               vj[:, :, ks], out[:, :, qs], lse[:, :, qs],
-                                               blk_causal, scale)
-            dq[:, :, qs] += dq_b
-            dk_acc, dv_acc = kv_layout.unpack(acc)
-            dk_acc[:, :, ks] += dk_b
-            dv_acc[:, :, ks] += dv_b
-        return acc
+        if plan is None:
+            sums.buffer()
+            return
+        qs, ks, blk_causal = plan
+        dq_b, dk_b, dv_b = kernel.backward(dout[:, :, qs], q[:, :, qs], kj[:, :, ks],
+                                           vj[:, :, ks], out[:, :, qs], lse[:, :, qs],
+                                           blk_causal, scale)
+        dq[:, :, qs] += dq_b
+        dk_acc, dv_acc = kv_layout.unpack(sums.buffer())
+        dk_acc[:, :, ks] += dk_b
+        dv_acc[:, :, ks] += dv_b
 
-    if p == 1:
-        acc = block_grads(k, v, r)
-    else:
+    sums = TravellingSum(RingExchanger(group, "attention dK/dV (bwd)"), kv_layout.numel,
+                         torch.float32, q.device)
+    if p > 1:
         kv_ring = RingExchanger(group, "attention K/V (bwd)")
-        grad_ring = RingExchanger(group, "attention dK/dV (bwd)")
         first = kv_layout.pack([k, v])
         held = kv_ring.start(first, torch.empty_like(first), step=0).wait()  # block r-1
-        pending = None
         for t, flat in kv_ring.circulate(held, steps=p - 1, spare=first):
-            contrib = block_grads(*kv_layout.unpack(flat), (r - 1 - t) % p)
-            if pending is not None:
-                contrib.add_(pending.wait())
-            pending = grad_ring.start(contrib, torch.empty_like(contrib), step=t)
-        acc = block_grads(k, v, r)
-        acc.add_(pending.wait())
+            block_grads(*kv_layout.unpack(flat), (r - 1 - t) % p, sums)
+            sums.pass_on()
+    block_grads(k, v, r, sums)
+    acc = sums.buffer()
     dk, dv = kv_layout.unpack(acc)
     return dq, dk, dv
 
