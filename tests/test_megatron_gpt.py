@@ -89,3 +89,18 @@ def test_three_steps_match_single_rank(world, layout, single_rank_training):
     for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(got, single_rank_training)):
         assert abs(loss - ref_loss) <= 1e-5 * ref_loss, (step, loss, ref_loss)
         assert abs(norm - ref_norm) <= 1e-5 * ref_norm, (step, norm, ref_norm)  # shards once
+
+
+def test_gpt_metp_learned_positions_gqa_no_bias():
+    """Learned absolute positions, GQA and no biases: METP=2 and stock TP=2 equal a single rank."""
+    size = GPTSize(**{**SIZE.__dict__, "num_query_groups": 4, "bias": False,
+                      "position_embedding_type": "learned_absolute"})
+    ref = run_ranks(one_step_grads, 1, size, Layout())[0]
+    full_ref = assemble([ref], size)
+    for layout in (Layout(metp=2), Layout(tp=2, mode="tp"), Layout(metp=2, mode="ring")):
+        out = run_ranks(one_step_grads, 2, size, layout)
+        assert abs(out[0]["loss"] - ref["loss"]) <= 1e-5 * ref["loss"], layout
+        grads = assemble(out, size)
+        assert not any(k.endswith("bias") for k in grads if "layernorm" not in k and "norm" not in k)
+        for k in full_ref:
+            assert rel_err(grads[k], full_ref[k]) <= 1e-5, (layout.mode, k)
