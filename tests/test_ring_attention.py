@@ -217,3 +217,27 @@ def test_ring_attention_bad_input_is_refused_before_any_transfer():
     for msgs, steps in run_ranks(_ring_bad, 2):
         assert steps == 0
         assert_messages(msgs, expect)
+
+
+def test_cuda_code_paths_type_check_on_fake_cuda_tensors():
+    """No GPU here: run the CUDA branches (fused flash kernel wrappers, fp32-output matmul) on
+    fake CUDA tensors, which checks call signatures, shapes and dtypes without a device."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from megatron_metp.ops._accum import mm_acc
+    from megatron_metp.ops.attention_kernels import TorchFlashKernel, select_kernel
+
+    with FakeTensorMode():
+        q = torch.empty(1, 4, 16, 8, dtype=torch.bfloat16, device="cuda")
+        k = torch.empty(1, 2, 16, 8, dtype=torch.bfloat16, device="cuda")
+        v = torch.empty(1, 2, 16, 8, dtype=torch.bfloat16, device="cuda")
+        assert select_kernel(q.device, q.dtype, "torch_flash") is TorchFlashKernel
+        assert select_kernel(q.device, torch.float32).name == "reference"  # fp32 on CUDA
+        out, lse = TorchFlashKernel.forward(q, k, v, True, 0.3)
+        assert out.shape == q.shape and lse.shape == (1, 4, 16) and lse.dtype == torch.float32
+        dq, dk, dv = TorchFlashKernel.backward(out.float(), q, k, v, out, lse, True, 0.3)
+        assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+        acc = torch.zeros(16, 8, dtype=torch.float32, device="cuda")
+        mm_acc(acc, torch.empty(16, 4, dtype=torch.bfloat16, device="cuda"),
+               torch.empty(4, 8, dtype=torch.bfloat16, device="cuda"))
+        assert acc.dtype == torch.float32 and acc.device.type == "cuda"
