@@ -1,0 +1,11 @@
+# shellcheck shell=bash disable=SC2034  # sourced by scripts/pretrain_gpt.sh, which reads these
+# GPT 1.3B at 32K tokens, stock Megatron TP 8 + sequence parallelism on one node (the METP twin's baseline).
+# Twin for scripts/compare_tp.sh: gpt-1.3b-32k-metp8.sh
+# Values here are defaults: anything already set in the environment wins (e.g. NNODES=2 TP=2).
+# shellcheck source=/dev/null
+source "$(dirname "${BASH_SOURCE[0]}")/models/gpt-1.3b.sh"
+: "${SEQ_LENGTH:=32768}"
+: "${NNODES:=1}" "${GPUS_PER_NODE:=8}"
+: "${METP:=1}" "${TP:=8}" "${PP:=1}"
+: "${MICRO_BATCH_SIZE:=1}" "${GLOBAL_BATCH_SIZE:=8}"
+TWIN_CONFIG=gpt-1.3b-32k-metp8.sh

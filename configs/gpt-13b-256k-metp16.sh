@@ -1,0 +1,11 @@
+# shellcheck shell=bash disable=SC2034  # sourced by scripts/pretrain_gpt.sh, which reads these
+# GPT 13B at 256K tokens on 2 nodes of 8 GPUs: one METP ring of 16 across both nodes (16K tokens per rank).
+# Twin for scripts/compare_tp.sh: gpt-13b-256k-tp16.sh
+# Values here are defaults: anything already set in the environment wins (e.g. NNODES=2 TP=2).
+# shellcheck source=/dev/null
+source "$(dirname "${BASH_SOURCE[0]}")/models/gpt-13b.sh"
+: "${SEQ_LENGTH:=262144}"
+: "${NNODES:=2}" "${GPUS_PER_NODE:=8}"
+: "${METP:=16}" "${TP:=1}" "${PP:=1}"
+: "${MICRO_BATCH_SIZE:=1}" "${GLOBAL_BATCH_SIZE:=8}"
+TWIN_CONFIG=gpt-13b-256k-tp16.sh

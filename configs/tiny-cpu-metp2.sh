@@ -1,0 +1,11 @@
+# shellcheck shell=bash disable=SC2034  # sourced by scripts/pretrain_gpt.sh, which reads these
+# Tiny GPT for CPU dry runs and tests: METP 2 on 2 ranks (python -m megatron_metp.dry_run runs it in seconds).
+# Twin for scripts/compare_tp.sh: tiny-cpu-tp2.sh
+# Values here are defaults: anything already set in the environment wins (e.g. NNODES=2 TP=2).
+# shellcheck source=/dev/null
+source "$(dirname "${BASH_SOURCE[0]}")/models/tiny.sh"
+: "${SEQ_LENGTH:=256}"
+: "${NNODES:=1}" "${GPUS_PER_NODE:=2}"
+: "${METP:=2}" "${TP:=1}" "${PP:=1}"
+: "${MICRO_BATCH_SIZE:=1}" "${GLOBAL_BATCH_SIZE:=2}" "${TRAIN_ITERS:=10}" "${TRANSFORMER_IMPL:=local}"
+TWIN_CONFIG=tiny-cpu-tp2.sh

@@ -1,0 +1,339 @@
+"""Glue between a Megatron-LM checkout (tag ``core_v0.16.1``) and METP.
+
+The patches in ``patches/`` (applied with ``scripts/apply_patches.sh``) make Megatron-LM call the
+public functions of this module, and nothing else:
+
+* ``pretrain_gpt.py``: the command-line flags, through
+  ``extra_args_provider=compose_extra_args_providers(<modelopt's provider or None>, add_metp_args)``,
+  and the model, through ``partial(model_provider, wrap_gpt_builder(gpt_builder))``;
+* ``megatron/training/arguments.py``: ``validate_metp_args(args)`` at the top of the world-size
+  arithmetic of ``validate_args`` (METP becomes Megatron's context-parallel dimension there, so
+  Megatron's own checks, DP size and batch arithmetic come out right);
+* ``megatron/training/initialize.py``: ``expert_model_parallel_size=
+  metp_expert_model_parallel_size(args)`` in the one ``initialize_model_parallel`` call, which
+  folds the expert groups onto the METP groups in ``parallel_state`` only (see
+  :mod:`megatron_metp.megatron.parallel`): ``args.expert_model_parallel_size`` stays 1.
+
+With ``--metp-parallel-size 1`` (the default) every function here leaves Megatron's behaviour
+unchanged. Nothing in this module imports ``megatron.training`` at import time, so it can be
+imported from inside ``megatron/training/arguments.py`` without an import cycle, and tested
+against megatron-core alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from typing import Callable, List, Optional
+
+from .megatron.parallel import validate_metp_config
+
+__all__ = [
+    "ATTENTION_KERNELS",
+    "add_metp_args",
+    "compose_extra_args_providers",
+    "validate_metp_args",
+    "metp_expert_model_parallel_size",
+    "check_metp_parallel_state",
+    "metp_enabled",
+    "wrap_gpt_builder",
+    "build_metp_gpt_model",
+]
+
+#: choices of ``--metp-attention-kernel``; ``auto`` picks the best available at run time
+ATTENTION_KERNELS = ("auto", "flash_attn", "torch_flash", "reference")
+
+#: set on ``args`` once ``validate_metp_args`` has moved METP onto the context-parallel dimension
+_MAPPED = "metp_context_parallel_mapped"
+
+
+# ----------------------------------------------------------------------------------- flags
+
+def add_metp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``--metp-*`` argument group to Megatron's parser and return the parser."""
+    group = parser.add_argument_group(
+        title="METP (memory-efficient tensor parallelism)",
+        description="Weights and sequence of every transformer layer sharded over one ring of "
+                    "GPUs (megatron-metp). METP uses Megatron's context-parallel dimension.")
+    group.add_argument(
+        "--metp-parallel-size", type=int, default=1,
+        help="Number of GPUs in a METP ring (p). Each rank holds 1/p of every linear weight of "
+             "the transformer layers (on top of TP) and 1/p of the sequence; weight shards and "
+             "K/V blocks travel around the ring. World size must be divisible by "
+             "TP x METP x PP, --seq-length by 2 x METP. Cannot be combined with "
+             "--context-parallel-size, --sequence-parallel (with TP > 1) or MoE. "
+             "1 (default) disables METP.")
+    group.add_argument(
+        "--metp-disable-weight-ring", action="store_true",
+        help="Ring self-attention baseline: keep the linear weights replicated over the METP "
+             "group (sharded by TP only) and ring only K/V blocks in attention.")
+    group.add_argument(
+        "--metp-attention-kernel", choices=ATTENTION_KERNELS, default="auto",
+        help="Block attention kernel of the K/V ring: flash_attn (GPU, flash-attn installed), "
+             "torch_flash (PyTorch's fused flash kernel), reference (plain PyTorch, stores one "
+             "score block). auto (default) picks the best available, or $METP_ATTENTION_KERNEL.")
+    group.add_argument(
+        "--metp-keep-intermediate", action="store_true",
+        help="Keep each MLP weight shard's intermediate f(x W1_j) for backward instead of "
+             "recomputing it (faster, more activation memory).")
+    group.add_argument(
+        "--metp-ring-timeout", type=float, default=None, metavar="SECONDS",
+        help="Seconds a ring step waits for its peer before failing with a message naming the "
+             "group, step and peer (default: $METP_RING_TIMEOUT_S or 600). On NCCL the process "
+             "group's --distributed-timeout-minutes applies as well.")
+    return parser
+
+
+def compose_extra_args_providers(*providers: Optional[Callable]) -> Callable:
+    """One ``extra_args_provider`` that runs each given provider in order (``None`` skipped).
+
+    Megatron's ``parse_args`` accepts a single provider; ``pretrain_gpt.py`` already passes
+    modelopt's ``add_modelopt_args`` when nvidia-modelopt is installed. Each provider receives
+    the parser and must return it.
+    """
+    active = [p for p in providers if p is not None]
+    for p in active:
+        if not callable(p):
+            raise TypeError(f"extra_args_provider {p!r} is not callable")
+
+    def extra_args_provider(parser):
+        for p in active:
+            returned = p(parser)
+            if returned is None:
+                raise TypeError(f"extra_args_provider {getattr(p, '__name__', p)!r} returned "
+                                f"None; a provider must return the parser it was given")
+            parser = returned
+        return parser
+
+    extra_args_provider.providers = tuple(active)
+    return extra_args_provider
+
+
+# ------------------------------------------------------------------------------ validation
+
+def metp_enabled(args) -> bool:
+    """Whether ``args`` ask for METP (``--metp-parallel-size`` > 1)."""
+    return (getattr(args, "metp_parallel_size", 1) or 1) > 1
+
+
+def validate_metp_args(args):
+    """Map ``--metp-parallel-size p`` onto Megatron's context-parallel size; return ``args``.
+
+    Called by the patched ``validate_args`` before Megatron computes the data-parallel size.
+    With ``p == 1`` (or no METP flags at all, e.g. another entry point) ``args`` is returned
+    untouched. With ``p > 1`` every METP precondition is checked first and a ``ValueError``
+    names the flag to change; then ``args.context_parallel_size = p``. Calling it again on the
+    same ``args`` is harmless.
+    """
+    p = getattr(args, "metp_parallel_size", 1)
+    if p is None or p == 1:
+        return args
+    tp = args.tensor_model_parallel_size
+    cp = args.context_parallel_size
+    if getattr(args, _MAPPED, False) and cp == p:
+        cp = 1  # mapped by an earlier call
+    validate_metp_config(
+        world_size=args.world_size, tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size, metp_parallel_size=p,
+        context_parallel_size=cp, seq_length=getattr(args, "seq_length", None),
+        num_experts=getattr(args, "num_experts", None),
+        # Megatron switches sequence parallelism off by itself when TP is 1
+        sequence_parallel=bool(getattr(args, "sequence_parallel", False)) and tp > 1)
+    problems = _metp_problems(args, p, tp)
+    if problems:
+        raise ValueError(f"--metp-parallel-size {p} cannot be used with: " + "; ".join(problems))
+    args.context_parallel_size = p
+    setattr(args, _MAPPED, True)
+    if getattr(args, "rank", 0) == 0:
+        print(f"> METP: --metp-parallel-size {p} runs on Megatron's context-parallel dimension "
+              f"(context-parallel size {p}); expert groups are folded onto the METP rings in "
+              f"parallel_state only", flush=True)
+    return args
+
+
+def _metp_problems(args, p: int, tp: int) -> List[str]:
+    """Everything in ``args`` METP cannot honour, each naming the flag and the fix."""
+    out = []
+
+    def flag(name, default=None):
+        return getattr(args, name, default)
+
+    if flag("use_legacy_models"):
+        out.append("--use-legacy-models (METP needs megatron-core models)")
+    if (flag("expert_model_parallel_size", 1) or 1) != 1:
+        out.append(f"--expert-model-parallel-size {flag('expert_model_parallel_size')} (METP uses "
+                   f"the expert groups for its weight gradients; leave it at 1)")
+    etp = flag("expert_tensor_parallel_size")
+    if etp is not None and etp != tp:
+        out.append(f"--expert-tensor-parallel-size {etp} (must equal "
+                   f"--tensor-model-parallel-size {tp} or be unset)")
+    if flag("hierarchical_context_parallel_sizes"):
+        out.append("--hierarchical-context-parallel-sizes")
+    if flag("hybrid_context_parallel"):
+        out.append("--hybrid-context-parallel")
+    if flag("attention_dropout"):
+        out.append(f"--attention-dropout {flag('attention_dropout')} (the METP K/V ring has no "
+                   f"attention dropout; pass --attention-dropout 0)")
+    if flag("spec") is not None:
+        out.append("--spec (METP builds its own layer spec)")
+    for name, opt in (("experimental_attention_variant", "--experimental-attention-variant"),
+                      ("heterogeneous_layers_config_path", "--heterogeneous-layers-config-path"),
+                      ("mtp_num_layers", "--mtp-num-layers")):
+        if flag(name) is not None:
+            out.append(opt)
+    for name, opt in (("multi_latent_attention", "--multi-latent-attention"),
+                      ("qk_layernorm", "--qk-layernorm"),
+                      ("rotary_interleaved", "--rotary-interleaved"),
+                      ("squared_relu", "--squared-relu (METP supports GeLU and --swiglu)")):
+        if flag(name):
+            out.append(opt)
+    if not flag("no_persist_layer_norm", True) and \
+            (flag("normalization") == "RMSNorm" or not _have_module("apex")):
+        out.append("persistent layer norm: pass --no-persist-layer-norm (METP's layers use "
+                   "Megatron's local norms, torch's LayerNorm/RMSNorm without apex)")
+    shards = tp * p
+    heads = flag("num_attention_heads")
+    if heads is not None and heads % shards:
+        out.append(f"--num-attention-heads {heads} (not divisible by TP x METP = {shards})")
+    groups = flag("num_query_groups") if flag("group_query_attention") else None
+    if groups is not None and groups % shards:
+        out.append(f"--num-query-groups {groups} (not divisible by TP x METP = {shards})")
+    ffn = flag("ffn_hidden_size")
+    if ffn is not None and ffn % shards:
+        out.append(f"--ffn-hidden-size {ffn} (not divisible by TP x METP = {shards})")
+    timeout = flag("metp_ring_timeout")
+    if timeout is not None and timeout <= 0:
+        out.append(f"--metp-ring-timeout {timeout} (must be positive seconds)")
+    return out
+
+
+def _have_module(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+# ------------------------------------------------------------------------- parallel state
+
+def metp_expert_model_parallel_size(args) -> int:
+    """The ``expert_model_parallel_size`` to give ``parallel_state.initialize_model_parallel``.
+
+    ``args.expert_model_parallel_size`` unless METP is on, then the METP size: the expert
+    groups then coincide with the METP groups and expert data parallelism with pure DP, which is
+    where METP-sharded weights reduce their gradients. ``args`` itself is not changed (Megatron
+    asserts ``--num-experts`` whenever ``args.expert_model_parallel_size > 1``).
+    """
+    ep = getattr(args, "expert_model_parallel_size", 1) or 1
+    if not metp_enabled(args):
+        return ep
+    if ep != 1:
+        raise ValueError(f"--expert-model-parallel-size {ep} cannot be combined with "
+                         f"--metp-parallel-size {args.metp_parallel_size}")
+    return args.metp_parallel_size
+
+
+def check_metp_parallel_state(args) -> None:
+    """Raise if ``parallel_state`` does not have the METP layout ``args`` ask for.
+
+    Catches a checkout where only some of the patches are applied: the context-parallel group
+    must be the METP ring, the expert-model-parallel group the same ranks, and expert data
+    parallelism pure data parallelism.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    p = args.metp_parallel_size
+    fix = "apply all of patches/ with scripts/apply_patches.sh MEGATRON_LM_DIR"
+    cp = ps.get_context_parallel_world_size()
+    if cp != p:
+        raise RuntimeError(f"parallel_state has context-parallel size {cp}, but "
+                           f"--metp-parallel-size is {p}: validate_args did not map METP onto "
+                           f"context parallelism ({fix})")
+    ranks = dist.get_process_group_ranks
+    if ps.get_expert_model_parallel_world_size() != p or \
+            ranks(ps.get_expert_model_parallel_group()) != ranks(ps.get_context_parallel_group()):
+        raise RuntimeError(f"parallel_state's expert-model-parallel groups are not the METP "
+                           f"rings (expert-model-parallel size "
+                           f"{ps.get_expert_model_parallel_world_size()}, METP {p}): the "
+                           f"initialize_model_parallel call does not fold them ({fix})")
+    if ranks(ps.get_expert_data_parallel_group()) != ranks(ps.get_data_parallel_group()):
+        raise RuntimeError("expert data-parallel groups differ from pure data-parallel groups; "
+                           "METP-sharded gradients would be reduced over the wrong ranks")
+    dp = getattr(args, "data_parallel_size", None)
+    if dp is not None and dp != ps.get_data_parallel_world_size():
+        raise RuntimeError(f"args.data_parallel_size {dp} differs from parallel_state's "
+                           f"{ps.get_data_parallel_world_size()}")
+
+
+# ------------------------------------------------------------------------------- the model
+
+def wrap_gpt_builder(gpt_builder: Callable) -> Callable:
+    """A builder with ``gpt_builder``'s signature that builds a METP ``GPTModel`` when
+    ``args.metp_parallel_size > 1`` and otherwise calls ``gpt_builder`` unchanged."""
+
+    @functools.wraps(gpt_builder)
+    def builder(args, pre_process, post_process, vp_stage=None, config=None, pg_collection=None):
+        if not metp_enabled(args):
+            return gpt_builder(args, pre_process, post_process, vp_stage, config=config,
+                               pg_collection=pg_collection)
+        return build_metp_gpt_model(args, pre_process, post_process, vp_stage, config=config,
+                                    pg_collection=pg_collection)
+
+    builder.metp_wrapped_builder = gpt_builder
+    return builder
+
+
+def _config_from_args(args):
+    if getattr(args, "yaml_cfg", None) is not None:
+        from megatron.training.yaml_arguments import core_transformer_config_from_yaml
+
+        return core_transformer_config_from_yaml(args, "language_model")
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    return core_transformer_config_from_args(args)
+
+
+def build_metp_gpt_model(args, pre_process, post_process, vp_stage=None, config=None,
+                         pg_collection=None):
+    """megatron-core ``GPTModel`` with the METP layer spec, built like ``gpt_builders.py``
+    builds the stock one (same model arguments taken from ``args``)."""
+    import torch.distributed as dist
+    from megatron.core.models.gpt import GPTModel
+
+    from .megatron.groups import METPGroups
+    from .megatron.spec import get_gpt_layer_metp_spec
+
+    if config is None:
+        config = _config_from_args(args)
+    check_metp_parallel_state(args)
+    groups = METPGroups.from_parallel_state(timeout_s=getattr(args, "metp_ring_timeout", None))
+    weight_ring = not getattr(args, "metp_disable_weight_ring", False)
+    kernel = getattr(args, "metp_attention_kernel", "auto")
+    spec = get_gpt_layer_metp_spec(
+        groups, weight_ring=weight_ring, normalization=args.normalization,
+        kernel=None if kernel in (None, "auto") else kernel,
+        keep_intermediate=bool(getattr(args, "metp_keep_intermediate", False)))
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        mode = "METP (weight ring + K/V ring)" if weight_ring else "ring self-attention"
+        print(f"building GPT model with {mode}: METP size {groups.metp.size}, TP size "
+              f"{groups.tp_size}, attention kernel {kernel}", flush=True)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+        rope_scaling=args.use_rope_scaling,
+        vp_stage=vp_stage,
+        pg_collection=pg_collection,
+    )

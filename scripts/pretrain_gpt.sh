@@ -1,0 +1,261 @@
+#!/usr/bin/env bash
+# Launch Megatron-LM's pretrain_gpt.py (patched with patches/) on this node, with or without METP.
+#
+#   CONFIG=configs/gpt-7b-128k-metp8.sh MEGATRON_LM_DIR=/path/Megatron-LM scripts/pretrain_gpt.sh
+#   scripts/pretrain_gpt.sh --config configs/gpt-7b-128k-tp8.sh --dry-run --gpu-memory-gib 141
+#   scripts/pretrain_gpt.sh --config configs/tiny-cpu-metp2.sh --print-cmd -- --train-iters 5
+#
+# Modes:
+#   (default)          run torchrun ... pretrain_gpt.py on this node
+#   --print-cmd        print the environment and the exact torchrun command, run nothing
+#   --dry-run          on a CPU (login node): parse and validate the exact same arguments with the
+#                      real Megatron-LM parser, build rank 0's model (or --rank N) under a fake
+#                      process group and fake tensors, run one micro-batch forward+backward and
+#                      print that rank's parameters and peak memory (python -m megatron_metp.dry_run)
+#     --rank N           rank to measure (default 0)
+#     --gpu-memory-gib G check the total against G GiB per GPU (also $GPU_MEMORY_GIB)
+# Other options:
+#   --config FILE      model/layout file (also $CONFIG; default configs/tiny-cpu-metp2.sh)
+#   -- ARGS...         append ARGS to pretrain_gpt.py's arguments (they win over the config)
+#
+# Every setting is an environment variable; a config file only fills in those not set, and this
+# script the rest. The main ones (defaults in brackets):
+#   NNODES [1] GPUS_PER_NODE [8] NODE_RANK [$SLURM_NODEID or 0] MASTER_ADDR [localhost]
+#   MASTER_PORT [6000]                      torchrun rendezvous (one torchrun per node)
+#   MEGATRON_LM_DIR [/opt/Megatron-LM]      patched checkout at core_v0.16.1
+#   TP PP METP [1 1 1] SEQUENCE_PARALLEL [1 when TP>1 and METP=1]   model parallelism
+#   CP [1] VPP [unset]                      Megatron context parallelism (stock baselines only),
+#                                           layers per virtual pipeline stage
+#   NUM_LAYERS HIDDEN_SIZE FFN_HIDDEN_SIZE NUM_ATTENTION_HEADS NUM_QUERY_GROUPS SEQ_LENGTH
+#   SWIGLU [0] NORMALIZATION [LayerNorm] UNTIE_EMBEDDINGS [0] DISABLE_BIAS_LINEAR [0]
+#   MICRO_BATCH_SIZE [1] GLOBAL_BATCH_SIZE [8] TRAIN_ITERS [100] LR [3e-4] PRECISION [bf16]
+#   DATA_PATH [unset: --mock-data]          Megatron indexed data prefix(es), e.g. "1.0 /d/x_text_document"
+#   TOKENIZER_TYPE [NullTokenizer with mock data, else HuggingFaceTokenizer] TOKENIZER_MODEL
+#   VOCAB_FILE MERGE_FILE VOCAB_SIZE [32000] tokenizer arguments
+#   CHECKPOINT_PATH [unset: no checkpoints] SAVE_INTERVAL [1000] TENSORBOARD_DIR [unset]
+#   TRANSFORMER_IMPL [auto: transformer_engine when importable here, else local;
+#                     --dry-run assumes the training nodes have it]
+#   METP_ATTENTION_KERNEL [auto] METP_DISABLE_WEIGHT_RING [0] METP_KEEP_INTERMEDIATE [0]
+#   METP_RING_TIMEOUT [unset]               METP flags
+#   EXTRA_ARGS                              more pretrain_gpt.py arguments (a bash array in the
+#                                           config, or a string in the environment)
+#   PYTHON [python] TORCHRUN [torchrun]
+set -euo pipefail
+
+SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+METP_DIR="${METP_DIR:-$(cd "$SCRIPT_DIR/.." && pwd)}"
+
+usage() {
+    awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"
+}
+
+die() {
+    echo "pretrain_gpt.sh: error: $*" >&2
+    exit 1
+}
+
+MODE=run
+DRY_RUN_OPTS=()
+USER_ARGS=()
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --dry-run) MODE=dry-run ;;
+        --print-cmd) MODE=print ;;
+        --rank) [[ $# -ge 2 ]] || die "--rank needs a value"; DRY_RUN_OPTS+=(--rank "$2"); shift ;;
+        --gpu-memory-gib) [[ $# -ge 2 ]] || die "--gpu-memory-gib needs a value"; GPU_MEMORY_GIB=$2; shift ;;
+        --config) [[ $# -ge 2 ]] || die "--config needs a file"; CONFIG=$2; shift ;;
+        -h|--help) usage; exit 0 ;;
+        --) shift; USER_ARGS+=("$@"); break ;;
+        *) die "unknown option '$1' (pretrain_gpt.py arguments go after '--'; see --help)" ;;
+    esac
+    shift
+done
+
+# ---------------------------------------------------------------- configuration
+CONFIG="${CONFIG:-$METP_DIR/configs/tiny-cpu-metp2.sh}"
+if [[ ! -f "$CONFIG" && -f "$METP_DIR/configs/$CONFIG" ]]; then
+    CONFIG="$METP_DIR/configs/$CONFIG"
+fi
+[[ -f "$CONFIG" ]] || die "config file '$CONFIG' not found (see $METP_DIR/configs/)"
+if [[ -n "${EXTRA_ARGS:-}" && "$(declare -p EXTRA_ARGS 2>/dev/null)" != "declare -a"* ]]; then
+    read -r -a EXTRA_ARGS <<< "$EXTRA_ARGS"  # a string from the environment
+fi
+# shellcheck source=/dev/null
+source "$CONFIG"
+
+: "${NNODES:=1}" "${GPUS_PER_NODE:=8}" "${NODE_RANK:=${SLURM_NODEID:-0}}"
+: "${MASTER_ADDR:=localhost}" "${MASTER_PORT:=6000}"
+: "${MEGATRON_LM_DIR:=/opt/Megatron-LM}" "${PYTHON:=python}" "${TORCHRUN:=torchrun}"
+: "${TP:=1}" "${PP:=1}" "${METP:=1}" "${CP:=1}" "${VPP:=}"
+if [[ -z "${SEQUENCE_PARALLEL:-}" ]]; then
+    if [[ "$TP" -gt 1 && "$METP" -eq 1 ]]; then SEQUENCE_PARALLEL=1; else SEQUENCE_PARALLEL=0; fi
+fi
+: "${NUM_LAYERS:?set in the config}" "${HIDDEN_SIZE:?}" "${NUM_ATTENTION_HEADS:?}" "${SEQ_LENGTH:?}"
+: "${FFN_HIDDEN_SIZE:=$((4 * HIDDEN_SIZE))}" "${NUM_QUERY_GROUPS:=}"
+: "${MAX_POSITION_EMBEDDINGS:=$SEQ_LENGTH}" "${POSITION_EMBEDDING_TYPE:=rope}" "${ROTARY_BASE:=10000}"
+: "${SWIGLU:=0}" "${NORMALIZATION:=LayerNorm}" "${UNTIE_EMBEDDINGS:=0}" "${DISABLE_BIAS_LINEAR:=0}"
+: "${ATTENTION_DROPOUT:=0}" "${HIDDEN_DROPOUT:=0}"
+: "${MICRO_BATCH_SIZE:=1}" "${GLOBAL_BATCH_SIZE:=8}" "${TRAIN_ITERS:=100}" "${LR:=3e-4}"
+: "${MIN_LR:=3e-5}" "${LR_WARMUP_ITERS:=$((TRAIN_ITERS / 10))}" "${WEIGHT_DECAY:=0.1}" "${CLIP_GRAD:=1.0}"
+: "${PRECISION:=bf16}" "${SEED:=1234}"
+: "${VOCAB_SIZE:=32000}" "${SAVE_INTERVAL:=1000}" "${LOG_INTERVAL:=1}"
+: "${EVAL_INTERVAL:=1000}" "${EVAL_ITERS:=10}"
+: "${TRANSFORMER_IMPL:=auto}" "${METP_ATTENTION_KERNEL:=auto}"
+: "${METP_DISABLE_WEIGHT_RING:=0}" "${METP_KEEP_INTERMEDIATE:=0}"
+WORLD_SIZE=$((GPUS_PER_NODE * NNODES))
+
+IMPL_NOTE=""
+if [[ "$TRANSFORMER_IMPL" == auto ]]; then
+    if [[ "$MODE" == dry-run ]]; then
+        TRANSFORMER_IMPL=transformer_engine  # what the GPU nodes (NGC image) will use
+    elif "$PYTHON" -c "import transformer_engine" >/dev/null 2>&1; then
+        TRANSFORMER_IMPL=transformer_engine
+    else
+        TRANSFORMER_IMPL=local
+        IMPL_NOTE="Transformer Engine is not importable by $PYTHON here"
+    fi
+    IMPL_NOTE="TRANSFORMER_IMPL=auto chose $TRANSFORMER_IMPL on $(hostname)${IMPL_NOTE:+ ($IMPL_NOTE)}; set TRANSFORMER_IMPL to pin it"
+fi
+
+# ---------------------------------------------------------------- argument groups
+DISTRIBUTED_ARGS=(
+    --nproc_per_node "$GPUS_PER_NODE"
+    --nnodes "$NNODES"
+    --node_rank "$NODE_RANK"
+    --master_addr "$MASTER_ADDR"
+    --master_port "$MASTER_PORT"
+)
+
+GPT_MODEL_ARGS=(
+    --num-layers "$NUM_LAYERS"
+    --hidden-size "$HIDDEN_SIZE"
+    --ffn-hidden-size "$FFN_HIDDEN_SIZE"
+    --num-attention-heads "$NUM_ATTENTION_HEADS"
+    --seq-length "$SEQ_LENGTH"
+    --max-position-embeddings "$MAX_POSITION_EMBEDDINGS"
+    --position-embedding-type "$POSITION_EMBEDDING_TYPE"
+    --normalization "$NORMALIZATION"
+    --attention-dropout "$ATTENTION_DROPOUT"
+    --hidden-dropout "$HIDDEN_DROPOUT"
+    --no-persist-layer-norm
+    --transformer-impl "$TRANSFORMER_IMPL"
+)
+[[ "$POSITION_EMBEDDING_TYPE" == rope ]] && GPT_MODEL_ARGS+=(--rotary-base "$ROTARY_BASE")
+[[ -n "$NUM_QUERY_GROUPS" ]] && GPT_MODEL_ARGS+=(--group-query-attention --num-query-groups "$NUM_QUERY_GROUPS")
+[[ "$SWIGLU" == 1 ]] && GPT_MODEL_ARGS+=(--swiglu)
+[[ "$UNTIE_EMBEDDINGS" == 1 ]] && GPT_MODEL_ARGS+=(--untie-embeddings-and-output-weights)
+[[ "$DISABLE_BIAS_LINEAR" == 1 ]] && GPT_MODEL_ARGS+=(--disable-bias-linear)
+
+MODEL_PARALLEL_ARGS=(
+    --tensor-model-parallel-size "$TP"
+    --pipeline-model-parallel-size "$PP"
+    --metp-parallel-size "$METP"
+)
+[[ "$CP" -gt 1 ]] && MODEL_PARALLEL_ARGS+=(--context-parallel-size "$CP")
+[[ -n "$VPP" ]] && MODEL_PARALLEL_ARGS+=(--num-layers-per-virtual-pipeline-stage "$VPP")
+[[ "$SEQUENCE_PARALLEL" == 1 ]] && MODEL_PARALLEL_ARGS+=(--sequence-parallel)
+if [[ "$METP" -gt 1 ]]; then
+    MODEL_PARALLEL_ARGS+=(--metp-attention-kernel "$METP_ATTENTION_KERNEL")
+    [[ "$METP_DISABLE_WEIGHT_RING" == 1 ]] && MODEL_PARALLEL_ARGS+=(--metp-disable-weight-ring)
+    [[ "$METP_KEEP_INTERMEDIATE" == 1 ]] && MODEL_PARALLEL_ARGS+=(--metp-keep-intermediate)
+    [[ -n "${METP_RING_TIMEOUT:-}" ]] && MODEL_PARALLEL_ARGS+=(--metp-ring-timeout "$METP_RING_TIMEOUT")
+fi
+
+TRAINING_ARGS=(
+    --micro-batch-size "$MICRO_BATCH_SIZE"
+    --global-batch-size "$GLOBAL_BATCH_SIZE"
+    --train-iters "$TRAIN_ITERS"
+    --lr "$LR"
+    --min-lr "$MIN_LR"
+    --lr-decay-style cosine
+    --lr-warmup-iters "$LR_WARMUP_ITERS"
+    --weight-decay "$WEIGHT_DECAY"
+    --clip-grad "$CLIP_GRAD"
+    --adam-beta1 0.9
+    --adam-beta2 0.95
+    --init-method-std 0.02
+    --"$PRECISION"
+    --seed "$SEED"
+    --use-distributed-optimizer
+    --calculate-per-token-loss
+)
+
+if [[ -n "${DATA_PATH:-}" ]]; then
+    read -r -a DATA_PATH_WORDS <<< "$DATA_PATH"
+    DATA_ARGS=(--data-path "${DATA_PATH_WORDS[@]}" --split "${SPLIT:-949,50,1}")
+    : "${TOKENIZER_TYPE:=HuggingFaceTokenizer}"
+else
+    DATA_ARGS=(--mock-data)
+    : "${TOKENIZER_TYPE:=NullTokenizer}"
+fi
+DATA_ARGS+=(--tokenizer-type "$TOKENIZER_TYPE" --no-create-attention-mask-in-dataloader)
+case "$TOKENIZER_TYPE" in
+    NullTokenizer) DATA_ARGS+=(--vocab-size "$VOCAB_SIZE") ;;
+    GPT2BPETokenizer)
+        [[ "$MODE" == print || ( -n "${VOCAB_FILE:-}" && -n "${MERGE_FILE:-}" ) ]] ||
+            die "TOKENIZER_TYPE=GPT2BPETokenizer needs VOCAB_FILE and MERGE_FILE"
+        DATA_ARGS+=(--vocab-file "${VOCAB_FILE:-}" --merge-file "${MERGE_FILE:-}") ;;
+    *)
+        [[ "$MODE" == print || -n "${TOKENIZER_MODEL:-}" ]] ||
+            die "TOKENIZER_TYPE=$TOKENIZER_TYPE needs TOKENIZER_MODEL (a path or hub name)"
+        DATA_ARGS+=(--tokenizer-model "${TOKENIZER_MODEL:-}") ;;
+esac
+
+CHECKPOINT_ARGS=()
+if [[ -n "${CHECKPOINT_PATH:-}" ]]; then
+    CHECKPOINT_ARGS=(--save "$CHECKPOINT_PATH" --load "$CHECKPOINT_PATH"
+                     --save-interval "$SAVE_INTERVAL" --ckpt-format torch_dist)
+fi
+
+EVAL_AND_LOGGING_ARGS=(
+    --log-interval "$LOG_INTERVAL"
+    --log-throughput
+    --eval-interval "$EVAL_INTERVAL"
+    --eval-iters "$EVAL_ITERS"
+)
+if [[ -n "${TENSORBOARD_DIR:-}" ]]; then
+    EVAL_AND_LOGGING_ARGS+=(--tensorboard-dir "$TENSORBOARD_DIR" --log-memory-to-tensorboard
+                            --log-timers-to-tensorboard)
+fi
+
+[[ -n "${EXTRA_ARGS+x}" ]] || EXTRA_ARGS=()
+MEGATRON_ARGS=(
+    "${GPT_MODEL_ARGS[@]}"
+    "${MODEL_PARALLEL_ARGS[@]}"
+    "${TRAINING_ARGS[@]}"
+    "${DATA_ARGS[@]}"
+    "${CHECKPOINT_ARGS[@]}"
+    "${EVAL_AND_LOGGING_ARGS[@]}"
+    "${EXTRA_ARGS[@]}"
+    "${USER_ARGS[@]}"
+)
+
+# ---------------------------------------------------------------- run
+export CUDA_DEVICE_MAX_CONNECTIONS=1
+
+if [[ "$MODE" == dry-run ]]; then
+    DRY=("$PYTHON" -m megatron_metp.dry_run --megatron-lm-dir "$MEGATRON_LM_DIR"
+         --nnodes "$NNODES" --gpus-per-node "$GPUS_PER_NODE" "${DRY_RUN_OPTS[@]}")
+    [[ -n "${GPU_MEMORY_GIB:-}" ]] && DRY+=(--gpu-memory-gib "$GPU_MEMORY_GIB")
+    echo "dry run of $(basename "$CONFIG") for $WORLD_SIZE ranks ($NNODES x $GPUS_PER_NODE GPUs), transformer-impl $TRANSFORMER_IMPL" >&2
+    export PYTHONPATH="$METP_DIR${PYTHONPATH:+:$PYTHONPATH}"
+    exec "${DRY[@]}" -- "${MEGATRON_ARGS[@]}"
+fi
+
+CMD=("$TORCHRUN" "${DISTRIBUTED_ARGS[@]}" "$MEGATRON_LM_DIR/pretrain_gpt.py" "${MEGATRON_ARGS[@]}")
+if [[ "$MODE" == print ]]; then
+    [[ -n "$IMPL_NOTE" ]] && echo "# $IMPL_NOTE"
+    echo "export CUDA_DEVICE_MAX_CONNECTIONS=1"
+    echo "cd $(printf '%q' "$MEGATRON_LM_DIR")"
+    printf '%q ' "${CMD[@]}"
+    echo
+    exit 0
+fi
+
+[[ -f "$MEGATRON_LM_DIR/pretrain_gpt.py" ]] ||
+    die "MEGATRON_LM_DIR=$MEGATRON_LM_DIR is not a Megatron-LM checkout"
+grep -q megatron_metp "$MEGATRON_LM_DIR/pretrain_gpt.py" ||
+    die "$MEGATRON_LM_DIR is not patched for METP: run $METP_DIR/scripts/apply_patches.sh $MEGATRON_LM_DIR"
+echo "pretrain_gpt.sh: node $NODE_RANK of $NNODES, $GPUS_PER_NODE GPUs, config $(basename "$CONFIG")" >&2
+cd "$MEGATRON_LM_DIR"
+exec "${CMD[@]}"
