@@ -111,3 +111,26 @@ def _save_distopt(rank, world, directory):
 def test_distributed_optimizer_state_is_refused_clearly(tmp_path):
     msg = run_ranks(_save_distopt, 4, str(tmp_path / "d"), timeout=300)[0]
     assert msg is not None and "distributed optimizer" in msg
+
+
+class _Planted:
+    """A pickle payload that would create a file when unpickled."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_planted_object_in_metadata_is_refused_without_running_it(saved, tmp_path):
+    import pickle
+
+    directory, _ = saved
+    evil = tmp_path / "evil"
+    shutil.copytree(directory, evil)
+    marker = tmp_path / "pwned"
+    (evil / ".metadata").write_bytes(pickle.dumps(_Planted(str(marker))))
+    out = run_ranks(_resume, 2, Layout(metp=2), str(evil))[0]
+    assert out[0] == "CheckpointError" and "refusing to load" in out[1], out
+    assert not marker.exists()

@@ -23,6 +23,39 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be loaded into this model; the message says why."""
 
 
+# What torch.distributed.checkpoint's ``.metadata`` pickle may reference. torch reads that file
+# with a plain ``pickle.load``; it is checked against this list first, so a planted object never
+# reaches the unpickler that would run it.
+_METADATA_ALLOWED = {
+    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+    ("builtins", "slice"), ("builtins", "set"), ("builtins", "frozenset"),
+}
+_METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
+                     "torch.distributed.checkpoint.filesystem")
+
+
+def _check_metadata_pickle(path: str) -> None:
+    import io
+    import pickle
+
+    class _Restricted(pickle.Unpickler):
+        def find_class(self, module, name):
+            if (module, name) in _METADATA_ALLOWED or module in _METADATA_MODULES or \
+                    (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+                return super().find_class(module, name)
+            raise CheckpointError(f"checkpoint metadata {path!r} references {module}.{name}, which "
+                                  f"a checkpoint never needs: refusing to load it (untrusted or "
+                                  f"corrupt file)")
+
+    try:
+        with open(path, "rb") as f:
+            _Restricted(io.BytesIO(f.read())).load()
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any parse failure is a corrupt file
+        raise CheckpointError(f"checkpoint metadata {path!r} is unreadable: {exc}") from exc
+
+
 def _param_pairs(opt):
     """``(model_param, torch_optimizer, optimizer_param)`` for every parameter an optimizer (or a
     chain of them: METP's weights go to Megatron's expert-path optimizer) steps."""
@@ -150,6 +183,7 @@ def load_checkpoint(directory: str, state, *, load_optimizer: bool = True,
                               f"interrupted?")
     with open(meta_path) as f:
         meta = json.load(f)
+    _check_metadata_pickle(os.path.join(directory, ".metadata"))
     template = _sharded(state, 0, is_loading=True) if load_optimizer else \
         _sharded(dict(state, optimizer=None), 0, is_loading=True)
     if not load_rng:
