@@ -1,0 +1,186 @@
+"""``metp plan`` against ``metp measure``: the planned per-rank peak agrees with the measured one.
+
+The measurement (``megatron_metp.measure``) builds the real megatron-core ``GPTModel`` of each mode
+for rank 0 under torch's fake process group and ``FakeTensorMode`` and tracks every storage with
+``MemTracker`` — deterministic byte counts, no timings. Each mode's measured peak (parameters, the
+fp32 gradient buffer and activations) must agree with the plan within 5 %; a plan with one term
+dropped must not; sizes that cannot be laid out raise ``ValueError`` naming the flag.
+"""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from megatron_metp import measure as M
+from megatron_metp import plan as P
+
+TOL = 0.05
+
+# Small geometries (fake tensors cost nothing, so sizes only need to keep every term visible):
+# every mode, flash and unfused kernels, MHA and GQA, GeLU and SwiGLU, p = 2 and 4, TP×METP,
+# a padded vocabulary, keep_intermediate, micro-batch 2 and a pipeline stage with 2 in flight.
+SWEEP = [
+    ("flash-mha", P.Model(hidden=256, layers=2, heads=8, ffn=1024, vocab=512, seq=4096),
+     P.Job(tp=1, metp=2), ["tp", "tp-sp", "ring", "metp"]),
+    ("unfused", P.Model(hidden=128, layers=2, heads=4, ffn=512, vocab=256, seq=2048),
+     P.Job(tp=1, metp=2, kernel="unfused"), ["tp", "tp-sp", "ring", "metp"]),
+    ("gqa-swiglu-tp2", P.Model(hidden=256, layers=2, heads=8, query_groups=4, ffn=768,
+                               vocab=1000, seq=4096, swiglu=True),
+     P.Job(tp=2, metp=2, micro_batch=2, keep_intermediate=True), ["tp-sp", "cp", "metp"]),
+    ("pp2-p4", P.Model(hidden=256, layers=4, heads=8, ffn=1024, vocab=512, seq=4096),
+     P.Job(tp=1, metp=4, pp=2), ["tp-sp", "ring", "metp"]),
+]
+
+
+def _error(model, job, mode, measured):
+    planned = P.memory(model, job, mode).measured_part
+    return planned / measured["peak"] - 1
+
+
+@pytest.fixture(scope="module")
+def measured():
+    out = {}
+    for name, model, job, modes in SWEEP:
+        for mode, res in zip(modes, M.measure(model, job, modes, jobs=2, timeout=300)):
+            assert "error" not in res, f"{name} {mode}: {res['error']}"
+            out[(name, mode)] = res
+    return out
+
+
+def test_sweep_covers_every_mode():
+    assert {m for _, _, _, modes in SWEEP for m in modes} == set(P.MODES)
+
+
+@pytest.mark.parametrize("name,model,job,modes", SWEEP, ids=[c[0] for c in SWEEP])
+def test_plan_matches_measurement(name, model, job, modes, measured):
+    errs = {}
+    for mode in modes:
+        res = measured[(name, mode)]
+        errs[mode] = _error(model, job, mode, res)
+        # the parameters are counted exactly
+        assert res["params"] == P.memory(model, job, mode).static["params"], mode
+    bad = {m: f"{100 * e:+.2f} %" for m, e in errs.items() if abs(e) > TOL}
+    assert not bad, f"{name}: plan vs measured peak off by more than {TOL:.0%}: {bad}"
+
+
+def test_stored_activations_match(measured):
+    """What the forward leaves for the backward (all layers, all micro-batches in flight)."""
+    for name, model, job, modes in SWEEP:
+        for mode in modes:
+            a = P.activations(model, job, mode)
+            got = measured[(name, mode)]["stored"]
+            assert abs((a.stored + a.persistent) / got - 1) <= TOL, (name, mode, got)
+
+
+def test_negative_control_a_dropped_term_is_caught(measured, monkeypatch):
+    """Drop the METP backward's fp32 dx accumulator from the plan: the check must fail."""
+    name, model, job, _ = SWEEP[0]
+    assert abs(_error(model, job, "metp", measured[(name, "metp")])) <= TOL
+    orig = P._metp_phases
+
+    def without_dx(*a, **k):
+        ph = orig(*a, **k)
+        return {key: {kk: vv for kk, vv in items.items() if not kk.startswith("dx accumulator")}
+                for key, items in ph.items()}
+
+    monkeypatch.setattr(P, "_metp_phases", without_dx)
+    assert abs(_error(model, job, "metp", measured[(name, "metp")])) > TOL
+
+
+# ------------------------------------------------------------------------- bad input, config
+
+@pytest.mark.parametrize("change,flag", [
+    (dict(model={}, job=dict(metp=3)), "--heads 32 is not divisible by --metp = 3"),
+    (dict(model=dict(seq=1000), job=dict(metp=8)), "--seq 1000"),
+    (dict(model=dict(layers=5), job=dict(pp=2)), "--layers 5 is not divisible by --pp 2"),
+    (dict(model=dict(hidden=1000), job={}), "--hidden 1000 is not divisible by --heads"),
+    (dict(model=dict(query_groups=3), job={}), "--query-groups 3"),
+    (dict(model=dict(ffn=1004), job=dict(tp=2, metp=4)), "--ffn 1004 is not divisible by --tp × --metp = 8"),
+    (dict(model={}, job=dict(tp=0)), "--tp must be a positive integer"),
+    (dict(model={}, job=dict(kernel="fused")), "--kernel"),
+    (dict(model={}, job=dict(precision="fp16")), "--precision"),
+    (dict(model={}, job=dict(hardware="B200")), "--hardware"),
+])
+def test_bad_sizes_raise_value_error_naming_the_flag(change, flag):
+    base = P.PRESETS["gpt-7b"]
+    model = P.Model(**{**base.__dict__, **change["model"]})
+    job = P.Job(**change["job"])
+    with pytest.raises(ValueError, match=re.escape(flag)):
+        P.validate(model, job)
+
+
+def test_cp_needs_metp_and_unknown_mode():
+    with pytest.raises(ValueError, match="--metp 1"):
+        P.validate(P.PRESETS["gpt-7b"], P.Job(tp=8, metp=1), ["cp"])
+    with pytest.raises(ValueError, match="--modes"):
+        P.layout("zero3", P.Job())
+
+
+def test_config_files(tmp_path):
+    kv = tmp_path / "m.cfg"
+    kv.write_text("# a comment\nhidden_size=1024\nnum_layers = 4\nheads=16\nffn=4096\n"
+                  "vocab=32000\nseq_length=8192\ntp=2\nmetp=4\nswiglu=true\n")
+    model, job = P.from_config(str(kv))
+    assert model == {"hidden": 1024, "layers": 4, "heads": 16, "ffn": 4096, "vocab": 32000,
+                     "seq": 8192, "swiglu": True}
+    assert job == {"tp": 2, "metp": 4}
+    yml = tmp_path / "m.yaml"
+    yml.write_text("hidden: 512\nlayers: 2\nnum-attention-heads: 8\nquery_groups: 2\n")
+    model, _ = P.from_config(str(yml))
+    assert model == {"hidden": 512, "layers": 2, "heads": 8, "query_groups": 2}
+    # the repo's launch configs: `: "${KEY:=value}"` defaults and `source` of a model file
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "g.sh").write_text(': "${HIDDEN_SIZE:=2048}" "${NUM_LAYERS:=24}"\n'
+                                              'NUM_ATTENTION_HEADS=16\n')
+    sh = tmp_path / "job.sh"
+    sh.write_text('source "$(dirname "${BASH_SOURCE[0]}")/models/g.sh"\n'
+                  ': "${SEQ_LENGTH:=32768}"\n: "${METP:=8}" "${TP:=1}" "${PP:=1}"\n')
+    model, job = P.from_config(str(sh))
+    assert model == {"hidden": 2048, "layers": 24, "heads": 16, "seq": 32768}
+    assert job == {"metp": 8, "tp": 1, "pp": 1}
+    with pytest.raises(ValueError, match="--config"):
+        P.from_config(str(tmp_path / "missing.yaml"))
+
+
+# ------------------------------------------------------------------------- plan properties
+
+def test_longest_sequence_is_the_boundary():
+    model, job = P.PRESETS["gpt-7b"], P.Job(tp=1, metp=8, hardware="A100-80GB")
+    cap = P.capacity_bytes(job)
+    for mode in ("tp", "tp-sp", "metp"):
+        s = P.longest_seq(model, job, mode)
+        q = P.seq_step(job, mode)
+        assert s > 0 and s % q == 0
+        assert P.memory(model, job, mode, s).total <= cap < P.memory(model, job, mode, s + q).total
+    assert P.longest_seq(model, job, "metp") > 2 * P.longest_seq(model, job, "tp-sp")
+
+
+def test_traffic_overlap_and_crossover():
+    model = P.PRESETS["gpt-7b"]
+    job = P.Job(tp=1, metp=8)
+    ov = P.overlap_thresholds(model, job, P.HARDWARE["H100-80GB"])
+    assert round(ov["MLP weight ring, forward: tokens/rank"]) == round(989e12 / 450e9)
+    assert ov["K/V ring, forward: s/p"] == pytest.approx(2 * 989e12 / 450e9)
+    cross = P.crossover_seq(model, job)
+    assert cross is not None
+    f = lambda m, s: sum(P.traffic_per_layer(model, job, m, s).values())  # noqa: E731
+    assert f("metp", cross + 4096) <= f("tp-sp", cross + 4096)
+    assert f("metp", max(16, cross - 4096)) > f("tp-sp", max(16, cross - 4096))
+
+
+def test_cli_plan_writes_charts_and_refuses_bad_sizes(tmp_path):
+    png = tmp_path / "mem.png"
+    env = dict(os.environ, MPLBACKEND="Agg")
+    proc = subprocess.run([sys.executable, "-m", "megatron_metp.cli", "plan", "--preset",
+                           "gpt-1.3b", "--seq", "32768", "--tp", "2", "--metp", "4",
+                           "--png", str(png)], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "longest sequence that fits" in proc.stdout and "METP=4×TP=2" in proc.stdout
+    assert png.stat().st_size > 0 and (tmp_path / "mem-longest.png").stat().st_size > 0
+    bad = subprocess.run([sys.executable, "-m", "megatron_metp.cli", "plan", "--preset",
+                          "gpt-7b", "--metp", "3"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--heads 32 is not divisible by --metp = 3" in bad.stderr
