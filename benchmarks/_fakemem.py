@@ -69,20 +69,19 @@ def worker_loop(spec, tag, measure, setup=None):
 
 
 def tracker_class():
-    from torch.distributed._tools.mem_tracker import MemTracker
+    """MemTracker subclass that also records the largest forward+backward allocation (shared
+    with ``metp measure``: :func:`megatron_metp.measure.tracker_class`)."""
+    from megatron_metp.measure import tracker_class as impl
 
-    class _Tracker(MemTracker):
-        """MemTracker that also keeps the largest forward+backward allocation (ACT+TEMP) seen."""
+    return impl()
 
-        work_peak = 0
 
-        def _update_peak_stats(self, peak_state):
-            super()._update_peak_stats(peak_state)
-            for snap in self._curr_mem_snap.values():
-                work = sum(v for k, v in snap.items() if getattr(k, "name", None) in ("ACT", "TEMP"))
-                self.work_peak = max(self.work_peak, work)
+def snap(tracker, kind):
+    """``{"total": bytes, "cat": {category: bytes}}`` of a MemTracker snapshot
+    (:func:`megatron_metp.measure.snap`)."""
+    from megatron_metp.measure import snap as impl
 
-    return _Tracker
+    return impl(tracker, kind)
 
 
 def comm_counter_class():
@@ -213,20 +212,6 @@ def live_storage_class():
             return [[nb, c, what, list(shape), dt, ph] for nb, c, what, shape, dt, ph in rows[:k]]
 
     return _LiveStorages
-
-
-def snap(tracker, kind):
-    """``{"total": bytes, "cat": {category name: bytes}}`` of a MemTracker snapshot."""
-    s = tracker.get_tracker_snapshot(kind)
-    total, cats = 0, {}
-    for dev_snap in s.values():
-        for k, v in dev_snap.items():
-            if k == "Total":
-                total += v
-            else:
-                name = getattr(k, "name", str(k))
-                cats[name] = cats.get(name, 0) + v
-    return {"total": total, "cat": cats}
 
 
 # --------------------------------------------------------------------------- driver side

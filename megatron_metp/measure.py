@@ -61,7 +61,7 @@ MiB = 2 ** 20
 
 # ----------------------------------------------------------------------------- helpers (child)
 
-def _tracker_class():
+def tracker_class():
     from torch.distributed._tools.mem_tracker import MemTracker
 
     class _Tracker(MemTracker):
@@ -88,7 +88,7 @@ def _tracker_class():
     return _Tracker
 
 
-def _snap(tracker, kind) -> Dict:
+def snap(tracker, kind) -> Dict:
     total, cats = 0, {}
     for dev_snap in tracker.get_tracker_snapshot(kind).values():
         for k, v in dev_snap.items():
@@ -345,7 +345,7 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
                     prm.grad = None
 
                 prm.register_post_accumulate_grad_hook(_hook)
-            tracker = _tracker_class()()
+            tracker = tracker_class()()
             tracker.track_external(main_grad)
             counter = _comm_counter_class()()
             outs = []
@@ -360,8 +360,8 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
                         # sent to the next stage: Megatron-LM frees the data and keeps the graph
                         deallocate_output_tensor(out, True)
                     outs.append((out, shape))
-                after_fwd = _snap(tracker, "current")
-                fwd_peak = _snap(tracker, "peak")
+                after_fwd = snap(tracker, "current")
+                fwd_peak = snap(tracker, "peak")
                 out, shape = outs.pop(0)
                 if last:
                     out.float().sum().backward()
@@ -371,7 +371,7 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
                         custom_backward(out, grad)
                     else:
                         out.backward(grad)
-            peak = _snap(tracker, "peak")
+            peak = snap(tracker, "peak")
             phases = {}
             if gpt.decoder.layers:
                 lastl = gpt.decoder.layers[-1]
