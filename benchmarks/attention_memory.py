@@ -271,47 +271,11 @@ def _worker(spec):
 
 
 def _megatron_classes():
-    """CpuSPNorm and SDPAFlashCoreAttention (need megatron/torch imported: built lazily)."""
-    import torch
-    import torch.nn.functional as F
-    from megatron.core.transformer.module import MegatronModule
+    """CpuSPNorm and SDPAFlashCoreAttention, shared with ``metp measure``
+    (:func:`megatron_metp.measure.megatron_cpu_classes`; built lazily, after the imports)."""
+    from megatron_metp.measure import megatron_cpu_classes
 
-    class CpuSPNorm(torch.nn.LayerNorm):
-        """torch LayerNorm with WrappedTorchNorm's signature that accepts sequence parallelism
-        (parameters tagged ``sequence_parallel`` so that Megatron all-reduces their grads)."""
-
-        def __init__(self, config, hidden_size, eps=1e-5, persist_layer_norm=False,
-                     zero_centered_gamma=False, normalization="LayerNorm"):
-            super().__init__(hidden_size, eps=eps)
-            for prm in self.parameters():
-                prm.sequence_parallel = config.sequence_parallel
-
-    class SDPAFlashCoreAttention(MegatronModule):
-        """Megatron core_attention backed by ``F.scaled_dot_product_attention(is_causal=True)``.
-
-        Takes ``q [sq, b, np, hn]``, ``k, v [sk, b, ng, hn]`` (this TP rank's heads), repeats K/V
-        heads for GQA as ``DotProductAttention`` does, attends on ``[b, heads, s, hn]`` views and
-        returns ``[sq, b, np·hn]``. Causal only, no dropout, no explicit mask.
-        """
-
-        def __init__(self, config, layer_number, attn_mask_type, attention_type,
-                     cp_comm_type=None, softmax_scale=None, pg_collection=None):
-            super().__init__(config=config)
-            self.softmax_scale = softmax_scale
-
-        def forward(self, query, key, value, attention_mask, attn_mask_type=None,
-                    attention_bias=None, packed_seq_params=None):
-            assert attention_mask is None and attention_bias is None and packed_seq_params is None
-            rep = query.shape[2] // key.shape[2]
-            if rep > 1:
-                key = key.repeat_interleave(rep, dim=2)
-                value = value.repeat_interleave(rep, dim=2)
-            q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
-            sq, b = query.shape[:2]
-            return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
-
-    return CpuSPNorm, SDPAFlashCoreAttention
+    return megatron_cpu_classes()
 
 
 def _build_megatron(case):

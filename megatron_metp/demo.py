@@ -197,24 +197,15 @@ def _torch_optimizers(opt):
 
 def _memory_tracker(state):
     """A MemTracker that knows the model, the optimizer states and DDP's grad buffers."""
-    from torch.distributed._tools.mem_tracker import MemTracker
+    from .measure import tracker_class
 
-    class Tracker(MemTracker):
+    class Tracker(tracker_class()):  # restarts per-module stats for every micro-batch
         def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
             # Megatron's DDP wrapper keeps its grad buffers in the attribute ``buffers``, which
             # hides ``Module.buffers()``; its parameters are those of the module it wraps.
             if not callable(module.buffers):
                 module = module.module
             return super()._track_module_params_and_buffers(module, install_grad_hooks)
-
-        def _pre_fw_hook(self, module, inputs):
-            # A step runs the root module once per micro-batch; MemTracker's per-module stats
-            # allow one call, so restart them (the global peak, which we report, is kept).
-            if module in self.memory_tracking and not self._mod_tracker.is_bw:
-                fqn = self._mod_tracker.get_known_fqn(module)
-                if set(self._mod_tracker.parents) - {fqn} == {"Global"}:
-                    self.reset_mod_stats()
-            return super()._pre_fw_hook(module, inputs)
 
     ddp = state["model"]
     mt = Tracker()

@@ -167,7 +167,7 @@ def _comm_counter_class():
     return _Counter
 
 
-def _megatron_classes():
+def megatron_cpu_classes():
     """``CpuSPNorm`` (LayerNorm accepting sequence parallelism) and ``SDPAFlashCoreAttention``."""
     import torch
     import torch.nn.functional as F
@@ -305,7 +305,7 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
         apply_rope_fusion=False, gradient_accumulation_fusion=False,
         params_dtype=torch.bfloat16, bf16=True, pipeline_dtype=torch.bfloat16,
         attention_softmax_in_fp32=False, batch_p2p_sync=False)
-    CpuSPNorm, SDPAFlash = _megatron_classes()
+    CpuSPNorm, SDPAFlash = megatron_cpu_classes()
     if mode in ("tp", "tp-sp"):
         spec = get_gpt_layer_local_spec()
         if job.kernel == "flash":
