@@ -24,8 +24,12 @@ def _child(fn, rank, world_size, store_path, queue, args, kwargs):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     try:
-        store = dist.FileStore(store_path, world_size)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        try:
+            store = dist.FileStore(store_path, world_size)
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        except BaseException:  # noqa: BLE001 - the group never formed; the parent retries
+            queue.put((rank, "init-error", traceback.format_exc()))
+            return
         result = fn(rank, world_size, *args, **kwargs)
         # Plain pickle: torch's ForkingPickler would pass tensors as shared-memory handles that
         # die with this process.
@@ -65,7 +69,23 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, allow_errors: 
 
     Returns the list of per-rank results. With ``allow_errors=True`` a failing rank's entry is
     ``("error", traceback_text)`` instead of raising, and a rank that never reports is ``None``.
+
+    Forming the gloo group on loopback occasionally fails (a connection closed during gloo's
+    full-mesh connect); such a start, in which ``fn`` never ran, is retried up to twice with a
+    fresh store.
     """
+    for attempt in range(3):
+        results = _run_once(fn, world_size, args, kwargs, timeout)
+        init_failed = [v for st, v in results.values() if st == "init-error"]
+        if not init_failed:
+            break
+    else:
+        raise RankError(f"the gloo group of {world_size} ranks failed to form 3 times:\n"
+                        f"{init_failed[0]}")
+    return _collect(results, world_size, timeout, allow_errors)
+
+
+def _run_once(fn, world_size, args, kwargs, timeout):
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     fd, store_path = tempfile.mkstemp(prefix="metp_store_")
@@ -86,7 +106,13 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, allow_errors: 
                     break
                 continue
             results[rank] = (status, value)
+            if status == "init-error":
+                break  # the group did not form: stop the others and retry
     finally:
+        if any(st == "init-error" for st, _ in results.values()):
+            for p in procs:  # the others may wait in gloo's connect: no reason to let them
+                if p.is_alive():
+                    p.kill()
         for p in procs:
             p.join(timeout=5)
             if p.is_alive():
@@ -94,6 +120,10 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, allow_errors: 
                 p.join()
         if os.path.exists(store_path):
             os.unlink(store_path)
+    return results
+
+
+def _collect(results, world_size, timeout, allow_errors):
     out = []
     for r in range(world_size):
         status, value = results.get(r, (None, None))

@@ -79,3 +79,26 @@ def test_single_rank_group_has_nothing_to_exchange():
     assert (g.size, g.rank) == (1, 0)
     steps = list(RingExchanger(g).circulate(torch.ones(2)))
     assert len(steps) == 1 and g.stats.steps == 0
+
+
+def _world_size(rank, world):
+    return dist.get_world_size()
+
+
+def test_harness_retries_a_group_that_failed_to_form(monkeypatch, tmp_path):
+    """The first start's rendezvous fails (as gloo's mesh connect occasionally does on loopback):
+    run_ranks starts the group again; a failure inside the test function is never retried."""
+    import tests.harness as harness
+
+    marker = tmp_path / "failed-once"
+    real_init = dist.init_process_group
+
+    def flaky_init(*args, **kwargs):
+        if kwargs.get("rank") == 1 and not marker.exists():
+            marker.write_text("x")
+            raise RuntimeError("Gloo connectFullMesh failed (injected)")
+        return real_init(*args, **kwargs)
+
+    monkeypatch.setattr(harness.dist, "init_process_group", flaky_init)
+    assert run_ranks(_world_size, 2) == [2, 2]
+    assert marker.exists()
