@@ -34,6 +34,7 @@ def _child(fn, rank, world_size, store_path, queue, args, kwargs):
         # Plain pickle: torch's ForkingPickler would pass tensors as shared-memory handles that
         # die with this process.
         queue.put((rank, "ok", pickle.dumps(result)))
+        _linger(world_size)
     except BaseException:  # noqa: BLE001 - reported to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -42,6 +43,25 @@ def _child(fn, rank, world_size, store_path, queue, args, kwargs):
         queue.close()
         queue.join_thread()
         os._exit(0)
+
+
+def _linger(world_size: int, seconds: float = 60.0) -> None:
+    """Keep this rank's sockets open until every rank has finished ``fn``.
+
+    A rank that exits as soon as it is done closes its gloo connections; a slower peer still inside
+    gloo's full-mesh connect of a group created near the end of ``fn`` then fails with "Connection
+    closed by peer" (seen in CI with 8 ranks). A barrier on the world group, bounded so that a
+    test whose peer died on purpose does not wait, lets the slow ones finish first.
+    """
+    import datetime
+
+    if world_size == 1 or not dist.is_initialized():
+        return
+    try:
+        work = dist.barrier(async_op=True)
+        work.wait(timeout=datetime.timedelta(seconds=seconds))
+    except BaseException:  # noqa: BLE001 - a peer is gone or the group was torn down: exit anyway
+        pass
 
 
 def preload_megatron() -> None:
@@ -113,8 +133,9 @@ def _run_once(fn, world_size, args, kwargs, timeout):
             for p in procs:  # the others may wait in gloo's connect: no reason to let them
                 if p.is_alive():
                     p.kill()
+        join_deadline = time.monotonic() + 5
         for p in procs:
-            p.join(timeout=5)
+            p.join(timeout=max(0.0, join_deadline - time.monotonic()))
             if p.is_alive():
                 p.kill()
                 p.join()
