@@ -1,0 +1,288 @@
+"""METP output layer fused with cross-entropy: the loss without ever holding full logits.
+
+Layout on rank ``r`` of a METP group of size ``p`` (see :mod:`megatron_metp.ops.vocab`):
+
+* ``hidden`` (``X``): this rank's tokens ``[n, b, h]`` (``n = s/p``); ``labels`` ``[b, n]``;
+* ``weight`` (``W_r``): output-layer rows ``[vocab_start + r·v, vocab_start + (r+1)·v)``, ``[v, h]``
+  (Megatron's ``ColumnParallelLinear`` vocabulary shard for TP of size ``t·p``);
+* returns the per-token loss ``[b, n]`` in fp32, as Megatron's ``compute_language_model_loss``.
+
+Forward (``p`` steps, weight ring). At step ``t`` rank ``r`` holds shard ``j = (r - t) mod p`` and
+forms ``Z_j = X·W_jᵀ`` (``[n·b, v]``, fp32) while shard ``j-1`` is in flight, folding it into an
+online log-sum-exp and the target logit::
+
+    m ← max(m, max_k Z_j[:, k])      l ← l·e^(m_old - m) + Σ_k e^(Z_j[:, k] - m)
+    z_y ← z_y + Z_j[i, y_i - lo_j]   (for the tokens whose label lies in shard j)
+
+With TP the partial ``(m, l, z_y)`` of each TP rank's vocabulary range are merged by all-reduces
+(max, then sums), as Megatron's ``vocab_parallel_cross_entropy`` does. Then
+``lse = m + log l`` and ``loss = lse - z_y``. With label smoothing ``ε`` (Megatron's form,
+``ε' = ε·V/(V-1)``): ``loss = lse - (1-ε')·z_y - ε'·(Σ_k Z[:, k])/V``.
+
+Backward (``p`` steps, second pass of the ring). ``Z_j`` is recomputed as shard ``j`` passes::
+
+    dZ_j = g ⊙ (softmax(Z_j) - (1-ε')·onehot_j - ε'/V)    softmax(Z_j) = e^(Z_j - lse)
+    dX  += dZ_j·W_j   (local)              dW_j = Σ_ranks dZ_jᵀ·X   (travels to its owner)
+
+so no rank holds more than ``[n·b, v]`` logits at a time. With TP, dX is summed over TP at the end.
+Saved for backward: ``X``, ``labels`` and ``lse`` (``[n·b]`` fp32); nothing of size ``V``.
+
+:func:`metp_output_logits` is the same ring without the loss (``[n, b, p·v]`` logits of this
+group's vocabulary range, Megatron's ``parallel_output`` logits): for evaluation and generation.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..finite import check_finite
+from ..groups import METPGroup, as_metp_group
+from ..ring import RingExchanger, TravellingSum
+from ._accum import mm_acc
+from .vocab import check_ids, check_table, shard_rows, vocab_bounds
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _all_reduce(t: torch.Tensor, op, group, timeout) -> None:
+    work = dist.all_reduce(t, op=op, group=group, async_op=True)
+    if t.is_cuda:
+        work.wait()
+    else:
+        work.wait(timeout)
+
+
+def _tp_size(tp_group) -> int:
+    return 1 if tp_group is None else dist.get_world_size(tp_group)
+
+
+def _weight_ring_backward(x2, weight, group: METPGroup, grad_dtype, vocab_start, shard_dz, what):
+    """The backward ring shared by the loss and the logits path.
+
+    For every shard ``j`` (visited ``r-1, r-2, …, r``), ``shard_dz(z_or_none, w_j, lo, hi)``
+    returns ``dZ_j`` ``[N, v]`` in the input dtype; ``dX += dZ_j·W_j`` locally and
+    ``dZ_jᵀ·X`` is added into the gradient sum travelling with shard ``j``. Returns ``(dX, dW)``.
+    """
+    p = group.size
+    v, h = weight.shape
+    acc = _acc_dtype(x2.dtype)
+    dx = torch.zeros(x2.shape[0], h, dtype=acc, device=x2.device)
+    sums = TravellingSum(RingExchanger(group, f"{what} grads (bwd)"), v * h, grad_dtype or acc,
+                         x2.device)
+    w_ring = RingExchanger(group, f"{what} weights (bwd)")
+
+    def visit(w_j, j):
+        lo, hi = shard_rows(vocab_start, v, j)
+        dz = shard_dz(w_j, lo, hi)
+        mm_acc(dx, dz, w_j)
+        mm_acc(sums.buffer().view(v, h), dz.t(), x2)
+
+    if p > 1:
+        first = weight.detach().clone()
+        held = w_ring.start(first, torch.empty_like(first), step=0).wait()
+        for t, w_j in w_ring.circulate(held, steps=p - 1, spare=first):
+            visit(w_j, group.owner_at_step(t, offset=1))
+            sums.pass_on()
+    visit(weight, group.rank)
+    return dx, sums.buffer().view(v, h)
+
+
+class _METPCrossEntropyFunction(torch.autograd.Function):
+    """Autograd function of :func:`metp_output_cross_entropy` (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, group: METPGroup, tp_group, vocab_start: int,
+                vocab_size: int, smoothing: float, grad_dtype, label: str):
+        check_finite(f"{label} (forward)", hidden=hidden, weight=weight)
+        n, b, h = hidden.shape
+        v = weight.shape[0]
+        x2 = hidden.reshape(n * b, h)
+        y = labels.t().reshape(-1)  # [b, n] -> token order of x2 ([n, b])
+        N = y.numel()
+        m = torch.full((N,), float("-inf"), dtype=torch.float32, device=hidden.device)
+        l = torch.zeros(N, dtype=torch.float32, device=hidden.device)
+        zy = torch.zeros_like(l)
+        zsum = torch.zeros_like(l) if smoothing else None
+        ring = RingExchanger(group, "output-layer shards (fwd)")
+        shards = ring.circulate(weight.detach().clone()) if group.size > 1 else [(0, weight)]
+        for t, w in shards:
+            lo, hi = shard_rows(vocab_start, v, group.owner_at_step(t))
+            z = torch.mm(x2, w.t()).float()  # [N, v]: the only logits alive
+            sel = ((y >= lo) & (y < hi)).nonzero().squeeze(1)
+            zy.index_add_(0, sel, z[sel, y[sel] - lo])
+            if zsum is not None:
+                zsum.add_(z.sum(1))
+            m_new = torch.maximum(m, z.amax(1))
+            l.mul_(torch.exp(m - m_new)).add_(z.sub_(m_new[:, None]).exp_().sum(1))
+            m = m_new
+        if _tp_size(tp_group) > 1:
+            m_all = m.clone()
+            _all_reduce(m_all, dist.ReduceOp.MAX, tp_group, group.timeout)
+            l.mul_(torch.exp(m - m_all))
+            parts = torch.stack([l, zy] + ([zsum] if zsum is not None else []))
+            _all_reduce(parts, dist.ReduceOp.SUM, tp_group, group.timeout)
+            l, zy = parts[0], parts[1]
+            zsum = parts[2] if zsum is not None else None
+            m = m_all
+        lse = m + torch.log(l)
+        if smoothing:
+            eps = smoothing * vocab_size / (vocab_size - 1)
+            loss = lse - (1.0 - eps) * zy - eps * zsum / vocab_size
+        else:
+            eps = 0.0
+            loss = lse - zy
+        ctx.save_for_backward(hidden, weight, labels, lse)
+        ctx.group, ctx.tp_group, ctx.vocab_start, ctx.vocab_size = group, tp_group, vocab_start, \
+            vocab_size
+        ctx.eps, ctx.grad_dtype, ctx.label = eps, grad_dtype, label
+        return loss.view(n, b).t()
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        check_finite(f"{ctx.label} (backward)", grad_output=grad_loss)
+        hidden, weight, labels, lse = ctx.saved_tensors
+        group: METPGroup = ctx.group
+        n, b, h = hidden.shape
+        x2 = hidden.reshape(n * b, h)
+        y = labels.t().reshape(-1)
+        g = grad_loss.t().reshape(-1).float()
+        eps, V = ctx.eps, ctx.vocab_size
+
+        def shard_dz(w_j, lo, hi):
+            z = torch.mm(x2, w_j.t()).float()
+            dz = z.sub_(lse[:, None]).exp_()  # softmax over the whole vocabulary, shard j
+            if eps:
+                dz.sub_(eps / V)
+            sel = ((y >= lo) & (y < hi)).nonzero().squeeze(1)
+            dz[sel, y[sel] - lo] -= 1.0 - eps
+            dz.mul_(g[:, None])
+            return dz.to(x2.dtype)
+
+        dx, dw = _weight_ring_backward(x2, weight, group, ctx.grad_dtype, ctx.vocab_start,
+                                       shard_dz, "output layer")
+        if _tp_size(ctx.tp_group) > 1:
+            _all_reduce(dx, dist.ReduceOp.SUM, ctx.tp_group, group.timeout)
+        return (dx.to(hidden.dtype).view(n, b, h), dw.to(weight.dtype), None, None, None, None,
+                None, None, None, None)
+
+
+def _check_hidden(hidden, weight, group, grad_reduce_dtype):
+    check_table(weight, "weight")
+    if hidden.dim() != 3:
+        raise ValueError(f"hidden must be this rank's tokens [s/p, b, h], got shape "
+                         f"{tuple(hidden.shape)}")
+    if hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden size {hidden.shape[-1]} does not match the output weight "
+                         f"shard {tuple(weight.shape)} ([V/(t*p), h])")
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"weight has dtype {weight.dtype} but hidden has {hidden.dtype}; cast "
+                         f"them to one dtype")
+    if hidden.device != weight.device:
+        raise ValueError(f"weight is on {weight.device} but hidden is on {hidden.device}")
+    if grad_reduce_dtype is not None and not grad_reduce_dtype.is_floating_point:
+        raise ValueError(f"grad_reduce_dtype must be a floating dtype, got {grad_reduce_dtype}")
+
+
+def metp_output_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
+                              group, tp_group=None, vocab_start: int = 0,
+                              vocab_size: Optional[int] = None, label_smoothing: float = 0.0,
+                              check_labels: bool = True,
+                              grad_reduce_dtype: Optional[torch.dtype] = torch.float32,
+                              label: str = "metp_output_cross_entropy") -> torch.Tensor:
+    """Per-token cross-entropy of ``softmax(hidden·Wᵀ)`` with the vocabulary shards on a ring.
+
+    Args:
+        hidden: this rank's final hidden states ``[s/p, b, h]``.
+        weight: this rank's output-layer shard ``[v, h]`` (rows ``vocab_start + rank·v`` on).
+        labels: target ids ``[b, s/p]`` in ``[0, V)``.
+        group: the METP group (:class:`~megatron_metp.groups.METPGroup`, ProcessGroup or None).
+        tp_group: Megatron's TP group when the vocabulary is also split over TP (``None``: no TP).
+        vocab_start: first row of this METP group's range (``tp_rank·p·v``).
+        vocab_size: the full padded vocabulary ``V`` (default ``p·v``: no TP).
+        label_smoothing: Megatron's label smoothing (0 = off, the default).
+        check_labels: check on every rank (one tiny all-reduce) that labels lie in ``[0, V)``.
+        grad_reduce_dtype: dtype of the weight-gradient sum travelling the ring (default fp32).
+        label: names this call in NaN/Inf reports.
+
+    Returns:
+        ``[b, s/p]`` fp32 losses (unreduced; apply the loss mask and average as Megatron does).
+        The weight shard's gradient is complete (summed over the group's tokens).
+    """
+    group = as_metp_group(group)
+    _check_hidden(hidden, weight, group, grad_reduce_dtype)
+    n, b, _ = hidden.shape
+    if labels.dim() != 2 or tuple(labels.shape) != (b, n):
+        raise ValueError(f"labels must be [b, s/p] = [{b}, {n}] like hidden [s/p, b, h], got "
+                         f"{tuple(labels.shape)}")
+    if labels.is_floating_point():
+        raise ValueError(f"labels must be integer ids, got {labels.dtype}")
+    t = _tp_size(tp_group)
+    if vocab_size is None and t > 1:
+        raise ValueError("vocab_size (the full padded vocabulary) is required with a TP group")
+    lo, hi = vocab_bounds(vocab_start, weight.shape[0], group.size, vocab_size)
+    if hi != t * group.size * weight.shape[0]:
+        raise ValueError(f"vocab_size {hi} != TP x METP x shard rows = {t}*{group.size}*"
+                         f"{weight.shape[0]}: the shards do not cover the padded vocabulary")
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+    if check_labels:
+        check_ids(labels, lo, hi, group, "labels",
+                  "check the data's token ids against the vocabulary size")
+    return _METPCrossEntropyFunction.apply(hidden, weight, labels.long(), group, tp_group,
+                                           int(vocab_start), int(hi), float(label_smoothing),
+                                           grad_reduce_dtype, label)
+
+
+class _METPLogitsFunction(torch.autograd.Function):
+    """Autograd function of :func:`metp_output_logits`."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, group: METPGroup, grad_dtype, label: str):
+        check_finite(f"{label} (forward)", hidden=hidden, weight=weight)
+        n, b, h = hidden.shape
+        v = weight.shape[0]
+        x2 = hidden.reshape(n * b, h)
+        out = torch.empty(n * b, group.size * v, dtype=hidden.dtype, device=hidden.device)
+        ring = RingExchanger(group, "output-layer shards (fwd)")
+        shards = ring.circulate(weight.detach().clone()) if group.size > 1 else [(0, weight)]
+        for t, w in shards:
+            j = group.owner_at_step(t)
+            torch.mm(x2, w.t(), out=out[:, j * v:(j + 1) * v])
+        ctx.save_for_backward(hidden, weight)
+        ctx.group, ctx.grad_dtype, ctx.label = group, grad_dtype, label
+        return out.view(n, b, group.size * v)
+
+    @staticmethod
+    def backward(ctx, grad_logits):
+        check_finite(f"{ctx.label} (backward)", grad_output=grad_logits)
+        hidden, weight = ctx.saved_tensors
+        n, b, h = hidden.shape
+        v = weight.shape[0]
+        x2 = hidden.reshape(n * b, h)
+        g = grad_logits.reshape(n * b, -1).to(hidden.dtype)
+
+        def shard_dz(w_j, lo, hi):
+            return g[:, lo:hi]
+
+        dx, dw = _weight_ring_backward(x2, weight, ctx.group, ctx.grad_dtype, 0, shard_dz,
+                                       "output logits")
+        return dx.to(hidden.dtype).view(n, b, h), dw.to(weight.dtype), None, None, None
+
+
+def metp_output_logits(hidden: torch.Tensor, weight: torch.Tensor, *, group,
+                       grad_reduce_dtype: Optional[torch.dtype] = torch.float32,
+                       label: str = "metp_output_logits") -> torch.Tensor:
+    """Logits of this rank's tokens over the METP group's vocabulary range, ``[s/p, b, p·v]``.
+
+    The weight shards pass around the ring; the result equals Megatron's ``parallel_output``
+    logits of TP rank ``τ`` (columns ``[τ·p·v, (τ+1)·p·v)``). For evaluation/generation: training
+    uses :func:`metp_output_cross_entropy`, which never holds more than ``[s/p·b, v]`` logits.
+    """
+    group = as_metp_group(group)
+    _check_hidden(hidden, weight, group, grad_reduce_dtype)
+    return _METPLogitsFunction.apply(hidden, weight, group, grad_reduce_dtype, label)

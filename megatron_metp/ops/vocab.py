@@ -1,0 +1,83 @@
+"""Vocabulary shards of the METP group: padding, row ranges and a group-wide token-id check.
+
+A vocabulary-parallel table (word embedding or output layer) ``[V, h]`` is split by rows into
+``t·p`` shards of ``v = V/(t·p)`` rows, TP-major, exactly as Megatron's ``VocabParallelEmbedding``
+splits it over TP of size ``t·p``: METP rank ``r`` of TP rank ``τ`` holds rows
+``[(τ·p + r)·v, (τ·p + r + 1)·v)``. The ring of one METP group therefore carries the contiguous
+range ``[τ·p·v, (τ+1)·p·v)``; its start is the ops' ``vocab_start``. ``V`` is Megatron's padded
+vocabulary (:func:`padded_vocab_size`); the padding rows are ordinary rows, as in Megatron.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..groups import METPGroup
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int = 128, tensor_model_parallel_size: int = 1,
+                      metp_parallel_size: int = 1) -> int:
+    """Megatron's vocabulary padding with the METP size folded in: the smallest multiple of
+    ``divisible_by · t · p`` that is ``>= vocab_size`` (Megatron pads to ``divisible_by · t``)."""
+    for name, val in (("vocab_size", vocab_size), ("divisible_by", divisible_by),
+                      ("tensor_model_parallel_size", tensor_model_parallel_size),
+                      ("metp_parallel_size", metp_parallel_size)):
+        if int(val) != val or val < 1:
+            raise ValueError(f"{name} must be a positive integer, got {val!r}")
+    multiple = divisible_by * tensor_model_parallel_size * metp_parallel_size
+    return -(-vocab_size // multiple) * multiple
+
+
+def shard_rows(vocab_start: int, rows: int, j: int) -> tuple:
+    """``(lo, hi)``: the rows of the ring's shard ``j`` (rows ``[lo, hi)`` of the full table)."""
+    lo = vocab_start + j * rows
+    return lo, lo + rows
+
+
+def check_table(weight: torch.Tensor, name: str) -> None:
+    if weight.dim() != 2:
+        raise ValueError(f"{name} must be this rank's vocabulary shard [V/(t*p), h], got shape "
+                         f"{tuple(weight.shape)}")
+    if not weight.is_floating_point():
+        raise ValueError(f"{name} must be floating point, got {weight.dtype}")
+
+
+def check_ids(ids: torch.Tensor, lo: int, hi: int, group: METPGroup, what: str, flag: str) -> None:
+    """Raise ``ValueError`` on every rank of ``group`` if any rank's ``ids`` leave ``[lo, hi)``.
+
+    One two-element all-reduce over the group (every rank takes part whatever its data), so all
+    ranks raise together before any ring step starts instead of one rank reading out of bounds
+    and its peers waiting for it.
+    """
+    if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+        raise ValueError(f"{what} must be an integer tensor, got {ids.dtype}")
+    if ids.numel():
+        mn, mx = torch.aminmax(ids.reshape(-1).to(torch.int64))
+        bounds = torch.stack([-mn, mx])
+    else:
+        bounds = torch.tensor([-lo, lo], dtype=torch.int64, device=ids.device)
+    if group.size > 1:
+        work = dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=group.group, async_op=True)
+        if ids.is_cuda:
+            work.wait()
+        else:
+            work.wait(group.timeout)
+    mn, mx = -int(bounds[0]), int(bounds[1])
+    if mn < lo or mx >= hi:
+        where = "on this rank" if group.size == 1 else f"on a rank of METP group {group.name!r}"
+        raise ValueError(f"{what} out of range {where}: got ids from {mn} to {mx}, but the "
+                         f"vocabulary has rows [{lo}, {hi}); {flag}")
+
+
+def vocab_bounds(vocab_start: int, rows: int, p: int, vocab_size: Optional[int]) -> tuple:
+    """Valid token ids ``[0, V)``; ``V`` defaults to the end of this METP group's range."""
+    end = vocab_start + p * rows
+    if vocab_size is None:
+        return 0, end
+    if vocab_size < end:
+        raise ValueError(f"vocab_size={vocab_size} is smaller than the end of this group's shards "
+                         f"({vocab_start} + {p}*{rows} = {end})")
+    return 0, vocab_size
