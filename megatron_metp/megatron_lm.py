@@ -45,6 +45,8 @@ ATTENTION_KERNELS = ("auto", "flash_attn", "torch_flash", "reference")
 
 #: set on ``args`` once ``validate_metp_args`` has moved METP onto the context-parallel dimension
 _MAPPED = "metp_context_parallel_mapped"
+#: set on ``args``: ``--make-vocab-size-divisible-by`` as given, before METP's factor
+_VOCAB_BASE = "metp_vocab_divisible_by_base"
 
 
 # ----------------------------------------------------------------------------------- flags
@@ -76,6 +78,12 @@ def add_metp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--metp-keep-intermediate", action="store_true",
         help="Keep each MLP weight shard's intermediate f(x W1_j) for backward instead of "
              "recomputing it (faster, more activation memory).")
+    group.add_argument(
+        "--metp-vocab-parallel", action="store_true",
+        help="Shard the word embedding and the output layer by vocabulary over TP x METP too, "
+             "and compute the loss with the output-layer shards on the ring (online "
+             "log-sum-exp): no rank holds a whole table or full-vocabulary logits. Megatron "
+             "pads the vocabulary to a multiple of --make-vocab-size-divisible-by x TP x METP.")
     group.add_argument(
         "--metp-ring-timeout", type=float, default=None, metavar="SECONDS",
         help="Seconds a ring step waits for its peer before failing with a message naming the "
@@ -148,7 +156,26 @@ def validate_metp_args(args):
         print(f"> METP: --metp-parallel-size {p} runs on Megatron's context-parallel dimension "
               f"(context-parallel size {p}); expert groups are folded onto the METP rings in "
               f"parallel_state only", flush=True)
+    if getattr(args, "metp_vocab_parallel", False):
+        _fold_vocab_padding(args, p)
     return args
+
+
+def _fold_vocab_padding(args, p: int) -> None:
+    """Make Megatron pad the vocabulary to a multiple of ``divisible_by × TP × METP``.
+
+    Megatron pads to ``--make-vocab-size-divisible-by × TP``; multiplying the first factor by
+    ``p`` (once, however often this runs) gives every TP×METP rank the same number of rows.
+    """
+    base = getattr(args, _VOCAB_BASE, None)
+    if base is None:
+        base = getattr(args, "make_vocab_size_divisible_by", 128) or 1
+        setattr(args, _VOCAB_BASE, base)
+    args.make_vocab_size_divisible_by = base * p
+    if getattr(args, "rank", 0) == 0:
+        print(f"> METP: --metp-vocab-parallel: word embedding and output layer sharded over "
+              f"TP x METP; vocabulary padded to a multiple of {base} x "
+              f"{args.tensor_model_parallel_size} x {p}", flush=True)
 
 
 def _metp_problems(args, p: int, tp: int) -> List[str]:
@@ -305,11 +332,17 @@ def build_metp_gpt_model(args, pre_process, post_process, vp_stage=None, config=
 
     from .megatron.groups import METPGroups
     from .megatron.spec import get_gpt_layer_metp_spec
+    from .megatron.vocab import METPGPTModel
 
     if config is None:
         config = _config_from_args(args)
     check_metp_parallel_state(args)
     groups = METPGroups.from_parallel_state(timeout_s=getattr(args, "metp_ring_timeout", None))
+    vocab_parallel = bool(getattr(args, "metp_vocab_parallel", False))
+    if vocab_parallel and args.padded_vocab_size % groups.shards:
+        raise ValueError(f"--metp-vocab-parallel: the padded vocabulary ({args.padded_vocab_size}) "
+                         f"is not divisible by TP x METP = {groups.shards}; validate_args did not "
+                         f"fold METP into --make-vocab-size-divisible-by (apply all of patches/)")
     weight_ring = not getattr(args, "metp_disable_weight_ring", False)
     kernel = getattr(args, "metp_attention_kernel", "auto")
     spec = get_gpt_layer_metp_spec(
@@ -319,8 +352,11 @@ def build_metp_gpt_model(args, pre_process, post_process, vp_stage=None, config=
     if not dist.is_initialized() or dist.get_rank() == 0:
         mode = "METP (weight ring + K/V ring)" if weight_ring else "ring self-attention"
         print(f"building GPT model with {mode}: METP size {groups.metp.size}, TP size "
-              f"{groups.tp_size}, attention kernel {kernel}", flush=True)
-    return GPTModel(
+              f"{groups.tp_size}, attention kernel {kernel}, vocabulary "
+              f"{'sharded over TP x METP' if vocab_parallel else 'sharded over TP only'}",
+              flush=True)
+    cls, extra = (METPGPTModel, {"metp_groups": groups}) if vocab_parallel else (GPTModel, {})
+    return cls(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=args.padded_vocab_size,
@@ -336,4 +372,5 @@ def build_metp_gpt_model(args, pre_process, post_process, vp_stage=None, config=
         rope_scaling=args.use_rope_scaling,
         vp_stage=vp_stage,
         pg_collection=pg_collection,
+        **extra,
     )

@@ -36,6 +36,7 @@
 #   TRANSFORMER_IMPL [auto: transformer_engine when importable here, else local;
 #                     --dry-run assumes the training nodes have it]
 #   METP_ATTENTION_KERNEL [auto] METP_DISABLE_WEIGHT_RING [0] METP_KEEP_INTERMEDIATE [0]
+#   METP_VOCAB_PARALLEL [0]
 #   METP_RING_TIMEOUT [unset]               METP flags
 #   EXTRA_ARGS                              more pretrain_gpt.py arguments (a bash array in the
 #                                           config, or a string in the environment)
@@ -101,7 +102,7 @@ fi
 : "${VOCAB_SIZE:=32000}" "${SAVE_INTERVAL:=1000}" "${LOG_INTERVAL:=1}"
 : "${EVAL_INTERVAL:=1000}" "${EVAL_ITERS:=10}"
 : "${TRANSFORMER_IMPL:=auto}" "${METP_ATTENTION_KERNEL:=auto}"
-: "${METP_DISABLE_WEIGHT_RING:=0}" "${METP_KEEP_INTERMEDIATE:=0}"
+: "${METP_DISABLE_WEIGHT_RING:=0}" "${METP_KEEP_INTERMEDIATE:=0}" "${METP_VOCAB_PARALLEL:=0}"
 WORLD_SIZE=$((GPUS_PER_NODE * NNODES))
 
 IMPL_NOTE=""
@@ -158,6 +159,7 @@ if [[ "$METP" -gt 1 ]]; then
     MODEL_PARALLEL_ARGS+=(--metp-attention-kernel "$METP_ATTENTION_KERNEL")
     [[ "$METP_DISABLE_WEIGHT_RING" == 1 ]] && MODEL_PARALLEL_ARGS+=(--metp-disable-weight-ring)
     [[ "$METP_KEEP_INTERMEDIATE" == 1 ]] && MODEL_PARALLEL_ARGS+=(--metp-keep-intermediate)
+    [[ "$METP_VOCAB_PARALLEL" == 1 ]] && MODEL_PARALLEL_ARGS+=(--metp-vocab-parallel)
     [[ -n "${METP_RING_TIMEOUT:-}" ]] && MODEL_PARALLEL_ARGS+=(--metp-ring-timeout "$METP_RING_TIMEOUT")
 fi
 

@@ -37,9 +37,10 @@ def test_add_metp_args_registers_flags_with_defaults_and_help():
     assert args.metp_attention_kernel == "auto"
     assert args.metp_keep_intermediate is False
     assert args.metp_ring_timeout is None
+    assert args.metp_vocab_parallel is False
     flags = {opt: a for a in parser._actions for opt in a.option_strings}
     for flag in ("--metp-parallel-size", "--metp-disable-weight-ring", "--metp-attention-kernel",
-                 "--metp-keep-intermediate", "--metp-ring-timeout"):
+                 "--metp-keep-intermediate", "--metp-ring-timeout", "--metp-vocab-parallel"):
         assert flags[flag].help and len(flags[flag].help) > 30, flag
     assert tuple(flags["--metp-attention-kernel"].choices) == \
         ("auto", "flash_attn", "torch_flash", "reference")
@@ -89,7 +90,8 @@ def _args(**kw):
     """The attributes validate_metp_args reads, at Megatron's command-line defaults."""
     base = dict(
         metp_parallel_size=1, metp_disable_weight_ring=False, metp_attention_kernel="auto",
-        metp_keep_intermediate=False, metp_ring_timeout=None, world_size=8, rank=0,
+        metp_keep_intermediate=False, metp_ring_timeout=None, metp_vocab_parallel=False,
+        make_vocab_size_divisible_by=128, world_size=8, rank=0,
         tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
         expert_model_parallel_size=1, expert_tensor_parallel_size=None,
         hierarchical_context_parallel_sizes=None, hybrid_context_parallel=False,
@@ -125,6 +127,25 @@ def test_metp_is_mapped_onto_context_parallelism(capsys):
     assert args.context_parallel_size == 8
     # Megatron's own arithmetic after the hook: DP = world / (tp * pp * cp)
     assert args.world_size // (args.tensor_model_parallel_size * args.context_parallel_size) == 1
+
+
+def test_vocab_parallel_folds_metp_into_megatrons_vocab_padding(capsys):
+    from megatron_metp.ops import padded_vocab_size
+
+    args = _args(metp_parallel_size=4, world_size=8, tensor_model_parallel_size=2,
+                 metp_vocab_parallel=True)
+    megatron_lm.validate_metp_args(args)
+    megatron_lm.validate_metp_args(args)  # again: the factor is applied once
+    assert args.make_vocab_size_divisible_by == 128 * 4
+    assert "vocabulary padded to a multiple of 128 x 2 x 4" in capsys.readouterr().out
+    # Megatron's _vocab_size_with_padding: multiple of divisible_by * TP
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    padded = -(-50257 // multiple) * multiple
+    assert padded == padded_vocab_size(50257, 128, 2, 4) and padded % (2 * 4 * 128) == 0
+    # without the switch Megatron's padding is left alone
+    plain = _args(metp_parallel_size=4, world_size=8, tensor_model_parallel_size=2)
+    megatron_lm.validate_metp_args(plain)
+    assert plain.make_vocab_size_divisible_by == 128
 
 
 def test_sequence_parallel_with_tp1_is_left_to_megatron():
@@ -225,10 +246,12 @@ def _build(rank, world, fold=True, **kw):
     builder = megatron_lm.wrap_gpt_builder(stock)
     try:
         model = builder(args, True, True, None, config=config, pg_collection=None)
-    except RuntimeError as exc:
+    except (RuntimeError, ValueError) as exc:
         return {"error": str(exc)}
     layer = model.decoder.layers[0]
     return {"stock_calls": len(calls), "model": type(model).__name__,
+            "tables": sorted((n, tuple(p.shape)) for n, p in model.named_parameters()
+                             if "word_embeddings" in n or "output_layer" in n),
             "attention": type(layer.self_attention).__name__,
             "core": type(layer.self_attention.core_attention).__name__,
             "mlp": type(layer.mlp).__name__,
@@ -261,6 +284,21 @@ def test_wrap_gpt_builder_builds_the_metp_spec_for_p_gt_1():
             ("GPTModel", "METPSelfAttention", "METPRingCoreAttention", "METPMLP")
         assert r["kernel"] == "reference" and r["keep"] is True
         assert r["vocab"] == 128 and r["tied"] is True and r["timeout"] == 42.0
+
+
+def test_wrap_gpt_builder_vocab_parallel():
+    out = run_ranks(_build, 2, metp_vocab_parallel=True)
+    for r in out:
+        assert r["model"] == "METPGPTModel" and r["mlp"] == "METPMLP"
+        assert r["tables"] == [("embedding.word_embeddings.weight", (64, 32))]  # tied, V/2 rows
+    plain = run_ranks(_build, 2)[0]
+    assert plain["tables"] == [("embedding.word_embeddings.weight", (128, 32))]
+    untied = run_ranks(_build, 2, metp_vocab_parallel=True,
+                       untie_embeddings_and_output_weights=True)[0]
+    assert untied["tables"] == [("embedding.word_embeddings.weight", (64, 32)),
+                                ("output_layer.weight", (64, 32))]
+    bad = run_ranks(_build, 2, metp_vocab_parallel=True, padded_vocab_size=127)[0]
+    assert "--metp-vocab-parallel" in bad["error"] and "127" in bad["error"]
 
 
 def test_wrap_gpt_builder_ring_self_attention_baseline():

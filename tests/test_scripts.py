@@ -133,7 +133,7 @@ def test_real_data_tokenizer_checkpoint_and_tensorboard():
         "configs/gpt-7b-128k-metp8.sh", DATA_PATH="0.7 /data/a_text_document 0.3 /data/b",
         TOKENIZER_MODEL="meta-llama/Llama-2-7b-hf", CHECKPOINT_PATH="/ckpt/7b",
         TENSORBOARD_DIR="/tb/7b", TRANSFORMER_IMPL="transformer_engine",
-        METP_KEEP_INTERMEDIATE=1, METP_RING_TIMEOUT=120)
+        METP_KEEP_INTERMEDIATE=1, METP_RING_TIMEOUT=120, METP_VOCAB_PARALLEL=1)
     f = _flags(argv)
     assert "--mock-data" not in f
     assert f["--data-path"] == ["0.7", "/data/a_text_document", "0.3", "/data/b"]
@@ -143,6 +143,7 @@ def test_real_data_tokenizer_checkpoint_and_tensorboard():
     assert f["--ckpt-format"] == ["torch_dist"] and f["--tensorboard-dir"] == ["/tb/7b"]
     assert f["--transformer-impl"] == ["transformer_engine"]
     assert "--metp-keep-intermediate" in f and f["--metp-ring-timeout"] == ["120"]
+    assert "--metp-vocab-parallel" in f
     assert launcher[launcher.index("--nproc_per_node") + 1] == "8"
 
 

@@ -38,6 +38,7 @@ class GPTSize:
     bias: bool = True
     position_embedding_type: str = "rope"
     normalization: str = "LayerNorm"
+    tie_embeddings: bool = False
 
 
 @dataclass
@@ -54,10 +55,13 @@ class Layout:
     distributed_optimizer: bool = False
     lr: float = 1e-3
     kernel: Optional[str] = None
+    vocab_parallel: bool = False
     extra: Dict = field(default_factory=dict)
 
     def describe(self) -> str:
         name = {"metp": f"METP={self.metp}", "tp": "stock", "ring": f"ring-SA={self.metp}"}[self.mode]
+        if self.vocab_parallel:
+            name += "+vocab"
         parts = [name] + [f"{k}={v}" for k, v in (("TP", self.tp), ("PP", self.pp)) if v > 1]
         dp = dist.get_world_size() // (self.tp * self.pp * self.metp) if dist.is_initialized() else 1
         if dp > 1:
@@ -87,24 +91,32 @@ def transformer_config(size: GPTSize, layout: Layout):
 
 
 def build_model(size: GPTSize, layout: Layout, groups: METPGroups):
-    """This pipeline stage's ``GPTModel`` (untied embeddings, so stages stay independent)."""
+    """This pipeline stage's ``GPTModel`` (tied embeddings only if ``size.tie_embeddings``).
+
+    ``layout.vocab_parallel`` (METP mode only) builds a :class:`~.vocab.METPGPTModel`: word
+    embedding and output layer + loss sharded over TP×METP.
+    """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from .spec import get_gpt_layer_metp_spec
+    from .vocab import METPGPTModel
 
     cfg = transformer_config(size, layout)
+    if layout.vocab_parallel and layout.mode != "metp":
+        raise ValueError(f"vocab_parallel needs mode='metp', got mode={layout.mode!r}")
     if layout.mode == "tp":
         spec = get_gpt_layer_local_spec(normalization=size.normalization)
     else:
         spec = get_gpt_layer_metp_spec(groups, weight_ring=layout.mode == "metp",
                                        normalization=size.normalization, kernel=layout.kernel)
-    return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=size.vocab_size,
-                    max_sequence_length=size.seq_length,
-                    pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-                    share_embeddings_and_output_weights=False,
-                    position_embedding_type=size.position_embedding_type)
+    cls, extra = (METPGPTModel, {"metp_groups": groups}) if layout.vocab_parallel else (GPTModel, {})
+    return cls(config=cfg, transformer_layer_spec=spec, vocab_size=size.vocab_size,
+               max_sequence_length=size.seq_length,
+               pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+               share_embeddings_and_output_weights=size.tie_embeddings,
+               position_embedding_type=size.position_embedding_type, **extra)
 
 
 # ---------------------------------------------------------------- same weights in every layout

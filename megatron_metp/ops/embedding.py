@@ -9,8 +9,9 @@ Layout on rank ``r`` of a METP group of size ``p`` (see :mod:`megatron_metp.ops.
   ``[vocab_start, vocab_start + p·v)``; zeros elsewhere (the other TP ranks' rows: sum over TP).
 
 Forward (``p`` steps, weight ring). At step ``t`` rank ``r`` holds shard ``j = (r - t) mod p`` and
-copies ``y[i] = E_j[ids_i - lo_j]`` for its tokens with ``lo_j <= ids_i < lo_j + v`` (a masked
-lookup) while shard ``j-1`` is in flight. Each token is found in exactly one shard.
+adds ``y[i] += E_j[ids_i - lo_j]`` for its tokens with ``lo_j <= ids_i < lo_j + v`` (a masked
+lookup: static shapes, no ``nonzero`` and so no device sync) while shard ``j-1`` is in flight.
+Each token is found in exactly one shard.
 
 Backward. ``dE_j[k] = Σ_ranks Σ_{i: ids_i = lo_j + k} dy_i``. The weights are not needed: only a
 gradient accumulator ``[v, h]`` (fp32 by default) travels, each rank adding its tokens' rows of the
@@ -33,8 +34,13 @@ from ..ring import RingExchanger, TravellingSum
 from .vocab import check_ids, check_table, shard_rows, vocab_bounds
 
 
-def _in_shard(ids: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    return ((ids >= lo) & (ids < hi)).nonzero().squeeze(1)
+def _local_rows(ids: torch.Tensor, lo: int, rows: int):
+    """``(local, inside)``: each id's row in the shard starting at ``lo`` (clamped into the shard)
+    and whether it really lies there. Shapes stay static (no ``nonzero``): no device sync, and
+    fake-tensor memory measurement works."""
+    local = ids - lo
+    inside = (local >= 0) & (local < rows)
+    return local.clamp_(0, rows - 1), inside
 
 
 class _METPEmbeddingFunction(torch.autograd.Function):
@@ -49,9 +55,10 @@ class _METPEmbeddingFunction(torch.autograd.Function):
         ring = RingExchanger(group, "embedding shards (fwd)")
         shards = ring.circulate(weight.detach().clone()) if group.size > 1 else [(0, weight)]
         for t, w in shards:
-            lo, hi = shard_rows(vocab_start, v, group.owner_at_step(t))
-            sel = _in_shard(flat_ids, lo, hi)
-            y.index_copy_(0, sel, w.index_select(0, flat_ids[sel] - lo))
+            lo, _ = shard_rows(vocab_start, v, group.owner_at_step(t))
+            local, inside = _local_rows(flat_ids, lo, v)
+            rows = w.index_select(0, local).masked_fill_(~inside[:, None], 0)
+            y.add_(rows)  # each token lies in exactly one shard: adds its row once, zeros else
         ctx.save_for_backward(ids)
         ctx.group, ctx.vocab_start, ctx.grad_dtype, ctx.label = group, vocab_start, grad_dtype, label
         ctx.table_shape, ctx.table_dtype = weight.shape, weight.dtype
@@ -71,9 +78,9 @@ class _METPEmbeddingFunction(torch.autograd.Function):
                              grad_y.device)
         # Rank r adds into shards r-1, r-2, ..., r: its own last, where the sum ends complete.
         for step in range(group.size):
-            lo, hi = shard_rows(ctx.vocab_start, v, group.owner_at_step(step, offset=1))
-            sel = _in_shard(flat_ids, lo, hi)
-            sums.buffer().view(v, h).index_add_(0, flat_ids[sel] - lo, g.index_select(0, sel))
+            lo, _ = shard_rows(ctx.vocab_start, v, group.owner_at_step(step, offset=1))
+            local, inside = _local_rows(flat_ids, lo, v)
+            sums.buffer().view(v, h).index_add_(0, local, g.masked_fill(~inside[:, None], 0))
             if step < group.size - 1:
                 sums.pass_on()
         return None, sums.buffer().view(v, h).to(ctx.table_dtype), None, None, None, None

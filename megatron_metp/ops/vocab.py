@@ -54,6 +54,8 @@ def check_ids(ids: torch.Tensor, lo: int, hi: int, group: METPGroup, what: str, 
     """
     if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
         raise ValueError(f"{what} must be an integer tensor, got {ids.dtype}")
+    if _has_no_values(ids):
+        return  # fake/meta tensors (memory measurement): there are no values to check
     if ids.numel():
         mn, mx = torch.aminmax(ids.reshape(-1).to(torch.int64))
         bounds = torch.stack([-mn, mx])
@@ -70,6 +72,12 @@ def check_ids(ids: torch.Tensor, lo: int, hi: int, group: METPGroup, what: str, 
         where = "on this rank" if group.size == 1 else f"on a rank of METP group {group.name!r}"
         raise ValueError(f"{what} out of range {where}: got ids from {mn} to {mx}, but the "
                          f"vocabulary has rows [{lo}, {hi}); {flag}")
+
+
+def _has_no_values(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return t.is_meta or is_fake(t)
 
 
 def vocab_bounds(vocab_start: int, rows: int, p: int, vocab_size: Optional[int]) -> tuple:
