@@ -50,6 +50,8 @@ from typing import Optional
 
 import torch
 
+from ..agree import (agreement_checks_enabled, check_group_agrees, needs_grad, op_label,
+                     refuse_together)
 from ..finite import check_finite
 from ..groups import METPGroup, as_metp_group
 from ..ring import RingExchanger
@@ -288,21 +290,36 @@ def metp_attention(x: torch.Tensor, qkv_weight: torch.Tensor, proj_weight: torch
             for the whole sequence (this rank's positions are selected).
         qkv_bias: ``[(G/p)·(A/G+2)·d]`` sharded like ``qkv_weight``; proj_bias: ``[h]`` replicated.
         softmax_scale: default ``1/sqrt(d)``. kernel: block kernel name, default best available.
-        label: names this call in NaN/Inf reports (:mod:`megatron_metp.finite`).
+        label: names this call in NaN/Inf reports (:mod:`megatron_metp.finite`) and in the
+            cross-rank agreement check (:mod:`megatron_metp.agree`, opt-in), which also requires
+            it, every shape/dtype and every option to be equal on all ranks of the group.
 
     Returns: ``y [s/p, b, h]``. Weight-shard gradients are complete; ``proj_bias``'s is this
     rank's token partial (replicated parameter, reduced over the group by the caller's DDP).
     """
     group = as_metp_group(group)
-    d = _check_inputs(x, qkv_weight, proj_weight, qkv_bias, proj_bias, group, num_heads,
-                      num_query_groups, layout, causal, rotary_pos_emb)
-    geo = _Geometry(num_heads, num_query_groups, d, group.size)
-    freqs = rotary_pos_emb
-    if freqs is not None and freqs.shape[0] != x.shape[0]:
-        pos = local_positions(group.rank, group.size, x.shape[0], layout=layout, device=x.device)
-        freqs = freqs.index_select(0, pos)
+    try:
+        d = _check_inputs(x, qkv_weight, proj_weight, qkv_bias, proj_bias, group, num_heads,
+                          num_query_groups, layout, causal, rotary_pos_emb)
+        kern = select_kernel(x.device, x.dtype, kernel)
+        freqs = rotary_pos_emb
+        if freqs is not None and freqs.shape[0] != x.shape[0]:
+            pos = local_positions(group.rank, group.size, x.shape[0], layout=layout,
+                                  device=x.device)
+            freqs = freqs.index_select(0, pos)
+    except ValueError as exc:
+        refuse_together(group, op_label("metp_attention", label), exc)
+        raise
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    kern = select_kernel(x.device, x.dtype, kernel)
+    if agreement_checks_enabled():
+        check_group_agrees(group, op_label("metp_attention", label), label=label, x=x,
+                           qkv_weight=qkv_weight, proj_weight=proj_weight, qkv_bias=qkv_bias,
+                           proj_bias=proj_bias, rotary_pos_emb=rotary_pos_emb,
+                           num_heads=num_heads, num_query_groups=num_query_groups,
+                           causal=bool(causal), layout=layout, softmax_scale=float(scale),
+                           kernel=kern.name,
+                           needs_grad=needs_grad(x, qkv_weight, proj_weight, qkv_bias, proj_bias))
+    geo = _Geometry(num_heads, num_query_groups, d, group.size)
     return _METPAttentionFunction.apply(x, qkv_weight, qkv_bias, proj_weight, proj_bias, freqs,
                                         group, geo, bool(causal), layout, float(scale), kern,
                                         label)

@@ -36,6 +36,8 @@ from typing import Optional
 
 import torch
 
+from ..agree import (agreement_checks_enabled, check_group_agrees, needs_grad, op_label,
+                     refuse_together)
 from ..finite import check_finite
 from ..groups import METPGroup, as_metp_group
 from ..ring import RingExchanger, TravellingSum
@@ -205,14 +207,30 @@ def metp_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor
         ffn_hidden_size: the full ``F``; when given, the shard shapes are checked against it.
         grad_reduce_dtype: dtype of the weight-gradient accumulators that travel the ring
             (default fp32; ``None`` = the accumulation dtype, fp32 for 16-bit inputs).
-        label: names this call in NaN/Inf reports (:mod:`megatron_metp.finite`).
+        label: names this call in NaN/Inf reports (:mod:`megatron_metp.finite`) and in the
+            cross-rank agreement check (:mod:`megatron_metp.agree`, opt-in), which also requires
+            it, every shape/dtype and every option to be equal on all ranks of the group.
 
     Returns:
         ``y`` ``[s/p, b, h]``: this rank's tokens' MLP output. Gradients of the weight shards are
         complete (summed over every rank's tokens); ``fc2_bias``'s gradient is this rank's part.
     """
     group = as_metp_group(group)
-    _check_inputs(x, fc1_weight, fc2_weight, fc1_bias, fc2_bias, group, activation,
-                  ffn_hidden_size, grad_reduce_dtype)
+    try:
+        _check_inputs(x, fc1_weight, fc2_weight, fc1_bias, fc2_bias, group, activation,
+                      ffn_hidden_size, grad_reduce_dtype)
+    except ValueError as exc:
+        refuse_together(group, op_label("metp_mlp", label), exc)
+        raise
+    if agreement_checks_enabled():
+        # Each rank's tokens are its own: only x's hidden size and dtype must agree (a rank with
+        # more or fewer tokens than its peers still gets the right result).
+        check_group_agrees(group, op_label("metp_mlp", label), label=label,
+                           x_hidden_size=x.shape[-1], x_dtype=x.dtype, fc1_weight=fc1_weight,
+                           fc2_weight=fc2_weight, fc1_bias=fc1_bias, fc2_bias=fc2_bias,
+                           activation=activation,
+                           keep_intermediate=bool(keep_intermediate),
+                           ffn_hidden_size=ffn_hidden_size, grad_reduce_dtype=grad_reduce_dtype,
+                           needs_grad=needs_grad(x, fc1_weight, fc2_weight, fc1_bias, fc2_bias))
     return _METPMLPFunction.apply(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, group,
                                   activation, bool(keep_intermediate), grad_reduce_dtype, label)

@@ -31,6 +31,8 @@ from typing import Optional
 
 import torch
 
+from ..agree import (agreement_checks_enabled, check_group_agrees, needs_grad, op_label,
+                     refuse_together)
 from ..finite import check_finite
 from ..groups import METPGroup, as_metp_group
 from ..ring import RingExchanger, TravellingSum
@@ -199,8 +201,16 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, 
     (sequence parallelism); inside :func:`metp_attention` it is the inner loop.
     """
     group = as_metp_group(group)
-    check_attention_inputs(q, k, v, group, causal, layout)
+    try:
+        check_attention_inputs(q, k, v, group, causal, layout)
+        kern = select_kernel(q.device, q.dtype, kernel)
+    except ValueError as exc:
+        refuse_together(group, op_label("ring_attention", label), exc)
+        raise
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    kern = select_kernel(q.device, q.dtype, kernel)
+    if agreement_checks_enabled():
+        check_group_agrees(group, op_label("ring_attention", label), label=label, q=q, k=k, v=v,
+                           causal=bool(causal), layout=layout, softmax_scale=float(scale),
+                           kernel=kern.name, needs_grad=needs_grad(q, k, v))
     return _RingAttentionFunction.apply(q, k, v, group, bool(causal), layout, float(scale), kern,
                                         label)

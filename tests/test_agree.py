@@ -1,0 +1,267 @@
+"""The opt-in cross-rank agreement check (:mod:`megatron_metp.agree`).
+
+With the check on, ranks of one METP group that call an op with different shapes, dtypes or options
+all raise :class:`GroupDisagreementError` naming the op and the field, before anything is sent; a
+rank that refuses its own arguments ends its peers at once; consistent calls compute exactly what
+they compute with the check off. With the check off the behaviour is unchanged (the cross-rank
+mismatch test in ``tests/test_properties.py`` still ends in the ring's error).
+"""
+
+import importlib
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_metp import METPGroup, agree
+from megatron_metp.agree import GroupDisagreementError
+from megatron_metp.ops import metp_attention, metp_mlp, ring_attention
+from tests.harness import run_ranks
+from tests.mlp_cases import full_mlp_params, reference_mlp, shard_params, unshard_grads
+from tests.numerics import rel_err
+
+H = 8  # hidden size of the MLP and attention cases
+
+
+# ============================================================================== single process
+
+def test_off_by_default_and_a_single_rank_never_exchanges(monkeypatch):
+    assert issubclass(GroupDisagreementError, ValueError)
+    on = os.environ.get("METP_CHECK_AGREEMENT", "0") not in ("", "0", "false", "False")
+    assert agree.agreement_checks_enabled() == on
+    monkeypatch.setattr(agree, "_enabled", True)
+    agree.check_group_agrees(METPGroup.single(), "metp_mlp", x=torch.zeros(2))  # nothing to ask
+    y = metp_mlp(torch.randn(2, 1, 4), torch.randn(4, 4), torch.randn(4, 4), group=None)
+    assert y.shape == (2, 1, 4)
+
+
+def _reload_with_env(rank, world, value):
+    os.environ["METP_CHECK_AGREEMENT"] = value  # a forked child: the reload stays in it
+    importlib.reload(agree)
+    return agree.agreement_checks_enabled()
+
+
+def test_env_var_switches_the_check_on():
+    assert run_ranks(_reload_with_env, 1, "1") == [True]
+    assert run_ranks(_reload_with_env, 1, "0") == [False]
+
+
+def test_encoding_is_canonical_and_leaves_the_device_out():
+    a = agree.encode({"x": torch.zeros(4, 1, 8), "activation": "gelu", "grad": torch.float32})
+    b = agree.encode({"grad": torch.float32, "activation": "gelu",
+                      "x": torch.zeros(4, 1, 8, device="meta")})
+    assert a == b
+    assert b'"x":"float32[4, 1, 8]"' in a and b'"grad":"float32"' in a
+    assert agree.encode({"x": torch.zeros(4, 1, 8, dtype=torch.bfloat16)}) != \
+        agree.encode({"x": torch.zeros(4, 1, 8)})
+    assert agree.encode({"causal": True}) != agree.encode({"causal": 1})
+    assert agree._record(a) == agree._record(b) and len(agree._record(a)) == 9
+
+
+def test_message_names_the_field_and_groups_ranks_by_value():
+    g = METPGroup(None, 1, 3, 0, 2, (10, 11, 12), name="metp[dp=0]")
+    per_rank = [{"q": "float32[4, 1, 2, 4]", "causal": True},
+                {"q": "float32[6, 1, 2, 4]", "causal": True},
+                {"q": "float32[6, 1, 2, 4]", "causal": True}]
+    msg = agree._message(g, "ring_attention 'layer 2 core_attention'", per_rank)
+    assert msg.startswith("METP: the ranks of group 'metp[dp=0]' called ring_attention "
+                          "'layer 2 core_attention' with different arguments. q differs: "
+                          "float32[4, 1, 2, 4] on rank 0 (global 10); float32[6, 1, 2, 4] on "
+                          "ranks 1, 2 (global 11, 12). Every rank"), msg
+    assert "causal differs" not in msg
+    assert msg.endswith("This rank (1 of 3, global 11) has: causal=true, q=float32[6, 1, 2, 4]")
+
+
+# ============================================================================== disagreeing ranks
+
+def _attention_weights(p, dtype=torch.float32, h=H):
+    """num_heads 2p, num_query_groups p, head dim 4: one query group per rank."""
+    return (torch.randn(1 * (2 + 2) * 4, h, dtype=dtype, requires_grad=True),
+            torch.randn(h, 2 * 4, dtype=dtype, requires_grad=True))
+
+
+def _call(case, rank, p, grp):
+    """Run one case; rank ``odd`` (0, or the last rank for some cases) differs from the others."""
+    odd = rank == (p - 1 if case in ("ring_causal", "mlp_dtype", "attn_layout") else 0)
+    if case.startswith("ring"):
+        n = {"ring_tokens": 4 if odd else 6, "ring_refused": 3 if odd else 4}.get(case, 4)
+        q = torch.randn(n, 1, 2, 4, requires_grad=True)
+        causal = not (odd and case == "ring_causal")
+        return ring_attention(q, q, q, group=grp, causal=causal, kernel="reference",
+                              label="layer 2 core_attention")
+    if case.startswith("mlp"):
+        h = 6 if odd and case == "mlp_hidden" else H
+        dtype = torch.bfloat16 if odd and case == "mlp_dtype" else torch.float32
+        act = "swiglu" if odd and case == "mlp_activation" else "gelu"
+        k = 2 if act == "swiglu" else 1
+        x = torch.randn(4, 1, h, dtype=dtype, requires_grad=True)
+        w1 = torch.randn(k * 3, h, dtype=dtype, requires_grad=True)
+        w2 = torch.randn(h, 3, dtype=dtype, requires_grad=True)
+        label = "layer 4 mlp" if odd and case == "mlp_label" else "layer 3 mlp"
+        if odd and case == "mlp_no_grad":
+            with torch.no_grad():
+                return metp_mlp(x, w1, w2, group=grp, activation=act, label=label)
+        return metp_mlp(x, w1, w2, group=grp, activation=act, label=label)
+    n = 6 if odd and case == "attn_tokens" else 4
+    dtype = torch.bfloat16 if odd and case == "attn_dtype" else torch.float32
+    layout = "contiguous" if odd and case == "attn_layout" else "dual_chunk"
+    wqkv, wo = _attention_weights(p, dtype)
+    x = torch.randn(n, 1, H, dtype=dtype, requires_grad=True)
+    return metp_attention(x, wqkv, wo, group=grp, num_heads=2 * p, num_query_groups=p,
+                          layout=layout, kernel="reference", label="layer 1 self_attention")
+
+
+#: case -> (op in the message, what the message must name)
+CASES = {
+    "ring_tokens": ("ring_attention 'layer 2 core_attention'", "q differs: float32[4, 1, 2, 4]"),
+    "ring_causal": ("ring_attention", "causal differs"),  # same bytes: silently wrong without
+    "ring_refused": ("ring_attention", "refused its own arguments: layout='dual_chunk' needs an "
+                     "even number of local tokens"),
+    "mlp_hidden": ("metp_mlp 'layer 3 mlp'", "x_hidden_size differs: 6 on rank 0"),
+    "mlp_dtype": ("metp_mlp", "x_dtype differs: float32 on rank"),
+    "mlp_activation": ("metp_mlp", "activation differs: swiglu on rank 0"),
+    "mlp_label": ("metp_mlp", "label differs: layer 4 mlp on rank 0"),
+    "mlp_no_grad": ("metp_mlp", "needs_grad differs: false on rank 0"),
+    "attn_tokens": ("metp_attention 'layer 1 self_attention'", "x differs: float32[6, 1, 8]"),
+    "attn_dtype": ("metp_attention", "x differs: bfloat16[4, 1, 8] on rank 0"),
+    "attn_layout": ("metp_attention", "layout differs"),  # same bytes: silently wrong without
+}
+
+
+def _disagreeing_rank(rank, p, cases, on=True):
+    agree.enable_agreement_checks(on)
+    grp = METPGroup.from_process_group(dist.group.WORLD, name="agree-test", timeout_s=10.0)
+    torch.manual_seed(rank)
+    out = {}
+    for case in cases:  # every check completes on every rank, so the next case starts in step
+        steps, t0 = grp.stats.steps, time.monotonic()
+        try:
+            _call(case, rank, p, grp)
+            out[case] = ("no error", "", grp.stats.steps - steps, time.monotonic() - t0)
+        except ValueError as exc:
+            out[case] = (type(exc).__name__, str(exc), grp.stats.steps - steps,
+                         time.monotonic() - t0)
+    # the group still works: a consistent call afterwards runs the ring
+    q = torch.randn(4, 1, 2, 4)
+    ring_attention(q, q, q, group=grp, kernel="reference")
+    out["after"] = grp.stats.steps
+    return out
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_ranks_that_disagree_all_raise_naming_the_op_and_the_field(p):
+    out = run_ranks(_disagreeing_rank, p, list(CASES), timeout=60)
+    for case, (op, needle) in CASES.items():
+        heads = set()
+        for rank, o in enumerate(out):
+            kind, msg, steps, elapsed = o[case]
+            assert steps == 0, (case, rank, "sent before refusing")
+            assert elapsed < 5.0, (case, rank, elapsed)  # not the 10 s timeout
+            if case == "ring_refused" and rank == 0:  # the refusing rank raises its own error
+                assert kind == "ValueError" and "dual_chunk" in msg, (case, rank, kind, msg)
+                continue
+            assert kind == GroupDisagreementError.__name__, (case, rank, kind, msg)
+            assert f"called {op}" in msg, (case, rank, msg)
+            assert needle in msg and "'agree-test'" in msg, (case, rank, needle, msg)
+            assert f"This rank ({rank} of {p}, global {rank})" in msg, (case, rank, msg)
+            heads.add(msg.split("with different arguments.")[1].split("This rank")[0])
+        assert len(heads) == 1, (case, heads)  # the same diagnosis on every rank
+    assert all(o["after"] == p - 1 for o in out)
+
+
+def test_negative_control_without_the_check_same_sized_disagreements_pass_silently():
+    """Why the check exists: a causal flag or a token layout that differs between ranks moves
+    the same bytes around the ring, so nothing fails, and the result is wrong."""
+    cases = ["ring_causal", "attn_layout"]
+    for o in run_ranks(_disagreeing_rank, 2, cases, False, timeout=60):
+        assert [o[c][0] for c in cases] == ["no error"] * len(cases), o
+        assert all(o[c][2] > 0 for c in cases), o  # the ring ran
+
+
+def _peer_never_arrives(rank, world):
+    agree.enable_agreement_checks(True)
+    grp = METPGroup.from_process_group(dist.group.WORLD, name="agree-stall", timeout_s=1.5)
+    if rank == 1:
+        time.sleep(2.5)  # joins the exchange only after rank 0's timeout ...
+        # ... then completes rank 0's abandoned all-gather (which gloo keeps running), so that
+        # both ranks' exit barriers pair up and the test ends at once
+        dist.all_gather([torch.empty(9, dtype=torch.int64) for _ in range(2)],
+                        torch.zeros(9, dtype=torch.int64))
+        return "late"
+    t0 = time.monotonic()
+    try:
+        q = torch.randn(4, 1, 2, 4)
+        ring_attention(q, q, q, group=grp, kernel="reference", label="layer 7 core_attention")
+    except RuntimeError as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - t0
+    return "no error"
+
+
+def test_a_peer_that_never_joins_the_check_times_out_with_the_group_named():
+    out = run_ranks(_peer_never_arrives, 2, allow_errors=True, timeout=30)
+    kind, msg, elapsed = out[0]
+    assert kind in ("RingTimeoutError", "RingPeerError"), out[0]
+    assert "agreement check of ring_attention 'layer 7 core_attention'" in msg, msg
+    assert "'agree-stall'" in msg and "METP_CHECK_AGREEMENT" in msg, msg
+    assert elapsed < 5.0, elapsed
+
+
+# ============================================================================== agreeing ranks
+
+def _consistent_rank(rank, p):
+    """The same calls with the check off and on: the results and ring traffic must be equal."""
+    grp = METPGroup.from_process_group(dist.group.WORLD, name="agree-same")
+    runs = []
+    for on in (False, True):
+        agree.enable_agreement_checks(on)
+        torch.manual_seed(100 + rank)
+        x = torch.randn(4, 2, H, requires_grad=True)
+        w1, w2 = torch.randn(2 * 3, H, requires_grad=True), torch.randn(H, 3, requires_grad=True)
+        q, k, v = (torch.randn(4, 2, hd, 4, requires_grad=True) for hd in (4, 2, 2))
+        wqkv, wo = _attention_weights(p)
+        grp.stats.reset()
+        y1 = metp_mlp(x, w1, w2, group=grp, activation="swiglu", ffn_hidden_size=3 * p)
+        y2 = ring_attention(q, k, v, group=grp, kernel="reference")
+        y3 = metp_attention(x, wqkv, wo, group=grp, num_heads=2 * p, num_query_groups=p,
+                            kernel="reference")
+        (y1.sum() + y2.square().sum() + y3.sum()).backward()
+        runs.append({"y": [y1, y2, y3], "grads": [t.grad for t in (x, w1, w2, q, k, v, wqkv, wo)],
+                     "stats": grp.stats.snapshot()})
+    return runs
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_consistent_calls_compute_exactly_the_same_with_the_check_on(p):
+    for off, on in run_ranks(_consistent_rank, p):
+        assert off["stats"] == on["stats"] and on["stats"]["steps"] > 0
+        for a, b in zip(off["y"] + off["grads"], on["y"] + on["grads"]):
+            assert torch.equal(a, b)
+
+
+def _uneven_mlp_rank(rank, p, counts):
+    """metp_mlp needs only the hidden size to agree: each rank's tokens are its own."""
+    agree.enable_agreement_checks(True)
+    grp = METPGroup.from_process_group(dist.group.WORLD, name="agree-uneven")
+    full = full_mlp_params(sum(counts), 1, H, 3 * p, "gelu", True)
+    sh = {k: v.requires_grad_() for k, v in shard_params(full, 3 * p, "gelu", rank, p).items()}
+    lo = sum(counts[:rank])
+    x = full["x"][lo:lo + counts[rank]].clone().requires_grad_()
+    y = metp_mlp(x, sh["w1"], sh["w2"], group=grp, fc1_bias=sh["b1"], fc2_bias=sh["b2"],
+                 ffn_hidden_size=3 * p)
+    y.backward(full["gy"][lo:lo + counts[rank]])
+    return {"y": y.detach(), "dx": x.grad, "grads": {k: v.grad for k, v in sh.items()}}
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_mlp_with_different_token_counts_per_rank_is_not_refused_and_is_right(p):
+    counts = [2 + r for r in range(p)]
+    out = run_ranks(_uneven_mlp_rank, p, counts)
+    full = full_mlp_params(sum(counts), 1, H, 3 * p, "gelu", True)
+    ref = reference_mlp(full, "gelu")
+    dw1, db1, dw2 = unshard_grads([o["grads"] for o in out], 3 * p, "gelu", full)
+    got = {"y": torch.cat([o["y"] for o in out]), "dx": torch.cat([o["dx"] for o in out]),
+           "dw1": dw1, "db1": db1, "dw2": dw2}
+    errs = {k: rel_err(v, ref[k]) for k, v in got.items()}
+    assert max(errs.values()) <= 1e-5, errs
