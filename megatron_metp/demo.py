@@ -2,7 +2,9 @@
 
 Run without arguments, it starts itself under ``torchrun`` on 2 gloo CPU ranks. In one job the
 ranks train the same tiny ``GPTModel`` twice with megatron-core's DDP, optimizer and schedules
-(:mod:`megatron_metp.megatron.training`): first stock tensor parallelism (TP=2), then METP=2. Both
+(:mod:`megatron_metp.megatron.training`): first stock tensor parallelism (TP=2), then METP=2 with
+the vocabulary sharded too (word embedding and output layer + loss on the ring;
+``--no-vocab-parallel`` keeps them replicated over the METP group as plain METP does). Both
 runs start from the same full weights and see the same global batches, so their loss curves agree
 to fp32 rounding. Between the runs Megatron's parallel state is destroyed and rebuilt.
 
@@ -60,6 +62,7 @@ class DemoConfig:
     global_batch: int = 4
     micro_batch: int = 2
     lr: float = 3e-3
+    vocab_parallel: bool = True
     out_dir: str = os.path.join("out", "demo")
 
     def size(self):
@@ -76,9 +79,12 @@ def _parse(argv=None) -> DemoConfig:
     ap.add_argument("--layers", type=int, default=d.layers, help="transformer layers")
     ap.add_argument("--hidden", type=int, default=d.hidden, help="hidden size (FFN = 4x)")
     ap.add_argument("--seq", type=int, default=d.seq, help="sequence length (divisible by 4)")
+    ap.add_argument("--no-vocab-parallel", action="store_true",
+                    help="keep METP's word embedding and output layer replicated over the ring")
     ap.add_argument("--out-dir", default=d.out_dir, help="where rank 0 writes demo.json, demo.png")
     a = ap.parse_args(argv)
-    cfg = DemoConfig(iters=a.iters, layers=a.layers, hidden=a.hidden, seq=a.seq, out_dir=a.out_dir)
+    cfg = DemoConfig(iters=a.iters, layers=a.layers, hidden=a.hidden, seq=a.seq, out_dir=a.out_dir,
+                     vocab_parallel=not a.no_vocab_parallel)
     problems = []
     if cfg.iters < 1:
         problems.append(f"--iters must be >= 1, got {cfg.iters}")
@@ -100,6 +106,8 @@ def _launch(cfg: DemoConfig) -> int:
            f"--nproc-per-node={WORLD}", "-m", "megatron_metp.demo",
            f"--iters={cfg.iters}", f"--layers={cfg.layers}", f"--hidden={cfg.hidden}",
            f"--seq={cfg.seq}", f"--out-dir={cfg.out_dir}"]
+    if not cfg.vocab_parallel:
+        cmd.append("--no-vocab-parallel")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     print("launching:", " ".join(cmd[1:]), flush=True)
     t0 = time.perf_counter()
@@ -322,8 +330,9 @@ def runs(world: int, cfg: DemoConfig):
     from .megatron.training import Layout
 
     common = dict(micro_batch_size=cfg.micro_batch, global_batch_size=cfg.global_batch, lr=cfg.lr)
+    metp = Layout(metp=world, vocab_parallel=cfg.vocab_parallel, **common)
     return [(f"stock TP={world}", Layout(tp=world, mode="tp", **common)),
-            (f"METP={world}", Layout(metp=world, **common))]
+            (f"METP={world}" + ("+vocab" if cfg.vocab_parallel else ""), metp)]
 
 
 def run_demo(cfg: DemoConfig, log=None) -> dict:

@@ -13,7 +13,7 @@ def test_demo_two_runs_agree_and_write_table(tmp_path):
     out = run_ranks(rank_main, 2, TINY, timeout=120)
     assert out[1] is None
     res = out[0]
-    tp, metp = "stock TP=2", "METP=2"
+    tp, metp = "stock TP=2", "METP=2+vocab"
     assert list(res["runs"]) == [tp, metp]
     la, lb = res["runs"][tp]["losses"], res["runs"][metp]["losses"]
     assert len(la) == len(lb) == TINY.iters

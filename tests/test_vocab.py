@@ -51,7 +51,7 @@ def _metp_rank(rank, world, p, tied, smoothing=0.0, tp=1, wrong_shard=False, dty
     total.backward()
     return {"loss": total.detach(), "per_token": loss.detach(), "demb": emb.grad,
             "dout": None if tied else out.grad, "dmix": mix.grad, "dhidden": hidden.grad,
-            "stats": g.stats.snapshot()}
+            "stats": g.stats.snapshot(), "contiguous": loss.is_contiguous()}
 
 
 def _gather(out, p, tp=1):
@@ -82,6 +82,7 @@ def test_fp32_parity_with_single_device_reference(p, tied):
     assert {"loss", "per_token", "dhidden", "demb", "dmix"} <= set(errs)
     assert ("dout" in errs) != tied
     assert max(errs.values()) <= 1e-5, errs
+    assert all(o["contiguous"] for o in out)  # [b, s/p] viewable like Megatron's loss
 
 
 def test_label_smoothing_matches_megatron_formula():
@@ -302,3 +303,31 @@ def test_padded_vocab_size_is_megatrons_rule_times_metp():
     assert padded_vocab_size(128, 128, 1, 1) == 128
     with pytest.raises(ValueError, match="metp_parallel_size"):
         padded_vocab_size(50, 2, 1, 0)
+
+
+# ---------------------------------------------------------------- cross-rank agreement (opt-in)
+
+def _disagree(rank, p, what):
+    from megatron_metp import agree
+
+    agree.enable_agreement_checks(True)
+    g = METPGroup.from_process_group(dist.group.WORLD, name="vocab-agree", timeout_s=20)
+    v, h, n = 4, 8, 3
+    ids = torch.zeros(1, n, dtype=torch.long)
+    w = torch.randn(v + (rank == 1 and what == "rows"), h)
+    try:
+        if what == "smoothing":
+            metp_output_cross_entropy(torch.randn(n, 1, h), torch.randn(v, h), ids, group=g,
+                                      label_smoothing=0.1 * (rank == 1))
+        else:
+            metp_embedding(ids, w, group=g, vocab_size=p * v + 4)
+    except agree.GroupDisagreementError as exc:
+        return str(exc), g.stats.steps
+    return None, g.stats.steps
+
+
+@pytest.mark.parametrize("what,field", [("rows", "weight"), ("smoothing", "label_smoothing")])
+def test_ranks_disagreeing_on_the_vocabulary_all_refuse_with_checks_on(what, field):
+    for msg, steps in run_ranks(_disagree, 3, what, timeout=60):
+        assert msg is not None and field in msg, msg
+        assert steps == 0

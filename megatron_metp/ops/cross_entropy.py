@@ -38,6 +38,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..agree import (agreement_checks_enabled, check_group_agrees, needs_grad, op_label,
+                     refuse_together)
 from ..finite import check_finite
 from ..groups import METPGroup, as_metp_group
 from ..ring import RingExchanger, TravellingSum
@@ -141,7 +143,7 @@ class _METPCrossEntropyFunction(torch.autograd.Function):
         ctx.group, ctx.tp_group, ctx.vocab_start, ctx.vocab_size = group, tp_group, vocab_start, \
             vocab_size
         ctx.eps, ctx.grad_dtype, ctx.label = eps, grad_dtype, label
-        return loss.view(n, b).t()
+        return loss.view(n, b).t().contiguous()  # [b, n], contiguous like Megatron's loss
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -208,29 +210,42 @@ def metp_output_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels
         label_smoothing: Megatron's label smoothing (0 = off, the default).
         check_labels: check on every rank (one tiny all-reduce) that labels lie in ``[0, V)``.
         grad_reduce_dtype: dtype of the weight-gradient sum travelling the ring (default fp32).
-        label: names this call in NaN/Inf reports.
+        label: names this call in NaN/Inf reports and in the opt-in cross-rank agreement check
+            (:mod:`megatron_metp.agree`).
 
     Returns:
         ``[b, s/p]`` fp32 losses (unreduced; apply the loss mask and average as Megatron does).
         The weight shard's gradient is complete (summed over the group's tokens).
     """
     group = as_metp_group(group)
-    _check_hidden(hidden, weight, group, grad_reduce_dtype)
-    n, b, _ = hidden.shape
-    if labels.dim() != 2 or tuple(labels.shape) != (b, n):
-        raise ValueError(f"labels must be [b, s/p] = [{b}, {n}] like hidden [s/p, b, h], got "
-                         f"{tuple(labels.shape)}")
-    if labels.is_floating_point():
-        raise ValueError(f"labels must be integer ids, got {labels.dtype}")
-    t = _tp_size(tp_group)
-    if vocab_size is None and t > 1:
-        raise ValueError("vocab_size (the full padded vocabulary) is required with a TP group")
-    lo, hi = vocab_bounds(vocab_start, weight.shape[0], group.size, vocab_size)
-    if hi != t * group.size * weight.shape[0]:
-        raise ValueError(f"vocab_size {hi} != TP x METP x shard rows = {t}*{group.size}*"
-                         f"{weight.shape[0]}: the shards do not cover the padded vocabulary")
-    if not 0.0 <= label_smoothing < 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+    name = op_label("metp_output_cross_entropy", label)
+    try:
+        _check_hidden(hidden, weight, group, grad_reduce_dtype)
+        n, b, _ = hidden.shape
+        if labels.dim() != 2 or tuple(labels.shape) != (b, n):
+            raise ValueError(f"labels must be [b, s/p] = [{b}, {n}] like hidden [s/p, b, h], "
+                             f"got {tuple(labels.shape)}")
+        if labels.is_floating_point():
+            raise ValueError(f"labels must be integer ids, got {labels.dtype}")
+        t = _tp_size(tp_group)
+        if vocab_size is None and t > 1:
+            raise ValueError("vocab_size (the full padded vocabulary) is required with a TP "
+                             "group")
+        lo, hi = vocab_bounds(vocab_start, weight.shape[0], group.size, vocab_size)
+        if hi != t * group.size * weight.shape[0]:
+            raise ValueError(f"vocab_size {hi} != TP x METP x shard rows = {t}*{group.size}*"
+                             f"{weight.shape[0]}: the shards do not cover the padded vocabulary")
+        if not 0.0 <= label_smoothing < 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+    except ValueError as exc:
+        refuse_together(group, name, exc)
+        raise
+    if agreement_checks_enabled():  # token counts may differ: the loss is per token
+        check_group_agrees(group, name, label=label, hidden_size=hidden.shape[-1],
+                           hidden_dtype=hidden.dtype, weight=weight, vocab_start=int(vocab_start),
+                           vocab_size=hi, label_smoothing=float(label_smoothing),
+                           check_labels=bool(check_labels), grad_reduce_dtype=grad_reduce_dtype,
+                           needs_grad=needs_grad(hidden, weight))
     if check_labels:
         check_ids(labels, lo, hi, group, "labels",
                   "check the data's token ids against the vocabulary size")

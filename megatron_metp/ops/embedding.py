@@ -28,6 +28,8 @@ from typing import Optional
 
 import torch
 
+from ..agree import (agreement_checks_enabled, check_group_agrees, needs_grad, op_label,
+                     refuse_together)
 from ..finite import check_finite
 from ..groups import METPGroup, as_metp_group
 from ..ring import RingExchanger, TravellingSum
@@ -103,7 +105,8 @@ def metp_embedding(tokens: torch.Tensor, weight: torch.Tensor, *, group, vocab_s
             raise ``ValueError`` everywhere if any is out of range, before any ring step.
         grad_reduce_dtype: dtype of the gradient accumulator that travels the ring (default
             fp32; ``None``: the table's dtype, fp32 for 16-bit tables).
-        label: names this call in NaN/Inf reports.
+        label: names this call in NaN/Inf reports and in the opt-in cross-rank agreement check
+            (:mod:`megatron_metp.agree`).
 
     Returns:
         ``[b, s/p, h]``: the embeddings of this rank's tokens whose ids fall in the group's range,
@@ -111,15 +114,24 @@ def metp_embedding(tokens: torch.Tensor, weight: torch.Tensor, *, group, vocab_s
         complete (summed over every rank's tokens).
     """
     group = as_metp_group(group)
-    check_table(weight, "weight")
-    if tokens.dim() != 2:
-        raise ValueError(f"tokens must be this rank's token ids [b, s/p], got shape "
-                         f"{tuple(tokens.shape)}")
-    if tokens.device != weight.device:
-        raise ValueError(f"tokens are on {tokens.device} but weight is on {weight.device}")
-    if grad_reduce_dtype is not None and not grad_reduce_dtype.is_floating_point:
-        raise ValueError(f"grad_reduce_dtype must be a floating dtype, got {grad_reduce_dtype}")
-    lo, hi = vocab_bounds(vocab_start, weight.shape[0], group.size, vocab_size)
+    name = op_label("metp_embedding", label)
+    try:
+        check_table(weight, "weight")
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens must be this rank's token ids [b, s/p], got shape "
+                             f"{tuple(tokens.shape)}")
+        if tokens.device != weight.device:
+            raise ValueError(f"tokens are on {tokens.device} but weight is on {weight.device}")
+        if grad_reduce_dtype is not None and not grad_reduce_dtype.is_floating_point:
+            raise ValueError(f"grad_reduce_dtype must be a floating dtype, got {grad_reduce_dtype}")
+        lo, hi = vocab_bounds(vocab_start, weight.shape[0], group.size, vocab_size)
+    except ValueError as exc:
+        refuse_together(group, name, exc)
+        raise
+    if agreement_checks_enabled():  # token counts may differ: each rank looks up its own
+        check_group_agrees(group, name, label=label, weight=weight, vocab_start=int(vocab_start),
+                           vocab_size=hi, check_token_ids=bool(check_token_ids),
+                           grad_reduce_dtype=grad_reduce_dtype, needs_grad=needs_grad(weight))
     if check_token_ids:
         check_ids(tokens, lo, hi, group, "token ids",
                   "check the tokenizer's vocabulary against --vocab-size/--vocab-file")
