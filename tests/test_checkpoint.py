@@ -14,6 +14,19 @@ SIZE = GPTSize(num_layers=2, hidden_size=24, num_attention_heads=4, ffn_hidden_s
 SAVE_AT, TOTAL = 2, 5
 
 
+def _rng_digest():
+    """This rank's torch RNG state and Megatron RNG tracker states, hashed."""
+    import hashlib
+
+    import torch
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    h = hashlib.sha256(torch.get_rng_state().numpy().tobytes())
+    for name, st in sorted(get_cuda_rng_tracker().get_states().items()):
+        h.update(name.encode() + st.numpy().tobytes())
+    return h.hexdigest()
+
+
 def _save_and_continue(rank, world, layout, directory):
     from megatron_metp import cpu
 
@@ -22,40 +35,57 @@ def _save_and_continue(rank, world, layout, directory):
     state = setup(SIZE, layout)
     recs = train(SIZE, layout, SAVE_AT, state=state)
     save_checkpoint(directory, state, SAVE_AT, layout.describe())
+    rng = _rng_digest()
     recs += train(SIZE, layout, TOTAL - SAVE_AT, state=state, start_step=SAVE_AT)
-    return [r.lm_loss for r in recs]
+    return [r.lm_loss for r in recs], rng
 
 
-def _resume(rank, world, layout, directory, size=SIZE, load_rng=True):
+def _resume(rank, world, layout, directory, size=SIZE, load_rng=True, with_rng=False):
     from megatron_metp import cpu
 
     cpu.enable()
     init_parallel(layout, size.seq_length)
     state = setup(size, layout, seed=999)  # different weights: the checkpoint must replace them
+    if with_rng:  # and different RNG states
+        import torch
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        torch.manual_seed(999)
+        model_parallel_cuda_manual_seed(999)
+    before = _rng_digest()
     try:
         it = load_checkpoint(directory, state, load_rng=load_rng)
     except CheckpointError as exc:
         return ("CheckpointError", str(exc))
-    return [r.lm_loss for r in train(size, layout, TOTAL - it, state=state, start_step=it)]
+    rng = (before, _rng_digest())
+    losses = [r.lm_loss for r in train(size, layout, TOTAL - it, state=state, start_step=it)]
+    return (losses, rng) if with_rng else losses
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
+    """The checkpoint directory, rank 0's losses of the uninterrupted run and every rank's RNG
+    digest at the save."""
     directory = str(tmp_path_factory.mktemp("ckpt") / "iter2")
-    losses = run_ranks(_save_and_continue, 4, Layout(metp=2, tp=2), directory, timeout=300)[0]
-    return directory, losses
+    out = run_ranks(_save_and_continue, 4, Layout(metp=2, tp=2), directory, timeout=300)
+    return directory, out[0][0], [rng for _, rng in out]
 
 
 def test_resume_same_layout_is_bit_exact(saved):
-    directory, uninterrupted = saved
-    resumed = run_ranks(_resume, 4, Layout(metp=2, tp=2), directory, timeout=300)[0]
-    assert resumed == uninterrupted[SAVE_AT:]
+    directory, uninterrupted, rng_at_save = saved
+    out = run_ranks(_resume, 4, Layout(metp=2, tp=2), directory, with_rng=True, timeout=300)
+    assert out[0][0] == uninterrupted[SAVE_AT:]
+    # every rank's RNG states come back (the tiny model draws no random numbers after step 2, so
+    # the losses alone would not show it); the tensor-parallel ranks' tracker states differ
+    before, after = zip(*(rng for _, rng in out))
+    assert list(after) == rng_at_save and len(set(rng_at_save)) > 1
+    assert not set(before) & set(rng_at_save)
 
 
 @pytest.mark.parametrize("world,layout", [(4, Layout(metp=4)), (4, Layout(tp=4, mode="tp")),
                                           (1, Layout())], ids=["metp4", "stock-tp4", "single"])
 def test_resume_in_another_layout_continues_the_loss_curve(saved, world, layout):
-    directory, uninterrupted = saved
+    directory, uninterrupted, _ = saved
     resumed = run_ranks(_resume, world, layout, directory, SIZE, False, timeout=300)[0]
     assert len(resumed) == TOTAL - SAVE_AT
     for got, ref in zip(resumed, uninterrupted[SAVE_AT:]):
@@ -63,14 +93,14 @@ def test_resume_in_another_layout_continues_the_loss_curve(saved, world, layout)
 
 
 def test_mismatched_model_is_refused_with_reason(saved):
-    directory, _ = saved
+    directory = saved[0]
     wider = GPTSize(**{**SIZE.__dict__, "hidden_size": 32})
     out = run_ranks(_resume, 2, Layout(metp=2), directory, wider, False)[0]
     assert out[0] == "CheckpointError" and "geometry" in out[1], out
 
 
 def test_incomplete_or_missing_checkpoint_is_refused(saved, tmp_path):
-    directory, _ = saved
+    directory = saved[0]
     broken = tmp_path / "broken"
     broken.mkdir()
     for name in os.listdir(directory):  # copy all but the metadata: an interrupted save
@@ -80,16 +110,18 @@ def test_incomplete_or_missing_checkpoint_is_refused(saved, tmp_path):
     assert out[0] == "CheckpointError" and "not a complete" in out[1], out
     out = run_ranks(_resume, 2, Layout(metp=2), str(tmp_path / "nowhere"))[0]
     assert out[0] == "CheckpointError" and "does not exist" in out[1], out
+    out = run_ranks(_resume, 2, Layout(metp=2), directory)[0]  # 4 ranks' RNG states, 2 ranks
+    assert out[0] == "CheckpointError" and "load_rng=False" in out[1], out
 
 
 def test_truncated_shard_file_is_refused(saved, tmp_path):
-    directory, _ = saved
+    directory = saved[0]
     broken = tmp_path / "truncated"
     broken.mkdir()
     for name in os.listdir(directory):
         data = open(os.path.join(directory, name), "rb").read()
         (broken / name).write_bytes(data[: len(data) // 2] if name.endswith(".distcp") else data)
-    out = run_ranks(_resume, 2, Layout(metp=2), str(broken))[0]
+    out = run_ranks(_resume, 2, Layout(metp=2), str(broken), SIZE, False)[0]
     assert out[0] == "CheckpointError", out
 
 
@@ -123,14 +155,84 @@ class _Planted:
         return (open, (self.marker, "w"))
 
 
-def test_planted_object_in_metadata_is_refused_without_running_it(saved, tmp_path):
+def _dotted_global_payload(marker: str) -> bytes:
+    """Protocol-4 pickle calling ``os.open(marker, O_WRONLY | O_CREAT)``, reached as the dotted
+    name ``os.open`` inside ``torch.distributed.checkpoint.filesystem`` (a module whose classes
+    the metadata check allows): an allow-list by module alone would let it through."""
     import pickle
 
-    directory, _ = saved
+    def short(s: str) -> bytes:
+        return pickle.SHORT_BINUNICODE + bytes([len(s)]) + s.encode()
+
+    flags = os.O_WRONLY | os.O_CREAT
+    return (pickle.PROTO + b"\x04" + short("torch.distributed.checkpoint.filesystem")
+            + short("os.open") + pickle.STACK_GLOBAL + short(marker) + pickle.BININT
+            + flags.to_bytes(4, "little") + pickle.TUPLE2 + pickle.REDUCE + pickle.STOP)
+
+
+@pytest.mark.parametrize("payload", ["object", "dotted-global"])
+def test_planted_object_in_metadata_is_refused_without_running_it(saved, tmp_path, payload):
+    import pickle
+
+    directory = saved[0]
     evil = tmp_path / "evil"
     shutil.copytree(directory, evil)
     marker = tmp_path / "pwned"
-    (evil / ".metadata").write_bytes(pickle.dumps(_Planted(str(marker))))
-    out = run_ranks(_resume, 2, Layout(metp=2), str(evil))[0]
+    (evil / ".metadata").write_bytes(pickle.dumps(_Planted(str(marker))) if payload == "object"
+                                     else _dotted_global_payload(str(marker)))
+    out = run_ranks(_resume, 2, Layout(metp=2), str(evil), SIZE, False)[0]
+    assert not marker.exists(), "the planted object ran"
     assert out[0] == "CheckpointError" and "refusing to load" in out[1], out
-    assert not marker.exists()
+
+
+def _plant_in_shard_file(directory, payload: bytes) -> str:
+    """Replace the bytes of one ``_extra_state`` byte object in a ``.distcp`` file by ``payload``
+    (appended to the file; ``.metadata`` points there). Every rank of any layout reads it: the
+    extra states are replicated. Returns the object's key."""
+    import dataclasses
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    md_path = os.path.join(directory, ".metadata")
+    with open(md_path, "rb") as f:
+        md = pickle.load(f)  # our own checkpoint: trusted here
+    key = next(k for k, v in md.state_dict_metadata.items()
+               if isinstance(v, BytesStorageMetadata) and "linear_fc1._extra_state" in k)
+    index = next(i for i in md.storage_data if i.fqn == key)
+    info = md.storage_data[index]
+    shard = os.path.join(directory, info.relative_path)
+    offset = os.path.getsize(shard)
+    with open(shard, "ab") as f:
+        f.write(payload)
+    md.storage_data[index] = dataclasses.replace(info, offset=offset, length=len(payload))
+    with open(md_path, "wb") as f:
+        pickle.dump(md, f)
+    return key
+
+
+@pytest.mark.parametrize("where", ["distcp", "common.pt"])
+def test_planted_object_in_shard_or_common_file_is_refused_without_running_it(
+        saved, tmp_path, monkeypatch, where):
+    """torch's checkpoint reader unpickles byte objects with ``weights_only=False`` and Megatron
+    reads ``common.pt`` with torch's default, which this variable (inherited by the forked ranks)
+    turns into a full unpickle: both would create the marker without the safe readers."""
+    import io
+
+    import torch
+
+    directory = saved[0]
+    evil = tmp_path / "evil"
+    shutil.copytree(directory, evil)
+    marker = tmp_path / "pwned"
+    buf = io.BytesIO()
+    torch.save([_Planted(str(marker))], buf)  # as Megatron packs a ShardedObject
+    if where == "distcp":
+        what = _plant_in_shard_file(str(evil), buf.getvalue())
+    else:
+        (evil / "common.pt").write_bytes(buf.getvalue())
+        what = "common.pt"
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    out = run_ranks(_resume, 2, Layout(metp=2), str(evil), SIZE, False)[0]
+    assert not marker.exists(), "the planted object ran"
+    assert out[0] == "CheckpointError" and "refusing to load" in out[1] and what in out[1], out

@@ -2,9 +2,13 @@
 
 A checkpoint holds the model's sharded state (METP shards on Megatron's TP axis, so stock TP
 layouts read it too), the optimizer state sharded against the same keys, every rank's RNG state
-and the iteration. Loading never unpickles arbitrary objects from the checkpoint directory's
-``common.pt`` beyond what ``dist_checkpointing`` itself reads, and a directory that is missing,
-incomplete or written for another model raises :class:`CheckpointError` naming what is wrong.
+and the iteration. Loading never unpickles arbitrary objects from the checkpoint directory: the
+RNG states are stored as tensors, the ``.metadata`` pickle is checked against an allow-list of
+``torch.distributed.checkpoint`` classes before torch reads it, and ``common.pt`` and every byte
+object in the ``.distcp`` shard files (Megatron's ``_extra_state``) are read with
+``torch.load(weights_only=True)`` instead of the full unpickler ``dist_checkpointing`` uses. A
+directory that is missing, incomplete, written for another model or holding anything else raises
+:class:`CheckpointError` naming what is wrong.
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ class CheckpointError(RuntimeError):
 
 # What torch.distributed.checkpoint's ``.metadata`` pickle may reference. torch reads that file
 # with a plain ``pickle.load``; it is checked against this list first, so a planted object never
-# reaches the unpickler that would run it.
+# reaches the unpickler that would run it. Besides these, the dataclasses and enums defined in
+# ``_METADATA_MODULES`` themselves are allowed (never a function, or a name reached through a
+# dotted path such as ``torch.distributed.checkpoint.filesystem`` + ``os.system``).
 _METADATA_ALLOWED = {
     ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
     ("builtins", "slice"), ("builtins", "set"), ("builtins", "frozenset"),
@@ -34,14 +40,31 @@ _METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed
                      "torch.distributed.checkpoint.filesystem")
 
 
+def _metadata_global_allowed(module: str, name: str) -> bool:
+    import dataclasses
+    import enum
+    import importlib
+
+    if "." in name:  # pickle protocol 4 resolves dotted names attribute by attribute
+        return False
+    if (module, name) in _METADATA_ALLOWED:
+        return True
+    if module == "torch":
+        return isinstance(getattr(torch, name, None), torch.dtype)
+    if module in _METADATA_MODULES:
+        obj = getattr(importlib.import_module(module), name, None)
+        return isinstance(obj, type) and obj.__module__ == module and \
+            (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum))
+    return False
+
+
 def _check_metadata_pickle(path: str) -> None:
     import io
     import pickle
 
     class _Restricted(pickle.Unpickler):
         def find_class(self, module, name):
-            if (module, name) in _METADATA_ALLOWED or module in _METADATA_MODULES or \
-                    (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            if _metadata_global_allowed(module, name):
                 return super().find_class(module, name)
             raise CheckpointError(f"checkpoint metadata {path!r} references {module}.{name}, which "
                                   f"a checkpoint never needs: refusing to load it (untrusted or "
@@ -54,6 +77,95 @@ def _check_metadata_pickle(path: str) -> None:
         raise
     except Exception as exc:  # noqa: BLE001 - any parse failure is a corrupt file
         raise CheckpointError(f"checkpoint metadata {path!r} is unreadable: {exc}") from exc
+
+
+def _refuse_pickle(what: str, exc: BaseException) -> CheckpointError:
+    first = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
+    return CheckpointError(f"{what} is not plain data (tensors, numbers, strings, None and "
+                           f"containers of them): refusing to load it (untrusted or corrupt "
+                           f"file): {first}")
+
+
+def _safe_torch_load(source, what: str, **kwargs):
+    """``torch.load`` that only rebuilds tensors, primitive containers and the classes registered
+    with ``torch.serialization.add_safe_globals``. ``weights_only=True`` is passed explicitly, so
+    ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` cannot turn it off."""
+    try:
+        return torch.load(source, weights_only=True, **kwargs)
+    except FileNotFoundError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - UnpicklingError, or a corrupt zip
+        raise _refuse_pickle(what, exc) from exc
+
+
+def _safe_load_strategies():
+    """``dist_checkpointing`` load strategies for the ``torch_dist``/``torch`` backends whose
+    readers never run the full unpickler on checkpoint contents.
+
+    Megatron's ``TorchDistLoadShardedStrategy`` loads through ``MCoreLoadPlanner``, whose
+    ``load_bytes`` (from torch's ``DefaultLoadPlanner``) reads every byte object of a ``.distcp``
+    file with ``torch.load(weights_only=False)``; here the planner is a subclass that reads them
+    with ``weights_only=True``, swapped in for the duration of the load only. ``common.pt`` is read
+    the same way (Megatron calls ``torch.load`` without ``weights_only``, which the environment
+    variable ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` turns into a full unpickle)."""
+    from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
+    from megatron.core.dist_checkpointing.strategies.common import (COMMON_STATE_FNAME,
+                                                                    TorchCommonLoadStrategy)
+    from torch.distributed.checkpoint._traverse import set_element
+
+    if not hasattr(mcore_torch, "MCoreLoadPlanner"):
+        raise CheckpointError("this megatron-core has no dist_checkpointing MCoreLoadPlanner; "
+                              "megatron_metp cannot load its checkpoints safely")
+
+    class _SafeLoadPlanner(mcore_torch.MCoreLoadPlanner):
+        def load_bytes(self, read_item, value) -> None:
+            fqn = read_item.dest_index.fqn
+            obj = _safe_torch_load(value, f"byte object {fqn!r} in a .distcp shard file")
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[fqn], obj)
+            else:
+                self.state_dict[fqn] = obj
+
+    class _SafeShardedStrategy(mcore_torch.TorchDistLoadShardedStrategy):
+        def load(self, sharded_state_dict, checkpoint_dir):
+            original = mcore_torch.MCoreLoadPlanner
+            mcore_torch.MCoreLoadPlanner = _SafeLoadPlanner
+            try:
+                return super().load(sharded_state_dict, checkpoint_dir)
+            finally:
+                mcore_torch.MCoreLoadPlanner = original
+
+    class _SafeCommonStrategy(TorchCommonLoadStrategy):
+        def load_common(self, checkpoint_dir):
+            path = os.path.join(checkpoint_dir, COMMON_STATE_FNAME)
+            try:
+                return _safe_torch_load(path, f"{path!r}", map_location="cpu")
+            except FileNotFoundError as exc:
+                raise CheckpointError(f"{path!r} is missing") from exc
+
+        def load_sharded_objects(self, sharded_objects_state_dict, checkpoint_dir):
+            raise CheckpointError("checkpoints with ShardedObjects saved as separate .pt files are "
+                                  "not supported")
+
+    return _SafeShardedStrategy(), _SafeCommonStrategy()
+
+
+def _checkpoint_error_in(exc: BaseException) -> Optional[CheckpointError]:
+    """The :class:`CheckpointError` a rank raised inside ``dist_checkpointing`` (torch wraps each
+    rank's exception in a ``CheckpointException`` and hands it to every rank), if any."""
+    seen = set()
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, CheckpointError):
+            return e
+        for wrapped in (getattr(e, "failures", None) or {}).values():
+            todo.append(wrapped[0] if isinstance(wrapped, tuple) else wrapped)
+        todo += [e.__cause__, e.__context__]
+    return None
 
 
 def _param_pairs(opt):
@@ -120,34 +232,62 @@ def _load_optimizer(opt, loaded: dict) -> None:
             st["step"] = torch.tensor(float(step)) if torch.is_tensor(st.get("step")) else step
 
 
-def _rng_state():
+def _rng_tensors() -> dict:
+    """This rank's RNG states as uint8 tensors: torch's CPU generator, the current CUDA device's
+    (if any) and every state of Megatron's RNG tracker (``tracker.<name>``)."""
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-    return {"torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-            "tracker": get_cuda_rng_tracker().get_states()}
+    out = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        out["cuda"] = torch.cuda.get_rng_state()
+    for name, st in get_cuda_rng_tracker().get_states().items():
+        if not torch.is_tensor(st):
+            raise CheckpointError(f"RNG tracker state {name!r} is a {type(st).__name__}, not a "
+                                  f"tensor (CUDA-graph-safe RNG?); it cannot be checkpointed")
+        out[f"tracker.{name}"] = st
+    return out
 
 
-def _set_rng_state(state) -> None:
+def _set_rng_tensors(loaded: dict) -> None:
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    get_cuda_rng_tracker().set_states(state["tracker"])
+    torch.set_rng_state(loaded["torch"])
+    if "cuda" in loaded and torch.cuda.is_available():
+        torch.cuda.set_rng_state(loaded["cuda"])
+    tracker = get_cuda_rng_tracker()
+    states = dict(tracker.get_states())
+    states.update({k[len("tracker."):]: v for k, v in loaded.items() if k.startswith("tracker.")})
+    tracker.set_states(states)
 
 
-def _sharded(state, iteration: int, is_loading: bool):
+def _rng_sharded(saved_keys=None) -> dict:
+    """The RNG states as ShardedTensors of global shape ``(world, n)``, row = rank: tensors, not a
+    pickled object. Loading asks only for the states both this process and the checkpoint have
+    (``saved_keys``; e.g. no CUDA state from a CPU run)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for name, t in _rng_tensors().items():
+        if saved_keys is not None and name not in saved_keys:
+            continue
+        # a copy: loading writes into it, and the tracker's own state tensors must stay intact
+        out[name] = ShardedTensor.from_rank_offsets(f"rng_state.{name}", t.detach().clone(),
+                                                    (0, rank, world), replica_id=0,
+                                                    prepend_axis_num=1)
+    return out
+
+
+def _sharded(state, iteration: int, is_loading: bool, rng_keys=None):
     from megatron.core import parallel_state as ps
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     model = state["model"].module
     model_sd = model.sharded_state_dict()
     sd = {"model": model_sd}
     if state.get("optimizer") is not None:
         sd["optimizer"] = _optimizer_sharded(state["optimizer"], model_sd, is_loading)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    sd["rng_state"] = ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0)
+    if not is_loading or rng_keys is not None:
+        sd["rng_state"] = _rng_sharded(rng_keys)
     sd["iteration"] = iteration
     sd["pp_rank"] = ps.get_pipeline_model_parallel_rank()
     return sd
@@ -160,11 +300,12 @@ def save_checkpoint(directory: str, state, iteration: int, layout_description: s
     if dist.get_rank() == 0:
         os.makedirs(directory, exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save(_sharded(state, iteration, is_loading=False), directory)
+    sd = _sharded(state, iteration, is_loading=False)
+    dist_checkpointing.save(sd, directory)
     if dist.get_rank() == 0:
         with open(os.path.join(directory, METP_META), "w") as f:
             json.dump({"iteration": iteration, "layout": layout_description,
-                       "world_size": dist.get_world_size()}, f)
+                       "world_size": dist.get_world_size(), "rng": sorted(sd["rng_state"])}, f)
     dist.barrier()
 
 
@@ -177,22 +318,40 @@ def load_checkpoint(directory: str, state, *, load_optimizer: bool = True,
     meta_path = os.path.join(directory, METP_META)
     if not os.path.isdir(directory):
         raise CheckpointError(f"checkpoint directory {directory!r} does not exist")
-    if not os.path.exists(meta_path) or not dist_checkpointing.check_is_distributed_checkpoint(directory):
+    meta = None
+    try:
+        if os.path.exists(meta_path) and \
+                dist_checkpointing.check_is_distributed_checkpoint(directory):
+            with open(meta_path) as f:
+                meta = json.load(f)
+    except (OSError, ValueError, TypeError):  # unreadable JSON, or fields Megatron does not know
+        meta = None
+    if not isinstance(meta, dict):
         raise CheckpointError(f"{directory!r} is not a complete METP/Megatron distributed checkpoint "
                               f"(missing {METP_META} or Megatron's metadata); was the save "
                               f"interrupted?")
-    with open(meta_path) as f:
-        meta = json.load(f)
     _check_metadata_pickle(os.path.join(directory, ".metadata"))
-    template = _sharded(state, 0, is_loading=True) if load_optimizer else \
-        _sharded(dict(state, optimizer=None), 0, is_loading=True)
-    if not load_rng:
-        template.pop("rng_state")
+    rng_keys = None
+    if load_rng:
+        rng_keys = meta.get("rng")
+        if not isinstance(rng_keys, list) or "torch" not in rng_keys:
+            raise CheckpointError(f"{directory!r} holds no RNG states as tensors (saved by an "
+                                  f"older megatron_metp?); load it with load_rng=False")
+        if meta.get("world_size") != dist.get_world_size():
+            raise CheckpointError(f"{directory!r} holds the RNG states of {meta.get('world_size')} "
+                                  f"ranks, this job has {dist.get_world_size()}; load it with "
+                                  f"load_rng=False")
+    template = _sharded(state if load_optimizer else dict(state, optimizer=None), 0,
+                        is_loading=True, rng_keys=rng_keys)
+    sharded_strategy, common_strategy = _safe_load_strategies()
     try:
-        loaded = dist_checkpointing.load(template, directory)
+        loaded = dist_checkpointing.load(template, directory, sharded_strategy, common_strategy)
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as exc:  # noqa: BLE001 - torch's CheckpointException is a BaseException
+        refused = _checkpoint_error_in(exc)
+        if refused is not None:
+            raise CheckpointError(f"cannot load {directory!r}: {refused}") from exc
         raise CheckpointError(f"cannot load {directory!r} (saved as {meta.get('layout') or '?'} at "
                               f"iteration {meta.get('iteration')}) into this model: "
                               f"{str(exc).splitlines()[0][:400]}. Check that the model geometry "
@@ -205,6 +364,6 @@ def load_checkpoint(directory: str, state, *, load_optimizer: bool = True,
                               f"{missing[:5]}, unexpected {list(unexpected)[:5]}")
     if load_optimizer and "optimizer" in loaded:
         _load_optimizer(state["optimizer"], loaded["optimizer"])
-    if load_rng and "rng_state" in loaded:
-        _set_rng_state(loaded["rng_state"])
+    if load_rng:
+        _set_rng_tensors(loaded["rng_state"])
     return int(loaded["iteration"])
