@@ -83,13 +83,27 @@ def test_resume_same_layout_is_bit_exact(saved):
 
 
 @pytest.mark.parametrize("world,layout", [(4, Layout(metp=4)), (4, Layout(tp=4, mode="tp")),
-                                          (1, Layout())], ids=["metp4", "stock-tp4", "single"])
+                                          (1, Layout()), (4, Layout(metp=4, vocab_parallel=True))],
+                         ids=["metp4", "stock-tp4", "single", "metp4-vocab"])
 def test_resume_in_another_layout_continues_the_loss_curve(saved, world, layout):
     directory, uninterrupted, _ = saved
     resumed = run_ranks(_resume, world, layout, directory, SIZE, False, timeout=300)[0]
     assert len(resumed) == TOTAL - SAVE_AT
     for got, ref in zip(resumed, uninterrupted[SAVE_AT:]):
         assert abs(got - ref) <= 1e-6 * ref, (resumed, uninterrupted)
+
+
+def test_vocab_parallel_checkpoint_resumes_exactly_and_as_stock_tp(tmp_path):
+    """Saved with the vocabulary sharded over METP: resumes bit-exactly in the same layout and
+    continues the loss curve as stock TP (embedding/output keys and global shapes are Megatron's)."""
+    directory = str(tmp_path / "vocab")
+    layout = Layout(metp=2, vocab_parallel=True)
+    uninterrupted = run_ranks(_save_and_continue, 2, layout, directory, timeout=300)[0][0]
+    same = run_ranks(_resume, 2, layout, directory, timeout=300)[0]
+    assert same == uninterrupted[SAVE_AT:]
+    stock = run_ranks(_resume, 2, Layout(tp=2, mode="tp"), directory, SIZE, False, timeout=300)[0]
+    for got, ref in zip(stock, uninterrupted[SAVE_AT:]):
+        assert abs(got - ref) <= 1e-6 * ref, (stock, uninterrupted)
 
 
 def test_mismatched_model_is_refused_with_reason(saved):
