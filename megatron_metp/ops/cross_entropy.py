@@ -123,6 +123,7 @@ class _METPCrossEntropyFunction(torch.autograd.Function):
             m_new = torch.maximum(m, z.amax(1))
             l.mul_(torch.exp(m - m_new)).add_(z.sub_(m_new[:, None]).exp_().sum(1))
             m = m_new
+            del z  # before the next shard's block is formed: one logits block alive at a time
         if _tp_size(tp_group) > 1:
             m_all = m.clone()
             _all_reduce(m_all, dist.ReduceOp.MAX, tp_group, group.timeout)
