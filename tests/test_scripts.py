@@ -600,3 +600,22 @@ def test_dry_run_reports_megatron_validation_errors(patched_clone):
     assert proc.returncode == 1
     assert "validate_args rejected the command" in proc.stderr
     assert "--attention-dropout 0.1" in proc.stderr
+
+
+@needs_checkout
+def test_dry_run_vocab_parallel(patched_clone):
+    """--metp-vocab-parallel through Megatron's real parser, validate_args and tokenizer padding:
+    the vocabulary is padded to 128 x TP x METP and the tables are METP-sharded."""
+    base = _run(["bash", "scripts/pretrain_gpt.sh", "--config", "tiny-cpu-metp2.sh", "--dry-run"],
+                env=_env(MEGATRON_LM_DIR=patched_clone)).stdout
+    proc = _run(["bash", "scripts/pretrain_gpt.sh", "--config", "tiny-cpu-metp2.sh", "--dry-run"],
+                env=_env(MEGATRON_LM_DIR=patched_clone, METP_VOCAB_PARALLEL=1))
+    out = proc.stdout
+    assert "--metp-vocab-parallel" in out.split("command: ", 1)[1].splitlines()[0]
+
+    def emb_params(text):
+        return int(text.split("embedding/output ", 1)[1].split(")", 1)[0].replace(",", ""))
+
+    # vocab 1024 (+1 NullTokenizer) padded to a multiple of 128 x 1 x 2 = 1280 rows, half per
+    # rank, h=64, tied: 640 x 64 on each rank (without the switch: 1152 x 64, padded to 128)
+    assert emb_params(out) == 640 * 64 and emb_params(base) == 1152 * 64
