@@ -4,6 +4,7 @@
 
     metp plan --preset gpt-7b --seq 131072 --tp 1 --metp 8 --hardware A100-80GB --png plan.png
     metp plan --config configs/gpt-7b-128k-metp8.sh --kernel unfused --distributed-optimizer
+    metp plan --preset gpt-7b --seq 131072 --metp 8 --vocab-parallel   # METP + vocabulary split
     metp measure --preset gpt-7b --seq 32768 --layers 2 --modes tp-sp metp
 
 (``python -m megatron_metp.cli ...`` until the ``metp`` console script is installed.)
@@ -59,13 +60,19 @@ def _add_common(ap: argparse.ArgumentParser) -> None:
     j.add_argument("--keep-intermediate", action="store_true",
                    help="METP MLP keeps x·W1ᵀ instead of recomputing it in backward")
     j.add_argument("--distributed-optimizer", action="store_true")
+    j.add_argument("--vocab-parallel", action="store_true", default=None,
+                   help="METP only (Megatron-LM's --metp-vocab-parallel): split the word "
+                        "embedding and output layer over TP×METP, loss on the vocabulary ring; "
+                        "plans mode metp this way (default modes: metp only; the mode "
+                        "metp+vocab shows the split next to the others without this flag)")
     j.add_argument("--precision", default="bf16", help="only bf16 is planned")
     j.add_argument("--hardware", default="H100-80GB", choices=list(P.HARDWARE),
                    help="device preset (default H100-80GB)")
     j.add_argument("--reserve-gib", type=float, default=2.0,
                    help="GiB held back for CUDA context, NCCL, fragmentation (default 2)")
     ap.add_argument("--modes", nargs="+", default=None, metavar="MODE",
-                    help=f"modes to show (default all: {' '.join(P.MODES)}; cp only with tp>1)")
+                    help=f"modes to show (default all: {' '.join(P.MODES)}; cp only with tp>1; "
+                         f"metp only with --vocab-parallel)")
     ap.add_argument("--json", help="also write the results as JSON")
 
 
@@ -91,7 +98,7 @@ def build(args) -> tuple:
     if fields.get("query_groups") == fields.get("heads"):
         fields["query_groups"] = None
     model = P.Model(**fields)
-    for flag in ("tp", "metp", "pp", "dp", "micro_batch"):
+    for flag in ("tp", "metp", "pp", "dp", "micro_batch", "vocab_parallel"):
         v = getattr(args, flag)
         if v is not None:
             job_fields[flag] = v
@@ -99,7 +106,12 @@ def build(args) -> tuple:
                 keep_intermediate=args.keep_intermediate,
                 distributed_optimizer=args.distributed_optimizer, precision=args.precision,
                 hardware=args.hardware, reserve_gib=args.reserve_gib, **job_fields)
-    modes = args.modes or [m for m in P.MODES if not (m == "cp" and (job.tp == 1 or job.metp == 1))]
+    if args.modes:
+        modes = args.modes
+    elif job.vocab_parallel:
+        modes = ["metp"]
+    else:
+        modes = [m for m in P.MODES if not (m == "cp" and (job.tp == 1 or job.metp == 1))]
     for m in modes:
         if m not in P.MODES:
             raise ValueError(f"--modes: unknown mode {m!r}; choose from {', '.join(P.MODES)}")
@@ -126,7 +138,7 @@ def measure_table(model, job, modes, results) -> str:
     lines.append(f"# measured vs planned, rank 0: {model.name} h={model.hidden} L={model.layers} "
                  f"a={model.heads} ffn={model.ffn} vocab={model.vocab} s={model.seq:,} "
                  f"b={job.micro_batch}, {job.kernel} attention, tp={job.tp} metp={job.metp} "
-                 f"pp={job.pp}")
+                 f"pp={job.pp}" + (", METP vocabulary split" if job.vocab_parallel else ""))
     lines.append("# measured: torch fake process group + FakeTensorMode + MemTracker, one "
                  "micro-batch fwd+bwd (×PP in flight) of megatron-core GPTModel, params + fp32 "
                  "main_grad + activations; optimizer states are planned (not measured)")

@@ -12,10 +12,16 @@ same megatron-core ``GPTModel`` that training builds for each mode of :mod:`mega
 ``ring``          ring self-attention: TP=1, the K/V ring over all ``W`` ranks, weights
                   replicated (the same spec with TP=1)
 ``metp``          ``get_gpt_layer_metp_spec(groups)``: TP=``tp`` × METP=``metp``
+``metp+vocab``    the same as ``megatron_metp.megatron.vocab.METPGPTModel`` (training's
+                  ``Layout(vocab_parallel=True)``, Megatron-LM's ``--metp-vocab-parallel``):
+                  word embedding and output layer split over TP×METP (vocabulary padded to
+                  ``128·tp·metp``), the loss by ``ops.metp_output_cross_entropy``; also mode
+                  ``metp`` of a job with ``vocab_parallel``
 ================  ===========================================================================
 
 and runs one forward and one backward of one micro-batch of this rank's tokens with the loss
-(Megatron's vocab-parallel cross-entropy). How, without a cluster or real allocations:
+(Megatron's vocab-parallel cross-entropy; with the vocabulary split, the METP ring loss). How,
+without a cluster or real allocations:
 
 * torch's ``fake`` process group (``init_process_group("fake", rank=0, world_size=W·pp,
   store=FakeStore())``): every collective and send/recv is a no-op with the true shapes;
@@ -213,6 +219,7 @@ def _gpu_matmul_branch():
     import torch
 
     import megatron_metp.ops.attention as attn_mod
+    import megatron_metp.ops.cross_entropy as ce_mod
     import megatron_metp.ops.mlp as mlp_mod
 
     def mm_acc_cuda_branch(acc, a, b_):
@@ -222,7 +229,7 @@ def _gpu_matmul_branch():
             acc.add_(torch.mm(a, b_, out_dtype=acc.dtype))
 
     undo = []
-    for mod, name in ((attn_mod, "mm_acc"), (mlp_mod, "_mm_acc")):
+    for mod, name in ((attn_mod, "mm_acc"), (mlp_mod, "_mm_acc"), (ce_mod, "mm_acc")):
         if not hasattr(mod, name):
             raise RuntimeError(f"{mod.__name__}.{name} is gone: measure.py's GPU matmul "
                                f"emulation needs updating")
@@ -255,8 +262,10 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
 
     import megatron_metp.cpu as mcpu
 
-    lay = P.layout(mode, job)
     P.validate(model, job, modes=[mode])
+    asked = mode
+    mode, job = P.canonical(mode, job)  # "metp+vocab" -> "metp" with job.vocab_parallel
+    lay = P.layout(mode, job)
     world = lay.t * lay.c * job.pp
     torch.set_num_threads(1)
     dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
@@ -278,6 +287,7 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
     from .megatron.groups import METPGroups
     from .megatron.parallel import initialize_model_parallel
     from .megatron.spec import get_gpt_layer_metp_spec
+    from .megatron.vocab import METPGPTModel
 
     if mode == "metp":
         initialize_model_parallel(lay.t, job.pp, lay.c, seq_length=model.seq,
@@ -292,7 +302,7 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
     torch.set_default_dtype(torch.bfloat16)
 
     layers_here = model.layers // job.pp
-    vocab = P.padded_vocab(model.vocab, lay.t)
+    vocab = P.padded_vocab(model.vocab, lay.vocab_shards)
     cfg = TransformerConfig(
         num_layers=model.layers, hidden_size=model.hidden, num_attention_heads=model.heads,
         num_query_groups=model.groups, kv_channels=model.hidden // model.heads,
@@ -328,10 +338,11 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
     t0 = time.perf_counter()
     try:
         with FakeTensorMode():
-            gpt = GPTModel(config=cfg, transformer_layer_spec=block, vocab_size=vocab,
-                           max_sequence_length=model.seq, pre_process=first, post_process=last,
-                           share_embeddings_and_output_weights=model.tied and job.pp == 1,
-                           position_embedding_type="rope")
+            cls, extra = (METPGPTModel, {"metp_groups": groups}) if lay.vocab else (GPTModel, {})
+            gpt = cls(config=cfg, transformer_layer_spec=block, vocab_size=vocab,
+                      max_sequence_length=model.seq, pre_process=first, post_process=last,
+                      share_embeddings_and_output_weights=model.tied and job.pp == 1,
+                      position_embedding_type="rope", **extra)
             params = list(gpt.parameters())
             n_params = sum(p.numel() for p in params)
             main_grad = torch.empty(n_params, dtype=torch.float32)
@@ -392,7 +403,8 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
     params_b = 2 * n_params
     grad_b = 4 * n_params
     return {
-        "mode": mode, "seq": model.seq, "tokens_per_rank": n, "layers_on_rank": layers_here,
+        "mode": asked, "vocab_parallel": lay.vocab, "seq": model.seq, "tokens_per_rank": n,
+        "layers_on_rank": layers_here,
         "inflight_microbatches": inflight, "n_params": n_params,
         "peak": peak["total"], "peak_phase": "bwd" if peak["total"] > fwd_peak["total"] else "fwd",
         "peak_by_category": peak["cat"],
@@ -432,7 +444,7 @@ def preload() -> None:
         import torch.distributed._tools.mem_tracker  # noqa: F401
         import torch.testing._internal.distributed.fake_pg  # noqa: F401
 
-        from .megatron import spec  # noqa: F401
+        from .megatron import spec, vocab  # noqa: F401
 
 
 def measure(model: "P.Model", job: "P.Job", modes, *, jobs: int = 1, timeout: float = 600.0,

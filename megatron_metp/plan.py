@@ -24,6 +24,11 @@ Modes, all on the same ``W = tp·metp`` GPUs per pipeline stage:
 ``ring``          ring self-attention: the K/V ring over all ``W`` ranks, weights replicated
                   (``cp`` with TP=1)
 ``metp``          METP: weights and sequence sharded over ``metp`` (× ``tp``)
+``metp+vocab``    METP with the vocabulary split too (``--metp-vocab-parallel``,
+                  ``megatron_metp.megatron.vocab.METPGPTModel``): word embedding and output
+                  layer ``[V/(t·p), h]`` per rank, ``V`` padded to a multiple of ``128·t·p``;
+                  the loss runs ``ops.metp_output_cross_entropy`` (logits ``[s/p·b, V/(t·p)]``
+                  one shard at a time). ``--vocab-parallel`` plans mode ``metp`` this way.
 ================  ===========================================================================
 
 Where the numbers come from. The *stock* layers (``tp``, ``tp-sp``) follow Korthikanti et al.
@@ -37,15 +42,22 @@ benchmarks (``benchmarks/mlp_memory.py``, ``benchmarks/attention_memory.py``) me
 a METP layer stores its input, the two LayerNorm inputs/outputs, every head group's attention
 output and its fp32 log-sum-exp (and, with ``keep_intermediate``, ``x·W1ᵀ`` of every MLP shard);
 its backward adds the weight/gradient ring buffers, fp32 accumulators, one head group's
-recomputed Q/K/V and the K/V ring's blocks. ``metp measure`` builds the real models under the fake
-process group and reports the measured peak next to this plan; ``tests/test_plan.py`` keeps the
-two within 5 %.
+recomputed Q/K/V and the K/V ring's blocks. With the vocabulary split (``metp+vocab``) the loss
+keeps only a fp32 log-sum-exp per token; its forward and its backward (which recomputes the
+logits) hold one shard's ``[tokens, V/(t·p)]`` logits in fp32 and bf16 at a time, next to the two
+bf16 weight-shard buffers in flight and the two fp32 weight-gradient sums travelling the ring
+(``ops/cross_entropy.py``); the embedding's backward sums its table gradient on the ring the same
+way (``ops/embedding.py``). Both tables are METP-sharded parameters: gradients reduced over pure
+DP, so the distributed optimizer shards their Adam states over DP, like the layer weights.
+``metp measure`` builds the real models under the fake process group and reports the measured
+peak next to this plan; ``tests/test_plan.py`` keeps the two within 5 %.
 
 Conventions: bytes; bf16 parameters and activations; Adam; no dropout (METP has no attention
 dropout; every mode is planned without it); LayerNorm; RoPE; no linear biases; the vocabulary
-padded to a multiple of 128·TP as Megatron-LM pads it; tied embeddings unless the model is
-untied (the repo's 7B/13B are). Not modelled: CUDA context, NCCL buffers, allocator
-fragmentation, kernel workspaces (``--reserve-gib``, default 2 GiB, is held back for them).
+padded to a multiple of 128·TP as Megatron-LM pads it (128·TP·METP with the vocabulary split);
+tied embeddings unless the model is untied (the repo's 7B/13B are). Not modelled: CUDA context,
+NCCL buffers, allocator fragmentation, kernel workspaces (``--reserve-gib``, default 2 GiB, is
+held back for them).
 
 Where a GPU run may differ from the plan (and from ``metp measure``, which the plan follows):
 LayerNorm statistics are fp32 on a GPU (planned: 8 B per token and norm; CPU: bf16); Megatron's
@@ -67,14 +79,17 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 GiB = 2 ** 30
 MiB = 2 ** 20
 BF16, FP32 = 2, 4
-MODES = ("tp", "tp-sp", "cp", "ring", "metp")
+MODES = ("tp", "tp-sp", "cp", "ring", "metp", "metp+vocab")
 MODE_NAMES = {
     "tp": "stock TP",
     "tp-sp": "TP+SP",
     "cp": "context parallel (ring) + TP",
     "ring": "ring self-attention",
     "metp": "METP",
+    "metp+vocab": "METP + vocabulary split",
 }
+#: the modes that the METP vocabulary split applies to (``--vocab-parallel``)
+VOCAB_MODES = ("metp", "metp+vocab")
 
 
 # ----------------------------------------------------------------------------- model geometry
@@ -140,6 +155,7 @@ _JOB_KEYS = {
     "pp": "pp", "pipeline_model_parallel_size": "pp",
     "dp": "dp",
     "micro_batch": "micro_batch", "micro_batch_size": "micro_batch",
+    "vocab_parallel": "vocab_parallel", "metp_vocab_parallel": "vocab_parallel",
 }
 
 
@@ -213,6 +229,8 @@ def from_config(path: str) -> Tuple[Dict[str, object], Dict[str, object]]:
         model["tied"] = bool(model["tied"])
     if model.get("swiglu") is not None:
         model["swiglu"] = bool(model["swiglu"])
+    if "vocab_parallel" in job:
+        job["vocab_parallel"] = bool(job["vocab_parallel"])
     return model, job
 
 
@@ -266,6 +284,7 @@ class Job:
     kernel: str = "flash"          # "flash" or "unfused"
     keep_intermediate: bool = False  # METP MLP: keep x·W1ᵀ instead of recomputing it
     distributed_optimizer: bool = False
+    vocab_parallel: bool = False   # METP only: word embedding + output layer split over TP×METP
     precision: str = "bf16"
     hardware: str = "H100-80GB"
     reserve_gib: float = 2.0
@@ -292,12 +311,19 @@ class Layout:
     c: int
     sp: bool
     weight_shards: int
+    vocab: bool = False  # word embedding / output layer split over t·c (METP vocabulary)
+
+    @property
+    def vocab_shards(self) -> int:
+        """Shards of each vocabulary table: ``t·c`` with the METP split, else TP's ``t``."""
+        return self.t * self.c if self.vocab else self.t
 
     def describe(self) -> str:
         if self.mode in ("tp", "tp-sp"):
             return f"TP={self.t}" + ("+SP" if self.sp else "")
-        if self.mode == "metp":
-            return f"METP={self.c}" + (f"×TP={self.t}" if self.t > 1 else "")
+        if self.mode in VOCAB_MODES:
+            return f"METP={self.c}" + (f"×TP={self.t}" if self.t > 1 else "") + \
+                ("+vocab" if self.vocab else "")
         if self.mode == "ring":
             return f"ring={self.c}"
         return f"TP={self.t}{'+SP' if self.sp else ''}×CP={self.c}"
@@ -313,9 +339,17 @@ def layout(mode: str, job: Job) -> Layout:
         return Layout(mode, job.tp, job.metp, job.tp > 1, job.tp)
     if mode == "ring":
         return Layout(mode, 1, W, False, 1)
-    if mode == "metp":
-        return Layout(mode, job.tp, job.metp, False, W)
+    if mode in VOCAB_MODES:
+        return Layout(mode, job.tp, job.metp, False, W,
+                      vocab=mode == "metp+vocab" or job.vocab_parallel)
     raise ValueError(f"--modes: unknown mode {mode!r}; choose from {', '.join(MODES)}")
+
+
+def canonical(mode: str, job: Job) -> Tuple[str, Job]:
+    """``("metp+vocab", job)`` → ``("metp", job with vocab_parallel)``; other modes unchanged."""
+    if mode == "metp+vocab":
+        return "metp", replace(job, vocab_parallel=True)
+    return mode, job
 
 
 def padded_vocab(vocab: int, t: int, multiple: int = 128) -> int:
@@ -348,8 +382,16 @@ def validate(model: Model, job: Job, modes: Sequence[str] = MODES) -> None:
         raise ValueError(f"--precision {job.precision!r}: only bf16 is planned")
     if job.hardware not in HARDWARE:
         raise ValueError(f"--hardware {job.hardware!r}: choose from {', '.join(HARDWARE)}")
+    if job.vocab_parallel:
+        other = [m for m in modes if m not in VOCAB_MODES]
+        if other:
+            raise ValueError(f"--vocab-parallel splits METP's word embedding and output layer "
+                             f"over TP×METP: it applies to mode metp only, not to "
+                             f"{', '.join(other)}; drop --vocab-parallel, or pass --modes metp "
+                             f"(mode metp+vocab plans the split next to the other modes)")
     for mode in modes:
         lay = layout(mode, job)
+        mode = canonical(mode, job)[0]
         if lay.weight_shards == 1:
             shards_flag = "1"
         elif mode == "cp" or job.metp == 1:
@@ -397,25 +439,32 @@ class Params:
     final_norm: int
     dp_sharded: int        # data-parallel size over which the distributed optimizer shards
     dp_replicated: int
+    embedding_sharded: bool = False  # METP vocabulary split: the tables reduce over dp_sharded
 
     @property
     def total(self) -> int:
         return self.layer_sharded + self.layer_replicated + self.embedding + self.final_norm
 
+    @property
+    def sharded(self) -> int:
+        """Elements whose gradients are reduced over ``dp_sharded`` (METP-sharded ones)."""
+        return self.layer_sharded + (self.embedding if self.embedding_sharded else 0)
+
 
 def params(model: Model, job: Job, mode: str, stage: str = "first") -> Params:
     """Parameter elements held by one rank of ``stage`` ("first" or "last" pipeline stage)."""
+    mode, job = canonical(mode, job)
     lay = layout(mode, job)
     attn, mlp, norms = _layer_weights(model)
     L = model.layers // job.pp
-    V = padded_vocab(model.vocab, lay.t)
+    V = padded_vocab(model.vocab, lay.vocab_shards)
     emb = 0
     first = stage == "first" or job.pp == 1
     last = stage == "last" or job.pp == 1
     if first:
-        emb += V * model.hidden // lay.t
+        emb += V * model.hidden // lay.vocab_shards
     if last and (not model.tied or job.pp > 1):
-        emb += V * model.hidden // lay.t
+        emb += V * model.hidden // lay.vocab_shards
     final = 2 * model.hidden if last else 0
     if mode == "metp":
         sharded, repl = L * (attn + mlp) // lay.weight_shards, L * norms
@@ -426,16 +475,18 @@ def params(model: Model, job: Job, mode: str, stage: str = "first") -> Params:
     else:  # ring, cp: TP shards, replicated over the ring; DP×CP reduces them
         sharded, repl = L * (attn + mlp) // lay.t, L * norms
         dp_sh = dp_rep = job.dp * lay.c
-    return Params(sharded, repl, emb, final, dp_sh, dp_rep)
+    return Params(sharded, repl, emb, final, dp_sh, dp_rep, embedding_sharded=lay.vocab)
 
 
 def static_memory(model: Model, job: Job, mode: str, stage: str = "first") -> Dict[str, float]:
     """Parameters (bf16), gradient buffer (fp32 main_grad), Adam states (fp32 master + 2 moments)
     without and with the distributed optimizer (sharded over the DP group that reduces each
-    parameter: pure DP for METP-sharded weights, DP×ring for parameters replicated over a ring)."""
+    parameter: pure DP for METP-sharded weights — with the vocabulary split also METP's word
+    embedding and output layer — DP×ring for parameters replicated over a ring)."""
+    mode, job = canonical(mode, job)
     p = params(model, job, mode, stage)
-    repl = p.total - p.layer_sharded
-    sharded = p.layer_sharded
+    sharded = p.sharded
+    repl = p.total - sharded
     opt_plain = 12 * p.total
     if mode == "metp":
         opt_dist = 12 * sharded / p.dp_sharded + 12 * repl / p.dp_replicated
@@ -488,12 +539,19 @@ class Activations:
     def peak(self) -> float:
         return self.stored + self.persistent + self.transient
 
+    @property
+    def forward_peak(self) -> float:
+        """The largest total during the forward passes (phases named ``forward``)."""
+        fwd = [v for k, v in self.phase_totals().items() if "forward" in k]
+        return self.stored + self.persistent + max(fwd + [0.0])
+
 
 def activations(model: Model, job: Job, mode: str, seq: Optional[int] = None,
                 stage: str = "first") -> Activations:
     """Activation memory of a rank of the first pipeline stage (rank 0; with PP=1 it is also
     the last) or, with ``stage="last"``, of the last stage (output layer and loss, one
     micro-batch in flight under 1F1B)."""
+    mode, job = canonical(mode, job)
     s = model.seq if seq is None else int(seq)
     lay = layout(mode, job)
     t, c = lay.t, lay.c
@@ -505,7 +563,9 @@ def activations(model: Model, job: Job, mode: str, seq: Optional[int] = None,
     T = s * b
     n = T // c                       # tokens through this rank's attention / MLP
     nl = n // t if lay.sp else n     # tokens of the norms / residual stream on this rank
-    V = padded_vocab(model.vocab, t)
+    vocab = lay.vocab
+    V = padded_vocab(model.vocab, lay.vocab_shards)
+    Vr = V // lay.vocab_shards       # rows of each vocabulary table on this rank
     L = model.layers // job.pp
     last = job.pp == 1 or stage == "last"   # holds the output layer and the loss
     first = job.pp == 1 or stage == "first"  # holds the embedding
@@ -573,17 +633,22 @@ def activations(model: Model, job: Job, mode: str, seq: Optional[int] = None,
     if last:
         head["final norm input + output (bf16)"] = 2 * BF16 * nl * h
         head["final norm statistics (fp32)"] = 8 * nl
-        head["loss: fp32 logits / softmax [tokens, V/t]"] = FP32 * n * V // t
-        head["loss: targets and masks"] = 21 * n
+        if vocab:
+            head["loss: log-sum-exp and per-token loss [tokens] (fp32)"] = 2 * FP32 * n
+        else:
+            head["loss: fp32 logits / softmax [tokens, V/t]"] = FP32 * n * Vr
+            head["loss: targets and masks"] = 21 * n
     inflight = job.inflight if first else 1
     phases: Dict[str, Dict[str, float]] = {}
-    if last:
-        phases["loss (forward): bf16 logits"] = {"bf16 logits [tokens, V/t]": BF16 * n * V // t}
+    if last and vocab:
+        phases.update(vocab_loss_phases(n, h, Vr, lay.c, b))
+    elif last:
+        phases["loss (forward): bf16 logits"] = {"bf16 logits [tokens, V/t]": BF16 * n * Vr}
         phases["output layer (backward)"] = {
-            "(fp32 logits freed)": -FP32 * n * V // t,
-            "bf16 logits gradient": BF16 * n * V // t,
+            "(fp32 logits freed)": -FP32 * n * Vr,
+            "bf16 logits gradient": BF16 * n * Vr,
             "output-layer input gradient (bf16)": BF16 * n * h,
-            "output-layer weight gradient (bf16)": BF16 * V * h // t}
+            "output-layer weight gradient (bf16)": BF16 * Vr * h}
         if lay.sp:
             phases["output layer (backward)"]["SP reduce-scatter of the input gradient"] = \
                 BF16 * nl * h
@@ -597,7 +662,7 @@ def activations(model: Model, job: Job, mode: str, seq: Optional[int] = None,
                 # autograd sums the tied weight's two gradients before accumulating them, so the
                 # output layer's bf16 dW waits for the embedding's backward (Megatron's
                 # gradient-accumulation fusion on GPU writes it to main_grad instead)
-                ph["tied output-layer weight gradient, held (bf16)"] = BF16 * V * h // t
+                ph["tied output-layer weight gradient, held (bf16)"] = BF16 * Vr * h
         ph.update(items)
         phases[name] = ph
     if not last:
@@ -612,15 +677,92 @@ def activations(model: Model, job: Job, mode: str, seq: Optional[int] = None,
     # embedding's bf16 weight gradient, and with tied weights the output layer's gradient
     # held until now and their sum
     emb = {"(this micro-batch's activations freed)":
-           -(L * sum(S.values()) + sum(head.values()) - head["RoPE angle table (fp32)"]),
-           "embedding weight gradient (bf16)": BF16 * V * h // t}
+           -(L * sum(S.values()) + sum(head.values()) - head["RoPE angle table (fp32)"])}
+    if vocab:
+        emb["incoming gradient [tokens, h] (bf16)"] = BF16 * n * h
+        if not last:
+            emb["gradient received from the next stage, held (bf16)"] = dy
+        emb.update(vocab_embedding_backward(n, h, Vr, lay.c))
+    else:
+        emb["embedding weight gradient (bf16)"] = BF16 * Vr * h
     if last and model.tied:
-        emb["tied output-layer weight gradient, held (bf16)"] = BF16 * V * h // t
-        emb["sum of the two (bf16)"] = BF16 * V * h // t
+        emb["tied output-layer weight gradient, held (bf16)"] = BF16 * Vr * h
+        emb["sum of the two (bf16)"] = BF16 * Vr * h
     if first:
         phases["embedding (backward)"] = emb
+    if first and vocab:
+        # the ring lookup of the last micro-batch in flight: its output (the first layer's
+        # stored input) is formed, the rest of its activations not yet
+        phases["embedding (forward)"] = {
+            "(this micro-batch's activations not formed yet)":
+                emb["(this micro-batch's activations freed)"] + BF16 * n * h,
+            **vocab_embedding_forward(n, h, Vr, lay.c)}
     return Activations(stored_layer=S, head=head, phases=phases, persistent=persistent,
                        layers=L, inflight=inflight, korthikanti_layer=kor)
+
+
+def vocab_loss_phases(n: int, h: int, v: int, p: int, b: int = 1) -> Dict[str, Dict[str, float]]:
+    """Transients of ``ops.metp_output_cross_entropy`` (``n`` tokens of this rank, ``b`` folded
+    in; a ``[v, h]`` output-layer shard, ``v = V/(t·p)``; a ring of ``p``), at each pass's
+    largest step.
+
+    Forward: the bf16 weight-shard buffers in flight (a clone of the own shard and the receive
+    buffer, ``p > 1``), the running max / sum / target logit ``[n]`` fp32, and one shard's logits
+    ``X·W_jᵀ`` in bf16 with their fp32 copy (``.float()``; exp and the shift run in place; the
+    op releases each block before forming the next).
+    Backward (the logits recomputed): the fp32 ``dX`` accumulator ``[n, h]``, two bf16 weight
+    buffers and the weight-gradient sum's two fp32 buffers travelling the ring (one with
+    ``p = 1``), and per shard the largest of: bf16 logits + their fp32 softmax; fp32 ``dZ`` + its
+    bf16 copy; bf16 ``dZ`` + the fp32 product of ``dX += dZ·W_j`` ``[n, h]`` or of
+    ``dW_j += dZᵀ·X`` ``[v, h]`` (``mm_acc``'s CUDA branch). At the end the fp32 ``dX`` and
+    ``dW`` with their bf16 copies (the ring buffers and the second sum are gone by then)."""
+    ring = p > 1
+    logits = (BF16 + FP32) * n * v
+    fwd = {"(log-sum-exp and loss not formed yet)": -2 * FP32 * n,
+           "running max, sum, target logit [tokens] (fp32)": 3 * FP32 * n,
+           "one shard's logits [tokens, V/(t·p)]: bf16 product + fp32 copy": logits}
+    if b > 1:
+        fwd["labels in token order (int64)"] = 8 * n
+    if ring:
+        fwd["output-layer shards in flight: own copy + received (bf16)"] = 2 * BF16 * v * h
+    common = {"dX accumulator (fp32)": FP32 * n * h, "loss gradient [tokens] (fp32)": FP32 * n}
+    if ring:
+        common["output-layer shards in flight: own copy + held (bf16)"] = 2 * BF16 * v * h
+        common["weight-gradient sum: two travelling buffers (fp32)"] = 2 * FP32 * v * h
+    else:
+        common["weight-gradient sum (fp32)"] = FP32 * v * h
+    step = max(logits, BF16 * n * v + FP32 * max(n, v) * h)
+    bwd = dict(common, **{"one shard's logits / dZ (fp32 + bf16), or bf16 dZ + an fp32 product":
+                          step})
+    end = {"dX (fp32) and its bf16 copy": (FP32 + BF16) * n * h,
+           "dW (fp32 sum) and its bf16 copy": (FP32 + BF16) * v * h}
+    if sum(end.values()) > sum(bwd.values()):
+        bwd = end
+    return {"loss (forward): one vocab shard's logits": fwd,
+            "output layer + loss (backward): vocab ring": bwd}
+
+
+def vocab_embedding_forward(n: int, h: int, v: int, p: int) -> Dict[str, float]:
+    """Forward of ``ops.metp_embedding`` besides its output: the table shards in flight (a
+    clone of the own shard and the receive buffer, bf16, ``p > 1``) and one step's looked-up
+    rows ``[n, h]`` (bf16) with the clamped row ids (int64) and masks."""
+    out = {"one shard's looked-up rows [tokens, h] (bf16)": BF16 * n * h,
+           "row ids (int64) and masks (bool) of one shard": 10 * n}
+    if p > 1:
+        out["table shards in flight: own copy + received (bf16)"] = 2 * BF16 * v * h
+    return out
+
+
+def vocab_embedding_backward(n: int, h: int, v: int, p: int) -> Dict[str, float]:
+    """Backward of ``ops.metp_embedding`` (``[v, h]`` table shard, ring of ``p``): the incoming
+    gradient in fp32, the table-gradient sum travelling the ring (two fp32 buffers, one with
+    ``p = 1``), and either a step's masked gradient rows (fp32 ``[n, h]``) or, at the end, the
+    bf16 copy of the complete sum (the table's gradient)."""
+    out = {"incoming gradient in fp32 [tokens, h]": FP32 * n * h,
+           "table-gradient sum: travelling buffers (fp32)": (2 if p > 1 else 1) * FP32 * v * h}
+    step = max(FP32 * n * h, BF16 * v * h)
+    out["masked gradient rows (fp32), or the bf16 table gradient at the end"] = step
+    return out
 
 
 def _mlp_part(S: Dict[str, float]) -> float:
@@ -906,11 +1048,38 @@ def worst_total(model: Model, job: Job, mode: str, seq: Optional[int] = None) ->
     return tot
 
 
+def head_memory(model: Model, job: Job, mode: str, seq: Optional[int] = None) -> Dict[str, float]:
+    """The vocabulary side of one rank, in bytes: the word embedding + output-layer tables of
+    rank 0 (``tables``: bf16; ``table_grads``: their fp32 main_grad; ``table_optimizer``: their
+    Adam states, distributed over the DP group that reduces them when the job says so), the
+    rows of each table on a rank (``rows``), and the loss's logits on the stage that computes it:
+    ``logits_block`` (one fp32 logits tensor: ``[tokens, V/t]``, or one vocabulary shard's
+    ``[tokens, V/(t·p)]`` with the split), ``logits_stored`` (kept for backward: Megatron keeps
+    the fp32 softmax ``[tokens, V/t]``; the split keeps none) and ``logits_at_once`` (the most
+    logits bytes alive at one time: the bf16 product and its fp32 copy)."""
+    mode, job = canonical(mode, job)
+    s = model.seq if seq is None else int(seq)
+    lay = layout(mode, job)
+    prm = params(model, job, mode)
+    V = padded_vocab(model.vocab, lay.vocab_shards)
+    rows = V // lay.vocab_shards
+    n = s * job.micro_batch // lay.c
+    emb = prm.embedding
+    dp = prm.dp_sharded if prm.embedding_sharded else prm.dp_replicated
+    block = FP32 * n * rows
+    return {"rows": rows, "tables": BF16 * emb, "table_grads": FP32 * emb,
+            "table_optimizer": 12 * emb / (dp if job.distributed_optimizer else 1),
+            "logits_block": block, "logits_stored": 0 if lay.vocab else block,
+            "logits_at_once": BF16 * n * rows + block}
+
+
 # ----------------------------------------------------------------------------- traffic
 
 def traffic_per_layer(model: Model, job: Job, mode: str, seq: Optional[int] = None) -> Dict[str, float]:
     """Bytes one rank sends per layer in one forward+backward (ring convention: a send ``N``,
-    all-reduce ``2(p−1)/p·N``, all-gather / reduce-scatter / broadcast / reduce ``(p−1)/p·N``)."""
+    all-reduce ``2(p−1)/p·N``, all-gather / reduce-scatter / broadcast / reduce ``(p−1)/p·N``).
+    The vocabulary split adds no per-layer traffic (its rings run once per step, at the head)."""
+    mode, job = canonical(mode, job)
     s = model.seq if seq is None else seq
     lay = layout(mode, job)
     t, c = lay.t, lay.c
@@ -1038,7 +1207,7 @@ def fmt_tokens(s: int) -> str:
 
 #: one colour per mode in every chart
 COLORS = {"tp": "#1f77b4", "tp-sp": "#ff7f0e", "cp": "#9467bd", "ring": "#2ca02c",
-          "metp": "#d62728"}
+          "metp": "#d62728", "metp+vocab": "#8c564b"}
 
 
 def plan(model: Model, job: Job, modes: Sequence[str] = MODES) -> Dict:
@@ -1061,6 +1230,7 @@ def plan(model: Model, job: Job, modes: Sequence[str] = MODES) -> Dict:
             "last_stage_total": memory(model, job, mode, stage="last").total
             if job.pp > 1 else None,
             "traffic_per_layer": traffic_per_layer(model, job, mode),
+            "vocab": head_memory(model, job, mode),
             "longest_seq": longest_seq(model, job, mode),
         }
     out["overlap"] = overlap_thresholds(model, job, hw)
@@ -1080,7 +1250,8 @@ def report(model: Model, job: Job, modes: Sequence[str] = MODES) -> str:
     lines.append(f"# plan: {model.name} h={model.hidden} L={model.layers} a={model.heads}{g} "
                  f"ffn={model.ffn}{' (SwiGLU)' if model.swiglu else ''} vocab={model.vocab} "
                  f"s={model.seq:,} b={job.micro_batch}, bf16, {job.kernel} attention, "
-                 f"{'keep' if job.keep_intermediate else 'recompute'} METP MLP intermediate")
+                 f"{'keep' if job.keep_intermediate else 'recompute'} METP MLP intermediate"
+                 + (", METP vocabulary split (--vocab-parallel)" if job.vocab_parallel else ""))
     lines.append(f"# GPUs per model replica: TP×METP = {job.tp}×{job.metp} = {job.width} per "
                  f"stage × PP {job.pp} × DP {job.dp}; distributed optimizer "
                  f"{'on' if job.distributed_optimizer else 'off'}; {hw.name}: "
@@ -1098,6 +1269,8 @@ def report(model: Model, job: Job, modes: Sequence[str] = MODES) -> str:
 
     row("layout", lambda r: r["layout"])
     row("parameters (bf16)", lambda r: fmt_bytes(r["static"]["params"]))
+    row("  embedding + output layer", lambda r: fmt_bytes(r["vocab"]["tables"]) +
+        f" ({r['vocab']['rows']:,} rows)")
     row("gradients (fp32 main_grad)", lambda r: fmt_bytes(r["static"]["grads"]))
     row("Adam states (no dist. opt.)", lambda r: fmt_bytes(r["static"]["optimizer_plain"]))
     row("Adam states (dist. opt.)", lambda r: fmt_bytes(r["static"]["optimizer_distributed"]))
@@ -1106,7 +1279,10 @@ def report(model: Model, job: Job, modes: Sequence[str] = MODES) -> str:
         if r["korthikanti_layer"] else "")
     row("stored × layers × in flight", lambda r: f"{fmt_bytes(r['stored_per_layer'] * r['layers'] * r['inflight'])}"
         f" ({r['layers']}×{r['inflight']})")
-    row("embedding/output + fp32 logits", lambda r: fmt_bytes(r["inflight"] * sum(r["head"].values())))
+    row("head stored (RoPE, norm, loss)",
+        lambda r: fmt_bytes(r["inflight"] * sum(r["head"].values())))
+    row("  loss: fp32 logits block", lambda r: fmt_bytes(r["vocab"]["logits_block"]))
+    row("  loss: logits alive at once", lambda r: fmt_bytes(r["vocab"]["logits_at_once"]))
     row("persistent Megatron buffer", lambda r: fmt_bytes(r["persistent"]))
     row("transient (one layer / loss)", lambda r: fmt_bytes(r["transient"]))
     row("  at", lambda r: r["peak_phase"].split(" (")[0])
@@ -1139,7 +1315,7 @@ def report(model: Model, job: Job, modes: Sequence[str] = MODES) -> str:
     if job.width > 8:
         lines.append(f"  (a group of {job.width} GPUs crosses nodes: the inter-node link, not "
                      f"NVLink, sets B for the ring steps that cross it)")
-    if "metp" in modes:
+    if any(m in VOCAB_MODES for m in modes):
         n = model.seq * job.micro_batch // job.metp
         lines.append(f"  this job: s·b/p = {n:,} tokens per METP rank "
                      f"({'above' if n >= ov['MLP weight ring, forward: tokens/rank'] else 'below'} "

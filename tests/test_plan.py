@@ -12,8 +12,11 @@ import re
 import subprocess
 import sys
 
+from dataclasses import replace
+
 import pytest
 
+from megatron_metp import cli
 from megatron_metp import measure as M
 from megatron_metp import plan as P
 
@@ -32,7 +35,24 @@ SWEEP = [
      P.Job(tp=2, metp=2, micro_batch=2, keep_intermediate=True), ["tp-sp", "cp", "metp"]),
     ("pp2-p4", P.Model(hidden=256, layers=4, heads=8, ffn=1024, vocab=512, seq=4096),
      P.Job(tp=1, metp=4, pp=2), ["tp-sp", "ring", "metp"]),
+    # METP vocabulary split (METPGPTModel), sized so that the vocabulary side sets the peak:
+    # the ring loss's backward, where one shard's logits dominate (GQA, SwiGLU, micro-batch 2,
+    # tied; next to METP without the split) or the travelling [V/(t·p), h] buffers do (TP×METP,
+    # untied), and the ring embedding's backward on a first pipeline stage (``Job.vocab_parallel``
+    # with mode metp)
+    ("vocab-loss-mb2", P.Model(hidden=128, layers=1, heads=4, query_groups=2, ffn=512,
+                               vocab=8000, seq=2048, swiglu=True),
+     P.Job(tp=1, metp=2, micro_batch=2), ["metp", "metp+vocab"]),
+    ("vocab-loss-bwd-tp2", P.Model(hidden=512, layers=1, heads=4, ffn=1024, vocab=8000,
+                                   seq=512, tied=False),
+     P.Job(tp=2, metp=2), ["metp+vocab"]),
+    ("vocab-pp2-embedding", P.Model(hidden=512, layers=2, heads=4, ffn=1024, vocab=16000,
+                                    seq=512, tied=False),
+     P.Job(tp=1, metp=2, pp=2, vocab_parallel=True), ["metp"]),
 ]
+#: where each vocabulary case's planned peak must lie (so each case checks what it claims to)
+VOCAB_PEAKS = {"vocab-loss-mb2": "output layer + loss", "vocab-loss-bwd-tp2": "output layer + loss",
+               "vocab-pp2-embedding": "embedding (backward)"}
 
 
 def _error(model, job, mode, measured):
@@ -73,6 +93,46 @@ def test_stored_activations_match(measured):
             a = P.activations(model, job, mode)
             got = measured[(name, mode)]["stored"]
             assert abs((a.stored + a.persistent) / got - 1) <= TOL, (name, mode, got)
+
+
+def test_forward_peak_matches(measured):
+    """The largest total during the forward passes (the ring loss's and the ring embedding's
+    forward are never the overall peak, so this is where their buffers are checked)."""
+    bad = {}
+    for name, model, job, modes in SWEEP:
+        for mode in modes:
+            mem = P.memory(model, job, mode)
+            planned = mem.static["params"] + mem.static["grads"] + mem.act.forward_peak
+            err = planned / measured[(name, mode)]["phases"]["forward"] - 1
+            if abs(err) > TOL:
+                bad[(name, mode)] = f"{100 * err:+.2f} %"
+    assert not bad, f"planned vs measured forward peak off by more than {TOL:.0%}: {bad}"
+
+
+def test_vocab_cases_peak_on_the_vocabulary_side(measured):
+    for name, model, job, modes in SWEEP:
+        if name in VOCAB_PEAKS:
+            mode = modes[-1]
+            assert P.layout(mode, job).vocab, name
+            assert P.activations(model, job, mode).peak_phase.startswith(VOCAB_PEAKS[name]), name
+            assert measured[(name, mode)]["vocab_parallel"], name
+    # the split shrinks the measured peak of the same job (the full-vocabulary logits are gone)
+    assert measured[("vocab-loss-mb2", "metp+vocab")]["peak"] < \
+        0.9 * measured[("vocab-loss-mb2", "metp")]["peak"]
+
+
+def test_negative_control_vocab_loss_logits(measured, monkeypatch):
+    """Plan the split's loss logits one factor p too small ([tokens, V/(t·p²)] per shard step),
+    or as if it kept Megatron's [tokens, V/t] fp32 logits (the plan without the split): the
+    check must fail both ways."""
+    name, model, job, _ = next(c for c in SWEEP if c[0] == "vocab-loss-mb2")
+    res = measured[(name, "metp+vocab")]
+    assert abs(_error(model, job, "metp+vocab", res)) <= TOL
+    assert P.memory(model, job, "metp").measured_part / res["peak"] - 1 > TOL
+    orig = P.vocab_loss_phases
+    monkeypatch.setattr(P, "vocab_loss_phases",
+                        lambda n, h, v, p, b=1: orig(n, h, v // p, p, b))
+    assert abs(_error(model, job, "metp+vocab", res)) > TOL
 
 
 def test_negative_control_a_dropped_term_is_caught(measured, monkeypatch):
@@ -145,7 +205,81 @@ def test_config_files(tmp_path):
         P.from_config(str(tmp_path / "missing.yaml"))
 
 
+def test_vocab_parallel_refused_outside_metp(capsys):
+    model = P.PRESETS["gpt-7b"]
+    job = P.Job(metp=8, vocab_parallel=True)
+    for modes in (["tp"], ["tp-sp", "metp"], ["ring"], ["cp"]):
+        with pytest.raises(ValueError, match=r"--vocab-parallel .* metp only, not to "
+                                             + re.escape(modes[0])):
+            P.validate(model, replace(job, tp=2) if "cp" in modes else job, modes)
+    P.validate(model, job, ["metp", "metp+vocab"])
+    # the CLI names the flag and exits 2, for plan and for measure
+    for cmd in ("plan", "measure"):
+        assert cli.main([cmd, "--preset", "gpt-7b", "--vocab-parallel", "--modes", "tp-sp",
+                         "metp"]) == 2
+        assert "--vocab-parallel" in capsys.readouterr().err
+    # with the flag the default modes are METP's only, planned with the split
+    assert cli.main(["plan", "--preset", "gpt-7b", "--seq", "131072", "--vocab-parallel"]) == 0
+    out = capsys.readouterr().out
+    assert "METP=8+vocab" in out and "tp-sp" not in out and "longest sequence that fits" in out
+
+
 # ------------------------------------------------------------------------- plan properties
+
+def test_vocab_split_divides_tables_and_logits_by_p():
+    """Per rank, the split holds 1/p of the non-split METP plan's embedding/output tables (and
+    of their gradients) and 1/p of its fp32 loss logits; it keeps no logits for backward."""
+    model = replace(P.PRESETS["gpt-7b"], vocab=32768)  # a multiple of 128·t·p: no extra padding
+    for job in (P.Job(tp=1, metp=8), P.Job(tp=2, metp=4), P.Job(tp=1, metp=4, pp=2)):
+        p, t, h = job.metp, job.tp, model.hidden
+        base, split = P.params(model, job, "metp"), P.params(model, job, "metp+vocab")
+        tables = 2 if job.pp == 1 else 1  # untied; a first pipeline stage has the embedding
+        assert split.embedding * p == base.embedding == tables * 32768 * h // t
+        assert split.layer_sharded == base.layer_sharded
+        sb, ss = P.static_memory(model, job, "metp"), P.static_memory(model, job, "metp+vocab")
+        assert sb["params"] - ss["params"] == 2 * base.embedding * (p - 1) // p
+        hb, hs = P.head_memory(model, job, "metp"), P.head_memory(model, job, "metp+vocab")
+        assert hs["tables"] * p == hb["tables"] and hs["table_grads"] * p == hb["table_grads"]
+        assert hs["logits_block"] * p == hb["logits_block"]
+        assert hs["logits_stored"] == 0 < hb["logits_stored"]
+        # the activations themselves: the fp32 logits kept by Megatron's loss, and the split's
+        # logits of one shard step (bf16 product + fp32 copy)
+        ab = P.activations(model, job, "metp", stage="last")
+        av = P.activations(model, job, "metp+vocab", stage="last")
+        fp32_logits = ab.head["loss: fp32 logits / softmax [tokens, V/t]"]
+        assert fp32_logits == hb["logits_block"]
+        assert not any("logits" in k for k in av.head)
+        fwd = av.phases["loss (forward): one vocab shard's logits"]
+        assert fwd["one shard's logits [tokens, V/(t·p)]: bf16 product + fp32 copy"] * p == \
+            fp32_logits + ab.phases["loss (forward): bf16 logits"]["bf16 logits [tokens, V/t]"]
+        assert hs["logits_at_once"] * p == hb["logits_at_once"]
+    # the padding: 32000 rows pad to 32768 = 128·8 with the split (32000 = 250·128 without)
+    model, job = P.PRESETS["gpt-7b"], P.Job(tp=1, metp=8)
+    assert P.head_memory(model, job, "metp")["rows"] == 32000
+    assert P.head_memory(model, job, "metp+vocab")["rows"] == 32768 // 8
+    # Adam states with the distributed optimizer: the split tables reduce over pure DP
+    job = P.Job(tp=1, metp=8, dp=4, distributed_optimizer=True)
+    prm = P.params(model, job, "metp+vocab")
+    st = P.static_memory(model, job, "metp+vocab")
+    assert prm.embedding_sharded and prm.dp_sharded == 4
+    assert st["optimizer"] == pytest.approx(12 * (prm.layer_sharded + prm.embedding) / 4
+                                            + 12 * (prm.layer_replicated + prm.final_norm) / 32)
+    # Job.vocab_parallel plans mode metp exactly as mode metp+vocab
+    vjob = P.Job(tp=1, metp=8, vocab_parallel=True)
+    assert P.memory(model, vjob, "metp").total == \
+        P.memory(model, P.Job(tp=1, metp=8), "metp+vocab").total
+    assert P.layout("metp", vjob).describe() == "METP=8+vocab"
+
+
+def test_vocab_split_trains_longer_sequences():
+    model, job = P.PRESETS["gpt-7b"], P.Job(tp=1, metp=8, hardware="H100-80GB")
+    s0, s1 = P.longest_seq(model, job, "metp"), P.longest_seq(model, job, "metp+vocab")
+    assert s1 > s0 > 0
+    cap = P.capacity_bytes(job)
+    q = P.seq_step(job, "metp+vocab")
+    assert P.memory(model, job, "metp+vocab", s1).total <= cap < \
+        P.memory(model, job, "metp+vocab", s1 + q).total
+
 
 def test_longest_sequence_is_the_boundary():
     model, job = P.PRESETS["gpt-7b"], P.Job(tp=1, metp=8, hardware="A100-80GB")
