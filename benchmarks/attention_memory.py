@@ -407,27 +407,11 @@ def _build_ring(case, group):
 
 
 def _gpumm_patch():
-    """Replace ``mm_acc`` where the METP ops imported it by its CUDA branch (runs on CPU fakes).
-    Returns the undo callables."""
-    import torch
+    """Make the METP ops' ``mm_acc`` take its CUDA branch (runs on CPU fakes); returns the undo
+    callables."""
+    from megatron_metp.ops._accum import emulate_cuda_branch
 
-    import megatron_metp.ops.attention as attn_mod
-    import megatron_metp.ops.mlp as mlp_mod
-
-    def mm_acc_cuda_branch(acc, a, b_):
-        if acc.dtype == a.dtype:
-            acc.addmm_(a, b_)
-        else:
-            acc.add_(torch.mm(a, b_, out_dtype=acc.dtype))
-
-    undo = []
-    for mod, name in ((attn_mod, "mm_acc"), (mlp_mod, "_mm_acc")):
-        if not hasattr(mod, name):
-            raise RuntimeError(f"{mod.__name__}.{name} is gone: the -gpumm emulation needs updating")
-        orig = getattr(mod, name)
-        setattr(mod, name, mm_acc_cuda_branch)
-        undo.append(lambda mod=mod, name=name, orig=orig: setattr(mod, name, orig))
-    return undo
+    return [emulate_cuda_branch()]
 
 
 def _measure(case):

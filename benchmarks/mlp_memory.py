@@ -307,20 +307,9 @@ def _measure(case):
     if is_metp:
         group = METPGroup.from_process_group(dist.group.WORLD, name="bench")
         if m.endswith("gpumm"):
-            import megatron_metp.ops.mlp as mlp_mod
-            if not hasattr(mlp_mod, "_mm_acc"):
-                raise RuntimeError("megatron_metp.ops.mlp._mm_acc is gone: the -gpumm emulation "
-                                   "needs updating")
-            orig = mlp_mod._mm_acc
+            from megatron_metp.ops._accum import emulate_cuda_branch
 
-            def _mm_acc_cuda_branch(acc, a, b_):
-                if acc.dtype == a.dtype:
-                    acc.addmm_(a, b_)
-                else:
-                    acc.add_(torch.mm(a, b_, out_dtype=acc.dtype))
-
-            mlp_mod._mm_acc = _mm_acc_cuda_branch
-            restore.append(lambda: setattr(mlp_mod, "_mm_acc", orig))
+            restore.append(emulate_cuda_branch())
     else:
         import megatron.core.parallel_state as ps
         ps.destroy_global_memory_buffer()  # a fresh (fake) all-gather buffer per case

@@ -292,24 +292,10 @@ def _build_megatron(case, V, t):
 
 
 def _gpu_matmul_branch():
-    """Make ``metp_output_cross_entropy``'s ``mm_acc`` take its CUDA branch; returns undo."""
-    import torch
+    """Make the METP ops' ``mm_acc`` take its CUDA branch; returns undo."""
+    from megatron_metp.ops._accum import emulate_cuda_branch
 
-    import megatron_metp.ops.cross_entropy as ce_mod
-
-    if not hasattr(ce_mod, "mm_acc"):
-        raise RuntimeError("megatron_metp.ops.cross_entropy.mm_acc is gone: the GPU matmul "
-                           "emulation needs updating")
-    orig = ce_mod.mm_acc
-
-    def mm_acc_cuda_branch(acc, a, b_):
-        if acc.dtype == a.dtype:
-            acc.addmm_(a, b_)
-        else:
-            acc.add_(torch.mm(a, b_, out_dtype=acc.dtype))
-
-    ce_mod.mm_acc = mm_acc_cuda_branch
-    return lambda: setattr(ce_mod, "mm_acc", orig)
+    return emulate_cuda_branch()
 
 
 def _run_once(case, V, measure_memory):

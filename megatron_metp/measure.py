@@ -216,27 +216,9 @@ def megatron_cpu_classes():
 
 def _gpu_matmul_branch():
     """Make the METP ops' ``mm_acc`` take its CUDA branch on CPU fake tensors; returns undo."""
-    import torch
+    from .ops._accum import emulate_cuda_branch
 
-    import megatron_metp.ops.attention as attn_mod
-    import megatron_metp.ops.cross_entropy as ce_mod
-    import megatron_metp.ops.mlp as mlp_mod
-
-    def mm_acc_cuda_branch(acc, a, b_):
-        if acc.dtype == a.dtype:
-            acc.addmm_(a, b_)
-        else:
-            acc.add_(torch.mm(a, b_, out_dtype=acc.dtype))
-
-    undo = []
-    for mod, name in ((attn_mod, "mm_acc"), (mlp_mod, "_mm_acc"), (ce_mod, "mm_acc")):
-        if not hasattr(mod, name):
-            raise RuntimeError(f"{mod.__name__}.{name} is gone: measure.py's GPU matmul "
-                               f"emulation needs updating")
-        orig = getattr(mod, name)
-        setattr(mod, name, mm_acc_cuda_branch)
-        undo.append(lambda mod=mod, name=name, orig=orig: setattr(mod, name, orig))
-    return undo
+    return [emulate_cuda_branch()]
 
 
 # ----------------------------------------------------------------------------- one measurement

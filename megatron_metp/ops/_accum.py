@@ -6,6 +6,23 @@ import torch
 
 # None: not tried yet on CUDA; the first CUDA call finds out whether mm(out_dtype=) has a kernel.
 _cuda_out_dtype_ok = None
+# Memory measurement on CPU fake tensors: take the CUDA branch (see emulate_cuda_branch).
+_emulate_cuda = False
+
+
+def emulate_cuda_branch():
+    """Make :func:`mm_acc` take its CUDA branch (``torch.mm(..., out_dtype=)``: one fp32 product,
+    no fp32 operand copies) for every tensor, so that memory measured on CPU fake tensors is what
+    a GPU allocates. Returns a callable that undoes it."""
+    global _emulate_cuda
+    before = _emulate_cuda
+    _emulate_cuda = True
+
+    def undo():
+        global _emulate_cuda
+        _emulate_cuda = before
+
+    return undo
 
 
 def mm_acc(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -18,6 +35,9 @@ def mm_acc(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     global _cuda_out_dtype_ok
     if acc.dtype == a.dtype:
         acc.addmm_(a, b)
+        return
+    if _emulate_cuda:
+        acc.add_(torch.mm(a, b, out_dtype=acc.dtype))
         return
     if a.is_cuda and _cuda_out_dtype_ok is not False:
         try:
