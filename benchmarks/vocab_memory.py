@@ -305,6 +305,7 @@ def _run_once(case, V, measure_memory):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from megatron_metp import METPGroup
+    from megatron_metp.measure import main_grad_buffer
 
     path, s, b, p = case["path"], case["s"], case["b"], case["p"]
     n_tok = s if path == "tp-sp" else s // p
@@ -320,19 +321,7 @@ def _run_once(case, V, measure_memory):
                 model = _build_megatron(case, V, p if path == "tp-sp" else 1)
             params = [prm for prm in model.parameters()]
             n_params = sum(prm.numel() for prm in params)
-            main_grad = None
-            if case["main_grad"]:
-                main_grad = torch.empty(n_params, dtype=torch.float32)
-                off = 0
-                for prm in params:
-                    view = main_grad[off:off + prm.numel()].view_as(prm)
-                    off += prm.numel()
-
-                    def _hook(prm, view=view):
-                        view.add_(prm.grad)
-                        prm.grad = None
-
-                    prm.register_post_accumulate_grad_hook(_hook)
+            main_grad = main_grad_buffer(params) if case["main_grad"] else None
             tokens = torch.zeros(b, n_tok, dtype=torch.long)
             labels = torch.zeros(b, n_tok, dtype=torch.long)
             rec = _recorder_class()()

@@ -214,6 +214,27 @@ def megatron_cpu_classes():
     return CpuSPNorm, SDPAFlashCoreAttention
 
 
+def main_grad_buffer(params):
+    """Megatron DDP's contiguous fp32 gradient buffer, emulated: one flat fp32 tensor for
+    ``params``; each parameter's gradient is added into its view as soon as autograd has
+    accumulated it, then freed (what ``main_grad`` with gradient-accumulation fusion does)."""
+    import torch
+
+    params = list(params)
+    buf = torch.empty(sum(prm.numel() for prm in params), dtype=torch.float32)
+    off = 0
+    for prm in params:
+        view = buf[off:off + prm.numel()].view_as(prm)
+        off += prm.numel()
+
+        def _hook(prm, view=view):
+            view.add_(prm.grad)
+            prm.grad = None
+
+        prm.register_post_accumulate_grad_hook(_hook)
+    return buf
+
+
 def _gpu_matmul_branch():
     """Make the METP ops' ``mm_acc`` take its CUDA branch on CPU fake tensors; returns undo."""
     from .ops._accum import emulate_cuda_branch
@@ -327,17 +348,7 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
                       position_embedding_type="rope", **extra)
             params = list(gpt.parameters())
             n_params = sum(p.numel() for p in params)
-            main_grad = torch.empty(n_params, dtype=torch.float32)
-            off = 0
-            for prm in params:
-                view = main_grad[off:off + prm.numel()].view_as(prm)
-                off += prm.numel()
-
-                def _hook(prm, view=view):
-                    view.add_(prm.grad)
-                    prm.grad = None
-
-                prm.register_post_accumulate_grad_hook(_hook)
+            main_grad = main_grad_buffer(params)
             tracker = tracker_class()()
             tracker.track_external(main_grad)
             counter = _comm_counter_class()()
