@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_metp import METPGroup, RingExchanger, RingPeerError, RingTimeoutError
-from tests.harness import run_ranks
+from tests.harness import RankError, run_ranks
 
 
 def _rotate(rank, world, numel):
@@ -102,3 +102,28 @@ def test_harness_retries_a_group_that_failed_to_form(monkeypatch, tmp_path):
     monkeypatch.setattr(harness.dist, "init_process_group", flaky_init)
     assert run_ranks(_world_size, 2) == [2, 2]
     assert marker.exists()
+
+
+def _subgroup_mesh_fails_once(rank, world, marker):
+    """Rank 1 fails the way gloo does when a subgroup's full-mesh connect breaks, once."""
+    import os
+
+    if rank == 1 and not os.path.exists(marker):
+        open(marker, "w").close()
+        raise RuntimeError("Gloo connectFullMesh failed with [pair.cc:553] Connection closed by "
+                           "peer (injected)")
+    dist.new_group([0, 1])
+    return rank
+
+
+def _mesh_failure_and_a_real_error(rank, world):
+    if rank == 1:
+        raise RuntimeError("Gloo connectFullMesh failed (injected)")
+    raise ValueError("a real failure")
+
+
+def test_harness_reruns_a_test_whose_subgroup_failed_to_connect(tmp_path):
+    assert run_ranks(_subgroup_mesh_fails_once, 3, str(tmp_path / "m"), timeout=30) == [0, 1, 2]
+    # negative control: a real error next to the transport failure is reported, not rerun
+    with pytest.raises(RankError, match="a real failure"):
+        run_ranks(_mesh_failure_and_a_real_error, 2, timeout=30)
