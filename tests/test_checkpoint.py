@@ -27,16 +27,16 @@ def _rng_digest():
     return h.hexdigest()
 
 
-def _save_and_continue(rank, world, layout, directory):
+def _save_and_continue(rank, world, layout, directory, size=SIZE):
     from megatron_metp import cpu
 
     cpu.enable()
-    init_parallel(layout, SIZE.seq_length)
-    state = setup(SIZE, layout)
-    recs = train(SIZE, layout, SAVE_AT, state=state)
+    init_parallel(layout, size.seq_length)
+    state = setup(size, layout)
+    recs = train(size, layout, SAVE_AT, state=state)
     save_checkpoint(directory, state, SAVE_AT, layout.describe())
     rng = _rng_digest()
-    recs += train(SIZE, layout, TOTAL - SAVE_AT, state=state, start_step=SAVE_AT)
+    recs += train(size, layout, TOTAL - SAVE_AT, state=state, start_step=SAVE_AT)
     return [r.lm_loss for r in recs], rng
 
 
@@ -93,15 +93,21 @@ def test_resume_in_another_layout_continues_the_loss_curve(saved, world, layout)
         assert abs(got - ref) <= 1e-6 * ref, (resumed, uninterrupted)
 
 
-def test_vocab_parallel_checkpoint_resumes_exactly_and_as_stock_tp(tmp_path):
+@pytest.mark.parametrize("world,layout,tied", [
+    (2, Layout(metp=2, vocab_parallel=True), False),
+    (4, Layout(metp=2, pp=2, vocab_parallel=True), True),
+], ids=["metp2", "metp2xpp2-tied"])
+def test_vocab_parallel_checkpoint_resumes_exactly_and_as_stock_tp(tmp_path, world, layout, tied):
     """Saved with the vocabulary sharded over METP: resumes bit-exactly in the same layout and
-    continues the loss curve as stock TP (embedding/output keys and global shapes are Megatron's)."""
+    continues the loss curve as stock TP (embedding/output keys and global shapes are Megatron's;
+    with PP and tied embeddings the last stage's copy is saved as a replica of the embedding)."""
+    size = GPTSize(**{**SIZE.__dict__, "tie_embeddings": tied})
     directory = str(tmp_path / "vocab")
-    layout = Layout(metp=2, vocab_parallel=True)
-    uninterrupted = run_ranks(_save_and_continue, 2, layout, directory, timeout=300)[0][0]
-    same = run_ranks(_resume, 2, layout, directory, timeout=300)[0]
+    uninterrupted = run_ranks(_save_and_continue, world, layout, directory, size,
+                              timeout=300)[0][0]
+    same = run_ranks(_resume, world, layout, directory, size, timeout=300)[0]
     assert same == uninterrupted[SAVE_AT:]
-    stock = run_ranks(_resume, 2, Layout(tp=2, mode="tp"), directory, SIZE, False, timeout=300)[0]
+    stock = run_ranks(_resume, 2, Layout(tp=2, mode="tp"), directory, size, False, timeout=300)[0]
     for got, ref in zip(stock, uninterrupted[SAVE_AT:]):
         assert abs(got - ref) <= 1e-6 * ref, (stock, uninterrupted)
 

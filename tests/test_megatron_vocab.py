@@ -78,8 +78,9 @@ TRAIN_SIZE = GPTSize(num_layers=2, hidden_size=24, num_attention_heads=4, ffn_hi
 @pytest.mark.parametrize("world,layout,tied", [
     (2, Layout(metp=2, vocab_parallel=True), True),
     (4, Layout(metp=2, pp=2, vocab_parallel=True), False),
+    (4, Layout(metp=2, pp=2, vocab_parallel=True), True),
     (4, Layout(metp=2, vocab_parallel=True, distributed_optimizer=True), False),
-], ids=["metp2-tied", "metp2xpp2", "metp2xdp2-distopt"])
+], ids=["metp2-tied", "metp2xpp2", "metp2xpp2-tied", "metp2xdp2-distopt"])
 def test_three_training_steps_match_single_rank(world, layout, tied):
     size = GPTSize(**{**TRAIN_SIZE.__dict__, "tie_embeddings": tied})
     ref = run_ranks(_train, 1, size, Layout())[0]

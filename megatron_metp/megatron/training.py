@@ -167,6 +167,8 @@ def load_initial_weights(model, groups: METPGroups, size: GPTSize, seed: int = 1
     with torch.no_grad():
         for name, param in model.named_parameters():
             gname = _global_name(model, name)
+            if size.tie_embeddings and gname == "output_layer.weight":
+                gname = "embedding.word_embeddings.weight"  # the last stage's copy (PP > 1)
             gated = size.swiglu and "linear_fc1.weight" in name or \
                 (size.swiglu and "linear_fc1.bias" in name)
             full = full_weight(gname, full_shape(param, groups), seed)
@@ -282,7 +284,9 @@ def setup(size: GPTSize, layout: Layout, *, seed: int = 1234) -> dict:
     from .. import cpu
 
     groups = METPGroups.from_parallel_state()
-    model = build_model(size, layout, groups)
+    # Megatron moves a tied embedding's last-stage copy to CUDA while building (PP > 1)
+    with cpu.cuda_to_cpu() if cpu.is_enabled() else _null():
+        model = build_model(size, layout, groups)
     load_initial_weights(model, groups, size, seed)
     ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                             use_distributed_optimizer=layout.distributed_optimizer)
