@@ -302,6 +302,8 @@ def main(argv=None) -> int:
     ap.add_argument("--every", type=int, default=25, help="print every N-th step")
     ap.add_argument("--sample-every", type=int, default=5,
                     help="measure every N-th step (a sample costs a gc.collect)")
+    ap.add_argument("--vocab-parallel", action="store_true",
+                    help="shard the word embedding and output layer + loss over the ring too")
     ap.add_argument("--json", default=None, help="write every rank's full trace here")
     args = ap.parse_args(argv)
     if args.steps <= WARMUP:
@@ -311,10 +313,13 @@ def main(argv=None) -> int:
 
     preload_megatron()
     t0 = time.time()
-    traces = run_ranks(soak_rank, args.metp, args.steps, SIZE, None, args.sample_every,
+    from megatron_metp.megatron.training import Layout
+
+    layout = Layout(metp=args.metp, vocab_parallel=args.vocab_parallel)
+    traces = run_ranks(soak_rank, args.metp, args.steps, SIZE, layout, args.sample_every,
                        timeout=max(600, 3 * args.steps))
     wall = time.time() - t0
-    print(f"Soak: tiny METP={args.metp} GPT ({SIZE.num_layers} layers, hidden {SIZE.hidden_size}, "
+    print(f"Soak: tiny {layout.describe()} GPT ({SIZE.num_layers} layers, hidden {SIZE.hidden_size}, "
           f"SwiGLU), {args.steps} steps, {wall:.1f} s. Rank 0:\n")
     print(format_table(traces[0], args.every))
     print()

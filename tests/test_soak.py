@@ -1,4 +1,5 @@
-"""Soak, short: 40 training steps of a 2-rank METP=2 tiny GPT keep memory and handles flat.
+"""Soak, short: 40 training steps of a 2-rank METP=2 tiny GPT (vocabulary sharded too) keep memory
+and handles flat.
 
 ``benchmarks/soak.py`` runs the long version (300+ steps) and prints the trace; this test runs its
 ``soak_rank`` for 40 steps (global batch 2, a sample every 10 steps) and checks on every rank, from
@@ -16,7 +17,7 @@ from tests.harness import run_ranks
 
 STEPS, EVERY = 40, 10
 WARMUP = 5  # the first sample after the warm-up is step 10
-LAYOUT = Layout(metp=2, global_batch_size=2)
+LAYOUT = Layout(metp=2, global_batch_size=2, vocab_parallel=True)  # every METP ring
 
 
 def test_forty_metp_steps_keep_memory_and_handles_flat():
