@@ -135,6 +135,10 @@ def validate_metp_args(args):
     """
     p = getattr(args, "metp_parallel_size", 1)
     if p is None or p == 1:
+        if getattr(args, "metp_vocab_parallel", False):
+            raise ValueError("--metp-vocab-parallel needs --metp-parallel-size > 1 (with METP off "
+                             "the vocabulary is Megatron's, split over TP only); drop the flag "
+                             "or set --metp-parallel-size")
         return args
     tp = args.tensor_model_parallel_size
     cp = args.context_parallel_size

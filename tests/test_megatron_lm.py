@@ -142,6 +142,9 @@ def test_vocab_parallel_folds_metp_into_megatrons_vocab_padding(capsys):
     multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
     padded = -(-50257 // multiple) * multiple
     assert padded == padded_vocab_size(50257, 128, 2, 4) and padded % (2 * 4 * 128) == 0
+    # the switch without METP is refused, naming both flags
+    with pytest.raises(ValueError, match="--metp-vocab-parallel needs --metp-parallel-size"):
+        megatron_lm.validate_metp_args(_args(metp_vocab_parallel=True))
     # without the switch Megatron's padding is left alone
     plain = _args(metp_parallel_size=4, world_size=8, tensor_model_parallel_size=2)
     megatron_lm.validate_metp_args(plain)
