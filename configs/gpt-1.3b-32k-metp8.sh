@@ -7,5 +7,6 @@ source "$(dirname "${BASH_SOURCE[0]}")/models/gpt-1.3b.sh"
 : "${SEQ_LENGTH:=32768}"
 : "${NNODES:=1}" "${GPUS_PER_NODE:=8}"
 : "${METP:=8}" "${TP:=1}" "${PP:=1}"
+: "${METP_VOCAB_PARALLEL:=1}"  # embedding and output layer + loss on the ring too (no full logits)
 : "${MICRO_BATCH_SIZE:=1}" "${GLOBAL_BATCH_SIZE:=8}"
 TWIN_CONFIG=gpt-1.3b-32k-tp8.sh

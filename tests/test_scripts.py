@@ -199,7 +199,8 @@ def _validate_like_megatron(launcher, argv):
         ffn_hidden_size=one("--ffn-hidden-size"), sequence_parallel="--sequence-parallel" in f,
         attention_dropout=one("--attention-dropout", 0.1, float),
         normalization=one("--normalization", "LayerNorm", str),
-        no_persist_layer_norm="--no-persist-layer-norm" in f, num_experts=None)
+        no_persist_layer_norm="--no-persist-layer-norm" in f, num_experts=None,
+        metp_vocab_parallel="--metp-vocab-parallel" in f, make_vocab_size_divisible_by=128)
     megatron_lm.validate_metp_args(args)
     return args, world
 
@@ -223,6 +224,9 @@ def test_metp_config_and_its_tp_twin(config):
     assert world == world_b
     seq = int(fa["--seq-length"][0])
     assert 32 * 1024 <= seq <= 256 * 1024 or config.startswith("tiny")
+    if not config.startswith("tiny"):  # long context: the vocabulary is on the ring too, and
+        assert "--metp-vocab-parallel" in fa  # padded like the TP twin's (128·p = 128·TP)
+        assert args.make_vocab_size_divisible_by * args.tensor_model_parallel_size == 128 * p
 
 
 # ------------------------------------------------------------------------------ Slurm
