@@ -158,7 +158,7 @@ def test_ranks_that_disagree_all_raise_naming_the_op_and_the_field(p):
         for rank, o in enumerate(out):
             kind, msg, steps, elapsed = o[case]
             assert steps == 0, (case, rank, "sent before refusing")
-            assert elapsed < 5.0, (case, rank, elapsed)  # not the 10 s timeout
+            assert elapsed < 9.0, (case, rank, elapsed)  # ended by the check, not the 10 s timeout
             if case == "ring_refused" and rank == 0:  # the refusing rank raises its own error
                 assert kind == "ValueError" and "dual_chunk" in msg, (case, rank, kind, msg)
                 continue
