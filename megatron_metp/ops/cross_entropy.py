@@ -44,8 +44,7 @@ from ..finite import check_finite
 from ..groups import METPGroup, as_metp_group
 from ..ring import RingExchanger, TravellingSum
 from ._accum import mm_acc
-from .embedding import _local_rows
-from .vocab import check_ids, check_table, shard_rows, vocab_bounds
+from .vocab import check_ids, check_table, local_rows, shard_rows, vocab_bounds
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -116,7 +115,7 @@ class _METPCrossEntropyFunction(torch.autograd.Function):
         for t, w in shards:
             lo, hi = shard_rows(vocab_start, v, group.owner_at_step(t))
             z = torch.mm(x2, w.t()).float()  # [N, v]: the only logits alive
-            local, inside = _local_rows(y, lo, v)
+            local, inside = local_rows(y, lo, v)
             zy.add_(z.gather(1, local[:, None]).squeeze(1).masked_fill_(~inside, 0))
             if zsum is not None:
                 zsum.add_(z.sum(1))
@@ -162,7 +161,7 @@ class _METPCrossEntropyFunction(torch.autograd.Function):
             dz = z.sub_(lse[:, None]).exp_()  # softmax over the whole vocabulary, shard j
             if eps:
                 dz.sub_(eps / V)
-            local, inside = _local_rows(y, lo, hi - lo)
+            local, inside = local_rows(y, lo, hi - lo)
             dz.scatter_add_(1, local[:, None], inside[:, None].to(dz.dtype) * -(1.0 - eps))
             dz.mul_(g[:, None])
             return dz.to(x2.dtype)

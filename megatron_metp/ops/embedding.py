@@ -33,16 +33,7 @@ from ..agree import (agreement_checks_enabled, check_group_agrees, needs_grad, o
 from ..finite import check_finite
 from ..groups import METPGroup, as_metp_group
 from ..ring import RingExchanger, TravellingSum
-from .vocab import check_ids, check_table, shard_rows, vocab_bounds
-
-
-def _local_rows(ids: torch.Tensor, lo: int, rows: int):
-    """``(local, inside)``: each id's row in the shard starting at ``lo`` (clamped into the shard)
-    and whether it really lies there. Shapes stay static (no ``nonzero``): no device sync, and
-    fake-tensor memory measurement works."""
-    local = ids - lo
-    inside = (local >= 0) & (local < rows)
-    return local.clamp_(0, rows - 1), inside
+from .vocab import check_ids, check_table, local_rows, shard_rows, vocab_bounds
 
 
 class _METPEmbeddingFunction(torch.autograd.Function):
@@ -58,7 +49,7 @@ class _METPEmbeddingFunction(torch.autograd.Function):
         shards = ring.circulate(weight.detach().clone()) if group.size > 1 else [(0, weight)]
         for t, w in shards:
             lo, _ = shard_rows(vocab_start, v, group.owner_at_step(t))
-            local, inside = _local_rows(flat_ids, lo, v)
+            local, inside = local_rows(flat_ids, lo, v)
             rows = w.index_select(0, local).masked_fill_(~inside[:, None], 0)
             y.add_(rows)  # each token lies in exactly one shard: adds its row once, zeros else
         ctx.save_for_backward(ids)
@@ -81,7 +72,7 @@ class _METPEmbeddingFunction(torch.autograd.Function):
         # Rank r adds into shards r-1, r-2, ..., r: its own last, where the sum ends complete.
         for step in range(group.size):
             lo, _ = shard_rows(ctx.vocab_start, v, group.owner_at_step(step, offset=1))
-            local, inside = _local_rows(flat_ids, lo, v)
+            local, inside = local_rows(flat_ids, lo, v)
             sums.buffer().view(v, h).index_add_(0, local, g.masked_fill(~inside[:, None], 0))
             if step < group.size - 1:
                 sums.pass_on()

@@ -37,6 +37,15 @@ def shard_rows(vocab_start: int, rows: int, j: int) -> tuple:
     return lo, lo + rows
 
 
+def local_rows(ids: torch.Tensor, lo: int, rows: int) -> tuple:
+    """``(local, inside)``: each id's row in the shard of ``rows`` rows starting at ``lo``
+    (clamped into the shard) and whether the id really lies there. Shapes stay static (no
+    ``nonzero``): no device sync, and fake-tensor memory measurement works."""
+    local = ids - lo
+    inside = (local >= 0) & (local < rows)
+    return local.clamp_(0, rows - 1), inside
+
+
 def check_table(weight: torch.Tensor, name: str) -> None:
     if weight.dim() != 2:
         raise ValueError(f"{name} must be this rank's vocabulary shard [V/(t*p), h], got shape "
