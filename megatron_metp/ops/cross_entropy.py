@@ -66,9 +66,10 @@ def _tp_size(tp_group) -> int:
 def _weight_ring_backward(x2, weight, group: METPGroup, grad_dtype, vocab_start, shard_dz, what):
     """The backward ring shared by the loss and the logits path.
 
-    For every shard ``j`` (visited ``r-1, r-2, …, r``), ``shard_dz(z_or_none, w_j, lo, hi)``
-    returns ``dZ_j`` ``[N, v]`` in the input dtype; ``dX += dZ_j·W_j`` locally and
-    ``dZ_jᵀ·X`` is added into the gradient sum travelling with shard ``j``. Returns ``(dX, dW)``.
+    For every shard ``j`` (visited ``r-1, r-2, …, r``: the owner's last), ``shard_dz(w_j, lo, hi)``
+    returns ``dZ_j`` ``[N, v]`` in the input dtype for the shard's rows ``[lo, hi)`` (counted from
+    ``vocab_start``); ``dX += dZ_j·W_j`` locally and ``dZ_jᵀ·X`` is added into the gradient sum
+    travelling with shard ``j``. Returns ``(dX, dW)`` (``dW`` complete for this rank's shard).
     """
     p = group.size
     v, h = weight.shape
