@@ -103,12 +103,7 @@ def comm_counter_class():
     def nbytes(t):
         return t.numel() * t.element_size()
 
-    def tensors(a):
-        if isinstance(a, torch.Tensor):
-            return [a]
-        if isinstance(a, (list, tuple)):
-            return [t for x in a for t in tensors(x)]
-        return []
+    from megatron_metp.measure import flat_tensors as tensors
 
     class _CommCounter(TorchDispatchMode):
         def __init__(self, p, watch=(), track_alloc=False):
@@ -273,3 +268,15 @@ def write_out(rows, path):
     else:
         with open(path, "w") as fh:
             json.dump(rows, fh, indent=1)
+
+
+def add_run_args(ap, jobs: int = 1, timeout: float = 600) -> None:
+    """The output and worker-process flags every memory benchmark takes."""
+    import argparse
+
+    ap.add_argument("--out", help="also write the results: .csv for CSV, anything else JSON")
+    ap.add_argument("--jobs", type=int, default=jobs,
+                    help=f"worker processes at once (default {jobs})")
+    ap.add_argument("--timeout", type=float, default=timeout,
+                    help=f"seconds per worker (default {timeout:g})")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)

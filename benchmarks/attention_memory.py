@@ -878,10 +878,7 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--explain", action="store_true",
                     help="also list the live tensors at each case's peak (slower; diagnostics)")
-    ap.add_argument("--out", help="also write the results: .csv for CSV, anything else JSON")
-    ap.add_argument("--jobs", type=int, default=2, help="worker processes at once (default 2)")
-    ap.add_argument("--timeout", type=float, default=900, help="seconds per worker")
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    _fakemem.add_run_args(ap, jobs=2, timeout=900)
     ap.add_argument("--check-worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 

@@ -484,10 +484,7 @@ def main(argv=None):
     ap.add_argument("--bias", action="store_true", help="give fc1/fc2 biases (default none)")
     ap.add_argument("--methods", nargs="+", choices=list(METHODS), default=DEFAULT_METHODS,
                     help=f"variants to measure (default {' '.join(DEFAULT_METHODS)})")
-    ap.add_argument("--out", help="also write the results: .csv for CSV, anything else JSON")
-    ap.add_argument("--jobs", type=int, default=1, help="worker processes at once (default 1)")
-    ap.add_argument("--timeout", type=float, default=600, help="seconds per worker (default 600)")
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    _fakemem.add_run_args(ap)
     args = ap.parse_args(argv)
 
     if args.worker:

@@ -161,12 +161,7 @@ def _recorder_class():
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    def tensors(a):
-        if isinstance(a, torch.Tensor):
-            return [a]
-        if isinstance(a, (list, tuple)):
-            return [t for x in a for t in tensors(x)]
-        return []
+    from megatron_metp.measure import flat_tensors as tensors
 
     class _Recorder(TorchDispatchMode):
         def __init__(self):
@@ -599,10 +594,7 @@ def main(argv=None):
                     help="leave out Megatron DDP's fp32 main_grad buffer")
     ap.add_argument("--cpu-matmul", action="store_true",
                     help="keep mm_acc's CPU branch (fp32 operand copies) instead of the CUDA one")
-    ap.add_argument("--out", help="also write the results: .csv for CSV, anything else JSON")
-    ap.add_argument("--jobs", type=int, default=1, help="worker processes at once (default 1)")
-    ap.add_argument("--timeout", type=float, default=600, help="seconds per worker (default 600)")
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    _fakemem.add_run_args(ap)
     args = ap.parse_args(argv)
 
     if args.worker:

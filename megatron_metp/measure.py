@@ -118,12 +118,7 @@ def _comm_counter_class():
     def nbytes(t):
         return t.numel() * t.element_size()
 
-    def tensors(a):
-        if isinstance(a, torch.Tensor):
-            return [a]
-        if isinstance(a, (list, tuple)):
-            return [t for x in a for t in tensors(x)]
-        return []
+    tensors = flat_tensors
 
     def group_size(args):
         for a in args:
@@ -212,6 +207,17 @@ def megatron_cpu_classes():
             return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
     return CpuSPNorm, SDPAFlashCoreAttention
+
+
+def flat_tensors(a) -> list:
+    """The tensors in ``a``: a tensor, or (nested) lists and tuples of them, in order."""
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        return [a]
+    if isinstance(a, (list, tuple)):
+        return [t for x in a for t in flat_tensors(x)]
+    return []
 
 
 def main_grad_buffer(params):
