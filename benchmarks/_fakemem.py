@@ -70,16 +70,16 @@ def worker_loop(spec, tag, measure, setup=None):
 
 def tracker_class():
     """MemTracker subclass that also records the largest forward+backward allocation (shared
-    with ``metp measure``: :func:`megatron_metp.measure.tracker_class`)."""
-    from megatron_metp.measure import tracker_class as impl
+    with ``metp measure``: :func:`megatron_metp.tools.measure.tracker_class`)."""
+    from megatron_metp.tools.measure import tracker_class as impl
 
     return impl()
 
 
 def snap(tracker, kind):
     """``{"total": bytes, "cat": {category: bytes}}`` of a MemTracker snapshot
-    (:func:`megatron_metp.measure.snap`)."""
-    from megatron_metp.measure import snap as impl
+    (:func:`megatron_metp.tools.measure.snap`)."""
+    from megatron_metp.tools.measure import snap as impl
 
     return impl(tracker, kind)
 
@@ -103,7 +103,7 @@ def comm_counter_class():
     def nbytes(t):
         return t.numel() * t.element_size()
 
-    from megatron_metp.measure import flat_tensors as tensors
+    from megatron_metp.tools.measure import flat_tensors as tensors
 
     class _CommCounter(TorchDispatchMode):
         def __init__(self, p, watch=(), track_alloc=False):

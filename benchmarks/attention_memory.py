@@ -272,8 +272,8 @@ def _worker(spec):
 
 def _megatron_classes():
     """CpuSPNorm and SDPAFlashCoreAttention, shared with ``metp measure``
-    (:func:`megatron_metp.measure.megatron_cpu_classes`; built lazily, after the imports)."""
-    from megatron_metp.measure import megatron_cpu_classes
+    (:func:`megatron_metp.tools.measure.megatron_cpu_classes`; built lazily, after the imports)."""
+    from megatron_metp.tools.measure import megatron_cpu_classes
 
     return megatron_cpu_classes()
 

@@ -161,7 +161,7 @@ def _recorder_class():
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from megatron_metp.measure import flat_tensors as tensors
+    from megatron_metp.tools.measure import flat_tensors as tensors
 
     class _Recorder(TorchDispatchMode):
         def __init__(self):
@@ -300,7 +300,7 @@ def _run_once(case, V, measure_memory):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from megatron_metp import METPGroup
-    from megatron_metp.measure import main_grad_buffer
+    from megatron_metp.tools.measure import main_grad_buffer
 
     path, s, b, p = case["path"], case["s"], case["b"], case["p"]
     n_tok = s if path == "tp-sp" else s // p

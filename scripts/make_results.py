@@ -14,8 +14,8 @@ to the paper's 2.38–2.99×; (b) per-rank memory saved vs TP with flash kernels
 (d) bytes moved per layer, METP vs TP+SP, and the crossover length; (e) the full-overlap
 thresholds on A100/H100/H200; plus the GPU figures measured in DESIGN.md §4 as references.
 
-"Planned" numbers come from :mod:`megatron_metp.plan`; "measured" ones from
-:mod:`megatron_metp.measure` (megatron-core GPTModel of rank 0 under torch's fake process group,
+"Planned" numbers come from :mod:`megatron_metp.tools.plan`; "measured" ones from
+:mod:`megatron_metp.tools.measure` (megatron-core GPTModel of rank 0 under torch's fake process group,
 FakeTensorMode and MemTracker; ``metp measure`` runs the same code). Every table says which.
 """
 
@@ -32,7 +32,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from megatron_metp import plan as P  # noqa: E402
+from megatron_metp.tools import plan as P  # noqa: E402
 
 GiB, MiB = P.GiB, P.MiB
 PAPER_RATIO = (2.38, 2.99)
@@ -50,7 +50,7 @@ def tok(s):
 
 
 class Measurer:
-    """Runs ``megatron_metp.measure.measure`` and remembers the commands and timings."""
+    """Runs ``megatron_metp.tools.measure.measure`` and remembers the commands and timings."""
 
     def __init__(self, enabled, jobs):
         self.enabled, self.jobs = enabled, jobs
@@ -60,7 +60,7 @@ class Measurer:
     def __call__(self, model, job, modes):
         if not self.enabled:
             return [None] * len(modes)
-        from megatron_metp import measure as M
+        from megatron_metp.tools import measure as M
 
         t0 = time.perf_counter()
         res = M.measure(model, job, modes, jobs=self.jobs, timeout=3600)

@@ -3,7 +3,7 @@
 import copy
 import json
 
-from megatron_metp.demo import DemoConfig, check, rank_main, write_outputs
+from megatron_metp.tools.demo import DemoConfig, check, rank_main, write_outputs
 from tests.harness import run_ranks
 
 TINY = DemoConfig(iters=3, layers=2, hidden=32, heads=4, seq=32, vocab=64)

@@ -1,6 +1,6 @@
 """``metp plan`` against ``metp measure``: the planned per-rank peak agrees with the measured one.
 
-The measurement (``megatron_metp.measure``) builds the real megatron-core ``GPTModel`` of each mode
+The measurement (``megatron_metp.tools.measure``) builds the real megatron-core ``GPTModel`` of each mode
 for rank 0 under torch's fake process group and ``FakeTensorMode`` and tracks every storage with
 ``MemTracker`` — deterministic byte counts, no timings. Each mode's measured peak (parameters, the
 fp32 gradient buffer and activations) must agree with the plan within 5 %; a plan with one term
@@ -17,8 +17,8 @@ from dataclasses import replace
 import pytest
 
 from megatron_metp import cli
-from megatron_metp import measure as M
-from megatron_metp import plan as P
+from megatron_metp.tools import measure as M
+from megatron_metp.tools import plan as P
 
 TOL = 0.05
 

@@ -1,7 +1,7 @@
 """Measure one rank's memory of a planned job: the real model under the fake group and FakeTensorMode.
 
 ``metp measure`` (and :func:`measure`) builds, for rank 0 of the job's model-parallel group, the
-same megatron-core ``GPTModel`` that training builds for each mode of :mod:`megatron_metp.plan`:
+same megatron-core ``GPTModel`` that training builds for each mode of :mod:`megatron_metp.tools.plan`:
 
 ================  ===========================================================================
 ``tp``            stock Megatron TP over ``W = tp·metp`` ranks, local spec, no SP
@@ -243,7 +243,7 @@ def main_grad_buffer(params):
 
 def _gpu_matmul_branch():
     """Make the METP ops' ``mm_acc`` take its CUDA branch on CPU fake tensors; returns undo."""
-    from .ops._accum import emulate_cuda_branch
+    from ..ops._accum import emulate_cuda_branch
 
     return [emulate_cuda_branch()]
 
@@ -293,10 +293,10 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from .megatron.groups import METPGroups
-    from .megatron.parallel import initialize_model_parallel
-    from .megatron.spec import get_gpt_layer_metp_spec
-    from .megatron.vocab import METPGPTModel
+    from ..megatron.groups import METPGroups
+    from ..megatron.parallel import initialize_model_parallel
+    from ..megatron.spec import get_gpt_layer_metp_spec
+    from ..megatron.vocab import METPGPTModel
 
     if mode == "metp":
         initialize_model_parallel(lay.t, job.pp, lay.c, seq_length=model.seq,
@@ -443,7 +443,7 @@ def preload() -> None:
         import torch.distributed._tools.mem_tracker  # noqa: F401
         import torch.testing._internal.distributed.fake_pg  # noqa: F401
 
-        from .megatron import spec, vocab  # noqa: F401
+        from ..megatron import spec, vocab  # noqa: F401
 
 
 def measure(model: "P.Model", job: "P.Job", modes, *, jobs: int = 1, timeout: float = 600.0,

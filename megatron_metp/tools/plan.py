@@ -1,6 +1,6 @@
 """Plan a job before spending GPU hours: per-rank memory, traffic, overlap and the longest sequence.
 
-``metp plan`` (:func:`main` in :mod:`megatron_metp.cli`) takes a model geometry, the parallel
+``metp plan`` (:func:`main` in :mod:`megatron_metp.tools.cli`) takes a model geometry, the parallel
 sizes, the micro-batch, the attention kernel, the recompute choice and a hardware preset, and
 prints for each parallel mode, per rank:
 

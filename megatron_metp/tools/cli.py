@@ -1,0 +1,215 @@
+"""``metp``: plan a METP job (``metp plan``) and measure one rank of it on a CPU (``metp measure``).
+
+::
+
+    metp plan --preset gpt-7b --seq 131072 --tp 1 --metp 8 --hardware A100-80GB --png plan.png
+    metp plan --config configs/gpt-7b-128k-metp8.sh --kernel unfused --distributed-optimizer
+    metp plan --preset gpt-7b --seq 131072 --metp 8 --vocab-parallel   # METP + vocabulary split
+    metp measure --preset gpt-7b --seq 32768 --layers 2 --modes tp-sp metp
+
+(``python -m megatron_metp.cli ...`` until the ``metp`` console script is installed.)
+
+The model geometry comes from ``--preset`` (``gpt-1.3b``, ``gpt-7b``, ``gpt-13b``), then
+``--config`` (key=value / YAML / the repo's ``configs/*.sh``), then the individual flags, each
+overriding the previous. ``plan`` prints per-rank memory, traffic, overlap thresholds and the
+longest sequence for every mode (see :mod:`megatron_metp.tools.plan`); ``measure`` builds the real
+models for rank 0 under torch's fake process group and ``FakeTensorMode`` and prints the measured
+peak next to the plan (see :mod:`megatron_metp.tools.measure`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict
+from typing import List, Optional
+
+from . import plan as P
+
+GiB = P.GiB
+MiB = P.MiB
+
+
+def _add_common(ap: argparse.ArgumentParser) -> None:
+    g = ap.add_argument_group("model (preset, then --config, then these flags)")
+    g.add_argument("--preset", choices=sorted(P.PRESETS), default=None,
+                   help="built-in GPT geometry (default gpt-7b unless --config gives one)")
+    g.add_argument("--config", help="key=value / YAML file or a configs/*.sh of this repo")
+    g.add_argument("--hidden", type=int)
+    g.add_argument("--layers", type=int)
+    g.add_argument("--heads", type=int)
+    g.add_argument("--query-groups", type=int, help="GQA groups (default = heads)")
+    g.add_argument("--ffn", type=int)
+    g.add_argument("--vocab", type=int)
+    g.add_argument("--seq", type=int, help="sequence length")
+    g.add_argument("--swiglu", action="store_true", default=None)
+    g.add_argument("--untie", action="store_true", default=None,
+                   help="untied embedding and output layer (GPT ties them)")
+    j = ap.add_argument_group("job")
+    j.add_argument("--tp", type=int, help="tensor-parallel size (default 1)")
+    j.add_argument("--metp", type=int, help="METP / ring / CP size (default 8)")
+    j.add_argument("--pp", type=int, help="pipeline stages (default 1)")
+    j.add_argument("--dp", type=int, help="data-parallel size (default 1)")
+    j.add_argument("--micro-batch", type=int, help="micro-batch size (default 1)")
+    j.add_argument("--microbatches", type=int, default=0,
+                   help="micro-batches per step (PP in-flight count; default: fill the pipe)")
+    j.add_argument("--kernel", choices=["flash", "unfused"], default="flash",
+                   help="attention kernel (default flash)")
+    j.add_argument("--keep-intermediate", action="store_true",
+                   help="METP MLP keeps x·W1ᵀ instead of recomputing it in backward")
+    j.add_argument("--distributed-optimizer", action="store_true")
+    j.add_argument("--vocab-parallel", action="store_true", default=None,
+                   help="METP only (Megatron-LM's --metp-vocab-parallel): split the word "
+                        "embedding and output layer over TP×METP, loss on the vocabulary ring; "
+                        "plans mode metp this way (default modes: metp only; the mode "
+                        "metp+vocab shows the split next to the others without this flag)")
+    j.add_argument("--precision", default="bf16", help="only bf16 is planned")
+    j.add_argument("--hardware", default="H100-80GB", choices=list(P.HARDWARE),
+                   help="device preset (default H100-80GB)")
+    j.add_argument("--reserve-gib", type=float, default=2.0,
+                   help="GiB held back for CUDA context, NCCL, fragmentation (default 2)")
+    ap.add_argument("--modes", nargs="+", default=None, metavar="MODE",
+                    help=f"modes to show (default all: {' '.join(P.MODES)}; cp only with tp>1; "
+                         f"metp only with --vocab-parallel)")
+    ap.add_argument("--json", help="also write the results as JSON")
+
+
+def build(args) -> tuple:
+    """``(Model, Job, modes)`` from parsed arguments; ``ValueError`` naming the flag."""
+    base = P.PRESETS[args.preset or "gpt-7b"]
+    fields = asdict(base)
+    job_fields = {}
+    if args.config:
+        mf, jf = P.from_config(args.config)
+        fields.update(mf)
+        job_fields.update(jf)
+        if not args.preset:
+            fields["name"] = args.config.rsplit("/", 1)[-1]
+    for flag, key in (("hidden", "hidden"), ("layers", "layers"), ("heads", "heads"),
+                      ("query_groups", "query_groups"), ("ffn", "ffn"), ("vocab", "vocab"),
+                      ("seq", "seq"), ("swiglu", "swiglu")):
+        v = getattr(args, flag)
+        if v is not None:
+            fields[key] = v
+    if args.untie:
+        fields["tied"] = False
+    if fields.get("query_groups") == fields.get("heads"):
+        fields["query_groups"] = None
+    model = P.Model(**fields)
+    for flag in ("tp", "metp", "pp", "dp", "micro_batch", "vocab_parallel"):
+        v = getattr(args, flag)
+        if v is not None:
+            job_fields[flag] = v
+    job = P.Job(microbatches=args.microbatches, kernel=args.kernel,
+                keep_intermediate=args.keep_intermediate,
+                distributed_optimizer=args.distributed_optimizer, precision=args.precision,
+                hardware=args.hardware, reserve_gib=args.reserve_gib, **job_fields)
+    if args.modes:
+        modes = args.modes
+    elif job.vocab_parallel:
+        modes = ["metp"]
+    else:
+        modes = [m for m in P.MODES if not (m == "cp" and (job.tp == 1 or job.metp == 1))]
+    for m in modes:
+        if m not in P.MODES:
+            raise ValueError(f"--modes: unknown mode {m!r}; choose from {', '.join(P.MODES)}")
+    P.validate(model, job, modes)
+    return model, job, modes
+
+
+def cmd_plan(args) -> int:
+    model, job, modes = build(args)
+    print(P.report(model, job, modes))
+    if args.png:
+        paths = P.charts(model, job, args.png, modes)
+        print("\nwrote " + ", ".join(paths))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(P.plan(model, job, modes), fh, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def measure_table(model, job, modes, results) -> str:
+    """The table ``metp measure`` prints: measured next to planned, per mode."""
+    lines = []
+    lines.append(f"# measured vs planned, rank 0: {model.name} h={model.hidden} L={model.layers} "
+                 f"a={model.heads} ffn={model.ffn} vocab={model.vocab} s={model.seq:,} "
+                 f"b={job.micro_batch}, {job.kernel} attention, tp={job.tp} metp={job.metp} "
+                 f"pp={job.pp}" + (", METP vocabulary split" if job.vocab_parallel else ""))
+    lines.append("# measured: torch fake process group + FakeTensorMode + MemTracker, one "
+                 "micro-batch fwd+bwd (×PP in flight) of megatron-core GPTModel, params + fp32 "
+                 "main_grad + activations; optimizer states are planned (not measured)")
+    head = ["mode", "layout", "measured peak", "planned", "diff", "+ optimizer (plan)",
+            "= total", "stored meas/plan", "sent/rank", "peak at (meas)"]
+    rows = []
+    for mode, r in zip(modes, results):
+        lay = P.layout(mode, job).describe()
+        if "error" in r:
+            rows.append([mode, lay, "ERROR: " + r["error"].strip().splitlines()[-1][:120]]
+                        + [""] * (len(head) - 3))
+            continue
+        mem = P.memory(model, job, mode)
+        plan_b = mem.measured_part
+        diff = 100 * (plan_b / r["peak"] - 1)
+        opt = mem.static["optimizer"]
+        stored_p = mem.act.stored + mem.act.persistent
+        rows.append([mode, lay, P.fmt_bytes(r["peak"]), P.fmt_bytes(plan_b), f"{diff:+.2f} %",
+                     P.fmt_bytes(opt), P.fmt_bytes(r["peak"] + opt),
+                     f"{P.fmt_bytes(r['stored'])} / {P.fmt_bytes(stored_p)}",
+                     P.fmt_bytes(r["sent"]), r["peak_phase"]])
+    ws = [max(len(str(x[i])) for x in rows + [head]) for i in range(len(head))]
+    lines.append(" | ".join(h.ljust(w) for h, w in zip(head, ws)))
+    lines.append("-+-".join("-" * w for w in ws))
+    for r in rows:
+        lines.append(" | ".join(str(v).ljust(w) for v, w in zip(r, ws)))
+    return "\n".join(lines)
+
+
+def cmd_measure(args) -> int:
+    from . import measure as M
+
+    model, job, modes = build(args)
+    t0 = time.perf_counter()
+    results = M.measure(model, job, modes, jobs=args.jobs, timeout=args.timeout,
+                        cpu_matmul=args.cpu_matmul)
+    print(measure_table(model, job, modes, results))
+    print(f"\n{len(results)} measurements in {time.perf_counter() - t0:.1f} s")
+    if args.json:
+        out = []
+        for mode, r in zip(modes, results):
+            mem = P.memory(model, job, mode)
+            out.append(dict(r, planned_measured_part=mem.measured_part,
+                            planned_optimizer=mem.static["optimizer"]))
+        with open(args.json, "w") as fh:
+            json.dump({"model": asdict(model), "job": asdict(job), "results": out}, fh, indent=1)
+        print(f"wrote {args.json}")
+    return 1 if any("error" in r for r in results) else 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="metp", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    pl = sub.add_parser("plan", help="per-rank memory, traffic, overlap, longest sequence",
+                        description=P.__doc__.split("\n\n")[0])
+    _add_common(pl)
+    pl.add_argument("--png", help="write memory-vs-sequence (PATH) and longest-sequence "
+                                  "(PATH-longest.png) charts")
+    ms = sub.add_parser("measure", help="measure rank 0 on CPU (fake group) next to the plan")
+    _add_common(ms)
+    ms.add_argument("--jobs", type=int, default=1, help="measurements at once (default 1)")
+    ms.add_argument("--timeout", type=float, default=1800, help="seconds per measurement")
+    ms.add_argument("--cpu-matmul", action="store_true",
+                    help="keep the METP ops' CPU matmul branch (default: emulate the CUDA one)")
+    args = ap.parse_args(argv)
+    try:
+        return cmd_plan(args) if args.cmd == "plan" else cmd_measure(args)
+    except ValueError as exc:
+        print(f"metp {args.cmd}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,601 @@
+"""``make demo``: a tiny GPT trained with stock Megatron TP and with METP, side by side.
+
+Run without arguments, it starts itself under ``torchrun`` on 2 gloo CPU ranks. In one job the
+ranks train the same tiny ``GPTModel`` twice with megatron-core's DDP, optimizer and schedules
+(:mod:`megatron_metp.megatron.training`): first stock tensor parallelism (TP=2), then METP=2 with
+the vocabulary sharded too (word embedding and output layer + loss on the ring;
+``--no-vocab-parallel`` keeps them replicated over the METP group as plain METP does). Both
+runs start from the same full weights and see the same global batches, so their loss curves agree
+to fp32 rounding. Between the runs Megatron's parallel state is destroyed and rebuilt.
+
+Printed: Megatron-style iteration lines of both runs, then a table of the loss per iteration, the
+per-rank peak tensor memory of one training step and the bytes each rank sends per step. Rank 0
+writes ``<out-dir>/demo.json`` (the table) and ``<out-dir>/demo.png`` (loss curves, memory and
+traffic bars). The exit status is 1 if the two loss curves differ by more than 1e-4 (relative) at
+any iteration.
+
+Data: a learnable synthetic language, so the loss visibly falls within a few iterations. Every
+sequence is a walk over a fixed random permutation of the vocabulary (token t is followed by
+succ[t]) from a random start: seeded, nothing downloaded.
+
+Memory: ``torch.distributed._tools.mem_tracker.MemTracker`` around one whole training step (the
+last iteration: forward and backward of every micro-batch, gradient reduction, optimizer step),
+counting real CPU tensor storages. It reports the peak by category: Parameter, Buffer, Gradient
+(Megatron DDP's contiguous fp32 grad buffers, handed to the tracker, and any other tensor it files
+as a gradient), Optstate (Adam moments), Activation (allocated in forward: saved activations and
+forward temporaries), Temp (allocated in backward).
+
+Traffic: a ``TorchDispatchMode`` that sees every c10d collective and send/recv issued during a
+step, for both runs alike (so Megatron's TP all-reduces, DDP's gradient all-reduce, the loss and
+grad-norm reductions and METP's ring transfers are all counted the same way). Bytes *sent* by this
+rank, ring-algorithm convention for collectives over a group of p ranks and a tensor of N bytes:
+send N; all-reduce 2(p-1)/p·N; all-gather / reduce-scatter (p-1)/p·N of the full tensor;
+broadcast / reduce (p-1)/p·N (pipelined chain, averaged over ranks). METP's own counters
+(``METPGroup.stats``: ring send/recv, head-group weight broadcasts, gradient reduces) are reported
+next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+WORLD = 2  # ranks in the demo: stock TP=2 and METP=2
+
+
+@dataclass
+class DemoConfig:
+    iters: int = 20
+    layers: int = 4
+    hidden: int = 64
+    heads: int = 4
+    seq: int = 128
+    vocab: int = 128
+    global_batch: int = 4
+    micro_batch: int = 2
+    lr: float = 3e-3
+    vocab_parallel: bool = True
+    out_dir: str = os.path.join("out", "demo")
+
+    def size(self):
+        from ..megatron.training import GPTSize
+
+        return GPTSize(num_layers=self.layers, hidden_size=self.hidden, num_attention_heads=self.heads,
+                       ffn_hidden_size=4 * self.hidden, vocab_size=self.vocab, seq_length=self.seq)
+
+
+def _parse(argv=None) -> DemoConfig:
+    d = DemoConfig()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--iters", type=int, default=d.iters, help="training iterations per run")
+    ap.add_argument("--layers", type=int, default=d.layers, help="transformer layers")
+    ap.add_argument("--hidden", type=int, default=d.hidden, help="hidden size (FFN = 4x)")
+    ap.add_argument("--seq", type=int, default=d.seq, help="sequence length (divisible by 4)")
+    ap.add_argument("--no-vocab-parallel", action="store_true",
+                    help="keep METP's word embedding and output layer replicated over the ring")
+    ap.add_argument("--out-dir", default=d.out_dir, help="where rank 0 writes demo.json, demo.png")
+    a = ap.parse_args(argv)
+    cfg = DemoConfig(iters=a.iters, layers=a.layers, hidden=a.hidden, seq=a.seq, out_dir=a.out_dir,
+                     vocab_parallel=not a.no_vocab_parallel)
+    problems = []
+    if cfg.iters < 1:
+        problems.append(f"--iters must be >= 1, got {cfg.iters}")
+    if cfg.layers < 1:
+        problems.append(f"--layers must be >= 1, got {cfg.layers}")
+    if cfg.hidden % (cfg.heads * WORLD):
+        problems.append(f"--hidden ({cfg.hidden}) must be divisible by {cfg.heads * WORLD} "
+                        f"({cfg.heads} heads, {WORLD} ranks)")
+    if cfg.seq < 2 * WORLD or cfg.seq % (2 * WORLD):
+        problems.append(f"--seq ({cfg.seq}) must be a positive multiple of {2 * WORLD} "
+                        f"(METP splits the sequence into 2x{WORLD} chunks)")
+    if problems:
+        ap.error("; ".join(problems))
+    return cfg
+
+
+def _launch(cfg: DemoConfig) -> int:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={WORLD}", "-m", "megatron_metp.demo",
+           f"--iters={cfg.iters}", f"--layers={cfg.layers}", f"--hidden={cfg.hidden}",
+           f"--seq={cfg.seq}", f"--out-dir={cfg.out_dir}"]
+    if not cfg.vocab_parallel:
+        cmd.append("--no-vocab-parallel")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    print("launching:", " ".join(cmd[1:]), flush=True)
+    t0 = time.perf_counter()
+    code = subprocess.call(cmd, env=env)
+    print(f"demo: finished in {time.perf_counter() - t0:.1f} s, exit status {code}", flush=True)
+    return code
+
+
+# ---------------------------------------------------------------- data
+
+def permutation_walk_batch(size, step: int, global_batch_size: int, seed: int = 7):
+    """The ``step``-th global batch of the demo's synthetic language, ``[batch, seq]`` tokens and
+    labels. A fixed random permutation ``succ`` of the vocabulary (from ``seed``) gives each
+    token's successor; every sequence starts at a random token (from ``seed`` and ``step``) and
+    follows ``succ``. Same signature as :func:`megatron_metp.megatron.training.global_batch`."""
+    succ = torch.randperm(size.vocab_size, generator=torch.Generator().manual_seed(seed))
+    gen = torch.Generator().manual_seed(seed * 100003 + step)
+    tok = torch.randint(0, size.vocab_size, (global_batch_size,), generator=gen)
+    cols = [tok]
+    for _ in range(size.seq_length):
+        tok = succ[tok]
+        cols.append(tok)
+    tokens = torch.stack(cols, dim=1)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+# ---------------------------------------------------------------- traffic counter
+
+def _nbytes(x) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(t) for t in x)
+    return 0
+
+
+def _comm_counter():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CommCounter(TorchDispatchMode):
+        """Bytes this rank sends through c10d ops (ring convention, see the module docstring),
+        total and per op name; ops without a rule are listed under ``uncounted``."""
+
+        def __init__(self):
+            super().__init__()
+            self.sent = 0
+            self.by_op = {}
+            self.calls = {}
+            self.uncounted = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "c10d":
+                self._count(func, args, kwargs or {})
+            return func(*args, **(kwargs or {}))
+
+        def _count(self, func, args, kwargs):
+            name = func._schema.name.split("::")[-1]
+            vals = {a.name: (args[i] if i < len(args) else kwargs.get(a.name))
+                    for i, a in enumerate(func._schema.arguments)}
+            pg = vals.get("process_group")
+            p = dist.ProcessGroup.unbox(pg).size() if pg is not None else 1
+            if name == "send":
+                sent = _nbytes(vals["tensors"])
+            elif name in ("recv_", "recv_any_source_", "barrier", "monitored_barrier_"):
+                sent = 0
+            elif name in ("allreduce_", "allreduce_coalesced_"):
+                sent = 2 * (p - 1) * _nbytes(vals["tensors"]) / p
+            elif name in ("allgather_", "_allgather_base_", "allgather_coalesced_",
+                          "allgather_into_tensor_coalesced_"):
+                sent = (p - 1) * _nbytes(vals.get("input_tensors", vals.get("input_tensor")))
+            elif name in ("reduce_scatter_", "_reduce_scatter_base_",
+                          "reduce_scatter_tensor_coalesced_"):
+                sent = (p - 1) * _nbytes(vals.get("output_tensors", vals.get("output_tensor")))
+            elif name in ("broadcast_", "reduce_"):
+                sent = (p - 1) * _nbytes(vals["tensors"]) / p
+            else:
+                self.uncounted[name] = self.uncounted.get(name, 0) + 1
+                return
+            self.sent += sent
+            self.by_op[name] = self.by_op.get(name, 0) + sent
+            self.calls[name] = self.calls.get(name, 0) + 1
+
+    return CommCounter()
+
+
+# ---------------------------------------------------------------- memory of one step
+
+_CATEGORIES = ("Parameter", "Buffer", "Gradient", "Optstate", "Activation", "Temp", "Other")
+
+
+def _torch_optimizers(opt):
+    parts = getattr(opt, "chained_optimizers", None) or [opt]
+    return [o.optimizer for o in parts if getattr(o, "optimizer", None) is not None]
+
+
+def _memory_tracker(state):
+    """A MemTracker that knows the model, the optimizer states and DDP's grad buffers."""
+    from .measure import tracker_class
+
+    class Tracker(tracker_class()):  # restarts per-module stats for every micro-batch
+        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+            # Megatron's DDP wrapper keeps its grad buffers in the attribute ``buffers``, which
+            # hides ``Module.buffers()``; its parameters are those of the module it wraps.
+            if not callable(module.buffers):
+                module = module.module
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+    ddp = state["model"]
+    mt = Tracker()
+    grad_buffers = [b.grad_data for b in list(ddp.buffers) + list(ddp.expert_parallel_buffers)]
+    mt.track_external(ddp, *_torch_optimizers(state["optimizer"]))
+    # Tensors passed as such are filed as "Other"; the only ones are the grad buffers.
+    mt.track_external(*grad_buffers)
+    return mt
+
+
+def _peak_split(mt) -> dict:
+    peak = {c: 0 for c in _CATEGORIES}
+    total = 0
+    for dev_snap in mt.get_tracker_snapshot("peak").values():
+        for k, v in dev_snap.items():
+            if k == "Total":
+                total += v
+            else:
+                name = getattr(k, "value", str(k))
+                peak[name] = peak.get(name, 0) + v
+    peak["Gradient"] += peak.pop("Other")  # DDP grad buffers (see _memory_tracker)
+    return {"total": total, "by_category": peak}
+
+
+# ---------------------------------------------------------------- one run
+
+def _reset_parallel_state() -> None:
+    """Tear Megatron's parallel state down so the next layout can be initialised, and check it."""
+    import gc
+
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    gc.collect()
+    if ps.model_parallel_is_initialized() or ps._GLOBAL_MEMORY_BUFFER is not None:
+        raise RuntimeError("destroy_model_parallel left Megatron's parallel state behind")
+
+
+def _check_fresh_state(layout) -> None:
+    """After ``init_parallel``: groups of the right sizes, a fresh global memory buffer and an
+    RNG tracker holding exactly the freshly seeded streams."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    want = (layout.tp, layout.metp)
+    got = (ps.get_tensor_model_parallel_world_size(), ps.get_context_parallel_world_size())
+    if got != want:
+        raise RuntimeError(f"parallel state after re-init: (TP, CP) = {got}, expected {want}")
+    if ps._GLOBAL_MEMORY_BUFFER is None or ps._GLOBAL_MEMORY_BUFFER.buffer:
+        raise RuntimeError("global memory buffer was not rebuilt empty")
+    names = set(get_cuda_rng_tracker().get_states())
+    if names != {"data-parallel-rng", "model-parallel-rng", "expert-parallel-rng"}:
+        raise RuntimeError(f"RNG tracker after re-init holds {sorted(names)}")
+
+
+def train_one(name: str, layout, cfg: DemoConfig, log=None) -> dict:
+    """Train ``cfg.iters`` iterations of ``layout`` on the initialised world; per-rank results."""
+    from ..megatron.training import init_parallel, megatron_log_line, setup, train
+
+    size = cfg.size()
+    rank = dist.get_rank()
+    init_parallel(layout, size.seq_length)
+    _check_fresh_state(layout)
+    state = setup(size, layout)
+    metp = state["groups"].metp
+    metp.stats.reset()
+    losses, norms, seconds, sent, by_op, calls, uncounted = [], [], [], [], {}, {}, {}
+    mem = None
+    mem_step = cfg.iters - 1
+    for step in range(cfg.iters):
+        counter = _comm_counter()
+        if step == mem_step:
+            mt = _memory_tracker(state)
+            with mt, counter:
+                rec = train(size, layout, 1, state=state, start_step=step,
+                            batch_fn=permutation_walk_batch)[0]
+            mem = _peak_split(mt)
+        else:
+            with counter:
+                rec = train(size, layout, 1, state=state, start_step=step,
+                            batch_fn=permutation_walk_batch)[0]
+        losses.append(rec.lm_loss)
+        norms.append(rec.grad_norm)
+        seconds.append(rec.seconds)
+        sent.append(counter.sent)
+        for d, src in ((by_op, counter.by_op), (calls, counter.calls),
+                       (uncounted, counter.uncounted)):
+            for k, v in src.items():
+                d[k] = d.get(k, 0) + v
+        if log is not None and rank == 0:
+            note = "  (MemTracker on: slower)" if step == mem_step else ""
+            log(f"[{name}]" + megatron_log_line(rec, cfg.iters, layout, state["optimizer"]) + note)
+    n = cfg.iters
+    ring = metp.stats.snapshot()
+    result = {
+        "losses": losses, "grad_norms": norms, "seconds": seconds,
+        "memory": mem,
+        "traffic": {
+            "bytes_sent_per_step": sum(sent) / n,
+            "bytes_sent_each_step": sent,
+            "by_op_per_step": {k: v / n for k, v in sorted(by_op.items())},
+            "calls_per_step": {k: v / n for k, v in sorted(calls.items())},
+            "uncounted_calls": uncounted,
+            "metp_ring_stats_per_step": {k: v / n for k, v in ring.items()},
+        },
+    }
+    del state
+    _reset_parallel_state()
+    return result
+
+
+def runs(world: int, cfg: DemoConfig):
+    """The two runs, in order: stock Megatron TP over the world, then METP over the world."""
+    from ..megatron.training import Layout
+
+    common = dict(micro_batch_size=cfg.micro_batch, global_batch_size=cfg.global_batch, lr=cfg.lr)
+    metp = Layout(metp=world, vocab_parallel=cfg.vocab_parallel, **common)
+    return [(f"stock TP={world}", Layout(tp=world, mode="tp", **common)),
+            (f"METP={world}" + ("+vocab" if cfg.vocab_parallel else ""), metp)]
+
+
+def run_demo(cfg: DemoConfig, log=None) -> dict:
+    """Both runs on the initialised world; rank 0 gets the merged table (others: ``None``)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    per_run = {}
+    for name, layout in runs(world, cfg):
+        t0 = time.perf_counter()
+        res = train_one(name, layout, cfg, log)
+        res["wall_seconds"] = time.perf_counter() - t0
+        parts = [None] * world
+        dist.all_gather_object(parts, res)
+        per_run[name] = (layout, parts)
+    if rank != 0:
+        return None
+    return _table(cfg, per_run, world)
+
+
+def _table(cfg: DemoConfig, per_run: dict, world: int) -> dict:
+    names = list(per_run)
+    a, b = names
+    la, lb = per_run[a][1][0]["losses"], per_run[b][1][0]["losses"]
+    rows = []
+    for i, (x, y) in enumerate(zip(la, lb)):
+        rows.append({"iteration": i + 1, a: x, b: y, "abs_diff": abs(x - y),
+                     "rel_diff": abs(x - y) / max(abs(x), 1e-30)})
+    out = {
+        "config": {**asdict(cfg), "world_size": world, "ffn_hidden": 4 * cfg.hidden,
+                   "dtype": "float32", "backend": "gloo (CPU)",
+                   "data": "permutation walks (token t followed by succ[t]), seeded"},
+        "runs": {n: {"layout": per_run[n][0].describe(), "mode": per_run[n][0].mode,
+                     "wall_seconds": per_run[n][1][0]["wall_seconds"],
+                     "losses": per_run[n][1][0]["losses"],
+                     "grad_norms": per_run[n][1][0]["grad_norms"],
+                     "seconds_per_iteration": per_run[n][1][0]["seconds"]} for n in names},
+        "loss_table": rows,
+        "max_abs_diff": max(r["abs_diff"] for r in rows),
+        "max_rel_diff": max(r["rel_diff"] for r in rows),
+        "memory": {n: [{"rank": r, **per_run[n][1][r]["memory"]} for r in range(world)]
+                   for n in names},
+        "traffic": {n: [{"rank": r, **per_run[n][1][r]["traffic"]} for r in range(world)]
+                    for n in names},
+        "conventions": {
+            "memory": "torch.distributed._tools.mem_tracker.MemTracker around one training step "
+                      "(the last iteration), real CPU tensor storages, peak bytes per rank; "
+                      "Gradient includes Megatron DDP's contiguous grad buffers; Activation = "
+                      "allocated in forward, Temp = allocated in backward",
+            "traffic": "bytes sent by each rank per step through c10d ops (TorchDispatchMode, "
+                       "same for both runs); ring convention over a group of p and N bytes: "
+                       "send N, all-reduce 2(p-1)/p N, all-gather/reduce-scatter (p-1)/p N of "
+                       "the full tensor, broadcast/reduce (p-1)/p N; metp_ring_stats_per_step = "
+                       "METPGroup.stats (ring send/recv, weight broadcasts counted as received "
+                       "by non-owners, gradient reduces as sent by non-owners)",
+        },
+    }
+    out["tolerance_rel"] = 1e-4
+    out["ok"] = out["max_rel_diff"] <= out["tolerance_rel"]
+    return out
+
+
+# ---------------------------------------------------------------- reporting (rank 0)
+
+def _mib(n) -> str:
+    return f"{n / 2**20:8.3f}"
+
+
+def _human(n) -> str:
+    for unit, div in (("MiB", 2**20), ("KiB", 2**10)):
+        if n >= div:
+            return f"{n / div:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def format_table(res: dict) -> str:
+    names = list(res["runs"])
+    a, b = names
+    w = max(len(a), len(b), 12)
+    lines = ["", f"loss per iteration (same weights, same batches; fp32, {res['config']['world_size']} "
+             f"gloo ranks)",
+             f" iter | {a:>{w}} | {b:>{w}} | abs diff"]
+    for r in res["loss_table"]:
+        lines.append(f" {r['iteration']:4d} | {r[a]:{w}.6f} | {r[b]:{w}.6f} | {r['abs_diff']:.2e}")
+    lines.append(f" max abs diff {res['max_abs_diff']:.2e}, max rel diff {res['max_rel_diff']:.2e} "
+                 f"(tolerance {res['tolerance_rel']:.0e} rel)")
+    lines += ["", "peak tensor memory of one training step per rank, MiB "
+              "(MemTracker; Activation = allocated in forward, Temp = in backward)"]
+    cats = ("Parameter", "Gradient", "Optstate", "Activation", "Temp", "Buffer")
+    lines.append(f" {'run':<{w}} rank | {'peak':>8} | " + " | ".join(f"{c:>10}" for c in cats))
+    for n in names:
+        for m in res["memory"][n]:
+            lines.append(f" {n:<{w}} {m['rank']:4d} | {_mib(m['total'])} | "
+                         + " | ".join(f"{_mib(m['by_category'][c]):>10}" for c in cats))
+    lines += ["", "bytes sent per rank per step (all c10d ops; ring convention for collectives)"]
+    for n in names:
+        for t in res["traffic"][n]:
+            ops = ", ".join(f"{k.strip('_')} {_human(v)}" for k, v in t["by_op_per_step"].items()
+                            if v)
+            lines.append(f" {n:<{w}} rank {t['rank']}: {_human(t['bytes_sent_per_step']):>10}"
+                         f"  = {ops}")
+            ring = t["metp_ring_stats_per_step"]
+            if ring["steps"]:
+                lines.append(f" {'':<{w}}         METPGroup.stats: {ring['steps']:.0f} transfers, "
+                             f"{_human(ring['bytes_sent'])} sent, "
+                             f"{_human(ring['bytes_received'])} received")
+    return "\n".join(lines)
+
+
+def check(res: dict):
+    """``(ok, message)``: the loss curves agree within ``tolerance_rel`` at every iteration."""
+    a, b = list(res["runs"])
+    bad = [r for r in res["loss_table"] if r["rel_diff"] > res["tolerance_rel"]]
+    if not bad:
+        return True, (f"demo: {a} and {b} loss curves agree at all {len(res['loss_table'])} "
+                      f"iterations (max rel diff {res['max_rel_diff']:.1e} <= "
+                      f"{res['tolerance_rel']:.0e})")
+    r = bad[0]
+    return False, (f"demo: FAILED: loss curves differ by more than {res['tolerance_rel']:.0e} "
+                   f"relative at {len(bad)} iteration(s); first at iteration {r['iteration']}: "
+                   f"{a} {r[a]:.8f} vs {b} {r[b]:.8f} (rel diff {r['rel_diff']:.2e})")
+
+
+def write_outputs(res: dict, out_dir: str):
+    """``demo.json`` and ``demo.png`` under ``out_dir``; returns their paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    jpath = os.path.join(out_dir, "demo.json")
+    with open(jpath, "w") as f:
+        json.dump(res, f, indent=1)
+    ppath = os.path.join(out_dir, "demo.png")
+    _plot(res, ppath)
+    return jpath, ppath
+
+
+def _plot(res: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(res["runs"])
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(17, 5.2),
+                                        gridspec_kw={"width_ratios": [1.25, 1, 1]})
+    styles = [dict(color="tab:blue", marker="o", lw=2.5, ms=6, alpha=0.6),
+              dict(color="tab:red", marker="x", lw=1.2, ms=7, ls="--")]
+    for n, st in zip(names, styles):
+        ls = res["runs"][n]["losses"]
+        ax1.plot(range(1, len(ls) + 1), ls, label=n, **st)
+    ax1.xaxis.get_major_locator().set_params(integer=True)
+    ax1.set_xlabel("iteration")
+    ax1.set_ylabel("lm loss")
+    ax1.set_title(f"training loss (max |diff| {res['max_abs_diff']:.1e})")
+    ax1.grid(alpha=0.3)
+    ax1.legend()
+
+    cats = [("Parameter", "parameters"), ("Gradient", "gradients"), ("Optstate", "optimizer"),
+            ("Activation", "activations (fwd)"), ("Temp", "backward temps"), ("Buffer", "buffers")]
+    colors = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860"]
+    labels, xs = [], []
+    x = 0
+    for n in names:
+        for m in res["memory"][n]:
+            labels.append(f"{n}\nrank {m['rank']}")
+            bottom = 0.0
+            for (c, lab), col in zip(cats, colors):
+                v = m["by_category"].get(c, 0) / 2**20
+                if not v:
+                    continue
+                ax2.bar(x, v, bottom=bottom, color=col, label=lab if x == 0 else None, width=0.7)
+                bottom += v
+            ax2.text(x, m["total"] / 2**20, f"{m['total'] / 2**20:.2f}", ha="center", va="bottom",
+                     fontsize=8)
+            xs.append(x)
+            x += 1
+        x += 0.5
+    ax2.set_xticks(xs, labels, fontsize=8)
+    ax2.set_ylabel("MiB")
+    ax2.set_title("peak tensor memory of one step (MemTracker)")
+    top = max(m["total"] for n in names for m in res["memory"][n]) / 2**20
+    ax2.set_ylim(0, top * 1.35)
+    ax2.legend(fontsize=7, loc="upper right", ncol=2)
+    ax2.grid(axis="y", alpha=0.3)
+
+    ops = sorted({k for n in names for t in res["traffic"][n] for k, v in t["by_op_per_step"].items()
+                  if v})
+    palette = plt.get_cmap("tab10")
+    x, xs, seen = 0, [], set()
+    for n in names:
+        for t in res["traffic"][n]:
+            bottom = 0.0
+            for i, op in enumerate(ops):
+                v = t["by_op_per_step"].get(op, 0) / 1024
+                if not v:
+                    continue
+                ax3.bar(x, v, bottom=bottom, color=palette(i), width=0.7,
+                        label=None if op in seen else op.strip("_"))
+                seen.add(op)
+                bottom += v
+            ax3.text(x, bottom, f"{bottom:.0f}", ha="center", va="bottom", fontsize=8)
+            xs.append(x)
+            x += 1
+        x += 0.5
+    ax3.set_xticks(xs, labels, fontsize=8)
+    ax3.set_ylabel("KiB sent per rank per step")
+    ax3.set_title("communication (ring convention)")
+    top = max(t["bytes_sent_per_step"] for n in names for t in res["traffic"][n]) / 1024
+    ax3.set_ylim(0, top * 1.35)
+    ax3.legend(fontsize=7, loc="upper left", ncol=2)
+    ax3.grid(axis="y", alpha=0.3)
+    c = res["config"]
+    fig.suptitle(f"tiny GPT, {c['layers']} layers, hidden {c['hidden']}, seq {c['seq']}, "
+                 f"global batch {c['global_batch']}, {c['world_size']} gloo CPU ranks, fp32: "
+                 f"stock Megatron TP vs METP")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------- entry points
+
+def rank_main(rank: int, world: int, cfg: DemoConfig, log=None):
+    """One rank of the demo on an initialised gloo world (torchrun or ``tests.harness``)."""
+    from .. import cpu
+
+    cpu.enable()
+    return run_demo(cfg, log)
+
+
+def _worker(cfg: DemoConfig) -> int:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world != WORLD:
+        raise SystemExit(f"the demo runs on {WORLD} ranks, got {world}")
+    code = 0
+    if rank == 0:
+        print(f"tiny GPT: {cfg.layers} layers, hidden {cfg.hidden}, {cfg.heads} heads, "
+              f"FFN {4 * cfg.hidden}, vocab {cfg.vocab}, seq {cfg.seq}, global batch "
+              f"{cfg.global_batch} (micro-batch {cfg.micro_batch}), Adam lr {cfg.lr}, "
+              f"{cfg.iters} iterations per run, fp32, {world} gloo CPU ranks", flush=True)
+    res = rank_main(rank, world, cfg, log=lambda s: print(s, flush=True))
+    if rank == 0:
+        for name, r in res["runs"].items():
+            print(f"[{name}] {r['layout']}: {r['wall_seconds']:.1f} s for {cfg.iters} iterations")
+        print(format_table(res))
+        jpath, ppath = write_outputs(res, cfg.out_dir)
+        print(f"\nwrote {os.path.abspath(jpath)}\nwrote {os.path.abspath(ppath)}")
+        ok, msg = check(res)
+        print(msg, flush=True)
+        code = 0 if ok else 1
+    flag = torch.tensor([code])
+    dist.broadcast(flag, 0)
+    dist.destroy_process_group()
+    return int(flag.item())
+
+
+def main(argv=None) -> int:
+    cfg = _parse(argv)
+    if "RANK" not in os.environ:
+        return _launch(cfg)
+    return _worker(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

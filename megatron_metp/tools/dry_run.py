@@ -1,0 +1,724 @@
+"""Will this Megatron-LM command fit? Parse, validate and measure it on a CPU, without GPUs.
+
+::
+
+    python -m megatron_metp.dry_run --megatron-lm-dir DIR --world-size 8 [--rank 0] \\
+        [--gpu-memory-gib 80] [--json out.json] -- <pretrain_gpt.py arguments>
+
+``scripts/pretrain_gpt.sh --dry-run`` calls this with the exact arguments it would launch.
+
+What happens, in one CPU process that plays rank ``--rank`` of a ``--world-size`` job:
+
+1. The **real** Megatron-LM argument parser of the checkout (patched with ``patches/``) parses
+   the arguments, with the ``--metp-*`` flags registered as the patched ``pretrain_gpt.py`` does,
+   and the patched ``validate_args`` checks them (so METP is mapped onto context parallelism and
+   every Megatron check runs). ``get_device_arch_version`` (a CUDA query) answers
+   ``--gpu-arch``.
+2. torch's ``fake`` process group stands in for the ``world_size`` ranks, and the patched
+   ``_initialize_distributed`` creates Megatron's parallel state (with the METP expert-group
+   fold) exactly as in training.
+3. The model of this rank is built by the same model provider ``pretrain_gpt.py`` passes to
+   ``pretrain`` (``model_provider`` around ``wrap_gpt_builder(gpt_builder)``), under
+   ``FakeTensorMode``: every tensor has its true shape and dtype and none is allocated.
+4. One forward and backward of one micro-batch runs under ``MemTracker``, which follows every
+   tensor and reports the peak.
+
+Memory reported per rank: parameters (counted), gradient buffer and optimizer state (computed
+from Megatron's settings: gradient dtype, optimizer, precision-aware dtypes, distributed
+optimizer sharding over the right data-parallel group for METP-sharded and replicated weights),
+and activations (measured). Not modelled: the CUDA context, NCCL buffers, allocator
+fragmentation, Transformer Engine workspaces; keep a few GiB of headroom.
+
+Substitutions, each printed when it applies: without Transformer Engine on this machine a
+``--transformer-impl transformer_engine`` model is built with Megatron's local layers and a
+flash-attention core (PyTorch's fused kernel; TE's fused attention stores the same); without
+``triton`` the one Megatron module that imports it unconditionally (batch-invariant kernels,
+unused by GPT pre-training) is replaced by a stub.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import io
+import json
+import os
+import sys
+import time
+import types
+from typing import Dict, List, Optional
+
+MiB = 2 ** 20
+GiB = 2 ** 30
+
+#: files the patches change, and the call each must contain once patched
+PATCHED_FILES = {
+    "pretrain_gpt.py": "wrap_gpt_builder",
+    "megatron/training/arguments.py": "validate_metp_args",
+    "megatron/training/initialize.py": "metp_expert_model_parallel_size",
+}
+
+
+class DryRunError(RuntimeError):
+    """A problem with the command or the environment, explained for the user."""
+
+
+# ------------------------------------------------------------------------------ checkout
+
+def check_checkout(megatron_lm_dir: str) -> str:
+    """Absolute path of a patched Megatron-LM checkout, or a ``DryRunError`` saying what to do."""
+    if not megatron_lm_dir:
+        raise DryRunError("no Megatron-LM checkout: pass --megatron-lm-dir or set MEGATRON_LM_DIR")
+    d = os.path.abspath(megatron_lm_dir)
+    if not os.path.isfile(os.path.join(d, "pretrain_gpt.py")):
+        raise DryRunError(f"{d} is not a Megatron-LM checkout (no pretrain_gpt.py)")
+    missing = []
+    for rel, needle in PATCHED_FILES.items():
+        with open(os.path.join(d, rel), encoding="utf-8") as fh:
+            if needle not in fh.read():
+                missing.append(rel)
+    if missing:
+        raise DryRunError(f"{d} is not patched for METP ({', '.join(missing)} unchanged): run "
+                          f"scripts/apply_patches.sh {d}")
+    return d
+
+
+def _stub_batch_invariant_kernels() -> bool:
+    """Without triton, stand in for the one Megatron module that imports it at import time
+    (``megatron/training/initialize.py`` imports it for ``--batch-invariant-mode``)."""
+    if importlib.util.find_spec("triton") is not None:
+        return False
+    name = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
+    mod = types.ModuleType(name)
+
+    def unavailable(*_a, **_k):
+        raise DryRunError("--batch-invariant-mode needs triton, which is not installed here")
+
+    for fn in ("set_batch_invariant_mode", "disable_batch_invariant_mode",
+               "enable_batch_invariant_mode"):
+        setattr(mod, fn, unavailable)
+    mod.is_batch_invariant_mode_enabled = lambda: False
+    mod.__all__ = ["set_batch_invariant_mode", "is_batch_invariant_mode_enabled",
+                   "disable_batch_invariant_mode", "enable_batch_invariant_mode"]
+    sys.modules[name] = mod
+    return True
+
+
+def _have_transformer_engine() -> bool:
+    try:
+        return importlib.util.find_spec("transformer_engine") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+# ------------------------------------------------------------------------- memory arithmetic
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "uint8": 1}
+
+
+def _nbytes_of(dtype) -> int:
+    return _DTYPE_BYTES.get(str(dtype).replace("torch.", ""), 4)
+
+
+def optimizer_bytes_per_param(args) -> Dict[str, float]:
+    """Bytes of optimizer state per parameter, before distributed-optimizer sharding.
+
+    ``main``: fp32 (or ``--main-params-dtype``) master copy, kept when parameters are 16-bit;
+    ``state``: Adam's two moments (``--exp-avg(-sq)-dtype`` with the precision-aware optimizer)
+    or SGD's momentum buffer.
+    """
+    import torch
+
+    half = args.params_dtype in (torch.bfloat16, torch.float16)
+    aware = getattr(args, "use_precision_aware_optimizer", False)
+    main = 0.0
+    if half:
+        main = float(_nbytes_of(args.main_params_dtype)) if aware else 4.0
+    opt = getattr(args, "optimizer", "adam")
+    if opt == "sgd":
+        state = 4.0 if getattr(args, "sgd_momentum", 0.9) else 0.0
+    else:  # adam and its variants keep two moments
+        if aware:
+            state = float(_nbytes_of(args.exp_avg_dtype) + _nbytes_of(args.exp_avg_sq_dtype))
+        else:
+            state = 8.0
+    return {"main": main, "state": state}
+
+
+def static_memory(args, params: List, world: Dict[str, int]) -> Dict[str, float]:
+    """Parameters, gradient buffer and optimizer state of this rank, in bytes.
+
+    METP-sharded weights (``allreduce=False``) go through Megatron's expert path: their
+    distributed-optimizer shards span pure DP; every other parameter's span DP × CP (= DP × METP).
+    """
+    grad_bytes = 4 if getattr(args, "accumulate_allreduce_grads_in_fp32", False) else \
+        _nbytes_of(args.params_dtype)
+    per = optimizer_bytes_per_param(args)
+    inst = max(1, getattr(args, "num_distributed_optimizer_instances", 1) or 1)
+    n_dense = sum(p.numel() for p in params if getattr(p, "allreduce", True))
+    n_sharded = sum(p.numel() for p in params if not getattr(p, "allreduce", True))
+    if args.use_distributed_optimizer:
+        dense_shards = max(1, world["dp"] * world["cp"] // inst)
+        expert_shards = max(1, world["expert_dp"] // inst)
+    else:
+        dense_shards = expert_shards = 1
+    opt_per_param = per["main"] + per["state"]
+    return {
+        "params": float(sum(p.numel() * p.element_size() for p in params)),
+        "grads": float((n_dense + n_sharded) * grad_bytes),
+        "optimizer": opt_per_param * (n_dense / dense_shards + n_sharded / expert_shards),
+        "grad_dtype": "fp32" if grad_bytes == 4 else str(args.params_dtype).replace("torch.", ""),
+        "dense_shards": dense_shards,
+        "expert_shards": expert_shards,
+        "opt_bytes_per_param": opt_per_param,
+        "params_dtype": str(args.params_dtype).replace("torch.", ""),
+    }
+
+
+def inflight_microbatches(args, pp_rank: int, pp_size: int, num_microbatches: int) -> int:
+    """Micro-batches whose activations a pipeline stage holds at once (1F1B: ``pp - stage``;
+    interleaved: about ``pp`` more per extra chunk, bounded by the micro-batch count)."""
+    if pp_size <= 1:
+        return 1
+    n = pp_size - pp_rank
+    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    if vpp:
+        n = pp_size * vpp + (pp_size - 2 * pp_rank - 1)  # warm-up depth of the interleaved 1F1B
+        n = max(1, n) // vpp  # per model chunk; summed over the chunks below
+    return max(1, min(n, num_microbatches))
+
+
+# ------------------------------------------------------------------------------ the run
+
+def _flash_core_attention_class():
+    """Megatron ``core_attention`` backed by PyTorch's fused causal kernel (``[s, b, n, d]`` in,
+    ``[s, b, n·d]`` out), standing in for Transformer Engine's fused attention on a machine
+    without TE. Stores q, k, v, output and the log-sum-exp, as flash kernels do."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.module import MegatronModule
+
+    class FlashCoreAttention(MegatronModule):
+        def __init__(self, config, layer_number, attn_mask_type, attention_type,
+                     attention_dropout=None, softmax_scale=None, cp_comm_type=None,
+                     pg_collection=None, **_unused):
+            super().__init__(config=config)
+            self.softmax_scale = softmax_scale
+
+        def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
+                    attention_bias=None, packed_seq_params=None, **_unused):
+            q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                 scale=self.softmax_scale,
+                                                 enable_gqa=q.shape[1] != k.shape[1])
+            sq, b = query.shape[:2]
+            return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+    return FlashCoreAttention
+
+
+def _sp_norm_class():
+    """Megatron's norm signature over torch's LayerNorm/RMSNorm that, unlike
+    ``WrappedTorchNorm``, accepts sequence parallelism (its parameters are tagged
+    ``sequence_parallel`` as TE's norms are). Used only when TE is absent here."""
+    import torch
+
+    class SPNorm(torch.nn.Module):
+        def __init__(self, config, hidden_size, eps=1e-5, persist_layer_norm=False,
+                     zero_centered_gamma=False, normalization=None, **_unused):
+            super().__init__()
+            kind = normalization or config.normalization
+            cls = torch.nn.RMSNorm if kind == "RMSNorm" else torch.nn.LayerNorm
+            self.norm = cls(hidden_size, eps=eps, dtype=config.params_dtype)
+            for prm in self.norm.parameters():
+                prm.sequence_parallel = config.sequence_parallel
+
+        def forward(self, x):
+            return self.norm(x)
+
+    return SPNorm
+
+
+def _tracker_class():
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class Tracker(MemTracker):
+        """MemTracker that also keeps the largest total of forward/backward allocations
+        (categories ACT and TEMP) seen at any moment."""
+
+        work_peak = 0
+
+        def _update_peak_stats(self, peak_state):
+            super()._update_peak_stats(peak_state)
+            for snap in self._curr_mem_snap.values():
+                work = sum(v for k, v in snap.items()
+                           if getattr(k, "name", None) in ("ACT", "TEMP"))
+                self.work_peak = max(self.work_peak, work)
+
+    return Tracker
+
+
+def _categories(tracker, kind) -> Dict[str, int]:
+    out: Dict[str, int] = {}
+    for dev in tracker.get_tracker_snapshot(kind).values():
+        for k, v in dev.items():
+            name = "Total" if k == "Total" else getattr(k, "name", str(k))
+            out[name] = out.get(name, 0) + v
+    return out
+
+
+@contextlib.contextmanager
+def _patched(obj, name, value):
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, old)
+
+
+def run(megatron_lm_dir: str, megatron_argv: List[str], *, world_size: int, rank: int = 0,
+        gpu_arch: float = 9.0, verbose: bool = False, measure_layers: str = "auto") -> Dict:
+    """Parse, validate, build and measure; return the report as a dict (see :func:`format_report`).
+
+    Runs in this process and initialises global state (Megatron's globals, a fake process
+    group): call it once per process.
+    """
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    d = check_checkout(megatron_lm_dir)
+    if not 0 <= rank < world_size:
+        raise DryRunError(f"--rank {rank} is outside the job's {world_size} ranks")
+    if "megatron.core" in sys.modules and \
+            not os.path.abspath(sys.modules["megatron.core"].__file__).startswith(d + os.sep):
+        raise DryRunError("megatron.core was imported before the dry run; run it in a fresh "
+                          "process (python -m megatron_metp.dry_run)")
+    sys.path.insert(0, d)
+    notes: List[str] = []
+    if _stub_batch_invariant_kernels():
+        notes.append("triton is not installed: Megatron's batch-invariant kernels module "
+                     "(triton, unused by GPT pre-training) is stubbed")
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0")
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from .. import cpu as metp_cpu
+    from .. import megatron_lm
+
+    torch.set_num_threads(1)
+    log = io.StringIO()
+    out = contextlib.redirect_stdout(log) if not verbose else contextlib.nullcontext()
+    t0 = time.perf_counter()
+    try:
+        with out:
+            sys.argv = ["pretrain_gpt.py"] + list(megatron_argv)
+            import pretrain_gpt  # the checkout's script (its __main__ is guarded)
+            from megatron.training import arguments as margs
+            from megatron.training import global_vars
+            from megatron.training import initialize as minit
+
+            import megatron.core
+
+            core_path = os.path.dirname(os.path.abspath(megatron.core.__file__))
+            provider = megatron_lm.compose_extra_args_providers(
+                pretrain_gpt.add_modelopt_args if pretrain_gpt.has_nvidia_modelopt else None,
+                megatron_lm.add_metp_args)
+            try:
+                args = margs.parse_args(provider)
+            except SystemExit as exc:
+                raise DryRunError(f"Megatron's argument parser rejected the command (exit "
+                                  f"{exc.code}):\n{log.getvalue()[-3000:]}") from None
+            args.world_size, args.rank = world_size, rank
+            arch = lambda: gpu_arch  # noqa: E731 - CUDA query answered for the target GPU
+            with _patched(margs, "get_device_arch_version", arch):
+                try:
+                    minit.validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
+                except (AssertionError, ValueError, RuntimeError) as exc:
+                    raise DryRunError(f"validate_args rejected the command: "
+                                      f"{type(exc).__name__}: {exc}") from None
+            # Dry-run settings that do not change the model or its memory:
+            args.enable_gloo_process_groups = False  # gloo needs a real store
+            args.tensorboard_dir = args.wandb_project = None
+            args.use_cpu_initialization = True
+            args.perform_initialization = False  # values are never computed on fake tensors
+            have_te = _have_transformer_engine()
+            te_absent = args.transformer_impl == "transformer_engine" and not have_te
+            if not have_te and getattr(args, "apply_rope_fusion", False):
+                args.apply_rope_fusion = False  # needs TE; the unfused RoPE stores the same
+                notes.append("RoPE fusion needs Transformer Engine: measured unfused")
+            if getattr(args, "gradient_accumulation_fusion", False) and \
+                    importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is None:
+                args.gradient_accumulation_fusion = False  # apex CUDA extension
+                notes.append("gradient-accumulation fusion needs apex's CUDA extension: off")
+            try:
+                global_vars.set_global_variables(args, build_tokenizer=True)
+            except Exception as exc:  # noqa: BLE001 - a tokenizer file missing on this machine
+                if not getattr(args, "vocab_size", None):
+                    raise DryRunError(f"the tokenizer could not be built here ({exc}); pass "
+                                      f"--vocab-size N for the dry run") from None
+                global_vars.unset_global_variables()
+                global_vars.set_global_variables(args, build_tokenizer=False)
+                from megatron.training.tokenizer.tokenizer import _vocab_size_with_padding
+
+                args.padded_vocab_size = _vocab_size_with_padding(args.vocab_size, args)
+                notes.append(f"tokenizer not built here ({type(exc).__name__}); vocabulary "
+                             f"size from --vocab-size ({args.vocab_size})")
+
+            dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+            metp_cpu.enable()
+            with _patched(torch.cuda, "device_count", lambda: 1):
+                minit._initialize_distributed(pretrain_gpt.get_embedding_ranks, None, None)
+            from megatron.core import parallel_state as ps
+            from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+            model_parallel_cuda_manual_seed(args.seed)
+            torch.manual_seed(args.seed)
+            report = _build_and_measure(args, pretrain_gpt, ps, te_absent, notes, measure_layers)
+    except DryRunError:
+        raise
+    except Exception as exc:
+        tail = log.getvalue()[-4000:]
+        raise DryRunError(f"{type(exc).__name__}: {exc}\n--- Megatron output (tail) ---\n{tail}") \
+            from exc
+    report.update(megatron_lm_dir=d, megatron_core=core_path, notes=notes,
+                  argv=list(megatron_argv), seconds_total=time.perf_counter() - t0,
+                  megatron_log=log.getvalue() if not verbose else "")
+    return report
+
+
+def _build_and_measure(args, pretrain_gpt, ps, te_absent: bool, notes: List[str],
+                       measure_layers: str = "auto") -> Dict:
+    import torch
+    import torch.distributed as dist
+    from functools import partial
+
+    from megatron.core import tensor_parallel
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from .. import megatron_lm
+    from ..megatron.linear import is_metp_sharded
+
+    import gpt_builders
+
+    metp = megatron_lm.metp_enabled(args)
+    local_spec = gpt_builders.get_gpt_layer_local_spec
+    sp_wanted = bool(getattr(args, "sequence_parallel", False)) and \
+        args.tensor_model_parallel_size > 1
+    no_apex = importlib.util.find_spec("apex") is None
+    if not metp and (te_absent or (sp_wanted and no_apex and args.transformer_impl == "local")):
+        flash = _flash_core_attention_class() if te_absent else None
+        norm = _sp_norm_class()
+
+        def local_substituted(*a, **k):
+            spec = local_spec(*a, **k)
+            if flash is not None:
+                spec.submodules.self_attention.submodules.core_attention = \
+                    ModuleSpec(module=flash)
+            spec.submodules.input_layernorm = norm
+            spec.submodules.pre_mlp_layernorm = norm
+            return spec
+
+        from megatron.core.transformer import transformer_block
+
+        transformer_block.LayerNormImpl = norm  # the final norm
+        gpt_builders.get_gpt_layer_local_spec = local_substituted
+        if te_absent:
+            args.transformer_impl = "local"
+            notes.append("Transformer Engine is not installed here: the TE layer spec is "
+                         "approximated by Megatron's local spec with a flash-attention core "
+                         "(PyTorch's fused causal kernel) and torch norms")
+        else:
+            notes.append("apex is not installed here: its sequence-parallel FusedLayerNorm is "
+                         "approximated by torch norms (Megatron's torch fallback refuses "
+                         "sequence parallelism)")
+    builder = megatron_lm.wrap_gpt_builder(pretrain_gpt.gpt_builder)
+    provider = partial(pretrain_gpt.model_provider, builder)
+
+    pp_size = ps.get_pipeline_model_parallel_world_size()
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    vpp = args.virtual_pipeline_model_parallel_size if pp_size > 1 else None
+    cp = ps.get_context_parallel_world_size()
+    tp = ps.get_tensor_model_parallel_world_size()
+    world = {"world": dist.get_world_size(), "tp": tp, "pp": pp_size, "cp": cp,
+             "dp": ps.get_data_parallel_world_size(),
+             "expert_dp": ps.get_expert_data_parallel_world_size(),
+             "ep": ps.get_expert_model_parallel_world_size()}
+    where = {"tp_rank": ps.get_tensor_model_parallel_rank(), "cp_rank": ps.get_context_parallel_rank(),
+             "pp_rank": pp_rank, "dp_rank": ps.get_data_parallel_rank()}
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+    num_mb = get_num_microbatches()
+    dtype = args.params_dtype
+    mbs, seq = args.micro_batch_size, args.seq_length
+    n_local = seq // cp
+    sp = bool(getattr(args, "sequence_parallel", False)) and tp > 1
+
+    def build():
+        chunks = []
+        for v in range(vpp or 1):
+            pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=v) if vpp \
+                else ps.is_pipeline_first_stage()
+            post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=v) if vpp \
+                else ps.is_pipeline_last_stage()
+            m = provider(pre_process=pre, post_process=post, vp_stage=v if vpp else None,
+                         config=None, pg_collection=pgc)
+            for prm in m.parameters():
+                tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(prm)
+            chunks.append((m, pre, post))
+        return chunks
+
+    def measure(chunks):
+        tracker = _tracker_class()()
+        stored = 0
+        with tracker:
+            for m, pre, post in chunks:
+                stored += _fwd_bwd(m, pre, post, args, mbs, n_local, sp, tp, dtype, tracker)
+        return {"stored": float(stored), "work_peak": float(tracker.work_peak),
+                "tracker_peak": {k: float(v) for k, v in _categories(tracker, "peak").items()}}
+
+    fake = FakeTensorMode()
+    prev_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with fake:
+            pgc = ProcessGroupCollection.use_mpu_process_groups()
+            t_build = time.perf_counter()
+            chunks = build()
+            build_s = time.perf_counter() - t_build
+            params = [p for m, _, _ in chunks for p in m.parameters()]
+            n_layers = sum(len(m.decoder.layers) for m, _, _ in chunks if hasattr(m, "decoder"))
+            reducible = not vpp and not any(
+                getattr(args, a, None) for a in ("decoder_first_pipeline_num_layers",
+                                                 "decoder_last_pipeline_num_layers",
+                                                 "pipeline_model_parallel_layout"))
+            extrapolate = (measure_layers == "auto" and n_layers > 4 and reducible) or \
+                (measure_layers not in ("auto", "full"))
+            if extrapolate and not reducible:
+                raise DryRunError("--measure-layers needs a model without virtual or uneven "
+                                  "pipeline stages; use --measure-layers full")
+            t_run = time.perf_counter()
+            if not extrapolate:
+                act = measure(chunks)
+                act["method"] = f"measured on all {n_layers} layers"
+            else:
+                k = 2 if measure_layers == "auto" else int(measure_layers)
+                if not 2 <= k < n_layers:
+                    raise DryRunError(f"--measure-layers {k}: need 2 <= N < {n_layers} layers "
+                                      f"on this rank")
+                full_layers = args.num_layers
+                points = {}
+                try:
+                    for depth in (k - 1, k):
+                        args.num_layers = depth * pp_size
+                        points[depth] = measure(build())
+                finally:
+                    args.num_layers = full_layers
+                per_layer = {key: points[k][key] - points[k - 1][key]
+                             for key in ("stored", "work_peak")}
+                act = {key: points[k][key] + (n_layers - k) * per_layer[key]
+                       for key in ("stored", "work_peak")}
+                act["tracker_peak"] = points[k]["tracker_peak"]
+                act["per_layer"] = per_layer
+                act["method"] = (f"measured on {k - 1} and {k} layers, extrapolated linearly to "
+                                 f"{n_layers} (+{per_layer['stored'] / MiB:,.0f} MiB stored per "
+                                 f"layer)")
+            run_s = time.perf_counter() - t_run
+    finally:
+        torch.set_default_dtype(prev_dtype)
+    static = static_memory(args, params, world)
+    inflight = inflight_microbatches(args, pp_rank, pp_size, num_mb)
+    act_peak = act["work_peak"] + (inflight - 1) * act["stored"]
+    decoder = [m.decoder for m, _, _ in chunks if hasattr(m, "decoder")]
+    layer_type = ""
+    if decoder and len(decoder[0].layers):
+        lay = decoder[0].layers[0]
+        layer_type = f"{type(lay.self_attention).__name__} + {type(lay.mlp).__name__}"
+    n_sharded = sum(p.numel() for p in params if is_metp_sharded(p))
+    n_embed = sum(p.numel() for m, _, _ in chunks for n, p in m.named_parameters()
+                  if "embedding" in n or n.startswith("output_layer"))
+    total = static["params"] + static["grads"] + static["optimizer"] + act_peak
+    return {
+        "world": world, "rank": dist.get_rank(), "where": where, "metp": metp,
+        "metp_size": args.metp_parallel_size if metp else 1,
+        "weight_ring": metp and not args.metp_disable_weight_ring,
+        "num_microbatches": num_mb, "micro_batch_size": mbs, "seq_length": seq,
+        "tokens_per_rank": n_local, "sequence_parallel": sp,
+        "global_batch_size": args.global_batch_size,
+        "pre_process": any(pre for _, pre, _ in chunks),
+        "post_process": any(post for _, _, post in chunks),
+        "layers_on_rank": n_layers, "num_layers": args.num_layers, "layer_type": layer_type,
+        "transformer_impl": args.transformer_impl,
+        "params_total": sum(p.numel() for p in params), "params_metp_sharded": n_sharded,
+        "params_embedding_output": n_embed,
+        "bytes": {"params": static["params"], "grads": static["grads"],
+                  "optimizer": static["optimizer"], "activations": act_peak, "total": total},
+        "activation_detail": {"stored_for_backward_one_mb": act["stored"],
+                              "work_peak_one_mb": act["work_peak"],
+                              "inflight_microbatches": inflight, "method": act["method"],
+                              "per_layer": act.get("per_layer"),
+                              "tracker_peak": act["tracker_peak"]},
+        "static_detail": {k: v for k, v in static.items()
+                          if k not in ("params", "grads", "optimizer")},
+        "optimizer": args.optimizer, "distributed_optimizer": bool(args.use_distributed_optimizer),
+        "seconds_build": build_s, "seconds_fwd_bwd": run_s,
+    }
+
+
+def _fwd_bwd(model, pre, post, args, mbs, n_local, sp, tp, dtype, tracker) -> int:
+    """One forward and backward of one micro-batch on this chunk; returns the bytes the forward
+    left alive for the backward (forward allocations still alive when it ends)."""
+    import torch
+
+    tokens = torch.zeros(mbs, n_local, dtype=torch.long)
+    position_ids = torch.zeros(mbs, n_local, dtype=torch.long)
+    labels = torch.zeros(mbs, n_local, dtype=torch.long)
+    mask = None
+    if getattr(args, "create_attention_mask_in_dataloader", False):
+        mask = torch.zeros(mbs, 1, n_local, args.seq_length, dtype=torch.bool)
+    if not pre:
+        s_in = n_local // tp if sp else n_local
+        model.set_input_tensor(torch.zeros(s_in, mbs, args.hidden_size, dtype=dtype,
+                                           requires_grad=True))
+    act_before = _categories(tracker, "current").get("ACT", 0)
+    out = model(tokens, position_ids, mask, labels=labels if post else None)
+    stored = _categories(tracker, "current").get("ACT", 0) - act_before
+    if post:
+        out.float().sum().backward()
+    else:
+        out.backward(torch.zeros_like(out))
+    return stored
+
+
+# ------------------------------------------------------------------------------- output
+
+def _row(label: str, nbytes: float, extra: str = "") -> str:
+    v = nbytes / MiB
+    num = f"{v:>12,.0f}" if v >= 100 or v == 0 else f"{v:>12,.2f}"
+    return f"  {label:<34} {num} MiB" + (f"   {extra}" if extra else "")
+
+
+def format_report(r: Dict, gpu_memory_gib: Optional[float] = None) -> str:
+    """The human-readable report of :func:`run`."""
+    w, b, a, s = r["world"], r["bytes"], r["activation_detail"], r["static_detail"]
+    kind = "METP" if r["metp"] else "CP"
+    mode = "stock Megatron"
+    if r["metp"]:
+        mode = (f"METP {r['metp_size']}: "
+                + ("weight ring + K/V ring" if r["weight_ring"] else "ring self-attention"))
+    stage = []
+    if r["pre_process"]:
+        stage.append("embedding")
+    if r["post_process"]:
+        stage.append("output layer + loss")
+    params = f"parameters on this rank: {r['params_total']:,}"
+    if r["metp"]:
+        params += f" (METP-sharded {r['params_metp_sharded']:,}"
+    else:
+        params += " ("
+    params += ("; " if r["metp"] else "") + f"embedding/output {r['params_embedding_output']:,})"
+    opt = f"{r['optimizer']}, {s['opt_bytes_per_param']:g} B/param, "
+    if r["distributed_optimizer"]:
+        opt += f"sharded {s['dense_shards']}-way"
+        if r["metp"]:
+            opt += f" (METP-sharded weights {s['expert_shards']}-way)"
+    else:
+        opt += "not distributed"
+    inflight = a["inflight_microbatches"]
+    lines = [
+        f"METP dry run: Megatron-LM {r['megatron_lm_dir']} (patched), megatron.core from "
+        f"{r['megatron_core']}",
+        f"command: pretrain_gpt.py {' '.join(r['argv'])}",
+        f"layout: world {w['world']} = TP {w['tp']} x {kind} {w['cp']} x PP {w['pp']} x DP "
+        f"{w['dp']} ({mode})",
+        f"batch: micro-batch {r['micro_batch_size']} x {r['seq_length']:,} tokens "
+        f"({r['tokens_per_rank']:,} per rank"
+        + (", sequence-parallel" if r["sequence_parallel"] else "")
+        + f"); global batch {r['global_batch_size']} = {r['num_microbatches']} micro-batches "
+          f"per step per DP rank",
+        f"rank {r['rank']}: TP rank {r['where']['tp_rank']}, {kind} rank {r['where']['cp_rank']}, "
+        f"PP stage {r['where']['pp_rank']} of {w['pp']}, DP rank {r['where']['dp_rank']}; "
+        f"{r['layers_on_rank']} of {r['num_layers']} layers ({r['layer_type']})"
+        + (", " + ", ".join(stage) if stage else "")
+        + f"; transformer-impl {r['transformer_impl']}",
+        params,
+        f"memory of rank {r['rank']}:",
+        _row(f"parameters ({s['params_dtype']})", b["params"]),
+        _row(f"gradient buffer ({s['grad_dtype']})", b["grads"]),
+        _row("optimizer state", b["optimizer"], opt),
+        _row("activations (fwd+bwd peak)", b["activations"],
+             f"{inflight} micro-batches in flight (1F1B)" if inflight > 1 else "one micro-batch"),
+        _row("  kept from forward for backward", a["stored_for_backward_one_mb"],
+             "per micro-batch"),
+        _row("total", b["total"], f"= {b['total'] / GiB:,.1f} GiB"),
+    ]
+    if gpu_memory_gib:
+        cap = gpu_memory_gib * GiB
+        verdict = "fits" if b["total"] <= cap else "DOES NOT FIT"
+        lines.append(f"{verdict} in {gpu_memory_gib:g} GiB per GPU: {(cap - b['total']) / GiB:+,.1f} GiB "
+                     f"left for the CUDA context, NCCL buffers and allocator fragmentation "
+                     f"(not modelled; typically a few GiB)")
+    lines.append(f"activations {a['method']}; fake process group + FakeTensorMode + MemTracker, "
+                 f"build {r['seconds_build']:.1f} s, fwd+bwd {r['seconds_fwd_bwd']:.1f} s, "
+                 f"total {r['seconds_total']:.1f} s")
+    for n in r["notes"]:
+        lines.append(f"note: {n}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" in argv:
+        i = argv.index("--")
+        own, megatron_argv = argv[:i], argv[i + 1:]
+    else:
+        own, megatron_argv = argv, []
+    ap = argparse.ArgumentParser(
+        prog="python -m megatron_metp.dry_run",
+        description="Parse and validate a pretrain_gpt.py command with the real Megatron-LM "
+                    "arguments, build the model of one rank under a fake process group and "
+                    "FakeTensorMode, run one micro-batch forward+backward, and print that rank's "
+                    "parameters and peak memory. Megatron arguments follow '--'.")
+    ap.add_argument("--megatron-lm-dir", default=os.environ.get("MEGATRON_LM_DIR"),
+                    help="patched Megatron-LM checkout at core_v0.16.1 (default: $MEGATRON_LM_DIR)")
+    ap.add_argument("--world-size", type=int, default=None,
+                    help="ranks in the job (default: --nnodes × --gpus-per-node)")
+    ap.add_argument("--nnodes", type=int, default=1)
+    ap.add_argument("--gpus-per-node", type=int, default=8)
+    ap.add_argument("--rank", type=int, default=0, help="which rank to measure (default 0)")
+    ap.add_argument("--gpu-arch", type=float, default=9.0,
+                    help="compute capability major of the target GPU, answered to Megatron's "
+                         "device query (default 9.0: Hopper)")
+    ap.add_argument("--gpu-memory-gib", type=float, default=None,
+                    help="GPU memory to check the total against (e.g. 80 for H100, 141 for H200)")
+    ap.add_argument("--measure-layers", default="auto", metavar="{auto,full,N}",
+                    help="activations: 'full' runs fwd+bwd through every layer of the rank; N "
+                         "measures N-1 and N layers and extrapolates linearly per layer; 'auto' "
+                         "(default) is full up to 4 layers per rank, else N=2 (METP's rings under "
+                         "fake tensors take minutes at full depth)")
+    ap.add_argument("--json", default=None, help="also write the report as JSON to this file")
+    ap.add_argument("--verbose", action="store_true", help="show Megatron's own output")
+    opts = ap.parse_args(own)
+    world = opts.world_size or opts.nnodes * opts.gpus_per_node
+    try:
+        report = run(opts.megatron_lm_dir, megatron_argv, world_size=world, rank=opts.rank,
+                     gpu_arch=opts.gpu_arch, verbose=opts.verbose,
+                     measure_layers=opts.measure_layers)
+    except DryRunError as exc:
+        print(f"dry run failed: {exc}", file=sys.stderr)
+        return 1
+    print(format_report(report, opts.gpu_memory_gib), flush=True)
+    if opts.json:
+        with open(opts.json, "w") as fh:
+            json.dump({k: v for k, v in report.items() if k != "megatron_log"}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
