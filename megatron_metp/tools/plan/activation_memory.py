@@ -1,0 +1,215 @@
+"""Activation memory of one rank: what each layer and the head (RoPE table, final norm, loss)
+store for the backward, and the transients of each phase (from :mod:`.stock`, :mod:`.metp` and
+:mod:`.vocab`), whose largest sets the activation peak."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+from .metp import _metp_phases
+from .model import BF16, FP32, Job, Model, canonical, layout, padded_vocab
+from .stock import _stock_phases
+from .vocab import vocab_embedding_backward, vocab_embedding_forward, vocab_loss_phases
+
+
+@dataclass
+class Activations:
+    """Activation bytes of one rank (one micro-batch unless said otherwise)."""
+
+    stored_layer: Dict[str, float]     # kept for backward by one layer
+    head: Dict[str, float]             # kept outside the layers (rope table, final norm, logits)
+    phases: Dict[str, Dict[str, float]]  # transient terms of each phase (relative to all stored)
+    persistent: float                  # Megatron's persistent "mpu" buffer (bf16)
+    layers: int                        # layers on the rank
+    inflight: int                      # micro-batches in flight on the rank
+    korthikanti_layer: Optional[float] = None  # the paper's formula, for stock modes
+
+    @property
+    def stored_per_layer(self) -> float:
+        return sum(self.stored_layer.values())
+
+    @property
+    def stored(self) -> float:
+        """Everything the forward passes leave for the backward (all layers, all in flight;
+        the RoPE table is computed once and shared)."""
+        rope = self.head.get("RoPE angle table (fp32)", 0)
+        return self.inflight * (self.layers * self.stored_per_layer + sum(self.head.values())
+                                - rope) + rope
+
+    def phase_totals(self) -> Dict[str, float]:
+        return {k: sum(v.values()) for k, v in self.phases.items()}
+
+    @property
+    def transient(self) -> float:
+        return max(self.phase_totals().values())
+
+    @property
+    def peak_phase(self) -> str:
+        tot = self.phase_totals()
+        return max(tot, key=tot.get)
+
+    @property
+    def peak(self) -> float:
+        return self.stored + self.persistent + self.transient
+
+    @property
+    def forward_peak(self) -> float:
+        """The largest total during the forward passes (phases named ``forward``)."""
+        fwd = [v for k, v in self.phase_totals().items() if "forward" in k]
+        return self.stored + self.persistent + max(fwd + [0.0])
+
+
+def activations(model: Model, job: Job, mode: str, seq: Optional[int] = None,
+                stage: str = "first") -> Activations:
+    """Activation memory of a rank of the first pipeline stage (rank 0; with PP=1 it is also
+    the last) or, with ``stage="last"``, of the last stage (output layer and loss, one
+    micro-batch in flight under 1F1B)."""
+    mode, job = canonical(mode, job)
+    s = model.seq if seq is None else int(seq)
+    lay = layout(mode, job)
+    t, c = lay.t, lay.c
+    b = job.micro_batch
+    h, A, G, d, F = model.hidden, model.heads, model.groups, model.head_dim, model.ffn
+    hq, hk = A * d, G * d
+    gqa = G < A
+    k = 2 if model.swiglu else 1
+    T = s * b
+    n = T // c                       # tokens through this rank's attention / MLP
+    nl = n // t if lay.sp else n     # tokens of the norms / residual stream on this rank
+    vocab = lay.vocab
+    V = padded_vocab(model.vocab, lay.vocab_shards)
+    Vr = V // lay.vocab_shards       # rows of each vocabulary table on this rank
+    L = model.layers // job.pp
+    last = job.pp == 1 or stage == "last"   # holds the output layer and the loss
+    first = job.pp == 1 or stage == "first"  # holds the embedding
+    flash = job.kernel == "flash"
+    ln = {"norm inputs (2 LayerNorms)": 2 * BF16 * nl * h,
+          "norm outputs (2 LayerNorms)": 2 * BF16 * nl * h,
+          "norm statistics (fp32)": 2 * 8 * nl}
+    S: Dict[str, float] = dict(ln)
+    X: Dict[str, Dict[str, float]] = {}
+    persistent = 0.0
+    kor = None
+    dy = BF16 * nl * h  # the gradient arriving at a block
+
+    if mode == "metp":
+        hqt, At = hq // t, A // t
+        S["attention outputs, every head group (bf16)"] = BF16 * n * hqt
+        S["attention log-sum-exp (fp32)"] = FP32 * n * At
+        if job.keep_intermediate:
+            S["MLP x·W1ᵀ of every shard (keep_intermediate)"] = BF16 * n * k * F // t
+        X = _metp_phases(model, job, lay, n, S)
+    else:
+        stock_core = mode in ("tp", "tp-sp")
+        hqt, hkt, At = hq // t, hk // t, A // t
+        S["RoPE cos/sin for q and k (bf16)"] = 4 * BF16 * (s // c) * d  # [s/c, 1, 1, d]
+        if stock_core:
+            if not gqa:  # v is a view of it; with GQA v is repeated and the output freed
+                S["QKV projection output (bf16)"] = BF16 * n * (hq + 2 * hk) // t
+            if gqa:
+                S["rotated q (bf16)"] = BF16 * n * hqt
+                S["k, v repeated to the query heads (bf16)"] = 2 * BF16 * n * hqt
+            else:
+                S["rotated q, k (bf16)"] = BF16 * n * (hqt + hkt)
+            if flash:
+                S["flash output = proj input (bf16)"] = BF16 * n * hqt
+                S["flash log-sum-exp (fp32)"] = FP32 * n * At
+            else:
+                S["softmax output [b, a/t, s, s] (bf16)"] = BF16 * b * At * s * s
+                S["causal mask [s, s] (bool)"] = s * s
+                S["attention context = proj input (bf16)"] = BF16 * n * hqt
+                persistent = BF16 * b * At * s * s
+            if lay.sp:
+                persistent = max(persistent, BF16 * n * h)
+        else:  # ring core: heads-first q, k, v, output, lse; the proj input is a seq-first copy
+            S["ring core q, k, v heads-first (bf16)"] = BF16 * n * (hqt + 2 * hkt)
+            S["ring core output heads-first (bf16)"] = BF16 * n * hqt
+            S["ring core log-sum-exp (fp32)"] = FP32 * n * At
+            S["proj input, seq-first copy (bf16)"] = BF16 * n * hqt
+            if lay.sp:
+                persistent = BF16 * n * h
+        if model.swiglu:
+            S["MLP fc1 output, gate|up (bf16)"] = BF16 * n * 2 * F // t
+            # megatron-core 0.16's glu: silu(gate) * (up + glu_linear_offset): the sum is a copy
+            S["MLP silu(gate), up + offset, product (bf16)"] = 3 * BF16 * n * F // t
+        else:
+            S["MLP fc1 output (bf16)"] = BF16 * n * F // t
+            S["MLP GeLU output (bf16)"] = BF16 * n * F // t
+        if stock_core:
+            sbh = s * b * h
+            kor = (sbh * (10 + 24 / t) if not lay.sp else sbh * 34 / t) + \
+                (5 * A * s * s * b / t if not flash else 0)
+        X = _stock_phases(model, job, lay, n, nl, S, stock_core)
+
+    head: Dict[str, float] = {}
+    head["RoPE angle table (fp32)"] = FP32 * (s // c) * d
+    if last:
+        head["final norm input + output (bf16)"] = 2 * BF16 * nl * h
+        head["final norm statistics (fp32)"] = 8 * nl
+        if vocab:
+            head["loss: log-sum-exp and per-token loss [tokens] (fp32)"] = 2 * FP32 * n
+        else:
+            head["loss: fp32 logits / softmax [tokens, V/t]"] = FP32 * n * Vr
+            head["loss: targets and masks"] = 21 * n
+    inflight = job.inflight if first else 1
+    phases: Dict[str, Dict[str, float]] = {}
+    if last and vocab:
+        phases.update(vocab_loss_phases(n, h, Vr, lay.c, b))
+    elif last:
+        phases["loss (forward): bf16 logits"] = {"bf16 logits [tokens, V/t]": BF16 * n * Vr}
+        phases["output layer (backward)"] = {
+            "(fp32 logits freed)": -FP32 * n * Vr,
+            "bf16 logits gradient": BF16 * n * Vr,
+            "output-layer input gradient (bf16)": BF16 * n * h,
+            "output-layer weight gradient (bf16)": BF16 * Vr * h}
+        if lay.sp:
+            phases["output layer (backward)"]["SP reduce-scatter of the input gradient"] = \
+                BF16 * nl * h
+    head_gone = {"(head activations freed)": -(sum(head.values())
+                                               - head["RoPE angle table (fp32)"])}
+    for name, items in X.items():
+        ph = dict(head_gone) if last else {}
+        if "forward" not in name:
+            ph["incoming gradient [tokens, h] (bf16)"] = dy
+            if last and model.tied:
+                # autograd sums the tied weight's two gradients before accumulating them, so the
+                # output layer's bf16 dW waits for the embedding's backward (Megatron's
+                # gradient-accumulation fusion on GPU writes it to main_grad instead)
+                ph["tied output-layer weight gradient, held (bf16)"] = BF16 * Vr * h
+        ph.update(items)
+        phases[name] = ph
+    if not last:
+        phases = {k: {kk: vv for kk, vv in v.items() if kk != "(head activations freed)"}
+                  for k, v in phases.items()}
+        # the gradient received from the next stage stays referenced by the schedule while
+        # the stage runs backward (it is the incoming gradient of the last MLP itself)
+        for k_, v_ in phases.items():
+            if "backward" in k_ and not k_.startswith("MLP"):
+                v_["gradient received from the next stage, held (bf16)"] = dy
+    # the embedding's backward (first stage): one micro-batch's activations are gone; the
+    # embedding's bf16 weight gradient, and with tied weights the output layer's gradient
+    # held until now and their sum
+    emb = {"(this micro-batch's activations freed)":
+           -(L * sum(S.values()) + sum(head.values()) - head["RoPE angle table (fp32)"])}
+    if vocab:
+        emb["incoming gradient [tokens, h] (bf16)"] = BF16 * n * h
+        if not last:
+            emb["gradient received from the next stage, held (bf16)"] = dy
+        emb.update(vocab_embedding_backward(n, h, Vr, lay.c))
+    else:
+        emb["embedding weight gradient (bf16)"] = BF16 * Vr * h
+    if last and model.tied:
+        emb["tied output-layer weight gradient, held (bf16)"] = BF16 * Vr * h
+        emb["sum of the two (bf16)"] = BF16 * Vr * h
+    if first:
+        phases["embedding (backward)"] = emb
+    if first and vocab:
+        # the ring lookup of the last micro-batch in flight: its output (the first layer's
+        # stored input) is formed, the rest of its activations not yet
+        phases["embedding (forward)"] = {
+            "(this micro-batch's activations not formed yet)":
+                emb["(this micro-batch's activations freed)"] + BF16 * n * h,
+            **vocab_embedding_forward(n, h, Vr, lay.c)}
+    return Activations(stored_layer=S, head=head, phases=phases, persistent=persistent,
+                       layers=L, inflight=inflight, korthikanti_layer=kor)

@@ -1,0 +1,105 @@
+"""``metp plan --config``: the model and job fields of a config file (``key=value``, YAML-like
+``key: value``, or the repo's ``configs/*.sh`` with their ``source``d model files)."""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Dict, Optional, Tuple
+
+#: config keys → Model fields / Job fields (``--config`` files: key=value, YAML ``key: value``
+#: or the repo's ``configs/*.sh`` with ``: "${KEY:=value}"`` lines and ``source`` of a model file)
+_MODEL_KEYS = {
+    "hidden": "hidden", "hidden_size": "hidden",
+    "layers": "layers", "num_layers": "layers",
+    "heads": "heads", "num_attention_heads": "heads", "num_heads": "heads",
+    "query_groups": "query_groups", "num_query_groups": "query_groups",
+    "ffn": "ffn", "ffn_hidden_size": "ffn",
+    "vocab": "vocab", "vocab_size": "vocab", "padded_vocab_size": "vocab",
+    "seq": "seq", "seq_length": "seq", "seq_len": "seq",
+    "swiglu": "swiglu", "untie": "untie", "untie_embeddings": "untie",
+    "untie_embeddings_and_output_weights": "untie", "tied": "tied",
+}
+_JOB_KEYS = {
+    "tp": "tp", "tensor_model_parallel_size": "tp",
+    "metp": "metp", "metp_parallel_size": "metp",
+    "pp": "pp", "pipeline_model_parallel_size": "pp",
+    "dp": "dp",
+    "micro_batch": "micro_batch", "micro_batch_size": "micro_batch",
+    "vocab_parallel": "vocab_parallel", "metp_vocab_parallel": "vocab_parallel",
+}
+
+
+def _coerce(v: str):
+    v = v.strip().strip('"').strip("'")
+    low = v.lower()
+    if low in ("true", "yes", "on", "1") and low != "1":
+        return True
+    if low in ("false", "no", "off", "none", ""):
+        return False if low != "none" else None
+    try:
+        return int(float(v)) if re.fullmatch(r"[0-9.eE+-]+", v) else v
+    except ValueError:
+        return v
+
+
+def read_config(path: str, _seen: Optional[set] = None) -> Dict[str, object]:
+    """Key/values of a config file: ``key=value`` / ``key: value`` lines (YAML-like, one level),
+    ``export KEY=value``, and bash ``: "${KEY:=value}"`` defaults; ``source FILE`` lines (the repo's
+    ``configs/*.sh`` source ``models/*.sh``) are followed relative to the file. Keys are lowered
+    and ``-`` becomes ``_``; unknown keys are kept (and ignored by :func:`from_config`)."""
+    _seen = _seen or set()
+    path = os.path.abspath(path)
+    if path in _seen:
+        return {}
+    _seen.add(path)
+    if not os.path.isfile(path):
+        raise ValueError(f"--config {path}: no such file")
+    out: Dict[str, object] = {}
+    base = os.path.dirname(path)
+    with open(path, encoding="utf-8") as fh:
+        text = fh.read()
+    for raw in text.splitlines():
+        line = raw.split("#", 1)[0].strip() if not raw.strip().startswith("#") else ""
+        if not line:
+            continue
+        m = re.match(r'^(?:source|\.)\s+(.+)$', line)
+        if m:
+            target = m.group(1).strip()
+            for pat in ('$(dirname "${BASH_SOURCE[0]}")', "$(dirname ${BASH_SOURCE[0]})",
+                        '$(dirname "$0")', "$(dirname $0)"):
+                target = target.replace(pat, base)
+            target = target.strip('"').strip("'")
+            if not os.path.isabs(target):
+                target = os.path.join(base, target)
+            if os.path.isfile(target):
+                out.update(read_config(target, _seen))
+            continue
+        for m in re.finditer(r'\$\{([A-Za-z_][A-Za-z0-9_]*):?=([^}]*)\}', line):
+            out.setdefault(m.group(1).lower(), _coerce(m.group(2)))
+        if line.startswith(":"):
+            continue
+        m = re.match(r'^(?:export\s+)?([A-Za-z_][A-Za-z0-9_.-]*)\s*[:=]\s*(.*)$', line)
+        if m and not m.group(2).startswith("="):
+            out[m.group(1).lower().replace("-", "_")] = _coerce(m.group(2))
+    return out
+
+
+def from_config(path: str) -> Tuple[Dict[str, object], Dict[str, object]]:
+    """``(model fields, job fields)`` found in a config file (see :func:`read_config`)."""
+    kv = read_config(path)
+    model, job = {}, {}
+    for k, v in kv.items():
+        if k in _MODEL_KEYS and v is not None:
+            model[_MODEL_KEYS[k]] = v
+        elif k in _JOB_KEYS and v is not None:
+            job[_JOB_KEYS[k]] = v
+    if "untie" in model:
+        model["tied"] = not bool(model.pop("untie"))
+    if "tied" in model:
+        model["tied"] = bool(model["tied"])
+    if model.get("swiglu") is not None:
+        model["swiglu"] = bool(model["swiglu"])
+    if "vocab_parallel" in job:
+        job["vocab_parallel"] = bool(job["vocab_parallel"])
+    return model, job

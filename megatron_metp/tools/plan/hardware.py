@@ -1,0 +1,40 @@
+"""Hardware presets of ``metp plan``: device memory, dense bf16 rate and NVLink bandwidth per
+direction, each with its source (the public datasheet; the H200's measured matmul rate)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    memory_gib: float     # device memory, the datasheet's figure
+    bf16_tflops: float    # dense bf16 tensor-core peak, TFLOP/s
+    link_gbps: float      # NVLink bandwidth per direction, GB/s (10^9 B/s)
+    measured_tflops: Optional[float] = None  # a matmul rate measured by this project
+    source: str = ""
+
+
+#: Sources (public datasheets):
+#: * A100-80GB (SXM): NVIDIA A100 Tensor Core GPU datasheet — BF16 tensor core 312 TFLOP/s dense
+#:   (624 with sparsity), 80 GB HBM2e, NVLink 3 600 GB/s total = 300 GB/s per direction.
+#: * H100-80GB (SXM5): NVIDIA H100 Tensor Core GPU datasheet — BF16 tensor core 1,979 TFLOP/s
+#:   *with sparsity*, i.e. 989 TFLOP/s dense; 80 GB HBM3; NVLink 4 900 GB/s total = 450 GB/s per
+#:   direction.
+#: * H200-141GB (SXM): NVIDIA H200 Tensor Core GPU datasheet — same compute as H100 SXM
+#:   (989 TFLOP/s dense bf16), 141 GB HBM3e, NVLink 900 GB/s total = 450 GB/s per direction.
+#:   Measured here (DESIGN.md §4, one H200, 2026-11-30): bf16 matmul 708 TFLOP/s.
+HARDWARE: Dict[str, Hardware] = {
+    "A100-80GB": Hardware("A100-80GB", 80, 312, 300,
+                          source="NVIDIA A100 datasheet: 312 TFLOP/s bf16 dense, NVLink3 "
+                                 "600 GB/s total (300 per direction), 80 GB"),
+    "H100-80GB": Hardware("H100-80GB", 80, 989, 450,
+                          source="NVIDIA H100 SXM datasheet: 989 TFLOP/s bf16 dense (1979 "
+                                 "sparse), NVLink4 900 GB/s total (450 per direction), 80 GB"),
+    "H200-141GB": Hardware("H200-141GB", 141, 989, 450, measured_tflops=708,
+                           source="NVIDIA H200 SXM datasheet: 989 TFLOP/s bf16 dense, NVLink "
+                                  "900 GB/s total (450 per direction), 141 GB; measured bf16 "
+                                  "matmul 708 TFLOP/s (DESIGN.md §4)"),
+}

@@ -1,0 +1,217 @@
+"""The job being planned: the model geometry (:class:`Model`, :data:`PRESETS`), the parallel
+sizes and training choices (:class:`Job`), how each mode lays them out on the ``W = tp·metp`` GPUs
+of a pipeline stage (:class:`Layout`, :func:`layout`), Megatron's vocabulary padding and the
+checks that name the flag of a size that cannot be laid out (:func:`validate`); with the byte
+sizes and the mode names every other module uses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Dict, Optional, Sequence, Tuple
+
+from .hardware import HARDWARE
+
+GiB = 2 ** 30
+MiB = 2 ** 20
+BF16, FP32 = 2, 4
+MODES = ("tp", "tp-sp", "cp", "ring", "metp", "metp+vocab")
+MODE_NAMES = {
+    "tp": "stock TP",
+    "tp-sp": "TP+SP",
+    "cp": "context parallel (ring) + TP",
+    "ring": "ring self-attention",
+    "metp": "METP",
+    "metp+vocab": "METP + vocabulary split",
+}
+#: the modes that the METP vocabulary split applies to (``--vocab-parallel``)
+VOCAB_MODES = ("metp", "metp+vocab")
+
+
+@dataclass(frozen=True)
+class Model:
+    """Transformer geometry (GPT: LayerNorm, RoPE, no biases, GeLU unless ``swiglu``)."""
+
+    hidden: int
+    layers: int
+    heads: int
+    ffn: int
+    vocab: int
+    seq: int
+    query_groups: Optional[int] = None
+    swiglu: bool = False
+    tied: bool = True
+    name: str = "custom"
+
+    @property
+    def groups(self) -> int:
+        return self.query_groups or self.heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def with_seq(self, seq: int) -> "Model":
+        return replace(self, seq=int(seq))
+
+
+#: The repo's model geometries (``configs/models/*.sh``): gpt-1.3b is GPT-3 XL's shape (GeLU,
+#: tied embeddings); gpt-7b is Llama-2-7B's (SwiGLU 11008, untied); gpt-13b has 28 layers of
+#: hidden 6144 with 48 heads of 128 (SwiGLU 16384, untied) so that TP×METP = 16 divides the heads.
+#: 32000-token vocabulary. The configs use RMSNorm for 7B/13B; the plan and the measurement use
+#: LayerNorm everywhere (a fused GPU RMSNorm keeps the same input and one fp32 statistic instead
+#: of two, a difference below 0.1 % of a layer's activations). ``seq`` is a default only.
+PRESETS: Dict[str, Model] = {
+    "gpt-1.3b": Model(name="gpt-1.3b", hidden=2048, layers=24, heads=16, ffn=8192, vocab=32000,
+                      seq=32768),
+    "gpt-7b": Model(name="gpt-7b", hidden=4096, layers=32, heads=32, ffn=11008, vocab=32000,
+                    seq=131072, swiglu=True, tied=False),
+    "gpt-13b": Model(name="gpt-13b", hidden=6144, layers=28, heads=48, ffn=16384, vocab=32000,
+                     seq=262144, swiglu=True, tied=False),
+}
+
+
+@dataclass(frozen=True)
+class Job:
+    """Parallel sizes and training choices (see :mod:`megatron_metp.tools.plan` for the modes)."""
+
+    tp: int = 1
+    metp: int = 8
+    pp: int = 1
+    dp: int = 1
+    micro_batch: int = 1
+    microbatches: int = 0          # per step; 0 = enough to fill the pipeline (≥ pp)
+    kernel: str = "flash"          # "flash" or "unfused"
+    keep_intermediate: bool = False  # METP MLP: keep x·W1ᵀ instead of recomputing it
+    distributed_optimizer: bool = False
+    vocab_parallel: bool = False   # METP only: word embedding + output layer split over TP×METP
+    precision: str = "bf16"
+    hardware: str = "H100-80GB"
+    reserve_gib: float = 2.0
+
+    @property
+    def width(self) -> int:
+        return self.tp * self.metp
+
+    @property
+    def inflight(self) -> int:
+        """Micro-batches whose activations the first pipeline stage holds at once (1F1B)."""
+        if self.pp == 1:
+            return 1
+        return min(self.pp, self.microbatches) if self.microbatches else self.pp
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one mode uses the ``W`` GPUs: TP size ``t``, sequence-sharding size ``c``, SP, and the
+    number of shards of each transformer-layer weight."""
+
+    mode: str
+    t: int
+    c: int
+    sp: bool
+    weight_shards: int
+    vocab: bool = False  # word embedding / output layer split over t·c (METP vocabulary)
+
+    @property
+    def vocab_shards(self) -> int:
+        """Shards of each vocabulary table: ``t·c`` with the METP split, else TP's ``t``."""
+        return self.t * self.c if self.vocab else self.t
+
+    def describe(self) -> str:
+        if self.mode in ("tp", "tp-sp"):
+            return f"TP={self.t}" + ("+SP" if self.sp else "")
+        if self.mode in VOCAB_MODES:
+            return f"METP={self.c}" + (f"×TP={self.t}" if self.t > 1 else "") + \
+                ("+vocab" if self.vocab else "")
+        if self.mode == "ring":
+            return f"ring={self.c}"
+        return f"TP={self.t}{'+SP' if self.sp else ''}×CP={self.c}"
+
+
+def layout(mode: str, job: Job) -> Layout:
+    W = job.width
+    if mode == "tp":
+        return Layout(mode, W, 1, False, W)
+    if mode == "tp-sp":
+        return Layout(mode, W, 1, W > 1, W)
+    if mode == "cp":
+        return Layout(mode, job.tp, job.metp, job.tp > 1, job.tp)
+    if mode == "ring":
+        return Layout(mode, 1, W, False, 1)
+    if mode in VOCAB_MODES:
+        return Layout(mode, job.tp, job.metp, False, W,
+                      vocab=mode == "metp+vocab" or job.vocab_parallel)
+    raise ValueError(f"--modes: unknown mode {mode!r}; choose from {', '.join(MODES)}")
+
+
+def canonical(mode: str, job: Job) -> Tuple[str, Job]:
+    """``("metp+vocab", job)`` → ``("metp", job with vocab_parallel)``; other modes unchanged."""
+    if mode == "metp+vocab":
+        return "metp", replace(job, vocab_parallel=True)
+    return mode, job
+
+
+def padded_vocab(vocab: int, t: int, multiple: int = 128) -> int:
+    """Megatron-LM's padding: a multiple of ``make_vocab_size_divisible_by (128) × TP``."""
+    m = multiple * t
+    return -(-vocab // m) * m
+
+
+def validate(model: Model, job: Job, modes: Sequence[str] = MODES) -> None:
+    """``ValueError`` naming the flag for sizes that cannot be laid out."""
+    for flag, v in (("--hidden", model.hidden), ("--layers", model.layers),
+                    ("--heads", model.heads), ("--ffn", model.ffn), ("--vocab", model.vocab),
+                    ("--seq", model.seq), ("--query-groups", model.groups), ("--tp", job.tp),
+                    ("--metp", job.metp), ("--pp", job.pp), ("--dp", job.dp),
+                    ("--micro-batch", job.micro_batch)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{flag} must be a positive integer, got {v!r}")
+    if job.microbatches < 0:
+        raise ValueError(f"--microbatches must be >= 0, got {job.microbatches}")
+    if model.hidden % model.heads:
+        raise ValueError(f"--hidden {model.hidden} is not divisible by --heads {model.heads}")
+    if model.heads % model.groups:
+        raise ValueError(f"--heads {model.heads} is not divisible by --query-groups "
+                         f"{model.groups}")
+    if model.layers % job.pp:
+        raise ValueError(f"--layers {model.layers} is not divisible by --pp {job.pp}")
+    if job.kernel not in ("flash", "unfused"):
+        raise ValueError(f"--kernel must be 'flash' or 'unfused', got {job.kernel!r}")
+    if job.precision != "bf16":
+        raise ValueError(f"--precision {job.precision!r}: only bf16 is planned")
+    if job.hardware not in HARDWARE:
+        raise ValueError(f"--hardware {job.hardware!r}: choose from {', '.join(HARDWARE)}")
+    if job.vocab_parallel:
+        other = [m for m in modes if m not in VOCAB_MODES]
+        if other:
+            raise ValueError(f"--vocab-parallel splits METP's word embedding and output layer "
+                             f"over TP×METP: it applies to mode metp only, not to "
+                             f"{', '.join(other)}; drop --vocab-parallel, or pass --modes metp "
+                             f"(mode metp+vocab plans the split next to the other modes)")
+    for mode in modes:
+        lay = layout(mode, job)
+        mode = canonical(mode, job)[0]
+        if lay.weight_shards == 1:
+            shards_flag = "1"
+        elif mode == "cp" or job.metp == 1:
+            shards_flag = "--tp"
+        elif job.tp > 1 and lay.weight_shards == job.width:
+            shards_flag = "--tp × --metp"
+        else:
+            shards_flag = "--metp"
+        if mode == "cp" and job.metp == 1:
+            raise ValueError("--metp 1: context parallelism (mode cp) needs --metp > 1 "
+                             "(it is the CP size); drop cp from --modes")
+        for flag, count in (("--heads", model.heads), ("--query-groups", model.groups),
+                            ("--ffn", model.ffn)):
+            if count % lay.weight_shards:
+                raise ValueError(f"{flag} {count} is not divisible by {shards_flag} = "
+                                 f"{lay.weight_shards} (mode {mode}: {lay.describe()})")
+        if lay.c > 1 and model.seq % (2 * lay.c):
+            flag = "--metp" if mode in ("metp", "cp") else "--tp × --metp"
+            raise ValueError(f"--seq {model.seq} is not divisible by 2 × {flag} = {2 * lay.c} "
+                             f"(mode {mode} splits the sequence into 2·{lay.c} chunks)")
+        if lay.sp and (model.seq // lay.c) % lay.t:
+            raise ValueError(f"--seq {model.seq} is not divisible by the SP size --tp "
+                             f"{'× --metp ' if mode == 'tp-sp' else ''}= {lay.t * lay.c} "
+                             f"(mode {mode})")

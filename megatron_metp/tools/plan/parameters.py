@@ -1,0 +1,86 @@
+"""Parameters and the static memory of a rank: bf16 weights, the fp32 ``main_grad`` buffer and
+Adam's states, without and with the distributed optimizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Tuple
+
+from .model import BF16, FP32, Job, Model, canonical, layout, padded_vocab
+
+
+def _layer_weights(model: Model) -> Tuple[int, int, int]:
+    """``(attention matrices, MLP matrices, norms)`` elements of one layer (no biases)."""
+    h, d = model.hidden, model.head_dim
+    hq, hk = model.heads * d, model.groups * d
+    k = 2 if model.swiglu else 1
+    attn = h * (hq + 2 * hk) + hq * h
+    mlp = k * model.ffn * h + model.ffn * h
+    norms = 2 * 2 * h  # two LayerNorms, weight and bias
+    return attn, mlp, norms
+
+
+@dataclass
+class Params:
+    layer_sharded: int     # elements of METP/TP-sharded layer matrices on this rank
+    layer_replicated: int  # norms (and, for ring/cp, matrices replicated over the ring)
+    embedding: int         # word embedding (+ output layer when untied), on this rank
+    final_norm: int
+    dp_sharded: int        # data-parallel size over which the distributed optimizer shards
+    dp_replicated: int
+    embedding_sharded: bool = False  # METP vocabulary split: the tables reduce over dp_sharded
+
+    @property
+    def total(self) -> int:
+        return self.layer_sharded + self.layer_replicated + self.embedding + self.final_norm
+
+    @property
+    def sharded(self) -> int:
+        """Elements whose gradients are reduced over ``dp_sharded`` (METP-sharded ones)."""
+        return self.layer_sharded + (self.embedding if self.embedding_sharded else 0)
+
+
+def params(model: Model, job: Job, mode: str, stage: str = "first") -> Params:
+    """Parameter elements held by one rank of ``stage`` ("first" or "last" pipeline stage)."""
+    mode, job = canonical(mode, job)
+    lay = layout(mode, job)
+    attn, mlp, norms = _layer_weights(model)
+    L = model.layers // job.pp
+    V = padded_vocab(model.vocab, lay.vocab_shards)
+    emb = 0
+    first = stage == "first" or job.pp == 1
+    last = stage == "last" or job.pp == 1
+    if first:
+        emb += V * model.hidden // lay.vocab_shards
+    if last and (not model.tied or job.pp > 1):
+        emb += V * model.hidden // lay.vocab_shards
+    final = 2 * model.hidden if last else 0
+    if mode == "metp":
+        sharded, repl = L * (attn + mlp) // lay.weight_shards, L * norms
+        dp_sh, dp_rep = job.dp, job.dp * lay.c
+    elif mode in ("tp", "tp-sp"):
+        sharded, repl = L * (attn + mlp) // lay.t, L * norms
+        dp_sh = dp_rep = job.dp
+    else:  # ring, cp: TP shards, replicated over the ring; DP×CP reduces them
+        sharded, repl = L * (attn + mlp) // lay.t, L * norms
+        dp_sh = dp_rep = job.dp * lay.c
+    return Params(sharded, repl, emb, final, dp_sh, dp_rep, embedding_sharded=lay.vocab)
+
+
+def static_memory(model: Model, job: Job, mode: str, stage: str = "first") -> Dict[str, float]:
+    """Parameters (bf16), gradient buffer (fp32 main_grad), Adam states (fp32 master + 2 moments)
+    without and with the distributed optimizer (sharded over the DP group that reduces each
+    parameter: pure DP for METP-sharded weights — with the vocabulary split also METP's word
+    embedding and output layer — DP×ring for parameters replicated over a ring)."""
+    mode, job = canonical(mode, job)
+    p = params(model, job, mode, stage)
+    sharded = p.sharded
+    repl = p.total - sharded
+    opt_plain = 12 * p.total
+    if mode == "metp":
+        opt_dist = 12 * sharded / p.dp_sharded + 12 * repl / p.dp_replicated
+    else:
+        opt_dist = 12 * p.total / p.dp_sharded
+    return {"n_params": p.total, "params": BF16 * p.total, "grads": FP32 * p.total,
+            "optimizer": opt_dist if job.distributed_optimizer else opt_plain,
+            "optimizer_plain": opt_plain, "optimizer_distributed": opt_dist}

@@ -1,0 +1,142 @@
+"""What ``metp plan`` prints (:func:`report`) and writes with ``--json`` (:func:`plan`)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Dict, Sequence
+
+from .hardware import HARDWARE
+from .model import GiB, MiB, MODES, VOCAB_MODES, Job, Model, validate
+from .overlap import overlap_thresholds
+from .rank_memory import capacity_bytes, head_memory, longest_seq, memory
+from .traffic import crossover_seq, traffic_per_layer
+
+
+def fmt_bytes(x: float) -> str:
+    if abs(x) >= GiB:
+        return f"{x / GiB:,.2f} GiB"
+    return f"{x / MiB:,.1f} MiB"
+
+
+def fmt_tokens(s: int) -> str:
+    if s >= 1024 and s % 1024 == 0:
+        return f"{s // 1024}K"
+    if s >= 1024:
+        return f"{s / 1024:,.2f}K"
+    return f"{s:,}"
+
+
+def plan(model: Model, job: Job, modes: Sequence[str] = MODES) -> Dict:
+    """Everything :func:`report` prints, as a dict (bytes, tokens)."""
+    validate(model, job, modes)
+    hw = HARDWARE[job.hardware]
+    out = {"model": asdict(model), "job": asdict(job), "hardware": asdict(hw), "modes": {}}
+    for mode in modes:
+        mem = memory(model, job, mode)
+        a = mem.act
+        out["modes"][mode] = {
+            "layout": mem.layout,
+            "static": mem.static,
+            "stored_layer": a.stored_layer, "stored_per_layer": a.stored_per_layer,
+            "korthikanti_layer": a.korthikanti_layer,
+            "layers": a.layers, "inflight": a.inflight, "head": a.head,
+            "persistent": a.persistent, "phases": a.phase_totals(),
+            "peak_phase": a.peak_phase, "transient": a.transient,
+            "activation_peak": a.peak, "measured_part": mem.measured_part, "total": mem.total,
+            "last_stage_total": memory(model, job, mode, stage="last").total
+            if job.pp > 1 else None,
+            "traffic_per_layer": traffic_per_layer(model, job, mode),
+            "vocab": head_memory(model, job, mode),
+            "longest_seq": longest_seq(model, job, mode),
+        }
+    out["overlap"] = overlap_thresholds(model, job, hw)
+    if hw.measured_tflops:
+        out["overlap_measured"] = overlap_thresholds(model, job, hw, measured=True)
+    if "metp" in modes and "tp-sp" in modes and job.width > 1:
+        out["crossover_vs_tp_sp"] = crossover_seq(model, job, "tp-sp")
+    return out
+
+
+def report(model: Model, job: Job, modes: Sequence[str] = MODES) -> str:
+    """The text ``metp plan`` prints."""
+    res = plan(model, job, modes)
+    hw = HARDWARE[job.hardware]
+    lines = []
+    g = f", {model.groups} query groups" if model.groups != model.heads else ""
+    lines.append(f"# plan: {model.name} h={model.hidden} L={model.layers} a={model.heads}{g} "
+                 f"ffn={model.ffn}{' (SwiGLU)' if model.swiglu else ''} vocab={model.vocab} "
+                 f"s={model.seq:,} b={job.micro_batch}, bf16, {job.kernel} attention, "
+                 f"{'keep' if job.keep_intermediate else 'recompute'} METP MLP intermediate"
+                 + (", METP vocabulary split (--vocab-parallel)" if job.vocab_parallel else ""))
+    lines.append(f"# GPUs per model replica: TP×METP = {job.tp}×{job.metp} = {job.width} per "
+                 f"stage × PP {job.pp} × DP {job.dp}; distributed optimizer "
+                 f"{'on' if job.distributed_optimizer else 'off'}; {hw.name}: "
+                 f"{hw.memory_gib:g} GB − {job.reserve_gib:g} GiB reserve, "
+                 f"{hw.bf16_tflops:g} TFLOP/s bf16 dense, {hw.link_gbps:g} GB/s per direction "
+                 f"({hw.source})")
+    lines.append("# all figures planned (formulas of megatron_metp/plan.py); per rank, rank 0"
+                 + (" (first pipeline stage)" if job.pp > 1 else ""))
+    lines.append("")
+    cols = list(modes)
+    rows = []
+
+    def row(label, f):
+        rows.append([label] + [f(res["modes"][m]) for m in cols])
+
+    row("layout", lambda r: r["layout"])
+    row("parameters (bf16)", lambda r: fmt_bytes(r["static"]["params"]))
+    row("  embedding + output layer", lambda r: fmt_bytes(r["vocab"]["tables"]) +
+        f" ({r['vocab']['rows']:,} rows)")
+    row("gradients (fp32 main_grad)", lambda r: fmt_bytes(r["static"]["grads"]))
+    row("Adam states (no dist. opt.)", lambda r: fmt_bytes(r["static"]["optimizer_plain"]))
+    row("Adam states (dist. opt.)", lambda r: fmt_bytes(r["static"]["optimizer_distributed"]))
+    row("stored / layer", lambda r: fmt_bytes(r["stored_per_layer"]))
+    row("  Korthikanti / layer", lambda r: fmt_bytes(r["korthikanti_layer"])
+        if r["korthikanti_layer"] else "")
+    row("stored × layers × in flight", lambda r: f"{fmt_bytes(r['stored_per_layer'] * r['layers'] * r['inflight'])}"
+        f" ({r['layers']}×{r['inflight']})")
+    row("head stored (RoPE, norm, loss)",
+        lambda r: fmt_bytes(r["inflight"] * sum(r["head"].values())))
+    row("  loss: fp32 logits block", lambda r: fmt_bytes(r["vocab"]["logits_block"]))
+    row("  loss: logits alive at once", lambda r: fmt_bytes(r["vocab"]["logits_at_once"]))
+    row("persistent Megatron buffer", lambda r: fmt_bytes(r["persistent"]))
+    row("transient (one layer / loss)", lambda r: fmt_bytes(r["transient"]))
+    row("  at", lambda r: r["peak_phase"].split(" (")[0])
+    row("activation peak", lambda r: fmt_bytes(r["activation_peak"]))
+    row("TOTAL per rank" + (" (first stage)" if job.pp > 1 else ""),
+        lambda r: fmt_bytes(r["total"]))
+    if job.pp > 1:
+        row("TOTAL per rank (last stage)", lambda r: fmt_bytes(r["last_stage_total"]))
+    row("fits " + hw.name, lambda r: "yes" if max(r["total"], r["last_stage_total"] or 0)
+        <= capacity_bytes(job) else "NO")
+    row("bytes sent / layer (fwd+bwd)", lambda r: fmt_bytes(sum(r["traffic_per_layer"].values())))
+    row("longest sequence that fits", lambda r: fmt_tokens(r["longest_seq"]))
+    w0 = max(len(r[0]) for r in rows)
+    ws = [max(len(str(r[i + 1])) for r in rows + [[""] + cols]) for i in range(len(cols))]
+    lines.append(" " * w0 + " | " + " | ".join(c.rjust(w) for c, w in zip(cols, ws)))
+    lines.append("-" * (w0 + 3 + sum(ws) + 3 * (len(ws) - 1)))
+    for r in rows:
+        lines.append(r[0].ljust(w0) + " | " + " | ".join(str(v).rjust(w) for v, w in zip(r[1:], ws)))
+    lines.append("")
+    ov = res["overlap"]
+    lines.append(f"# full-overlap thresholds on {hw.name} (F/B = {ov['F/B (FLOP per byte)']:,.0f} "
+                 f"FLOP/byte, datasheet rates): tokens per rank s·b/p")
+    for key, v in ov.items():
+        if key.startswith("F/B"):
+            continue
+        extra = ""
+        if "overlap_measured" in res:
+            extra = f"   (measured {hw.measured_tflops:g} TFLOP/s: {res['overlap_measured'][key]:,.0f})"
+        lines.append(f"  {key:<40s} {v:>10,.0f}{extra}")
+    if job.width > 8:
+        lines.append(f"  (a group of {job.width} GPUs crosses nodes: the inter-node link, not "
+                     f"NVLink, sets B for the ring steps that cross it)")
+    if any(m in VOCAB_MODES for m in modes):
+        n = model.seq * job.micro_batch // job.metp
+        lines.append(f"  this job: s·b/p = {n:,} tokens per METP rank "
+                     f"({'above' if n >= ov['MLP weight ring, forward: tokens/rank'] else 'below'} "
+                     f"the MLP threshold)")
+    if res.get("crossover_vs_tp_sp") is not None:
+        lines.append(f"# METP sends fewer bytes per layer than TP+SP from s ≈ "
+                     f"{res['crossover_vs_tp_sp']:,} tokens on")
+    return "\n".join(lines)
