@@ -38,7 +38,7 @@ biases, no dropout (``attention_dropout = hidden_dropout = 0``: METP has none; M
 ``F.dropout(p=0)`` returns its input, so no masks are kept), Megatron's softmax in bf16
 (``attention_softmax_in_fp32=False``, Megatron-LM's command-line default), no RoPE, causal.
 
-How: as ``benchmarks/mlp_memory.py`` (see ``benchmarks/_fakemem.py``): one subprocess per
+How: as ``benchmarks/mlp_memory.py`` (see ``megatron_metp/tools/fakerank.py``): one subprocess per
 (p, part), torch's ``fake`` process group, ``FakeTensorMode``, ``MemTracker``. The workers call
 ``megatron_metp.cpu.enable()`` (CPU RNG tracker, CPU causal mask, current device = CPU) and
 ``initialize_model_parallel(tensor_model_parallel_size=p)`` on the fake world.
@@ -57,7 +57,7 @@ Memory columns (MiB, rank 0, tensor allocations only, each rounded up to 512 B):
   allocated on a GPU too) and is *not* in ``stored``.
 
 Traffic (MiB per rank per fwd+bwd): ``sent`` counts the c10d ops dispatched with the ring
-convention of ``_fakemem.comm_counter_class`` (send N; all-reduce 2(p−1)/p·N; all-gather,
+convention of ``megatron_metp.tools.fakerank.CommCounter`` (send N; all-reduce 2(p−1)/p·N; all-gather,
 reduce-scatter, broadcast, reduce (p−1)/p·N: the rank average); ``sent≈`` the closed form
 (:func:`bytes_closed_form`). For METP also ``METPGroup.stats`` (``stats sent/recv``): it counts a
 broadcast only at its receivers and a reduce only at its senders.
@@ -79,8 +79,10 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _fakemem  # noqa: E402
-from _fakemem import MiB, fmt  # noqa: E402
+import _bench  # noqa: E402  (benchmarks/_bench.py: table and output helpers)
+from _bench import MiB, fmt  # noqa: E402
+
+from megatron_metp.tools import fakerank as FR  # noqa: E402  (the fake-rank harness)
 
 BF16, FP32 = 2, 4
 RESULT_TAG = "ATTN_MEMORY_RESULT "
@@ -263,19 +265,17 @@ def _setup_megatron(p):
     model_parallel_cuda_manual_seed(1234)
 
 
-def _worker(spec):
-    p = spec["p"]
-    needs_megatron = any(_is_tp(c["method"]) for c in spec["cases"])
-    _fakemem.worker_loop(spec, RESULT_TAG, _measure,
-                         setup=(lambda: _setup_megatron(p)) if needs_megatron else None)
+def _setup(p, cases):
+    if any(_is_tp(c["method"]) for c in cases):
+        _setup_megatron(p)
 
 
 def _megatron_classes():
-    """CpuSPNorm and SDPAFlashCoreAttention, shared with ``metp measure``
-    (:func:`megatron_metp.tools.measure.megatron_cpu_classes`; built lazily, after the imports)."""
-    from megatron_metp.tools.measure import megatron_cpu_classes
+    """The SP-capable norm and the flash ``core_attention`` of ``metp measure``
+    (:mod:`megatron_metp.tools.standins`; built lazily, after the imports)."""
+    from megatron_metp.tools.standins import flash_core_attention_class, sp_norm_class
 
-    return megatron_cpu_classes()
+    return sp_norm_class(), flash_core_attention_class()
 
 
 def _build_megatron(case):
@@ -443,26 +443,26 @@ def _measure(case):
                 module = _build_metp(case, group)
             x = torch.empty(n_in, b, h, requires_grad=True)
             dy = torch.empty(n_in, b, h)
-            tracker = _fakemem.tracker_class()()
+            tracker = FR.tracker()
             tracker.track_external(x, dy)
-            comm = _fakemem.comm_counter_class()(p, watch=("scaled_dot_product",),
+            comm = FR.comm_counter_class()(p, watch=("scaled_dot_product",),
                                                  track_alloc=True)
             live = contextlib.nullcontext()
             if case.get("explain"):
-                live = _fakemem.live_storage_class()()
+                live = FR.live_storage_class()()
                 for prm in module.parameters():
                     live.add(prm, "(parameter)")
                 live.add(x, "(input x)")
                 live.add(dy, "(output grad dy)")
             with tracker, comm, live:
                 y = module(x)
-                after_fwd = _fakemem.snap(tracker, "current")
-                fwd_peak = _fakemem.snap(tracker, "peak")
+                after_fwd = FR.snap(tracker, "current")
+                fwd_peak = FR.snap(tracker, "peak")
                 sent_fwd = comm.sent
                 if case.get("explain"):
                     live.phase = "bwd"
                 y.backward(dy)
-            peak = _fakemem.snap(tracker, "peak")
+            peak = FR.snap(tracker, "peak")
             y_bytes = y.numel() * y.element_size()
             x_bytes = x.numel() * x.element_size()
             persist = 0
@@ -529,9 +529,11 @@ def _flash_op_check():
     return out
 
 
-def _check_worker(spec):
-    _fakemem.init_fake_world(spec["p"])
-    print(RESULT_TAG + json.dumps(_flash_op_check()), flush=True)
+def _check_worker():
+    import torch
+
+    FR.fake_world(2, dtype=torch.bfloat16)
+    return _flash_op_check()
 
 
 # --------------------------------------------------------------------------- driver
@@ -878,16 +880,9 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--explain", action="store_true",
                     help="also list the live tensors at each case's peak (slower; diagnostics)")
-    _fakemem.add_run_args(ap, jobs=2, timeout=900)
-    ap.add_argument("--check-worker", help=argparse.SUPPRESS)
+    _bench.add_run_args(ap, jobs=2, timeout=900)
     args = ap.parse_args(argv)
 
-    if args.worker:
-        _worker(json.loads(args.worker))
-        return 0
-    if args.check_worker:
-        _check_worker(json.loads(args.check_worker))
-        return 0
 
     t0 = time.perf_counter()
     cases = _cases(args)
@@ -896,22 +891,16 @@ def main(argv=None):
         groups.setdefault((c["p"], c["part"]), (c["p"], []))[1].append(c)
     # largest workers first, so that --jobs 2 finishes them together
     groups = dict(sorted(groups.items(), key=lambda kv: -kv[0][0]))
-    results = _fakemem.run_workers(__file__, RESULT_TAG, groups, args.timeout, args.jobs)
-
-    import subprocess
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--check-worker",
-                           json.dumps({"p": 2})], capture_output=True, text=True, cwd=_fakemem.REPO,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_TAG)]
-    check = json.loads(lines[0][len(RESULT_TAG):]) if lines else \
-        {"ok": False, "error": (proc.stderr or "no output").strip().splitlines()[-1:]}
+    results = FR.run_cases(_measure, groups, setup=_setup, jobs=args.jobs, timeout=args.timeout)
+    got = FR.map_isolated(_check_worker, [()], timeout=args.timeout)[0]
+    check = got["ok"] if "ok" in got else {"ok": False, "error": got["error"].splitlines()[-1:]}
 
     order = {json.dumps(c, sort_keys=True): i for i, c in enumerate(cases)}
     results.sort(key=lambda r: order.get(json.dumps({k: r[k] for k in cases[0]}, sort_keys=True),
                                          1 << 30))
     _print_tables(results, args, check, time.perf_counter() - t0)
     if args.out:
-        _fakemem.write_out(results, args.out)
+        _bench.write_out(results, args.out)
         print(f"wrote {args.out}")
     return 1 if any("error" in r for r in results) else 0
 

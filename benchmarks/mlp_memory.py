@@ -94,14 +94,16 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _fakemem  # noqa: E402  (benchmarks/_fakemem.py: fake world, trackers, worker driver)
-from _fakemem import REPO, MiB  # noqa: E402,F401
+import _bench  # noqa: E402  (benchmarks/_bench.py: table and output helpers)
+from _bench import REPO, MiB  # noqa: E402,F401
 
-_tracker_class = _fakemem.tracker_class
-_comm_counter_class = _fakemem.comm_counter_class
-_snap = _fakemem.snap
-_fmt = _fakemem.fmt
-_write_out = _fakemem.write_out
+from megatron_metp.tools import fakerank as FR  # noqa: E402  (the fake-rank harness)
+
+_tracker_class = FR.tracker_class
+_comm_counter_class = FR.comm_counter_class
+_snap = FR.snap
+_fmt = _bench.fmt
+_write_out = _bench.write_out
 BF16 = 2  # bytes per element of every tensor built here (default dtype bf16)
 FP32 = 4
 
@@ -227,13 +229,9 @@ def metp_peak_model(c):
 
 # --------------------------------------------------------------------------- worker (one p)
 
-def _worker(spec):
-    """Runs in a fresh process: one fake world of size p, every case of that p."""
-    _fakemem.worker_loop(spec, RESULT_TAG, _measure)
-
-
 def _run_worker(p, cases, timeout):
-    return _fakemem.run_worker(__file__, RESULT_TAG, p, cases, timeout)
+    """One forked child: a fake world of size p, every case of that p."""
+    return FR.run_cases(_measure, {p: (p, cases)}, timeout=timeout)
 
 
 def _build_metp(case, group):
@@ -484,12 +482,8 @@ def main(argv=None):
     ap.add_argument("--bias", action="store_true", help="give fc1/fc2 biases (default none)")
     ap.add_argument("--methods", nargs="+", choices=list(METHODS), default=DEFAULT_METHODS,
                     help=f"variants to measure (default {' '.join(DEFAULT_METHODS)})")
-    _fakemem.add_run_args(ap)
+    _bench.add_run_args(ap)
     args = ap.parse_args(argv)
-
-    if args.worker:
-        _worker(json.loads(args.worker))
-        return 0
 
     cases = _cases(args)
     by_p = {}

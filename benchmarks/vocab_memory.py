@@ -35,7 +35,7 @@ hidden states entering the output layer are the embeddings; the layers themselve
 The METP path repeats by hand what ``LanguageModelEmbedding`` does around its word embedding
 without SP: ``transpose(0, 1).contiguous()`` to ``[s/p, b, h]``.
 
-How (no cluster, no real allocation), as ``mlp_memory.py`` (``benchmarks/_fakemem.py``): one
+How (no cluster, no real allocation), as ``mlp_memory.py`` (``megatron_metp/tools/fakerank.py``): one
 subprocess per ``p`` with ``init_process_group("fake", rank=0, world_size=p, store=FakeStore())``
 (collectives and send/recv are no-ops with true shapes); everything is built under
 ``FakeTensorMode`` with ``torch.set_default_dtype(torch.bfloat16)``;
@@ -83,7 +83,7 @@ Columns (MiB, rank 0):
   with ``V``). 0 means: no rank holds full-vocabulary logits nor a whole table.
 
 ``--top K`` also prints, per row, the K largest groups of storages alive at the peak (op that made
-them, shape, dtype, fwd/bwd), from ``_fakemem.live_storage_class``.
+them, shape, dtype, fwd/bwd), from ``megatron_metp.tools.fakerank.live_storage_class``.
 
 For ``metp-vocab`` rows the script checks that the largest tensor is at most the
 ``[s/p·b, V/p]`` fp32 logits bound, that ``vocab width`` is ``V/p`` and that ``full-V`` is 0.
@@ -106,11 +106,10 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _fakemem  # noqa: E402  (benchmarks/_fakemem.py: fake world, trackers, worker driver)
-from _fakemem import REPO, MiB  # noqa: E402
+import _bench  # noqa: E402  (benchmarks/_bench.py: table and output helpers)
+from _bench import REPO, MiB  # noqa: E402,F401
 
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
+from megatron_metp.tools import fakerank as FR  # noqa: E402  (the fake-rank harness)
 
 BF16 = 2
 FP32 = 4
@@ -161,7 +160,7 @@ def _recorder_class():
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from megatron_metp.tools.measure import flat_tensors as tensors
+    from megatron_metp.tools.fakerank import flat_tensors as tensors
 
     class _Recorder(TorchDispatchMode):
         def __init__(self):
@@ -188,15 +187,6 @@ def _recorder_class():
 
 
 _STATE = {"tp": None}
-
-
-def _setup():
-    import megatron_metp.cpu as mcpu
-
-    mcpu.enable(force=True)  # a throwaway worker process: CPU fake tensors only
-    from megatron_metp import finite
-
-    finite.enable_finite_checks(False)  # a data-dependent check cannot run on fake tensors
 
 
 def _ensure_tp(t):
@@ -300,7 +290,7 @@ def _run_once(case, V, measure_memory):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from megatron_metp import METPGroup
-    from megatron_metp.tools.measure import main_grad_buffer
+    from megatron_metp.tools.fakerank import main_grad_buffer
 
     path, s, b, p = case["path"], case["s"], case["b"], case["p"]
     n_tok = s if path == "tp-sp" else s // p
@@ -324,12 +314,12 @@ def _run_once(case, V, measure_memory):
                 rec.add(prm, "param " + name)
             tracker = live = None
             if measure_memory:
-                tracker = _fakemem.tracker_class()()
+                tracker = FR.tracker()
                 tracker.track_external(tokens, labels,
                                        *([main_grad] if main_grad is not None else []))
                 modes = [tracker, rec]
                 if case.get("top"):
-                    live = _fakemem.live_storage_class()()
+                    live = FR.live_storage_class()()
                     for name, prm in model.named_parameters():
                         live.add(prm, "param " + name)
                     for t, what in ((tokens, "tokens"), (labels, "labels"),
@@ -341,11 +331,11 @@ def _run_once(case, V, measure_memory):
                     for m in modes:
                         stack.enter_context(m)
                     loss = model(tokens, labels)
-                    fwd_peak = _fakemem.snap(tracker, "peak")
+                    fwd_peak = FR.snap(tracker, "peak")
                     if live is not None:
                         live.phase = "bwd"
                     loss.sum().backward()
-                peak = _fakemem.snap(tracker, "peak")
+                peak = FR.snap(tracker, "peak")
             else:
                 with rec:
                     loss = model(tokens, labels)
@@ -435,11 +425,6 @@ def _measure(case):
     }
 
 
-def _worker(spec):
-    """Runs in a fresh process: one fake world of size p, every case of that p."""
-    _fakemem.worker_loop(spec, RESULT_TAG, _measure, setup=_setup)
-
-
 # --------------------------------------------------------------------------- driver
 
 def make_cases(vocabs=DEFAULT_VOCAB, seqs=DEFAULT_SEQ, ps_=DEFAULT_P, hidden=DEFAULT_HIDDEN,
@@ -467,7 +452,7 @@ def run(cases, jobs=1, timeout=600):
         # tp-sp cases last in each worker: the parallel state changes TP at most twice
         by_p.setdefault(c["p"], []).append(c)
     groups = {p: (p, sorted(cs, key=lambda c: c["path"] == "tp-sp")) for p, cs in by_p.items()}
-    results = _fakemem.run_workers(__file__, RESULT_TAG, groups, timeout, jobs=jobs)
+    results = FR.run_cases(_measure, groups, jobs=jobs, timeout=timeout)
     order = {json.dumps(c, sort_keys=True): i for i, c in enumerate(cases)}
     keys = list(cases[0]) if cases else []
     results.sort(key=lambda r: order.get(json.dumps({k: r.get(k) for k in keys}, sort_keys=True),
@@ -501,7 +486,7 @@ def _shape(d):
 
 
 def print_tables(rows, args):
-    fmt = _fakemem.fmt
+    fmt = _bench.fmt
     print("# Vocabulary: word embedding + output layer + loss, one forward+backward, rank 0 of p "
           "(fake process group + FakeTensorMode + MemTracker)\n")
     hs = sorted({r["h"] for r in rows})
@@ -594,12 +579,9 @@ def main(argv=None):
                     help="leave out Megatron DDP's fp32 main_grad buffer")
     ap.add_argument("--cpu-matmul", action="store_true",
                     help="keep mm_acc's CPU branch (fp32 operand copies) instead of the CUDA one")
-    _fakemem.add_run_args(ap)
+    _bench.add_run_args(ap)
     args = ap.parse_args(argv)
 
-    if args.worker:
-        _worker(json.loads(args.worker))
-        return 0
     cases = make_cases(args.vocab, args.seq, args.p, args.hidden, args.batch, args.paths,
                        not args.no_main_grad, args.cpu_matmul, args.top)
     t0 = time.perf_counter()
@@ -608,7 +590,7 @@ def main(argv=None):
     print(f"\n{len(results)} measurements (each with an unmeasured V+128·p twin run) in "
           f"{time.perf_counter() - t0:.1f} s ({len(set(c['p'] for c in cases))} worker processes).")
     if args.out:
-        _fakemem.write_out(results, args.out)
+        _bench.write_out(results, args.out)
         print(f"wrote {args.out}")
     return 1 if notes or any("error" in r for r in results) else 0
 

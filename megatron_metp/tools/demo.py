@@ -205,7 +205,7 @@ def _torch_optimizers(opt):
 
 def _memory_tracker(state):
     """A MemTracker that knows the model, the optimizer states and DDP's grad buffers."""
-    from .measure import tracker_class
+    from .fakerank import tracker_class
 
     class Tracker(tracker_class()):  # restarts per-module stats for every micro-batch
         def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
@@ -225,17 +225,13 @@ def _memory_tracker(state):
 
 
 def _peak_split(mt) -> dict:
+    from .fakerank import snap
+
+    got = snap(mt, "peak", label="value")
     peak = {c: 0 for c in _CATEGORIES}
-    total = 0
-    for dev_snap in mt.get_tracker_snapshot("peak").values():
-        for k, v in dev_snap.items():
-            if k == "Total":
-                total += v
-            else:
-                name = getattr(k, "value", str(k))
-                peak[name] = peak.get(name, 0) + v
-    peak["Gradient"] += peak.pop("Other")  # DDP grad buffers (see _memory_tracker)
-    return {"total": total, "by_category": peak}
+    peak.update(got["cat"])
+    peak["Gradient"] += peak.pop("Other", 0)  # DDP grad buffers (see _memory_tracker)
+    return {"total": got["total"], "by_category": peak}
 
 
 # ---------------------------------------------------------------- one run

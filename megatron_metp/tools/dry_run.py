@@ -21,7 +21,10 @@ What happens, in one CPU process that plays rank ``--rank`` of a ``--world-size`
    ``pretrain`` (``model_provider`` around ``wrap_gpt_builder(gpt_builder)``), under
    ``FakeTensorMode``: every tensor has its true shape and dtype and none is allocated.
 4. One forward and backward of one micro-batch runs under ``MemTracker``, which follows every
-   tensor and reports the peak.
+   tensor and reports the peak, with the CUDA-faithful kernels of
+   :mod:`megatron_metp.tools.cuda_accounting` (the same fake-rank harness as ``metp measure``:
+   :mod:`megatron_metp.tools.fakerank`), so the bytes are what a GPU would hold, not what the
+   CPU kernels keep.
 
 Memory reported per rank: parameters (counted), gradient buffer and optimizer state (computed
 from Megatron's settings: gradient dtype, optimizer, precision-aware dtypes, distributed
@@ -48,6 +51,8 @@ import sys
 import time
 import types
 from typing import Dict, List, Optional
+
+from . import fakerank as FR
 
 MiB = 2 ** 20
 GiB = 2 ** 30
@@ -191,80 +196,9 @@ def inflight_microbatches(args, pp_rank: int, pp_size: int, num_microbatches: in
 
 # ------------------------------------------------------------------------------ the run
 
-def _flash_core_attention_class():
-    """Megatron ``core_attention`` backed by PyTorch's fused causal kernel (``[s, b, n, d]`` in,
-    ``[s, b, n·d]`` out), standing in for Transformer Engine's fused attention on a machine
-    without TE. Stores q, k, v, output and the log-sum-exp, as flash kernels do."""
-    import torch.nn.functional as F
-    from megatron.core.transformer.module import MegatronModule
-
-    class FlashCoreAttention(MegatronModule):
-        def __init__(self, config, layer_number, attn_mask_type, attention_type,
-                     attention_dropout=None, softmax_scale=None, cp_comm_type=None,
-                     pg_collection=None, **_unused):
-            super().__init__(config=config)
-            self.softmax_scale = softmax_scale
-
-        def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
-                    attention_bias=None, packed_seq_params=None, **_unused):
-            q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                 scale=self.softmax_scale,
-                                                 enable_gqa=q.shape[1] != k.shape[1])
-            sq, b = query.shape[:2]
-            return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
-
-    return FlashCoreAttention
-
-
-def _sp_norm_class():
-    """Megatron's norm signature over torch's LayerNorm/RMSNorm that, unlike
-    ``WrappedTorchNorm``, accepts sequence parallelism (its parameters are tagged
-    ``sequence_parallel`` as TE's norms are). Used only when TE is absent here."""
-    import torch
-
-    class SPNorm(torch.nn.Module):
-        def __init__(self, config, hidden_size, eps=1e-5, persist_layer_norm=False,
-                     zero_centered_gamma=False, normalization=None, **_unused):
-            super().__init__()
-            kind = normalization or config.normalization
-            cls = torch.nn.RMSNorm if kind == "RMSNorm" else torch.nn.LayerNorm
-            self.norm = cls(hidden_size, eps=eps, dtype=config.params_dtype)
-            for prm in self.norm.parameters():
-                prm.sequence_parallel = config.sequence_parallel
-
-        def forward(self, x):
-            return self.norm(x)
-
-    return SPNorm
-
-
-def _tracker_class():
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    class Tracker(MemTracker):
-        """MemTracker that also keeps the largest total of forward/backward allocations
-        (categories ACT and TEMP) seen at any moment."""
-
-        work_peak = 0
-
-        def _update_peak_stats(self, peak_state):
-            super()._update_peak_stats(peak_state)
-            for snap in self._curr_mem_snap.values():
-                work = sum(v for k, v in snap.items()
-                           if getattr(k, "name", None) in ("ACT", "TEMP"))
-                self.work_peak = max(self.work_peak, work)
-
-    return Tracker
-
-
-def _categories(tracker, kind) -> Dict[str, int]:
-    out: Dict[str, int] = {}
-    for dev in tracker.get_tracker_snapshot(kind).values():
-        for k, v in dev.items():
-            name = "Total" if k == "Total" else getattr(k, "name", str(k))
-            out[name] = out.get(name, 0) + v
-    return out
+def _categories(trk, kind) -> Dict[str, int]:
+    got = FR.snap(trk, kind)
+    return dict(got["cat"], Total=got["total"])
 
 
 @contextlib.contextmanager
@@ -278,7 +212,8 @@ def _patched(obj, name, value):
 
 
 def run(megatron_lm_dir: str, megatron_argv: List[str], *, world_size: int, rank: int = 0,
-        gpu_arch: float = 9.0, verbose: bool = False, measure_layers: str = "auto") -> Dict:
+        gpu_arch: float = 9.0, verbose: bool = False, measure_layers: str = "auto",
+        cpu_kernels: bool = False) -> Dict:
     """Parse, validate, build and measure; return the report as a dict (see :func:`format_report`).
 
     Runs in this process and initialises global state (Megatron's globals, a fake process
@@ -304,10 +239,7 @@ def run(megatron_lm_dir: str, megatron_argv: List[str], *, world_size: int, rank
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
 
     import torch
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from .. import cpu as metp_cpu
     from .. import megatron_lm
 
     torch.set_num_threads(1)
@@ -369,8 +301,7 @@ def run(megatron_lm_dir: str, megatron_argv: List[str], *, world_size: int, rank
                 notes.append(f"tokenizer not built here ({type(exc).__name__}); vocabulary "
                              f"size from --vocab-size ({args.vocab_size})")
 
-            dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
-            metp_cpu.enable()
+            FR.fake_world(world_size, rank)
             with _patched(torch.cuda, "device_count", lambda: 1):
                 minit._initialize_distributed(pretrain_gpt.get_embedding_ranks, None, None)
             from megatron.core import parallel_state as ps
@@ -378,7 +309,8 @@ def run(megatron_lm_dir: str, megatron_argv: List[str], *, world_size: int, rank
 
             model_parallel_cuda_manual_seed(args.seed)
             torch.manual_seed(args.seed)
-            report = _build_and_measure(args, pretrain_gpt, ps, te_absent, notes, measure_layers)
+            report = _build_and_measure(args, pretrain_gpt, ps, te_absent, notes, measure_layers,
+                                        cpu_kernels)
     except DryRunError:
         raise
     except Exception as exc:
@@ -392,7 +324,7 @@ def run(megatron_lm_dir: str, megatron_argv: List[str], *, world_size: int, rank
 
 
 def _build_and_measure(args, pretrain_gpt, ps, te_absent: bool, notes: List[str],
-                       measure_layers: str = "auto") -> Dict:
+                       measure_layers: str = "auto", cpu_kernels: bool = False) -> Dict:
     import torch
     import torch.distributed as dist
     from functools import partial
@@ -413,8 +345,10 @@ def _build_and_measure(args, pretrain_gpt, ps, te_absent: bool, notes: List[str]
         args.tensor_model_parallel_size > 1
     no_apex = importlib.util.find_spec("apex") is None
     if not metp and (te_absent or (sp_wanted and no_apex and args.transformer_impl == "local")):
-        flash = _flash_core_attention_class() if te_absent else None
-        norm = _sp_norm_class()
+        from .standins import flash_core_attention_class, sp_norm_class
+
+        flash = flash_core_attention_class() if te_absent else None
+        norm = sp_norm_class()
 
         def local_substituted(*a, **k):
             spec = local_spec(*a, **k)
@@ -438,6 +372,9 @@ def _build_and_measure(args, pretrain_gpt, ps, te_absent: bool, notes: List[str]
             notes.append("apex is not installed here: its sequence-parallel FusedLayerNorm is "
                          "approximated by torch norms (Megatron's torch fallback refuses "
                          "sequence parallelism)")
+    if cpu_kernels:
+        notes.append("--cpu-kernels: bytes as this machine's CPU kernels keep them, not as a GPU "
+                     "would (docs/cpu-cuda-kernels.md)")
     builder = megatron_lm.wrap_gpt_builder(pretrain_gpt.gpt_builder)
     provider = partial(pretrain_gpt.model_provider, builder)
 
@@ -475,9 +412,9 @@ def _build_and_measure(args, pretrain_gpt, ps, te_absent: bool, notes: List[str]
         return chunks
 
     def measure(chunks):
-        tracker = _tracker_class()()
+        tracker = FR.tracker()
         stored = 0
-        with tracker:
+        with FR.measuring(tracker, cuda=not cpu_kernels):
             for m, pre, post in chunks:
                 stored += _fwd_bwd(m, pre, post, args, mbs, n_local, sp, tp, dtype, tracker)
         return {"stored": float(stored), "work_peak": float(tracker.work_peak),
@@ -702,6 +639,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                          "measures N-1 and N layers and extrapolates linearly per layer; 'auto' "
                          "(default) is full up to 4 layers per rank, else N=2 (METP's rings under "
                          "fake tensors take minutes at full depth)")
+    ap.add_argument("--cpu-kernels", action="store_true",
+                    help="account as this machine's CPU kernels do (what a CPU run would hold), "
+                         "not as the CUDA kernels do (the default): shows what the CUDA "
+                         "accounting changes (docs/cpu-cuda-kernels.md)")
     ap.add_argument("--json", default=None, help="also write the report as JSON to this file")
     ap.add_argument("--verbose", action="store_true", help="show Megatron's own output")
     opts = ap.parse_args(own)
@@ -709,7 +650,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         report = run(opts.megatron_lm_dir, megatron_argv, world_size=world, rank=opts.rank,
                      gpu_arch=opts.gpu_arch, verbose=opts.verbose,
-                     measure_layers=opts.measure_layers)
+                     measure_layers=opts.measure_layers, cpu_kernels=opts.cpu_kernels)
     except DryRunError as exc:
         print(f"dry run failed: {exc}", file=sys.stderr)
         return 1

@@ -105,9 +105,13 @@ def activations(model: Model, job: Job, mode: str, seq: Optional[int] = None,
         hqt, hkt, At = hq // t, hk // t, A // t
         S["RoPE cos/sin for q and k (bf16)"] = 4 * BF16 * (s // c) * d  # [s/c, 1, 1, d]
         if stock_core:
-            if not gqa:  # v is a view of it; with GQA v is repeated and the output freed
+            # v is a view of the QKV output, so it stays alive; the unfused core repeats grouped
+            # k, v to the query heads (and the output is freed), flash kernels read them as
+            # they are (TE, flash-attn; the fake-rank stand-in passes enable_gqa)
+            repeated = gqa and not flash
+            if not repeated:
                 S["QKV projection output (bf16)"] = BF16 * n * (hq + 2 * hk) // t
-            if gqa:
+            if repeated:
                 S["rotated q (bf16)"] = BF16 * n * hqt
                 S["k, v repeated to the query heads (bf16)"] = 2 * BF16 * n * hqt
             else:
@@ -130,9 +134,10 @@ def activations(model: Model, job: Job, mode: str, seq: Optional[int] = None,
             if lay.sp:
                 persistent = BF16 * n * h
         if model.swiglu:
+            # Megatron-LM's default --bias-swiglu-fusion: the fused SwiGLU keeps only its input
+            # (fc1's output) and recomputes silu(gate) in backward; fc2 keeps its input
             S["MLP fc1 output, gate|up (bf16)"] = BF16 * n * 2 * F // t
-            # megatron-core 0.16's glu: silu(gate) * (up + glu_linear_offset): the sum is a copy
-            S["MLP silu(gate), up + offset, product (bf16)"] = 3 * BF16 * n * F // t
+            S["MLP silu(gate)·up = fc2 input (bf16)"] = BF16 * n * F // t
         else:
             S["MLP fc1 output (bf16)"] = BF16 * n * F // t
             S["MLP GeLU output (bf16)"] = BF16 * n * F // t

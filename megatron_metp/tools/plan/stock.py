@@ -47,7 +47,7 @@ def _stock_phases(model, job, lay, n, nl, S, stock_core) -> Dict[str, Dict[str, 
     if stock_core:
         if job.kernel == "flash":
             core = {"d(proj input) (bf16)": dproj,
-                    "flash backward dq, dk, dv (bf16)": 3 * BF16 * n * hqt}
+                    "flash backward dq, dk, dv (bf16)": BF16 * n * (hqt + 2 * hkt)}
         else:
             core = {"d(context) (bf16)": dproj,
                     "d(probs), d(masked scores), d(scores) [b, a/t, s, s] (bf16)":

@@ -1,0 +1,57 @@
+"""Megatron modules for the fake-rank measurements where this machine lacks the GPU stack.
+
+* :func:`flash_core_attention_class`: a Megatron ``core_attention`` running PyTorch's fused causal
+  attention (``scaled_dot_product_attention``; the flash op on CPU fake tensors), standing in for
+  Transformer Engine's fused attention or flash-attn: ``[s, b, n, d]`` in, ``[s, b, n·d]`` out;
+  it stores what a flash kernel stores (q, k, v, the output and the fp32 log-sum-exp, never an
+  ``s×s`` score) and, like those kernels, reads grouped K/V heads without repeating them.
+* :func:`sp_norm_class`: Megatron's norm signature over ``torch.nn.LayerNorm`` / ``RMSNorm``
+  (chosen by ``normalization`` or the config) that, unlike ``WrappedTorchNorm``, accepts sequence
+  parallelism; its parameters are tagged ``sequence_parallel`` as TE's and apex's norms are.
+  Under :func:`megatron_metp.tools.cuda_accounting.cuda_kernels` its RMSNorm keeps what CUDA's
+  fused kernel keeps.
+"""
+
+from __future__ import annotations
+
+
+def flash_core_attention_class():
+    import torch.nn.functional as F
+    from megatron.core.transformer.module import MegatronModule
+
+    class FlashCoreAttention(MegatronModule):
+        def __init__(self, config, layer_number, attn_mask_type, attention_type,
+                     attention_dropout=None, softmax_scale=None, cp_comm_type=None,
+                     pg_collection=None, **_unused):
+            super().__init__(config=config)
+            self.softmax_scale = softmax_scale
+
+        def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
+                    attention_bias=None, packed_seq_params=None, **_unused):
+            q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                 scale=self.softmax_scale,
+                                                 enable_gqa=q.shape[1] != k.shape[1])
+            sq, b = query.shape[:2]
+            return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+    return FlashCoreAttention
+
+
+def sp_norm_class():
+    import torch
+
+    class SPNorm(torch.nn.Module):
+        def __init__(self, config, hidden_size, eps=1e-5, persist_layer_norm=False,
+                     zero_centered_gamma=False, normalization=None, **_unused):
+            super().__init__()
+            kind = normalization or config.normalization
+            cls = torch.nn.RMSNorm if kind == "RMSNorm" else torch.nn.LayerNorm
+            self.norm = cls(hidden_size, eps=eps, dtype=config.params_dtype)
+            for prm in self.norm.parameters():
+                prm.sequence_parallel = config.sequence_parallel
+
+        def forward(self, x):
+            return self.norm(x)
+
+    return SPNorm
