@@ -199,8 +199,16 @@ def test_config_files(tmp_path):
     sh.write_text('source "$(dirname "${BASH_SOURCE[0]}")/models/g.sh"\n'
                   ': "${SEQ_LENGTH:=32768}"\n: "${METP:=8}" "${TP:=1}" "${PP:=1}"\n')
     model, job = P.from_config(str(sh))
-    assert model == {"hidden": 2048, "layers": 24, "heads": 16, "seq": 32768}
-    assert job == {"metp": 8, "tp": 1, "pp": 1}
+    # + what scripts/pretrain_gpt.sh adds: its defaults, NullTokenizer's end-of-document token,
+    # the distributed optimizer, DP from 1 node × 8 GPUs
+    assert model == {"hidden": 2048, "layers": 24, "heads": 16, "seq": 32768, "ffn": 8192,
+                     "swiglu": False, "tied": True, "vocab": 32001}
+    assert job == {"metp": 8, "tp": 1, "pp": 1, "distributed_optimizer": True, "dp": 1}
+    sh.write_text(sh.read_text() + ': "${TRANSFORMER_IMPL:=local}" '
+                  '"${NNODES:=2}" "${TOKENIZER_TYPE:=HuggingFaceTokenizer}" "${VOCAB_SIZE:=50000}"\n'
+                  'METP=1\n')
+    model, job = P.from_config(str(sh))
+    assert model["vocab"] == 50000 and job["kernel"] == "unfused" and job["dp"] == 16
     with pytest.raises(ValueError, match="--config"):
         P.from_config(str(tmp_path / "missing.yaml"))
 

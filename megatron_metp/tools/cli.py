@@ -36,7 +36,9 @@ def _add_common(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("model (preset, then --config, then these flags)")
     g.add_argument("--preset", choices=sorted(P.PRESETS), default=None,
                    help="built-in GPT geometry (default gpt-7b unless --config gives one)")
-    g.add_argument("--config", help="key=value / YAML file or a configs/*.sh of this repo")
+    g.add_argument("--config", help="key=value / YAML file or a configs/*.sh of this repo (with "
+                   "what scripts/pretrain_gpt.sh adds to it: the distributed optimizer, "
+                   "NullTokenizer's end-of-document token, DP from the node count)")
     g.add_argument("--hidden", type=int)
     g.add_argument("--layers", type=int)
     g.add_argument("--heads", type=int)
@@ -55,8 +57,10 @@ def _add_common(ap: argparse.ArgumentParser) -> None:
     j.add_argument("--micro-batch", type=int, help="micro-batch size (default 1)")
     j.add_argument("--microbatches", type=int, default=0,
                    help="micro-batches per step (PP in-flight count; default: fill the pipe)")
-    j.add_argument("--kernel", choices=["flash", "unfused"], default="flash",
-                   help="attention kernel (default flash)")
+    j.add_argument("--kernel", choices=["flash", "unfused"], default=None,
+                   help="attention kernel (default flash; a configs/*.sh with "
+                        "TRANSFORMER_IMPL=local plans stock layers unfused, as Megatron's local "
+                        "spec runs them)")
     j.add_argument("--keep-intermediate", action="store_true",
                    help="METP MLP keeps x·W1ᵀ instead of recomputing it in backward")
     j.add_argument("--distributed-optimizer", action="store_true")
@@ -102,9 +106,12 @@ def build(args) -> tuple:
         v = getattr(args, flag)
         if v is not None:
             job_fields[flag] = v
-    job = P.Job(microbatches=args.microbatches, kernel=args.kernel,
-                keep_intermediate=args.keep_intermediate,
-                distributed_optimizer=args.distributed_optimizer, precision=args.precision,
+    job = P.Job(microbatches=args.microbatches,
+                kernel=args.kernel or job_fields.pop("kernel", "flash"),
+                keep_intermediate=args.keep_intermediate or job_fields.pop("keep_intermediate",
+                                                                          False),
+                distributed_optimizer=args.distributed_optimizer or
+                job_fields.pop("distributed_optimizer", False), precision=args.precision,
                 hardware=args.hardware, reserve_gib=args.reserve_gib, **job_fields)
     if args.modes:
         modes = args.modes
@@ -117,6 +124,13 @@ def build(args) -> tuple:
             raise ValueError(f"--modes: unknown mode {m!r}; choose from {', '.join(P.MODES)}")
     P.validate(model, job, modes)
     return model, job, modes
+
+
+def build_from_argv(argv: List[str]):
+    """``(Model, Job, modes)`` from ``metp plan`` arguments (e.g. ``["--config", path]``)."""
+    ap = argparse.ArgumentParser(prog="metp plan")
+    _add_common(ap)
+    return build(ap.parse_args(list(argv)))
 
 
 def cmd_plan(args) -> int:
@@ -174,8 +188,11 @@ def cmd_measure(args) -> int:
     model, job, modes = build(args)
     t0 = time.perf_counter()
     results = M.measure(model, job, modes, jobs=args.jobs, timeout=args.timeout,
-                        cpu_matmul=args.cpu_matmul)
+                        cpu_matmul=args.cpu_matmul, measure_layers=args.measure_layers)
     print(measure_table(model, job, modes, results))
+    for mode, r in zip(modes, results):
+        if "method" in r:
+            print(f"# {mode}: {r['method']}")
     print(f"\n{len(results)} measurements in {time.perf_counter() - t0:.1f} s")
     if args.json:
         out = []
@@ -201,6 +218,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     _add_common(ms)
     ms.add_argument("--jobs", type=int, default=1, help="measurements at once (default 1)")
     ms.add_argument("--timeout", type=float, default=1800, help="seconds per measurement")
+    ms.add_argument("--measure-layers", default="auto", metavar="{auto,full,N}",
+                    help="'full' measures every layer of the stage; N measures N-1 and N layers "
+                         "and extrapolates linearly; 'auto' (default) is full up to 4 layers per "
+                         "stage, else N=2 (as the Megatron-LM dry run)")
     ms.add_argument("--cpu-matmul", action="store_true",
                     help="keep the METP ops' CPU matmul branch (default: emulate the CUDA one)")
     args = ap.parse_args(argv)

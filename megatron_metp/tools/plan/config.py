@@ -102,4 +102,39 @@ def from_config(path: str) -> Tuple[Dict[str, object], Dict[str, object]]:
         model["swiglu"] = bool(model["swiglu"])
     if "vocab_parallel" in job:
         job["vocab_parallel"] = bool(job["vocab_parallel"])
+    if path.endswith(".sh"):
+        _launcher_settings(kv, model, job)
     return model, job
+
+
+def _launcher_settings(kv: Dict[str, object], model: Dict[str, object],
+                       job: Dict[str, object]) -> None:
+    """What ``scripts/pretrain_gpt.sh`` adds when it launches a ``configs/*.sh`` of this repo, so
+    that the plan is the plan of the job it starts: its defaults (tied embeddings, no SwiGLU,
+    FFN 4·hidden), the distributed optimizer (always passed), the attention kernel
+    (``TRANSFORMER_IMPL=local`` stock layers run Megatron's unfused ``DotProductAttention``;
+    METP layers the flash block kernel unless ``METP_ATTENTION_KERNEL=reference``),
+    ``METP_KEEP_INTERMEDIATE``, data parallelism from ``NNODES × GPUS_PER_NODE`` (default 1 × 8),
+    and Megatron's ``NullTokenizer`` (mock data, no ``TOKENIZER_TYPE``), which adds an
+    end-of-document token to ``VOCAB_SIZE`` (default 32000)."""
+    model.setdefault("tied", True)  # UNTIE_EMBEDDINGS=0
+    model.setdefault("swiglu", False)  # SWIGLU=0
+    if "hidden" in model:
+        model.setdefault("ffn", 4 * int(model["hidden"]))  # FFN_HIDDEN_SIZE=4·HIDDEN_SIZE
+    job.setdefault("distributed_optimizer", True)
+    metp = int(job.get("metp") or 1)
+    if metp > 1:  # the METP layers' block kernel: reference = fp32 block scores
+        if kv.get("metp_attention_kernel") == "reference":
+            job["kernel"] = "unfused"
+    elif kv.get("transformer_impl") == "local":  # Megatron's local spec: DotProductAttention
+        job["kernel"] = "unfused"
+    if kv.get("metp_keep_intermediate"):
+        job["keep_intermediate"] = True
+    world = int(kv.get("nnodes") or 1) * int(kv.get("gpus_per_node") or 8)
+    per_replica = int(job.get("tp") or 1) * int(job.get("metp") or 1) * int(job.get("pp") or 1)
+    if "dp" not in job and world % per_replica == 0:
+        job["dp"] = world // per_replica
+    tokenizer = kv.get("tokenizer_type") or ("HuggingFaceTokenizer" if kv.get("data_path")
+                                             else "NullTokenizer")
+    if tokenizer == "NullTokenizer":
+        model["vocab"] = int(model.get("vocab") or kv.get("vocab_size") or 32000) + 1
