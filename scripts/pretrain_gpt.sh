@@ -14,6 +14,8 @@
 #                      print that rank's parameters and peak memory (python -m megatron_metp.dry_run)
 #     --rank N           rank to measure (default 0)
 #     --gpu-memory-gib G check the total against G GiB per GPU (also $GPU_MEMORY_GIB)
+#     --json FILE        also write the dry run's report as JSON
+#     --cpu-kernels      account as the CPU kernels do, not as CUDA's (to see the difference)
 # Other options:
 #   --config FILE      model/layout file (also $CONFIG; default configs/tiny-cpu-metp2.sh)
 #   -- ARGS...         append ARGS to pretrain_gpt.py's arguments (they win over the config)
@@ -63,6 +65,8 @@ while [[ $# -gt 0 ]]; do
         --dry-run) MODE=dry-run ;;
         --print-cmd) MODE=print ;;
         --rank) [[ $# -ge 2 ]] || die "--rank needs a value"; DRY_RUN_OPTS+=(--rank "$2"); shift ;;
+        --json) [[ $# -ge 2 ]] || die "--json needs a file"; DRY_RUN_OPTS+=(--json "$2"); shift ;;
+        --cpu-kernels) DRY_RUN_OPTS+=(--cpu-kernels) ;;
         --gpu-memory-gib) [[ $# -ge 2 ]] || die "--gpu-memory-gib needs a value"; GPU_MEMORY_GIB=$2; shift ;;
         --config) [[ $# -ge 2 ]] || die "--config needs a file"; CONFIG=$2; shift ;;
         -h|--help) usage; exit 0 ;;

@@ -626,3 +626,31 @@ def test_dry_run_vocab_parallel(patched_clone):
     # vocab 1024 (+1 NullTokenizer) padded to a multiple of 128 x 1 x 2 = 1280 rows, half per
     # rank, h=64, tied: 640 x 64 on each rank (without the switch: 1152 x 64, padded to 128)
     assert emb_params(out) == 640 * 64 and emb_params(base) == 1152 * 64
+
+
+@pytest.mark.parametrize("config", ["tiny-cpu-metp2.sh", "tiny-cpu-tp2.sh"])
+def test_dry_run_plan_and_measure_agree(patched_clone, config):
+    """The three instruments of one config: per-rank totals within 3 % (byte counts)."""
+    from megatron_metp.tools import agreement as A
+
+    row = A.compare(os.path.join(REPO, "configs", config), patched_clone)
+    assert row["mode"] == ("metp" if "metp" in config else "tp-sp")
+    assert abs(row["plan_vs_dry_run"]) <= 0.03 and abs(row["measure_vs_dry_run"]) <= 0.03, row
+    assert abs(row["plan"] / row["measure"] - 1) <= 0.03, row
+    assert A.agrees(row) and "agree" in A.table([row])
+
+
+def test_cpu_kernel_accounting_is_what_breaks_agreement(patched_clone):
+    """RMSNorm variant of the tiny METP job: with the CUDA accounting (default) the dry run agrees
+    with the plan; accounting as the CPU kernels do (--cpu-kernels: torch's RMSNorm composite
+    keeps fp32 copies) it does not (negative control)."""
+    from megatron_metp.tools import agreement as A
+
+    cfg = os.path.join(REPO, "configs", "tiny-cpu-metp2.sh")
+    rms = {"NORMALIZATION": "RMSNorm"}
+    row = A.compare(cfg, patched_clone, measure=False, dry_env=rms)
+    assert A.agrees(row), row
+    cpu = A.dry_run(cfg, patched_clone, extra=["--cpu-kernels"], env=rms)
+    assert any("--cpu-kernels" in n for n in cpu["notes"])
+    assert cpu["bytes"]["total"] / row["plan"] - 1 > 0.03, (cpu["bytes"], row)
+    assert not A.agrees(dict(row, plan_vs_dry_run=row["plan"] / cpu["bytes"]["total"] - 1))
