@@ -235,6 +235,37 @@ def _metp_problems(args, p: int, tp: int) -> List[str]:
     timeout = flag("metp_ring_timeout")
     if timeout is not None and timeout <= 0:
         out.append(f"--metp-ring-timeout {timeout} (must be positive seconds)")
+    out.extend(_recompute_problems(args))
+    return out
+
+
+def _recompute_problems(args) -> List[str]:
+    """Megatron's activation recompute/offload flags METP refuses (``--recompute-granularity
+    full`` works: whole layers, rings included, re-run in backward)."""
+    out = []
+    # validate_metp_args runs before validate_args turns --recompute-activations into
+    # recompute_granularity='selective' (and --cpu-offloading-num-layers into --cpu-offloading)
+    if getattr(args, "recompute_granularity", None) == "selective" or \
+            getattr(args, "recompute_activations", False):
+        given = ("--recompute-activations" if getattr(args, "recompute_activations", False)
+                 else "--recompute-granularity selective")
+        modules = getattr(args, "recompute_modules", None)
+        out.append(f"{given}{' --recompute-modules ' + ' '.join(modules) if modules else ''} "
+                   f"(selective recompute, also --recompute-granularity selective / "
+                   f"--recompute-activations with any --recompute-modules: METP's attention and "
+                   f"MLP are fused ring ops that already recompute per weight shard, Q/K/V and "
+                   f"the MLP intermediate, and never store s x s scores, so it would save "
+                   f"nothing; use --recompute-granularity full with --recompute-method "
+                   f"uniform|block and --recompute-num-layers N instead)")
+    if getattr(args, "distribute_saved_activations", False):
+        out.append("--distribute-saved-activations (it splits the checkpointed layer inputs over "
+                   "TP only and needs TP > 1; with METP they are already sharded over the METP "
+                   "ring: drop the flag)")
+    if getattr(args, "cpu_offloading", False) or \
+            (getattr(args, "cpu_offloading_num_layers", 0) or 0) > 0:
+        out.append("--cpu-offloading / --cpu-offloading-num-layers (Megatron's activation "
+                   "offload; with METP use METP's own offload, --metp-offload-activations, "
+                   "instead)")
     return out
 
 

@@ -16,6 +16,14 @@ METP exists to save (DESIGN.md §1).
 With TP size ``t > 1`` each TP rank runs the METP ops on its ``1/t`` of the heads / FFN units,
 between Megatron's ``copy_to`` / ``reduce_from`` tensor-parallel regions (as ColumnParallel →
 RowParallel do). Sequence parallelism is not combined with METP.
+
+Activation recompute: Megatron's ``recompute_granularity='full'`` wraps layers in
+``tensor_parallel.checkpoint`` and re-runs their forward in backward, rings included. That is
+exact: the modules and ops keep no state between a forward and its recompute (each call builds
+its own ring buffers and saves only its own inputs/outputs), and every rank recomputes the same
+layers in the same order, so the recomputed rings pair the same messages as the first forward.
+Selective recompute, ``distribute_saved_activations`` and Megatron's ``cpu_offloading`` are
+refused (:func:`recompute_problems`).
 """
 
 from __future__ import annotations
@@ -51,9 +59,55 @@ def _single_rope(rotary_pos_emb):
     return rotary_pos_emb
 
 
+#: what to use instead of Megatron's selective recompute with METP
+FULL_RECOMPUTE_HINT = ("use recompute_granularity='full' (--recompute-granularity full, with "
+                       "--recompute-method uniform|block and --recompute-num-layers) for "
+                       "layer-level recompute instead")
+
+
+def recompute_problems(config) -> list:
+    """Megatron recompute / offload settings a METP layer refuses, each naming the field and flag.
+
+    ``recompute_granularity='full'`` works (Megatron re-runs whole layers, and with them the METP
+    rings, in backward). Refused: selective recompute (the METP attention and MLP are fused ring
+    ops that already recompute per weight shard: Q/K/V, the MLP intermediate, no s×s scores, so
+    Megatron's ``core_attn``/``mlp``/``layernorm`` checkpoints have nothing left to save),
+    ``distribute_saved_activations`` (splits a checkpointed layer input over TP only; with METP it
+    is already sharded over the ring) and Megatron's ``cpu_offloading``.
+    """
+    out = []
+
+    def get(name, default=None):
+        return getattr(config, name, default)
+
+    if get("recompute_granularity") == "selective":
+        modules = get("recompute_modules")
+        out.append(f"recompute_granularity='selective' (--recompute-granularity selective / "
+                   f"--recompute-activations"
+                   f"{f', recompute_modules={modules}' if modules else ''}): "
+                   f"the METP attention and MLP already recompute per weight shard (Q/K/V, the "
+                   f"MLP intermediate; no s×s scores are stored), so selective recompute saves "
+                   f"nothing; {FULL_RECOMPUTE_HINT}")
+    if get("distribute_saved_activations"):
+        out.append("distribute_saved_activations=True (--distribute-saved-activations): it "
+                   "splits a checkpointed layer input over TP only (and needs TP > 1); with METP "
+                   "the layer inputs are already sharded over the METP ring, drop the flag")
+    if get("cpu_offloading") or (get("cpu_offloading_num_layers", 0) or 0) > 0:
+        out.append("cpu_offloading=True (--cpu-offloading, Megatron's activation offload): use "
+                   "METP's own offload (--metp-offload-activations) instead")
+    return out
+
+
+def check_recompute_config(config) -> None:
+    """Raise ``ValueError`` for the settings :func:`recompute_problems` lists."""
+    problems = recompute_problems(config)
+    if problems:
+        raise ValueError("--metp-parallel-size does not support: " + "; ".join(problems))
+
+
 def check_config(config) -> None:
     """Refuse TransformerConfig settings the METP layer cannot honour, naming the flag."""
-    problems = []
+    problems = recompute_problems(config)
     if config.sequence_parallel:
         problems.append("--sequence-parallel (METP already shards the sequence)")
     if getattr(config, "qk_layernorm", False):
@@ -186,6 +240,7 @@ class METPRingCoreAttention(MegatronModule):
         super().__init__(config=config)
         if config.attention_dropout:
             raise ValueError("ring attention has no attention dropout; set --attention-dropout 0")
+        check_recompute_config(config)
         self.groups, self.kernel = groups, kernel
         self.layer_number = layer_number
         self.causal = _mask_is_causal(attn_mask_type)

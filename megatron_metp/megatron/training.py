@@ -41,10 +41,22 @@ class GPTSize:
     tie_embeddings: bool = False
 
 
+#: values of :attr:`Layout.recompute` (Megatron's ``recompute_granularity``; selective is refused)
+RECOMPUTE = (None, "full")
+#: values of :attr:`Layout.recompute_method` (Megatron's ``recompute_method``)
+RECOMPUTE_METHODS = ("uniform", "block")
+
+
 @dataclass
 class Layout:
     """How the job is parallelised. ``mode``: ``"metp"``, ``"tp"`` (stock Megatron) or
-    ``"ring"`` (ring self-attention: sequence over the METP group, weights replicated there)."""
+    ``"ring"`` (ring self-attention: sequence over the METP group, weights replicated there).
+
+    ``recompute="full"`` sets Megatron's activation recompute (``recompute_granularity``,
+    ``recompute_method`` ``"uniform"``/``"block"``, ``recompute_num_layers``) on the
+    TransformerConfig: whole layers, rings included, re-run in backward. ``extra`` adds or
+    overrides any other TransformerConfig field.
+    """
 
     tp: int = 1
     pp: int = 1
@@ -56,12 +68,50 @@ class Layout:
     lr: float = 1e-3
     kernel: Optional[str] = None
     vocab_parallel: bool = False
+    recompute: Optional[str] = None
+    recompute_method: str = "uniform"
+    recompute_num_layers: int = 1
     extra: Dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.recompute not in RECOMPUTE:
+            hint = (" (selective recompute is refused with METP: its attention and MLP already "
+                    "recompute per weight shard; pass recompute='full')"
+                    if self.recompute == "selective" else "")
+            raise ValueError(f"Layout.recompute must be 'full' or None, got "
+                             f"{self.recompute!r}{hint}")
+        if self.recompute_method not in RECOMPUTE_METHODS:
+            raise ValueError(f"Layout.recompute_method must be one of {RECOMPUTE_METHODS}, got "
+                             f"{self.recompute_method!r}")
+        if isinstance(self.recompute_num_layers, bool) or \
+                not isinstance(self.recompute_num_layers, int) or self.recompute_num_layers < 1:
+            raise ValueError(f"Layout.recompute_num_layers must be an int >= 1, got "
+                             f"{self.recompute_num_layers!r}")
+
+    def recompute_config(self, num_layers: int) -> dict:
+        """The TransformerConfig fields of :attr:`recompute` (empty when it is None); checks
+        :attr:`recompute_num_layers` against the ``num_layers / pp`` layers of a stage."""
+        if self.recompute is None:
+            return {}
+        per_stage = num_layers // self.pp
+        n = self.recompute_num_layers
+        if n > per_stage:
+            raise ValueError(f"Layout.recompute_num_layers={n} exceeds the {per_stage} layers of a "
+                             f"pipeline stage (num_layers {num_layers} / pp {self.pp})")
+        if self.recompute_method == "uniform" and per_stage % n:
+            raise ValueError(f"Layout.recompute_num_layers={n} does not divide the {per_stage} "
+                             f"layers of a pipeline stage (recompute_method='uniform' checkpoints "
+                             f"chunks of recompute_num_layers layers)")
+        return {"recompute_granularity": self.recompute, "recompute_method": self.recompute_method,
+                "recompute_num_layers": n}
 
     def describe(self) -> str:
         name = {"metp": f"METP={self.metp}", "tp": "stock", "ring": f"ring-SA={self.metp}"}[self.mode]
         if self.vocab_parallel:
             name += "+vocab"
+        if self.recompute:
+            name += (f"+recompute={self.recompute}/{self.recompute_method}/"
+                     f"{self.recompute_num_layers}")
         parts = [name] + [f"{k}={v}" for k, v in (("TP", self.tp), ("PP", self.pp)) if v > 1]
         dp = dist.get_world_size() // (self.tp * self.pp * self.metp) if dist.is_initialized() else 1
         if dp > 1:
@@ -86,7 +136,15 @@ def transformer_config(size: GPTSize, layout: Layout):
         bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False,
         params_dtype=torch.float32, pipeline_dtype=torch.float32, batch_p2p_sync=False)
+    kwargs.update(layout.recompute_config(size.num_layers))
     kwargs.update(layout.extra)
+    if layout.mode != "tp":
+        # before Megatron's own checks: these are refused with METP whatever else is set
+        from types import SimpleNamespace
+
+        from .modules import check_recompute_config
+
+        check_recompute_config(SimpleNamespace(**kwargs))
     return TransformerConfig(**kwargs)
 
 

@@ -1,0 +1,369 @@
+"""Megatron's activation recompute with METP: full recompute is exact, the rest is refused.
+
+``recompute_granularity="full"`` makes Megatron's ``TransformerBlock`` wrap layers in
+``tensor_parallel.checkpoint`` and re-run their forward in backward, and with it the METP rings
+(weight ring, head-group broadcasts, K/V ring). Each forked group below trains the same tiny GPT
+from the same weights several times in one process, without and with recompute (uniform 1 and
+2, block 1), with Megatron's DDP, optimizer and pipeline schedules
+(``megatron_metp.megatron.training``), and compares losses, grad norms and every gradient
+(fp32: within 1e-6; on the CPU they come out bit-identical). The ring counters show that the
+recompute re-ran the rings, once per recomputed layer. With hidden dropout the comparison also
+checks that the RNG states (CPU generator and tracker, through ``megatron_metp.cpu``'s shims) are
+restored for the recompute. Negative controls: a perturbed initial weight, and dropout with the
+RNG restore switched off, are caught by the same comparison. Selective recompute,
+``--distribute-saved-activations`` and ``--cpu-offloading`` are refused, through the Megatron-LM
+arguments and through the project's own model building.
+"""
+
+import argparse
+import dataclasses
+
+import pytest
+import torch
+
+from megatron_metp import megatron_lm
+from megatron_metp.megatron.training import (GPTSize, Layout, _global_name, init_parallel, setup,
+                                             train, transformer_config)
+from tests.gpt_cases import SIZE
+from tests.harness import run_ranks
+from tests.numerics import rel_err
+
+STEPS = 3
+#: what "equal" means between a run and its recompute twin (same layout, fp32)
+SAME = 1e-6
+#: across layouts (METP vs stock TP vs one rank): fp32 rounding of different reduction orders
+CROSS = 1e-5
+
+RECOMPUTE = {
+    "uniform1": dict(recompute="full", recompute_method="uniform", recompute_num_layers=1),
+    "uniform2": dict(recompute="full", recompute_method="uniform", recompute_num_layers=2),
+    "block1": dict(recompute="full", recompute_method="block", recompute_num_layers=1),
+}
+
+
+def _variants(rank, world, size, base, variants, steps=STEPS, probe_builds=False):
+    """Train ``size`` for ``steps`` steps once per ``(name, options)`` of ``variants`` on the
+    parallel state of ``base``. ``options``: ``layout`` (Layout fields over ``base``), ``seed``
+    (initial weights), ``break_rng_restore`` (Megatron's checkpoint does not restore the RNG
+    states for the recompute). Returns per name: losses, grad norms, this rank's gradients after
+    step 1 (DDP's reduced ``main_grad``) and the METP ring counters."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    from megatron_metp import cpu
+
+    cpu.enable()
+    init_parallel(base, size.seq_length)
+    restore = mrandom._set_all_rng_states
+    out = {}
+    for name, opts in variants:
+        layout = dataclasses.replace(base, **opts.get("layout", {}))
+        torch.manual_seed(1234)
+        mrandom.model_parallel_cuda_manual_seed(1234)
+        state = setup(size, layout, seed=opts.get("seed", 1234))
+        grads = {}
+
+        def grab(step, st):
+            if step == 1:
+                model = st["model"].module
+                for pname, p in model.named_parameters():
+                    grads[_global_name(model, pname)] = p.main_grad.detach().clone()
+
+        if opts.get("break_rng_restore"):
+            # the recompute keeps whatever RNG state it finds (the tracker's is still restored)
+            def tracker_only(cpu_state, cuda_state, tracker_states):
+                mrandom.get_cuda_rng_tracker().set_states(tracker_states)
+
+            mrandom._set_all_rng_states = tracker_only
+        try:
+            recs = train(size, layout, steps, state=state, checkpoint_fn=grab)
+        finally:
+            mrandom._set_all_rng_states = restore
+        out[name] = {"losses": [r.lm_loss for r in recs], "norms": [r.grad_norm for r in recs],
+                     "grads": grads, "ring": state["groups"].metp.stats.snapshot(),
+                     "describe": layout.describe()}
+    if probe_builds:
+        out["refused"] = _refused_builds(size)
+    return out
+
+
+def _refused_builds(size):
+    """Build GPTModel with a TransformerConfig that bypassed Layout's check (as Megatron-LM's
+    core_transformer_config_from_args would hand it over): the METP modules refuse it."""
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_metp.megatron.groups import METPGroups
+    from megatron_metp.megatron.spec import get_gpt_layer_metp_spec
+
+    groups = METPGroups.from_parallel_state()
+    msgs = {}
+    for weight_ring in (True, False):
+        for field, value in (("recompute_granularity", "selective"),
+                             ("distribute_saved_activations", True)):
+            cfg = transformer_config(size, Layout(metp=2))
+            setattr(cfg, field, value)
+            try:
+                GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_metp_spec(
+                    groups, weight_ring=weight_ring), vocab_size=size.vocab_size,
+                    max_sequence_length=size.seq_length, position_embedding_type="rope")
+                msgs[(weight_ring, field)] = None
+            except ValueError as exc:
+                msgs[(weight_ring, field)] = str(exc)
+    return msgs
+
+
+def _differences(a, b):
+    """Worst relative differences of run ``b`` against run ``a`` (same layout, same rank):
+    ``(loss, grad norm, (worst gradient name, its error), bit-identical gradients)``."""
+    loss = max(abs(x - y) / abs(y) for x, y in zip(b["losses"], a["losses"]))
+    norm = max(abs(x - y) / abs(y) for x, y in zip(b["norms"], a["norms"]))
+    assert set(a["grads"]) == set(b["grads"]) and a["grads"]
+    errs = {k: rel_err(b["grads"][k], a["grads"][k]) for k in a["grads"]}
+    worst = max(errs, key=errs.get)
+    identical = all(torch.equal(b["grads"][k], a["grads"][k]) for k in a["grads"])
+    return loss, norm, (worst, errs[worst]), identical
+
+
+def _assert_same(per_rank, ref, names):
+    for r, res in enumerate(per_rank):
+        for name in names:
+            loss, norm, (worst, err), _ = _differences(res[ref], res[name])
+            assert loss <= SAME and norm <= SAME and err <= SAME, \
+                (r, res[name]["describe"], loss, norm, worst, err)
+
+
+def _assert_rings_rerun(res, plain, u1, u2, b1):
+    """Recompute re-runs each recomputed layer's forward rings once: uniform 1 and 2 (all
+    layers) add the same traffic, block 1 (first layer of each stage) half of it (2 layers)."""
+    extra = {k: res[k]["ring"]["steps"] - res[plain]["ring"]["steps"] for k in (u1, u2, b1)}
+    assert extra[u1] > 0 and extra[u1] == extra[u2] == 2 * extra[b1], extra
+    sent = {k: res[k]["ring"]["bytes_sent"] - res[plain]["ring"]["bytes_sent"] for k in (u1, b1)}
+    assert sent[u1] == 2 * sent[b1] > 0, sent
+
+
+def _recompute_variants(prefix="", layout=None, **extra_layout):
+    return [(prefix + name, {"layout": {**(layout or {}), **kw, **extra_layout}})
+            for name, kw in RECOMPUTE.items()]
+
+
+SWIGLU = GPTSize(**{**SIZE.__dict__, "swiglu": True})
+
+
+# ---------------------------------------------------------------- METP 2 (+ vocabulary ring)
+
+@pytest.fixture(scope="module")
+def metp2():
+    dropout = {"extra": {"hidden_dropout": 0.1}}
+    variants = [("plain", {})] + _recompute_variants() + [
+        ("perturbed", {"layout": RECOMPUTE["uniform1"], "seed": 1235}),
+        ("vocab", {"layout": {"vocab_parallel": True}}),
+        *_recompute_variants("vocab-", vocab_parallel=True),
+        ("dropout", {"layout": dropout}),
+        ("dropout-uniform1", {"layout": {**dropout, **RECOMPUTE["uniform1"]}}),
+        ("dropout-no-rng-restore", {"layout": {**dropout, **RECOMPUTE["uniform1"]},
+                                    "break_rng_restore": True}),
+    ]
+    return run_ranks(_variants, 2, SWIGLU, Layout(metp=2), variants, timeout=300,
+                     probe_builds=True)
+
+
+def test_metp_modules_refuse_selective_and_distributed_when_built(metp2):
+    for res in metp2:
+        for (weight_ring, field), msg in res["refused"].items():
+            needle = ("recompute_granularity='selective'" if field == "recompute_granularity"
+                      else "distribute_saved_activations=True (--distribute-saved-activations)")
+            assert msg is not None and needle in msg, (weight_ring, field, msg)
+
+
+def test_metp2_full_recompute_is_exact(metp2):
+    _assert_same(metp2, "plain", ["uniform1", "uniform2", "block1"])
+    for res in metp2:
+        _assert_rings_rerun(res, "plain", "uniform1", "uniform2", "block1")
+        assert "+recompute=full/uniform/1" in res["uniform1"]["describe"]
+
+
+def test_metp2_vocab_ring_full_recompute_is_exact(metp2):
+    _assert_same(metp2, "vocab", ["vocab-uniform1", "vocab-uniform2", "vocab-block1"])
+    for res in metp2:
+        _assert_rings_rerun(res, "vocab", "vocab-uniform1", "vocab-uniform2", "vocab-block1")
+        # the vocabulary ring is outside the block: same losses as the replicated vocabulary
+        assert max(abs(a - b) / b for a, b in zip(res["vocab"]["losses"],
+                                                  res["plain"]["losses"])) <= CROSS
+
+
+def test_recompute_restores_the_cpu_rng_state_for_dropout(metp2):
+    """Hidden dropout draws from the CPU generator (megatron_metp.cpu's tracker): the recompute
+    must draw the same masks as the first forward, so dropout + recompute equals dropout."""
+    _assert_same(metp2, "dropout", ["dropout-uniform1"])
+    for res in metp2:
+        assert res["dropout"]["losses"] != res["plain"]["losses"]  # dropout did something
+
+
+def test_negative_controls_are_caught_by_the_same_comparison(metp2):
+    for res in metp2:
+        for ref, name in (("plain", "perturbed"), ("dropout", "dropout-no-rng-restore")):
+            loss, norm, (worst, err), identical = _differences(res[ref], res[name])
+            assert not identical and err > 100 * SAME and loss > 10 * SAME, (name, worst, err)
+
+
+# ---------------------------------------------------------------- METP 3, TP x METP, PP x METP
+
+@pytest.mark.parametrize("world,layout,size", [
+    (3, Layout(metp=3), SIZE),
+    (4, Layout(metp=2, tp=2), SIZE),
+    (4, Layout(metp=2, pp=2), GPTSize(**{**SIZE.__dict__, "num_layers": 4})),
+], ids=["metp3", "metp2xtp2", "metp2xpp2"])
+def test_full_recompute_is_exact_in_compositions(world, layout, size):
+    variants = [("plain", {})] + _recompute_variants()
+    out = run_ranks(_variants, world, size, layout, variants, timeout=300)
+    _assert_same(out, "plain", ["uniform1", "uniform2", "block1"])
+    for res in out:
+        _assert_rings_rerun(res, "plain", "uniform1", "uniform2", "block1")
+
+
+# ---------------------------------------------------------------- the reference chain
+
+def test_metp_recompute_matches_stock_tp_and_single_rank(metp2):
+    """METP 2 with recompute = stock TP 2 (with and without recompute) = one rank."""
+    variants = [("plain", {}), ("uniform1", {"layout": RECOMPUTE["uniform1"]})]
+    stock = run_ranks(_variants, 2, SWIGLU, Layout(tp=2, mode="tp"), variants)
+    single = run_ranks(_variants, 1, SWIGLU, Layout(), variants[:1])[0]["plain"]
+    _assert_same(stock, "plain", ["uniform1"])
+    ref_losses, ref_norms = single["losses"], single["norms"]
+    for got in (metp2[0]["uniform1"], metp2[0]["block1"], metp2[0]["vocab-uniform1"],
+                stock[0]["plain"]):
+        for step, (loss, norm, ref_loss, ref_norm) in enumerate(zip(
+                got["losses"], got["norms"], ref_losses, ref_norms)):
+            assert abs(loss - ref_loss) <= CROSS * ref_loss, (got["describe"], step, loss)
+            assert abs(norm - ref_norm) <= CROSS * ref_norm, (got["describe"], step, norm)
+
+
+# ---------------------------------------------------------------- refused: Megatron-LM args
+
+def _args(**kw):
+    base = dict(
+        metp_parallel_size=2, metp_disable_weight_ring=False, metp_attention_kernel="auto",
+        metp_keep_intermediate=False, metp_ring_timeout=None, metp_vocab_parallel=False,
+        make_vocab_size_divisible_by=128, world_size=2, rank=0,
+        tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
+        expert_model_parallel_size=1, expert_tensor_parallel_size=None,
+        hierarchical_context_parallel_sizes=None, hybrid_context_parallel=False,
+        seq_length=4096, num_experts=None, sequence_parallel=False, use_legacy_models=False,
+        attention_dropout=0.0, spec=None, experimental_attention_variant=None,
+        heterogeneous_layers_config_path=None, mtp_num_layers=None,
+        multi_latent_attention=False, qk_layernorm=False, rotary_interleaved=False,
+        squared_relu=False, num_attention_heads=32, group_query_attention=False,
+        num_query_groups=1, ffn_hidden_size=11008, normalization="RMSNorm",
+        no_persist_layer_norm=True,
+        # Megatron-LM's defaults for the recompute/offload flags (before validate_args)
+        recompute_activations=False, recompute_granularity=None, recompute_method=None,
+        recompute_num_layers=None, recompute_modules=None, distribute_saved_activations=False,
+        cpu_offloading=False, cpu_offloading_num_layers=0)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+@pytest.mark.parametrize("kw,needles", [
+    (dict(recompute_granularity="selective"),
+     ["--recompute-granularity selective", "--recompute-activations", "--recompute-modules",
+      "--recompute-granularity full"]),
+    (dict(recompute_activations=True),
+     ["--recompute-activations", "--recompute-granularity full"]),
+    (dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"]),
+     ["--recompute-modules core_attn mlp", "--recompute-granularity full"]),
+    (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
+          distribute_saved_activations=True, tensor_model_parallel_size=2, world_size=4),
+     ["--distribute-saved-activations", "TP only"]),
+    (dict(cpu_offloading=True), ["--cpu-offloading", "--metp-offload-activations"]),
+    (dict(cpu_offloading_num_layers=2), ["--cpu-offloading", "--metp-offload-activations"]),
+], ids=["selective", "recompute-activations", "recompute-modules", "distribute-saved",
+        "cpu-offloading", "cpu-offloading-num-layers"])
+def test_megatron_lm_args_refuse_selective_distribute_and_cpu_offloading(kw, needles):
+    args = _args(**kw)
+    with pytest.raises(ValueError) as err:
+        megatron_lm.validate_metp_args(args)
+    for needle in needles:
+        assert needle in str(err.value), (needle, str(err.value))
+    assert args.context_parallel_size == 1  # refused before anything was mapped
+
+
+@pytest.mark.parametrize("method", ["uniform", "block"])
+def test_megatron_lm_args_accept_full_recompute(method):
+    args = _args(recompute_granularity="full", recompute_method=method, recompute_num_layers=2)
+    megatron_lm.validate_metp_args(args)
+    assert args.context_parallel_size == 2
+    # METP off: Megatron's own recompute options are not METP's business
+    plain = _args(metp_parallel_size=1, recompute_granularity="selective",
+                  distribute_saved_activations=True, cpu_offloading=True)
+    assert megatron_lm.validate_metp_args(plain) is plain
+
+
+# ---------------------------------------------------------------- refused: the project's model
+
+@pytest.mark.parametrize("mode", ["metp", "ring"])
+@pytest.mark.parametrize("extra,needles", [
+    ({"recompute_granularity": "selective"}, ["recompute_granularity='selective'",
+                                              "recompute_granularity='full'"]),
+    ({"recompute_granularity": "selective", "recompute_modules": ["mlp"]},
+     ["recompute_granularity='selective'", "['mlp']"]),
+    ({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1,
+      "distribute_saved_activations": True}, ["--distribute-saved-activations"]),
+    ({"cpu_offloading": True}, ["--cpu-offloading", "--metp-offload-activations"]),
+], ids=["selective", "selective-mlp", "distribute-saved", "cpu-offloading"])
+def test_layout_extra_refuses_them_before_building(mode, extra, needles):
+    with pytest.raises(ValueError) as err:
+        transformer_config(SIZE, Layout(metp=2, mode=mode, extra=extra))
+    for needle in needles:
+        assert needle in str(err.value), (needle, str(err.value))
+
+
+@pytest.mark.filterwarnings("ignore:If you are using transformer_engine")
+def test_stock_layout_keeps_megatrons_own_recompute_options():
+    cfg = transformer_config(SIZE, Layout(tp=2, mode="tp",
+                                          extra={"recompute_granularity": "selective"}))
+    assert cfg.recompute_granularity == "selective"
+
+
+def test_modules_refuse_a_config_that_reaches_them():
+    """A TransformerConfig built elsewhere (Megatron-LM's core_transformer_config_from_args)
+    reaches the METP modules' own check."""
+    from megatron_metp.megatron.modules import check_config, check_recompute_config
+
+    ok = transformer_config(SIZE, Layout(metp=2, **RECOMPUTE["block1"]))
+    check_config(ok)
+    for field, value, needle in (
+            ("recompute_granularity", "selective", "recompute_granularity='selective'"),
+            ("distribute_saved_activations", True, "--distribute-saved-activations"),
+            ("cpu_offloading", True, "--metp-offload-activations")):
+        cfg = transformer_config(SIZE, Layout(metp=2))
+        setattr(cfg, field, value)
+        for check in (check_config, check_recompute_config):
+            with pytest.raises(ValueError, match="--metp-parallel-size does not support") as err:
+                check(cfg)
+            assert needle in str(err.value)
+
+
+def test_layout_recompute_fields_set_the_config_and_are_validated():
+    cfg = transformer_config(SIZE, Layout(metp=2, recompute="full", recompute_method="block",
+                                          recompute_num_layers=2))
+    assert (cfg.recompute_granularity, cfg.recompute_method, cfg.recompute_num_layers) == \
+        ("full", "block", 2)
+    plain = transformer_config(SIZE, Layout(metp=2, extra={"hidden_dropout": 0.25}))
+    assert plain.recompute_granularity is None and plain.hidden_dropout == 0.25  # extra works
+    bad = [("recompute", dict(recompute="selective")),
+           ("recompute", dict(recompute="always")),
+           ("recompute_method", dict(recompute="full", recompute_method="blocks")),
+           ("recompute_num_layers", dict(recompute="full", recompute_num_layers=0)),
+           ("recompute_num_layers", dict(recompute="full", recompute_num_layers="1"))]
+    for field, kw in bad:
+        with pytest.raises(ValueError, match=f"Layout.{field} must"):
+            Layout(metp=2, **kw)
+    with pytest.raises(ValueError, match="selective recompute is refused"):
+        Layout(recompute="selective")
+    # against the layers of a pipeline stage (2 layers, PP 2: one per stage)
+    for kw in (dict(recompute_num_layers=3), dict(recompute_num_layers=2, pp=2),
+               dict(recompute_num_layers=2, recompute_method="block", pp=2)):
+        with pytest.raises(ValueError, match="Layout.recompute_num_layers"):
+            transformer_config(SIZE, Layout(metp=2, recompute="full", **kw))
+    with pytest.raises(ValueError, match="does not divide"):
+        transformer_config(GPTSize(**{**SIZE.__dict__, "num_layers": 3}),
+                           Layout(metp=2, recompute="full", recompute_num_layers=2))
