@@ -9,7 +9,9 @@ paths:
                        tokens ``[b, s/p]`` with the table shard ``[V/p, h]``, then
                        ``metp_output_cross_entropy`` with the (untied) output shard ``[V/p, h]``;
                        the shards go round the METP ring, the loss is an online log-sum-exp over
-                       the shards, so no logits block is larger than ``[s/p·b, V/p]`` fp32.
+                       the shards and over chunks of ``token_chunk`` tokens, so no logits block
+                       is larger than ``[token_chunk, V/p]`` fp32 (``--token-chunk``; default the
+                       op's auto chunk, ``2**28 // (V/p)`` tokens, 1 GiB of fp32).
                        ``V`` is padded to a multiple of ``128·p``
                        (``padded_vocab_size(V, 128, 1, p)``).
 * ``tp-sp``            stock Megatron, TP = ``p`` with sequence parallelism, as ``GPTModel`` runs:
@@ -86,13 +88,20 @@ Columns (MiB, rank 0):
 them, shape, dtype, fwd/bwd), from ``megatron_metp.tools.fakerank.live_storage_class``.
 
 For ``metp-vocab`` rows the script checks that the largest tensor is at most the
-``[s/p·b, V/p]`` fp32 logits bound, that ``vocab width`` is ``V/p`` and that ``full-V`` is 0.
+``[s/p·b, V/p]`` fp32 logits bound, that the largest tensor with a vocabulary axis is at most the
+``[token_chunk, V/p]`` fp32 chunk bound, that ``vocab width`` is ``V/p`` and that ``full-V`` is 0.
+The loss's token chunk is resolved once per case from the measured run's ``V`` and passed
+explicitly to the loss in both runs (the twin keeps the same chunks); ``--token-chunk all``
+measures the loss untiled (one chunk of all ``s/p·b`` tokens). The embedding keeps its own auto
+chunk (``2**28 // h`` tokens).
 
 Usage::
 
     python benchmarks/vocab_memory.py                  # V 32000, 128256; s 32K..256K; p=8
     python benchmarks/vocab_memory.py --vocab 50257 --seq 65536 --p 4 8
     python benchmarks/vocab_memory.py --out vocab.csv  # also CSV (or .json)
+    python benchmarks/vocab_memory.py --vocab 128256 --seq 4194304 --paths metp-vocab \
+        --token-chunk all                              # the loss untiled, for comparison
 """
 
 from __future__ import annotations
@@ -150,6 +159,28 @@ def logits_bound(case):
     """Bytes of one ``[s/p·b, V/p]`` fp32 logits block: no METP tensor may be larger."""
     p = case["p"]
     return (case["s"] // p) * case["b"] * (padded_vocab(case["vocab"], "metp-vocab", p) // p) * FP32
+
+
+def loss_token_chunk(case):
+    """The loss's token chunk of a case: ``case["token_chunk"]`` (an int, or ``"all"``: every
+    token of the rank in one chunk, i.e. untiled), else the op's own choice
+    (``METP_LOSS_TOKEN_CHUNK`` or auto) for this case's ``V/p``, at most the rank's tokens."""
+    from megatron_metp.ops.vocab import LOSS_TOKEN_CHUNK_ENV, resolve_token_chunk
+
+    p, tokens = case["p"], (case["s"] // case["p"]) * case["b"]
+    chunk = case.get("token_chunk")
+    if chunk == "all":
+        return tokens
+    chunk = resolve_token_chunk(chunk, padded_vocab(case["vocab"], "metp-vocab", p) // p,
+                                LOSS_TOKEN_CHUNK_ENV)
+    return min(chunk, tokens)
+
+
+def chunk_bound(case):
+    """Bytes of one ``[token_chunk, V/p]`` fp32 logits chunk: no METP tensor with a vocabulary
+    axis may be larger."""
+    p = case["p"]
+    return loss_token_chunk(case) * (padded_vocab(case["vocab"], "metp-vocab", p) // p) * FP32
 
 
 # --------------------------------------------------------------------------- worker side
@@ -210,7 +241,7 @@ def _stand_in(hidden):
     return hidden
 
 
-def _build_metp(case, V, group):
+def _build_metp(case, V, group, token_chunk):
     import torch
 
     from megatron_metp.ops import metp_embedding, metp_output_cross_entropy
@@ -229,7 +260,7 @@ def _build_metp(case, V, group):
             hidden = _stand_in(x.transpose(0, 1).contiguous())  # [b, s/p, h] -> [s/p, b, h]
             return metp_output_cross_entropy(hidden, self.output, labels, group=group,
                                              vocab_size=V, check_labels=False,
-                                             label="output layer")
+                                             label="output layer", token_chunk=token_chunk)
 
     return _METPVocab()
 
@@ -301,7 +332,7 @@ def _run_once(case, V, measure_memory):
         with FakeTensorMode():
             if path == "metp-vocab":
                 group = METPGroup.from_process_group(dist.group.WORLD, name="bench-vocab")
-                model = _build_metp(case, V, group)
+                model = _build_metp(case, V, group, loss_token_chunk(case))
             else:
                 model = _build_megatron(case, V, p if path == "tp-sp" else 1)
             params = [prm for prm in model.parameters()]
@@ -420,6 +451,8 @@ def _measure(case):
         "top_at_peak": main.get("top_at_peak"),
         "live_peak_op": main.get("live_peak_op"),
         "logits_bound_mib": logits_bound(case) / MiB,
+        "loss_token_chunk": loss_token_chunk(case) if path == "metp-vocab" else None,
+        "chunk_bound_mib": chunk_bound(case) / MiB,
         "loss_shape": main["loss_shape"],
         "measure_seconds": round(seconds, 3),
     }
@@ -428,7 +461,8 @@ def _measure(case):
 # --------------------------------------------------------------------------- driver
 
 def make_cases(vocabs=DEFAULT_VOCAB, seqs=DEFAULT_SEQ, ps_=DEFAULT_P, hidden=DEFAULT_HIDDEN,
-               batch=1, paths=DEFAULT_PATHS, main_grad=True, cpu_matmul=False, top=0):
+               batch=1, paths=DEFAULT_PATHS, main_grad=True, cpu_matmul=False, top=0,
+               token_chunk=None):
     cases = []
     for p in ps_:
         for V in vocabs:
@@ -440,7 +474,8 @@ def make_cases(vocabs=DEFAULT_VOCAB, seqs=DEFAULT_SEQ, ps_=DEFAULT_P, hidden=DEF
                         raise ValueError(f"unknown path {path!r}; choose from {list(PATHS)}")
                     cases.append({"vocab": V, "s": s, "b": batch, "h": hidden, "p": p,
                                   "path": path, "main_grad": main_grad,
-                                  "cpu_matmul": cpu_matmul, "top": top})
+                                  "cpu_matmul": cpu_matmul, "top": top,
+                                  "token_chunk": token_chunk})
     return cases
 
 
@@ -469,6 +504,10 @@ def check_row(r):
         out.append(f"largest tensor {r['largest']['shape']} {r['largest']['dtype']} "
                    f"{r['largest']['mib']:.1f} MiB > [s/p·b, V/p] fp32 bound "
                    f"{r['logits_bound_mib']:.1f} MiB")
+    if r.get("largest_vocab") and r["largest_vocab"]["mib"] > r["chunk_bound_mib"] + 1e-9:
+        out.append(f"largest tensor with a vocabulary axis {r['largest_vocab']['shape']} "
+                   f"{r['largest_vocab']['dtype']} {r['largest_vocab']['mib']:.1f} MiB > "
+                   f"[token_chunk, V/p] fp32 chunk bound {r['chunk_bound_mib']:.1f} MiB")
     if r["vocab_width"] != r["V_padded"] // r["p"]:
         out.append(f"widest vocabulary axis {r['vocab_width']} != V/p = {r['V_padded'] // r['p']}")
     if r["full_vocab_tensors"]:
@@ -485,6 +524,17 @@ def _shape(d):
     return "[" + ", ".join(str(x) for x in d["shape"]) + f"] {d['dtype']}"
 
 
+def _chunks(rows):
+    """The loss token chunks of the metp-vocab rows, for the table header."""
+    got = sorted({(r["s"] // r["p"] * r["b"], r["loss_token_chunk"]) for r in rows
+                  if r.get("loss_token_chunk")})
+    tiled = sorted({c for n, c in got if c < n})
+    whole = [_k(n) for n, c in got if c >= n]
+    out = [f"{', '.join(map(str, tiled))} tokens" if tiled else "",
+           f"untiled at {', '.join(whole)} tokens per rank" if whole else ""]
+    return "; ".join(x for x in out if x) or "n/a"
+
+
 def print_tables(rows, args):
     fmt = _bench.fmt
     print("# Vocabulary: word embedding + output layer + loss, one forward+backward, rank 0 of p "
@@ -493,7 +543,8 @@ def print_tables(rows, args):
     print(f"h={','.join(map(str, hs))}, b={args.batch}, bf16 tables, untied, "
           f"{'fp32 DDP grad buffer included' if not args.no_main_grad else 'no DDP grad buffer'}, "
           f"transformer stand-in = identity, "
-          f"{'CPU' if args.cpu_matmul else 'CUDA (emulated)'} fp32-accumulation matmul branch. "
+          f"{'CPU' if args.cpu_matmul else 'CUDA (emulated)'} fp32-accumulation matmul branch, "
+          f"loss token chunk {_chunks(rows)}. "
           f"Memory in MiB. Columns are explained in the module docstring.\n")
     cols = ["V", "s", "p", "path", "V pad", "tables", "grad buf", "peak", "in", "largest tensor",
             "largest MiB", "vocab width", "full-V"]
@@ -543,6 +594,7 @@ def print_tables(rows, args):
         for msg in check_row(r):
             notes.append(f"V={r['vocab']} s={_k(r['s'])} p={r['p']} metp-vocab: {msg}")
     print("\nChecks (metp-vocab rows): largest tensor <= the [s/p·b, V/p] fp32 logits bound, "
+          "largest tensor with a vocabulary axis <= the [token_chunk, V/p] fp32 chunk bound, "
           "widest vocabulary axis = V/p, no tensor spanning the full vocabulary"
           + (": all pass." if not notes else ":"))
     for n in notes:
@@ -557,6 +609,18 @@ def print_tables(rows, args):
                           f"{mib:,.0f} {c}× {what} {shape} {dt} {ph}"
                           for mib, c, what, shape, dt, ph in r["top_at_peak"]))
     return notes
+
+
+def _token_chunk_arg(text):
+    if text == "all":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer or 'all', got {text!r}")
+    return value
 
 
 def main(argv=None):
@@ -579,11 +643,15 @@ def main(argv=None):
                     help="leave out Megatron DDP's fp32 main_grad buffer")
     ap.add_argument("--cpu-matmul", action="store_true",
                     help="keep mm_acc's CPU branch (fp32 operand copies) instead of the CUDA one")
+    ap.add_argument("--token-chunk", default=None, type=_token_chunk_arg,
+                    help="tokens per chunk of the METP loss (metp_output_cross_entropy's "
+                         "token_chunk): a positive integer, or 'all' (untiled). Default: "
+                         "$METP_LOSS_TOKEN_CHUNK or the op's auto chunk (2**28 // (V/p))")
     _bench.add_run_args(ap)
     args = ap.parse_args(argv)
 
     cases = make_cases(args.vocab, args.seq, args.p, args.hidden, args.batch, args.paths,
-                       not args.no_main_grad, args.cpu_matmul, args.top)
+                       not args.no_main_grad, args.cpu_matmul, args.top, args.token_chunk)
     t0 = time.perf_counter()
     results = run(cases, jobs=args.jobs, timeout=args.timeout)
     notes = print_tables(results, args)

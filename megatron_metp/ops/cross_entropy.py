@@ -7,25 +7,44 @@ Layout on rank ``r`` of a METP group of size ``p`` (see :mod:`megatron_metp.ops.
   (Megatron's ``ColumnParallelLinear`` vocabulary shard for TP of size ``t·p``);
 * returns the per-token loss ``[b, n]`` in fp32, as Megatron's ``compute_language_model_loss``.
 
-Forward (``p`` steps, weight ring). At step ``t`` rank ``r`` holds shard ``j = (r - t) mod p`` and
-forms ``Z_j = X·W_jᵀ`` (``[n·b, v]``, fp32) while shard ``j-1`` is in flight, folding it into an
-online log-sum-exp and the target logit::
+Forward (``p`` steps, weight ring). At step ``t`` rank ``r`` holds shard ``j = (r - t) mod p``
+and, while shard ``j-1`` is in flight, goes through its ``N = n·b`` tokens in chunks ``C`` of
+``token_chunk`` rows (the last one shorter), forming ``Z_{C,j} = X_C·W_jᵀ`` (``[|C|, v]``, fp32)
+and folding it into the online log-sum-exp and the target logit of those tokens::
 
-    m ← max(m, max_k Z_j[:, k])      l ← l·e^(m_old - m) + Σ_k e^(Z_j[:, k] - m)
-    z_y ← z_y + Z_j[i, y_i - lo_j]   (for the tokens whose label lies in shard j)
+    m_C ← max(m_C, max_k Z_{C,j}[:, k])    l_C ← l_C·e^(m_C,old - m_C) + Σ_k e^(Z_{C,j}[:, k] - m_C)
+    z_y ← z_y + Z_{C,j}[i, y_i - lo_j]     (for the tokens i ∈ C whose label lies in shard j)
+
+Every update is per token, so the chunking changes no value: it only bounds the logits block.
 
 With TP the partial ``(m, l, z_y)`` of each TP rank's vocabulary range are merged by all-reduces
 (max, then sums), as Megatron's ``vocab_parallel_cross_entropy`` does. Then
 ``lse = m + log l`` and ``loss = lse - z_y``. With label smoothing ``ε`` (Megatron's form,
 ``ε' = ε·V/(V-1)``): ``loss = lse - (1-ε')·z_y - ε'·(Σ_k Z[:, k])/V``.
 
-Backward (``p`` steps, second pass of the ring). ``Z_j`` is recomputed as shard ``j`` passes::
+Backward (``p`` steps, second pass of the ring). ``Z_{C,j}`` is recomputed chunk by chunk as
+shard ``j`` passes::
 
-    dZ_j = g ⊙ (softmax(Z_j) - (1-ε')·onehot_j - ε'/V)    softmax(Z_j) = e^(Z_j - lse)
-    dX  += dZ_j·W_j   (local)              dW_j = Σ_ranks dZ_jᵀ·X   (travels to its owner)
+    dZ_{C,j} = g_C ⊙ (softmax(Z_{C,j}) - (1-ε')·onehot_j - ε'/V),   softmax = e^(Z_{C,j} - lse_C)
+    dX_C += dZ_{C,j}·W_j   (local, fp32 accumulator for 16-bit inputs)
+    dW_j += dZ_{C,j}ᵀ·X_C  (into the fp32 sum travelling to the owner, chunk after chunk)
 
-so no rank holds more than ``[n·b, v]`` logits at a time. With TP, dX is summed over TP at the end.
-Saved for backward: ``X``, ``labels`` and ``lse`` (``[n·b]`` fp32); nothing of size ``V``.
+With TP, dX is summed over TP at the end. Saved for backward: ``X``, ``labels`` and ``lse``
+(``[n·b]`` fp32); nothing of size ``V``.
+
+Tiling and memory. ``token_chunk`` (keyword argument; else the environment variable
+``METP_LOSS_TOKEN_CHUNK``; else auto: the most rows with ``token_chunk·v <= 2**28``, i.e. one
+fp32 logits chunk of at most 1 GiB — 16,644 tokens for Llama-3's vocabulary at ``p = 8``,
+``V = 129024`` padded, ``v = 16128``) bounds every temporary with a vocabulary axis: the largest
+is one ``[token_chunk, v]`` fp32 logits / ``dZ`` chunk (with its 16-bit twin), whatever the
+number of tokens per rank. What still grows with the tokens is ``[n·b, h]`` (``X``, the fp32
+``dX`` accumulator and its copy in the input dtype) and ``[n·b]`` (``m``, ``l``, ``z_y``,
+``lse``, labels); per chunk the backward adds ``[token_chunk, h]`` and ``[v, h]`` fp32 products
+(``mm_acc``'s CUDA branch). The ring is untouched by the tiling: the same shards in the same
+order, the same messages and sizes (``group.stats``), one chunk loop per ring step; ranks may use
+different chunks. The loss and ``dX`` are per token; ``dW_j`` is summed chunk after chunk
+(``Σ_C dZ_{C,j}ᵀ·X_C`` instead of one matmul), so results equal the untiled op's up to the fp32
+rounding of that order.
 
 :func:`metp_output_logits` is the same ring without the loss (``[n, b, p·v]`` logits of this
 group's vocabulary range, Megatron's ``parallel_output`` logits): for evaluation and generation.
@@ -44,7 +63,8 @@ from ..finite import check_finite
 from ..groups import METPGroup, as_metp_group
 from ..ring import RingExchanger, TravellingSum
 from ._accum import mm_acc
-from .vocab import check_ids, check_table, local_rows, shard_rows, vocab_bounds
+from .vocab import (LOSS_TOKEN_CHUNK_ENV, check_ids, check_table, local_rows, resolve_token_chunk,
+                    shard_rows, token_chunks, vocab_bounds)
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -63,13 +83,16 @@ def _tp_size(tp_group) -> int:
     return 1 if tp_group is None else dist.get_world_size(tp_group)
 
 
-def _weight_ring_backward(x2, weight, group: METPGroup, grad_dtype, vocab_start, shard_dz, what):
+def _weight_ring_backward(x2, weight, group: METPGroup, grad_dtype, vocab_start, shard_dz, what,
+                          token_chunk=None):
     """The backward ring shared by the loss and the logits path.
 
-    For every shard ``j`` (visited ``r-1, r-2, …, r``: the owner's last), ``shard_dz(w_j, lo, hi)``
-    returns ``dZ_j`` ``[N, v]`` in the input dtype for the shard's rows ``[lo, hi)`` (counted from
-    ``vocab_start``); ``dX += dZ_j·W_j`` locally and ``dZ_jᵀ·X`` is added into the gradient sum
-    travelling with shard ``j``. Returns ``(dX, dW)`` (``dW`` complete for this rank's shard).
+    For every shard ``j`` (visited ``r-1, r-2, …, r``: the owner's last) and every chunk ``C`` of
+    ``token_chunk`` token rows (all ``N`` rows at once if ``None``), ``shard_dz(w_j, lo, hi, C)``
+    returns ``dZ_{C,j}`` ``[|C|, v]`` in the input dtype for the shard's rows ``[lo, hi)``
+    (counted from ``vocab_start``); ``dX_C += dZ_{C,j}·W_j`` locally and ``dZ_{C,j}ᵀ·X_C`` is
+    added into the gradient sum travelling with shard ``j``. Returns ``(dX, dW)`` (``dW``
+    complete for this rank's shard). The chunks change only the compute between ring steps.
     """
     p = group.size
     v, h = weight.shape
@@ -79,11 +102,17 @@ def _weight_ring_backward(x2, weight, group: METPGroup, grad_dtype, vocab_start,
                          x2.device)
     w_ring = RingExchanger(group, f"{what} weights (bwd)")
 
+    N = x2.shape[0]
+    chunks = token_chunks(N, token_chunk or max(1, N)) or [slice(0, 0)]
+
     def visit(w_j, j):
         lo, hi = shard_rows(vocab_start, v, j)
-        dz = shard_dz(w_j, lo, hi)
-        mm_acc(dx, dz, w_j)
-        mm_acc(sums.buffer().view(v, h), dz.t(), x2)
+        dw = sums.buffer().view(v, h)
+        for c in chunks:
+            dz = shard_dz(w_j, lo, hi, c)
+            mm_acc(dx[c], dz, w_j)
+            mm_acc(dw, dz.t(), x2[c])
+            del dz  # one chunk's dZ alive at a time
 
     if p > 1:
         first = weight.detach().clone()
@@ -100,7 +129,7 @@ class _METPCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, group: METPGroup, tp_group, vocab_start: int,
-                vocab_size: int, smoothing: float, grad_dtype, label: str):
+                vocab_size: int, smoothing: float, grad_dtype, label: str, token_chunk: int):
         check_finite(f"{label} (forward)", hidden=hidden, weight=weight)
         n, b, h = hidden.shape
         v = weight.shape[0]
@@ -113,17 +142,20 @@ class _METPCrossEntropyFunction(torch.autograd.Function):
         zsum = torch.zeros_like(l) if smoothing else None
         ring = RingExchanger(group, "output-layer shards (fwd)")
         shards = ring.circulate(weight.detach().clone()) if group.size > 1 else [(0, weight)]
+        chunks = token_chunks(N, token_chunk)
         for t, w in shards:
             lo, hi = shard_rows(vocab_start, v, group.owner_at_step(t))
-            z = torch.mm(x2, w.t()).float()  # [N, v]: the only logits alive
-            local, inside = local_rows(y, lo, v)
-            zy.add_(z.gather(1, local[:, None]).squeeze(1).masked_fill_(~inside, 0))
-            if zsum is not None:
-                zsum.add_(z.sum(1))
-            m_new = torch.maximum(m, z.amax(1))
-            l.mul_(torch.exp(m - m_new)).add_(z.sub_(m_new[:, None]).exp_().sum(1))
-            m = m_new
-            del z  # before the next shard's block is formed: one logits block alive at a time
+            for c in chunks:  # the tokens in chunks: the logits block is [<= token_chunk, v]
+                z = torch.mm(x2[c], w.t()).float()  # [|C|, v]: the only logits alive
+                local, inside = local_rows(y[c], lo, v)
+                zy[c].add_(z.gather(1, local[:, None]).squeeze(1).masked_fill_(~inside, 0))
+                if zsum is not None:
+                    zsum[c].add_(z.sum(1))
+                m_c = m[c]
+                m_new = torch.maximum(m_c, z.amax(1))
+                l[c].mul_(torch.exp(m_c - m_new)).add_(z.sub_(m_new[:, None]).exp_().sum(1))
+                m_c.copy_(m_new)
+                del z, m_new  # before the next block is formed: one logits block alive at a time
         if _tp_size(tp_group) > 1:
             m_all = m.clone()
             _all_reduce(m_all, dist.ReduceOp.MAX, tp_group, group.timeout)
@@ -143,7 +175,7 @@ class _METPCrossEntropyFunction(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, labels, lse)
         ctx.group, ctx.tp_group, ctx.vocab_start, ctx.vocab_size = group, tp_group, vocab_start, \
             vocab_size
-        ctx.eps, ctx.grad_dtype, ctx.label = eps, grad_dtype, label
+        ctx.eps, ctx.grad_dtype, ctx.label, ctx.token_chunk = eps, grad_dtype, label, token_chunk
         return loss.view(n, b).t().contiguous()  # [b, n], contiguous like Megatron's loss
 
     @staticmethod
@@ -157,22 +189,22 @@ class _METPCrossEntropyFunction(torch.autograd.Function):
         g = grad_loss.t().reshape(-1).float()
         eps, V = ctx.eps, ctx.vocab_size
 
-        def shard_dz(w_j, lo, hi):
-            z = torch.mm(x2, w_j.t()).float()
-            dz = z.sub_(lse[:, None]).exp_()  # softmax over the whole vocabulary, shard j
+        def shard_dz(w_j, lo, hi, c):  # dZ of the tokens of chunk c ([|C|, v])
+            z = torch.mm(x2[c], w_j.t()).float()
+            dz = z.sub_(lse[c, None]).exp_()  # softmax over the whole vocabulary, shard j
             if eps:
                 dz.sub_(eps / V)
-            local, inside = local_rows(y, lo, hi - lo)
+            local, inside = local_rows(y[c], lo, hi - lo)
             dz.scatter_add_(1, local[:, None], inside[:, None].to(dz.dtype) * -(1.0 - eps))
-            dz.mul_(g[:, None])
+            dz.mul_(g[c, None])
             return dz.to(x2.dtype)
 
         dx, dw = _weight_ring_backward(x2, weight, group, ctx.grad_dtype, ctx.vocab_start,
-                                       shard_dz, "output layer")
+                                       shard_dz, "output layer", ctx.token_chunk)
         if _tp_size(ctx.tp_group) > 1:
             _all_reduce(dx, dist.ReduceOp.SUM, ctx.tp_group, group.timeout)
         return (dx.to(hidden.dtype).view(n, b, h), dw.to(weight.dtype), None, None, None, None,
-                None, None, None, None)
+                None, None, None, None, None)
 
 
 def _check_hidden(hidden, weight, group, grad_reduce_dtype):
@@ -197,7 +229,8 @@ def metp_output_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels
                               vocab_size: Optional[int] = None, label_smoothing: float = 0.0,
                               check_labels: bool = True,
                               grad_reduce_dtype: Optional[torch.dtype] = torch.float32,
-                              label: str = "metp_output_cross_entropy") -> torch.Tensor:
+                              label: str = "metp_output_cross_entropy",
+                              token_chunk: Optional[int] = None) -> torch.Tensor:
     """Per-token cross-entropy of ``softmax(hidden·Wᵀ)`` with the vocabulary shards on a ring.
 
     Args:
@@ -213,10 +246,20 @@ def metp_output_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels
         grad_reduce_dtype: dtype of the weight-gradient sum travelling the ring (default fp32).
         label: names this call in NaN/Inf reports and in the opt-in cross-rank agreement check
             (:mod:`megatron_metp.agree`).
+        token_chunk: token rows (of the ``s/p·b`` flattened ``[s/p, b]`` tokens) per chunk of the
+            per-shard compute, forward and backward. ``None`` (default): the environment variable
+            ``METP_LOSS_TOKEN_CHUNK`` if set, else auto (``max(1, 2**28 // v)``: one fp32
+            ``[token_chunk, v]`` logits chunk is at most 1 GiB). A positive integer, else
+            ``ValueError`` (naming the argument or the variable) before any transfer. Changes
+            neither the ring's messages nor the result beyond fp32 summation order.
 
     Returns:
         ``[b, s/p]`` fp32 losses (unreduced; apply the loss mask and average as Megatron does).
         The weight shard's gradient is complete (summed over the group's tokens).
+
+    Memory: the largest temporary is one ``[token_chunk, v]`` fp32 logits (or ``dZ``) chunk with
+    its 16-bit twin; besides the weight shards in flight and the fp32 weight-gradient sums
+    ``[v, h]``, the rest is ``[s/p·b, h]`` (``dX``) or ``[s/p·b]``.
     """
     group = as_metp_group(group)
     name = op_label("metp_output_cross_entropy", label)
@@ -238,10 +281,11 @@ def metp_output_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels
                              f"{weight.shape[0]}: the shards do not cover the padded vocabulary")
         if not 0.0 <= label_smoothing < 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+        chunk = resolve_token_chunk(token_chunk, weight.shape[0], LOSS_TOKEN_CHUNK_ENV)
     except ValueError as exc:
         refuse_together(group, name, exc)
         raise
-    if agreement_checks_enabled():  # token counts may differ: the loss is per token
+    if agreement_checks_enabled():  # token counts (and token chunks) may differ: per token
         check_group_agrees(group, name, label=label, hidden_size=hidden.shape[-1],
                            hidden_dtype=hidden.dtype, weight=weight, vocab_start=int(vocab_start),
                            vocab_size=hi, label_smoothing=float(label_smoothing),
@@ -252,7 +296,7 @@ def metp_output_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels
                   "check the data's token ids against the vocabulary size")
     return _METPCrossEntropyFunction.apply(hidden, weight, labels.long(), group, tp_group,
                                            int(vocab_start), int(hi), float(label_smoothing),
-                                           grad_reduce_dtype, label)
+                                           grad_reduce_dtype, label, chunk)
 
 
 class _METPLogitsFunction(torch.autograd.Function):
@@ -283,8 +327,8 @@ class _METPLogitsFunction(torch.autograd.Function):
         x2 = hidden.reshape(n * b, h)
         g = grad_logits.reshape(n * b, -1).to(hidden.dtype)
 
-        def shard_dz(w_j, lo, hi):
-            return g[:, lo:hi]
+        def shard_dz(w_j, lo, hi, c):
+            return g[c, lo:hi]
 
         dx, dw = _weight_ring_backward(x2, weight, ctx.group, ctx.grad_dtype, 0, shard_dz,
                                        "output logits")
@@ -298,7 +342,8 @@ def metp_output_logits(hidden: torch.Tensor, weight: torch.Tensor, *, group,
 
     The weight shards pass around the ring; the result equals Megatron's ``parallel_output``
     logits of TP rank ``τ`` (columns ``[τ·p·v, (τ+1)·p·v)``). For evaluation/generation: training
-    uses :func:`metp_output_cross_entropy`, which never holds more than ``[s/p·b, v]`` logits.
+    uses :func:`metp_output_cross_entropy`, which never holds more than ``[token_chunk, v]``
+    logits. Not tiled (its output is ``[s/p·b, p·v]`` anyway).
     """
     group = as_metp_group(group)
     _check_hidden(hidden, weight, group, grad_reduce_dtype)

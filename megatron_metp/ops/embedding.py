@@ -20,6 +20,17 @@ shard it is visiting (``index_add``), so every shard's gradient arrives complete
 
 Communication per call: ``p-1`` table shards forward, ``p-1`` gradient shards backward; nothing
 scales with ``s``. Memory: ``tokens`` is all that is saved; two shard buffers in flight.
+
+Tiling. No temporary here has a vocabulary axis over the tokens (nothing is ``[tokens, v]``), but
+untiled each step made ``[tokens, h]`` temporaries next to the ``[tokens, h]`` output or gradient:
+the looked-up rows in forward, and in backward the incoming gradient's fp32 copy plus the step's
+masked fp32 rows — at 512K tokens per rank and ``h = 4096`` with bf16 that is 16 GiB of fp32 next
+to a 4 GiB gradient. So both passes go through the tokens in chunks of ``token_chunk`` rows
+(default auto: ``max(1, 2**28 // h)``, at most 1 GiB of fp32 per chunk), inside each ring step:
+forward ``y_C += E_j[ids_C - lo_j]`` (masked), backward ``dE_j += index_add(dy_C in fp32,
+masked)``, chunk after chunk in token order. The largest temporary is then ``[token_chunk, h]``
+(fp32 in backward); the output ``[tokens, h]`` and the fp32 ``[v, h]`` ring sums remain. Values are
+unchanged (the same additions in the same order); the ring and its messages are untouched.
 """
 
 from __future__ import annotations
@@ -33,28 +44,34 @@ from ..agree import (agreement_checks_enabled, check_group_agrees, needs_grad, o
 from ..finite import check_finite
 from ..groups import METPGroup, as_metp_group
 from ..ring import RingExchanger, TravellingSum
-from .vocab import check_ids, check_table, local_rows, shard_rows, vocab_bounds
+from .vocab import (check_ids, check_table, local_rows, resolve_token_chunk, shard_rows,
+                    token_chunks, vocab_bounds)
 
 
 class _METPEmbeddingFunction(torch.autograd.Function):
     """Autograd function of :func:`metp_embedding` (equations in the module docstring)."""
 
     @staticmethod
-    def forward(ctx, ids, weight, group: METPGroup, vocab_start: int, grad_dtype, label: str):
+    def forward(ctx, ids, weight, group: METPGroup, vocab_start: int, grad_dtype, label: str,
+                token_chunk: int):
         check_finite(f"{label} (forward)", weight=weight)
         v, h = weight.shape
         flat_ids = ids.reshape(-1)
         y = torch.zeros(flat_ids.numel(), h, dtype=weight.dtype, device=weight.device)
         ring = RingExchanger(group, "embedding shards (fwd)")
         shards = ring.circulate(weight.detach().clone()) if group.size > 1 else [(0, weight)]
+        chunks = token_chunks(flat_ids.numel(), token_chunk)
         for t, w in shards:
             lo, _ = shard_rows(vocab_start, v, group.owner_at_step(t))
-            local, inside = local_rows(flat_ids, lo, v)
-            rows = w.index_select(0, local).masked_fill_(~inside[:, None], 0)
-            y.add_(rows)  # each token lies in exactly one shard: adds its row once, zeros else
+            for c in chunks:  # [token_chunk, h] rows at a time
+                local, inside = local_rows(flat_ids[c], lo, v)
+                rows = w.index_select(0, local).masked_fill_(~inside[:, None], 0)
+                y[c].add_(rows)  # each token lies in exactly one shard: its row once, zeros else
+                del rows
         ctx.save_for_backward(ids)
         ctx.group, ctx.vocab_start, ctx.grad_dtype, ctx.label = group, vocab_start, grad_dtype, label
         ctx.table_shape, ctx.table_dtype = weight.shape, weight.dtype
+        ctx.token_chunk = token_chunk
         return y.view(*ids.shape, h)
 
     @staticmethod
@@ -66,23 +83,30 @@ class _METPEmbeddingFunction(torch.autograd.Function):
         flat_ids = ids.reshape(-1)
         acc_dtype = ctx.grad_dtype or (torch.float32 if ctx.table_dtype in
                                        (torch.float16, torch.bfloat16) else ctx.table_dtype)
-        g = grad_y.reshape(-1, h).to(acc_dtype)
+        g = grad_y.reshape(-1, h)  # converted to acc_dtype a chunk at a time
+        chunks = token_chunks(flat_ids.numel(), ctx.token_chunk)
         sums = TravellingSum(RingExchanger(group, "embedding grads (bwd)"), v * h, acc_dtype,
                              grad_y.device)
         # Rank r adds into shards r-1, r-2, ..., r: its own last, where the sum ends complete.
         for step in range(group.size):
             lo, _ = shard_rows(ctx.vocab_start, v, group.owner_at_step(step, offset=1))
-            local, inside = local_rows(flat_ids, lo, v)
-            sums.buffer().view(v, h).index_add_(0, local, g.masked_fill(~inside[:, None], 0))
+            dw = sums.buffer().view(v, h)
+            for c in chunks:  # in token order, as one index_add over all tokens would add
+                local, inside = local_rows(flat_ids[c], lo, v)
+                rows = g[c].to(acc_dtype, copy=True).masked_fill_(~inside[:, None], 0)
+                dw.index_add_(0, local, rows)
+                del rows
             if step < group.size - 1:
                 sums.pass_on()
-        return None, sums.buffer().view(v, h).to(ctx.table_dtype), None, None, None, None
+        return (None, sums.buffer().view(v, h).to(ctx.table_dtype), None, None, None, None,
+                None)
 
 
 def metp_embedding(tokens: torch.Tensor, weight: torch.Tensor, *, group, vocab_start: int = 0,
                    vocab_size: Optional[int] = None, check_token_ids: bool = True,
                    grad_reduce_dtype: Optional[torch.dtype] = torch.float32,
-                   label: str = "metp_embedding") -> torch.Tensor:
+                   label: str = "metp_embedding",
+                   token_chunk: Optional[int] = None) -> torch.Tensor:
     """Word embedding lookup with the table's vocabulary shards on the METP ring.
 
     Args:
@@ -98,6 +122,10 @@ def metp_embedding(tokens: torch.Tensor, weight: torch.Tensor, *, group, vocab_s
             fp32; ``None``: the table's dtype, fp32 for 16-bit tables).
         label: names this call in NaN/Inf reports and in the opt-in cross-rank agreement check
             (:mod:`megatron_metp.agree`).
+        token_chunk: tokens per chunk of each ring step's lookup (forward) and gradient
+            scatter (backward); ``None`` (default): auto, ``max(1, 2**28 // h)`` (one fp32
+            ``[token_chunk, h]`` chunk is at most 1 GiB). A positive integer, else
+            ``ValueError`` naming it before any transfer. Changes neither values nor messages.
 
     Returns:
         ``[b, s/p, h]``: the embeddings of this rank's tokens whose ids fall in the group's range,
@@ -116,6 +144,7 @@ def metp_embedding(tokens: torch.Tensor, weight: torch.Tensor, *, group, vocab_s
         if grad_reduce_dtype is not None and not grad_reduce_dtype.is_floating_point:
             raise ValueError(f"grad_reduce_dtype must be a floating dtype, got {grad_reduce_dtype}")
         lo, hi = vocab_bounds(vocab_start, weight.shape[0], group.size, vocab_size)
+        chunk = resolve_token_chunk(token_chunk, weight.shape[1])
     except ValueError as exc:
         refuse_together(group, name, exc)
         raise
@@ -129,4 +158,4 @@ def metp_embedding(tokens: torch.Tensor, weight: torch.Tensor, *, group, vocab_s
     elif tokens.is_floating_point():
         raise ValueError(f"tokens must be integer ids, got {tokens.dtype}")
     return _METPEmbeddingFunction.apply(tokens.long(), weight, group, int(vocab_start),
-                                        grad_reduce_dtype, label)
+                                        grad_reduce_dtype, label, chunk)

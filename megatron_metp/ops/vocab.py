@@ -10,6 +10,8 @@ vocabulary (:func:`padded_vocab_size`); the padding rows are ordinary rows, as i
 
 from __future__ import annotations
 
+import operator
+import os
 from typing import Optional
 
 import torch
@@ -98,3 +100,51 @@ def vocab_bounds(vocab_start: int, rows: int, p: int, vocab_size: Optional[int])
         raise ValueError(f"vocab_size={vocab_size} is smaller than the end of this group's shards "
                          f"({vocab_start} + {p}*{rows} = {end})")
     return 0, vocab_size
+
+
+#: Auto token chunk: at most this many elements in one chunk's ``[token_chunk, width]`` block
+#: (2**28 fp32 elements = 1 GiB).
+TOKEN_CHUNK_ELEMENTS = 1 << 28
+#: Environment variable that sets the loss's token chunk when ``token_chunk`` is not passed.
+LOSS_TOKEN_CHUNK_ENV = "METP_LOSS_TOKEN_CHUNK"
+
+
+def _positive_int(value, what: str):
+    if isinstance(value, bool):
+        raise ValueError(f"{what} must be a positive integer (tokens per chunk), got {value!r}")
+    try:
+        n = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{what} must be a positive integer (tokens per chunk), got "
+                         f"{value!r}") from None
+    if n < 1:
+        raise ValueError(f"{what} must be a positive integer (tokens per chunk), got {value!r}")
+    return n
+
+
+def resolve_token_chunk(token_chunk, width: int, env: Optional[str] = None,
+                        arg: str = "token_chunk") -> int:
+    """Rows of tokens per chunk of an op that tiles its tokens (``[token_chunk, width]`` blocks).
+
+    ``token_chunk`` if given (a positive integer, else ``ValueError`` naming ``arg``); otherwise
+    the environment variable ``env`` if it is set and not empty (a positive integer, else
+    ``ValueError`` naming the variable); otherwise auto: the most rows whose ``[rows, width]``
+    block has at most :data:`TOKEN_CHUNK_ELEMENTS` elements (1 GiB in fp32), at least 1.
+    A chunk larger than the rank's token count means one chunk (no tiling).
+    """
+    if token_chunk is not None:
+        return _positive_int(token_chunk, arg)
+    if env is not None:
+        raw = os.environ.get(env, "").strip()
+        if raw:
+            try:
+                value = int(raw)
+            except ValueError:
+                value = raw
+            return _positive_int(value, f"the environment variable {env}")
+    return max(1, TOKEN_CHUNK_ELEMENTS // max(1, int(width)))
+
+
+def token_chunks(n: int, chunk: int):
+    """The row slices ``[a, min(a + chunk, n))`` covering ``n`` rows in order (none for 0)."""
+    return [slice(a, min(a + chunk, n)) for a in range(0, n, chunk)]
