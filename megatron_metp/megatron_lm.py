@@ -85,6 +85,14 @@ def add_metp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "log-sum-exp): no rank holds a whole table or full-vocabulary logits. Megatron "
              "pads the vocabulary to a multiple of --make-vocab-size-divisible-by x TP x METP.")
     group.add_argument(
+        "--metp-offload-activations", action="store_true",
+        help="Copy what the transformer layers keep for backward to pinned host memory as each "
+             "layer finishes its forward (side CUDA stream) and bring layer l-1's back while "
+             "layer l runs its backward: the GPU holds two layers' saved tensors (with "
+             "--recompute-granularity full: two layer inputs), the host the rest. Works with "
+             "and without METP; replaces Megatron's --cpu-offloading, which cannot be combined "
+             "with recompute.")
+    group.add_argument(
         "--metp-ring-timeout", type=float, default=None, metavar="SECONDS",
         help="Seconds a ring step waits for its peer before failing with a message naming the "
              "group, step and peer (default: $METP_RING_TIMEOUT_S or 600). On NCCL the process "
@@ -134,6 +142,12 @@ def validate_metp_args(args):
     same ``args`` is harmless.
     """
     p = getattr(args, "metp_parallel_size", 1)
+    if getattr(args, "metp_offload_activations", False) and (
+            getattr(args, "cpu_offloading", False) or
+            (getattr(args, "cpu_offloading_num_layers", 0) or 0) > 0):
+        raise ValueError("--metp-offload-activations with --cpu-offloading: two activation "
+                         "offloads; keep one (--metp-offload-activations also works with "
+                         "--recompute-granularity full, Megatron's does not)")
     if p is None or p == 1:
         if getattr(args, "metp_vocab_parallel", False):
             raise ValueError("--metp-vocab-parallel needs --metp-parallel-size > 1 (with METP off "
@@ -339,10 +353,16 @@ def wrap_gpt_builder(gpt_builder: Callable) -> Callable:
     @functools.wraps(gpt_builder)
     def builder(args, pre_process, post_process, vp_stage=None, config=None, pg_collection=None):
         if not metp_enabled(args):
-            return gpt_builder(args, pre_process, post_process, vp_stage, config=config,
-                               pg_collection=pg_collection)
-        return build_metp_gpt_model(args, pre_process, post_process, vp_stage, config=config,
-                                    pg_collection=pg_collection)
+            model = gpt_builder(args, pre_process, post_process, vp_stage, config=config,
+                                pg_collection=pg_collection)
+        else:
+            model = build_metp_gpt_model(args, pre_process, post_process, vp_stage,
+                                         config=config, pg_collection=pg_collection)
+        if getattr(args, "metp_offload_activations", False):
+            from .offload import ActivationOffloader
+
+            ActivationOffloader().attach(model.decoder)
+        return model
 
     builder.metp_wrapped_builder = gpt_builder
     return builder

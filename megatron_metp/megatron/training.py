@@ -54,8 +54,11 @@ class Layout:
 
     ``recompute="full"`` sets Megatron's activation recompute (``recompute_granularity``,
     ``recompute_method`` ``"uniform"``/``"block"``, ``recompute_num_layers``) on the
-    TransformerConfig: whole layers, rings included, re-run in backward. ``extra`` adds or
-    overrides any other TransformerConfig field.
+    TransformerConfig: whole layers, rings included, re-run in backward.
+    ``offload_activations`` attaches :class:`megatron_metp.offload.ActivationOffloader` to the
+    model's transformer block (Megatron-LM: ``--metp-offload-activations``): what the layers keep
+    for backward waits in host memory. ``extra`` adds or overrides any other TransformerConfig
+    field.
     """
 
     tp: int = 1
@@ -71,6 +74,7 @@ class Layout:
     recompute: Optional[str] = None
     recompute_method: str = "uniform"
     recompute_num_layers: int = 1
+    offload_activations: bool = False
     extra: Dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -112,6 +116,8 @@ class Layout:
         if self.recompute:
             name += (f"+recompute={self.recompute}/{self.recompute_method}/"
                      f"{self.recompute_num_layers}")
+        if self.offload_activations:
+            name += "+offload"
         parts = [name] + [f"{k}={v}" for k, v in (("TP", self.tp), ("PP", self.pp)) if v > 1]
         dp = dist.get_world_size() // (self.tp * self.pp * self.metp) if dist.is_initialized() else 1
         if dp > 1:
@@ -170,11 +176,16 @@ def build_model(size: GPTSize, layout: Layout, groups: METPGroups):
         spec = get_gpt_layer_metp_spec(groups, weight_ring=layout.mode == "metp",
                                        normalization=size.normalization, kernel=layout.kernel)
     cls, extra = (METPGPTModel, {"metp_groups": groups}) if layout.vocab_parallel else (GPTModel, {})
-    return cls(config=cfg, transformer_layer_spec=spec, vocab_size=size.vocab_size,
-               max_sequence_length=size.seq_length,
-               pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-               share_embeddings_and_output_weights=size.tie_embeddings,
-               position_embedding_type=size.position_embedding_type, **extra)
+    model = cls(config=cfg, transformer_layer_spec=spec, vocab_size=size.vocab_size,
+                max_sequence_length=size.seq_length,
+                pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+                share_embeddings_and_output_weights=size.tie_embeddings,
+                position_embedding_type=size.position_embedding_type, **extra)
+    if layout.offload_activations:
+        from ..offload import ActivationOffloader
+
+        ActivationOffloader().attach(model.decoder)
+    return model
 
 
 # ---------------------------------------------------------------- same weights in every layout

@@ -1,0 +1,221 @@
+"""Host offload of what the transformer layers keep for backward (``--metp-offload-activations``).
+
+:class:`ActivationOffloader` hooks a Megatron ``TransformerBlock``: while the block runs its
+forward, every tensor autograd saves (``torch.autograd.graph.saved_tensors_hooks``) that is at
+least ``min_bytes`` large, not a parameter and not seen before in this forward is copied to host
+memory (pinned on CUDA, on a side stream ordered after the producing stream; the device tensor is
+handed to the allocator with ``record_stream`` so its memory is reused only after the copy) and
+autograd keeps only a handle. Layer boundaries (a forward pre-hook on each layer) cut the saved
+tensors into groups; when the backward first unpacks a tensor of group ``g``, that tensor is
+copied back at once, the rest of group ``g`` and the whole group ``g − 1`` on the side stream, so
+the previous layer is on the device when its backward starts: the GPU holds the saved tensors of
+at most two groups (the running one and the prefetched one) instead of every layer's. With full recompute (``--recompute-granularity full``) what a layer keeps is its
+input, so the device holds two layer inputs and the host ``L`` of them.
+
+Tensors a second layer saves again (the RoPE table, masks shared by all layers) stay on the device
+from their second use on. On the CPU the copies are real copies (host and device are the same
+memory), so results are exact and the code path is the one a GPU runs; under ``FakeTensorMode``
+(the fake-rank instruments) nothing is copied: the host side is counted (``host_bytes``,
+``host_peak``) and the device side is re-allocated at prefetch time, so a memory tracker sees
+exactly what stays on and returns to the device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+
+#: tensors smaller than this stay on the device (norm statistics, RNG states, ids)
+DEFAULT_MIN_BYTES = 1 << 20
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t)
+
+
+@dataclass(eq=False)
+class _Entry:
+    group: int
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    nbytes: int
+    host: Optional[torch.Tensor] = None      # real runs: the host copy
+    on_device: Optional[torch.Tensor] = None  # after prefetch
+    ready: Optional[object] = None           # CUDA event of the prefetch copy
+    fake: bool = False
+
+
+@dataclass
+class _Stats:
+    host_bytes: int = 0        # host bytes held now
+    host_peak: int = 0
+    offloaded: int = 0         # tensors moved to the host (all forwards)
+    offloaded_bytes: int = 0
+    fetched_bytes: int = 0     # bytes brought back
+    prefetched_groups: int = 0
+    by_group: Dict[int, int] = field(default_factory=dict)
+
+
+class ActivationOffloader:
+    """Offloads the saved tensors of a transformer block's forward to the host, per layer group,
+    and prefetches group ``g − 1`` when the backward reaches group ``g``.
+
+    ``attach(block)`` wraps ``block.forward`` (inside: the saving hooks) and registers a forward
+    pre-hook on each ``block.layers[i]`` that starts a new group. ``min_bytes``: smaller tensors
+    stay on the device (default :data:`DEFAULT_MIN_BYTES`). ``stats``: host bytes now and at
+    peak, tensors and bytes moved.
+    """
+
+    def __init__(self, min_bytes: Optional[int] = None):
+        if min_bytes is None:
+            min_bytes = DEFAULT_MIN_BYTES
+        if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
+            raise ValueError(f"min_bytes must be a non-negative int, got {min_bytes!r}")
+        self.min_bytes = min_bytes
+        self.stats = _Stats()
+        self._groups: Dict[int, List[_Entry]] = {}
+        self._group = -1
+        self._seen: Dict[int, weakref.ref] = {}
+        self._active = False
+        self._stream = None
+
+    # ------------------------------------------------------------------ wiring
+
+    def attach(self, block: torch.nn.Module) -> "ActivationOffloader":
+        """Hook ``block`` (a Megatron ``TransformerBlock``: ``forward`` and ``layers``)."""
+        if getattr(block, "_metp_offloader", None) is not None:
+            raise ValueError("this block already has an ActivationOffloader attached")
+        forward = block.forward
+
+        def offloaded_forward(*args, **kwargs):
+            with self.saving():
+                return forward(*args, **kwargs)
+
+        block.forward = offloaded_forward
+        for layer in getattr(block, "layers", []):
+            layer.register_forward_pre_hook(lambda *_: self.next_group())
+        block._metp_offloader = self
+        return self
+
+    @contextlib.contextmanager
+    def saving(self):
+        """Inside: saved tensors go to the host (a new forward: a new first group)."""
+        if self._active:  # nested (e.g. a checkpointed chunk inside the block): one context
+            yield
+            return
+        self._active = True
+        self._seen = {}
+        self.next_group()
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            self._active = False
+            self._seen = {}
+
+    def next_group(self) -> None:
+        if self._active:
+            self._group += 1
+
+    # ------------------------------------------------------------------ hooks
+
+    def _side_stream(self):
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        return self._stream
+
+    def _pack(self, t: torch.Tensor):
+        if (t.numel() * t.element_size() < self.min_bytes or isinstance(t, torch.nn.Parameter)
+                or (t.is_leaf and t.requires_grad)):
+            return t
+        ref = self._seen.get(id(t))
+        if ref is not None and ref() is t:
+            return t  # shared by several layers: stays on the device from now on
+        self._seen[id(t)] = weakref.ref(t)
+        nbytes = t.numel() * t.element_size()
+        e = _Entry(self._group, t.shape, t.dtype, t.device, nbytes, fake=_is_fake(t))
+        if not e.fake:
+            if t.is_cuda:
+                e.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                side = self._side_stream()
+                side.wait_stream(torch.cuda.current_stream(t.device))
+                with torch.cuda.stream(side):
+                    e.host.copy_(t, non_blocking=True)
+                t.record_stream(side)
+            else:
+                e.host = t.detach().to("cpu", copy=True)
+        self._groups.setdefault(e.group, []).append(e)
+        st = self.stats
+        st.host_bytes += nbytes
+        st.host_peak = max(st.host_peak, st.host_bytes)
+        st.offloaded += 1
+        st.offloaded_bytes += nbytes
+        st.by_group[e.group] = st.by_group.get(e.group, 0) + nbytes
+        return e
+
+    def _bring_back(self, e: _Entry, async_: bool) -> None:
+        if e.on_device is not None:
+            return
+        if e.fake:
+            e.on_device = torch.empty(e.shape, dtype=e.dtype, device=e.device)
+        elif e.device.type == "cuda":
+            dev = torch.empty(e.shape, dtype=e.dtype, device=e.device)
+            if async_:
+                side = self._side_stream()
+                side.wait_stream(torch.cuda.current_stream(e.device))
+                with torch.cuda.stream(side):
+                    dev.copy_(e.host, non_blocking=True)
+                    e.ready = torch.cuda.Event()
+                    e.ready.record(side)
+                dev.record_stream(torch.cuda.current_stream(e.device))
+            else:
+                dev.copy_(e.host)
+            e.on_device = dev
+        else:
+            e.on_device = e.host.to(e.device, copy=True)
+        self.stats.fetched_bytes += e.nbytes
+        self.stats.host_bytes -= e.nbytes
+        e.host = None
+
+    def _prefetch_before(self, group: int) -> None:
+        earlier = [g for g in self._groups if g < group]
+        if not earlier:
+            return
+        g = max(earlier)
+        entries = self._groups.get(g, [])
+        if entries and any(e.on_device is None for e in entries):
+            for e in entries:
+                self._bring_back(e, async_=True)
+            self.stats.prefetched_groups += 1
+
+    def _unpack(self, e):
+        if not isinstance(e, _Entry):
+            return e
+        self._bring_back(e, async_=False)
+        for other in self._groups.get(e.group, []):  # the rest of the running group
+            self._bring_back(other, async_=True)
+        self._prefetch_before(e.group)
+        if e.ready is not None:
+            torch.cuda.current_stream(e.device).wait_event(e.ready)
+            e.ready = None
+        group = self._groups.get(e.group)
+        if group is not None and e in group:
+            group.remove(e)
+            if not group:
+                del self._groups[e.group]
+        # the handle (and so this device copy) lives as long as autograd keeps the saved
+        # tensor, exactly as the original would have without the hooks
+        return e.on_device
+
+    # ------------------------------------------------------------------ reporting
+
+    def pending(self) -> int:
+        """Saved tensors still held for a backward that has not run."""
+        return sum(len(v) for v in self._groups.values())
