@@ -96,7 +96,7 @@ def cmd(model, job, modes, sub="measure"):
 
 def part_validation(out, meas):
     out.append("## 0. How far the plan is from the measurement\n")
-    out.append("Every planned figure below comes from the formulas of `megatron_metp/plan.py`; "
+    out.append("Every planned figure below comes from the formulas of `megatron_metp/tools/plan/`; "
                "they are checked against measurements of the real megatron-core `GPTModel` "
                "(rank 0, torch's fake process group, `FakeTensorMode`, `MemTracker`, one "
                "micro-batch forward+backward with the loss; Megatron DDP's fp32 gradient buffer "
@@ -403,7 +403,7 @@ def part_e(out):
                "ring: one block of a head group per step, 2·n²·b·d·a_g FLOPs (causal "
                "off-diagonal blocks are half full) against 4·n·b·d·g_g bytes, so "
                "s/p ≥ 2·(F/B)·g/a; backward ~2.5× FLOPs for 3× bytes. Rates: datasheets "
-               "(sources in `megatron_metp/plan.py`), and the bf16 matmul rate measured on one "
+               "(sources in `megatron_metp/tools/plan/`), and the bf16 matmul rate measured on one "
                "H200 (DESIGN.md §4, 708 TFLOP/s).\n")
     out.append("| device | F (TFLOP/s) | B (GB/s per dir.) | F/B | MLP/attention weights fwd | "
                "MLP weights bwd | K/V ring fwd (MHA) | K/V ring bwd (MHA) |")
@@ -508,8 +508,8 @@ def main(argv=None):
                f"on {datetime.date.today().isoformat()} (commit {commit}, on top of which the "
                f"working tree may differ), in {wall / 60:.1f} min on this machine's CPUs "
                f"({meas.count} measurements, {meas.seconds / 60:.1f} min of them). No GPU was "
-               f"used: *planned* = the formulas of `megatron_metp/plan.py` (`metp plan`); "
-               f"*measured* = `megatron_metp/measure.py` (`metp measure`): the real "
+               f"used: *planned* = the formulas of `megatron_metp/tools/plan/` (`metp plan`); "
+               f"*measured* = `megatron_metp/tools/measure.py` (`metp measure`): the real "
                f"megatron-core model of rank 0 under torch's fake process group, "
                f"`FakeTensorMode` and `MemTracker` — tensor bytes exactly, without CUDA context, "
                f"NCCL buffers, fragmentation or kernel workspaces. The only GPU measurements "

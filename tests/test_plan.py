@@ -22,6 +22,9 @@ from megatron_metp.tools import plan as P
 
 TOL = 0.05
 
+_LONG = P.Model(hidden=512, layers=4, heads=8, query_groups=4, ffn=4096, vocab=8000, seq=65536,
+               swiglu=True, tied=False)
+
 # Small geometries (fake tensors cost nothing, so sizes only need to keep every term visible):
 # every mode, flash and unfused kernels, MHA and GQA, GeLU and SwiGLU, p = 2 and 4, TP×METP,
 # a padded vocabulary, keep_intermediate, micro-batch 2 and a pipeline stage with 2 in flight.
@@ -49,6 +52,15 @@ SWEEP = [
     ("vocab-pp2-embedding", P.Model(hidden=512, layers=2, heads=4, ffn=1024, vocab=16000,
                                     seq=512, tied=False),
      P.Job(tp=1, metp=2, pp=2, vocab_parallel=True), ["metp"]),
+    # activation recompute and host offload (--recompute, --offload-activations), sized so that
+    # the last layer's backward (re-formed activations, prefetched groups) sets the peak
+    ("recompute-uniform2", _LONG, P.Job(tp=1, metp=4, recompute="full", recompute_num_layers=2),
+     ["tp-sp", "metp+vocab"]),
+    ("recompute-offload", _LONG, P.Job(tp=1, metp=4, recompute="full", offload=True),
+     ["tp-sp", "metp+vocab"]),
+    ("block-offload", _LONG, P.Job(tp=1, metp=4, recompute="full", recompute_method="block",
+                                   recompute_num_layers=2, offload=True), ["metp+vocab"]),
+    ("offload-tp2", _LONG, P.Job(tp=2, metp=2, offload=True), ["cp", "metp"]),
 ]
 #: where each vocabulary case's planned peak must lie (so each case checks what it claims to)
 VOCAB_PEAKS = {"vocab-loss-mb2": "output layer + loss", "vocab-loss-bwd-tp2": "output layer + loss",
@@ -95,18 +107,26 @@ def test_stored_activations_match(measured):
             assert abs((a.stored + a.persistent) / got - 1) <= TOL, (name, mode, got)
 
 
+#: with the host offload the forward is far from the peak and the plan does not follow what the
+#: offloaded first pass still holds for a moment (measured: within 6.3 % low); checked at this
+OFFLOAD_FORWARD_TOL = 0.08
+
+
 def test_forward_peak_matches(measured):
     """The largest total during the forward passes (the ring loss's and the ring embedding's
     forward are never the overall peak, so this is where their buffers are checked)."""
     bad = {}
     for name, model, job, modes in SWEEP:
+        tol = OFFLOAD_FORWARD_TOL if job.offload else TOL
         for mode in modes:
             mem = P.memory(model, job, mode)
             planned = mem.static["params"] + mem.static["grads"] + mem.act.forward_peak
             err = planned / measured[(name, mode)]["phases"]["forward"] - 1
-            if abs(err) > TOL:
+            if abs(err) > tol:
                 bad[(name, mode)] = f"{100 * err:+.2f} %"
-    assert not bad, f"planned vs measured forward peak off by more than {TOL:.0%}: {bad}"
+            if job.offload:  # ... and it is not where the peak is
+                assert mem.act.forward_peak < mem.act.peak, (name, mode)
+    assert not bad, f"planned vs measured forward peak off by more than the tolerance: {bad}"
 
 
 def test_vocab_cases_peak_on_the_vocabulary_side(measured):
@@ -326,3 +346,61 @@ def test_cli_plan_writes_charts_and_refuses_bad_sizes(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "megatron_metp.cli", "plan", "--preset",
                           "gpt-7b", "--metp", "3"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--heads 32 is not divisible by --metp = 3" in bad.stderr
+
+
+OFFLOAD_CASES = [c for c in SWEEP if c[2].offload]
+
+
+def test_host_bytes_match(measured):
+    """The offloaded bytes: what the host holds at its peak (measured by the offloader)."""
+    for name, model, job, modes in OFFLOAD_CASES:
+        for mode in modes:
+            got = measured[(name, mode)]["host_peak"]
+            assert got > 0 and abs(P.activations(model, job, mode).host / got - 1) <= TOL, \
+                (name, mode, got, P.activations(model, job, mode).host)
+
+
+def test_recompute_cases_peak_in_the_layers(measured):
+    """Each recompute/offload case is checked where it claims: the plan's and the measured peak
+    are in the last layer's backward, and the plan says what the recompute re-forms."""
+    for name, model, job, modes in SWEEP:
+        if job.recompute == "none" and not job.offload:
+            continue
+        for mode in modes:
+            a = P.activations(model, job, mode)
+            assert "backward (last layer)" in a.peak_phase, (name, mode, a.peak_phase)
+            assert "re-formed by recompute / brought back from the host" in a.phases[a.peak_phase]
+
+
+def test_negative_control_plan_without_the_recompute_shift_is_caught(measured, monkeypatch):
+    """Planned without what the backward re-forms (and brings back), the recompute and offload
+    cases are off by more than the tolerance."""
+    from megatron_metp.tools.plan import activation_memory as AM
+
+    real = AM.recompute_and_offload
+    monkeypatch.setattr(AM, "recompute_and_offload",
+                        lambda *a, **k: real(*a, **k)[:2] + ({"forward": 0.0, "mlp": 0.0,
+                                                              "backward": 0.0},))
+    worst = max(abs(_error(model, job, mode, measured[(name, mode)]))
+                for name, model, job, modes in SWEEP if job.recompute == "full"
+                for mode in modes)
+    assert worst > TOL, worst
+
+
+def test_recompute_refusals():
+    model = _LONG
+    with pytest.raises(ValueError, match="--recompute selective: the METP and ring layers"):
+        P.validate(model, P.Job(metp=4, recompute="selective"), ["metp"])
+    P.validate(model, P.Job(metp=1, tp=4, recompute="selective"), ["tp-sp"])
+    with pytest.raises(ValueError, match="--recompute-num-layers 3 does not divide"):
+        P.validate(model, P.Job(metp=4, recompute="full", recompute_num_layers=3), ["metp"])
+    with pytest.raises(ValueError, match="--recompute must be"):
+        P.validate(model, P.Job(recompute="partial"), ["metp"])
+
+
+def test_plan_token_chunk_is_the_ops_chunk():
+    from megatron_metp.ops import vocab as V
+    from megatron_metp.tools.plan import vocab as PV
+
+    assert PV.TOKEN_CHUNK_ELEMENTS == V.TOKEN_CHUNK_ELEMENTS
+    assert PV.token_chunk(10 ** 6, 16128) == V.resolve_token_chunk(None, 16128) < 10 ** 6

@@ -64,6 +64,17 @@ def _add_common(ap: argparse.ArgumentParser) -> None:
     j.add_argument("--keep-intermediate", action="store_true",
                    help="METP MLP keeps x·W1ᵀ instead of recomputing it in backward")
     j.add_argument("--distributed-optimizer", action="store_true")
+    j.add_argument("--recompute", choices=["none", "selective", "full"], default=None,
+                   help="activation recompute, as Megatron's --recompute-granularity (default "
+                        "none; selective: stock layers only)")
+    j.add_argument("--recompute-method", choices=["uniform", "block"], default=None,
+                   help="full recompute: chunks of N layers (uniform, default) or the first N "
+                        "layers of a stage (block), as Megatron's --recompute-method")
+    j.add_argument("--recompute-num-layers", type=int, default=None,
+                   help="N of --recompute-method (default 1)")
+    j.add_argument("--offload-activations", action="store_true", default=None,
+                   help="what the layers keep for backward goes to host memory, layer by layer, "
+                        "prefetched one layer ahead (Megatron-LM: --metp-offload-activations)")
     j.add_argument("--vocab-parallel", action="store_true", default=None,
                    help="METP only (Megatron-LM's --metp-vocab-parallel): split the word "
                         "embedding and output layer over TP×METP, loss on the vocabulary ring; "
@@ -102,10 +113,13 @@ def build(args) -> tuple:
     if fields.get("query_groups") == fields.get("heads"):
         fields["query_groups"] = None
     model = P.Model(**fields)
-    for flag in ("tp", "metp", "pp", "dp", "micro_batch", "vocab_parallel"):
+    for flag in ("tp", "metp", "pp", "dp", "micro_batch", "vocab_parallel", "recompute",
+                 "recompute_method", "recompute_num_layers"):
         v = getattr(args, flag)
         if v is not None:
             job_fields[flag] = v
+    if args.offload_activations:
+        job_fields["offload"] = True
     job = P.Job(microbatches=args.microbatches,
                 kernel=args.kernel or job_fields.pop("kernel", "flash"),
                 keep_intermediate=args.keep_intermediate or job_fields.pop("keep_intermediate",

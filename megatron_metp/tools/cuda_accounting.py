@@ -27,6 +27,14 @@ METP's fp32-accumulating matmul (``ops._accum.mm_acc``)
     CPU keeps the scaled noise in the input's dtype; CUDA (``native_dropout``) a bool mask.
     Stand-in: ``torch.native_dropout``, whose CPU kernel keeps the bool mask as CUDA does.
 
+Megatron's fused activations (``fusions.fused_bias_swiglu`` / ``fused_bias_gelu``: SwiGLU and
+bias-GeLU, forward and backward, compiled by ``torch.compile``)
+    On a GPU each runs as one compiled kernel that allocates only its output. Under the
+    measurement's dispatch modes ``torch.compile`` does not run, so the CPU evaluates them eagerly
+    and holds every intermediate (SwiGLU's backward: two extra ``[tokens, F/t]`` tensors).
+    Stand-in: the same functions evaluated in row chunks of ≤ :data:`CHUNK_BYTES` per fp32
+    temporary, writing into one output: the output is the only full-size allocation.
+
 Found equal (nothing to do, ``docs/cpu-cuda-kernels.md``): softmax, SiLU/GeLU/SwiGLU,
 embedding, cross-entropy, the unfused RoPE, matmuls, and ``scaled_dot_product_attention``'s
 flash path without dropout (output + fp32 log-sum-exp; CUDA's flash kernel adds a 16-byte RNG
@@ -148,6 +156,61 @@ def cuda_rms_norm(x, normalized_shape, weight=None, eps=None):
     return CudaRMSNorm.apply(x, weight, _default_eps(x) if eps is None else eps, n)
 
 
+def _row_chunked(fn, row_args):
+    """``fn`` evaluated in row chunks of the tensors at positions ``row_args`` (same leading
+    dims), the chunks written into one output: what a fused kernel allocates."""
+
+    def run(*args):
+        first = args[row_args[0]]
+        rows = first.numel() // first.shape[-1]
+        width = max(args[i].shape[-1] for i in row_args)
+        flat = list(args)
+        for i in row_args:
+            flat[i] = args[i].reshape(rows, args[i].shape[-1])
+        out = None
+        for i, j in _chunks(rows, width):
+            part = list(flat)
+            for k in row_args:
+                part[k] = flat[k][i:j]
+            res = fn(*part)
+            if out is None:
+                out = torch.empty(rows, res.shape[-1], dtype=res.dtype, device=res.device)
+            out[i:j] = res
+        return out.view(*first.shape[:-1], out.shape[-1])
+
+    return run
+
+
+#: Megatron's compiled elementwise fusions: (module, function, positions of the row tensors)
+_FUSED = (("megatron.core.fusions.fused_bias_swiglu", "swiglu", (0,)),
+          ("megatron.core.fusions.fused_bias_swiglu", "swiglu_back", (0, 1)),
+          ("megatron.core.fusions.fused_bias_swiglu", "bias_swiglu", (0,)),
+          ("megatron.core.fusions.fused_bias_swiglu", "bias_swiglu_back", (0, 1)),
+          ("megatron.core.fusions.fused_bias_gelu", "bias_gelu", (1,)),
+          ("megatron.core.fusions.fused_bias_gelu", "bias_gelu_back", (0, 2)))
+
+
+@contextlib.contextmanager
+def _fused_activations():
+    import importlib
+
+    saved = []
+    try:
+        for modname, name, rows in _FUSED:
+            try:
+                mod = importlib.import_module(modname)
+            except ImportError:  # not a Megatron process
+                continue
+            orig = getattr(mod, name)
+            eager = getattr(orig, "_torchdynamo_orig_callable", orig)
+            saved.append((mod, name, orig))
+            setattr(mod, name, _row_chunked(eager, rows))
+        yield
+    finally:
+        for mod, name, orig in reversed(saved):
+            setattr(mod, name, orig)
+
+
 class _CudaKernelsMode(TorchFunctionMode):
     """Routes the ops listed in the module docstring to their CUDA-faithful stand-ins."""
 
@@ -177,7 +240,7 @@ def cuda_kernels(matmul: bool = True):
 
     undo = emulate_cuda_branch() if matmul else None
     try:
-        with _CudaKernelsMode():
+        with _fused_activations(), _CudaKernelsMode():
             yield
     finally:
         if undo is not None:

@@ -367,7 +367,10 @@ def _build_and_measure(args, pretrain_gpt, ps, te_absent: bool, notes: List[str]
             args.transformer_impl = "local"
             notes.append("Transformer Engine is not installed here: the TE layer spec is "
                          "approximated by Megatron's local spec with a flash-attention core "
-                         "(PyTorch's fused causal kernel) and torch norms")
+                         "(PyTorch's fused causal kernel) and torch norms accounted as CUDA's "
+                         "fused ones; they keep the tensors TE's fused layers keep, to within "
+                         "the norm statistics (8 bytes per token and norm); TE's own "
+                         "workspaces are not in the figure (not measurable without TE)")
         else:
             notes.append("apex is not installed here: its sequence-parallel FusedLayerNorm is "
                          "approximated by torch norms (Megatron's torch fallback refuses "

@@ -91,6 +91,7 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
     from ..megatron.parallel import initialize_model_parallel
     from ..megatron.spec import get_gpt_layer_metp_spec
     from ..megatron.vocab import METPGPTModel
+    from ..offload import ActivationOffloader
 
     if mode == "metp":
         initialize_model_parallel(lay.t, job.pp, lay.c, seq_length=model.seq,
@@ -117,6 +118,9 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
         bias_activation_fusion=model.swiglu, masked_softmax_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False,
         normalization=getattr(model, "normalization", "LayerNorm"),
+        recompute_granularity=None if job.recompute == "none" else job.recompute,
+        recompute_method=job.recompute_method if job.recompute == "full" else None,
+        recompute_num_layers=job.recompute_num_layers if job.recompute == "full" else None,
         params_dtype=torch.bfloat16, bf16=True, pipeline_dtype=torch.bfloat16,
         attention_softmax_in_fp32=False, batch_p2p_sync=False)
     from .standins import flash_core_attention_class, sp_norm_class
@@ -147,12 +151,13 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
                   max_sequence_length=model.seq, pre_process=first, post_process=last,
                   share_embeddings_and_output_weights=model.tied and job.pp == 1,
                   position_embedding_type="rope", **extra)
+        offloader = ActivationOffloader().attach(gpt.decoder) if job.offload else None
         params = list(gpt.parameters())
         n_params = sum(p.numel() for p in params)
         main_grad = FR.main_grad_buffer(params)
         tracker = FR.tracker()
         tracker.track_external(main_grad)
-        counter = FR.comm_counter_class()()
+        counter = FR.comm_counter_class()(track_alloc=True)
         outs = []
         with FR.measuring(tracker, counter, cuda_matmul=not cpu_matmul):
             for _ in range(inflight):
@@ -207,6 +212,8 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
         "comm_bytes": counter.bytes_by_op,
         "max_4d": counter.max_alloc_4d, "max_4d_shape": counter.max_alloc_4d_shape,
         "metp_ring_sent": groups.metp.stats.bytes_sent if groups.metp.size > 1 else 0,
+        "host_peak": offloader.stats.host_peak if offloader else 0,
+        "offloaded_bytes": offloader.stats.offloaded_bytes if offloader else 0,
         "seconds": round(seconds, 3),
     }
 
@@ -231,7 +238,9 @@ def _depths(model: "P.Model", job: "P.Job", measure_layers: str):
         return None
     if measure_layers != "auto" and not str(measure_layers).isdigit():
         raise ValueError(f"--measure-layers {measure_layers!r}: use auto, full or a number N")
-    k = 2 if measure_layers == "auto" else int(measure_layers)
+    # with the host offload the device holds two layer groups once there are two: from 2 and 3
+    # layers on, each layer adds the same
+    k = (3 if job.offload else 2) if measure_layers == "auto" else int(measure_layers)
     if not 2 <= k < per_stage:
         raise ValueError(f"--measure-layers {k}: need 2 <= N < {per_stage} layers per stage")
     return k - 1, k

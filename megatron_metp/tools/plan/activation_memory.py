@@ -9,6 +9,7 @@ from typing import Dict, Optional
 
 from .metp import _metp_phases
 from .model import BF16, FP32, Job, Model, canonical, layout, padded_vocab
+from .recompute import recompute_and_offload
 from .stock import _stock_phases
 from .vocab import vocab_embedding_backward, vocab_embedding_forward, vocab_loss_phases
 
@@ -24,6 +25,7 @@ class Activations:
     layers: int                        # layers on the rank
     inflight: int                      # micro-batches in flight on the rank
     korthikanti_layer: Optional[float] = None  # the paper's formula, for stock modes
+    host: float = 0.0                  # offloaded to host memory (all layers, all in flight)
 
     @property
     def stored_per_layer(self) -> float:
@@ -147,10 +149,19 @@ def activations(model: Model, job: Job, mode: str, seq: Optional[int] = None,
                 (5 * A * s * s * b / t if not flash else 0)
         X = _stock_phases(model, job, lay, n, nl, S, stock_core)
 
+    S, host_layer, shifts = recompute_and_offload(S, job, L, BF16 * nl * h)
     head: Dict[str, float] = {}
     head["RoPE angle table (fp32)"] = FP32 * (s // c) * d
+    host_head = 0.0
+    rope = head["RoPE angle table (fp32)"]
+    if job.offload and job.recompute == "full" and rope >= 2 ** 20:
+        host_head += rope  # a checkpoint argument: its first save goes to the host
     if last:
-        head["final norm input + output (bf16)"] = 2 * BF16 * nl * h
+        if job.offload:  # the final norm runs in the block: its input goes to the host
+            head["final norm output (bf16)"] = BF16 * nl * h
+            host_head += BF16 * nl * h
+        else:
+            head["final norm input + output (bf16)"] = 2 * BF16 * nl * h
         head["final norm statistics (fp32)"] = 8 * nl
         if vocab:
             head["loss: log-sum-exp and per-token loss [tokens] (fp32)"] = 2 * FP32 * n
@@ -183,7 +194,15 @@ def activations(model: Model, job: Job, mode: str, seq: Optional[int] = None,
                 # gradient-accumulation fusion on GPU writes it to main_grad instead)
                 ph["tied output-layer weight gradient, held (bf16)"] = BF16 * Vr * h
         ph.update(items)
+        forward = "forward" in name
+        shift = shifts["forward" if forward else "mlp" if name.startswith("MLP") else "backward"]
+        if shift:
+            ph["re-formed by recompute / brought back from the host"] = shift
         phases[name] = ph
+        if forward and shifts.get("recompute") is not None:  # run again in backward
+            phases[name.replace("forward", "recompute")] = dict(
+                ph, **{"re-formed by recompute / brought back from the host":
+                       shifts["recompute"]})
     if not last:
         phases = {k: {kk: vv for kk, vv in v.items() if kk != "(head activations freed)"}
                   for k, v in phases.items()}
@@ -216,5 +235,6 @@ def activations(model: Model, job: Job, mode: str, seq: Optional[int] = None,
             "(this micro-batch's activations not formed yet)":
                 emb["(this micro-batch's activations freed)"] + BF16 * n * h,
             **vocab_embedding_forward(n, h, Vr, lay.c)}
+    host = inflight * (L * host_layer + host_head)
     return Activations(stored_layer=S, head=head, phases=phases, persistent=persistent,
-                       layers=L, inflight=inflight, korthikanti_layer=kor)
+                       layers=L, inflight=inflight, korthikanti_layer=kor, host=host)

@@ -87,6 +87,10 @@ class Job:
     precision: str = "bf16"
     hardware: str = "H100-80GB"
     reserve_gib: float = 2.0
+    recompute: str = "none"        # "none", "selective" (stock layers: core attention), "full"
+    recompute_method: str = "uniform"  # full: "uniform" (chunks of N layers) or "block" (first N)
+    recompute_num_layers: int = 1
+    offload: bool = False          # --metp-offload-activations: saved tensors to host memory
 
     @property
     def width(self) -> int:
@@ -177,6 +181,28 @@ def validate(model: Model, job: Job, modes: Sequence[str] = MODES) -> None:
         raise ValueError(f"--layers {model.layers} is not divisible by --pp {job.pp}")
     if job.kernel not in ("flash", "unfused"):
         raise ValueError(f"--kernel must be 'flash' or 'unfused', got {job.kernel!r}")
+    if job.recompute not in ("none", "selective", "full"):
+        raise ValueError(f"--recompute must be none, selective or full, got {job.recompute!r}")
+    if job.recompute_method not in ("uniform", "block"):
+        raise ValueError(f"--recompute-method must be uniform or block, got "
+                         f"{job.recompute_method!r}")
+    if not isinstance(job.recompute_num_layers, int) or job.recompute_num_layers < 1:
+        raise ValueError(f"--recompute-num-layers must be a positive integer, got "
+                         f"{job.recompute_num_layers!r}")
+    if job.recompute == "full" and job.recompute_num_layers > model.layers // job.pp:
+        raise ValueError(f"--recompute-num-layers {job.recompute_num_layers} exceeds the "
+                         f"{model.layers // job.pp} layers of a pipeline stage")
+    if job.recompute == "full" and job.recompute_method == "uniform" and \
+            (model.layers // job.pp) % job.recompute_num_layers:
+        raise ValueError(f"--recompute-num-layers {job.recompute_num_layers} does not divide the "
+                         f"{model.layers // job.pp} layers of a pipeline stage (uniform recompute "
+                         f"checkpoints chunks of that many layers; Megatron fails otherwise)")
+    if job.recompute == "selective" and any(canonical(m, job)[0] in ("metp", "ring", "cp")
+                                            for m in modes):
+        raise ValueError("--recompute selective: the METP and ring layers already recompute "
+                         "per shard and block (Q/K/V, the MLP intermediate, no s×s scores), so "
+                         "Megatron's selective recompute has nothing to do there; use --recompute "
+                         "full, or --modes tp tp-sp")
     if job.precision != "bf16":
         raise ValueError(f"--precision {job.precision!r}: only bf16 is planned")
     if job.hardware not in HARDWARE:

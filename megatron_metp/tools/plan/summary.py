@@ -74,7 +74,7 @@ def report(model: Model, job: Job, modes: Sequence[str] = MODES) -> str:
                  f"{hw.memory_gib:g} GB − {job.reserve_gib:g} GiB reserve, "
                  f"{hw.bf16_tflops:g} TFLOP/s bf16 dense, {hw.link_gbps:g} GB/s per direction "
                  f"({hw.source})")
-    lines.append("# all figures planned (formulas of megatron_metp/plan.py); per rank, rank 0"
+    lines.append("# all figures planned (formulas of megatron_metp/tools/plan); per rank, rank 0"
                  + (" (first pipeline stage)" if job.pp > 1 else ""))
     lines.append("")
     cols = list(modes)
