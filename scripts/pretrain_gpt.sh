@@ -40,6 +40,9 @@
 #   METP_ATTENTION_KERNEL [auto] METP_DISABLE_WEIGHT_RING [0] METP_KEEP_INTERMEDIATE [0]
 #   METP_VOCAB_PARALLEL [0]
 #   METP_RING_TIMEOUT [unset]               METP flags
+#   RECOMPUTE_GRANULARITY [unset; full] RECOMPUTE_METHOD [uniform] RECOMPUTE_NUM_LAYERS [1]
+#                                           Megatron's activation recompute
+#   METP_OFFLOAD_ACTIVATIONS [0]            saved activations to host memory (also without METP)
 #   EXTRA_ARGS                              more pretrain_gpt.py arguments (a bash array in the
 #                                           config, or a string in the environment)
 #   PYTHON [python] TORCHRUN [torchrun]
@@ -166,6 +169,14 @@ if [[ "$METP" -gt 1 ]]; then
     [[ "$METP_VOCAB_PARALLEL" == 1 ]] && MODEL_PARALLEL_ARGS+=(--metp-vocab-parallel)
     [[ -n "${METP_RING_TIMEOUT:-}" ]] && MODEL_PARALLEL_ARGS+=(--metp-ring-timeout "$METP_RING_TIMEOUT")
 fi
+if [[ -n "${RECOMPUTE_GRANULARITY:-}" ]]; then
+    MODEL_PARALLEL_ARGS+=(--recompute-granularity "$RECOMPUTE_GRANULARITY")
+    if [[ "$RECOMPUTE_GRANULARITY" == full ]]; then
+        MODEL_PARALLEL_ARGS+=(--recompute-method "${RECOMPUTE_METHOD:-uniform}"
+                              --recompute-num-layers "${RECOMPUTE_NUM_LAYERS:-1}")
+    fi
+fi
+[[ "${METP_OFFLOAD_ACTIVATIONS:-0}" == 1 ]] && MODEL_PARALLEL_ARGS+=(--metp-offload-activations)
 
 TRAINING_ARGS=(
     --micro-batch-size "$MICRO_BATCH_SIZE"

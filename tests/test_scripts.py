@@ -227,14 +227,20 @@ def test_metp_config_and_its_tp_twin(config):
         assert fa.get(flag) == fb.get(flag), flag
     p = int(fa["--metp-parallel-size"][0])
     assert p > 1 and fa["--tensor-model-parallel-size"] == ["1"]
-    assert fb["--tensor-model-parallel-size"] == [str(p)] and fb["--metp-parallel-size"] == ["1"]
-    assert "--sequence-parallel" in fb and "--sequence-parallel" not in fa
+    assert fb["--metp-parallel-size"] == ["1"] and "--sequence-parallel" not in fa
+    if "--context-parallel-size" in fb:  # a stock context-parallel twin: CP = p, TP = 1
+        assert fb["--context-parallel-size"] == [str(p)]
+        assert fb["--tensor-model-parallel-size"] == ["1"]
+        for flag in ("--recompute-granularity", "--metp-offload-activations"):
+            assert fa.get(flag) == fb.get(flag), flag  # the same recompute and offload
+    else:  # a stock TP twin: TP = p with sequence parallelism
+        assert fb["--tensor-model-parallel-size"] == [str(p)] and "--sequence-parallel" in fb
     args, world = _validate_like_megatron(la, a)  # the METP layout passes METP's checks
     assert args.context_parallel_size == p
     _, world_b = _validate_like_megatron(lb, b)
     assert world == world_b
     seq = int(fa["--seq-length"][0])
-    assert 32 * 1024 <= seq <= 256 * 1024 or config.startswith("tiny")
+    assert 32 * 1024 <= seq <= 4 * 1024 * 1024 or config.startswith("tiny")
     if not config.startswith("tiny"):  # long context: the vocabulary is on the ring too, and
         assert "--metp-vocab-parallel" in fa  # padded like the TP twin's (128·p = 128·TP)
         assert args.make_vocab_size_divisible_by * args.tensor_model_parallel_size == 128 * p
@@ -654,3 +660,26 @@ def test_cpu_kernel_accounting_is_what_breaks_agreement(patched_clone):
     assert any("--cpu-kernels" in n for n in cpu["notes"])
     assert cpu["bytes"]["total"] / row["plan"] - 1 > 0.03, (cpu["bytes"], row)
     assert not A.agrees(dict(row, plan_vs_dry_run=row["plan"] / cpu["bytes"]["total"] - 1))
+
+
+def test_recompute_and_offload_agree_through_megatron_lm(patched_clone, tmp_path):
+    """A METP job with Megatron's full recompute and --metp-offload-activations: the dry run
+    (Megatron-LM's own flags), the plan and the measurement agree on the device total within 3 %
+    and on the host bytes within 5 %; without the offload the device holds more."""
+    from megatron_metp.tools import agreement as A
+
+    cfg = tmp_path / "tiny-recompute-offload.sh"
+    cfg.write_text(': "${HIDDEN_SIZE:=512}" "${FFN_HIDDEN_SIZE:=2048}" "${NUM_ATTENTION_HEADS:=8}"\n'
+                   ': "${SEQ_LENGTH:=8192}" "${NUM_LAYERS:=3}"\n'
+                   ': "${RECOMPUTE_GRANULARITY:=full}" "${METP_OFFLOAD_ACTIVATIONS:=1}"\n'
+                   f'source "{REPO}/configs/tiny-cpu-metp2.sh"\n')
+    row = A.compare(str(cfg), patched_clone)
+    assert A.agrees(row), row
+    dry = A.dry_run(str(cfg), patched_clone)
+    model, job = A.model_job(str(cfg))
+    assert job.recompute == "full" and job.offload
+    host_plan = A.P.activations(model, job, "metp").host
+    assert dry["bytes"]["host"] > 0 and abs(host_plan / dry["bytes"]["host"] - 1) <= 0.05, \
+        (dry["bytes"], host_plan)
+    plain = A.dry_run(str(cfg), patched_clone, env={"METP_OFFLOAD_ACTIVATIONS": "0"})
+    assert plain["bytes"]["host"] == 0 and plain["bytes"]["total"] > dry["bytes"]["total"]

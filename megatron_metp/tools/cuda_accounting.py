@@ -50,7 +50,6 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 #: bytes of one fp32 temporary of the row-chunked stand-ins (a CUDA kernel keeps its rows in
 #: registers/shared memory; a bounded chunk keeps the CPU's temporaries out of the peak)
@@ -211,24 +210,38 @@ def _fused_activations():
             setattr(mod, name, orig)
 
 
-class _CudaKernelsMode(TorchFunctionMode):
-    """Routes the ops listed in the module docstring to their CUDA-faithful stand-ins."""
+_ORIGINAL = {"rms_norm": F.rms_norm, "layer_norm": F.layer_norm, "dropout": F.dropout}
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in (F.rms_norm, torch.rms_norm):
-            return cuda_rms_norm(*args, **kwargs)
-        if func is F.layer_norm and args[0].dtype in (torch.bfloat16, torch.float16):
-            return cuda_layer_norm(*args, **kwargs)
-        if func is F.dropout:
-            return _cuda_dropout(*args, **kwargs)
-        return func(*args, **kwargs)
+
+def _rms_norm(input, normalized_shape, weight=None, eps=None):
+    return cuda_rms_norm(input, normalized_shape, weight, eps)
+
+
+def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
+    if input.dtype in (torch.bfloat16, torch.float16):
+        return cuda_layer_norm(input, normalized_shape, weight, bias, eps)
+    return _ORIGINAL["layer_norm"](input, normalized_shape, weight, bias, eps)
 
 
 def _cuda_dropout(input, p=0.5, training=True, inplace=False):
     if training and 0.0 < p < 1.0 and not inplace:
         return torch.native_dropout(input, p, True)[0]
-    return F.dropout(input, p, training, inplace)
+    return _ORIGINAL["dropout"](input, p, training, inplace)
+
+
+@contextlib.contextmanager
+def _functional_stand_ins():
+    """``torch.nn.functional.rms_norm`` / ``layer_norm`` / ``dropout`` (what ``torch.nn.RMSNorm``,
+    ``LayerNorm`` and ``Dropout`` call) replaced for the process while inside, so that a forward
+    re-run inside autograd's backward (activation recompute) uses them too: a dispatch or
+    function mode is thread-local and does not reach the backward."""
+    saved = {name: getattr(F, name) for name in _ORIGINAL}
+    F.rms_norm, F.layer_norm, F.dropout = _rms_norm, _layer_norm, _cuda_dropout
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(F, name, fn)
 
 
 @contextlib.contextmanager
@@ -240,7 +253,7 @@ def cuda_kernels(matmul: bool = True):
 
     undo = emulate_cuda_branch() if matmul else None
     try:
-        with _fused_activations(), _CudaKernelsMode():
+        with _fused_activations(), _functional_stand_ins():
             yield
     finally:
         if undo is not None:

@@ -420,7 +420,11 @@ def _build_and_measure(args, pretrain_gpt, ps, te_absent: bool, notes: List[str]
         with FR.measuring(tracker, cuda=not cpu_kernels):
             for m, pre, post in chunks:
                 stored += _fwd_bwd(m, pre, post, args, mbs, n_local, sp, tp, dtype, tracker)
+        offloaders = [getattr(m.decoder, "_metp_offloader", None) for m, _, _ in chunks
+                      if getattr(m, "decoder", None) is not None]
+        host = sum(o.stats.host_peak for o in offloaders if o is not None)
         return {"stored": float(stored), "work_peak": float(tracker.work_peak),
+                "host": float(host),
                 "tracker_peak": {k: float(v) for k, v in _categories(tracker, "peak").items()}}
 
     fake = FakeTensorMode()
@@ -438,8 +442,15 @@ def _build_and_measure(args, pretrain_gpt, ps, te_absent: bool, notes: List[str]
                 getattr(args, a, None) for a in ("decoder_first_pipeline_num_layers",
                                                  "decoder_last_pipeline_num_layers",
                                                  "pipeline_model_parallel_layout"))
-            extrapolate = (measure_layers == "auto" and n_layers > 4 and reducible) or \
-                (measure_layers not in ("auto", "full"))
+            step = (getattr(args, "recompute_num_layers", None) or 1) \
+                if getattr(args, "recompute_granularity", None) == "full" and \
+                getattr(args, "recompute_method", None) == "uniform" else 1
+            try:
+                depths = FR.layer_depths(n_layers, measure_layers, step=step, offload=bool(
+                    getattr(args, "metp_offload_activations", False)))
+            except ValueError as exc:
+                raise DryRunError(str(exc)) from None
+            extrapolate = depths is not None and (reducible or measure_layers != "auto")
             if extrapolate and not reducible:
                 raise DryRunError("--measure-layers needs a model without virtual or uneven "
                                   "pipeline stages; use --measure-layers full")
@@ -448,25 +459,25 @@ def _build_and_measure(args, pretrain_gpt, ps, te_absent: bool, notes: List[str]
                 act = measure(chunks)
                 act["method"] = f"measured on all {n_layers} layers"
             else:
-                k = 2 if measure_layers == "auto" else int(measure_layers)
-                if not 2 <= k < n_layers:
-                    raise DryRunError(f"--measure-layers {k}: need 2 <= N < {n_layers} layers "
-                                      f"on this rank")
+                try:
+                    a, k = depths
+                except TypeError:
+                    raise DryRunError(f"--measure-layers {measure_layers}: nothing to "
+                                      f"extrapolate on {n_layers} layers; use full") from None
                 full_layers = args.num_layers
                 points = {}
                 try:
-                    for depth in (k - 1, k):
+                    for depth in (a, k):
                         args.num_layers = depth * pp_size
                         points[depth] = measure(build())
                 finally:
                     args.num_layers = full_layers
-                per_layer = {key: points[k][key] - points[k - 1][key]
-                             for key in ("stored", "work_peak")}
-                act = {key: points[k][key] + (n_layers - k) * per_layer[key]
-                       for key in ("stored", "work_peak")}
+                keys = ("stored", "work_peak", "host")
+                per_layer = {key: (points[k][key] - points[a][key]) / (k - a) for key in keys}
+                act = {key: points[k][key] + (n_layers - k) * per_layer[key] for key in keys}
                 act["tracker_peak"] = points[k]["tracker_peak"]
                 act["per_layer"] = per_layer
-                act["method"] = (f"measured on {k - 1} and {k} layers, extrapolated linearly to "
+                act["method"] = (f"measured on {a} and {k} layers, extrapolated linearly to "
                                  f"{n_layers} (+{per_layer['stored'] / MiB:,.0f} MiB stored per "
                                  f"layer)")
             run_s = time.perf_counter() - t_run
@@ -498,7 +509,8 @@ def _build_and_measure(args, pretrain_gpt, ps, te_absent: bool, notes: List[str]
         "params_total": sum(p.numel() for p in params), "params_metp_sharded": n_sharded,
         "params_embedding_output": n_embed,
         "bytes": {"params": static["params"], "grads": static["grads"],
-                  "optimizer": static["optimizer"], "activations": act_peak, "total": total},
+                  "optimizer": static["optimizer"], "activations": act_peak, "total": total,
+                  "host": act.get("host", 0.0) * inflight},
         "activation_detail": {"stored_for_backward_one_mb": act["stored"],
                               "work_peak_one_mb": act["work_peak"],
                               "inflight_microbatches": inflight, "method": act["method"],
@@ -598,6 +610,11 @@ def format_report(r: Dict, gpu_memory_gib: Optional[float] = None) -> str:
              "per micro-batch"),
         _row("total", b["total"], f"= {b['total'] / GiB:,.1f} GiB"),
     ]
+    if b.get("host"):
+        lines.append(_row("host memory (offloaded activations)", b["host"],
+                          f"per rank, --metp-offload-activations; = {b['host'] / GiB:,.1f} GiB, "
+                          f"{b['host'] * r.get('gpus_per_node', 8) / GiB:,.0f} GiB per node "
+                          f"of {r.get('gpus_per_node', 8)}"))
     if gpu_memory_gib:
         cap = gpu_memory_gib * GiB
         verdict = "fits" if b["total"] <= cap else "DOES NOT FIT"
@@ -654,6 +671,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         report = run(opts.megatron_lm_dir, megatron_argv, world_size=world, rank=opts.rank,
                      gpu_arch=opts.gpu_arch, verbose=opts.verbose,
                      measure_layers=opts.measure_layers, cpu_kernels=opts.cpu_kernels)
+        report["gpus_per_node"] = opts.gpus_per_node
     except DryRunError as exc:
         print(f"dry run failed: {exc}", file=sys.stderr)
         return 1

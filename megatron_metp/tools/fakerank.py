@@ -295,6 +295,45 @@ def live_storage_class():
     return LiveStorages
 
 
+# ----------------------------------------------------------------------------- depth
+
+def layer_depths(per_stage: int, measure_layers="auto", *, step: int = 1,
+                 offload: bool = False) -> Optional[tuple]:
+    """The two depths ``(a, b)`` (layers per stage, multiples of ``step``) to measure and
+    extrapolate from linearly, or ``None`` to measure every layer.
+
+    ``measure_layers``: ``"full"``; ``N`` (then ``b = N``, ``a = N − step``); ``"auto"``: full
+    up to ``max(4, b)`` layers, else ``b = 2·step`` (``3·step`` with the host offload, whose
+    device footprint is the same from two resident groups on). ``step``: the layers of one
+    uniform-recompute chunk (depths must be whole chunks). ``ValueError`` names the option."""
+    if measure_layers == "full":
+        return None
+    if measure_layers == "auto":
+        b = step * (3 if offload else 2)
+        if per_stage <= max(4, b):
+            return None
+    else:
+        if not str(measure_layers).isdigit():
+            raise ValueError(f"--measure-layers {measure_layers!r}: use auto, full or a number N")
+        b = int(measure_layers)
+    a = b - step
+    if a < 1 or b % step or b >= per_stage:
+        raise ValueError(f"--measure-layers {b}: need {step} < N < {per_stage} (layers on the "
+                         f"stage), a multiple of {step} (the recompute chunk)")
+    return a, b
+
+
+def extrapolate(a, b, times: float):
+    """``b + times·(b − a)`` for numbers, key by key for dicts of them (other values: b's)."""
+    if isinstance(b, bool) or not isinstance(b, (int, float, dict)):
+        return b
+    if isinstance(b, dict):
+        return {k: extrapolate(a.get(k, 0) if isinstance(a, dict) else 0, v, times)
+                for k, v in b.items()}
+    out = b + times * (b - a)
+    return int(round(out)) if isinstance(b, int) else out
+
+
 # ----------------------------------------------------------------------------- isolation
 
 def preload_megatron() -> None:

@@ -220,30 +220,12 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
 
 # ----------------------------------------------------------------------------- driver (forks)
 
-def _extrapolate(a, b, times: int):
-    """``b + times·(b − a)`` for numbers, and key by key for dicts of them (other values: b's)."""
-    if isinstance(b, bool) or not isinstance(b, (int, float, dict)):
-        return b
-    if isinstance(b, dict):
-        return {k: _extrapolate(a.get(k, 0) if isinstance(a, dict) else 0, v, times)
-                for k, v in b.items()}
-    out = b + times * (b - a)
-    return int(round(out)) if isinstance(b, int) else out
-
-
 def _depths(model: "P.Model", job: "P.Job", measure_layers: str):
-    """``None`` (measure every layer) or ``(k-1, k)`` layers per stage to extrapolate from."""
-    per_stage = model.layers // job.pp
-    if measure_layers == "full" or (measure_layers == "auto" and per_stage <= 4):
-        return None
-    if measure_layers != "auto" and not str(measure_layers).isdigit():
-        raise ValueError(f"--measure-layers {measure_layers!r}: use auto, full or a number N")
-    # with the host offload the device holds two layer groups once there are two: from 2 and 3
-    # layers on, each layer adds the same
-    k = (3 if job.offload else 2) if measure_layers == "auto" else int(measure_layers)
-    if not 2 <= k < per_stage:
-        raise ValueError(f"--measure-layers {k}: need 2 <= N < {per_stage} layers per stage")
-    return k - 1, k
+    """``None`` (measure every layer) or the two depths per stage to extrapolate from."""
+    step = job.recompute_num_layers if job.recompute == "full" and \
+        job.recompute_method == "uniform" else 1
+    return FR.layer_depths(model.layers // job.pp, measure_layers, step=step,
+                           offload=job.offload)
 
 
 def measure(model: "P.Model", job: "P.Job", modes, *, jobs: int = 1, timeout: float = 600.0,
@@ -281,9 +263,9 @@ def measure(model: "P.Model", job: "P.Job", modes, *, jobs: int = 1, timeout: fl
             continue
         a, b = ga["ok"], gb["ok"]
         per_stage = model.layers // job.pp
-        times = per_stage - depths[1]
+        times = (per_stage - depths[1]) / (depths[1] - depths[0])
         skip = ("seq", "tokens_per_rank", "inflight_microbatches", "max_4d", "seconds")
-        res = {k: (v if k in skip else _extrapolate(a.get(k), v, times)) for k, v in b.items()}
+        res = {k: (v if k in skip else FR.extrapolate(a.get(k), v, times)) for k, v in b.items()}
         res["layers_on_rank"] = per_stage
         res["seconds"] = round(a["seconds"] + b["seconds"], 3)
         res["method"] = (f"measured on {depths[0]} and {depths[1]} layers, extrapolated linearly "

@@ -43,19 +43,21 @@ def _coerce(v: str):
         return v
 
 
-def read_config(path: str, _seen: Optional[set] = None) -> Dict[str, object]:
+def read_config(path: str, _seen: Optional[set] = None,
+                _into: Optional[Dict[str, object]] = None) -> Dict[str, object]:
     """Key/values of a config file: ``key=value`` / ``key: value`` lines (YAML-like, one level),
     ``export KEY=value``, and bash ``: "${KEY:=value}"`` defaults; ``source FILE`` lines (the repo's
-    ``configs/*.sh`` source ``models/*.sh``) are followed relative to the file. Keys are lowered
+    ``configs/*.sh`` source ``models/*.sh``) are followed relative to the file, as bash runs them
+    (a sourced ``:=`` default does not replace a value set before). Keys are lowered
     and ``-`` becomes ``_``; unknown keys are kept (and ignored by :func:`from_config`)."""
     _seen = _seen or set()
     path = os.path.abspath(path)
     if path in _seen:
-        return {}
+        return {} if _into is None else _into
     _seen.add(path)
     if not os.path.isfile(path):
         raise ValueError(f"--config {path}: no such file")
-    out: Dict[str, object] = {}
+    out: Dict[str, object] = {} if _into is None else _into  # a sourced file sees what is set
     base = os.path.dirname(path)
     with open(path, encoding="utf-8") as fh:
         text = fh.read()
@@ -73,7 +75,7 @@ def read_config(path: str, _seen: Optional[set] = None) -> Dict[str, object]:
             if not os.path.isabs(target):
                 target = os.path.join(base, target)
             if os.path.isfile(target):
-                out.update(read_config(target, _seen))
+                read_config(target, _seen, out)
             continue
         for m in re.finditer(r'\$\{([A-Za-z_][A-Za-z0-9_]*):?=([^}]*)\}', line):
             out.setdefault(m.group(1).lower(), _coerce(m.group(2)))
@@ -111,7 +113,8 @@ def _launcher_settings(kv: Dict[str, object], model: Dict[str, object],
                        job: Dict[str, object]) -> None:
     """What ``scripts/pretrain_gpt.sh`` adds when it launches a ``configs/*.sh`` of this repo, so
     that the plan is the plan of the job it starts: its defaults (tied embeddings, no SwiGLU,
-    FFN 4·hidden), the distributed optimizer (always passed), the attention kernel
+    FFN 4·hidden), the distributed optimizer (always passed), ``RECOMPUTE_GRANULARITY`` /
+    ``RECOMPUTE_METHOD`` / ``RECOMPUTE_NUM_LAYERS`` and ``METP_OFFLOAD_ACTIVATIONS``, the attention kernel
     (``TRANSFORMER_IMPL=local`` stock layers run Megatron's unfused ``DotProductAttention``;
     METP layers the flash block kernel unless ``METP_ATTENTION_KERNEL=reference``),
     ``METP_KEEP_INTERMEDIATE``, data parallelism from ``NNODES × GPUS_PER_NODE`` (default 1 × 8),
@@ -130,6 +133,13 @@ def _launcher_settings(kv: Dict[str, object], model: Dict[str, object],
         job["kernel"] = "unfused"
     if kv.get("metp_keep_intermediate"):
         job["keep_intermediate"] = True
+    if kv.get("recompute_granularity"):
+        job["recompute"] = str(kv["recompute_granularity"])
+        if job["recompute"] == "full":
+            job["recompute_method"] = str(kv.get("recompute_method") or "uniform")
+            job["recompute_num_layers"] = int(kv.get("recompute_num_layers") or 1)
+    if kv.get("metp_offload_activations"):
+        job["offload"] = True
     world = int(kv.get("nnodes") or 1) * int(kv.get("gpus_per_node") or 8)
     per_replica = int(job.get("tp") or 1) * int(job.get("metp") or 1) * int(job.get("pp") or 1)
     if "dp" not in job and world % per_replica == 0:

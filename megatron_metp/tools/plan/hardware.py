@@ -15,6 +15,7 @@ class Hardware:
     link_gbps: float      # NVLink bandwidth per direction, GB/s (10^9 B/s)
     measured_tflops: Optional[float] = None  # a matmul rate measured by this project
     source: str = ""
+    host_gbps: float = 64.0  # host link (PCIe) per direction, GB/s, nominal
 
 
 #: Sources (public datasheets):
@@ -26,8 +27,11 @@ class Hardware:
 #: * H200-141GB (SXM): NVIDIA H200 Tensor Core GPU datasheet — same compute as H100 SXM
 #:   (989 TFLOP/s dense bf16), 141 GB HBM3e, NVLink 900 GB/s total = 450 GB/s per direction.
 #:   Measured here (DESIGN.md §4, one H200, 2026-11-30): bf16 matmul 708 TFLOP/s.
+#: * Host link (activation offload): PCIe 4.0 x16 (A100) 32 GB/s per direction, PCIe 5.0 x16
+#:   (H100/H200 SXM) 64 GB/s per direction, nominal (PCI-SIG; NVIDIA's HGX system specs list
+#:   one PCIe 5.0 x16 link per GPU). Not measured here.
 HARDWARE: Dict[str, Hardware] = {
-    "A100-80GB": Hardware("A100-80GB", 80, 312, 300,
+    "A100-80GB": Hardware("A100-80GB", 80, 312, 300, host_gbps=32.0,
                           source="NVIDIA A100 datasheet: 312 TFLOP/s bf16 dense, NVLink3 "
                                  "600 GB/s total (300 per direction), 80 GB"),
     "H100-80GB": Hardware("H100-80GB", 80, 989, 450,

@@ -11,6 +11,7 @@ from .activation_memory import Activations, activations
 from .hardware import HARDWARE
 from .model import BF16, FP32, GiB, Job, Model, canonical, layout, padded_vocab
 from .parameters import params, static_memory
+from .vocab import token_chunk
 
 
 @dataclass
@@ -58,7 +59,8 @@ def head_memory(model: Model, job: Job, mode: str, seq: Optional[int] = None) ->
     Adam states, distributed over the DP group that reduces them when the job says so), the
     rows of each table on a rank (``rows``), and the loss's logits on the stage that computes it:
     ``logits_block`` (one fp32 logits tensor: ``[tokens, V/t]``, or one vocabulary shard's
-    ``[tokens, V/(t·p)]`` with the split), ``logits_stored`` (kept for backward: Megatron keeps
+    ``[chunk, V/(t·p)]`` with the split, whose ring loss tiles the tokens: ``loss_token_chunk``),
+    ``logits_stored`` (kept for backward: Megatron keeps
     the fp32 softmax ``[tokens, V/t]``; the split keeps none) and ``logits_at_once`` (the most
     logits bytes alive at one time: the bf16 product and its fp32 copy)."""
     mode, job = canonical(mode, job)
@@ -70,11 +72,12 @@ def head_memory(model: Model, job: Job, mode: str, seq: Optional[int] = None) ->
     n = s * job.micro_batch // lay.c
     emb = prm.embedding
     dp = prm.dp_sharded if prm.embedding_sharded else prm.dp_replicated
-    block = FP32 * n * rows
+    chunk = token_chunk(n, rows) if lay.vocab else n  # the ring loss tiles its tokens
+    block = FP32 * chunk * rows
     return {"rows": rows, "tables": BF16 * emb, "table_grads": FP32 * emb,
             "table_optimizer": 12 * emb / (dp if job.distributed_optimizer else 1),
             "logits_block": block, "logits_stored": 0 if lay.vocab else block,
-            "logits_at_once": BF16 * n * rows + block}
+            "logits_at_once": BF16 * chunk * rows + block, "loss_token_chunk": chunk}
 
 
 # ----------------------------------------------------------------------------- longest sequence

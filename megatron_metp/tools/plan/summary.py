@@ -10,6 +10,10 @@ from .model import GiB, MiB, MODES, VOCAB_MODES, Job, Model, validate
 from .overlap import overlap_thresholds
 from .rank_memory import capacity_bytes, head_memory, longest_seq, memory
 from .traffic import crossover_seq, traffic_per_layer
+from .cost import step_cost
+
+#: GPUs per node, for the host memory a node must hold (one HGX node)
+GPUS_PER_NODE = 8
 
 
 def fmt_bytes(x: float) -> str:
@@ -48,6 +52,7 @@ def plan(model: Model, job: Job, modes: Sequence[str] = MODES) -> Dict:
             "traffic_per_layer": traffic_per_layer(model, job, mode),
             "vocab": head_memory(model, job, mode),
             "longest_seq": longest_seq(model, job, mode),
+            "host": a.host, "cost": step_cost(model, job, mode),
         }
     out["overlap"] = overlap_thresholds(model, job, hw)
     if hw.measured_tflops:
@@ -110,6 +115,15 @@ def report(model: Model, job: Job, modes: Sequence[str] = MODES) -> str:
     row("fits " + hw.name, lambda r: "yes" if max(r["total"], r["last_stage_total"] or 0)
         <= capacity_bytes(job) else "NO")
     row("bytes sent / layer (fwd+bwd)", lambda r: fmt_bytes(sum(r["traffic_per_layer"].values())))
+    if job.offload:
+        row("host memory (offloaded) / rank", lambda r: fmt_bytes(r["host"]))
+        row(f"  per node of {GPUS_PER_NODE}", lambda r: fmt_bytes(GPUS_PER_NODE * r["host"]))
+    if job.recompute == "full" or job.offload:
+        row("recompute: extra FLOPs", lambda r: f"+{100 * r['cost']['recompute_flops_share']:.1f} %")
+        row("  extra bytes sent / micro-batch", lambda r: fmt_bytes(r["cost"]["sent_by_recompute"]))
+        row("host↔device / micro-batch", lambda r: fmt_bytes(r["cost"]["host_device_bytes"]))
+        row("  copies hidden by compute", lambda r: "yes" if r["cost"]["offload_hidden"] else "NO")
+    row("est. time / micro-batch", lambda r: f"{r['cost']['step_s']:.2f} s")
     row("longest sequence that fits", lambda r: fmt_tokens(r["longest_seq"]))
     w0 = max(len(r[0]) for r in rows)
     ws = [max(len(str(r[i + 1])) for r in rows + [[""] + cols]) for i in range(len(cols))]
@@ -136,6 +150,13 @@ def report(model: Model, job: Job, modes: Sequence[str] = MODES) -> str:
         lines.append(f"  this job: s·b/p = {n:,} tokens per METP rank "
                      f"({'above' if n >= ov['MLP weight ring, forward: tokens/rank'] else 'below'} "
                      f"the MLP threshold)")
+    rate = next(iter(res["modes"].values()))["cost"]["rate_tflops"]
+    lines.append(f"# time estimates: FLOPs (causal attention counted as half; METP's per-shard "
+                 f"recompute and full recompute included) at {rate:,.0f} TFLOP/s"
+                 + (" (measured matmul rate)" if hw.measured_tflops else
+                    " (70 % of the datasheet's dense bf16 rate)")
+                 + f"; offload copies at {hw.host_gbps:g} GB/s per direction (nominal PCIe); "
+                   f"communication assumed hidden (see the thresholds)")
     if res.get("crossover_vs_tp_sp") is not None:
         lines.append(f"# METP sends fewer bytes per layer than TP+SP from s ≈ "
                      f"{res['crossover_vs_tp_sp']:,} tokens on")

@@ -45,6 +45,26 @@ def traffic_per_layer(model: Model, job: Job, mode: str, seq: Optional[int] = No
     return out
 
 
+def forward_traffic_per_layer(model: Model, job: Job, mode: str,
+                              seq: Optional[int] = None) -> float:
+    """Bytes one rank sends in one layer's *forward* (what a full recompute sends again): the
+    forward shares of :func:`traffic_per_layer`'s terms (TP / TP+SP: half; the K/V ring: the K/V
+    blocks; METP: one weight broadcast, one K/V pass per head group, one bf16 weight ring)."""
+    mode, job = canonical(mode, job)
+    out = traffic_per_layer(model, job, mode, seq)
+    total = 0.0
+    for key, v in out.items():
+        if key.startswith("TP"):
+            total += v / 2
+        elif key.startswith("K/V ring"):
+            total += v / 4
+        elif key.startswith("attention weights") or key.startswith("attention K/V"):
+            total += v / 4
+        elif key.startswith("MLP weight ring"):
+            total += v * BF16 / (2 * BF16 + FP32)
+    return total
+
+
 def crossover_seq(model: Model, job: Job, versus: str = "tp-sp") -> Optional[int]:
     """Smallest sequence length from which METP sends no more bytes per layer than ``versus``
     (both are affine in ``s``), or None when METP's slope is not smaller."""

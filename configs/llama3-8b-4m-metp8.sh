@@ -1,0 +1,16 @@
+# shellcheck shell=bash disable=SC2034  # sourced by scripts/pretrain_gpt.sh, which reads these
+# Llama-3-8B at 4M tokens (4,194,304) on one node of 8 GPUs: METP 8 with the vocabulary on the ring,
+# full activation recompute (every layer keeps only its input) and those inputs offloaded to
+# pinned host memory (the GPU holds two of them). Each rank: 1/8 of every weight, 512K tokens.
+# Twin for scripts/compare_tp.sh: llama3-8b-4m-cp8.sh (stock Megatron context parallelism).
+# Values here are defaults: anything already set in the environment wins.
+# shellcheck source=/dev/null
+source "$(dirname "${BASH_SOURCE[0]}")/models/llama3-8b.sh"
+: "${SEQ_LENGTH:=4194304}"
+: "${NNODES:=1}" "${GPUS_PER_NODE:=8}"
+: "${METP:=8}" "${TP:=1}" "${PP:=1}"
+: "${METP_VOCAB_PARALLEL:=1}"
+: "${RECOMPUTE_GRANULARITY:=full}" "${RECOMPUTE_METHOD:=uniform}" "${RECOMPUTE_NUM_LAYERS:=1}"
+: "${METP_OFFLOAD_ACTIVATIONS:=1}"
+: "${MICRO_BATCH_SIZE:=1}" "${GLOBAL_BATCH_SIZE:=8}"
+TWIN_CONFIG=llama3-8b-4m-cp8.sh

@@ -1,0 +1,71 @@
+"""What recompute and offload cost: FLOPs, ring traffic and host↔device bytes of one rank per
+micro-batch, and an estimated step time, next to the memory they save.
+
+FLOPs per layer and rank (``n`` tokens through the rank's attention/MLP, ``t`` the TP size, ``W``
+the layer's linear weights ``h·(q+2kv) + q·h + k·h·F + F·h``, ``q = a·d``):
+* forward GEMMs ``2·n·W/t``; causal attention counted as half the score matrix:
+  ``2·n·s·q/t`` (QKᵀ and P·V, each ``2·n·s·q/t`` over two);
+* backward twice the forward; METP re-forms each shard's Q/K/V and MLP intermediate in its
+  backward (``2·n·(h·(q+2kv) + k·h·F)/t`` more; not with ``--keep-intermediate``);
+* full recompute: one more forward of every recomputed layer (rings included: the forward share
+  of the layer's traffic is sent again).
+
+Time (estimates, labelled so): compute at the device's measured bf16 matmul rate where the project
+measured one (H200: 708 TFLOP/s), else 70 % of the datasheet's dense rate; the offload copies at
+the host link's nominal rate, hidden behind a layer's compute when a layer's copy takes less.
+"""
+
+from __future__ import annotations
+
+from typing import Dict
+
+from .hardware import HARDWARE
+from .model import Job, Model, canonical, layout
+from .rank_memory import memory
+from .traffic import forward_traffic_per_layer, traffic_per_layer
+
+
+def layer_flops(model: Model, job: Job, mode: str) -> Dict[str, float]:
+    """Forward, backward and METP's own per-shard recompute FLOPs of one layer on one rank."""
+    mode, job = canonical(mode, job)
+    lay = layout(mode, job)
+    t, c = lay.t, lay.c
+    s, b = model.seq, job.micro_batch
+    h, A, G, d, F = model.hidden, model.heads, model.groups, model.head_dim, model.ffn
+    q, kv = A * d, G * d
+    k = 2 if model.swiglu else 1
+    n = s * b // c
+    w_attn, w_mlp = h * (q + 2 * kv) + q * h, k * h * F + F * h
+    fwd = 2 * n * (w_attn + w_mlp) / t + 2 * n * s * q / t
+    out = {"forward": fwd, "backward": 2 * fwd, "METP per-shard recompute": 0.0}
+    if mode == "metp" and not job.keep_intermediate:
+        out["METP per-shard recompute"] = 2 * n * (h * (q + 2 * kv) + k * h * F) / t
+    return out
+
+
+def step_cost(model: Model, job: Job, mode: str) -> Dict[str, float]:
+    """One micro-batch on rank 0: FLOPs (with and without recompute), bytes sent, host↔device
+    bytes, and the estimated times (seconds)."""
+    hw = HARDWARE[job.hardware]
+    L = model.layers // job.pp
+    f = layer_flops(model, job, mode)
+    recomputed = 0
+    if job.recompute == "full":
+        recomputed = L if job.recompute_method == "uniform" else min(job.recompute_num_layers, L)
+    base = L * (f["forward"] + f["backward"] + f["METP per-shard recompute"])
+    extra = recomputed * f["forward"]
+    sent = L * sum(traffic_per_layer(model, job, mode).values())
+    sent_extra = recomputed * forward_traffic_per_layer(model, job, mode)
+    host = memory(model, job, mode).act.host
+    rate = (hw.measured_tflops or 0.7 * hw.bf16_tflops) * 1e12
+    compute_s = (base + extra) / rate
+    copy_s = 2 * host / (hw.host_gbps * 1e9)
+    per_layer_compute = compute_s / max(1, L)
+    per_layer_copy = copy_s / max(1, L)
+    return {"flops": base + extra, "flops_without_recompute": base,
+            "recompute_flops_share": extra / base if base else 0.0,
+            "sent": sent + sent_extra, "sent_by_recompute": sent_extra,
+            "host_device_bytes": 2 * host, "compute_s": compute_s, "host_copy_s": copy_s,
+            "offload_hidden": per_layer_copy <= per_layer_compute,
+            "step_s": compute_s + max(0.0, copy_s - compute_s),
+            "rate_tflops": rate / 1e12}
