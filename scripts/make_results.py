@@ -432,6 +432,105 @@ def part_e(out):
                "(part a).\n")
 
 
+LLAMA3_8B = P.Model(name="llama3-8b", hidden=4096, layers=32, heads=32, query_groups=8,
+                    ffn=14336, vocab=128256, seq=131072, swiglu=True, tied=False)
+LLAMA3_70B = P.Model(name="llama3-70b", hidden=8192, layers=80, heads=64, query_groups=8,
+                     ffn=28672, vocab=128256, seq=131072, swiglu=True, tied=False)
+RECOMPUTES = (("none", {}), ("full", {"recompute": "full"}),
+              ("full, 2 layers a chunk", {"recompute": "full", "recompute_num_layers": 2}),
+              ("full + offload", {"recompute": "full", "offload": True}))
+
+
+def _reach(model, mode, gpus, **kw):
+    """Longest planned sequence on ``gpus`` H100-80GB for a mode laid out over all of them."""
+    if mode == "metp":  # METP over as many GPUs as the K/V groups allow, DP over the rest
+        metp = max(m for m in range(1, gpus + 1) if gpus % m == 0 and model.groups % m == 0)
+        job = P.Job(tp=1, metp=metp, dp=gpus // metp, vocab_parallel=True,
+                    distributed_optimizer=True, hardware="H100-80GB", **kw)
+    elif mode == "ring":  # stock context parallelism CP = gpus, TP = 1
+        job = P.Job(tp=1, metp=gpus, distributed_optimizer=True, hardware="H100-80GB", **kw)
+    else:  # TP+SP over a node (TP 8) and context parallelism over the nodes
+        job = P.Job(tp=8, metp=gpus // 8, distributed_optimizer=True, hardware="H100-80GB", **kw)
+        mode = "tp-sp" if gpus == 8 else "cp"
+    try:
+        P.validate(model, job, [mode])
+        return P.longest_seq(model, job, mode)
+    except ValueError:
+        return None
+
+
+def part_reach(out, meas):
+    out.append("## (f) Millions of tokens: recompute and host offload\n")
+    out.append("Longest trainable sequence on H100-80GB (80 GB − 2 GiB reserve, bf16, micro-batch "
+               "1, distributed optimizer, planned), every mode laid out over all the GPUs: METP = "
+               "GPUs with the vocabulary ring; stock context parallelism CP = GPUs with TP 1 "
+               "(weights replicated over the CP ranks, a K/V ring); TP+SP over a node (TP 8) "
+               "× CP over the nodes. Recompute is Megatron's `--recompute-granularity full` "
+               "(uniform, 1 or 2 layers a chunk); offload is `--metp-offload-activations` "
+               "(METP shards over at most as many GPUs as there are K/V groups, 8 here: on 16 and "
+               "32 GPUs it runs METP 8 × DP 2 or 4, the distributed optimizer sharding the "
+               "optimizer over DP, the sequence per replica unchanged) "
+               "(the layer inputs in pinned host memory: 1 GiB per layer per 1M tokens / GPUs). "
+               "Published, same hardware: ALST (Ulysses + ZeRO-3 + offloaded checkpoints, "
+               "Llama-8B) 3.7M on 8, 15M on 32 GPUs; UPipe 5M on 8.\n")
+    for model in (LLAMA3_8B, LLAMA3_70B):
+        out.append(f"**{model.name}** (h {model.hidden}, {model.layers} layers, {model.heads} "
+                   f"heads, {model.groups} K/V groups, FFN {model.ffn}, vocabulary "
+                   f"{model.vocab}):\n")
+        out.append("| mode | recompute | 8 GPUs | 16 GPUs | 32 GPUs |")
+        out.append("|---|---|---:|---:|---:|")
+        for mode, label in (("metp", "METP"), ("ring", "stock CP (TP 1)"),
+                            ("tp-sp", "TP 8 + SP × CP")):
+            for name, kw in RECOMPUTES:
+                if mode != "metp" and name.startswith("full, 2"):
+                    continue
+                cells = [_reach(model, mode, g, **kw) for g in (8, 16, 32)]
+                out.append(f"| {label} | {name} | "
+                           + " | ".join(P.fmt_tokens(c) if c else "does not fit" for c in cells)
+                           + " |")
+        out.append("")
+    job = P.Job(tp=1, metp=8, vocab_parallel=True, distributed_optimizer=True,
+                hardware="H100-80GB", recompute="full", offload=True)
+    model = LLAMA3_8B.with_seq(4194304)
+    mem = P.memory(model, job, "metp")
+    cost = P.step_cost(model, job, "metp")
+    line = (f"Checked point, Llama-3-8B at 4,194,304 tokens on 8 GPUs (METP 8, full recompute, "
+            f"offload; `configs/llama3-8b-4m-metp8.sh`): planned {mem.total / P.GiB:.2f} GiB per "
+            f"rank")
+    if meas.enabled:
+        from megatron_metp.tools import measure as M
+
+        t0 = time.perf_counter()
+        r = M.measure(model, job, "metp", measure_layers="auto", timeout=3600)[0]
+        meas.seconds += time.perf_counter() - t0
+        meas.count += 1
+        if "error" in r:
+            raise RuntimeError(r["error"])
+        line += (f", measured {(r['peak'] + mem.static['optimizer']) / P.GiB:.2f} GiB (peak "
+                 f"{r['peak'] / P.GiB:.2f} + planned optimizer {mem.static['optimizer'] / P.GiB:.2f}"
+                 f"; {r['method']}), host {r['host_peak'] / P.GiB:.1f} GiB per rank measured "
+                 f"({8 * r['host_peak'] / P.GiB:,.0f} GiB pinned per node)")
+    out.append(line + ". Its cost, planned: recompute adds "
+               f"{100 * cost['recompute_flops_share']:.1f} % FLOPs and "
+               f"{cost['sent_by_recompute'] / P.GiB:,.0f} GiB of ring traffic per micro-batch; "
+               f"{cost['host_device_bytes'] / P.GiB:,.0f} GiB cross PCIe per micro-batch "
+               f"({'hidden behind' if cost['offload_hidden'] else 'longer than'} each layer's "
+               f"compute); estimated {cost['step_s'] / 60:.0f} min per 4M-token micro-batch at "
+               f"{cost['rate_tflops']:.0f} TFLOP/s (causal attention is {100 * _attn_share(model, job):.0f} "
+               f"% of the FLOPs at this length).\n")
+
+
+def _attn_share(model, job):
+    lay = P.layout("metp", job)
+    n, s = model.seq // lay.c, model.seq
+    q, kv = model.heads * model.head_dim, model.groups * model.head_dim
+    k = 2 if model.swiglu else 1
+    w = model.hidden * (q + 2 * kv) + q * model.hidden + k * model.hidden * model.ffn + \
+        model.ffn * model.hidden
+    attn = 2 * n * s * q
+    return attn / (attn + 2 * n * w)
+
+
 def part_gpu(out):
     out.append("## Reference: GPU figures measured in DESIGN.md §4 (stock TP, one H200)\n")
     out.append("Measured on one H200 (2026-11-30), stock megatron-core TP, local spec (unfused "
@@ -496,6 +595,7 @@ def main(argv=None):
     part_d(body)
     part_d_measured(body, meas)
     part_e(body)
+    part_reach(body, meas)
     part_gpu(body)
     wall = time.perf_counter() - t0
     argl = list(argv if argv is not None else sys.argv[1:])

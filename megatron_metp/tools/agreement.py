@@ -40,19 +40,30 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 TOLERANCE = 0.03
 
 
-def mode_of(job: "P.Job") -> str:
-    """The mode a config's rank 0 runs: METP (with the vocabulary ring when asked) or a stock
-    twin (TP+SP when TP > 1, as ``scripts/pretrain_gpt.sh`` sets sequence parallelism)."""
+def _stock_cp(config: str) -> int:
+    """The stock context-parallel size of a config (``CP``; 1 when it has none)."""
+    return int(P.read_config(config).get("cp") or 1)
+
+
+def mode_of(job: "P.Job", config: Optional[str] = None) -> str:
+    """The mode a config's rank 0 runs: METP (with the vocabulary ring when asked), a stock
+    context-parallel twin (``CP > 1``: weights replicated, the K/V ring over the CP ranks: mode
+    ``ring``), or a stock TP twin (TP+SP when TP > 1, as ``scripts/pretrain_gpt.sh`` sets
+    sequence parallelism)."""
+    if config is not None and _stock_cp(config) > 1 and job.tp == 1:
+        return "ring"
     if job.metp > 1:
         return "metp"
     return "tp-sp" if job.tp > 1 else "tp"
 
 
 def model_job(config: str):
-    """``(Model, Job)`` of a ``configs/*.sh``, as ``metp plan --config`` builds them."""
+    """``(Model, Job)`` of a ``configs/*.sh``, as ``metp plan --config`` builds them (a stock
+    CP twin's CP size as the ring size)."""
     from .cli import build_from_argv
 
-    model, job, _ = build_from_argv(["--config", config])
+    cp = _stock_cp(config)
+    model, job, _ = build_from_argv(["--config", config] + (["--metp", str(cp)] if cp > 1 else []))
     return model, job
 
 
@@ -79,7 +90,7 @@ def compare(config: str, megatron_lm_dir: str, *, measure: bool = True,
     from . import measure as M
 
     model, job = model_job(config)
-    mode = mode_of(job)
+    mode = mode_of(job, config)
     mem = P.memory(model, job, mode)
     dry = dry_run(config, megatron_lm_dir, env=dry_env)
     row = {"config": os.path.basename(config), "mode": mode, "layout": P.layout(mode, job).describe(),

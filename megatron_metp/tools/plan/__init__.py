@@ -81,10 +81,15 @@ as when the plan was one module:
                          ``ring``)
 ``metp``                 transients of a METP layer
 ``vocab``                transients of the vocabulary split's ring loss and ring embedding
+``recompute``            full recompute and host offload: device / host bytes per layer, and
+                         what the last layer's phases re-form or bring back
 ``activation_memory``    ``Activations`` / ``activations()``: stored per layer, head, phases
 ``rank_memory``          ``Memory`` / ``memory()``, ``worst_total()``, ``head_memory()``,
                          ``longest_seq()``
-``traffic``              ``traffic_per_layer()``, ``crossover_seq()``
+``traffic``              ``traffic_per_layer()``, ``forward_traffic_per_layer()``,
+                         ``crossover_seq()``
+``cost``                 ``step_cost()``: FLOPs, traffic and host bytes with recompute/offload,
+                         a step-time estimate
 ``overlap``              ``overlap_thresholds()``
 ``summary``              ``plan()`` (the ``--json`` dict) and ``report()`` (the printed text)
 ``figures``              ``charts()`` (``--png``)
@@ -111,12 +116,14 @@ from .vocab import vocab_embedding_backward, vocab_embedding_forward, vocab_loss
 from .activation_memory import Activations, activations
 from .rank_memory import (Memory, capacity_bytes, head_memory, longest_seq, memory, seq_step,
                           worst_total)
-from .traffic import crossover_seq, traffic_per_layer
+from .traffic import crossover_seq, forward_traffic_per_layer, traffic_per_layer
+from .recompute import recompute_and_offload
+from .cost import layer_flops, step_cost
 from .overlap import overlap_thresholds
 from .summary import fmt_bytes, fmt_tokens, plan, report
 from .figures import COLORS, charts
-from . import (activation_memory, config, figures, hardware, metp, model, overlap, parameters,
-               rank_memory, ring, stock, summary, traffic, vocab)
+from . import (activation_memory, config, cost, figures, hardware, metp, model, overlap,
+               parameters, rank_memory, recompute, ring, stock, summary, traffic, vocab)
 
 __all__ = [
     "GiB", "MiB", "BF16", "FP32", "MODES", "MODE_NAMES", "VOCAB_MODES",
@@ -127,13 +134,14 @@ __all__ = [
     "vocab_loss_phases", "vocab_embedding_forward", "vocab_embedding_backward",
     "Activations", "activations",
     "Memory", "memory", "worst_total", "head_memory", "seq_step", "capacity_bytes", "longest_seq",
-    "traffic_per_layer", "crossover_seq", "overlap_thresholds",
+    "traffic_per_layer", "forward_traffic_per_layer", "crossover_seq", "overlap_thresholds",
+    "recompute_and_offload", "layer_flops", "step_cost",
     "fmt_bytes", "fmt_tokens", "plan", "report", "COLORS", "charts",
 ]
 
 #: the modules whose names :class:`_Package` rebinds
-_MODULES = (hardware, model, config, parameters, ring, stock, metp, vocab, activation_memory,
-            rank_memory, traffic, overlap, summary, figures)
+_MODULES = (hardware, model, config, parameters, ring, stock, metp, vocab, recompute,
+            activation_memory, rank_memory, traffic, cost, overlap, summary, figures)
 _UNSET = object()
 
 

@@ -141,7 +141,8 @@ def _launcher_settings(kv: Dict[str, object], model: Dict[str, object],
     if kv.get("metp_offload_activations"):
         job["offload"] = True
     world = int(kv.get("nnodes") or 1) * int(kv.get("gpus_per_node") or 8)
-    per_replica = int(job.get("tp") or 1) * int(job.get("metp") or 1) * int(job.get("pp") or 1)
+    per_replica = int(job.get("tp") or 1) * int(job.get("metp") or 1) * int(job.get("pp") or 1) \
+        * int(kv.get("cp") or 1)
     if "dp" not in job and world % per_replica == 0:
         job["dp"] = world // per_replica
     tokenizer = kv.get("tokenizer_type") or ("HuggingFaceTokenizer" if kv.get("data_path")
