@@ -432,6 +432,24 @@ def part_e(out):
                "(part a).\n")
 
 
+#: why figures differ from the generation before the one-instrument rework (2026-11-30, f293b2c)
+CHANGES = (
+    "**What changed since the 2026-11-30 generation (commit f293b2c), and why.** (1) The stock "
+    "layers' figures (modes tp, tp-sp, cp, ring) are lower and their longest sequences longer "
+    "(7B TP+SP on 8 × A100: 80K → 101.25K, 13B: 49.25K → 62.75K; stock TP 38K → 42.25K): the "
+    "plan and the measurement now build what Megatron-LM builds for `--swiglu`, whose default "
+    "`--bias-swiglu-fusion` keeps only fc1's output and recomputes silu(gate) in backward "
+    "(2·s·F/t bf16 less per layer than the unfused `glu` measured before). METP's ratios over "
+    "them shrink accordingly (flash: 4.30× → 3.40× over TP+SP for 7B); METP's own figures are "
+    "unchanged (its MLP is its own op). (2) Every measurement accounts as the CUDA kernels do "
+    "(`megatron_metp.tools.cuda_accounting`, docs/cpu-cuda-kernels.md): for these LayerNorm "
+    "presets that changes only the norm statistics (fp32, a few MiB); for RMSNorm models it "
+    "removes the CPU composite's fp32 copies (the dry run of `configs/gpt-7b-128k-metp8.sh`: "
+    "59.9 → 35.3 GiB). (3) The stock flash core reads grouped K/V without repeating them, as "
+    "TE's and flash-attn's kernels do (none of these presets uses GQA). (4) Part (f) is new: "
+    "recompute, host offload and the token-tiled vocabulary loss. Measurement times differ with "
+    "the load of the machine.\n")
+
 LLAMA3_8B = P.Model(name="llama3-8b", hidden=4096, layers=32, heads=32, query_groups=8,
                     ffn=14336, vocab=128256, seq=131072, swiglu=True, tied=False)
 LLAMA3_70B = P.Model(name="llama3-70b", hidden=8192, layers=80, heads=64, query_groups=8,
@@ -614,6 +632,7 @@ def main(argv=None):
                f"`FakeTensorMode` and `MemTracker` — tensor bytes exactly, without CUDA context, "
                f"NCCL buffers, fragmentation or kernel workspaces. The only GPU measurements "
                f"are DESIGN.md §4's, quoted at the end.\n")
+    out.append(CHANGES)
     out += body
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as fh:
