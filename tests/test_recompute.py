@@ -15,7 +15,6 @@ RNG restore switched off, are caught by the same comparison. Selective recompute
 arguments and through the project's own model building.
 """
 
-import argparse
 import dataclasses
 
 import pytest
@@ -26,6 +25,7 @@ from megatron_metp.megatron.training import (GPTSize, Layout, _global_name, init
                                              train, transformer_config)
 from tests.gpt_cases import SIZE
 from tests.harness import run_ranks
+from tests.test_megatron_lm import _args as megatron_lm_args
 from tests.numerics import rel_err
 
 STEPS = 3
@@ -240,26 +240,15 @@ def test_metp_recompute_matches_stock_tp_and_single_rank(metp2):
 # ---------------------------------------------------------------- refused: Megatron-LM args
 
 def _args(**kw):
-    base = dict(
-        metp_parallel_size=2, metp_disable_weight_ring=False, metp_attention_kernel="auto",
-        metp_keep_intermediate=False, metp_ring_timeout=None, metp_vocab_parallel=False,
-        make_vocab_size_divisible_by=128, world_size=2, rank=0,
-        tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
-        expert_model_parallel_size=1, expert_tensor_parallel_size=None,
-        hierarchical_context_parallel_sizes=None, hybrid_context_parallel=False,
-        seq_length=4096, num_experts=None, sequence_parallel=False, use_legacy_models=False,
-        attention_dropout=0.0, spec=None, experimental_attention_variant=None,
-        heterogeneous_layers_config_path=None, mtp_num_layers=None,
-        multi_latent_attention=False, qk_layernorm=False, rotary_interleaved=False,
-        squared_relu=False, num_attention_heads=32, group_query_attention=False,
-        num_query_groups=1, ffn_hidden_size=11008, normalization="RMSNorm",
-        no_persist_layer_norm=True,
-        # Megatron-LM's defaults for the recompute/offload flags (before validate_args)
-        recompute_activations=False, recompute_granularity=None, recompute_method=None,
-        recompute_num_layers=None, recompute_modules=None, distribute_saved_activations=False,
-        cpu_offloading=False, cpu_offloading_num_layers=0)
+    """METP 2 on 2 ranks at Megatron's command-line defaults, the recompute/offload flags too."""
+    base = dict(metp_parallel_size=2, world_size=2,
+                # Megatron-LM's defaults for the recompute/offload flags (before validate_args)
+                recompute_activations=False, recompute_granularity=None, recompute_method=None,
+                recompute_num_layers=None, recompute_modules=None,
+                distribute_saved_activations=False, cpu_offloading=False,
+                cpu_offloading_num_layers=0)
     base.update(kw)
-    return argparse.Namespace(**base)
+    return megatron_lm_args(**base)
 
 
 @pytest.mark.parametrize("kw,needles", [
