@@ -213,6 +213,18 @@ def _stock_tp_rank(rank, p, tied, dims=BF16_DIMS):
 
 
 @pytest.mark.parametrize("tied", [False, True])
+
+def stock_tp_errors(p, tied, ref):
+    """Errors of Megatron's stock vocab-parallel embedding + output + loss over TP = ``p``
+    (bf16) against ``ref``: the bar the METP vocabulary ops must clear."""
+    st = run_ranks(_stock_tp_rank, p, tied)
+    stock = {"loss": st[0]["loss"], "per_token": st[0]["per_token"],
+             "dhidden": st[0]["dhidden"], "demb": torch.cat([o["demb"] for o in st]),
+             "dmix": st[0]["dmix"]}
+    if not tied:
+        stock["dout"] = torch.cat([o["dout"] for o in st])
+    return _errors(stock, ref)
+
 def test_bf16_no_worse_than_stock_megatron_tp(tied):
     p = 2
     s, b, h = BF16_DIMS
@@ -220,13 +232,7 @@ def test_bf16_no_worse_than_stock_megatron_tp(tied):
     ref = reference(case, dtype=torch.float32)  # same bf16 weights, fp32 math
     metp = _errors(_gather(run_ranks(_metp_rank, p, p, tied, 0.0, 1, False, torch.bfloat16,
                                      BF16_DIMS), p), ref)
-    st = run_ranks(_stock_tp_rank, p, tied)
-    stock = {"loss": st[0]["loss"], "per_token": st[0]["per_token"],
-             "dhidden": st[0]["dhidden"], "demb": torch.cat([o["demb"] for o in st]),
-             "dmix": st[0]["dmix"]}
-    if not tied:
-        stock["dout"] = torch.cat([o["dout"] for o in st])
-    stock = _errors(stock, ref)
+    stock = stock_tp_errors(p, tied, ref)
     print(f"\nbf16 vocab p={p} tied={tied}: METP {metp}\n  stock TP {stock}")
     assert sum(metp.values()) <= sum(stock.values()), (metp, stock)
     for k in stock:

@@ -24,7 +24,7 @@ from megatron_metp import METPGroup
 from megatron_metp.ops import metp_embedding, metp_output_cross_entropy
 from tests.harness import assert_messages, run_ranks, value_errors
 from tests.numerics import rel_err
-from tests.test_vocab import BF16_DIMS, B, H, S, _errors, _gather, _shard, _stock_tp_rank
+from tests.test_vocab import BF16_DIMS, B, H, S, _errors, _gather, _shard, stock_tp_errors
 from tests.vocab_cases import full_vocab_case, reference
 
 #: (loss token_chunk, embedding token_chunk); the first is the untiled baseline
@@ -222,13 +222,7 @@ def test_tiled_bf16_no_worse_than_untiled_nor_stock_tp(tied):
     ref = reference(case, dtype=torch.float32)
     out = run_ranks(_tiled_ranks, p, p, configs, tied, 0.0, 1, torch.bfloat16, BF16_DIMS)
     errs = [_errors(_gather(_per_config(out, i), p), ref) for i in range(len(configs))]
-    st = run_ranks(_stock_tp_rank, p, tied)
-    stock = {"loss": st[0]["loss"], "per_token": st[0]["per_token"],
-             "dhidden": st[0]["dhidden"], "demb": torch.cat([o["demb"] for o in st]),
-             "dmix": st[0]["dmix"]}
-    if not tied:
-        stock["dout"] = torch.cat([o["dout"] for o in st])
-    stock = _errors(stock, ref)
+    stock = stock_tp_errors(p, tied, ref)
     print(f"\nbf16 tiled p={p} tied={tied}: " + "; ".join(
         f"{c}: {e}" for c, e in zip(configs, errs)) + f"\n  stock TP {stock}")
     for c, e in zip(configs[1:], errs[1:]):
