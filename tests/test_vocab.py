@@ -212,8 +212,6 @@ def _stock_tp_rank(rank, p, tied, dims=BF16_DIMS):
             "dhidden": hidden.grad}
 
 
-@pytest.mark.parametrize("tied", [False, True])
-
 def stock_tp_errors(p, tied, ref):
     """Errors of Megatron's stock vocab-parallel embedding + output + loss over TP = ``p``
     (bf16) against ``ref``: the bar the METP vocabulary ops must clear."""
@@ -225,6 +223,8 @@ def stock_tp_errors(p, tied, ref):
         stock["dout"] = torch.cat([o["dout"] for o in st])
     return _errors(stock, ref)
 
+
+@pytest.mark.parametrize("tied", [False, True])
 def test_bf16_no_worse_than_stock_megatron_tp(tied):
     p = 2
     s, b, h = BF16_DIMS
