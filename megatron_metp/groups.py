@@ -9,6 +9,7 @@ model builds a :class:`METPGroup` and passes it down.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Optional
@@ -18,6 +19,23 @@ import torch.distributed as dist
 #: Default time a ring step may wait for its peer before the op fails with a message.
 #: Overridable per group or with the ``METP_RING_TIMEOUT_S`` environment variable (seconds).
 DEFAULT_RING_TIMEOUT_S = 600.0
+
+
+def ring_timeout_from_env() -> float:
+    """``METP_RING_TIMEOUT_S`` (seconds; default :data:`DEFAULT_RING_TIMEOUT_S`): a positive,
+    finite number, else ``ValueError`` naming the variable."""
+    raw = os.environ.get("METP_RING_TIMEOUT_S", "").strip()
+    if not raw:
+        return float(DEFAULT_RING_TIMEOUT_S)
+    try:
+        value = float(raw)
+    except ValueError:
+        value = None
+    if value is None or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"METP_RING_TIMEOUT_S={raw!r}: must be a positive, finite number of "
+                         f"seconds (e.g. 600); unset it for the default "
+                         f"{DEFAULT_RING_TIMEOUT_S:g}")
+    return value
 
 
 @dataclass
@@ -74,9 +92,11 @@ class METPGroup:
                            timeout_s: Optional[float] = None) -> "METPGroup":
         """Wrap an existing process group (``None`` or a 1-rank group gives ``size == 1``)."""
         if timeout_s is None:
-            timeout_s = float(os.environ.get("METP_RING_TIMEOUT_S", DEFAULT_RING_TIMEOUT_S))
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive seconds, got {timeout_s}")
+            timeout_s = ring_timeout_from_env()
+        if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or \
+                not math.isfinite(timeout_s) or timeout_s <= 0:
+            raise ValueError(f"timeout_s must be a positive, finite number of seconds, got "
+                             f"{timeout_s!r}")
         if group is None:
             me = dist.get_rank() if dist.is_initialized() else 0
             return cls(None, 0, 1, me, me, (me,), timeout_s, name)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 from typing import Callable, List, Optional
 
 from .megatron.parallel import validate_metp_config
@@ -247,8 +248,9 @@ def _metp_problems(args, p: int, tp: int) -> List[str]:
     if ffn is not None and ffn % shards:
         out.append(f"--ffn-hidden-size {ffn} (not divisible by TP x METP = {shards})")
     timeout = flag("metp_ring_timeout")
-    if timeout is not None and timeout <= 0:
-        out.append(f"--metp-ring-timeout {timeout} (must be positive seconds)")
+    if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
+        out.append(f"--metp-ring-timeout {timeout} (must be a positive, finite number of "
+                   f"seconds)")
     out.extend(_recompute_problems(args))
     return out
 

@@ -90,15 +90,29 @@ def _parse(argv=None) -> DemoConfig:
         problems.append(f"--iters must be >= 1, got {cfg.iters}")
     if cfg.layers < 1:
         problems.append(f"--layers must be >= 1, got {cfg.layers}")
-    if cfg.hidden % (cfg.heads * WORLD):
+    if cfg.hidden < 1:
+        problems.append(f"--hidden must be >= 1, got {cfg.hidden}")
+    elif cfg.hidden % (cfg.heads * WORLD):
         problems.append(f"--hidden ({cfg.hidden}) must be divisible by {cfg.heads * WORLD} "
                         f"({cfg.heads} heads, {WORLD} ranks)")
     if cfg.seq < 2 * WORLD or cfg.seq % (2 * WORLD):
         problems.append(f"--seq ({cfg.seq}) must be a positive multiple of {2 * WORLD} "
                         f"(METP splits the sequence into 2x{WORLD} chunks)")
+    if not _writable_dir(cfg.out_dir):
+        problems.append(f"--out-dir {cfg.out_dir!r} cannot be created or written (the results "
+                        f"are written there after both runs); pass a writable directory")
     if problems:
         ap.error("; ".join(problems))
     return cfg
+
+
+def _writable_dir(path: str) -> bool:
+    """Whether ``path`` is (or can be made) a directory this process can write into."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError:
+        return False
+    return os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)
 
 
 def _launch(cfg: DemoConfig) -> int:

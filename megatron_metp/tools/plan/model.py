@@ -6,6 +6,7 @@ sizes and the mode names every other module uses."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Dict, Optional, Sequence, Tuple
 
@@ -203,6 +204,12 @@ def validate(model: Model, job: Job, modes: Sequence[str] = MODES) -> None:
                          "per shard and block (Q/K/V, the MLP intermediate, no s×s scores), so "
                          "Megatron's selective recompute has nothing to do there; use --recompute "
                          "full, or --modes tp tp-sp")
+    reserve = job.reserve_gib
+    device = HARDWARE[job.hardware].memory_gib if job.hardware in HARDWARE else math.inf
+    if isinstance(reserve, bool) or not isinstance(reserve, (int, float)) or \
+            not 0 <= reserve < device:
+        raise ValueError(f"--reserve-gib must be >= 0 and below the device's {device:g} GiB, "
+                         f"got {reserve!r}")
     if job.precision != "bf16":
         raise ValueError(f"--precision {job.precision!r}: only bf16 is planned")
     if job.hardware not in HARDWARE:

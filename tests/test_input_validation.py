@@ -1,0 +1,63 @@
+"""Bad input is refused before any work, with a message naming the argument or variable and the
+fix (issue "crash-safe ... bounded failures", item 5: the parts fixed so far)."""
+
+import math
+import subprocess
+import sys
+
+import pytest
+
+from megatron_metp import METPGroup, megatron_lm
+from megatron_metp.groups import DEFAULT_RING_TIMEOUT_S, ring_timeout_from_env
+from megatron_metp.tools import plan as P
+from megatron_metp.tools.demo import _parse as demo_args
+from tests.test_megatron_lm import _args
+
+
+@pytest.mark.parametrize("raw", ["abc", "nan", "inf", "-1", "0", "1e999"])
+def test_ring_timeout_variable_refused(monkeypatch, raw):
+    monkeypatch.setenv("METP_RING_TIMEOUT_S", raw)
+    with pytest.raises(ValueError, match=r"METP_RING_TIMEOUT_S=.*positive, finite"):
+        METPGroup.from_process_group(None)
+
+
+def test_ring_timeout_variable_accepted(monkeypatch):
+    monkeypatch.setenv("METP_RING_TIMEOUT_S", " 12.5 ")
+    assert METPGroup.from_process_group(None).timeout_s == 12.5
+    monkeypatch.setenv("METP_RING_TIMEOUT_S", "")
+    assert ring_timeout_from_env() == DEFAULT_RING_TIMEOUT_S
+    for bad in (math.nan, math.inf, 0, -3, "7"):
+        with pytest.raises(ValueError, match="timeout_s must be a positive, finite number"):
+            METPGroup.from_process_group(None, timeout_s=bad)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0])
+def test_megatron_ring_timeout_flag_refused(value):
+    with pytest.raises(ValueError, match=r"--metp-ring-timeout .* positive, finite"):
+        megatron_lm.validate_metp_args(_args(metp_parallel_size=2, metp_ring_timeout=value))
+
+
+def test_plan_reserve_refused():
+    model = P.PRESETS["gpt-7b"]
+    for bad in (-100, -0.5, 80, 1e9):
+        with pytest.raises(ValueError, match="--reserve-gib must be >= 0 and below"):
+            P.validate(model, P.Job(reserve_gib=bad), ["metp"])
+    P.validate(model, P.Job(reserve_gib=0), ["metp"])
+    proc = subprocess.run([sys.executable, "-m", "megatron_metp.cli", "plan", "--reserve-gib",
+                           "-100"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "--reserve-gib" in proc.stderr
+
+
+def test_demo_refuses_before_any_run(tmp_path, capsys):
+    for argv, needle in ((["--hidden", "0"], "--hidden must be >= 1"),
+                         (["--hidden", "-8"], "--hidden must be >= 1"),
+                         (["--out-dir", "/proc/not-here"], "--out-dir '/proc/not-here' cannot")):
+        with pytest.raises(SystemExit):
+            demo_args(argv)
+        assert needle in capsys.readouterr().err
+    blocked = tmp_path / "file"
+    blocked.write_text("x")
+    with pytest.raises(SystemExit):
+        demo_args(["--out-dir", str(blocked / "sub")])
+    ok = demo_args(["--out-dir", str(tmp_path / "new" / "dir")])
+    assert (tmp_path / "new" / "dir").is_dir() and ok.out_dir.endswith("dir")
