@@ -61,3 +61,17 @@ def test_demo_refuses_before_any_run(tmp_path, capsys):
         demo_args(["--out-dir", str(blocked / "sub")])
     ok = demo_args(["--out-dir", str(tmp_path / "new" / "dir")])
     assert (tmp_path / "new" / "dir").is_dir() and ok.out_dir.endswith("dir")
+
+
+@pytest.mark.parametrize("shape", [(0, 1, 2, 4), (2, 0, 2, 4), (2, 1, 0, 4)])
+def test_ring_attention_refuses_empty_input_before_any_transfer(shape):
+    """0 tokens used to kill the process with SIGFPE inside the CPU flash kernel."""
+    import torch
+
+    from megatron_metp.ops import ring_attention
+
+    group = METPGroup.from_process_group(None)
+    q = torch.zeros(shape)
+    with pytest.raises(ValueError, match="must not be empty"):
+        ring_attention(q, q, q, group=group)
+    assert group.stats.steps == 0

@@ -71,6 +71,11 @@ def check_attention_inputs(q, k, v, group: METPGroup, causal: bool, layout: str)
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     n, b, hq, d = q.shape
+    if min(n, b, hq, d, k.shape[2]) == 0:
+        raise ValueError(f"q/k/v must not be empty: q has shape {tuple(q.shape)}, k/v "
+                         f"{tuple(k.shape)} [tokens, batch, heads, head dim] on rank "
+                         f"{group.rank}; give every rank at least one token (sequence length "
+                         f"≥ 2 × METP size)")
     if k.shape[0] != n or k.shape[1] != b:
         raise ValueError(f"k/v hold {tuple(k.shape[:2])} tokens×batch but q holds {(n, b)}")
     if k.shape[3] != d:
