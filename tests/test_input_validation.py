@@ -75,3 +75,13 @@ def test_ring_attention_refuses_empty_input_before_any_transfer(shape):
     with pytest.raises(ValueError, match="must not be empty"):
         ring_attention(q, q, q, group=group)
     assert group.stats.steps == 0
+
+
+def test_unknown_config_keys_refused(tmp_path):
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("hidden: 512\nlayers: 2\nnum_heads: 8\nsequence_lenght: 4096\n")
+    with pytest.raises(ValueError, match=r"unknown key\(s\) sequence_lenght; known: .*seq_length"):
+        P.from_config(str(cfg))
+    cfg.write_text("hidden: 512\nlayers: 2\nnum_heads: 8\nseq_length: 4096\n")
+    model, _ = P.from_config(str(cfg))
+    assert model["seq"] == 4096

@@ -49,7 +49,8 @@ def read_config(path: str, _seen: Optional[set] = None,
     ``export KEY=value``, and bash ``: "${KEY:=value}"`` defaults; ``source FILE`` lines (the repo's
     ``configs/*.sh`` source ``models/*.sh``) are followed relative to the file, as bash runs them
     (a sourced ``:=`` default does not replace a value set before). Keys are lowered
-    and ``-`` becomes ``_``; unknown keys are kept (and ignored by :func:`from_config`)."""
+    and ``-`` becomes ``_``; unknown keys are kept (:func:`from_config` refuses them in a
+    ``key=value`` / YAML file; a ``configs/*.sh`` also sets the launcher's own variables)."""
     _seen = _seen or set()
     path = os.path.abspath(path)
     if path in _seen:
@@ -90,6 +91,11 @@ def read_config(path: str, _seen: Optional[set] = None,
 def from_config(path: str) -> Tuple[Dict[str, object], Dict[str, object]]:
     """``(model fields, job fields)`` found in a config file (see :func:`read_config`)."""
     kv = read_config(path)
+    if not path.endswith(".sh"):  # a launcher config sets the launcher's variables too
+        unknown = sorted(k for k in kv if k not in _MODEL_KEYS and k not in _JOB_KEYS)
+        if unknown:
+            raise ValueError(f"--config {path}: unknown key(s) {', '.join(unknown)}; known: "
+                             f"{', '.join(sorted(set(_MODEL_KEYS) | set(_JOB_KEYS)))}")
     model, job = {}, {}
     for k, v in kv.items():
         if k in _MODEL_KEYS and v is not None:
