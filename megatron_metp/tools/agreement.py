@@ -59,11 +59,10 @@ def mode_of(job: "P.Job", config: Optional[str] = None) -> str:
 
 def model_job(config: str):
     """``(Model, Job)`` of a ``configs/*.sh``, as ``metp plan --config`` builds them (a stock
-    CP twin's CP size as the ring size)."""
+    CP twin's CP size is the ring size)."""
     from .cli import build_from_argv
 
-    cp = _stock_cp(config)
-    model, job, _ = build_from_argv(["--config", config] + (["--metp", str(cp)] if cp > 1 else []))
+    model, job, _ = build_from_argv(["--config", config])
     return model, job
 
 

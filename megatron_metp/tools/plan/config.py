@@ -123,7 +123,8 @@ def _launcher_settings(kv: Dict[str, object], model: Dict[str, object],
     ``RECOMPUTE_METHOD`` / ``RECOMPUTE_NUM_LAYERS`` and ``METP_OFFLOAD_ACTIVATIONS``, the attention kernel
     (``TRANSFORMER_IMPL=local`` stock layers run Megatron's unfused ``DotProductAttention``;
     METP layers the flash block kernel unless ``METP_ATTENTION_KERNEL=reference``),
-    ``METP_KEEP_INTERMEDIATE``, data parallelism from ``NNODES × GPUS_PER_NODE`` (default 1 × 8),
+    ``METP_KEEP_INTERMEDIATE``, a stock ``CP`` as the ring size (plan it with ``--modes ring``),
+    data parallelism from ``NNODES × GPUS_PER_NODE`` (default 1 × 8),
     and Megatron's ``NullTokenizer`` (mock data, no ``TOKENIZER_TYPE``), which adds an
     end-of-document token to ``VOCAB_SIZE`` (default 32000)."""
     model.setdefault("tied", True)  # UNTIE_EMBEDDINGS=0
@@ -146,9 +147,11 @@ def _launcher_settings(kv: Dict[str, object], model: Dict[str, object],
             job["recompute_num_layers"] = int(kv.get("recompute_num_layers") or 1)
     if kv.get("metp_offload_activations"):
         job["offload"] = True
+    cp = int(kv.get("cp") or 1)
+    if cp > 1 and int(job.get("metp") or 1) == 1:  # a stock context-parallel twin: plan it as
+        job["metp"] = cp                           # mode ring (K/V ring over CP, weights whole)
     world = int(kv.get("nnodes") or 1) * int(kv.get("gpus_per_node") or 8)
-    per_replica = int(job.get("tp") or 1) * int(job.get("metp") or 1) * int(job.get("pp") or 1) \
-        * int(kv.get("cp") or 1)
+    per_replica = int(job.get("tp") or 1) * int(job.get("metp") or 1) * int(job.get("pp") or 1)
     if "dp" not in job and world % per_replica == 0:
         job["dp"] = world // per_replica
     tokenizer = kv.get("tokenizer_type") or ("HuggingFaceTokenizer" if kv.get("data_path")
