@@ -19,6 +19,21 @@ def _shard(t, p, r):
     return t.chunk(p, dim=0)[r]
 
 
+def rank_inputs(case, p, r, tp, tp_rank, tied, emb_shard=None):
+    """This rank's leaves of a vocabulary case: embedding / output shards (``emb_shard``: the
+    embedding's shard index, default its own), the mixing matrix, and its ``s/p`` tokens,
+    labels and mask; plus the first vocabulary row of its shards (``vstart``)."""
+    n = case["tokens"].shape[1] // p
+    own = tp_rank * p + r
+    emb = _shard(case["emb"], tp * p, own if emb_shard is None else emb_shard)
+    emb = emb.clone().requires_grad_()
+    out = emb if tied else _shard(case["out"], tp * p, own).clone().requires_grad_()
+    mix = case["mix"].clone().requires_grad_()
+    cut = slice(r * n, (r + 1) * n)
+    return (emb, out, mix, case["tokens"][:, cut], case["labels"][:, cut], case["mask"][:, cut],
+            tp_rank * p * emb.shape[0])
+
+
 def _metp_rank(rank, world, p, tied, smoothing=0.0, tp=1, wrong_shard=False, dtype=torch.float32,
                dims=(S, B, H)):
     """Rank ``rank`` of TP×METP (``world = tp·p``, TP-major: tp_rank = rank // p)."""
@@ -31,15 +46,9 @@ def _metp_rank(rank, world, p, tied, smoothing=0.0, tp=1, wrong_shard=False, dty
     tp_groups = [dist.new_group([t * p + i for t in range(tp)]) for i in range(p)]
     g = METPGroup.from_process_group(metp_groups[tp_rank] if p > 1 else None, name="vocab-test")
     tpg = tp_groups[r] if tp > 1 else None
-    V, n = case["V"], s // p
+    V = case["V"]
     idx = tp_rank * p + (r + 1) % p if wrong_shard else tp_rank * p + r
-    emb = _shard(case["emb"], tp * p, idx).clone().requires_grad_()
-    out = emb if tied else _shard(case["out"], tp * p, tp_rank * p + r).clone().requires_grad_()
-    mix = case["mix"].clone().requires_grad_()
-    tokens = case["tokens"][:, r * n:(r + 1) * n]
-    labels = case["labels"][:, r * n:(r + 1) * n]
-    mask = case["mask"][:, r * n:(r + 1) * n]
-    vstart = tp_rank * p * emb.shape[0]
+    emb, out, mix, tokens, labels, mask, vstart = rank_inputs(case, p, r, tp, tp_rank, tied, idx)
     x = metp_embedding(tokens, emb, group=g, vocab_start=vstart, vocab_size=V)
     if tpg is not None:
         x = reduce_from_tensor_model_parallel_region(x, group=tpg)

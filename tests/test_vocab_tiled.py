@@ -24,7 +24,8 @@ from megatron_metp import METPGroup
 from megatron_metp.ops import metp_embedding, metp_output_cross_entropy
 from tests.harness import assert_messages, run_ranks, value_errors
 from tests.numerics import rel_err
-from tests.test_vocab import BF16_DIMS, B, H, S, _errors, _gather, _shard, stock_tp_errors
+from tests.test_vocab import (BF16_DIMS, B, H, S, _errors, _gather, rank_inputs,
+                              stock_tp_errors)
 from tests.vocab_cases import full_vocab_case, reference
 
 #: (loss token_chunk, embedding token_chunk); the first is the untiled baseline
@@ -140,13 +141,7 @@ def _tiled_ranks(rank, world, p, configs, tied=False, smoothing=0.0, tp=1, dtype
     results = []
     for loss_chunk, emb_chunk in configs:
         g = METPGroup.from_process_group(metp_groups[tp_rank], name="vocab-tiled")
-        emb = _shard(case["emb"], tp * p, tp_rank * p + r).clone().requires_grad_()
-        out = emb if tied else _shard(case["out"], tp * p, tp_rank * p + r).clone().requires_grad_()
-        mix = case["mix"].clone().requires_grad_()
-        tokens = case["tokens"][:, r * n:(r + 1) * n]
-        labels = case["labels"][:, r * n:(r + 1) * n]
-        mask = case["mask"][:, r * n:(r + 1) * n]
-        vstart = tp_rank * p * emb.shape[0]
+        emb, out, mix, tokens, labels, mask, vstart = rank_inputs(case, p, r, tp, tp_rank, tied)
         del log[:]
         with _Count() as fwd:
             x = metp_embedding(tokens, emb, group=g, vocab_start=vstart, vocab_size=V,
