@@ -6,6 +6,7 @@
     metp plan --config configs/gpt-7b-128k-metp8.sh --kernel unfused --distributed-optimizer
     metp plan --preset gpt-7b --seq 131072 --metp 8 --vocab-parallel   # METP + vocabulary split
     metp measure --preset gpt-7b --seq 32768 --layers 2 --modes tp-sp metp
+    metp hf import --hf-dir HF_DIR --out CKPT            # = python -m megatron_metp.tools.hf
 
 (``python -m megatron_metp.cli ...`` until the ``metp`` console script is installed.)
 
@@ -221,7 +222,14 @@ def cmd_measure(args) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="metp", description=__doc__.split("\n\n")[0])
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["hf"]:  # metp hf import|export|flags: Hugging Face Llama in and out
+        from .hf import main as hf_main
+
+        return hf_main(argv[1:], prog="metp hf")
+    ap = argparse.ArgumentParser(prog="metp", description=__doc__.split("\n\n")[0],
+                                 epilog="metp hf {import,export,flags} ...: Hugging Face Llama "
+                                        "checkpoints in and out (docs/huggingface.md)")
     sub = ap.add_subparsers(dest="cmd", required=True)
     pl = sub.add_parser("plan", help="per-rank memory, traffic, overlap, longest sequence",
                         description=P.__doc__.split("\n\n")[0])

@@ -1,0 +1,502 @@
+"""Hugging Face Llama checkpoints in and out of Megatron/METP (``torch_dist``) checkpoints.
+
+::
+
+    python -m megatron_metp.tools.hf import --hf-dir HF_DIR --out CKPT [--metp-parallel-size 2]
+    python -m megatron_metp.tools.hf export --load CKPT --out HF_OUT [--hf-config HF_DIR]
+    python -m megatron_metp.tools.hf flags --hf-dir HF_DIR      # the Megatron-LM flags only
+
+``import`` reads ``config.json`` + ``*.safetensors`` (one file or a sharded index), checks the
+config (:mod:`.hf_config`) and the tensors, re-lays them out (:mod:`.hf_layout`), puts them into a
+stock megatron-core ``GPTModel`` (TP = 1, local layer spec, same geometry) and saves its
+``sharded_state_dict`` with ``dist_checkpointing`` as Megatron-LM's ``torch_dist`` save lays it
+out::
+
+    CKPT/latest_checkpointed_iteration.txt    "release"
+    CKPT/release/                             dist_checkpointing save of {"model": ...,
+                                              "checkpoint_version": 3.0, "iteration": 0}
+    CKPT/hf/                                  the source config.json (+ tokenizer files)
+    CKPT/metp_hf.json                         the geometry and the Megatron-LM flags
+    CKPT/megatron_args.txt, CKPT/model.sh     the flags, and a scripts/pretrain_gpt.sh model file
+
+METP's layers keep Megatron's parameter names and shard on its TP axis, so the checkpoint loads
+into ``pretrain_gpt.py --load CKPT [--finetune]`` at any METP size and TP (``--metp-parallel-size
+p``) and into stock TP; :func:`load_model_weights` does the same model load on CPU ranks (the
+tests use it at METP = 2 and 3). Megatron pads the vocabulary to a multiple of
+``--make-vocab-size-divisible-by × TP`` (``× METP`` with ``--metp-vocab-parallel``): give the
+converter the same numbers as the run (the padded rows are zeros).
+
+``export`` reads the model tensors of any such checkpoint (ours, or one Megatron-LM saved after
+training: ``--load`` is the save directory, ``--iteration`` picks one) straight from the
+``torch_dist`` files, without building a model or unpickling anything beyond the checked
+``.metadata``, drops the padded rows and writes ``model.safetensors`` + ``config.json`` that
+``LlamaForCausalLM.from_pretrained`` reads. The config comes from ``CKPT/hf/`` or ``--hf-config``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import tempfile
+import warnings
+from typing import Dict, Iterable, List, Optional
+
+import torch
+
+from .hf_config import (HFConfigError, LlamaGeometry, geometry_from_hf, gpt_model_kwargs,
+                        megatron_args, pretrain_gpt_sh_model, read_hf_config,
+                        transformer_config_kwargs)
+from .hf_layout import hf_to_megatron, megatron_shapes, megatron_to_hf
+
+TRACKER = "latest_checkpointed_iteration.txt"
+META = "metp_hf.json"
+#: files copied along with config.json (when present) so that export can restore them
+SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "special_tokens_map.json", "tokenizer.model")
+
+
+# ---------------------------------------------------------------- safetensors in and out
+
+def _safetensors():
+    try:
+        import safetensors.torch
+    except ImportError as exc:
+        raise HFConfigError("the Hugging Face converter needs the safetensors package: "
+                            "pip install safetensors") from exc
+    return safetensors.torch
+
+
+def read_safetensors(hf_dir: str) -> Dict[str, torch.Tensor]:
+    """All tensors of ``hf_dir``: ``model.safetensors``, or the files a
+    ``model.safetensors.index.json`` lists."""
+    load_file = _safetensors().load_file
+
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    single = os.path.join(hf_dir, "model.safetensors")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f).get("weight_map", {}).values()))
+        if not files:
+            raise HFConfigError(f"{index!r} has an empty weight_map")
+    elif os.path.isfile(single):
+        files = ["model.safetensors"]
+    else:
+        bins = [n for n in os.listdir(hf_dir) if n.endswith(".bin")]
+        hint = (" (it holds PyTorch .bin files: re-save with save_pretrained(..., "
+                "safe_serialization=True))" if bins else "")
+        raise HFConfigError(f"{hf_dir!r} has neither model.safetensors nor "
+                            f"model.safetensors.index.json{hint}")
+    out: Dict[str, torch.Tensor] = {}
+    for name in files:
+        path = os.path.join(hf_dir, name)
+        if not os.path.isfile(path):
+            raise HFConfigError(f"{path!r}, listed in the safetensors index, is missing")
+        out.update(load_file(path))
+    return out
+
+
+# ---------------------------------------------------------------- the Megatron model
+
+def build_model(g: LlamaGeometry, *, groups=None, vocab_parallel: bool = False):
+    """The megatron-core ``GPTModel`` this geometry converts to, on the initialised parallel
+    state: the stock local layer spec with ``groups=None``, METP's spec with ``groups``
+    (:class:`megatron_metp.megatron.groups.METPGroups`), ``METPGPTModel`` (vocabulary on the
+    ring) with ``vocab_parallel``. Weights are left uninitialised (load them)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    metp = ps.get_context_parallel_world_size()
+    cfg = TransformerConfig(**transformer_config_kwargs(g, tp=tp, metp=metp))
+    kwargs = dict(config=cfg, pre_process=ps.is_pipeline_first_stage(),
+                  post_process=ps.is_pipeline_last_stage(), **gpt_model_kwargs(g))
+    if groups is None:
+        if vocab_parallel:
+            raise ValueError("vocab_parallel needs the METP groups")
+        return GPTModel(transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+                        **kwargs)
+    from ..megatron.spec import get_gpt_layer_metp_spec
+    from ..megatron.vocab import METPGPTModel
+
+    spec = get_gpt_layer_metp_spec(groups, normalization="RMSNorm")
+    if vocab_parallel:
+        return METPGPTModel(transformer_layer_spec=spec, metp_groups=groups, **kwargs)
+    return GPTModel(transformer_layer_spec=spec, **kwargs)
+
+
+@contextlib.contextmanager
+def _single_process_megatron():
+    """A one-rank gloo world and Megatron's parallel state at TP = PP = 1 (if none is set up),
+    with the CPU shims of :mod:`megatron_metp.cpu` on a machine without CUDA."""
+    import torch.distributed as dist
+
+    own_world = not dist.is_initialized()
+    tmp = None
+    if own_world:
+        tmp = tempfile.mkdtemp(prefix="metp_hf_")
+        store = dist.FileStore(os.path.join(tmp, "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    elif dist.get_world_size() != 1:
+        raise RuntimeError(f"the Hugging Face import runs on one process; this one is rank "
+                           f"{dist.get_rank()} of {dist.get_world_size()}")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not")
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from .. import cpu
+
+    if not torch.cuda.is_available():
+        cpu.enable()
+    own_ps = not ps.model_parallel_is_initialized()
+    if own_ps:
+        ps.initialize_model_parallel(1, 1, create_gloo_process_groups=False)
+    elif ps.get_tensor_model_parallel_world_size() != 1 or \
+            ps.get_pipeline_model_parallel_world_size() != 1:
+        raise RuntimeError("the Hugging Face import builds the model at TP = PP = 1")
+    model_parallel_cuda_manual_seed(1234)
+    try:
+        yield
+    finally:
+        if own_ps:
+            ps.destroy_model_parallel()
+        if own_world:
+            dist.destroy_process_group()
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_checkpoint(g: LlamaGeometry, params: Dict[str, torch.Tensor], ckpt_dir: str) -> None:
+    from megatron.core import dist_checkpointing
+
+    model = build_model(g)
+    names = dict(model.named_parameters())
+    if set(names) != set(params):
+        raise RuntimeError(f"megatron-core's GPTModel has parameters {sorted(set(names) ^ set(params))[:6]} "
+                           f"the re-layout does not (or the reverse): megatron-core version?")
+    with torch.no_grad():
+        for name, p in names.items():
+            if tuple(p.shape) != tuple(params[name].shape):
+                raise RuntimeError(f"{name}: model {list(p.shape)} vs converted "
+                                   f"{list(params[name].shape)}")
+            p.copy_(params[name])
+    os.makedirs(ckpt_dir)
+    dist_checkpointing.save({"model": model.sharded_state_dict(), "checkpoint_version": 3.0,
+                             "iteration": 0}, ckpt_dir)
+
+
+# ---------------------------------------------------------------- import
+
+def import_hf(hf_dir: str, out_dir: str, *, make_vocab_size_divisible_by: int = 128,
+              tensor_model_parallel_size: int = 1, metp_parallel_size: int = 1,
+              metp_vocab_parallel: bool = False, force: bool = False,
+              log=print) -> LlamaGeometry:
+    """Convert ``hf_dir`` into the Megatron ``torch_dist`` checkpoint ``out_dir`` (layout in the
+    module docstring). Every check runs before anything is written."""
+    cfg = read_hf_config(hf_dir)
+    g = geometry_from_hf(cfg, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+                         tensor_model_parallel_size=tensor_model_parallel_size,
+                         metp_parallel_size=metp_parallel_size,
+                         metp_vocab_parallel=metp_vocab_parallel)
+    if os.path.exists(out_dir) and os.listdir(out_dir):
+        if not force:
+            raise HFConfigError(f"--out {out_dir!r} exists and is not empty; choose a new "
+                                f"directory or pass --force to replace it")
+    hf = read_safetensors(hf_dir)
+    params = hf_to_megatron(hf, g)  # checks names, shapes and dtypes first
+    dtype = next(iter(hf.values())).dtype
+    if str(dtype).replace("torch.", "") != g.dtype:
+        g = dataclasses.replace(g, dtype=str(dtype).replace("torch.", ""))
+    del hf
+    if os.path.exists(out_dir):
+        shutil.rmtree(out_dir)
+    os.makedirs(out_dir)
+    with _single_process_megatron():
+        _write_checkpoint(g, params, os.path.join(out_dir, "release"))
+    with open(os.path.join(out_dir, TRACKER), "w") as f:
+        f.write("release")
+    side = os.path.join(out_dir, "hf")
+    os.makedirs(side)
+    shutil.copyfile(os.path.join(hf_dir, "config.json"), os.path.join(side, "config.json"))
+    for name in SIDE_FILES:
+        if os.path.isfile(os.path.join(hf_dir, name)):
+            shutil.copyfile(os.path.join(hf_dir, name), os.path.join(side, name))
+    flags = megatron_args(g)
+    with open(os.path.join(out_dir, META), "w") as f:
+        json.dump({"source": os.path.abspath(hf_dir), "geometry": g.to_json(),
+                   "megatron_args": flags,
+                   "tensor_model_parallel_size": tensor_model_parallel_size,
+                   "metp_parallel_size": metp_parallel_size,
+                   "metp_vocab_parallel": metp_vocab_parallel}, f, indent=1)
+    with open(os.path.join(out_dir, "megatron_args.txt"), "w") as f:
+        f.write(" ".join(flags) + "\n")
+    with open(os.path.join(out_dir, "model.sh"), "w") as f:
+        f.write(pretrain_gpt_sh_model(g, os.path.abspath(out_dir)))
+    log(f"wrote {out_dir}: {g.num_layers} layers, hidden {g.hidden_size}, "
+        f"{g.num_attention_heads} heads / {g.num_query_groups} K/V groups, FFN "
+        f"{g.ffn_hidden_size}, vocabulary {g.vocab_size} padded to {g.padded_vocab_size} "
+        f"(multiple of {g.vocab_multiple}), {'tied' if g.tie_embeddings else 'untied'}, {g.dtype}")
+    log("pretrain_gpt.py flags: " + " ".join(flags) + f" --load {out_dir} --finetune")
+    if g.padded_vocab_size > g.vocab_size:
+        log(f"note: Megatron's softmax runs over all {g.padded_vocab_size} rows; the "
+            f"{g.padded_vocab_size - g.vocab_size} zero rows give logit 0 and enter the loss's "
+            f"normaliser, so its loss is not Hugging Face's (the first {g.vocab_size} logits are). "
+            f"A --make-vocab-size-divisible-by whose multiple (x TP [x METP]) divides "
+            f"{g.vocab_size} avoids the padding")
+    return g
+
+
+# ---------------------------------------------------------------- reading a torch_dist checkpoint
+
+def checkpoint_dir(load: str, iteration: Optional[int] = None) -> str:
+    """The ``dist_checkpointing`` directory of ``load``: ``load`` itself if it is one, else the
+    one ``latest_checkpointed_iteration.txt`` (or ``iteration``) names."""
+    if not os.path.isdir(load):
+        raise HFConfigError(f"--load {load!r} is not a directory")
+    if iteration is None and os.path.isfile(os.path.join(load, "metadata.json")):
+        return load
+    if iteration is None:
+        tracker = os.path.join(load, TRACKER)
+        if not os.path.isfile(tracker):
+            raise HFConfigError(f"{load!r} has no {TRACKER} and is not a checkpoint directory "
+                                f"itself; pass the --save directory of the run (or --iteration)")
+        with open(tracker) as f:
+            tag = f.read().strip()
+        sub = "release" if tag == "release" else f"iter_{int(tag):07d}"
+    else:
+        sub = f"iter_{iteration:07d}"
+    path = os.path.join(load, sub)
+    if not os.path.isfile(os.path.join(path, "metadata.json")):
+        raise HFConfigError(f"{path!r} is not a torch_dist checkpoint (no metadata.json); "
+                            f"Megatron-LM's --ckpt-format torch_dist writes one")
+    return path
+
+
+#: stacked layer keys of the checkpoint → the per-layer parameter name (TE-style norm keys)
+_LAYER_KEYS = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "input_layernorm.weight": "input_layernorm.weight",
+    "pre_mlp_layernorm.weight": "pre_mlp_layernorm.weight",
+    "self_attention.linear_qkv.weight": "self_attention.linear_qkv.weight",
+    "self_attention.linear_proj.weight": "self_attention.linear_proj.weight",
+    "mlp.linear_fc1.weight": "mlp.linear_fc1.weight",
+    "mlp.linear_fc2.weight": "mlp.linear_fc2.weight",
+}
+_TOP_KEYS = ("embedding.word_embeddings.weight", "decoder.final_layernorm.weight",
+             "output_layer.weight")
+
+
+def _checked_metadata(path: str) -> None:
+    """Refuse a ``.metadata`` pickle that references anything but torch's checkpoint classes
+    (the allow-list of :mod:`megatron_metp.megatron.checkpoint`), before torch unpickles it."""
+    from ..megatron.checkpoint import CheckpointError, _check_metadata_pickle
+
+    meta_file = os.path.join(path, ".metadata")
+    if not os.path.isfile(meta_file):
+        raise HFConfigError(f"{path!r} has no .metadata: not a torch_dist checkpoint")
+    try:
+        _check_metadata_pickle(meta_file)
+    except CheckpointError as exc:
+        raise HFConfigError(str(exc)) from exc
+
+
+def read_checkpoint_tensors(path: str, keys: Optional[Iterable[str]] = None) -> Dict[str, torch.Tensor]:
+    """Global tensors of a ``dist_checkpointing`` (``torch_dist``) directory, by checkpoint key
+    (``decoder.layers.*`` stacked ``[num_layers, ...]``). ``.metadata`` is checked against an
+    allow-list before torch unpickles it; tensor data is read with ``weights_only``; byte
+    objects (``_extra_state``) and ``common.pt`` are never read."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    _checked_metadata(path)
+    reader = FileSystemReader(path)
+    md = reader.read_metadata().state_dict_metadata
+    wanted = set(keys) if keys is not None else None
+    sd = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in md.items()
+          if isinstance(m, TensorStorageMetadata) and (wanted is None or k in wanted)}
+    with warnings.catch_warnings():  # "assuming ... a single process": yes, that is the intent
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
+        dcp.load(sd, storage_reader=FileSystemReader(path), no_dist=True)
+    return sd
+
+
+def megatron_params_from_checkpoint(path: str, num_layers: int) -> Dict[str, torch.Tensor]:
+    """The model tensors of a checkpoint as full per-layer ``named_parameters()`` names."""
+    keys = list(_TOP_KEYS) + [f"decoder.layers.{k}" for k in _LAYER_KEYS]
+    raw = read_checkpoint_tensors(path, keys)
+    out = {k: raw[k] for k in _TOP_KEYS if k in raw}
+    for key, name in _LAYER_KEYS.items():
+        t = raw.get(f"decoder.layers.{key}")
+        if t is None:
+            continue
+        if t.shape[0] != num_layers:
+            raise HFConfigError(f"checkpoint tensor decoder.layers.{key} stacks {t.shape[0]} "
+                                f"layers, the config has {num_layers}")
+        for i in range(num_layers):
+            out[f"decoder.layers.{i}.{name}"] = t[i].clone()
+    return out
+
+
+def load_model_weights(model, load: str, iteration: Optional[int] = None) -> None:
+    """Load the weights of the checkpoint ``load`` into ``model`` (any TP / METP layout, on every
+    rank of its groups) as Megatron-LM's ``load_checkpoint`` does for the model part: the
+    model's ``sharded_state_dict()`` filled by ``dist_checkpointing.load``, then
+    ``load_state_dict``. The ``.metadata`` pickle is checked first; ``_extra_state`` objects
+    (empty for these layers) are not read."""
+    from megatron.core import dist_checkpointing
+
+    path = checkpoint_dir(load, iteration)
+    _checked_metadata(path)
+    template = {k: v for k, v in model.sharded_state_dict().items()
+                if not k.endswith("._extra_state")}
+    loaded = dist_checkpointing.load({"model": template}, path)["model"]
+    missing, unexpected = model.load_state_dict(loaded, strict=False)
+    missing = [k for k in missing if not k.endswith("._extra_state")]
+    if missing or unexpected:
+        raise HFConfigError(f"{path!r} does not match the model: missing {missing[:5]}, "
+                            f"unexpected {list(unexpected)[:5]}")
+
+
+# ---------------------------------------------------------------- export
+
+def _find_hf_config(load: str, hf_config: Optional[str]) -> str:
+    if hf_config is not None:
+        cand = hf_config if os.path.isdir(hf_config) else os.path.dirname(hf_config) or "."
+        if not os.path.isdir(hf_config) and os.path.basename(hf_config) != "config.json":
+            raise HFConfigError(f"--hf-config {hf_config!r}: pass a directory holding "
+                                f"config.json, or the config.json itself")
+        return cand
+    side = os.path.join(load, "hf")
+    if os.path.isfile(os.path.join(side, "config.json")):
+        return side
+    raise HFConfigError(f"{load!r} has no hf/config.json (it was not written by this "
+                        f"converter); pass --hf-config with the Hugging Face model's config.json "
+                        f"(or the import directory)")
+
+
+def export_hf(load: str, out_dir: str, *, hf_config: Optional[str] = None,
+              iteration: Optional[int] = None, dtype: Optional[str] = None,
+              force: bool = False, log=print) -> LlamaGeometry:
+    """Write ``out_dir/model.safetensors`` + ``config.json`` (+ the tokenizer files kept at
+    import) from the Megatron checkpoint ``load``."""
+    save_file = _safetensors().save_file
+    cfg_dir = _find_hf_config(load, hf_config)
+    cfg = read_hf_config(cfg_dir)
+    g = geometry_from_hf(cfg, make_vocab_size_divisible_by=1)
+    path = checkpoint_dir(load, iteration)
+    if os.path.exists(out_dir) and os.listdir(out_dir) and not force:
+        raise HFConfigError(f"--out {out_dir!r} exists and is not empty; choose a new directory "
+                            f"or pass --force")
+    mg = megatron_params_from_checkpoint(path, g.num_layers)
+    emb = mg.get("embedding.word_embeddings.weight")
+    if emb is None:
+        raise HFConfigError(f"{path!r} holds no embedding.word_embeddings.weight")
+    if emb.shape[0] < g.vocab_size:
+        raise HFConfigError(f"the checkpoint's embedding has {emb.shape[0]} rows, fewer than "
+                            f"config.json's vocab_size {g.vocab_size}: wrong --hf-config?")
+    if g.tie_embeddings and "output_layer.weight" in mg:
+        raise HFConfigError("config.json has tie_word_embeddings = true but the checkpoint has "
+                            "an output_layer.weight (trained with "
+                            "--untie-embeddings-and-output-weights): wrong --hf-config?")
+    if not g.tie_embeddings and "output_layer.weight" not in mg:
+        raise HFConfigError("config.json has tie_word_embeddings = false but the checkpoint has "
+                            "no output_layer.weight (a tied model): wrong --hf-config?")
+    g = dataclasses.replace(g, padded_vocab_size=int(emb.shape[0]))
+    hf = megatron_to_hf(mg, g)
+    # default: the embedding's dtype for every tensor (an import keeps the norms of a bf16
+    # model in megatron-core's fp32 norm parameters; the values are the bf16 ones)
+    target = getattr(torch, dtype) if dtype is not None else emb.dtype
+    hf = {k: v.to(target) for k, v in hf.items()}
+    written = str(target).replace("torch.", "")
+    if os.path.exists(out_dir):
+        shutil.rmtree(out_dir)
+    os.makedirs(out_dir)
+    save_file({k: v.contiguous() for k, v in hf.items()},
+              os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    cfg = dict(cfg)
+    cfg["dtype" if "dtype" in cfg else "torch_dtype"] = written
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    for name in SIDE_FILES:
+        src = os.path.join(cfg_dir, name)
+        if os.path.isfile(src):
+            shutil.copyfile(src, os.path.join(out_dir, name))
+    log(f"wrote {out_dir}: {len(hf)} tensors ({written}) from {path}, vocabulary rows "
+        f"{g.padded_vocab_size} -> {g.vocab_size}")
+    return g
+
+
+# ---------------------------------------------------------------- command line
+
+def _add_padding_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                    help="as the run's Megatron flag (default 128)")
+    ap.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                    help="TP of the run: Megatron pads the vocabulary to a multiple of "
+                         "divisible-by x TP (default 1)")
+    ap.add_argument("--metp-parallel-size", type=int, default=1,
+                    help="METP size of the run: heads, K/V groups and FFN must divide by "
+                         "TP x METP (default 1: no check)")
+    ap.add_argument("--metp-vocab-parallel", action="store_true",
+                    help="the run uses --metp-vocab-parallel (vocabulary padded x METP too)")
+
+
+def main(argv: Optional[List[str]] = None, prog: str = "python -m megatron_metp.tools.hf") -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    im = sub.add_parser("import", help="Hugging Face Llama -> Megatron torch_dist checkpoint")
+    im.add_argument("--hf-dir", required=True, help="config.json + *.safetensors")
+    im.add_argument("--out", required=True, help="checkpoint directory to write (pretrain_gpt.py --load)")
+    im.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    _add_padding_args(im)
+    ex = sub.add_parser("export", help="Megatron torch_dist checkpoint -> Hugging Face Llama")
+    ex.add_argument("--load", required=True, help="checkpoint directory (as pretrain_gpt.py --load/--save)")
+    ex.add_argument("--out", required=True, help="directory for model.safetensors + config.json")
+    ex.add_argument("--hf-config", help="config.json (or its directory) of the model; default "
+                                        "LOAD/hf/ written by import")
+    ex.add_argument("--iteration", type=int, help="iteration to export (default: the tracker's)")
+    ex.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                    help="dtype of the written tensors (default: the checkpoint's embedding's)")
+    ex.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    fl = sub.add_parser("flags", help="print the Megatron-LM flags of a Hugging Face config")
+    fl.add_argument("--hf-dir", required=True)
+    _add_padding_args(fl)
+    args = ap.parse_args(argv)
+    try:
+        if args.cmd == "import":
+            import_hf(args.hf_dir, args.out,
+                      make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                      tensor_model_parallel_size=args.tensor_model_parallel_size,
+                      metp_parallel_size=args.metp_parallel_size,
+                      metp_vocab_parallel=args.metp_vocab_parallel, force=args.force)
+        elif args.cmd == "export":
+            export_hf(args.load, args.out, hf_config=args.hf_config, iteration=args.iteration,
+                      dtype=args.dtype, force=args.force)
+        else:
+            g = geometry_from_hf(read_hf_config(args.hf_dir),
+                                 make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                                 tensor_model_parallel_size=args.tensor_model_parallel_size,
+                                 metp_parallel_size=args.metp_parallel_size,
+                                 metp_vocab_parallel=args.metp_vocab_parallel)
+            print(" ".join(megatron_args(g)))
+    except ValueError as exc:
+        print(f"{prog} {args.cmd}: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+__all__ = ["import_hf", "export_hf", "build_model", "load_model_weights", "read_safetensors",
+           "checkpoint_dir",
+           "read_checkpoint_tensors", "megatron_params_from_checkpoint", "megatron_shapes",
+           "main"]
+
+if __name__ == "__main__":
+    sys.exit(main())

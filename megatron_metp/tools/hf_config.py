@@ -1,0 +1,313 @@
+"""A Hugging Face Llama ``config.json`` as the Megatron GPT it converts to (:class:`LlamaGeometry`).
+
+:func:`geometry_from_hf` checks every field the conversion depends on and raises
+:class:`HFConfigError` (a ``ValueError``) naming the field, its value and what to do, before any
+tensor is read. From a geometry come Megatron-LM's ``pretrain_gpt.py`` flags
+(:func:`megatron_args`), the ``TransformerConfig`` and ``GPTModel`` arguments
+(:func:`transformer_config_kwargs`, :func:`gpt_model_kwargs`) and a ``pretrain_gpt.sh`` model
+file (:func:`pretrain_gpt_sh_model`).
+
+Supported: ``model_type: llama`` (``LlamaForCausalLM``) with SiLU-gated MLP (SwiGLU), RMSNorm,
+RoPE (any integer ``rope_theta``; ``rope_scaling`` none/default, or ``llama3`` with Llama 3.1's
+``low_freq_factor`` 1, ``high_freq_factor`` 4 and ``original_max_position_embeddings`` 8192,
+which is what megatron-core 0.16.1's ``--use-rope-scaling`` implements), grouped-query attention,
+no linear biases, tied or untied embeddings.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+from typing import List, Optional
+
+#: what megatron-core 0.16.1's RotaryEmbedding._apply_scaling hard-codes for --use-rope-scaling
+MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                        "original_max_position_embeddings": 8192}
+
+_DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16",
+           "float16": "float16", "half": "float16"}
+
+
+class HFConfigError(ValueError):
+    """The Hugging Face checkpoint cannot be converted; the message names the field and the fix."""
+
+
+@dataclass(frozen=True)
+class LlamaGeometry:
+    """The Megatron GPT of a Llama checkpoint.
+
+    ``vocab_size`` is the Hugging Face vocabulary ``V``; the Megatron tables have
+    ``padded_vocab_size`` rows (Megatron's padding to a multiple of ``vocab_multiple``; rows
+    ``[V, padded)`` are zeros after import and dropped on export). ``kv_channels`` is the head
+    dimension ``d = hidden_size / num_attention_heads``.
+    """
+
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    vocab_size: int
+    padded_vocab_size: int
+    vocab_multiple: int
+    make_vocab_size_divisible_by: int
+    norm_epsilon: float
+    rotary_base: int
+    rope_scaling_factor: Optional[float]
+    max_position_embeddings: int
+    tie_embeddings: bool
+    dtype: str
+
+    @property
+    def kv_channels(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def qkv_rows(self) -> int:
+        """Rows of Megatron's fused ``linear_qkv``: ``(heads + 2·groups)·d``."""
+        return (self.num_attention_heads + 2 * self.num_query_groups) * self.kv_channels
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def read_hf_config(hf_dir: str) -> dict:
+    """``hf_dir/config.json`` as a dict (:class:`HFConfigError` if absent or not JSON)."""
+    if not os.path.isdir(hf_dir):
+        raise HFConfigError(f"--hf-dir {hf_dir!r} is not a directory; pass the folder "
+                            f"save_pretrained() wrote (config.json + *.safetensors)")
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        raise HFConfigError(f"{path!r} is missing: the Hugging Face checkpoint needs its "
+                            f"config.json next to the safetensors (save_pretrained() writes it)")
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except ValueError as exc:
+        raise HFConfigError(f"{path!r} is not valid JSON: {exc}") from exc
+    if not isinstance(cfg, dict):
+        raise HFConfigError(f"{path!r} holds a {type(cfg).__name__}, not a JSON object")
+    return cfg
+
+
+def _int_field(cfg: dict, name: str, *, minimum: int = 1) -> int:
+    if name not in cfg:
+        raise HFConfigError(f"config.json has no {name!r}; a Llama config always sets it")
+    v = cfg[name]
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise HFConfigError(f"config.json: {name} = {v!r} must be an integer >= {minimum}")
+    return v
+
+
+def _rope_scaling_factor(cfg: dict) -> Optional[float]:
+    rs = cfg.get("rope_scaling")
+    if rs is None:
+        return None
+    if not isinstance(rs, dict):
+        raise HFConfigError(f"config.json: rope_scaling = {rs!r} must be null or an object")
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind in (None, "default"):
+        return None
+    if kind != "llama3":
+        raise HFConfigError(
+            f"config.json: rope_scaling type {kind!r} is not supported: megatron-core 0.16.1 "
+            f"(and METP, which uses its RotaryEmbedding) implements only the 'llama3' scaling "
+            f"(--use-rope-scaling); remove rope_scaling or convert a model without it")
+    factor = rs.get("factor")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+        raise HFConfigError(f"config.json: rope_scaling.factor = {factor!r} must be a number > 0")
+    for key, want in MEGATRON_LLAMA3_ROPE.items():
+        got = rs.get(key)
+        if not isinstance(got, (int, float)) or isinstance(got, bool) or float(got) != want:
+            raise HFConfigError(
+                f"config.json: rope_scaling.{key} = {got!r}: megatron-core 0.16.1's "
+                f"--use-rope-scaling fixes it at {want:g} (Llama 3.1's value; only "
+                f"--rope-scaling-factor is a flag), so this model's RoPE cannot be reproduced")
+    return float(factor)
+
+
+def geometry_from_hf(cfg: dict, *, make_vocab_size_divisible_by: int = 128,
+                     tensor_model_parallel_size: int = 1, metp_parallel_size: int = 1,
+                     metp_vocab_parallel: bool = False) -> LlamaGeometry:
+    """Check a Llama ``config.json`` and return its Megatron geometry.
+
+    The vocabulary is padded as Megatron pads it for the run that will load the checkpoint: to a
+    multiple of ``make_vocab_size_divisible_by × TP`` (``× METP`` with ``--metp-vocab-parallel``).
+    Heads, query groups and the FFN width must divide by ``TP × METP``.
+    """
+    for name, v in (("make_vocab_size_divisible_by", make_vocab_size_divisible_by),
+                    ("tensor_model_parallel_size", tensor_model_parallel_size),
+                    ("metp_parallel_size", metp_parallel_size)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise HFConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
+    if metp_vocab_parallel and metp_parallel_size < 2:
+        raise HFConfigError("--metp-vocab-parallel needs --metp-parallel-size > 1 (the METP size "
+                            "of the run: the vocabulary is padded to a multiple of it)")
+    model_type = cfg.get("model_type")
+    if model_type != "llama":
+        raise HFConfigError(f"config.json: model_type {model_type!r} is not supported: only "
+                            f"'llama' (LlamaForCausalLM: RMSNorm, SwiGLU, RoPE, GQA) converts")
+    archs = cfg.get("architectures")
+    if archs and "LlamaForCausalLM" not in archs:
+        raise HFConfigError(f"config.json: architectures {archs!r} has no 'LlamaForCausalLM'; "
+                            f"only the causal-LM head converts")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise HFConfigError(f"config.json: hidden_act {act!r} is not supported: Megatron's "
+                            f"--swiglu is SiLU(gate)·up; only 'silu' converts")
+    for name in ("attention_bias", "mlp_bias"):
+        if cfg.get(name, False):
+            raise HFConfigError(f"config.json: {name} = true is not supported: the converted run "
+                                f"uses --disable-bias-linear (no linear biases); convert a model "
+                                f"without biases")
+    if float(cfg.get("attention_dropout", 0.0) or 0.0) != 0.0:
+        raise HFConfigError(f"config.json: attention_dropout = {cfg['attention_dropout']!r}: METP "
+                            f"has no attention dropout; set it to 0.0")
+    prf = cfg.get("partial_rotary_factor", 1.0)
+    if prf not in (None, 1, 1.0):
+        raise HFConfigError(f"config.json: partial_rotary_factor = {prf!r} is not supported "
+                            f"(RoPE over the whole head only)")
+    layers = _int_field(cfg, "num_hidden_layers")
+    hidden = _int_field(cfg, "hidden_size")
+    ffn = _int_field(cfg, "intermediate_size")
+    heads = _int_field(cfg, "num_attention_heads")
+    groups = cfg.get("num_key_value_heads") or heads
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+        raise HFConfigError(f"config.json: num_key_value_heads = {groups!r} must be an integer >= 1")
+    vocab = _int_field(cfg, "vocab_size")
+    if hidden % heads:
+        raise HFConfigError(f"config.json: hidden_size {hidden} is not divisible by "
+                            f"num_attention_heads {heads}")
+    head_dim = cfg.get("head_dim")
+    if head_dim not in (None, hidden // heads):
+        raise HFConfigError(f"config.json: head_dim = {head_dim!r} differs from hidden_size / "
+                            f"num_attention_heads = {hidden // heads}: not supported by this "
+                            f"converter")
+    if heads % groups:
+        raise HFConfigError(f"config.json: num_attention_heads {heads} is not divisible by "
+                            f"num_key_value_heads {groups} (grouped-query attention needs whole "
+                            f"groups)")
+    shards = tensor_model_parallel_size * metp_parallel_size
+    for name, v in (("num_attention_heads", heads), ("num_key_value_heads", groups),
+                    ("intermediate_size", ffn)):
+        if v % shards:
+            raise HFConfigError(f"config.json: {name} {v} is not divisible by TP x METP = "
+                                f"{tensor_model_parallel_size} x {metp_parallel_size}: choose "
+                                f"--tensor-model-parallel-size / --metp-parallel-size whose "
+                                f"product divides it")
+    eps = cfg.get("rms_norm_eps", 1e-6)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise HFConfigError(f"config.json: rms_norm_eps = {eps!r} must be a number > 0")
+    theta = cfg.get("rope_theta", 10000.0)
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0 or \
+            float(theta) != int(theta):
+        raise HFConfigError(f"config.json: rope_theta = {theta!r}: Megatron's --rotary-base is an "
+                            f"integer; only integral bases convert exactly")
+    scaling = _rope_scaling_factor(cfg)
+    max_pos = cfg.get("max_position_embeddings", 2048)
+    if isinstance(max_pos, bool) or not isinstance(max_pos, int) or max_pos < 1:
+        raise HFConfigError(f"config.json: max_position_embeddings = {max_pos!r} must be an "
+                            f"integer >= 1")
+    dtype = cfg.get("torch_dtype", cfg.get("dtype")) or "float32"
+    if dtype not in _DTYPES:
+        raise HFConfigError(f"config.json: torch_dtype {dtype!r} is not one of "
+                            f"{sorted(set(_DTYPES.values()))}")
+    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size * \
+        (metp_parallel_size if metp_vocab_parallel else 1)
+    padded = int(math.ceil(vocab / multiple) * multiple)
+    return LlamaGeometry(
+        num_layers=layers, hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=heads,
+        num_query_groups=groups, vocab_size=vocab, padded_vocab_size=padded,
+        vocab_multiple=multiple, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+        norm_epsilon=float(eps), rotary_base=int(theta), rope_scaling_factor=scaling,
+        max_position_embeddings=max_pos, tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        dtype=_DTYPES[dtype])
+
+
+def megatron_args(g: LlamaGeometry) -> List[str]:
+    """The Megatron-LM ``pretrain_gpt.py`` model flags that build this geometry."""
+    out = ["--num-layers", str(g.num_layers), "--hidden-size", str(g.hidden_size),
+           "--ffn-hidden-size", str(g.ffn_hidden_size),
+           "--num-attention-heads", str(g.num_attention_heads)]
+    if g.num_query_groups != g.num_attention_heads:
+        out += ["--group-query-attention", "--num-query-groups", str(g.num_query_groups)]
+    out += ["--normalization", "RMSNorm", "--norm-epsilon", repr(g.norm_epsilon), "--swiglu",
+            "--disable-bias-linear", "--position-embedding-type", "rope",
+            "--rotary-base", str(g.rotary_base),
+            "--max-position-embeddings", str(g.max_position_embeddings),
+            "--make-vocab-size-divisible-by", str(g.make_vocab_size_divisible_by),
+            "--attention-dropout", "0", "--hidden-dropout", "0"]
+    if g.rope_scaling_factor is not None:
+        out += ["--use-rope-scaling", "--rope-scaling-factor", repr(g.rope_scaling_factor)]
+    if not g.tie_embeddings:
+        out.append("--untie-embeddings-and-output-weights")
+    return out
+
+
+def transformer_config_kwargs(g: LlamaGeometry, *, tp: int = 1, metp: int = 1) -> dict:
+    """``TransformerConfig`` fields of this geometry for a CPU build (no fusions, fp32 unless
+    the checkpoint's dtype says otherwise)."""
+    import torch
+    import torch.nn.functional as F
+
+    dtype = getattr(torch, g.dtype)
+    return dict(
+        num_layers=g.num_layers, hidden_size=g.hidden_size, ffn_hidden_size=g.ffn_hidden_size,
+        num_attention_heads=g.num_attention_heads, num_query_groups=g.num_query_groups,
+        kv_channels=g.kv_channels, normalization="RMSNorm", layernorm_epsilon=g.norm_epsilon,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        tensor_model_parallel_size=tp, context_parallel_size=metp,
+        attention_dropout=0.0, hidden_dropout=0.0,
+        use_cpu_initialization=True, perform_initialization=False,
+        bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16)
+
+
+def gpt_model_kwargs(g: LlamaGeometry) -> dict:
+    """``GPTModel`` arguments besides config and spec (as Megatron-LM's gpt_builder passes them)."""
+    return dict(vocab_size=g.padded_vocab_size, max_sequence_length=g.max_position_embeddings,
+                share_embeddings_and_output_weights=g.tie_embeddings,
+                position_embedding_type="rope", rotary_base=g.rotary_base,
+                rope_scaling=g.rope_scaling_factor is not None,
+                rope_scaling_factor=g.rope_scaling_factor or 8.0)
+
+
+def pretrain_gpt_sh_model(g: LlamaGeometry, load_dir: str) -> str:
+    """A model file for ``scripts/pretrain_gpt.sh`` (``configs/models/*.sh`` style): the geometry
+    as its variables, the rest (norm epsilon, RoPE scaling, vocabulary padding, ``--load
+    --finetune``) in ``EXTRA_ARGS``. The caller's environment still wins for every variable."""
+    extra = ["--norm-epsilon", repr(g.norm_epsilon), "--make-vocab-size-divisible-by",
+             str(g.make_vocab_size_divisible_by), "--load", load_dir, "--finetune"]
+    if g.rope_scaling_factor is not None:
+        extra += ["--use-rope-scaling", "--rope-scaling-factor", repr(g.rope_scaling_factor)]
+    lines = [
+        "# shellcheck shell=bash disable=SC2034  # sourced by scripts/pretrain_gpt.sh",
+        "# Written by `python -m megatron_metp.tools.hf import`: the converted Llama checkpoint's",
+        "# geometry. Set SEQ_LENGTH, METP, GPUS_PER_NODE, ... in the environment (they win).",
+        "# With mock data (NullTokenizer, which adds one end-of-document token) VOCAB_SIZE is the",
+        f"# Hugging Face vocabulary minus one, so Megatron pads {g.vocab_size} tokens to "
+        f"{g.padded_vocab_size} rows",
+        "# as the checkpoint has them (at TP x METP as converted).",
+        f': "${{NUM_LAYERS:={g.num_layers}}}" "${{HIDDEN_SIZE:={g.hidden_size}}}" '
+        f'"${{FFN_HIDDEN_SIZE:={g.ffn_hidden_size}}}"',
+        f': "${{NUM_ATTENTION_HEADS:={g.num_attention_heads}}}" '
+        f'"${{NUM_QUERY_GROUPS:={g.num_query_groups}}}" "${{ROTARY_BASE:={g.rotary_base}}}"',
+        ': "${SWIGLU:=1}" "${NORMALIZATION:=RMSNorm}" "${POSITION_EMBEDDING_TYPE:=rope}" '
+        '"${DISABLE_BIAS_LINEAR:=1}"',
+        f': "${{UNTIE_EMBEDDINGS:={0 if g.tie_embeddings else 1}}}" '
+        f'"${{VOCAB_SIZE:={g.vocab_size - 1}}}" '
+        f'"${{MAX_POSITION_EMBEDDINGS:={g.max_position_embeddings}}}"',
+        'if [[ -z "${EXTRA_ARGS+x}" ]]; then EXTRA_ARGS=(); fi',
+        "EXTRA_ARGS+=(" + " ".join(_sh_quote(a) for a in extra) + ")",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _sh_quote(s: str) -> str:
+    import shlex
+
+    return shlex.quote(s)
