@@ -242,7 +242,9 @@ def import_hf(hf_dir: str, out_dir: str, *, make_vocab_size_divisible_by: int = 
         f"{g.num_attention_heads} heads / {g.num_query_groups} K/V groups, FFN "
         f"{g.ffn_hidden_size}, vocabulary {g.vocab_size} padded to {g.padded_vocab_size} "
         f"(multiple of {g.vocab_multiple}), {'tied' if g.tie_embeddings else 'untied'}, {g.dtype}")
-    log("pretrain_gpt.py flags: " + " ".join(flags) + f" --load {out_dir} --finetune")
+    log("pretrain_gpt.py flags: " + " ".join(flags) + f" --load {out_dir} --finetune (or "
+        f"--pretrained-checkpoint {out_dir} next to the run's own --load/--save)")
+    log(f"scripts/pretrain_gpt.sh model file: {os.path.join(out_dir, 'model.sh')}")
     if g.padded_vocab_size > g.vocab_size:
         log(f"note: Megatron's softmax runs over all {g.padded_vocab_size} rows; the "
             f"{g.padded_vocab_size - g.vocab_size} zero rows give logit 0 and enter the loss's "

@@ -278,16 +278,22 @@ def gpt_model_kwargs(g: LlamaGeometry) -> dict:
 
 def pretrain_gpt_sh_model(g: LlamaGeometry, load_dir: str) -> str:
     """A model file for ``scripts/pretrain_gpt.sh`` (``configs/models/*.sh`` style): the geometry
-    as its variables, the rest (norm epsilon, RoPE scaling, vocabulary padding, ``--load
-    --finetune``) in ``EXTRA_ARGS``. The caller's environment still wins for every variable."""
+    as its variables, the rest (norm epsilon, RoPE scaling, vocabulary padding and
+    ``--pretrained-checkpoint load_dir``) in ``EXTRA_ARGS``. Megatron-LM loads
+    ``--pretrained-checkpoint`` as ``--finetune`` when the run's own ``--load`` directory
+    (``CHECKPOINT_PATH``) holds no checkpoint yet, and resumes from ``--load`` once it does. The
+    caller's environment still wins for every variable."""
     extra = ["--norm-epsilon", repr(g.norm_epsilon), "--make-vocab-size-divisible-by",
-             str(g.make_vocab_size_divisible_by), "--load", load_dir, "--finetune"]
+             str(g.make_vocab_size_divisible_by), "--pretrained-checkpoint", load_dir]
     if g.rope_scaling_factor is not None:
         extra += ["--use-rope-scaling", "--rope-scaling-factor", repr(g.rope_scaling_factor)]
     lines = [
         "# shellcheck shell=bash disable=SC2034  # sourced by scripts/pretrain_gpt.sh",
         "# Written by `python -m megatron_metp.tools.hf import`: the converted Llama checkpoint's",
         "# geometry. Set SEQ_LENGTH, METP, GPUS_PER_NODE, ... in the environment (they win).",
+        "# The first run starts from the converted weights (--pretrained-checkpoint: Megatron",
+        "# fine-tunes from it while CHECKPOINT_PATH holds no checkpoint), later runs resume from",
+        "# CHECKPOINT_PATH.",
         "# With mock data (NullTokenizer, which adds one end-of-document token) VOCAB_SIZE is the",
         f"# Hugging Face vocabulary minus one, so Megatron pads {g.vocab_size} tokens to "
         f"{g.padded_vocab_size} rows",
