@@ -175,8 +175,7 @@ def validate_metp_args(args):
         print(f"> METP: --metp-parallel-size {p} runs on Megatron's context-parallel dimension "
               f"(context-parallel size {p}); expert groups are folded onto the METP rings in "
               f"parallel_state only", flush=True)
-    if getattr(args, "metp_vocab_parallel", False):
-        _fold_vocab_padding(args, p)
+    _fold_vocab_padding(args, p)
     return args
 
 
@@ -184,7 +183,9 @@ def _fold_vocab_padding(args, p: int) -> None:
     """Make Megatron pad the vocabulary to a multiple of ``divisible_by × TP × METP``.
 
     Megatron pads to ``--make-vocab-size-divisible-by × TP``; multiplying the first factor by
-    ``p`` (once, however often this runs) gives every TP×METP rank the same number of rows.
+    ``p`` (once, however often this runs) pads as stock TP of size ``TP × METP`` does, so a METP
+    run and its TP twin have the same embedding and output-layer shapes (and checkpoints), and
+    with ``--metp-vocab-parallel`` every TP×METP rank the same number of rows.
     """
     base = getattr(args, _VOCAB_BASE, None)
     if base is None:
@@ -192,9 +193,11 @@ def _fold_vocab_padding(args, p: int) -> None:
         setattr(args, _VOCAB_BASE, base)
     args.make_vocab_size_divisible_by = base * p
     if getattr(args, "rank", 0) == 0:
-        print(f"> METP: --metp-vocab-parallel: word embedding and output layer sharded over "
-              f"TP x METP; vocabulary padded to a multiple of {base} x "
-              f"{args.tensor_model_parallel_size} x {p}", flush=True)
+        split = ("word embedding and output layer sharded over TP x METP"
+                 if getattr(args, "metp_vocab_parallel", False) else
+                 "as stock TP of size TP x METP pads it")
+        print(f"> METP: vocabulary padded to a multiple of {base} x "
+              f"{args.tensor_model_parallel_size} x {p} ({split})", flush=True)
 
 
 def _metp_problems(args, p: int, tp: int) -> List[str]:
@@ -388,6 +391,7 @@ def build_metp_gpt_model(args, pre_process, post_process, vp_stage=None, config=
     from megatron.core.models.gpt import GPTModel
 
     from .megatron.groups import METPGroups
+    from .megatron.init import initialize_like_tp
     from .megatron.spec import get_gpt_layer_metp_spec
     from .megatron.vocab import METPGPTModel
 
@@ -413,7 +417,7 @@ def build_metp_gpt_model(args, pre_process, post_process, vp_stage=None, config=
               f"{'sharded over TP x METP' if vocab_parallel else 'sharded over TP only'}",
               flush=True)
     cls, extra = (METPGPTModel, {"metp_groups": groups}) if vocab_parallel else (GPTModel, {})
-    return cls(
+    model = cls(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=args.padded_vocab_size,
@@ -431,3 +435,6 @@ def build_metp_gpt_model(args, pre_process, post_process, vp_stage=None, config=
         pg_collection=pg_collection,
         **extra,
     )
+    if weight_ring:  # the same global weights as stock TP of size TP x METP
+        initialize_like_tp(model, groups)
+    return model

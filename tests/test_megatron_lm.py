@@ -145,10 +145,14 @@ def test_vocab_parallel_folds_metp_into_megatrons_vocab_padding(capsys):
     # the switch without METP is refused, naming both flags
     with pytest.raises(ValueError, match="--metp-vocab-parallel needs --metp-parallel-size"):
         megatron_lm.validate_metp_args(_args(metp_vocab_parallel=True))
-    # without the switch Megatron's padding is left alone
+    # without the switch the vocabulary is padded as stock TP of size TP x METP pads it
     plain = _args(metp_parallel_size=4, world_size=8, tensor_model_parallel_size=2)
     megatron_lm.validate_metp_args(plain)
-    assert plain.make_vocab_size_divisible_by == 128
+    assert plain.make_vocab_size_divisible_by == 128 * 4
+    # and with METP off, as Megatron pads it
+    off = _args(world_size=8, tensor_model_parallel_size=2)
+    megatron_lm.validate_metp_args(off)
+    assert off.make_vocab_size_divisible_by == 128
 
 
 def test_sequence_parallel_with_tp1_is_left_to_megatron():

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.nn import Parameter
 
 from .groups import METPGroups
+from .init import init_cpu_shard
 
 #: attribute set on every METP-sharded parameter
 METP_SHARDED = "metp_sharded"
@@ -41,6 +42,9 @@ def _divide(n: int, parts: int, what: str, flag: str) -> int:
 
 def _init_shard(weight: torch.Tensor, init_method, groups: METPGroups, name: str) -> None:
     """Initialise this rank's shard from a stream distinct per (TP rank, METP rank).
+
+    Used at construction; a model built for training is then re-drawn as stock TP of size
+    ``t·p`` draws it (:func:`~.init.initialize_like_tp`).
 
     A seed is drawn from Megatron's model-parallel RNG tracker (distinct per TP rank, equal over
     the METP group), offset by the METP rank, and the shard is initialised under it, leaving every
@@ -88,8 +92,14 @@ class METPLinear(torch.nn.Module):
             shape = (output_size, _divide(input_size, n, f"{self.name} input size", flag))
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
         self.weight = Parameter(torch.empty(shape, dtype=config.params_dtype, device=device))
+        self.init_method = init_method
         if config.perform_initialization:
-            _init_shard(self.weight.data, init_method, groups, self.name)
+            if config.use_cpu_initialization:  # the full matrix, as stock TP draws it
+                init_cpu_shard(self.weight.data, init_method, output_size=output_size,
+                               input_size=input_size, partition_dim=0 if mode == "column" else 1,
+                               stride=stride, rank=groups.shard_index, world_size=n)
+            else:  # re-drawn as stock TP of size t·p draws it by init.initialize_like_tp
+                _init_shard(self.weight.data, init_method, groups, self.name)
         _mark_sharded(self.weight, partition_dim=0 if mode == "column" else 1, stride=stride)
         if bias:
             bshape = (shape[0],) if mode == "column" else (output_size,)

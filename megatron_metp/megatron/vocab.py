@@ -28,6 +28,7 @@ from torch.nn import Parameter
 
 from ..ops import metp_embedding, metp_output_cross_entropy, metp_output_logits
 from .groups import METPGroups
+from .init import init_cpu_shard
 from .linear import _divide, _init_shard, _mark_sharded
 
 
@@ -63,8 +64,14 @@ class _VocabShard(torch.nn.Module):
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
         self.weight = Parameter(torch.empty(self.rows, embedding_dim, dtype=config.params_dtype,
                                             device=device))
+        self.init_method = init_method
         if config.perform_initialization:
-            _init_shard(self.weight.data, init_method, groups, name)
+            if config.use_cpu_initialization:  # the full table, as stock TP draws it
+                init_cpu_shard(self.weight.data, init_method, output_size=num_embeddings,
+                               input_size=embedding_dim, partition_dim=0, stride=1,
+                               rank=groups.shard_index, world_size=groups.shards)
+            else:  # re-drawn as stock TP of size t·p draws it by init.initialize_like_tp
+                _init_shard(self.weight.data, init_method, groups, name)
         _mark_sharded(self.weight, partition_dim=0, stride=1)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),

@@ -106,7 +106,7 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
     torch.set_default_dtype(torch.bfloat16)
 
     layers_here = model.layers // job.pp
-    vocab = P.padded_vocab(model.vocab, lay.vocab_shards)
+    vocab = P.padded_vocab(model.vocab, lay.vocab_pad)
     cfg = TransformerConfig(
         num_layers=model.layers, hidden_size=model.hidden, num_attention_heads=model.heads,
         num_query_groups=model.groups, kv_channels=model.hidden // model.heads,

@@ -80,7 +80,7 @@ def activations(model: Model, job: Job, mode: str, seq: Optional[int] = None,
     n = T // c                       # tokens through this rank's attention / MLP
     nl = n // t if lay.sp else n     # tokens of the norms / residual stream on this rank
     vocab = lay.vocab
-    V = padded_vocab(model.vocab, lay.vocab_shards)
+    V = padded_vocab(model.vocab, lay.vocab_pad)
     Vr = V // lay.vocab_shards       # rows of each vocabulary table on this rank
     L = model.layers // job.pp
     last = job.pp == 1 or stage == "last"   # holds the output layer and the loss

@@ -122,6 +122,12 @@ class Layout:
         """Shards of each vocabulary table: ``t·c`` with the METP split, else TP's ``t``."""
         return self.t * self.c if self.vocab else self.t
 
+    @property
+    def vocab_pad(self) -> int:
+        """Megatron-LM pads the vocabulary to a multiple of ``128 × vocab_pad``: ``t·c`` with
+        METP (METP pads as stock TP of size ``t·c`` does), else TP's ``t``."""
+        return self.t * self.c if self.mode in VOCAB_MODES else self.t
+
     def describe(self) -> str:
         if self.mode in ("tp", "tp-sp"):
             return f"TP={self.t}" + ("+SP" if self.sp else "")

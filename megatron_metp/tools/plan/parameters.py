@@ -46,7 +46,7 @@ def params(model: Model, job: Job, mode: str, stage: str = "first") -> Params:
     lay = layout(mode, job)
     attn, mlp, norms = _layer_weights(model)
     L = model.layers // job.pp
-    V = padded_vocab(model.vocab, lay.vocab_shards)
+    V = padded_vocab(model.vocab, lay.vocab_pad)
     emb = 0
     first = stage == "first" or job.pp == 1
     last = stage == "last" or job.pp == 1
