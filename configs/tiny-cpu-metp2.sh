@@ -8,4 +8,5 @@ source "$(dirname "${BASH_SOURCE[0]}")/models/tiny.sh"
 : "${NNODES:=1}" "${GPUS_PER_NODE:=2}"
 : "${METP:=2}" "${TP:=1}" "${PP:=1}"
 : "${MICRO_BATCH_SIZE:=1}" "${GLOBAL_BATCH_SIZE:=2}" "${TRAIN_ITERS:=10}" "${TRANSFORMER_IMPL:=local}"
+: "${METP_CPU:=1}" "${PRECISION:=fp32}"  # CPU ranks with gloo (scripts/pretrain_gpt.sh)
 TWIN_CONFIG=tiny-cpu-tp2.sh

@@ -30,7 +30,7 @@
 #                                           layers per virtual pipeline stage
 #   NUM_LAYERS HIDDEN_SIZE FFN_HIDDEN_SIZE NUM_ATTENTION_HEADS NUM_QUERY_GROUPS SEQ_LENGTH
 #   SWIGLU [0] NORMALIZATION [LayerNorm] UNTIE_EMBEDDINGS [0] DISABLE_BIAS_LINEAR [0]
-#   MICRO_BATCH_SIZE [1] GLOBAL_BATCH_SIZE [8] TRAIN_ITERS [100] LR [3e-4] PRECISION [bf16]
+#   MICRO_BATCH_SIZE [1] GLOBAL_BATCH_SIZE [8] TRAIN_ITERS [100] LR [3e-4] PRECISION [bf16; or fp16, fp32]
 #   DATA_PATH [unset: --mock-data]          Megatron indexed data prefix(es), e.g. "1.0 /d/x_text_document"
 #   TOKENIZER_TYPE [NullTokenizer with mock data, else HuggingFaceTokenizer] TOKENIZER_MODEL
 #   VOCAB_FILE MERGE_FILE VOCAB_SIZE [32000] tokenizer arguments
@@ -45,7 +45,11 @@
 #   METP_OFFLOAD_ACTIVATIONS [0]            saved activations to host memory (also without METP)
 #   EXTRA_ARGS                              more pretrain_gpt.py arguments (a bash array in the
 #                                           config, or a string in the environment)
-#   PYTHON [python] TORCHRUN [torchrun]
+#   METP_CPU [0]                            1: train on CPU ranks with gloo (no GPU; CI, laptops):
+#                                           torchrun starts python -m megatron_metp.megatron_lm_cpu,
+#                                           which applies the CPU shims and runs pretrain_gpt.py;
+#                                           refused where CUDA is available
+#   PYTHON [python] TORCHRUN [the torchrun next to $PYTHON, else $PYTHON -m torch.distributed.run]
 set -euo pipefail
 
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -81,9 +85,9 @@ done
 
 # ---------------------------------------------------------------- configuration
 CONFIG="${CONFIG:-$METP_DIR/configs/tiny-cpu-metp2.sh}"
-if [[ ! -f "$CONFIG" && -f "$METP_DIR/configs/$CONFIG" ]]; then
-    CONFIG="$METP_DIR/configs/$CONFIG"
-fi
+for cand in "$METP_DIR/$CONFIG" "$METP_DIR/configs/$CONFIG"; do  # relative to the repository
+    if [[ ! -f "$CONFIG" && -f "$cand" ]]; then CONFIG=$cand; fi
+done
 [[ -f "$CONFIG" ]] || die "config file '$CONFIG' not found (see $METP_DIR/configs/)"
 if [[ -n "${EXTRA_ARGS:-}" && "$(declare -p EXTRA_ARGS 2>/dev/null)" != "declare -a"* ]]; then
     read -r -a EXTRA_ARGS <<< "$EXTRA_ARGS"  # a string from the environment
@@ -93,8 +97,12 @@ source "$CONFIG"
 
 : "${NNODES:=1}" "${GPUS_PER_NODE:=8}" "${NODE_RANK:=${SLURM_NODEID:-0}}"
 : "${MASTER_ADDR:=localhost}" "${MASTER_PORT:=6000}"
-: "${MEGATRON_LM_DIR:=/opt/Megatron-LM}" "${PYTHON:=python}" "${TORCHRUN:=torchrun}"
+: "${MEGATRON_LM_DIR:=/opt/Megatron-LM}" "${PYTHON:=python}" "${METP_CPU:=0}"
 : "${TP:=1}" "${PP:=1}" "${METP:=1}" "${CP:=1}" "${VPP:=}"
+if [[ "$PYTHON" == */* && "$PYTHON" != /* ]]; then  # a relative path: absolute (we cd below)
+    PYTHON="$(cd "$(dirname "$PYTHON")" && pwd)/$(basename "$PYTHON")"
+fi
+if [[ -d "$MEGATRON_LM_DIR" ]]; then MEGATRON_LM_DIR="$(cd "$MEGATRON_LM_DIR" && pwd)"; fi
 if [[ -z "${SEQUENCE_PARALLEL:-}" ]]; then
     if [[ "$TP" -gt 1 && "$METP" -eq 1 ]]; then SEQUENCE_PARALLEL=1; else SEQUENCE_PARALLEL=0; fi
 fi
@@ -191,11 +199,16 @@ TRAINING_ARGS=(
     --adam-beta1 0.9
     --adam-beta2 0.95
     --init-method-std 0.02
-    --"$PRECISION"
     --seed "$SEED"
     --use-distributed-optimizer
     --calculate-per-token-loss
 )
+
+case "$PRECISION" in
+    bf16|fp16) TRAINING_ARGS+=(--"$PRECISION") ;;
+    fp32) ;;
+    *) die "PRECISION=$PRECISION: use bf16, fp16 or fp32" ;;
+esac
 
 if [[ -n "${DATA_PATH:-}" ]]; then
     read -r -a DATA_PATH_WORDS <<< "$DATA_PATH"
@@ -235,6 +248,13 @@ if [[ -n "${TENSORBOARD_DIR:-}" ]]; then
                             --log-timers-to-tensorboard)
 fi
 
+CPU_ARGS=()
+if [[ "$METP_CPU" == 1 ]]; then  # gloo, and Megatron's CUDA-only fusions off
+    CPU_ARGS=(--distributed-backend gloo --no-gradient-accumulation-fusion
+              --no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-swiglu-fusion
+              --no-bias-dropout-fusion --no-rope-fusion)
+fi
+
 [[ -n "${EXTRA_ARGS+x}" ]] || EXTRA_ARGS=()
 MEGATRON_ARGS=(
     "${GPT_MODEL_ARGS[@]}"
@@ -243,6 +263,7 @@ MEGATRON_ARGS=(
     "${DATA_ARGS[@]}"
     "${CHECKPOINT_ARGS[@]}"
     "${EVAL_AND_LOGGING_ARGS[@]}"
+    "${CPU_ARGS[@]}"
     "${EXTRA_ARGS[@]}"
     "${USER_ARGS[@]}"
 )
@@ -259,7 +280,24 @@ if [[ "$MODE" == dry-run ]]; then
     exec "${DRY[@]}" -- "${MEGATRON_ARGS[@]}"
 fi
 
-CMD=("$TORCHRUN" "${DISTRIBUTED_ARGS[@]}" "$MEGATRON_LM_DIR/pretrain_gpt.py" "${MEGATRON_ARGS[@]}")
+if [[ -n "${TORCHRUN:-}" ]]; then
+    read -r -a TORCHRUN_CMD <<< "$TORCHRUN"
+else  # the torchrun of $PYTHON's environment (a venv's bin/), whatever is on PATH
+    PYTHON_BIN="$(command -v "$PYTHON" || true)"
+    if [[ -n "$PYTHON_BIN" && -x "$(dirname "$PYTHON_BIN")/torchrun" ]]; then
+        TORCHRUN_CMD=("$(dirname "$PYTHON_BIN")/torchrun")
+    else
+        TORCHRUN_CMD=("$PYTHON" -m torch.distributed.run)
+    fi
+fi
+if [[ "$METP_CPU" == 1 ]]; then
+    export PYTHONPATH="$METP_DIR${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+    CMD=("${TORCHRUN_CMD[@]}" "${DISTRIBUTED_ARGS[@]}" -m megatron_metp.megatron_lm_cpu
+         "$MEGATRON_LM_DIR/pretrain_gpt.py" "${MEGATRON_ARGS[@]}")
+else
+    CMD=("${TORCHRUN_CMD[@]}" "${DISTRIBUTED_ARGS[@]}" "$MEGATRON_LM_DIR/pretrain_gpt.py"
+         "${MEGATRON_ARGS[@]}")
+fi
 if [[ "$MODE" == print ]]; then
     [[ -n "$IMPL_NOTE" ]] && echo "# $IMPL_NOTE"
     echo "export CUDA_DEVICE_MAX_CONNECTIONS=1"

@@ -116,7 +116,10 @@ def _flags(argv):
 
 def test_tiny_config_command():
     launcher, argv = _print_cmd("configs/tiny-cpu-metp2.sh")
-    assert launcher[:3] == ["torchrun", "--nproc_per_node", "2"]
+    # the torchrun of $PYTHON's environment, starting the CPU runner (METP_CPU=1 in the config)
+    assert launcher[:3] == [os.path.join(os.path.dirname(sys.executable), "torchrun"),
+                            "--nproc_per_node", "2"]
+    assert launcher[-2:] == ["-m", "megatron_metp.megatron_lm_cpu"]
     assert launcher[launcher.index("--nnodes") + 1] == "1"
     assert launcher[launcher.index("--node_rank") + 1] == "0"
     f = _flags(argv)
@@ -126,6 +129,20 @@ def test_tiny_config_command():
     assert f["--vocab-size"] == ["1024"] and f["--transformer-impl"] == ["local"]
     assert f["--attention-dropout"] == ["0"] and "--no-persist-layer-norm" in f
     assert "--sequence-parallel" not in f and "--data-path" not in f
+    assert f["--distributed-backend"] == ["gloo"] and "--no-gradient-accumulation-fusion" in f
+    assert "--bf16" not in f and "--fp16" not in f  # fp32 on CPU ranks
+
+
+def test_torchrun_is_found_from_python_or_given(tmp_path):
+    # no torchrun next to $PYTHON: torch's own module, run by $PYTHON
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    os.symlink(sys.executable, bare / "python")
+    launcher, _ = _print_cmd("configs/tiny-cpu-metp2.sh", PYTHON=str(bare / "python"))
+    assert launcher[:3] == [str(bare / "python"), "-m", "torch.distributed.run"]
+    launcher, _ = _print_cmd("configs/gpt-7b-128k-metp8.sh", TORCHRUN="srun-wrapped torchrun")
+    assert launcher[:3] == ["srun-wrapped", "torchrun", "--nproc_per_node"]
+    assert "-m" not in launcher  # GPU configs run pretrain_gpt.py directly
 
 
 def test_environment_overrides_the_config_and_user_args_come_last():
@@ -233,8 +250,9 @@ def test_metp_config_and_its_tp_twin(config):
         assert fb["--tensor-model-parallel-size"] == ["1"]
         for flag in ("--recompute-granularity", "--metp-offload-activations"):
             assert fa.get(flag) == fb.get(flag), flag  # the same recompute and offload
-    else:  # a stock TP twin: TP = p with sequence parallelism
-        assert fb["--tensor-model-parallel-size"] == [str(p)] and "--sequence-parallel" in fb
+    else:  # a stock TP twin: TP = p with sequence parallelism (not on CPU ranks: no apex)
+        assert fb["--tensor-model-parallel-size"] == [str(p)]
+        assert ("--sequence-parallel" in fb) == ("--distributed-backend" not in fb)
     args, world = _validate_like_megatron(la, a)  # the METP layout passes METP's checks
     assert args.context_parallel_size == p
     _, world_b = _validate_like_megatron(lb, b)
@@ -275,7 +293,7 @@ def test_slurm_print_only_two_nodes(tmp_path):
     assert not any(a.startswith("--container") for a in srun)
     assert srun[-7:] == ["env", f"METP_DIR={REPO}", "bash", f"{REPO}/scripts/pretrain_gpt.sh",
                          "--", "--train-iters", "20"]
-    torchruns = [shlex.split(ln) for ln in lines if ln.startswith("torchrun")]
+    torchruns = [shlex.split(ln) for ln in lines if ln.split(" ", 1)[0].endswith("torchrun")]
     assert len(torchruns) == 2
     for node, cmd in enumerate(torchruns):
         assert cmd[cmd.index("--node_rank") + 1] == str(node)
@@ -300,7 +318,7 @@ def test_slurm_print_only_with_container():
     assert "--container-workdir=/opt/megatron-metp" in srun
     assert srun[-4:] == ["env", "METP_DIR=/opt/megatron-metp", "bash",
                          "/opt/megatron-metp/scripts/pretrain_gpt.sh"]
-    torchruns = [shlex.split(ln) for ln in proc.stdout.splitlines() if ln.startswith("torchrun")]
+    torchruns = [shlex.split(ln) for ln in proc.stdout.splitlines() if ln.split(" ", 1)[0].endswith("torchrun")]
     assert len(torchruns) == 2
     for cmd in torchruns:
         assert "/opt/Megatron-LM/pretrain_gpt.py" in cmd
@@ -597,7 +615,7 @@ def test_dry_run_end_to_end(patched_clone, config, layers, tmp_path):
     if "metp" in config:
         assert "world 2 = TP 1 x METP 2 x PP 1 x DP 1" in out
     else:
-        assert "world 2 = TP 2 x CP 1 x PP 1 x DP 1" in out and "sequence-parallel" in out
+        assert "world 2 = TP 2 x CP 1 x PP 1 x DP 1" in out  # no SP on CPU ranks (no apex)
     report = tmp_path / "r.json"
     argv = out.split("command: pretrain_gpt.py ", 1)[1].splitlines()[0].split()
     _run([sys.executable, "-m", "megatron_metp.dry_run", "--megatron-lm-dir", patched_clone,
@@ -630,17 +648,21 @@ def test_dry_run_vocab_parallel(patched_clone):
         return int(text.split("embedding/output ", 1)[1].split(")", 1)[0].replace(",", ""))
 
     # vocab 1024 (+1 NullTokenizer) padded to a multiple of 128 x 1 x 2 = 1280 rows, half per
-    # rank, h=64, tied: 640 x 64 on each rank (without the switch: 1152 x 64, padded to 128)
-    assert emb_params(out) == 640 * 64 and emb_params(base) == 1152 * 64
+    # rank, h=64, tied: 640 x 64 on each rank (without the switch: the same 1280 rows, as stock
+    # TP=2 pads them, all on each rank)
+    assert emb_params(out) == 640 * 64 and emb_params(base) == 1280 * 64
 
 
 @pytest.mark.parametrize("config", ["tiny-cpu-metp2.sh", "tiny-cpu-tp2.sh"])
-def test_dry_run_plan_and_measure_agree(patched_clone, config):
-    """The three instruments of one config: per-rank totals within 3 % (byte counts)."""
+def test_dry_run_plan_and_measure_agree(patched_clone, config, monkeypatch):
+    """The three instruments of one config: per-rank totals within 3 % (byte counts), in bf16
+    (the planner models bf16 training; the tiny configs train in fp32 on CPU ranks)."""
     from megatron_metp.tools import agreement as A
 
+    monkeypatch.setenv("PRECISION", "bf16")
+
     row = A.compare(os.path.join(REPO, "configs", config), patched_clone)
-    assert row["mode"] == ("metp" if "metp" in config else "tp-sp")
+    assert row["mode"] == ("metp" if "metp" in config else "tp")
     assert abs(row["plan_vs_dry_run"]) <= 0.03 and abs(row["measure_vs_dry_run"]) <= 0.03, row
     assert abs(row["plan"] / row["measure"] - 1) <= 0.03, row
     assert A.agrees(row) and "agree" in A.table([row])

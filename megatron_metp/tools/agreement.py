@@ -49,12 +49,13 @@ def mode_of(job: "P.Job", config: Optional[str] = None) -> str:
     """The mode a config's rank 0 runs: METP (with the vocabulary ring when asked), a stock
     context-parallel twin (``CP > 1``: weights replicated, the K/V ring over the CP ranks: mode
     ``ring``), or a stock TP twin (TP+SP when TP > 1, as ``scripts/pretrain_gpt.sh`` sets
-    sequence parallelism)."""
+    sequence parallelism unless the config sets ``SEQUENCE_PARALLEL=0``)."""
     if config is not None and _stock_cp(config) > 1 and job.tp == 1:
         return "ring"
     if job.metp > 1:
         return "metp"
-    return "tp-sp" if job.tp > 1 else "tp"
+    sp = P.read_config(config).get("sequence_parallel") if config is not None else None
+    return "tp-sp" if job.tp > 1 and sp in (None, "", 1, "1") else "tp"
 
 
 def model_job(config: str):

@@ -78,6 +78,7 @@ class MemoryReport:
 class RunLog:
     iterations: List[Iteration] = field(default_factory=list)
     memory: List[MemoryReport] = field(default_factory=list)
+    cpu: bool = False  # trained on CPU ranks (megatron_metp.megatron_lm_cpu): memory = RSS
 
     def peak_memory_mb(self) -> Optional[float]:
         """Largest ``max allocated`` any rank reported."""
@@ -88,6 +89,10 @@ class RunLog:
         return max(vals, default=None)
 
 
+#: printed by ``python -m megatron_metp.megatron_lm_cpu`` (Megatron-LM on CPU ranks)
+CPU_MARKER = "> METP_CPU: Megatron-LM on CPU ranks"
+
+
 def parse_log(text: str) -> RunLog:
     """Training iterations and memory reports of one Megatron-LM log (any prefix per line, such
     as torchrun's or srun's rank labels, is ignored). Later lines for the same iteration (a
@@ -95,6 +100,8 @@ def parse_log(text: str) -> RunLog:
     run = RunLog()
     by_iter: Dict[int, Iteration] = {}
     for line in text.splitlines():
+        if CPU_MARKER in line:
+            run.cpu = True
         m = _ITER.search(line)
         if m and "elapsed time per iteration" in line:
             it = Iteration(iteration=int(m.group(1)), train_iters=int(m.group(2)))
@@ -141,8 +148,8 @@ def summarize(run: RunLog, skip: int = 2) -> Dict[str, Optional[float]]:
 
 _SUMMARY_ROWS = [
     ("iterations", "iterations logged", "{:.0f}"),
-    ("final_lm_loss", "final lm loss", "{:.4f}"),
-    ("mean_lm_loss", "mean lm loss", "{:.4f}"),
+    ("final_lm_loss", "final lm loss", "{:.6f}"),
+    ("mean_lm_loss", "mean lm loss", "{:.6f}"),
     ("mean_elapsed_ms", "time per iteration (ms)", "{:,.1f}"),
     ("mean_tflops_per_gpu", "throughput per GPU (TFLOP/s)", "{:,.1f}"),
     ("peak_max_allocated_mb", "peak memory, max allocated (MB)", "{:,.0f}"),
@@ -169,15 +176,26 @@ def markdown(runs: Dict[str, RunLog], skip: int = 2) -> str:
             a, b = sums[names[0]][key], sums[names[1]][key]
             row.append(f"{a / b:.3f}" if a is not None and b and key != "iterations" else "")
         out.append("| " + " | ".join(row) + " |")
+    diffs = loss_rel_diffs(runs) if ratio else {}
+    if diffs:
+        worst = max(diffs.values())
+        out.append(f"| max lm loss rel. difference | {worst:.2e} over {len(diffs)} "
+                   f"iterations |  |  |")
+    if any(r.cpu for r in runs.values()):
+        out += ["", "CPU ranks (megatron_metp.megatron_lm_cpu): times are CPU times, and the "
+                    "memory columns are each process's resident set size, not GPU memory."]
     out += ["", "### Per iteration", ""]
     cols = ["iteration"] + [f"{n} {c}" for n in names for c in ("lm loss", "ms", "TFLOP/s")]
+    cols += ["lm loss rel. diff"] if ratio else []
     out += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for k in _all_iterations(runs):
         row = [str(k)]
         for n in names:
             it = _iteration(runs[n], k)
-            row += [_fmt(it and it.lm_loss, "{:.4f}"), _fmt(it and it.elapsed_ms, "{:,.1f}"),
+            row += [_fmt(it and it.lm_loss, "{:.6E}"), _fmt(it and it.elapsed_ms, "{:,.1f}"),
                     _fmt(it and it.tflops, "{:,.1f}")]
+        if ratio:
+            row.append(_fmt(diffs.get(k), "{:.1e}"))
         out.append("| " + " | ".join(row) + " |")
     mem = [(n, m) for n, r in runs.items() for m in r.memory]
     if mem:
@@ -189,6 +207,19 @@ def markdown(runs: Dict[str, RunLog], skip: int = 2) -> str:
                        f"{m.max_allocated_mb:,.0f} | {_fmt(m.reserved_mb, '{:,.0f}')} | "
                        f"{_fmt(m.max_reserved_mb, '{:,.0f}')} |")
     return "\n".join(out) + "\n"
+
+
+def loss_rel_diffs(runs: Dict[str, RunLog]) -> Dict[int, float]:
+    """``{iteration: |loss_a − loss_b| / |loss_b|}`` for two runs, at the iterations both log
+    (Megatron prints the loss with 7 significant digits: differences below ~1e-7 are not
+    seen)."""
+    a, b = runs.values()
+    out = {}
+    for k in _all_iterations(runs):
+        ia, ib = _iteration(a, k), _iteration(b, k)
+        if ia and ib and ia.lm_loss is not None and ib.lm_loss is not None and ib.lm_loss:
+            out[k] = abs(ia.lm_loss - ib.lm_loss) / abs(ib.lm_loss)
+    return out
 
 
 def _all_iterations(runs: Dict[str, RunLog]) -> List[int]:

@@ -49,7 +49,6 @@ import json
 import os
 import sys
 import time
-import types
 from typing import Dict, List, Optional
 
 from . import fakerank as FR
@@ -90,24 +89,11 @@ def check_checkout(megatron_lm_dir: str) -> str:
 
 
 def _stub_batch_invariant_kernels() -> bool:
-    """Without triton, stand in for the one Megatron module that imports it at import time
-    (``megatron/training/initialize.py`` imports it for ``--batch-invariant-mode``)."""
-    if importlib.util.find_spec("triton") is not None:
-        return False
-    name = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
-    mod = types.ModuleType(name)
+    """Without triton, stand in for Megatron's batch-invariant kernels module (see
+    :func:`megatron_metp.megatron_lm_cpu.stub_batch_invariant_kernels`)."""
+    from ..megatron_lm_cpu import stub_batch_invariant_kernels
 
-    def unavailable(*_a, **_k):
-        raise DryRunError("--batch-invariant-mode needs triton, which is not installed here")
-
-    for fn in ("set_batch_invariant_mode", "disable_batch_invariant_mode",
-               "enable_batch_invariant_mode"):
-        setattr(mod, fn, unavailable)
-    mod.is_batch_invariant_mode_enabled = lambda: False
-    mod.__all__ = ["set_batch_invariant_mode", "is_batch_invariant_mode_enabled",
-                   "disable_batch_invariant_mode", "enable_batch_invariant_mode"]
-    sys.modules[name] = mod
-    return True
+    return stub_batch_invariant_kernels()
 
 
 def _have_transformer_engine() -> bool:

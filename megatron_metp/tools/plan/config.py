@@ -46,7 +46,8 @@ def _coerce(v: str):
 def read_config(path: str, _seen: Optional[set] = None,
                 _into: Optional[Dict[str, object]] = None) -> Dict[str, object]:
     """Key/values of a config file: ``key=value`` / ``key: value`` lines (YAML-like, one level),
-    ``export KEY=value``, and bash ``: "${KEY:=value}"`` defaults; ``source FILE`` lines (the repo's
+    ``export KEY=value``, and bash ``: "${KEY:=value}"`` defaults (the environment's ``KEY`` wins
+    over such a default, as in bash); ``source FILE`` lines (the repo's
     ``configs/*.sh`` source ``models/*.sh``) are followed relative to the file, as bash runs them
     (a sourced ``:=`` default does not replace a value set before). Keys are lowered
     and ``-`` becomes ``_``; unknown keys are kept (:func:`from_config` refuses them in a
@@ -79,7 +80,8 @@ def read_config(path: str, _seen: Optional[set] = None,
                 read_config(target, _seen, out)
             continue
         for m in re.finditer(r'\$\{([A-Za-z_][A-Za-z0-9_]*):?=([^}]*)\}', line):
-            out.setdefault(m.group(1).lower(), _coerce(m.group(2)))
+            # a default: the environment wins, as in bash (and scripts/pretrain_gpt.sh)
+            out.setdefault(m.group(1).lower(), _coerce(os.environ.get(m.group(1)) or m.group(2)))
         if line.startswith(":"):
             continue
         m = re.match(r'^(?:export\s+)?([A-Za-z_][A-Za-z0-9_.-]*)\s*[:=]\s*(.*)$', line)
@@ -127,6 +129,12 @@ def _launcher_settings(kv: Dict[str, object], model: Dict[str, object],
     data parallelism from ``NNODES × GPUS_PER_NODE`` (default 1 × 8),
     and Megatron's ``NullTokenizer`` (mock data, no ``TOKENIZER_TYPE``), which adds an
     end-of-document token to ``VOCAB_SIZE`` (default 32000)."""
+    precision = str(kv.get("precision") or "bf16")
+    if precision != "bf16":
+        raise ValueError(f"PRECISION={precision} in the config: metp plan and metp measure model "
+                         f"bf16 mixed-precision training (bf16 weights and activations, fp32 "
+                         f"gradients and optimizer state); plan it as bf16 with PRECISION=bf16 in "
+                         f"the environment (e.g. PRECISION=bf16 metp plan --config ...)")
     model.setdefault("tied", True)  # UNTIE_EMBEDDINGS=0
     model.setdefault("swiglu", False)  # SWIGLU=0
     if "hidden" in model:
