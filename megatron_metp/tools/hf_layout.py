@@ -128,8 +128,14 @@ def check_hf_tensors(hf: Dict[str, Tensor], g: LlamaGeometry) -> None:
     :class:`HFConfigError` otherwise, naming the tensors)."""
     want = _hf_names(g)
     names = {k for k in hf if not k.endswith(_IGNORED_SUFFIXES)}
-    if g.tie_embeddings:
-        names.discard("lm_head.weight")  # some tied checkpoints store the shared table twice
+    if g.tie_embeddings and "lm_head.weight" in names:
+        # some tied checkpoints store the shared table twice: fine if it is the same table
+        head, emb = hf["lm_head.weight"], hf.get("model.embed_tokens.weight")
+        if emb is None or head.shape != emb.shape or not torch.equal(head, emb):
+            raise HFConfigError("config.json has tie_word_embeddings = true but lm_head.weight "
+                                "differs from model.embed_tokens.weight: set it to false if the "
+                                "head is its own table")
+        names.discard("lm_head.weight")
     missing = sorted(set(want) - names)
     unexpected = sorted(names - set(want))
     if missing:
