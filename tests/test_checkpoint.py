@@ -1,5 +1,6 @@
 """Checkpoints move between METP and stock TP layouts and resume with nothing lost."""
 
+import json
 import os
 import shutil
 
@@ -62,11 +63,29 @@ def _resume(rank, world, layout, directory, size=SIZE, load_rng=True, with_rng=F
     return (losses, rng) if with_rng else losses
 
 
+def iteration_dir(save_dir, iteration=SAVE_AT):
+    """The ``iter_<n>`` directory save_checkpoint published under ``save_dir``."""
+    return os.path.join(save_dir, f"iter_{iteration:07d}")
+
+
+def reseal(ckpt_dir):
+    """Record the checksums of ``ckpt_dir``'s files as they are now (for tests that tamper with
+    a checkpoint on purpose and need it to reach the loader behind the integrity check)."""
+    import pickle
+
+    from megatron_metp.megatron.checkpoint_integrity import write_manifest
+
+    with open(os.path.join(ckpt_dir, ".metadata"), "rb") as f:
+        md = pickle.load(f)  # our own checkpoint: trusted here
+    for rank in range(json.load(open(os.path.join(ckpt_dir, "metp_checkpoint.json")))["world_size"]):
+        write_manifest(ckpt_dir, md, rank)
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """The checkpoint directory, rank 0's losses of the uninterrupted run and every rank's RNG
-    digest at the save."""
-    directory = str(tmp_path_factory.mktemp("ckpt") / "iter2")
+    """The save directory, rank 0's losses of the uninterrupted run and every rank's RNG digest
+    at the save."""
+    directory = str(tmp_path_factory.mktemp("ckpt") / "save")
     out = run_ranks(_save_and_continue, 4, Layout(metp=2, tp=2), directory, timeout=300)
     return directory, out[0][0], [rng for _, rng in out]
 
@@ -121,11 +140,10 @@ def test_mismatched_model_is_refused_with_reason(saved):
 
 def test_incomplete_or_missing_checkpoint_is_refused(saved, tmp_path):
     directory = saved[0]
+    assert sorted(os.listdir(directory)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
     broken = tmp_path / "broken"
-    broken.mkdir()
-    for name in os.listdir(directory):  # copy all but the metadata: an interrupted save
-        if name != "metp_checkpoint.json":
-            shutil.copy(os.path.join(directory, name), broken / name)
+    shutil.copytree(iteration_dir(directory), broken)
+    os.unlink(broken / "metp_checkpoint.json")  # all but the metadata: an interrupted save
     out = run_ranks(_resume, 2, Layout(metp=2), str(broken))[0]
     assert out[0] == "CheckpointError" and "not a complete" in out[1], out
     out = run_ranks(_resume, 2, Layout(metp=2), str(tmp_path / "nowhere"))[0]
@@ -135,14 +153,12 @@ def test_incomplete_or_missing_checkpoint_is_refused(saved, tmp_path):
 
 
 def test_truncated_shard_file_is_refused(saved, tmp_path):
-    directory = saved[0]
     broken = tmp_path / "truncated"
-    broken.mkdir()
-    for name in os.listdir(directory):
-        data = open(os.path.join(directory, name), "rb").read()
-        (broken / name).write_bytes(data[: len(data) // 2] if name.endswith(".distcp") else data)
+    shutil.copytree(iteration_dir(saved[0]), broken)
+    shard = broken / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     out = run_ranks(_resume, 2, Layout(metp=2), str(broken), SIZE, False)[0]
-    assert out[0] == "CheckpointError", out
+    assert out[0] == "CheckpointError" and str(shard) in out[1] and "truncated" in out[1], out
 
 
 def _save_distopt(rank, world, directory):
@@ -194,9 +210,8 @@ def _dotted_global_payload(marker: str) -> bytes:
 def test_planted_object_in_metadata_is_refused_without_running_it(saved, tmp_path, payload):
     import pickle
 
-    directory = saved[0]
     evil = tmp_path / "evil"
-    shutil.copytree(directory, evil)
+    shutil.copytree(iteration_dir(saved[0]), evil)
     marker = tmp_path / "pwned"
     (evil / ".metadata").write_bytes(pickle.dumps(_Planted(str(marker))) if payload == "object"
                                      else _dotted_global_payload(str(marker)))
@@ -241,9 +256,8 @@ def test_planted_object_in_shard_or_common_file_is_refused_without_running_it(
 
     import torch
 
-    directory = saved[0]
     evil = tmp_path / "evil"
-    shutil.copytree(directory, evil)
+    shutil.copytree(iteration_dir(saved[0]), evil)
     marker = tmp_path / "pwned"
     buf = io.BytesIO()
     torch.save([_Planted(str(marker))], buf)  # as Megatron packs a ShardedObject
@@ -252,6 +266,7 @@ def test_planted_object_in_shard_or_common_file_is_refused_without_running_it(
     else:
         (evil / "common.pt").write_bytes(buf.getvalue())
         what = "common.pt"
+    reseal(str(evil))  # checksums that match the planted bytes: the safe reader must refuse them
     monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
     out = run_ranks(_resume, 2, Layout(metp=2), str(evil), SIZE, False)[0]
     assert not marker.exists(), "the planted object ran"

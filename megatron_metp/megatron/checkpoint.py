@@ -9,22 +9,31 @@ object in the ``.distcp`` shard files (Megatron's ``_extra_state``) are read wit
 ``torch.load(weights_only=True)`` instead of the full unpickler ``dist_checkpointing`` uses. A
 directory that is missing, incomplete, written for another model or holding anything else raises
 :class:`CheckpointError` naming what is wrong.
+
+Crash safety and integrity live in three small modules: :mod:`.checkpoint_layout` (one directory
+per iteration, published by an atomic rename and Megatron-LM's tracker file written last),
+:mod:`.checkpoint_integrity` (CRC-32 of every stored item, recorded per saving rank and checked
+before loading) and :mod:`.checkpoint_agreement` (every rank of a save or load succeeds or
+raises together).
 """
 
 from __future__ import annotations
 
-import json
 import os
+import zlib
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-METP_META = "metp_checkpoint.json"
+from .checkpoint_agreement import agree
+from .checkpoint_errors import CheckpointError
+from .checkpoint_integrity import ALGORITHM, manifest_name, verify_share, write_manifest
+from .checkpoint_layout import (META_FORMAT, METP_META, TRACKER, incomplete_reason,
+                                iteration_dirname, prepare_staging, publish, read_meta, resolve,
+                                staging_path)
 
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be loaded into this model; the message says why."""
+__all__ = ["CheckpointError", "METP_META", "TRACKER", "load_checkpoint", "save_checkpoint"]
 
 
 # What torch.distributed.checkpoint's ``.metadata`` pickle may reference. torch reads that file
@@ -58,7 +67,8 @@ def _metadata_global_allowed(module: str, name: str) -> bool:
     return False
 
 
-def _check_metadata_pickle(path: str) -> None:
+def _check_metadata_pickle(path: str):
+    """Unpickle ``.metadata`` with only the allowed globals; returns torch's ``Metadata``."""
     import io
     import pickle
 
@@ -72,7 +82,7 @@ def _check_metadata_pickle(path: str) -> None:
 
     try:
         with open(path, "rb") as f:
-            _Restricted(io.BytesIO(f.read())).load()
+            return _Restricted(io.BytesIO(f.read())).load()
     except CheckpointError:
         raise
     except Exception as exc:  # noqa: BLE001 - any parse failure is a corrupt file
@@ -293,66 +303,146 @@ def _sharded(state, iteration: int, is_loading: bool, rng_keys=None):
     return sd
 
 
+def _check_iteration(iteration) -> int:
+    if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
+        raise ValueError(f"save_checkpoint: iteration must be an int >= 0, got {iteration!r}")
+    return iteration
+
+
 def save_checkpoint(directory: str, state, iteration: int, layout_description: str = "") -> None:
-    """Write ``state`` (from :func:`megatron_metp.megatron.training.setup`) at ``iteration``."""
+    """Write ``state`` (from :func:`megatron_metp.megatron.training.setup`) at ``iteration`` into
+    ``directory/iter_<iteration>`` (Megatron-LM's ``--save`` layout, see
+    :mod:`~megatron_metp.megatron.checkpoint_layout`) and point
+    ``directory/latest_checkpointed_iteration.txt`` at it.
+
+    The checkpoint is written into a hidden staging directory, checksummed by every rank
+    (:mod:`~megatron_metp.megatron.checkpoint_integrity`) and published by rank 0 with a rename
+    and the tracker, only after all ranks have reported success. A rank that fails or dies makes
+    every surviving rank raise :class:`CheckpointError`; what was published before (the tracker's
+    iteration) stays intact. Saving an iteration that exists replaces it.
+    """
     from megatron.core import dist_checkpointing
 
-    if dist.get_rank() == 0:
-        os.makedirs(directory, exist_ok=True)
-    dist.barrier()
-    sd = _sharded(state, iteration, is_loading=False)
-    dist_checkpointing.save(sd, directory)
-    if dist.get_rank() == 0:
-        with open(os.path.join(directory, METP_META), "w") as f:
-            json.dump({"iteration": iteration, "layout": layout_description,
-                       "world_size": dist.get_world_size(), "rng": sorted(sd["rng_state"])}, f)
-    dist.barrier()
+    _check_iteration(iteration)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    what = f"saving iteration {iteration} to {directory!r}"
+    staging = staging_path(directory, iteration)
+    kept = (f"Nothing was published: {os.path.join(directory, TRACKER)!r} still names the last "
+            f"complete save, if any.")
+
+    def prepare():
+        sd = _sharded(state, iteration, is_loading=False)
+        if rank == 0:
+            prepare_staging(directory, iteration)
+        return sd
+
+    sd, error = _attempt(prepare)
+    its = agree(f"{what} (preparing {staging!r})", error, [iteration], outcome=kept)
+    if len({i[0] for i in its}) > 1:
+        raise CheckpointError(f"{what}: the ranks were asked to save different iterations "
+                              f"({sorted({i[0] for i in its})}); every rank must pass the same one")
+    _, error = _attempt(dist_checkpointing.save, sd, staging)
+    agree(f"{what} (writing shards into {staging!r})", error, outcome=kept)
+    _, error = _attempt(lambda: write_manifest(
+        staging, _check_metadata_pickle(os.path.join(staging, ".metadata")), rank))
+    agree(f"{what} (checksumming the shards in {staging!r})", error, outcome=kept)
+    meta = {"format": META_FORMAT, "iteration": iteration, "layout": layout_description,
+            "world_size": world, "rng": sorted(sd["rng_state"]),
+            "integrity": {"algorithm": ALGORITHM,
+                          "manifests": [manifest_name(r) for r in range(world)]}}
+    _, error = _attempt(publish, directory, iteration, meta) if rank == 0 else (None, None)
+    agree(f"{what} (publishing {iteration_dirname(iteration)} and {TRACKER})", error,
+          outcome=f"Rank 0 may or may not have published it: load_checkpoint({directory!r}) "
+                  f"loads the iteration {TRACKER} names.")
 
 
-def load_checkpoint(directory: str, state, *, load_optimizer: bool = True,
-                    load_rng: bool = True) -> int:
-    """Load ``directory`` into ``state`` (any METP/TP layout of the same model); returns the
-    iteration it was saved at. Raises :class:`CheckpointError` with the reason on failure."""
-    from megatron.core import dist_checkpointing
-
-    meta_path = os.path.join(directory, METP_META)
-    if not os.path.isdir(directory):
-        raise CheckpointError(f"checkpoint directory {directory!r} does not exist")
-    meta = None
+def _attempt(fn, *args):
+    """``(fn(*args), None)``, or ``(None, the exception)`` for any failure (torch's
+    ``CheckpointException`` is a ``BaseException``); interrupts propagate."""
     try:
-        if os.path.exists(meta_path) and \
-                dist_checkpointing.check_is_distributed_checkpoint(directory):
-            with open(meta_path) as f:
-                meta = json.load(f)
-    except (OSError, ValueError, TypeError):  # unreadable JSON, or fields Megatron does not know
-        meta = None
-    if not isinstance(meta, dict):
-        raise CheckpointError(f"{directory!r} is not a complete METP/Megatron distributed checkpoint "
-                              f"(missing {METP_META} or Megatron's metadata); was the save "
-                              f"interrupted?")
-    _check_metadata_pickle(os.path.join(directory, ".metadata"))
+        return fn(*args), None
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - reported to every rank by agree()
+        return None, exc
+
+
+def _prepare_load(directory: str, load_rng: bool):
+    """This rank's view of what ``load_checkpoint(directory)`` loads: the iteration directory,
+    its ``metp_checkpoint.json``, its checked ``.metadata`` and the RNG keys to load."""
+    path = resolve(directory)
+    why = incomplete_reason(path)
+    if why is not None:
+        raise CheckpointError(f"{path!r} {why}")
+    meta = read_meta(path)
+    metadata = _check_metadata_pickle(os.path.join(path, ".metadata"))
     rng_keys = None
     if load_rng:
         rng_keys = meta.get("rng")
         if not isinstance(rng_keys, list) or "torch" not in rng_keys:
-            raise CheckpointError(f"{directory!r} holds no RNG states as tensors (saved by an "
+            raise CheckpointError(f"{path!r} holds no RNG states as tensors (saved by an "
                                   f"older megatron_metp?); load it with load_rng=False")
         if meta.get("world_size") != dist.get_world_size():
-            raise CheckpointError(f"{directory!r} holds the RNG states of {meta.get('world_size')} "
+            raise CheckpointError(f"{path!r} holds the RNG states of {meta.get('world_size')} "
                                   f"ranks, this job has {dist.get_world_size()}; load it with "
                                   f"load_rng=False")
+    return path, meta, metadata, rng_keys
+
+
+def load_checkpoint(directory: str, state, *, load_optimizer: bool = True,
+                    load_rng: bool = True) -> int:
+    """Load a checkpoint into ``state`` (any METP/TP layout of the same model); returns the
+    iteration it was saved at.
+
+    ``directory`` is a save directory (the iteration its ``latest_checkpointed_iteration.txt``
+    names is loaded) or one ``iter_<n>`` directory. Every byte that is loaded is checked against
+    the checksums recorded at save before the model is touched. Raises :class:`CheckpointError`
+    with the reason, naming the file, on every rank if it fails on any.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    what = f"loading {directory!r}"
+    prepared, error = _attempt(_prepare_load, directory, load_rng)
+    path, meta, metadata, rng_keys = prepared or (None, None, None, None)
+    its = agree(what, error, [int(meta["iteration"]) if meta else -1,
+                              zlib.crc32(os.path.abspath(path or directory).encode())])
+    if len({tuple(i) for i in its}) > 1:
+        raise CheckpointError(f"{what}: the ranks resolved different checkpoints "
+                              f"(iterations {sorted({i[0] for i in its})}); was a save into "
+                              f"{directory!r} running at the same time? Load an iter_<n> "
+                              f"directory directly")
+    what = f"loading {path!r}"
+    skip = tuple(p for p, used in (("optimizer.", load_optimizer), ("rng_state.", load_rng))
+                 if not used)
+    count, error = _attempt(verify_share, path, meta["integrity"]["manifests"], metadata, rank,
+                            world, skip)
+    counts = agree(f"{what} (verifying checksums)", error, [count or 0])
+    listed, stored = sum(c[0] for c in counts), len(metadata.storage_data)
+    if listed != stored:
+        raise CheckpointError(f"{what}: the integrity manifests list {listed} stored items, "
+                              f"{path}/.metadata has {stored}; the files of this checkpoint do "
+                              f"not belong together")
+    iteration, error = _attempt(_load_verified, path, meta, state, load_optimizer, load_rng,
+                                rng_keys)
+    agree(what, error)
+    return iteration
+
+
+def _load_verified(path: str, meta: dict, state, load_optimizer: bool, load_rng: bool,
+                   rng_keys) -> int:
+    from megatron.core import dist_checkpointing
+
     template = _sharded(state if load_optimizer else dict(state, optimizer=None), 0,
                         is_loading=True, rng_keys=rng_keys)
     sharded_strategy, common_strategy = _safe_load_strategies()
     try:
-        loaded = dist_checkpointing.load(template, directory, sharded_strategy, common_strategy)
+        loaded = dist_checkpointing.load(template, path, sharded_strategy, common_strategy)
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as exc:  # noqa: BLE001 - torch's CheckpointException is a BaseException
         refused = _checkpoint_error_in(exc)
         if refused is not None:
-            raise CheckpointError(f"cannot load {directory!r}: {refused}") from exc
-        raise CheckpointError(f"cannot load {directory!r} (saved as {meta.get('layout') or '?'} at "
+            raise CheckpointError(f"cannot load {path!r}: {refused}") from exc
+        raise CheckpointError(f"cannot load {path!r} (saved as {meta.get('layout') or '?'} at "
                               f"iteration {meta.get('iteration')}) into this model: "
                               f"{str(exc).splitlines()[0][:400]}. Check that the model geometry "
                               f"(layers, hidden size, heads, FFN, vocabulary) matches") from exc
@@ -360,7 +450,7 @@ def load_checkpoint(directory: str, state, *, load_optimizer: bool = True,
     missing, unexpected = model.load_state_dict(loaded["model"], strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
-        raise CheckpointError(f"checkpoint {directory!r} does not match the model: missing "
+        raise CheckpointError(f"checkpoint {path!r} does not match the model: missing "
                               f"{missing[:5]}, unexpected {list(unexpected)[:5]}")
     if load_optimizer and "optimizer" in loaded:
         _load_optimizer(state["optimizer"], loaded["optimizer"])
