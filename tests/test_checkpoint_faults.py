@@ -89,6 +89,27 @@ def test_untouched_checkpoint_loads_and_resumes_bit_exactly(base):
     assert out[0][3] == losses
 
 
+def test_the_tracker_decides_what_a_save_directory_loads(base, tmp_path):
+    """No ranks needed: which directory load_checkpoint picks, and the refusals naming the
+    tracker."""
+    from megatron_metp.megatron.checkpoint_layout import resolve
+
+    save_dir = tmp_path / "save"
+    shutil.copytree(base[0], save_dir)
+    # files of the old flat layout next to iter_<n> directories: the tracker wins
+    for name in ("common.pt", ".metadata"):
+        shutil.copy(os.path.join(iteration_dir(base[0]), name), save_dir / name)
+    assert resolve(str(save_dir)) == iteration_dir(str(save_dir))
+    assert resolve(iteration_dir(str(save_dir))) == iteration_dir(str(save_dir))
+    (save_dir / TRACKER).write_text("four\n")
+    with pytest.raises(CheckpointError, match=f"{TRACKER}.*'four', not an iteration number"):
+        resolve(str(save_dir))
+    (save_dir / TRACKER).write_text("6\n")
+    with pytest.raises(CheckpointError, match=r"names iteration 6, but .*iter_0000006' does not "
+                                              r"exist.*newest complete one is .*iter_0000002"):
+        resolve(str(save_dir))
+
+
 # ---------------------------------------------------------------- a rank dies during a save
 
 def _inject_crash(point):

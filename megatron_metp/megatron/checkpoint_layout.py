@@ -160,14 +160,16 @@ def newest_complete(save_dir: str) -> Optional[str]:
 
 
 def resolve(directory: str) -> str:
-    """The iteration directory ``load_checkpoint(directory)`` loads: ``directory`` itself if it
-    is one, else the one the tracker names. Raises :class:`CheckpointError` naming what is wrong
-    and the newest complete iteration directory, if any."""
+    """The iteration directory ``load_checkpoint(directory)`` loads: the one the tracker in
+    ``directory`` names, else ``directory`` itself if it is one. Raises :class:`CheckpointError`
+    naming what is wrong and the newest complete iteration directory, if any."""
     if not os.path.isdir(directory):
         raise CheckpointError(f"checkpoint directory {directory!r} does not exist")
-    if _looks_like_iteration_dir(directory):
-        return directory
     iteration = read_tracker(directory)
+    # the tracker first: a directory the old flat layout was saved into and that now also holds
+    # iter_<n> directories is a save directory
+    if iteration is None and _looks_like_iteration_dir(directory):
+        return directory
     newest = newest_complete(directory)
     hint = (f"The newest complete one is {newest!r}: load it directly, or write its iteration "
             f"into {os.path.join(directory, TRACKER)!r}." if newest else
