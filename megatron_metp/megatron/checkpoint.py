@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .checkpoint_agreement import agree
+from .checkpoint_agreement import agree, checkpoint_timeout_s
 from .checkpoint_errors import CheckpointError
 from .checkpoint_integrity import ALGORITHM, manifest_name, verify_share, write_manifest
 from .checkpoint_layout import (META_FORMAT, METP_META, TRACKER, incomplete_reason,
@@ -324,6 +324,7 @@ def save_checkpoint(directory: str, state, iteration: int, layout_description: s
     from megatron.core import dist_checkpointing
 
     _check_iteration(iteration)
+    checkpoint_timeout_s()  # a bad METP_CHECKPOINT_TIMEOUT_S is refused before any work
     rank, world = dist.get_rank(), dist.get_world_size()
     what = f"saving iteration {iteration} to {directory!r}"
     staging = staging_path(directory, iteration)
@@ -399,6 +400,7 @@ def load_checkpoint(directory: str, state, *, load_optimizer: bool = True,
     the checksums recorded at save before the model is touched. Raises :class:`CheckpointError`
     with the reason, naming the file, on every rank if it fails on any.
     """
+    checkpoint_timeout_s()  # a bad METP_CHECKPOINT_TIMEOUT_S is refused before any work
     rank, world = dist.get_rank(), dist.get_world_size()
     what = f"loading {directory!r}"
     prepared, error = _attempt(_prepare_load, directory, load_rng)
