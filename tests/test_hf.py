@@ -25,8 +25,9 @@ BATCH = 2
 TOL = 1e-5
 
 #: GQA (12 heads, 6 K/V groups: both divisible by METP = 2 and 3; head dim 8), RoPE base and RMSNorm epsilon off their defaults, a vocabulary
-#: that is not a multiple of 128 (Megatron pads it)
-TINY = dict(vocab_size=100, hidden_size=96, intermediate_size=192, num_hidden_layers=2,
+#: that is not a multiple of 128 (Megatron pads it by default) but of 2 and 3 (so that
+#: --make-vocab-size-divisible-by 1 pads nothing at METP 2 or 3: multiple 1 x TP x METP)
+TINY = dict(vocab_size=102, hidden_size=96, intermediate_size=192, num_hidden_layers=2,
             num_attention_heads=12, num_key_value_heads=6, rope_theta=5000.0, rms_norm_eps=1e-5,
             max_position_embeddings=64)
 #: Llama 3.1's RoPE scaling (what megatron-core's --use-rope-scaling implements); base 500000
@@ -124,9 +125,10 @@ def _metp_run(p, ckpt, geometry, ids, vocab_parallel=False):
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """Tied and untied tiny Llamas, converted without vocabulary padding (Megatron's loss then
-    is transformers' loss), the untied one also with Megatron's default padding (100 -> 128)
-    and the tied one through the command line."""
+    """Tied and untied tiny Llamas, converted with --make-vocab-size-divisible-by 1 (102 rows at
+    METP 2 and 3 alike: no padding, so Megatron's loss is transformers' loss), the untied one for
+    METP 2 also with Megatron's default padding (102 -> 256 = multiple of 128 x METP 2), the
+    tied one for METP 3 through the command line."""
     root = tmp_path_factory.mktemp("hf")
     ids = _batch()
     out = {}
@@ -148,13 +150,14 @@ def models(tmp_path_factory):
                 geometry = json.load(f)["geometry"]
         else:
             geometry = run_ranks(_import_on_a_rank, 1, hf_dir, ckpt,
-                                 {"make_vocab_size_divisible_by": 1})[0]
+                                 {"make_vocab_size_divisible_by": 1, "metp_parallel_size": 2})[0]
         logits, loss = _hf_reference(hf_dir, ids)
         out[name] = SimpleNamespace(hf_dir=hf_dir, ckpt=ckpt, geometry=geometry, logits=logits,
                                     loss=loss)
     padded = str(root / "ckpt-untied-padded")
     out["padded"] = SimpleNamespace(
-        ckpt=padded, geometry=run_ranks(_import_on_a_rank, 1, out["untied"].hf_dir, padded, {})[0])
+        ckpt=padded, geometry=run_ranks(_import_on_a_rank, 1, out["untied"].hf_dir, padded,
+                                        {"metp_parallel_size": 2})[0])
     out["ids"] = ids
     out["root"] = root
     return out
@@ -183,19 +186,20 @@ def test_metp_logits_and_loss_equal_transformers(models, name, p):
 
 
 def test_padded_vocabulary(models):
-    """Default padding (100 -> 128 rows): the first 100 logits are transformers', the padded
-    ones exactly 0, and Megatron's loss is the cross-entropy over all 128 (as its softmax runs
-    over the padded vocabulary), not transformers'."""
+    """Default padding at METP 2 (102 -> 256 rows): the first 102 logits are transformers', the
+    padded ones exactly 0, and Megatron's loss is the cross-entropy over all 256 (its softmax
+    runs over the padded vocabulary), not transformers'."""
     m, ref = models["padded"], models["untied"]
-    assert m.geometry["padded_vocab_size"] == 128
+    V, Vp = TINY["vocab_size"], 256
+    assert m.geometry["padded_vocab_size"] == Vp and m.geometry["vocab_multiple"] == 256
     logits, loss = _metp_run(2, m.ckpt, m.geometry, models["ids"])
-    assert logits.shape[-1] == 128
-    assert rel_err(logits[..., :100], ref.logits) <= TOL
-    assert torch.equal(logits[..., 100:], torch.zeros_like(logits[..., 100:]))
-    padded_ref = torch.cat([ref.logits, torch.zeros(*ref.logits.shape[:-1], 28)], dim=-1)
-    ce = torch.nn.functional.cross_entropy(padded_ref.reshape(-1, 128).double(),
+    assert logits.shape[-1] == Vp
+    assert rel_err(logits[..., :V], ref.logits) <= TOL
+    assert torch.equal(logits[..., V:], torch.zeros_like(logits[..., V:]))
+    padded_ref = torch.cat([ref.logits, torch.zeros(*ref.logits.shape[:-1], Vp - V)], dim=-1)
+    ce = torch.nn.functional.cross_entropy(padded_ref.reshape(-1, Vp).double(),
                                            models["ids"][:, 1:].reshape(-1)).item()
-    print(f"\npadded 100 -> 128: logits[:100] rel. err {rel_err(logits[..., :100], ref.logits):.2e}, "
+    print(f"\npadded {V} -> {Vp}: logits[:{V}] rel. err {rel_err(logits[..., :V], ref.logits):.2e}, "
           f"loss {loss:.6f} = padded CE {ce:.6f}, transformers {ref.loss:.6f}")
     assert abs(loss - ce) <= TOL * ce, (loss, ce)
     assert abs(loss - ref.loss) > 1e-2  # the padded rows do change Megatron's loss
@@ -217,7 +221,7 @@ def test_llama3_rope_scaling(tmp_path):
     _make_hf(hf_dir, False, seed=5, qk_gain=6.0, **LLAMA3)
     ckpt = str(tmp_path / "ckpt")
     geometry = run_ranks(_import_on_a_rank, 1, hf_dir, ckpt,
-                         {"make_vocab_size_divisible_by": 1})[0]
+                         {"make_vocab_size_divisible_by": 1, "metp_parallel_size": 3})[0]
     assert geometry["rope_scaling_factor"] == 8.0 and geometry["rotary_base"] == 500000
     assert "--use-rope-scaling" in open(os.path.join(ckpt, "megatron_args.txt")).read()
     ref_logits, ref_loss = _hf_reference(hf_dir, _batch())
@@ -276,7 +280,7 @@ def test_export_import_round_trip_is_bit_exact(models, name, tmp_path):
     unequal = [k for k in src if not torch.equal(src[k], out[k])]
     assert not unequal, unequal
     reimport = str(tmp_path / "reimported")
-    pad = {} if name == "padded" else {"make_vocab_size_divisible_by": 1}
+    pad = {"metp_parallel_size": 2} if name == "padded" else {"make_vocab_size_divisible_by": 1}
     run_ranks(_import_on_a_rank, 1, exported, reimport, pad)
     a, b = _ckpt_tensors(m.ckpt), _ckpt_tensors(reimport)
     assert sorted(a) == sorted(b) and len(a) >= 7
@@ -360,7 +364,8 @@ def test_flags_match_the_config(models, capsys):
                      "--make-vocab-size-divisible-by", "1"]) == 0
     assert capsys.readouterr().out.split() == flags
     sh = open(os.path.join(models["tied"].ckpt, "model.sh")).read()
-    assert '"${UNTIE_EMBEDDINGS:=0}"' in sh and '"${VOCAB_SIZE:=99}"' in sh and "--pretrained-checkpoint" in sh
+    assert '"${UNTIE_EMBEDDINGS:=0}"' in sh and '"${VOCAB_SIZE:=101}"' in sh
+    assert '"${METP:=3}"' in sh and "--pretrained-checkpoint" in sh
 
 
 def test_model_sh_drives_pretrain_gpt_sh(models):
@@ -392,7 +397,7 @@ def test_model_sh_drives_pretrain_gpt_sh(models):
             val("--num-attention-heads"), val("--num-query-groups"),
             val("--rotary-base")) == ("2", "96", "192", "12", "6", "5000")
     assert val("--normalization") == "RMSNorm" and float(val("--norm-epsilon")) == 1e-5
-    assert val("--make-vocab-size-divisible-by") == "1" and val("--vocab-size") == "99"
+    assert val("--make-vocab-size-divisible-by") == "1" and val("--vocab-size") == "101"
     assert val("--max-position-embeddings") == "64" and val("--metp-parallel-size") == "2"
     assert val("--pretrained-checkpoint") == os.path.abspath(m.ckpt)
     for flag in ("--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
@@ -430,7 +435,6 @@ def test_bad_configs_are_refused_naming_the_field():
         "head_dim": lambda: geometry_from_hf(_cfg(head_dim=16)),
         "missing": lambda: geometry_from_hf({k: v for k, v in _cfg().items()
                                              if k != "num_hidden_layers"}),
-        "vocab_parallel": lambda: geometry_from_hf(_cfg(), metp_vocab_parallel=True),
     })
     assert_messages(msgs, {
         "model_type": "model_type 'mistral'", "rope_linear": "rope_scaling type 'linear'",
@@ -440,11 +444,11 @@ def test_bad_configs_are_refused_naming_the_field():
         "act": "hidden_act 'gelu'", "gqa": "not divisible by num_key_value_heads 5",
         "metp": "num_attention_heads 12 is not divisible by TP x METP = 1 x 5",
         "theta": "rope_theta = 10000.5", "head_dim": "head_dim = 16",
-        "missing": "'num_hidden_layers'", "vocab_parallel": "--metp-parallel-size > 1"})
+        "missing": "'num_hidden_layers'"})
     assert "--disable-bias-linear" in msgs["attention_bias"]
     assert "implements only the 'llama3'" in msgs["rope_linear"]
     g = geometry_from_hf(_cfg(), metp_parallel_size=3, tensor_model_parallel_size=1,
-                         metp_vocab_parallel=True, make_vocab_size_divisible_by=8)
+                         make_vocab_size_divisible_by=8)
     assert (g.vocab_multiple, g.padded_vocab_size) == (24, 120)
 
 

@@ -20,11 +20,12 @@ out::
     CKPT/megatron_args.txt, CKPT/model.sh     the flags, and a scripts/pretrain_gpt.sh model file
 
 METP's layers keep Megatron's parameter names and shard on its TP axis, so the checkpoint loads
-into ``pretrain_gpt.py --load CKPT [--finetune]`` at any METP size and TP (``--metp-parallel-size
-p``) and into stock TP; :func:`load_model_weights` does the same model load on CPU ranks (the
-tests use it at METP = 2 and 3). Megatron pads the vocabulary to a multiple of
-``--make-vocab-size-divisible-by × TP`` (``× METP`` with ``--metp-vocab-parallel``): give the
-converter the same numbers as the run (the padded rows are zeros).
+into ``pretrain_gpt.py --load CKPT --finetune`` (or ``--pretrained-checkpoint CKPT``) at any METP
+size and TP that divide the heads, groups and FFN and pad the vocabulary alike, and into stock
+TP; :func:`load_model_weights` does the same model load on CPU ranks (the tests use it at
+METP = 2 and 3; ``tests/test_hf_megatron_lm.py`` runs ``pretrain_gpt.py`` itself). Megatron pads the vocabulary to a multiple of
+``--make-vocab-size-divisible-by × TP × METP`` (this project's patch pads a METP run as stock TP
+of size ``TP × METP``): give the converter the run's numbers (the padded rows are zeros).
 
 ``export`` reads the model tensors of any such checkpoint (ours, or one Megatron-LM saved after
 training: ``--load`` is the save directory, ``--iteration`` picks one) straight from the
@@ -210,15 +211,14 @@ def _check_out(out_dir: str, force: bool, keep) -> None:
 
 def import_hf(hf_dir: str, out_dir: str, *, make_vocab_size_divisible_by: int = 128,
               tensor_model_parallel_size: int = 1, metp_parallel_size: int = 1,
-              metp_vocab_parallel: bool = False, force: bool = False,
+              force: bool = False,
               log=print) -> LlamaGeometry:
     """Convert ``hf_dir`` into the Megatron ``torch_dist`` checkpoint ``out_dir`` (layout in the
     module docstring). Every check runs before anything is written."""
     cfg = read_hf_config(hf_dir)
     g = geometry_from_hf(cfg, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
                          tensor_model_parallel_size=tensor_model_parallel_size,
-                         metp_parallel_size=metp_parallel_size,
-                         metp_vocab_parallel=metp_vocab_parallel)
+                         metp_parallel_size=metp_parallel_size)
     _check_out(out_dir, force, keep=(hf_dir,))
     hf = read_safetensors(hf_dir)
     params = hf_to_megatron(hf, g)  # checks names, shapes and dtypes first
@@ -244,12 +244,12 @@ def import_hf(hf_dir: str, out_dir: str, *, make_vocab_size_divisible_by: int = 
         json.dump({"source": os.path.abspath(hf_dir), "geometry": g.to_json(),
                    "megatron_args": flags,
                    "tensor_model_parallel_size": tensor_model_parallel_size,
-                   "metp_parallel_size": metp_parallel_size,
-                   "metp_vocab_parallel": metp_vocab_parallel}, f, indent=1)
+                   "metp_parallel_size": metp_parallel_size}, f, indent=1)
     with open(os.path.join(out_dir, "megatron_args.txt"), "w") as f:
         f.write(" ".join(flags) + "\n")
     with open(os.path.join(out_dir, "model.sh"), "w") as f:
-        f.write(pretrain_gpt_sh_model(g, os.path.abspath(out_dir)))
+        f.write(pretrain_gpt_sh_model(g, os.path.abspath(out_dir), tp=tensor_model_parallel_size,
+                                      metp=metp_parallel_size))
     log(f"wrote {out_dir}: {g.num_layers} layers, hidden {g.hidden_size}, "
         f"{g.num_attention_heads} heads / {g.num_query_groups} K/V groups, FFN "
         f"{g.ffn_hidden_size}, vocabulary {g.vocab_size} padded to {g.padded_vocab_size} "
@@ -261,7 +261,7 @@ def import_hf(hf_dir: str, out_dir: str, *, make_vocab_size_divisible_by: int = 
         log(f"note: Megatron's softmax runs over all {g.padded_vocab_size} rows; the "
             f"{g.padded_vocab_size - g.vocab_size} zero rows give logit 0 and enter the loss's "
             f"normaliser, so its loss is not Hugging Face's (the first {g.vocab_size} logits are). "
-            f"A --make-vocab-size-divisible-by whose multiple (x TP [x METP]) divides "
+            f"A --make-vocab-size-divisible-by whose multiple (x TP x METP) divides "
             f"{g.vocab_size} avoids the padding")
     return g
 
@@ -452,13 +452,11 @@ def _add_padding_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                     help="as the run's Megatron flag (default 128)")
     ap.add_argument("--tensor-model-parallel-size", type=int, default=1,
-                    help="TP of the run: Megatron pads the vocabulary to a multiple of "
-                         "divisible-by x TP (default 1)")
+                    help="TP of the run (default 1)")
     ap.add_argument("--metp-parallel-size", type=int, default=1,
-                    help="METP size of the run: heads, K/V groups and FFN must divide by "
-                         "TP x METP (default 1: no check)")
-    ap.add_argument("--metp-vocab-parallel", action="store_true",
-                    help="the run uses --metp-vocab-parallel (vocabulary padded x METP too)")
+                    help="METP size of the run (default 1). Megatron pads the vocabulary to a "
+                         "multiple of divisible-by x TP x METP; heads, K/V groups and FFN must "
+                         "divide by TP x METP")
 
 
 def main(argv: Optional[List[str]] = None, prog: str = "python -m megatron_metp.tools.hf") -> int:
@@ -487,8 +485,7 @@ def main(argv: Optional[List[str]] = None, prog: str = "python -m megatron_metp.
             import_hf(args.hf_dir, args.out,
                       make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                       tensor_model_parallel_size=args.tensor_model_parallel_size,
-                      metp_parallel_size=args.metp_parallel_size,
-                      metp_vocab_parallel=args.metp_vocab_parallel, force=args.force)
+                      metp_parallel_size=args.metp_parallel_size, force=args.force)
         elif args.cmd == "export":
             export_hf(args.load, args.out, hf_config=args.hf_config, iteration=args.iteration,
                       dtype=args.dtype, force=args.force)
@@ -496,8 +493,7 @@ def main(argv: Optional[List[str]] = None, prog: str = "python -m megatron_metp.
             g = geometry_from_hf(read_hf_config(args.hf_dir),
                                  make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                                  tensor_model_parallel_size=args.tensor_model_parallel_size,
-                                 metp_parallel_size=args.metp_parallel_size,
-                                 metp_vocab_parallel=args.metp_vocab_parallel)
+                                 metp_parallel_size=args.metp_parallel_size)
             print(" ".join(megatron_args(g)))
     except ValueError as exc:
         print(f"{prog} {args.cmd}: error: {exc}", file=sys.stderr)

@@ -129,22 +129,20 @@ def _rope_scaling_factor(cfg: dict) -> Optional[float]:
 
 
 def geometry_from_hf(cfg: dict, *, make_vocab_size_divisible_by: int = 128,
-                     tensor_model_parallel_size: int = 1, metp_parallel_size: int = 1,
-                     metp_vocab_parallel: bool = False) -> LlamaGeometry:
+                     tensor_model_parallel_size: int = 1,
+                     metp_parallel_size: int = 1) -> LlamaGeometry:
     """Check a Llama ``config.json`` and return its Megatron geometry.
 
-    The vocabulary is padded as Megatron pads it for the run that will load the checkpoint: to a
-    multiple of ``make_vocab_size_divisible_by × TP`` (``× METP`` with ``--metp-vocab-parallel``).
-    Heads, query groups and the FFN width must divide by ``TP × METP``.
+    The vocabulary is padded as Megatron-LM (patched for METP) pads it for the run that will load
+    the checkpoint: to a multiple of ``make_vocab_size_divisible_by × TP × METP`` (a METP run pads
+    as stock TP of size ``TP × METP``; ``megatron_metp.megatron_lm``). Heads, query groups and the
+    FFN width must divide by ``TP × METP``.
     """
     for name, v in (("make_vocab_size_divisible_by", make_vocab_size_divisible_by),
                     ("tensor_model_parallel_size", tensor_model_parallel_size),
                     ("metp_parallel_size", metp_parallel_size)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise HFConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
-    if metp_vocab_parallel and metp_parallel_size < 2:
-        raise HFConfigError("--metp-vocab-parallel needs --metp-parallel-size > 1 (the METP size "
-                            "of the run: the vocabulary is padded to a multiple of it)")
     model_type = cfg.get("model_type")
     if model_type != "llama":
         raise HFConfigError(f"config.json: model_type {model_type!r} is not supported: only "
@@ -214,8 +212,7 @@ def geometry_from_hf(cfg: dict, *, make_vocab_size_divisible_by: int = 128,
     if dtype not in _DTYPES:
         raise HFConfigError(f"config.json: torch_dtype {dtype!r} is not one of "
                             f"{sorted(set(_DTYPES.values()))}")
-    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size * \
-        (metp_parallel_size if metp_vocab_parallel else 1)
+    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size * metp_parallel_size
     padded = int(math.ceil(vocab / multiple) * multiple)
     return LlamaGeometry(
         num_layers=layers, hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=heads,
@@ -276,13 +273,13 @@ def gpt_model_kwargs(g: LlamaGeometry) -> dict:
                 rope_scaling_factor=g.rope_scaling_factor or 8.0)
 
 
-def pretrain_gpt_sh_model(g: LlamaGeometry, load_dir: str) -> str:
+def pretrain_gpt_sh_model(g: LlamaGeometry, load_dir: str, *, tp: int = 1, metp: int = 1) -> str:
     """A model file for ``scripts/pretrain_gpt.sh`` (``configs/models/*.sh`` style): the geometry
-    as its variables, the rest (norm epsilon, RoPE scaling, vocabulary padding and
-    ``--pretrained-checkpoint load_dir``) in ``EXTRA_ARGS``. Megatron-LM loads
-    ``--pretrained-checkpoint`` as ``--finetune`` when the run's own ``--load`` directory
-    (``CHECKPOINT_PATH``) holds no checkpoint yet, and resumes from ``--load`` once it does. The
-    caller's environment still wins for every variable."""
+    and the converted-for TP / METP sizes as its variables, the rest (norm epsilon, RoPE
+    scaling, vocabulary padding and ``--pretrained-checkpoint load_dir``) in ``EXTRA_ARGS``.
+    Megatron-LM loads ``--pretrained-checkpoint`` as ``--finetune`` when the run's own
+    ``--load`` directory (``CHECKPOINT_PATH``) holds no checkpoint yet, and resumes from
+    ``--load`` once it does. The caller's environment still wins for every variable."""
     extra = ["--norm-epsilon", repr(g.norm_epsilon), "--make-vocab-size-divisible-by",
              str(g.make_vocab_size_divisible_by), "--pretrained-checkpoint", load_dir]
     if g.rope_scaling_factor is not None:
@@ -290,14 +287,17 @@ def pretrain_gpt_sh_model(g: LlamaGeometry, load_dir: str) -> str:
     lines = [
         "# shellcheck shell=bash disable=SC2034  # sourced by scripts/pretrain_gpt.sh",
         "# Written by `python -m megatron_metp.tools.hf import`: the converted Llama checkpoint's",
-        "# geometry. Set SEQ_LENGTH, METP, GPUS_PER_NODE, ... in the environment (they win).",
+        "# geometry. Set SEQ_LENGTH, GPUS_PER_NODE, ... in the environment (they win).",
         "# The first run starts from the converted weights (--pretrained-checkpoint: Megatron",
         "# fine-tunes from it while CHECKPOINT_PATH holds no checkpoint), later runs resume from",
         "# CHECKPOINT_PATH.",
-        "# With mock data (NullTokenizer, which adds one end-of-document token) VOCAB_SIZE is the",
-        f"# Hugging Face vocabulary minus one, so Megatron pads {g.vocab_size} tokens to "
-        f"{g.padded_vocab_size} rows",
-        "# as the checkpoint has them (at TP x METP as converted).",
+        f"# Megatron pads the vocabulary to a multiple of {g.make_vocab_size_divisible_by} x TP x "
+        f"METP; the checkpoint has {g.padded_vocab_size} rows",
+        f"# ({g.vocab_size} tokens), as at TP {tp} x METP {metp}: another TP x METP whose "
+        f"multiple pads {g.vocab_size} differently",
+        "# does not load it. With mock data (NullTokenizer adds one end-of-document token)",
+        "# VOCAB_SIZE is the Hugging Face vocabulary minus one.",
+        f': "${{TP:={tp}}}" "${{METP:={metp}}}"',
         f': "${{NUM_LAYERS:={g.num_layers}}}" "${{HIDDEN_SIZE:={g.hidden_size}}}" '
         f'"${{FFN_HIDDEN_SIZE:={g.ffn_hidden_size}}}"',
         f': "${{NUM_ATTENTION_HEADS:={g.num_attention_heads}}}" '

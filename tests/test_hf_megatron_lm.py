@@ -1,0 +1,129 @@
+"""End to end through Megatron-LM itself: a tiny ``transformers`` Llama converted by
+``megatron_metp.tools.hf import`` is loaded by the patched ``pretrain_gpt.py`` at METP = 2 on CPU
+ranks (``scripts/pretrain_gpt.sh`` with ``METP_CPU=1`` and the ``model.sh`` the import wrote),
+whose first iteration's loss equals transformers' loss on the same mock batch; the checkpoint
+that run saves exports back to a model transformers loads.
+
+Megatron-LM: a clone of the ``megatron_lm_checkout`` fixture's checkout (``tests/conftest.py``)
+at ``core_v0.16.1``, patched by ``scripts/apply_patches.sh``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_metp.tools import hf as H
+from tests.harness import run_ranks
+from tests.test_hf import _import_on_a_rank, _safetensors
+from tests.test_scripts import TAG_COMMIT
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SEQ, GBS = 64, 2
+#: vocabulary 1024: a multiple of 128 x METP 2, so Megatron pads nothing and its loss is
+#: transformers' loss
+TINY = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, rope_theta=20000.0, rms_norm_eps=1e-5,
+            max_position_embeddings=256, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def patched_megatron_lm(megatron_lm_checkout, tmp_path_factory):
+    """A clone of the session's Megatron-LM checkout at the tag, with patches/ applied."""
+    dest = str(tmp_path_factory.mktemp("mlm") / "Megatron-LM")
+    for cmd in (["git", "clone", "-q", "--shared", "--no-checkout", megatron_lm_checkout, dest],
+                ["git", "-c", "advice.detachedHead=false", "-C", dest, "checkout", "-q",
+                 TAG_COMMIT],
+                ["bash", os.path.join(ROOT, "scripts", "apply_patches.sh"), dest]):
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        assert proc.returncode == 0, (cmd, proc.stdout, proc.stderr)
+    return dest
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _mock_batches(n: int):
+    """The first ``n`` training samples of Megatron's mock GPT data for this run (NullTokenizer
+    of ``V - 1`` tokens + end-of-document, seed 1234, split 1,1,1), as ``pretrain_gpt.py``
+    builds them: ``(tokens, labels, loss_mask)`` each ``[n, SEQ]``."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import \
+        BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
+
+    V = TINY["vocab_size"]
+    tok = SimpleNamespace(vocab_size=V, eod=V - 1, pad=-1, bos=None,
+                          unique_identifiers={"class": "NullTokenizer"})
+    cfg = GPTDatasetConfig(random_seed=1234, sequence_length=SEQ, blend=None,
+                           blend_per_split=None, split="1,1,1", path_to_cache=None,
+                           tokenizer=tok, reset_position_ids=False, reset_attention_mask=False,
+                           eod_mask_loss=False, create_attention_mask=False,
+                           context_parallel_size=2, data_parallel_size=1)
+    train, _, _ = BlendedMegatronDatasetBuilder(MockGPTDataset, [2 * GBS, GBS, GBS],
+                                                lambda: True, cfg).build()
+    items = [train[i] for i in range(n)]
+    return tuple(torch.stack([torch.as_tensor(it[k]) for it in items])
+                 for k in ("tokens", "labels", "loss_mask"))
+
+
+def _transformers_loss(hf_dir, tokens, labels, mask) -> float:
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
+                                             attn_implementation="eager").eval()
+    with torch.no_grad():
+        logits = model(tokens).logits
+    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).double(),
+                                           labels.reshape(-1), reduction="none")
+    return ((ce * mask.reshape(-1)).sum() / mask.sum()).item()
+
+
+def test_pretrain_gpt_loads_the_import_and_trains_from_it(patched_megatron_lm, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf_dir, ckpt, run = (str(tmp_path / n) for n in ("hf", "ckpt", "run"))
+    torch.manual_seed(21)
+    LlamaForCausalLM(LlamaConfig(**TINY, dtype="float32")).save_pretrained(hf_dir)
+    run_ranks(_import_on_a_rank, 1, hf_dir, ckpt, {"metp_parallel_size": 2})
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/"),
+           "LC_ALL": "C.UTF-8", "PYTHON": sys.executable, "MEGATRON_LM_DIR": patched_megatron_lm,
+           "METP_CPU": "1", "PRECISION": "fp32", "TRANSFORMER_IMPL": "local",
+           "GPUS_PER_NODE": "2", "SEQ_LENGTH": str(SEQ), "GLOBAL_BATCH_SIZE": str(GBS),
+           "TRAIN_ITERS": "2", "SAVE_INTERVAL": "2", "EVAL_ITERS": "1",
+           "CHECKPOINT_PATH": run, "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(["bash", "scripts/pretrain_gpt.sh", "--config",
+                           os.path.join(ckpt, "model.sh")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    assert f"successfully loaded checkpoint from {ckpt}" in log, log[-4000:]
+    losses = [float(x) for x in re.findall(r"iteration +\d+/ +2 \|.*?lm loss: ([0-9.E+-]+)", log)]
+    assert len(losses) == 2, log[-4000:]
+    tokens, labels, mask = _mock_batches(2 * GBS)
+    ref = _transformers_loss(hf_dir, tokens[:GBS], labels[:GBS], mask[:GBS])
+    other = _transformers_loss(hf_dir, tokens[GBS:], labels[GBS:], mask[GBS:])
+    print(f"\nMegatron-LM METP=2 iteration 1: lm loss {losses[0]:.6E}, transformers on the same "
+          f"batch {ref:.7f} (rel. {abs(losses[0] - ref) / ref:.1e}); next batch {other:.7f}")
+    assert abs(losses[0] - ref) <= 1e-5 * ref  # Megatron prints 7 significant digits
+    assert abs(other - ref) > 1e-4 * ref  # the comparison depends on the batch it rebuilt
+
+    exported = str(tmp_path / "exported")
+    H.export_hf(run, exported, hf_config=os.path.join(ckpt, "hf"), log=lambda _msg: None)
+    src, out = _safetensors(hf_dir), _safetensors(exported)
+    assert sorted(src) == sorted(out)
+    assert all(src[k].shape == out[k].shape for k in src)
+    changed = [k for k in src if not torch.equal(src[k], out[k])]
+    assert len(changed) == len(src), sorted(set(src) - set(changed))  # two Adam steps moved all
+    trained = _transformers_loss(exported, tokens[:GBS], labels[:GBS], mask[:GBS])
+    print(f"exported after 2 steps: transformers loss on batch 1 {trained:.7f}")
+    assert trained < ref  # transformers runs the trained weights: batch 1 was learned from
