@@ -9,4 +9,6 @@ source "$(dirname "${BASH_SOURCE[0]}")/models/tiny.sh"
 : "${METP:=2}" "${TP:=1}" "${PP:=1}"
 : "${MICRO_BATCH_SIZE:=1}" "${GLOBAL_BATCH_SIZE:=2}" "${TRAIN_ITERS:=10}" "${TRANSFORMER_IMPL:=local}"
 : "${METP_CPU:=1}" "${PRECISION:=fp32}"  # CPU ranks with gloo (scripts/pretrain_gpt.sh)
+# core_v0.16.1's distributed optimizer resumes only with Apex/TE's Adam (not on CPU ranks)
+: "${DISTRIBUTED_OPTIMIZER:=0}"
 TWIN_CONFIG=tiny-cpu-tp2.sh

@@ -143,6 +143,9 @@ def validate_metp_args(args):
     same ``args`` is harmless.
     """
     p = getattr(args, "metp_parallel_size", 1)
+    from .megatron_lm_resume import check_resume_layout
+
+    check_resume_layout(args)
     if getattr(args, "metp_offload_activations", False) and (
             getattr(args, "cpu_offloading", False) or
             (getattr(args, "cpu_offloading_num_layers", 0) or 0) > 0):
@@ -169,6 +172,7 @@ def validate_metp_args(args):
     problems = _metp_problems(args, p, tp)
     if problems:
         raise ValueError(f"--metp-parallel-size {p} cannot be used with: " + "; ".join(problems))
+    _map_kernel_flags(args)
     args.context_parallel_size = p
     setattr(args, _MAPPED, True)
     if getattr(args, "rank", 0) == 0:
@@ -255,7 +259,53 @@ def _metp_problems(args, p: int, tp: int) -> List[str]:
         out.append(f"--metp-ring-timeout {timeout} (must be a positive, finite number of "
                    f"seconds)")
     out.extend(_recompute_problems(args))
+    out.extend(_kernel_problems(args))
     return out
+
+
+def _kernel_problems(args) -> List[str]:
+    """Megatron's kernel and precision flags METP cannot honour (the others are mapped with a
+    note by :func:`_map_kernel_flags`)."""
+    out = []
+    if getattr(args, "fp8", None):
+        out.append(f"--fp8-format {args.fp8} (METP's shard GEMMs run in bf16/fp16 with fp32 "
+                   f"accumulation, not under Transformer Engine's fp8 recipe; drop --fp8-format "
+                   f"and the other --fp8-* flags)")
+    if getattr(args, "fp4", None):
+        out.append(f"--fp4-format {args.fp4} (no fp4 shard GEMMs in METP; drop it)")
+    if getattr(args, "tp_comm_overlap", False):
+        out.append("--tp-comm-overlap (Transformer Engine's userbuffer overlap of TP all-gathers "
+                   "and reduce-scatters; METP has none of those and overlaps its own ring "
+                   "transfers with compute already: drop it)")
+    kernel = getattr(args, "metp_attention_kernel", "auto")
+    if getattr(args, "use_flash_attn", False) and kernel not in ("auto", "flash_attn"):
+        out.append(f"--use-flash-attn with --metp-attention-kernel {kernel} (with METP, "
+                   f"--use-flash-attn means --metp-attention-kernel flash_attn; keep one)")
+    if getattr(args, "use_flash_attn", False) and not _have_module("flash_attn"):
+        out.append("--use-flash-attn (the flash-attn package is not installed here; drop the "
+                   "flag: --metp-attention-kernel auto uses PyTorch's flash kernel)")
+    return out
+
+
+def _map_kernel_flags(args) -> None:
+    """Flags METP honours by mapping them onto its own, each with a printed note."""
+    notes = []
+    if getattr(args, "use_flash_attn", False) and \
+            getattr(args, "metp_attention_kernel", "auto") == "auto":
+        args.metp_attention_kernel = "flash_attn"
+        notes.append("--use-flash-attn: the METP K/V ring's block kernel is flash-attn "
+                     "(--metp-attention-kernel flash_attn)")
+    if getattr(args, "transformer_impl", "local") == "transformer_engine":
+        notes.append("--transformer-impl transformer_engine: the METP transformer layers are "
+                     "METP's fused ring ops with Megatron's local (torch) norms, not Transformer "
+                     "Engine modules; the embedding, output layer and the rest of Megatron use "
+                     "what the flag selects")
+    if getattr(args, "sequence_parallel", False) and args.tensor_model_parallel_size == 1:
+        notes.append("--sequence-parallel with TP 1: Megatron turns it off itself (METP shards "
+                     "the sequence over the METP ring anyway)")
+    if getattr(args, "rank", 0) == 0:
+        for note in notes:
+            print(f"> METP: {note}", flush=True)
 
 
 def _recompute_problems(args) -> List[str]:

@@ -283,6 +283,16 @@ def check_cpu_args(args) -> None:
                        ("use_flash_attn", "--use-flash-attn")):
         if getattr(args, name, None):
             problems.append(f"{flag} (needs CUDA; drop it for a CPU run)")
+    load = getattr(args, "load", None)
+    if getattr(args, "use_distributed_optimizer", False) and load and \
+            not getattr(args, "no_load_optim", False) and \
+            os.path.isfile(os.path.join(load, "latest_checkpointed_iteration.txt")):
+        problems.append("--use-distributed-optimizer resuming from --load "
+                        f"{load} (on CPU, without Apex/TE's Adam, core_v0.16.1's distributed "
+                        "optimizer cannot load its own state: torch's Adam creates it lazily and "
+                        "DistributedOptimizer.state_dict asserts; resume CPU runs without "
+                        "--use-distributed-optimizer (DISTRIBUTED_OPTIMIZER=0), or pass "
+                        "--no-load-optim to restart the optimizer)")
     if problems:
         raise ValueError("METP_CPU=1 (Megatron-LM on CPU ranks) cannot be used with: " +
                          "; ".join(problems))

@@ -31,6 +31,7 @@
 #   NUM_LAYERS HIDDEN_SIZE FFN_HIDDEN_SIZE NUM_ATTENTION_HEADS NUM_QUERY_GROUPS SEQ_LENGTH
 #   SWIGLU [0] NORMALIZATION [LayerNorm] UNTIE_EMBEDDINGS [0] DISABLE_BIAS_LINEAR [0]
 #   MICRO_BATCH_SIZE [1] GLOBAL_BATCH_SIZE [8] TRAIN_ITERS [100] LR [3e-4] PRECISION [bf16; or fp16, fp32]
+#   DISTRIBUTED_OPTIMIZER [1]               Megatron's distributed optimizer (0: the plain one)
 #   DATA_PATH [unset: --mock-data]          Megatron indexed data prefix(es), e.g. "1.0 /d/x_text_document"
 #   TOKENIZER_TYPE [NullTokenizer with mock data, else HuggingFaceTokenizer] TOKENIZER_MODEL
 #   VOCAB_FILE MERGE_FILE VOCAB_SIZE [32000] tokenizer arguments
@@ -113,7 +114,7 @@ fi
 : "${ATTENTION_DROPOUT:=0}" "${HIDDEN_DROPOUT:=0}"
 : "${MICRO_BATCH_SIZE:=1}" "${GLOBAL_BATCH_SIZE:=8}" "${TRAIN_ITERS:=100}" "${LR:=3e-4}"
 : "${MIN_LR:=3e-5}" "${LR_WARMUP_ITERS:=$((TRAIN_ITERS / 10))}" "${WEIGHT_DECAY:=0.1}" "${CLIP_GRAD:=1.0}"
-: "${PRECISION:=bf16}" "${SEED:=1234}"
+: "${PRECISION:=bf16}" "${SEED:=1234}" "${DISTRIBUTED_OPTIMIZER:=1}"
 : "${VOCAB_SIZE:=32000}" "${SAVE_INTERVAL:=1000}" "${LOG_INTERVAL:=1}"
 : "${EVAL_INTERVAL:=1000}" "${EVAL_ITERS:=10}"
 : "${TRANSFORMER_IMPL:=auto}" "${METP_ATTENTION_KERNEL:=auto}"
@@ -200,9 +201,9 @@ TRAINING_ARGS=(
     --adam-beta2 0.95
     --init-method-std 0.02
     --seed "$SEED"
-    --use-distributed-optimizer
     --calculate-per-token-loss
 )
+[[ "$DISTRIBUTED_OPTIMIZER" == 1 ]] && TRAINING_ARGS+=(--use-distributed-optimizer)
 
 case "$PRECISION" in
     bf16|fp16) TRAINING_ARGS+=(--"$PRECISION") ;;

@@ -61,3 +61,21 @@ def megatron_lm_checkout(tmp_path_factory):
     if os.environ.get("CI", "").strip().lower() in ("true", "1"):
         pytest.fail(reason + " (CI=true: not skipping)")
     pytest.skip(reason)
+
+
+#: Megatron-LM core_v0.16.1
+TAG_COMMIT = "55ac7082517c3878ae653c07c09c534b8aed49f6"
+
+
+@pytest.fixture(scope="session")
+def patched_megatron_lm(megatron_lm_checkout, tmp_path_factory):
+    """A clone of the session's Megatron-LM checkout at the tag commit, patched by
+    scripts/apply_patches.sh (the checkout itself stays pristine)."""
+    dest = str(tmp_path_factory.mktemp("mlm") / "Megatron-LM")
+    _git("clone", "-q", "--shared", "--no-checkout", megatron_lm_checkout, dest)
+    _git("-c", "advice.detachedHead=false", "-C", dest, "checkout", "-q", TAG_COMMIT)
+    proc = subprocess.run(["bash", os.path.join(REPO, "scripts", "apply_patches.sh"), dest],
+                          capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        pytest.fail(f"apply_patches.sh {dest} exited {proc.returncode}\n{proc.stdout}{proc.stderr}")
+    return dest

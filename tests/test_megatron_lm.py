@@ -414,3 +414,46 @@ def test_every_added_line_only_calls_megatron_lm():
                                     "os.system('true')"]
     assert _foreign_calls(text.replace("metp.add_metp_args", "metp._private", 1)) == \
         ["pretrain_gpt.py: metp._private is not public"]
+
+
+# ------------------------------------------------------------- every Megatron flag: honoured or refused
+
+@pytest.mark.parametrize("kw,needles", [
+    (dict(fp8="hybrid"), ["--fp8-format hybrid", "drop --fp8-format"]),
+    (dict(fp4="nvfp4"), ["--fp4-format nvfp4"]),
+    (dict(tp_comm_overlap=True), ["--tp-comm-overlap", "drop it"]),
+    (dict(use_flash_attn=True, metp_attention_kernel="reference"),
+     ["--use-flash-attn with --metp-attention-kernel reference", "keep one"]),
+    (dict(context_parallel_size=2, world_size=16), ["--context-parallel-size 2"]),
+    (dict(recompute_activations=True), ["--recompute-activations", "--recompute-granularity full"]),
+    (dict(recompute_granularity="selective"), ["--recompute-granularity selective"]),
+    (dict(cpu_offloading=True), ["--cpu-offloading", "--metp-offload-activations"]),
+    (dict(distribute_saved_activations=True), ["--distribute-saved-activations"]),
+])
+def test_megatron_flags_metp_cannot_honour_are_refused(kw, needles):
+    args = _args(**{"metp_parallel_size": 8, **kw})
+    with pytest.raises(ValueError) as err:
+        megatron_lm.validate_metp_args(args)
+    for needle in needles:
+        assert needle in str(err.value), (needle, str(err.value))
+
+
+def test_megatron_flags_metp_honours_are_mapped_with_a_note(capsys, monkeypatch):
+    # --use-flash-attn selects the flash-attn block kernel (when flash-attn is importable)
+    monkeypatch.setattr(megatron_lm, "_have_module", lambda name: True)
+    args = _args(metp_parallel_size=8, use_flash_attn=True, transformer_impl="transformer_engine",
+                 sequence_parallel=True)
+    megatron_lm.validate_metp_args(args)
+    out = capsys.readouterr().out
+    assert args.metp_attention_kernel == "flash_attn" and "--use-flash-attn" in out
+    assert "--transformer-impl transformer_engine: the METP transformer layers" in out
+    assert "--sequence-parallel with TP 1: Megatron turns it off" in out
+    # without flash-attn installed the flag is refused, naming the package
+    monkeypatch.setattr(megatron_lm, "_have_module", lambda name: name != "flash_attn")
+    with pytest.raises(ValueError, match="flash-attn package is not installed"):
+        megatron_lm.validate_metp_args(_args(metp_parallel_size=8, use_flash_attn=True))
+    # the recompute that works: full, whole layers
+    ok = _args(metp_parallel_size=8, recompute_granularity="full", recompute_method="uniform",
+               recompute_num_layers=1)
+    megatron_lm.validate_metp_args(ok)
+    assert ok.context_parallel_size == 8

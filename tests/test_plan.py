@@ -281,9 +281,11 @@ def test_vocab_split_divides_tables_and_logits_by_p():
         assert fwd["one shard's logits [tokens, V/(t·p)]: bf16 product + fp32 copy"] * p == \
             fp32_logits + ab.phases["loss (forward): bf16 logits"]["bf16 logits [tokens, V/t]"]
         assert hs["logits_at_once"] * p == hb["logits_at_once"]
-    # the padding: 32000 rows pad to 32768 = 128·8 with the split (32000 = 250·128 without)
+    # the padding: 32000 rows pad to 32768 = 128·8 with METP, split or not (as stock TP=8 pads)
     model, job = P.PRESETS["gpt-7b"], P.Job(tp=1, metp=8)
-    assert P.head_memory(model, job, "metp")["rows"] == 32000
+    assert P.head_memory(model, job, "metp")["rows"] == 32768
+    assert P.head_memory(model, job, "tp")["rows"] == 32768 // 8  # TP=8: V/t rows per rank
+    assert P.head_memory(model, P.Job(tp=1, metp=1), "tp")["rows"] == 32000
     assert P.head_memory(model, job, "metp+vocab")["rows"] == 32768 // 8
     # Adam states with the distributed optimizer: the split tables reduce over pure DP
     job = P.Job(tp=1, metp=8, dp=4, distributed_optimizer=True)

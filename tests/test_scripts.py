@@ -586,10 +586,14 @@ def test_dry_run_needs_a_patched_checkout(tmp_path, capsys):
 # ------------------------------------------------------------------------------ end to end
 
 @pytest.fixture(scope="module")
-def patched_clone(megatron_lm_checkout, tmp_path_factory):
-    """A clone of the session's Megatron-LM checkout at the tag commit, patched by
-    scripts/apply_patches.sh (the checkout itself stays pristine)."""
-    dest = str(tmp_path_factory.mktemp("mlm") / "Megatron-LM")
+def patched_clone(patched_megatron_lm):
+    """The session's patched Megatron-LM clone (tests/conftest.py), after checking the patch
+    script's own reports on a fresh clone of it."""
+    return patched_megatron_lm
+
+
+def test_patch_script_reports_on_a_fresh_clone(megatron_lm_checkout, tmp_path):
+    dest = str(tmp_path / "Megatron-LM")
     _run(["git", "clone", "-q", "--shared", "--no-checkout", megatron_lm_checkout, dest])
     _run(["git", "-c", "advice.detachedHead=false", "-C", dest, "checkout", "-q", TAG_COMMIT])
     script = os.path.join(REPO, "scripts", "apply_patches.sh")
@@ -599,7 +603,6 @@ def patched_clone(megatron_lm_checkout, tmp_path_factory):
     assert unpatched.returncode == 1 and "not patched for METP" in unpatched.stderr
     assert "applied          0001-metp.patch" in _run(["bash", script, dest]).stdout
     assert "already applied  0001-metp.patch" in _run(["bash", script, dest]).stdout
-    return dest
 
 
 @pytest.mark.parametrize("config,layers", [
@@ -668,12 +671,13 @@ def test_dry_run_plan_and_measure_agree(patched_clone, config, monkeypatch):
     assert A.agrees(row) and "agree" in A.table([row])
 
 
-def test_cpu_kernel_accounting_is_what_breaks_agreement(patched_clone):
+def test_cpu_kernel_accounting_is_what_breaks_agreement(patched_clone, monkeypatch):
     """RMSNorm variant of the tiny METP job: with the CUDA accounting (default) the dry run agrees
     with the plan; accounting as the CPU kernels do (--cpu-kernels: torch's RMSNorm composite
     keeps fp32 copies) it does not (negative control)."""
     from megatron_metp.tools import agreement as A
 
+    monkeypatch.setenv("PRECISION", "bf16")  # what the planner models
     cfg = os.path.join(REPO, "configs", "tiny-cpu-metp2.sh")
     rms = {"NORMALIZATION": "RMSNorm"}
     row = A.compare(cfg, patched_clone, measure=False, dry_env=rms)
@@ -684,12 +688,13 @@ def test_cpu_kernel_accounting_is_what_breaks_agreement(patched_clone):
     assert not A.agrees(dict(row, plan_vs_dry_run=row["plan"] / cpu["bytes"]["total"] - 1))
 
 
-def test_recompute_and_offload_agree_through_megatron_lm(patched_clone, tmp_path):
+def test_recompute_and_offload_agree_through_megatron_lm(patched_clone, tmp_path, monkeypatch):
     """A METP job with Megatron's full recompute and --metp-offload-activations: the dry run
     (Megatron-LM's own flags), the plan and the measurement agree on the device total within 3 %
     and on the host bytes within 5 %; without the offload the device holds more."""
     from megatron_metp.tools import agreement as A
 
+    monkeypatch.setenv("PRECISION", "bf16")  # what the planner models
     cfg = tmp_path / "tiny-recompute-offload.sh"
     cfg.write_text(': "${HIDDEN_SIZE:=512}" "${FFN_HIDDEN_SIZE:=2048}" "${NUM_ATTENTION_HEADS:=8}"\n'
                    ': "${SEQ_LENGTH:=8192}" "${NUM_LAYERS:=3}"\n'

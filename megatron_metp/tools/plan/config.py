@@ -121,7 +121,7 @@ def _launcher_settings(kv: Dict[str, object], model: Dict[str, object],
                        job: Dict[str, object]) -> None:
     """What ``scripts/pretrain_gpt.sh`` adds when it launches a ``configs/*.sh`` of this repo, so
     that the plan is the plan of the job it starts: its defaults (tied embeddings, no SwiGLU,
-    FFN 4·hidden), the distributed optimizer (always passed), ``RECOMPUTE_GRANULARITY`` /
+    FFN 4·hidden), the distributed optimizer (unless ``DISTRIBUTED_OPTIMIZER=0``), ``RECOMPUTE_GRANULARITY`` /
     ``RECOMPUTE_METHOD`` / ``RECOMPUTE_NUM_LAYERS`` and ``METP_OFFLOAD_ACTIVATIONS``, the attention kernel
     (``TRANSFORMER_IMPL=local`` stock layers run Megatron's unfused ``DotProductAttention``;
     METP layers the flash block kernel unless ``METP_ATTENTION_KERNEL=reference``),
@@ -139,7 +139,7 @@ def _launcher_settings(kv: Dict[str, object], model: Dict[str, object],
     model.setdefault("swiglu", False)  # SWIGLU=0
     if "hidden" in model:
         model.setdefault("ffn", 4 * int(model["hidden"]))  # FFN_HIDDEN_SIZE=4·HIDDEN_SIZE
-    job.setdefault("distributed_optimizer", True)
+    job.setdefault("distributed_optimizer", str(kv.get("distributed_optimizer", 1)) != "0")
     metp = int(job.get("metp") or 1)
     if metp > 1:  # the METP layers' block kernel: reference = fp32 block scores
         if kv.get("metp_attention_kernel") == "reference":

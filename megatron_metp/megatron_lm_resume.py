@@ -1,0 +1,104 @@
+"""What a Megatron-LM ``--load`` checkpoint was saved with, read without unpickling it, and the
+resumes METP refuses before any rank starts work.
+
+Megatron-LM (``torch_dist`` format) stores the run's ``args`` in ``iter_NNNNNNN/common.pt``, a
+``torch.save`` zip whose ``data.pkl`` is a pickle. :func:`saved_args` walks that pickle's opcodes
+with :mod:`pickletools` (nothing is executed) and returns the plain integer and boolean fields of
+the saved ``args`` it finds, e.g. ``metp_parallel_size``.
+
+What crosses layouts (measured on CPU ranks, the tiny configs, ``docs/megatron-lm.md``): the
+weights always do (METP shards are stock TP's shards of size TP×METP); the optimizer state of the
+plain optimizer does between two METP runs or two stock runs. It does not between a METP run
+and a stock one: METP's optimizer is Megatron's chain of two (dense weights, and the
+METP-sharded weights on the expert route), a stock run's a single one, and Megatron fails deep
+in ``load_state_dict`` (``KeyError: 'pre_wd_mult'``, ``Expected 2 entries in state dict``).
+:func:`check_resume_layout` refuses that case first, naming the cause and what loads instead.
+"""
+
+from __future__ import annotations
+
+import os
+import pickletools
+import zipfile
+from typing import Dict, Optional
+
+__all__ = ["checkpoint_dir", "saved_args", "check_resume_layout"]
+
+#: saved ``args`` fields :func:`saved_args` returns
+_FIELDS = ("metp_parallel_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+           "context_parallel_size", "use_distributed_optimizer")
+
+
+def checkpoint_dir(load: str) -> Optional[str]:
+    """The iteration directory ``--load load`` resumes from (Megatron-LM's
+    ``latest_checkpointed_iteration.txt``), or ``None`` when there is no checkpoint yet."""
+    tracker = os.path.join(load, "latest_checkpointed_iteration.txt")
+    if not os.path.isfile(tracker):
+        return None
+    with open(tracker) as fh:
+        text = fh.read().strip()
+    name = "release" if text == "release" else f"iter_{int(text):07d}" if text.isdigit() else None
+    if name is None:
+        return None
+    path = os.path.join(load, name)
+    return path if os.path.isdir(path) else None
+
+
+def saved_args(iteration_dir: str) -> Dict[str, object]:
+    """Integer/boolean fields of the ``args`` saved in ``iteration_dir/common.pt`` (those of
+    ``_FIELDS`` found; empty if the file is not a readable ``torch.save`` zip)."""
+    path = os.path.join(iteration_dir, "common.pt")
+    try:
+        with zipfile.ZipFile(path) as zf:
+            name = next((n for n in zf.namelist() if n.endswith("/data.pkl")), None)
+            if name is None:
+                return {}
+            data = zf.read(name)
+    except (OSError, zipfile.BadZipFile):
+        return {}
+    out: Dict[str, object] = {}
+    pending = None
+    try:
+        for op, arg, _ in pickletools.genops(data):
+            if pending is not None and op.name in ("BINPUT", "LONG_BINPUT", "MEMOIZE", "PUT"):
+                continue  # the key string being memoised; its value comes next
+            if pending is not None:
+                if op.name in ("NEWTRUE", "NEWFALSE"):
+                    out.setdefault(pending, op.name == "NEWTRUE")
+                elif isinstance(arg, int) and op.name.startswith(("BININT", "LONG", "INT")):
+                    out.setdefault(pending, arg)
+                pending = None
+            if isinstance(arg, str) and arg in _FIELDS:
+                pending = arg
+    except Exception:  # noqa: BLE001 - a damaged pickle: nothing known
+        return out
+    return out
+
+
+def check_resume_layout(args) -> None:
+    """Refuse (``ValueError``) a ``--load`` whose optimizer state this run cannot take: saved by a
+    METP run and loaded by a stock one, or the reverse. Weights-only loads (``--no-load-optim``,
+    ``--finetune``) and first runs (no checkpoint yet) pass."""
+    load = getattr(args, "load", None)
+    if not load or getattr(args, "no_load_optim", False) or getattr(args, "finetune", False):
+        return
+    d = checkpoint_dir(load)
+    if d is None:
+        return
+    saved = saved_args(d)
+    if not saved:
+        return
+    was = int(saved.get("metp_parallel_size", 1) or 1)
+    now = int(getattr(args, "metp_parallel_size", 1) or 1)
+    if (was > 1) == (now > 1):
+        return
+    what = {True: "a METP run's (its optimizer is a chain of two: the dense weights and the "
+                  "METP-sharded ones)",
+            False: "a stock run's (one optimizer)"}
+    raise ValueError(
+        f"--load {load}: {os.path.basename(d)} holds {what[was > 1]} optimizer state, saved with "
+        f"--metp-parallel-size {was}; this run (--metp-parallel-size {now}) builds "
+        f"{'a chain of two' if now > 1 else 'one optimizer'} and cannot load it. Load the "
+        f"weights only with --no-load-optim --no-load-rng (the optimizer restarts; the weights "
+        f"move exactly between layouts), or resume with "
+        f"{'a METP run' if was > 1 else 'a stock run'}")

@@ -1,0 +1,157 @@
+"""Megatron-LM's own training loop (``pretrain_gpt.py`` → ``pretrain()``) with METP on CPU ranks.
+
+Runs ``scripts/pretrain_gpt.sh`` / ``scripts/compare_tp.sh`` on the tiny configs (2 gloo ranks,
+fp32, ``METP_CPU=1``) against the session's patched Megatron-LM clone (tests/conftest.py):
+METP and its stock-TP twin print the same losses from iteration 1; a resume in the same layout
+is bit-exact; weights move between METP and stock TP; an optimizer state that cannot cross
+layouts is refused before any rank starts work.
+"""
+
+import csv
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PORTS = iter(range(29611, 29700))
+
+
+def _env(mlm, **kw):
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/"),
+           "PYTHON": sys.executable, "LC_ALL": "C.UTF-8", "MEGATRON_LM_DIR": mlm,
+           "OMP_NUM_THREADS": "1", "MASTER_PORT": str(next(_PORTS))}
+    env.update({k: str(v) for k, v in kw.items()})
+    return env
+
+
+def _train(mlm, config, iters, *extra, check=True, **env):
+    proc = subprocess.run(["bash", "scripts/pretrain_gpt.sh", "--config", config, "--",
+                           "--eval-iters", "0", *extra], cwd=REPO, capture_output=True, text=True,
+                          env=_env(mlm, TRAIN_ITERS=iters, **env), timeout=600)
+    out = proc.stdout + proc.stderr
+    if check and proc.returncode != 0:
+        raise AssertionError(f"pretrain_gpt.sh {config} exited {proc.returncode}\n{out[-6000:]}")
+    return proc.returncode, out
+
+
+def _iterations(log):
+    """{iteration: (lm loss, grad norm)} from Megatron's iteration lines."""
+    from megatron_metp.tools.compare import parse_log
+
+    return {i.iteration: (i.lm_loss, i.grad_norm) for i in parse_log(log).iterations}
+
+
+def _tensors(iteration_dir, tmp):
+    """Every tensor of a Megatron-LM torch_dist checkpoint, read on one process."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = os.path.join(tmp, os.path.basename(iteration_dir) + ".pt")
+    dcp_to_torch_save(iteration_dir, out)
+    sd = torch.load(out, weights_only=False)
+    return {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
+
+
+def _rewind(src, dst, iteration):
+    """A copy of checkpoint directory ``src`` whose latest iteration is ``iteration``."""
+    shutil.copytree(src, dst)
+    for name in os.listdir(dst):
+        if name.startswith("iter_") and int(name[5:]) > iteration:
+            shutil.rmtree(os.path.join(dst, name))
+    with open(os.path.join(dst, "latest_checkpointed_iteration.txt"), "w") as fh:
+        fh.write(str(iteration))
+
+
+def test_compare_tp_trains_both_twins_with_the_same_losses(patched_megatron_lm, tmp_path):
+    out = tmp_path / "cmp"
+    proc = subprocess.run(["bash", "scripts/compare_tp.sh", "--config", "configs/tiny-cpu-metp2.sh",
+                           "--iters", "5", "--out", str(out)], cwd=REPO, capture_output=True,
+                          text=True, env=_env(patched_megatron_lm), timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    for name in ("compare.md", "iterations.csv", "compare.png", "metp.log", "tp.log"):
+        assert (out / name).stat().st_size > 0, name
+    assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    metp, tp = (_iterations((out / f"{n}.log").read_text()) for n in ("metp", "tp"))
+    assert sorted(metp) == sorted(tp) == [1, 2, 3, 4, 5]
+    for k in metp:  # same initial weights, same data: the same loss from iteration 1
+        assert abs(metp[k][0] - tp[k][0]) <= 1e-5 * abs(tp[k][0]), (k, metp[k], tp[k])
+    assert len({metp[k][0] for k in metp}) > 1  # the model trains: losses move
+    with open(out / "iterations.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert [int(r["iteration"]) for r in rows] == [1, 2, 3, 4, 5]
+    for r in rows:
+        a, b = float(r["metp_lm_loss"]), float(r["tp_lm_loss"])
+        assert abs(a - b) <= 1e-5 * abs(b), r
+    md = (out / "compare.md").read_text()
+    assert "max lm loss rel. difference" in md and "resident set size" in md
+    log = (out / "metp.log").read_text()
+    assert "building GPT model with METP (weight ring + K/V ring)" in log
+    assert "> METP_CPU: Megatron-LM on CPU ranks" in log
+
+
+@pytest.fixture(scope="module")
+def saved(patched_megatron_lm, tmp_path_factory):
+    """METP and stock TP runs of 6 iterations, each saving at iterations 3 and 6."""
+    root = tmp_path_factory.mktemp("ckpt")
+    runs = {}
+    for name, config in (("metp", "tiny-cpu-metp2.sh"), ("tp", "tiny-cpu-tp2.sh")):
+        ck = str(root / name)
+        _, log = _train(patched_megatron_lm, config, 6, CHECKPOINT_PATH=ck, SAVE_INTERVAL=3)
+        runs[name] = {"ckpt": ck, "log": _iterations(log), "config": config}
+    return root, runs
+
+
+@pytest.mark.parametrize("name", ["metp", "tp"])
+def test_resume_in_the_same_layout_is_bit_exact(patched_megatron_lm, saved, name, tmp_path):
+    _, runs = saved
+    run = runs[name]
+    ck = str(tmp_path / "resume")
+    _rewind(run["ckpt"], ck, 3)
+    _, log = _train(patched_megatron_lm, run["config"], 6, CHECKPOINT_PATH=ck, SAVE_INTERVAL=3)
+    resumed = _iterations(log)
+    assert sorted(resumed) == [4, 5, 6]
+    for k in (4, 6):
+        assert resumed[k] == run["log"][k], (k, resumed[k], run["log"][k])
+    assert resumed[5][1] == run["log"][5][1]  # grad norm (see docs/megatron-lm.md on its loss)
+    a = _tensors(os.path.join(run["ckpt"], "iter_0000006"), str(tmp_path))
+    b = _tensors(os.path.join(ck, "iter_0000006"), str(tmp_path))
+    assert set(a) == set(b) and len(a) > 10
+    for key in a:  # weights and Adam moments after three more steps: bit for bit
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_weights_cross_layouts_and_optimizer_state_is_refused(patched_megatron_lm, saved,
+                                                              tmp_path):
+    _, runs = saved
+    losses = {}
+    for src, dst in (("metp", "tp"), ("tp", "metp")):
+        ck = str(tmp_path / f"{src}-to-{dst}")
+        _rewind(runs[src]["ckpt"], ck, 3)
+        # with the optimizer state: refused during argument validation, naming the way out
+        rc, log = _train(patched_megatron_lm, runs[dst]["config"], 6, check=False,
+                         CHECKPOINT_PATH=ck)
+        assert rc != 0 and "--no-load-optim --no-load-rng" in log, log[-3000:]
+        assert "iteration        1/" not in log and "building GPT model" not in log
+        # weights only: the other layout continues from iteration 3's weights
+        _, log = _train(patched_megatron_lm, runs[dst]["config"], 6, "--no-load-optim",
+                        "--no-load-rng", CHECKPOINT_PATH=ck)
+        losses[(src, dst)] = _iterations(log)
+    # iteration 4 runs the saved weights before any update: the uninterrupted run's loss
+    for pair, log in losses.items():
+        assert log[4][0] == runs[pair[0]]["log"][4][0], pair
+    # and both directions (the one run in TP, the other in METP), with fresh optimizers, go on
+    # with the same losses
+    a, b = losses[("metp", "tp")], losses[("tp", "metp")]
+    assert sorted(a) == sorted(b) == [4, 5, 6]
+    for k in a:
+        assert abs(a[k][0] - b[k][0]) <= 1e-5 * abs(b[k][0]), (k, a[k], b[k])
+
+
+def test_cpu_runs_refuse_what_needs_cuda(patched_megatron_lm):
+    rc, log = _train(patched_megatron_lm, "tiny-cpu-metp2.sh", 2, "--transformer-impl",
+                     "transformer_engine", check=False)
+    assert rc != 0 and "--transformer-impl transformer_engine" in log
+    assert "pass --transformer-impl local" in log and "iteration        1/" not in log
