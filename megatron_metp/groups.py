@@ -75,6 +75,11 @@ class METPGroup:
             :class:`megatron_metp.ring.RingTimeoutError`.
         name: a label used in error messages (e.g. ``"metp[tp=0,pp=1,dp=0]"``).
         stats: traffic counters, shared by every exchanger on this group.
+        kv: a second METP group over the *same ranks in the same ring order* but its own
+            process group (hence its own NCCL communicator and stream), which the attention's
+            K/V ring uses (:attr:`kv_ring`), so that K/V blocks never queue behind the weight
+            broadcasts and gradient reduces of this group; it shares ``stats``. ``None``: the
+            K/V ring runs on this group.
     """
 
     group: Optional[dist.ProcessGroup]
@@ -86,11 +91,38 @@ class METPGroup:
     timeout_s: float = DEFAULT_RING_TIMEOUT_S
     name: str = "metp"
     stats: RingStats = field(default_factory=RingStats)
+    kv: Optional["METPGroup"] = field(default=None, repr=False)
+
+    @property
+    def kv_ring(self) -> "METPGroup":
+        """The group the K/V ring runs on (:attr:`kv`, else this one)."""
+        return self.kv if self.kv is not None else self
+
+    def with_kv_group(self, kv_group: Optional[dist.ProcessGroup]) -> "METPGroup":
+        """This group with ``kv_group`` (a process group of the same ranks in the same order)
+        for the K/V ring; ``ValueError`` if its ranks differ. Returns ``self``."""
+        if kv_group is None or self.size == 1:
+            self.kv = None
+            return self
+        ranks = tuple(dist.get_process_group_ranks(kv_group))
+        if ranks != self.ranks:
+            raise ValueError(f"METPGroup {self.name!r}: the K/V ring's process group has ranks "
+                             f"{list(ranks)}, not the METP ring's {list(self.ranks)} in that order")
+        if kv_group is self.group:
+            self.kv = None
+            return self
+        self.kv = METPGroup(kv_group, self.rank, self.size, self.prev_rank, self.next_rank,
+                            self.ranks, self.timeout_s, f"{self.name}/kv", self.stats)
+        return self
 
     @classmethod
     def from_process_group(cls, group: Optional[dist.ProcessGroup], *, name: str = "metp",
-                           timeout_s: Optional[float] = None) -> "METPGroup":
-        """Wrap an existing process group (``None`` or a 1-rank group gives ``size == 1``)."""
+                           timeout_s: Optional[float] = None,
+                           kv_group: Optional[dist.ProcessGroup] = None) -> "METPGroup":
+        """Wrap an existing process group (``None`` or a 1-rank group gives ``size == 1``).
+
+        ``kv_group``: optionally a second process group of the same ranks (same order) for the
+        attention's K/V ring (:meth:`with_kv_group`)."""
         if timeout_s is None:
             timeout_s = ring_timeout_from_env()
         if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or \
@@ -111,7 +143,8 @@ class METPGroup:
                              f"process group {ranks}")
         r = ranks.index(me)
         p = len(ranks)
-        return cls(group, r, p, ranks[(r - 1) % p], ranks[(r + 1) % p], ranks, timeout_s, name)
+        out = cls(group, r, p, ranks[(r - 1) % p], ranks[(r + 1) % p], ranks, timeout_s, name)
+        return out.with_kv_group(kv_group)
 
     @classmethod
     def single(cls, name: str = "metp") -> "METPGroup":

@@ -88,24 +88,38 @@ class RingExchanger:
 
         Returns at once; ``send`` must not be modified and ``recv`` not read until ``wait()``.
         """
+        return self.exchange([send], [recv], step=step)
+
+    def exchange(self, sends, recvs, *, step: int) -> PendingExchange:
+        """One ring step moving several buffers at once: ``sends[i]`` to ``next`` and ``prev``'s
+        ``i``-th buffer into ``recvs[i]`` (equal sizes and dtypes pairwise), posted as *one*
+        ``batch_isend_irecv`` (one NCCL group call). ``wait()`` returns ``recvs[0]`` once every
+        buffer is valid. Counted as one exchange in ``group.stats.steps``."""
         g = self.group
         if g.size == 1:
             raise RingError(f"METP ring {g.name!r} has size 1: there is nothing to exchange")
-        if send.numel() != recv.numel() or send.dtype != recv.dtype:
-            raise ValueError(f"ring exchange needs equal send/recv buffers, got {tuple(send.shape)} "
-                             f"{send.dtype} and {tuple(recv.shape)} {recv.dtype}")
-        ops = [dist.P2POp(dist.isend, send, g.next_rank, g.group),
-               dist.P2POp(dist.irecv, recv, g.prev_rank, g.group)]
+        if not sends or len(sends) != len(recvs):
+            raise ValueError(f"ring exchange needs as many send as receive buffers (at least "
+                             f"one), got {len(sends)} and {len(recvs)}")
+        ops = []
+        nbytes = 0
+        for send, recv in zip(sends, recvs):
+            if send.numel() != recv.numel() or send.dtype != recv.dtype:
+                raise ValueError(f"ring exchange needs equal send/recv buffers, got "
+                                 f"{tuple(send.shape)} {send.dtype} and {tuple(recv.shape)} "
+                                 f"{recv.dtype}")
+            ops.append(dist.P2POp(dist.isend, send, g.next_rank, g.group))
+            ops.append(dist.P2POp(dist.irecv, recv, g.prev_rank, g.group))
+            nbytes += send.numel() * send.element_size()
         try:
             works = dist.batch_isend_irecv(ops)
         except Exception as exc:  # noqa: BLE001
             raise RingPeerError(f"METP ring {g.name!r}: posting step {step} of {self.what!r} to "
                                 f"{g.next_rank}/from {g.prev_rank} failed: {exc}") from exc
-        nbytes = send.numel() * send.element_size()
         g.stats.steps += 1
         g.stats.bytes_sent += nbytes
         g.stats.bytes_received += nbytes
-        return PendingExchange(works, recv, g, step, self.what)
+        return PendingExchange(works, recvs[0], g, step, self.what)
 
     def broadcast(self, tensor: torch.Tensor, src: int, *, step: int) -> PendingExchange:
         """Async broadcast of ``tensor`` from group member ``src`` (index in the group).
@@ -133,6 +147,34 @@ class RingExchanger:
             g.stats.steps += 1
             g.stats.bytes_sent += tensor.numel() * tensor.element_size()
         return PendingExchange([work], tensor, g, step, self.what, peer=g.ranks[dst])
+
+    def all_gather(self, out: torch.Tensor, tensor: torch.Tensor, *,
+                   step: int) -> PendingExchange:
+        """Async ``out = cat(tensor of every member, in group order)`` (``out`` holds
+        ``size × tensor``). Used where every rank needs every member's shard at once (METP
+        attention with all head groups in one block). Counted as one step and ``(p−1)·tensor``
+        bytes received (each member's shard once), ``(p−1)/p·out`` sent (ring algorithm)."""
+        g = self.group
+        work = dist.all_gather_into_tensor(out, tensor, group=g.group, async_op=True)
+        nbytes = tensor.numel() * tensor.element_size()
+        g.stats.steps += 1
+        g.stats.bytes_received += (g.size - 1) * nbytes
+        g.stats.bytes_sent += (g.size - 1) * nbytes
+        return PendingExchange([work], out, g, step, self.what, peer=g.next_rank)
+
+    def reduce_scatter(self, out: torch.Tensor, tensor: torch.Tensor, *,
+                       step: int) -> PendingExchange:
+        """Async ``out = member r's slice of Σ_members tensor`` (``tensor`` holds ``size × out``).
+        Delivers every member's shard gradient at once. Counted as one step and ``(p−1)·out``
+        bytes sent and received."""
+        g = self.group
+        work = dist.reduce_scatter_tensor(out, tensor, op=dist.ReduceOp.SUM, group=g.group,
+                                          async_op=True)
+        nbytes = out.numel() * out.element_size()
+        g.stats.steps += 1
+        g.stats.bytes_sent += (g.size - 1) * nbytes
+        g.stats.bytes_received += (g.size - 1) * nbytes
+        return PendingExchange([work], out, g, step, self.what, peer=g.next_rank)
 
     def circulate(self, payload: torch.Tensor, steps: Optional[int] = None,
                   spare: Optional[torch.Tensor] = None) -> Iterator[Tuple[int, torch.Tensor]]:
@@ -173,9 +215,13 @@ class TravellingSum:
     :meth:`buffer`. After the last step :meth:`buffer` holds the complete sum.
     """
 
-    def __init__(self, exchanger: RingExchanger, numel: int, dtype: torch.dtype, device):
+    def __init__(self, exchanger: RingExchanger, numel: int, dtype: torch.dtype, device, *,
+                 zero: bool = True):
+        """``zero=False``: the first :meth:`buffer` is uninitialised (the caller writes, not
+        adds, its first contribution)."""
         self._ring = exchanger
-        self._bufs = [torch.zeros(numel, dtype=dtype, device=device), None]
+        self._bufs = [(torch.zeros if zero else torch.empty)(numel, dtype=dtype, device=device),
+                      None]
         self._cur = 0
         self._pending: Optional[PendingExchange] = None
         self._step = 0

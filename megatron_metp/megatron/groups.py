@@ -59,8 +59,33 @@ class METPGroups:
         cp = ps.get_context_parallel_group()
         metp = METPGroup.from_process_group(cp if dist.get_world_size(cp) > 1 else None,
                                             name=_name(ps), timeout_s=timeout_s)
+        metp.with_kv_group(kv_ring_group(ps, metp))
         return cls(tp=ps.get_tensor_model_parallel_group(), metp=metp,
                    dp=ps.get_data_parallel_group(with_context_parallel=False))
+
+
+def kv_ring_group(ps, metp: METPGroup):
+    """A second process group of the METP ring's ranks, in ring order, for the K/V ring (its
+    own NCCL communicator, hence stream: K/V blocks never queue behind the weight broadcasts
+    and gradient reduces of the METP group), or ``None`` (the K/V ring shares the group).
+
+    Megatron's expert-model-parallel group is that group when METP folds
+    ``expert_model_parallel_size = METP`` (:func:`megatron_metp.megatron.parallel.
+    initialize_model_parallel` does; METP refuses MoE, so Megatron sends nothing on it while a
+    layer runs); any other layout keeps the K/V ring on the METP group."""
+    if metp.size == 1:
+        return None
+    try:
+        ep = ps.get_expert_model_parallel_group(check_initialized=False)
+    except TypeError:  # older signature
+        ep = ps.get_expert_model_parallel_group()
+    if ep is None or ep is metp.group:
+        return None
+    try:
+        ranks = tuple(dist.get_process_group_ranks(ep))
+    except Exception:  # noqa: BLE001 - not a usable group on this rank
+        return None
+    return ep if ranks == metp.ranks else None
 
 
 def _name(ps) -> str:

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import torch
 
-# None: not tried yet on CUDA; the first CUDA call finds out whether mm(out_dtype=) has a kernel.
-_cuda_out_dtype_ok = None
+# Per CUDA device index: whether ``addmm(..., out_dtype=, out=)`` has a kernel there (probed once
+# on tiny tensors, so that a failure of a real call, an out-of-memory say, is never taken for a
+# missing kernel).
+_cuda_out_dtype_ok: dict = {}
 # Memory measurement on CPU fake tensors: take the CUDA branch (see emulate_cuda_branch).
 _emulate_cuda = False
 
 
 def emulate_cuda_branch():
-    """Make :func:`mm_acc` take its CUDA branch (``torch.mm(..., out_dtype=)``: one fp32 product,
-    no fp32 operand copies) for every tensor, so that memory measured on CPU fake tensors is what
-    a GPU allocates. Returns a callable that undoes it."""
+    """Make :func:`mm_acc` take its CUDA branch (``torch.addmm(acc, a, b, out_dtype=, out=acc)``:
+    one GEMM accumulating in fp32 in place, no fp32 temporary, no fp32 operand copies) for every
+    tensor, so that memory measured on CPU fake tensors is what a GPU allocates. Returns a
+    callable that undoes it."""
     global _emulate_cuda
     before = _emulate_cuda
     _emulate_cuda = True
@@ -25,25 +28,61 @@ def emulate_cuda_branch():
     return undo
 
 
+def cuda_branch(t: torch.Tensor) -> bool:
+    """Whether ops on ``t`` take their CUDA code path (a CUDA tensor, or the emulation is on)."""
+    return t.is_cuda or _emulate_cuda
+
+
+def _out_dtype_supported(a: torch.Tensor, acc_dtype: torch.dtype) -> bool:
+    """Does this CUDA device run ``addmm(out_dtype=acc_dtype, out=)`` for ``a.dtype`` operands?
+    Probed once per (device, dtypes) on 2×2 tensors; any error of the probe means no."""
+    key = (a.device.index, a.dtype, acc_dtype)
+    ok = _cuda_out_dtype_ok.get(key)
+    if ok is None:
+        try:
+            x = torch.zeros(2, 2, dtype=a.dtype, device=a.device)
+            acc = torch.zeros(2, 2, dtype=acc_dtype, device=a.device)
+            torch.addmm(acc, x, x, out_dtype=acc_dtype, out=acc)
+            ok = True
+        except (TypeError, RuntimeError, NotImplementedError):
+            ok = False
+        _cuda_out_dtype_ok[key] = ok
+    return ok
+
+
 def mm_acc(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """``acc += a @ b`` with the product rounded once, into ``acc``'s dtype.
 
-    For 16-bit operands and an fp32 ``acc`` the product is formed in fp32 (``out_dtype`` on CUDA
-    where torch has it, an fp32 matmul elsewhere), so summing ``p`` ring partials rounds no more
+    For 16-bit operands and an fp32 ``acc`` the product is formed in fp32 and added in place by
+    the GEMM itself (``addmm(out_dtype=fp32, out=acc)`` on CUDA: one kernel, ``beta = 1``), or by
+    an fp32 matmul of fp32 operand copies elsewhere, so summing ``p`` ring partials rounds no more
     often than stock TP's single matmul does.
     """
-    global _cuda_out_dtype_ok
     if acc.dtype == a.dtype:
         acc.addmm_(a, b)
         return
-    if _emulate_cuda:
-        acc.add_(torch.mm(a, b, out_dtype=acc.dtype))
+    if _emulate_cuda or (a.is_cuda and _out_dtype_supported(a, acc.dtype)):
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
         return
-    if a.is_cuda and _cuda_out_dtype_ok is not False:
-        try:
-            acc.add_(torch.mm(a, b, out_dtype=acc.dtype))
-            _cuda_out_dtype_ok = True
-            return
-        except (TypeError, RuntimeError, NotImplementedError):
-            _cuda_out_dtype_ok = False
     acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+
+
+def mm_new(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b`` as a new ``dtype`` tensor rounded once (the first partial of a sum: no zero fill
+    and no add). 16-bit operands with an fp32 ``dtype``: ``mm(out_dtype=)`` on CUDA, an fp32
+    matmul of fp32 copies elsewhere."""
+    if dtype == a.dtype:
+        return torch.mm(a, b)
+    if _emulate_cuda or (a.is_cuda and _out_dtype_supported(a, dtype)):
+        return torch.mm(a, b, out_dtype=dtype)
+    return torch.mm(a.to(dtype), b.to(dtype))
+
+
+def mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``out = a @ b`` written into ``out`` (any strides a GEMM can write, e.g. a column slice),
+    rounded once into ``out``'s dtype; no zero fill beforehand, no temporary on CUDA."""
+    if out.dtype == a.dtype:
+        return torch.mm(a, b, out=out)
+    if _emulate_cuda or (a.is_cuda and _out_dtype_supported(a, out.dtype)):
+        return torch.mm(a, b, out_dtype=out.dtype, out=out)
+    return torch.mm(a.to(out.dtype), b.to(out.dtype), out=out)

@@ -46,6 +46,7 @@ group): forward ``(p−1)·W`` received + ``p(p−1)·KV``; backward ``(p−1)·
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional
 
 import torch
@@ -55,11 +56,12 @@ from ..agree import (agreement_checks_enabled, check_group_agrees, needs_grad, o
 from ..finite import check_finite
 from ..groups import METPGroup, as_metp_group
 from ..ring import RingExchanger
-from ._accum import mm_acc
+from ._accum import mm_acc, mm_into, mm_new
 from ._flat import FlatLayout
 from .attention_kernels import select_kernel
-from .ring_attention import ring_attention_backward, ring_attention_forward
-from .rope import apply_rope
+from .ring_attention import (post_first_kv_packed, ring_attention_backward,
+                             ring_attention_forward)
+from .rope import apply_rope, rope_tables
 from .sequence import LAYOUTS, local_positions
 
 
@@ -85,14 +87,6 @@ class _Geometry:
         n, b = dq.shape[:2]
         dq = dq.reshape(n, b, self.groups_local, self.q_per_group * self.d)
         return torch.cat([dq, dk, dv], dim=-1).reshape(n, b, self.qkv_rows)
-
-
-def _heads_first(t):
-    return t.permute(1, 2, 0, 3).contiguous()
-
-
-def _seq_first(t):
-    return t.permute(2, 0, 1, 3)
 
 
 def _check_inputs(x, wqkv, wo, bqkv, bo, group: METPGroup, A, G, layout, causal, freqs):
@@ -142,130 +136,316 @@ def _check_inputs(x, wqkv, wo, bqkv, bo, group: METPGroup, A, G, layout, causal,
     return d
 
 
-def _head_group_weights(group: METPGroup, layout_w: FlatLayout, own, phase: str):
-    """Yield ``(g, (Wqkv_g, bqkv_g, Wo_g))`` for ``g = 0 … p−1`` on every rank.
+#: Query-head rows (heads × local tokens × batch) a head-group block aims for on a GPU: enough
+#: for the flash kernels to fill the device (2¹⁷ rows ≈ 1,024 tiles of 128 rows, several waves
+#: on an H100/H200's 132 SMs); beyond it larger blocks only cost memory.
+HEAD_BLOCK_ROWS = 2 ** 17
 
-    Group ``g``'s shard is broadcast from its owner; the broadcast of ``g+1`` is posted before
-    ``g`` is yielded (two receive buffers, used alternately), so it overlaps ``g``'s compute.
-    """
+
+def head_block_size(p: int, heads_local: int, rows: int, device, requested=None) -> int:
+    """Head groups per block ``kb`` (a divisor of ``p``): the outer loop runs ``p/kb`` blocks, each
+    one weight fetch of ``kb`` head groups and one K/V ring of ``kb·A/p`` heads.
+
+    ``requested``: an int, or ``"auto"`` (default; ``METP_HEAD_BLOCK`` overrides): on CUDA (or
+    when the counting benchmark selects the CUDA branches) the largest divisor of ``p`` whose
+    block has at most :data:`HEAD_BLOCK_ROWS` query-head rows, so that where ``s/p`` is short
+    few, larger blocks keep the GPU busy with fewer launches; elsewhere 1 (the smallest
+    transient memory; what ``metp plan`` models)."""
+    from . import attention_kernels
+
+    if requested is None:
+        requested = os.environ.get("METP_HEAD_BLOCK", "").strip() or "auto"
+    if requested == "auto":
+        if not (getattr(device, "type", None) == "cuda" or attention_kernels._emulate_cuda):
+            return 1
+        kb = 1
+        for c in range(1, p + 1):
+            if p % c == 0 and c * heads_local * rows <= HEAD_BLOCK_ROWS:
+                kb = c
+        return kb
+    try:
+        kb = int(requested)
+    except (TypeError, ValueError):
+        kb = 0
+    if kb < 1 or p % kb:
+        raise ValueError(f"head_block (or METP_HEAD_BLOCK) must be 'auto' or a divisor of the "
+                         f"METP group size {p}, got {requested!r}")
+    return kb
+
+
+def _block_weights(group: METPGroup, wqkv, bqkv, wo, phase: str, kb: int):
+    """Yield ``(i, (WQ, BQ, WOT))`` for the ``p/kb`` blocks of ``kb`` consecutive head groups, on
+    every rank: ``WQ [kb·rows, h]`` and ``BQ [kb·rows]`` (or ``None``) the block's ``linear_qkv``
+    rows, ``WOT [kb·A/p·d, h]`` its ``linear_proj`` columns transposed, each group's rows
+    back to back, so that one GEMM serves the whole block.
+
+    Group ``g``'s pieces come from their owner (broadcasts; one all-gather per piece when the
+    block holds every group); block ``i+1``'s transfers are posted before block ``i`` is yielded
+    (two sets of receive buffers, used alternately), so they overlap block ``i``'s compute. An
+    all-gather reads the owner's parameters as they are; a broadcast sends a copy (its root's
+    buffer is written by the collective).""" 
     p, r = group.size, group.rank
     if p == 1:
-        yield 0, own
+        yield 0, (wqkv, bqkv, wo.t())
         return
     ring = RingExchanger(group, f"attention weights ({phase})")
-    packed_own = layout_w.pack(own)
-    spare = [torch.empty_like(packed_own), torch.empty_like(packed_own)]
+    if kb == 1:  # one message per head group: its pieces packed back to back
+        yield from _group_weights(ring, group, (wqkv, bqkv, wo.t()))
+        return
+    own = (wqkv, bqkv, wo.t().contiguous())
+    sets = [None, None]
+
+    def buffers(i):
+        if sets[i % 2] is None:
+            sets[i % 2] = tuple(None if t is None else
+                                torch.empty((kb * t.shape[0],) + tuple(t.shape[1:]),
+                                            dtype=t.dtype, device=t.device) for t in own)
+        return sets[i % 2]
+
+    def post(i):
+        if kb == p:  # every group in this block: one all-gather per piece
+            bufs = buffers(i)
+            return bufs, [ring.all_gather(buf, t, step=i) for buf, t in zip(bufs, own)
+                          if t is not None]
+        bufs = buffers(i)
+        pend = []
+        for gi in range(kb):
+            g = i * kb + gi
+            for buf, t in zip(bufs, own):
+                if t is None:
+                    continue
+                view = buf[gi * t.shape[0]:(gi + 1) * t.shape[0]]
+                if g == r:
+                    view.copy_(t)
+                pend.append(ring.broadcast(view, g, step=g))
+        return bufs, pend
+
+    pending = post(0)
+    for i in range(p // kb):
+        bufs, works = pending
+        for w in works:
+            w.wait()
+        if i + 1 < p // kb:
+            pending = post(i + 1)
+        yield i, bufs
+
+
+def _group_weights(ring: RingExchanger, group: METPGroup, own):
+    """:func:`_block_weights` for blocks of one head group: group ``g``'s ``(Wqkv, bqkv, Woᵀ)``
+    packed in one buffer and broadcast from its owner, the next group's posted before this
+    one is yielded (two receive buffers, used alternately)."""
+    p, r = group.size, group.rank
+    layout = FlatLayout.of(own)
+    packed_own = layout.pack(own)
+    spare = [None, None]
 
     def post(g):
-        return ring.broadcast(packed_own if g == r else spare[g % 2], g, step=g)
+        if g == r:
+            buf = packed_own
+        else:
+            if spare[g % 2] is None:
+                spare[g % 2] = torch.empty_like(packed_own)
+            buf = spare[g % 2]
+        return ring.broadcast(buf, g, step=g)
 
     pending = post(0)
     for g in range(p):
         buf = pending.wait()
         if g + 1 < p:
             pending = post(g + 1)
-        yield g, (own if g == r else tuple(layout_w.unpack(buf)))
+        yield g, (own if g == r else tuple(layout.unpack(buf)))
 
 
-def _keep_if_owner(in_flight, rank, acc):
-    g, pending = in_flight
-    result = pending.wait()
-    return result if g == rank else acc
+def _qkv_block(x2, WQ, BQ, freqs, geo: "_Geometry", n, b, kb, tables):
+    """Heads-first ``q [b, H, n, d]``, ``k, v [b, Gb, n, d]`` of a block of ``kb`` head groups
+    for this rank's tokens (one GEMM, RoPE applied), with ``k`` and ``v`` packed back to back in
+    ``kv`` (the K/V ring's own block): ``H``/``Gb`` query/key heads of the block."""
+    d, qpg = geo.d, geo.q_per_group
+    qkv = torch.addmm(BQ, x2, WQ.t()) if BQ is not None else torch.mm(x2, WQ.t())
+    G = kb * geo.groups_local
+    t = qkv.view(n, b, G, qpg + 2, d)
+    q = torch.empty(b, G * qpg, n, d, dtype=x2.dtype, device=x2.device)
+    kv = torch.empty(2 * b * G * n * d, dtype=x2.dtype, device=x2.device)
+    k, v = kv[:b * G * n * d].view(b, G, n, d), kv[b * G * n * d:].view(b, G, n, d)
+    q_dst = q.view(b, G, qpg, n, d).permute(3, 0, 1, 2, 4)  # [n, b, G, qpg, d]
+    k_dst = k.permute(2, 0, 1, 3)
+    if freqs is not None:
+        apply_rope(t[:, :, :, :qpg], freqs, out=q_dst, tables=tables)
+        apply_rope(t[:, :, :, qpg], freqs, out=k_dst, tables=tables)
+    else:
+        q_dst.copy_(t[:, :, :, :qpg])
+        k_dst.copy_(t[:, :, :, qpg])
+    v.permute(2, 0, 1, 3).copy_(t[:, :, :, qpg + 1])
+    return q, k, v, kv
+
+
+def _heads_first_view(t: torch.Tensor, H: int, d: int) -> torch.Tensor:
+    """``[n, b, H·d]`` → a ``[b, H, n, d]`` view (last dim dense)."""
+    n, b = t.shape[:2]
+    return t.view(n, b, H, d).permute(1, 2, 0, 3)
+
+
+def _deliver_grads(ring: RingExchanger, group: METPGroup, kb: int, i: int, pieces):
+    """Post the reduce of block ``i``'s fp32 gradient ``pieces`` (``[kb·rows_piece, ...]``
+    each, or ``None``) to their owners: one reduce-scatter per piece when the block holds
+    every group, else one reduce per group and piece. Returns ``[(piece, owner, pending, out)]``."""
+    out = []
+    p = group.size
+    for j, t in enumerate(pieces):
+        if t is None:
+            continue
+        rows = t.shape[0] // kb
+        if kb == p:
+            mine = torch.empty((rows,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+            out.append((j, group.rank, ring.reduce_scatter(mine, t, step=i), mine))
+            continue
+        for gi in range(kb):
+            g = i * kb + gi
+            view = t[gi * rows:(gi + 1) * rows]
+            out.append((j, g, ring.reduce(view, g, step=g), view))
+    return out
+
+
+def _keep_owned(in_flight, rank, acc):
+    """Wait for every reduce in ``in_flight``; those whose destination is this rank are its
+    shard's complete gradient pieces."""
+    for j, g, pending, view in in_flight:
+        pending.wait()
+        if g == rank:
+            acc[j] = view
+    return acc
 
 
 class _METPAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, wqkv, bqkv, wo, bo, freqs, group: METPGroup, geo: _Geometry, causal, layout,
-                scale, kernel, label):
+                scale, kernel, label, kb):
         check_finite(f"{label} (forward)", x=x, qkv_weight=wqkv, proj_weight=wo, qkv_bias=bqkv,
                      proj_bias=bo)
         ctx.label = label
-        p, r = group.size, group.rank
         n, b, h = x.shape
-        x2 = x.reshape(n * b, h)
+        N = n * b
+        x2 = x.reshape(N, h)
         acc_dtype = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
-        y = torch.zeros(n * b, h, dtype=acc_dtype, device=x.device)
-        layout_w = FlatLayout.of([wqkv, bqkv, wo])
-        outs, lses = [None] * p, [None] * p
-        for g, (wq, bq, wp) in _head_group_weights(group, layout_w, (wqkv, bqkv, wo), "fwd"):
-            q, k, v = _METPAttentionFunction._qkv(x2, wq, bq, freqs, geo, n, b)
-            o, lse = ring_attention_forward(q, k, v, group, causal, layout, scale, kernel)
-            o = o.to(x.dtype)
-            outs[g], lses[g] = o, lse
-            mm_acc(y, _seq_first(o).reshape(n * b, geo.heads_local * geo.d), wp.t())
+        nb = group.size // kb
+        H = kb * geo.heads_local
+        y = None
+        outs, lses = [], []
+        tables = rope_tables(freqs, x.dtype) if freqs is not None else None
+        for _, (WQ, BQ, WOT) in _block_weights(group, wqkv, bqkv, wo, "fwd", kb):
+            q, k, v, kv = _qkv_block(x2, WQ, BQ, freqs, geo, n, b, kb, tables)
+            o = torch.empty(n, b, H * geo.d, dtype=x.dtype, device=x.device)
+            _, lse = ring_attention_forward(q, k, v, group, causal, layout, scale, kernel,
+                                            kv_packed=kv, defer_merge=kb > 1,
+                                            out=_heads_first_view(o, H, geo.d))
+            outs.append(o)
+            lses.append(lse)
+            o2 = o.view(N, -1)
+            if nb == 1:  # one GEMM over every head: rounded once, like stock TP's
+                y = torch.mm(o2, WOT)
+            elif y is None:
+                y = mm_new(o2, WOT, acc_dtype)
+            else:
+                mm_acc(y, o2, WOT)
         if bo is not None:
             y.add_(bo)
         ctx.save_for_backward(x, wqkv, bqkv, wo, freqs, *outs, *lses)
-        ctx.args = (group, geo, causal, layout, scale, kernel)
+        ctx.args = (group, geo, causal, layout, scale, kernel, kb)
         ctx.has = (bqkv is not None, bo is not None, freqs is not None)
         return y.to(x.dtype).view(n, b, h)
 
     @staticmethod
-    def _qkv(x2, wq, bq, freqs, geo, n, b):
-        """Heads-first ``q, k, v`` of one head group for this rank's tokens (RoPE applied)."""
-        qkv = torch.addmm(bq, x2, wq.t()) if bq is not None else torch.mm(x2, wq.t())
-        q, k, v = geo.split(qkv.view(n, b, -1))
-        if freqs is not None:
-            q, k = apply_rope(q, freqs), apply_rope(k, freqs)
-        return _heads_first(q), _heads_first(k), _heads_first(v)
-
-    @staticmethod
     def backward(ctx, grad_y):
         check_finite(f"{ctx.label} (backward)", grad_output=grad_y)
-        group, geo, causal, layout, scale, kernel = ctx.args
+        group, geo, causal, layout, scale, kernel, kb = ctx.args
         has_bq, has_bo, has_freqs = ctx.has
         saved = ctx.saved_tensors
         x, wqkv, bqkv, wo, freqs = saved[:5]
         p, r = group.size, group.rank
-        outs, lses = saved[5:5 + p], saved[5 + p:5 + 2 * p]
+        nb = p // kb
+        outs, lses = saved[5:5 + nb], saved[5 + nb:5 + 2 * nb]
         bqkv = bqkv if has_bq else None
         freqs = freqs if has_freqs else None
         n, b, h = x.shape
-        x2 = x.reshape(n * b, h)
-        gy = grad_y.reshape(n * b, h).to(x.dtype)
+        N = n * b
+        x2 = x.reshape(N, h)
+        gy = grad_y.reshape(N, h).to(x.dtype)
         acc_dtype = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
-        dx = torch.zeros(n * b, h, dtype=acc_dtype, device=x.device)
+        dx = None
         dbo = gy.sum(0, dtype=acc_dtype).to(x.dtype) if has_bo else None
-        layout_w = FlatLayout.of([wqkv, bqkv, wo])
+        rows, d, qpg = geo.qkv_rows, geo.d, geo.q_per_group
+        G, H = kb * geo.groups_local, kb * geo.heads_local
+        f32 = dict(dtype=torch.float32, device=x.device)
+        grad_layout = FlatLayout([wqkv.shape, None if bqkv is None else bqkv.shape,
+                                  (wo.shape[1], wo.shape[0])])
 
-        def shard_grads(wq, bq, wp, g):
-            q, k, v = _METPAttentionFunction._qkv(x2, wq, bq, freqs, geo, n, b)
-            o_flat = _seq_first(outs[g]).reshape(n * b, geo.heads_local * geo.d)
-            acc = layout_w.zeros(torch.float32, x.device)
-            dwq, dbq, dwp = layout_w.unpack(acc)
-            mm_acc(dwp, gy.t(), o_flat)
-            d_o = torch.mm(gy, wp).view(n, b, geo.heads_local, geo.d)
-            dq, dk, dv = ring_attention_backward(_heads_first(d_o), q, k, v, outs[g], lses[g],
-                                                 group, causal, layout, scale, kernel)
-            dq, dk, dv = (_seq_first(t_) for t_ in (dq, dk, dv))
-            if freqs is not None:
-                dq = apply_rope(dq, freqs, transpose=True)
-                dk = apply_rope(dk, freqs, transpose=True)
-            dqkv = geo.join(dq, dk, dv).reshape(n * b, geo.qkv_rows).to(x.dtype)
-            mm_acc(dwq, dqkv.t(), x2)
-            if dbq is not None:
-                dbq.copy_(dqkv.sum(0, dtype=torch.float32))
-            mm_acc(dx, dqkv, wq)
-            return acc
-
-        # Each head group's gradient is reduced to its owner while the next group computes;
-        # at most two contributions are alive. Only the owner's reduce result is kept.
+        # Each block's gradients are reduced to their owners while the next block computes; at
+        # most two blocks' contributions are alive. Only the owner's results are kept.
         grad_ring = RingExchanger(group, "attention weight grads (bwd)")
-        acc, in_flight = None, None
-        for g, shard in _head_group_weights(group, layout_w, (wqkv, bqkv, wo), "bwd"):
-            contrib = shard_grads(*shard, g)
+        acc, in_flight = [None, None, None], []
+        tables = rope_tables(freqs, x.dtype) if freqs is not None else None
+        for i, (WQ, BQ, WOT) in _block_weights(group, wqkv, bqkv, wo, "bwd", kb):
+            q, k, v, kv = _qkv_block(x2, WQ, BQ, freqs, geo, n, b, kb, tables)
+            first = post_first_kv_packed(kv, group)  # hidden behind the dO / dWo GEMMs
+            o2 = outs[i].view(N, -1)
+            d_o = torch.mm(gy, WOT.t())
+            if kb == 1:  # one fp32 buffer, one reduce: the pieces back to back
+                flat = torch.empty(grad_layout.numel, **f32)
+                g_wq, g_bq, g_wot = grad_layout.unpack(flat)
+            else:
+                flat = None
+                g_wq = torch.empty(kb * rows, h, **f32)
+                g_bq = torch.empty(kb * rows, **f32) if has_bq else None
+                g_wot = torch.empty(kb * geo.heads_local * d, h, **f32)
+            dWOT = mm_into(g_wot, o2.t(), gy)
+            made = []
+
+            def dqkv_dv():  # dqkv allocated at the ring's last step; dv written into it there
+                made.append(torch.empty(N, kb * rows, dtype=x.dtype, device=x.device))
+                return made[0].view(n, b, G, qpg + 2, d)[:, :, :, qpg + 1].permute(1, 2, 0, 3)
+
+            dq, dk, dv = ring_attention_backward(
+                _heads_first_view(d_o.view(n, b, -1), H, d), q, k, v,
+                _heads_first_view(outs[i], H, d), lses[i], group, causal, layout, scale, kernel,
+                first=first, dv_out=dqkv_dv)
+            del q, k, v, kv, d_o, first, dv  # dv: written into dqkv already
+            dqkv = made[0]
+            t = dqkv.view(n, b, G, qpg + 2, d)
+            dq_sf = dq.permute(2, 0, 1, 3).unflatten(2, (G, qpg))
+            dk_sf = dk.permute(2, 0, 1, 3)
+            if freqs is not None:
+                apply_rope(dq_sf, freqs, transpose=True, out=t[:, :, :, :qpg], tables=tables)
+                apply_rope(dk_sf, freqs, transpose=True, out=t[:, :, :, qpg], tables=tables)
+            else:
+                t[:, :, :, :qpg].copy_(dq_sf)
+                t[:, :, :, qpg].copy_(dk_sf)
+            del dq, dk, dq_sf, dk_sf
+            dWQ = mm_into(g_wq, dqkv.t(), x2)
+            dBQ = torch.sum(dqkv, 0, dtype=torch.float32, out=g_bq) if has_bq else None
+            if nb == 1:
+                dx = torch.mm(dqkv, WQ)
+            elif dx is None:
+                dx = mm_new(dqkv, WQ, acc_dtype)
+            else:
+                mm_acc(dx, dqkv, WQ)
+            made.clear()
+            del dqkv, t  # not alive during the next block's ring
             if p == 1:
-                acc = contrib
+                acc = [dWQ, dBQ, dWOT]
                 continue
-            if in_flight is not None:
-                acc = _keep_if_owner(in_flight, r, acc)
-            in_flight = (g, grad_ring.reduce(contrib, g, step=g))
-        if in_flight is not None:
-            acc = _keep_if_owner(in_flight, r, acc)
-        dwq, dbq, dwp = layout_w.unpack(acc)
+            acc = _keep_owned(in_flight, r, acc)
+            if flat is not None:
+                in_flight = [(0, i, grad_ring.reduce(flat, i, step=i), flat)]
+            else:
+                in_flight = _deliver_grads(grad_ring, group, kb, i, (dWQ, dBQ, dWOT))
+        acc = _keep_owned(in_flight, r, acc)
+        if p > 1 and kb == 1:
+            acc = grad_layout.unpack(acc[0])
+        dwq, dbq, dwot = acc
+        dwp = torch.empty_like(wo).copy_(dwot.t())
         return (dx.to(x.dtype).view(n, b, h), dwq.to(wqkv.dtype),
-                dbq.to(wqkv.dtype) if dbq is not None else None, dwp.to(wo.dtype), dbo,
-                None, None, None, None, None, None, None, None)
+                dbq.to(wqkv.dtype) if dbq is not None else None, dwp, dbo,
+                None, None, None, None, None, None, None, None, None)
 
 
 def metp_attention(x: torch.Tensor, qkv_weight: torch.Tensor, proj_weight: torch.Tensor, *, group,
@@ -274,7 +454,8 @@ def metp_attention(x: torch.Tensor, qkv_weight: torch.Tensor, proj_weight: torch
                    qkv_bias: Optional[torch.Tensor] = None,
                    proj_bias: Optional[torch.Tensor] = None,
                    softmax_scale: Optional[float] = None,
-                   kernel: Optional[str] = None, label: str = "metp_attention") -> torch.Tensor:
+                   kernel: Optional[str] = None, label: str = "metp_attention",
+                   head_block=None) -> torch.Tensor:
     """The METP self-attention block (before the residual): ``y = Attn(x)·Woᵀ + bo``.
 
     Args:
@@ -290,6 +471,9 @@ def metp_attention(x: torch.Tensor, qkv_weight: torch.Tensor, proj_weight: torch
             for the whole sequence (this rank's positions are selected).
         qkv_bias: ``[(G/p)·(A/G+2)·d]`` sharded like ``qkv_weight``; proj_bias: ``[h]`` replicated.
         softmax_scale: default ``1/sqrt(d)``. kernel: block kernel name, default best available.
+        head_block: head groups per block of the outer loop, a divisor of ``p``, or ``"auto"``
+            (default, see :func:`head_block_size`): ``kb`` groups share one weight fetch and one
+            K/V ring of ``kb·A/p`` heads. The result is the same for every choice.
         label: names this call in NaN/Inf reports (:mod:`megatron_metp.finite`) and in the
             cross-rank agreement check (:mod:`megatron_metp.agree`, opt-in), which also requires
             it, every shape/dtype and every option to be equal on all ranks of the group.
@@ -302,6 +486,8 @@ def metp_attention(x: torch.Tensor, qkv_weight: torch.Tensor, proj_weight: torch
         d = _check_inputs(x, qkv_weight, proj_weight, qkv_bias, proj_bias, group, num_heads,
                           num_query_groups, layout, causal, rotary_pos_emb)
         kern = select_kernel(x.device, x.dtype, kernel)
+        kb = head_block_size(group.size, num_heads // group.size, x.shape[0] * x.shape[1],
+                             x.device, head_block)
         freqs = rotary_pos_emb
         if freqs is not None and freqs.shape[0] != x.shape[0]:
             pos = local_positions(group.rank, group.size, x.shape[0], layout=layout,
@@ -322,4 +508,4 @@ def metp_attention(x: torch.Tensor, qkv_weight: torch.Tensor, proj_weight: torch
     geo = _Geometry(num_heads, num_query_groups, d, group.size)
     return _METPAttentionFunction.apply(x, qkv_weight, qkv_bias, proj_weight, proj_bias, freqs,
                                         group, geo, bool(causal), layout, float(scale), kern,
-                                        label)
+                                        label, kb)

@@ -35,6 +35,41 @@ try:  # pragma: no cover - GPU only
 except Exception:  # noqa: BLE001 - any import failure means "not available"
     _HAS_FLASH_ATTN = False
 
+# Counting on CPU fake tensors: take the CUDA kernels' calling convention (see emulate_cuda_branch).
+_emulate_cuda = False
+
+
+def emulate_cuda_branch():
+    """Make the METP ops take their GPU code paths (:func:`gpu_path`) for every tensor:
+    :class:`TorchFlashKernel` calls the CUDA flash ops with their layouts, METP attention picks
+    its head-group block as on a GPU, SwiGLU runs as Megatron's fused functions; so that ops
+    counted on CPU fake tensors are what a GPU runs. Returns a callable that undoes it."""
+    global _emulate_cuda
+    before = _emulate_cuda
+    _emulate_cuda = True
+
+    def undo():
+        global _emulate_cuda
+        _emulate_cuda = before
+
+    return undo
+
+
+def gpu_path(t: torch.Tensor) -> bool:
+    """Whether the METP ops take their GPU code paths for ``t`` (flash kernels' calling
+    convention, head-group blocks, Megatron's fused SwiGLU): a CUDA tensor, or
+    :func:`emulate_cuda_branch` is on (the launch-counting benchmark)."""
+    return t.is_cuda or _emulate_cuda
+
+
+_cuda_path = gpu_path
+
+
+def _last_dim_dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when its last dim is dense (all the CUDA flash kernels need: they take the
+    other strides as given), else a contiguous copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
 
 def _expand_kv(t: torch.Tensor, hq: int) -> torch.Tensor:
     """``[b, hkv, m, d]`` → ``[b, hq, m, d]``: query head ``i`` uses KV head ``i // (hq/hkv)``."""
@@ -68,7 +103,7 @@ class ReferenceKernel:
         return out, lse
 
     @staticmethod
-    def backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    def backward(dout, q, k, v, out, lse, causal: bool, scale: float, workspace=None):
         hq, hkv = q.shape[1], k.shape[1]
         qf, kf, vf = q.float(), _expand_kv(k, hq).float(), _expand_kv(v, hq).float()
         s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
@@ -96,9 +131,11 @@ class TorchFlashKernel:
     @staticmethod
     def forward(q, k, v, causal: bool, scale: float):
         hq = q.shape[1]
-        q = q.contiguous()
-        k, v = _expand_kv(k, hq).contiguous(), _expand_kv(v, hq).contiguous()
-        if q.is_cuda:
+        cuda = _cuda_path(q)
+        q = _last_dim_dense(q) if cuda else q.contiguous()
+        k, v = _expand_kv(k, hq), _expand_kv(v, hq)
+        k, v = (_last_dim_dense(k), _last_dim_dense(v)) if cuda else (k.contiguous(), v.contiguous())
+        if cuda:
             res = torch.ops.aten._scaled_dot_product_flash_attention(
                 q, k, v, 0.0, causal, False, scale=scale)
             return res[0], res[1]
@@ -107,22 +144,31 @@ class TorchFlashKernel:
         return out, lse
 
     @staticmethod
-    def backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    def backward(dout, q, k, v, out, lse, causal: bool, scale: float, workspace=None):
+        """``workspace``: a dict the caller keeps over a ring's blocks (the CUDA kernel's unused
+        RNG-state arguments are made once there, not per block). ``out``/``dout`` in ``q``'s
+        dtype and ``lse`` contiguous are used as given (no copies); others are converted."""
         hq, hkv = q.shape[1], k.shape[1]
-        q = q.contiguous()
-        ke, ve = _expand_kv(k, hq).contiguous(), _expand_kv(v, hq).contiguous()
-        out = out.to(q.dtype).contiguous()
-        dout = dout.to(q.dtype).contiguous()
-        if q.is_cuda:
+        cuda = _cuda_path(q)
+        dense = _last_dim_dense if cuda else (lambda t: t.contiguous())
+        q = dense(q)
+        ke, ve = dense(_expand_kv(k, hq)), dense(_expand_kv(v, hq))
+        out = dense(out if out.dtype == q.dtype else out.to(q.dtype))
+        dout = dense(dout if dout.dtype == q.dtype else dout.to(q.dtype))
+        lse = lse if lse.is_contiguous() else lse.contiguous()
+        if cuda:
             n, m = q.shape[2], k.shape[2]
-            empty = torch.empty(0, device=q.device, dtype=torch.int32)
-            zero = torch.zeros((), device=q.device, dtype=torch.int64)
+            ws = workspace if workspace is not None else {}
+            if "rng" not in ws:
+                ws["rng"] = (torch.empty(0, device=q.device, dtype=torch.int32),
+                             torch.zeros((), device=q.device, dtype=torch.int64))
+            empty, zero = ws["rng"]
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-                dout, q, ke, ve, out, lse.contiguous(), empty, empty, n, m, 0.0, causal,
+                dout, q, ke, ve, out, lse, empty, empty, n, m, 0.0, causal,
                 zero, zero, scale=scale)
         else:
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                dout, q, ke, ve, out, lse.contiguous(), 0.0, causal, attn_mask=None, scale=scale)
+                dout, q, ke, ve, out, lse, 0.0, causal, attn_mask=None, scale=scale)
         return dq, _fold_kv(dk, hkv), _fold_kv(dv, hkv)
 
 
@@ -142,7 +188,7 @@ class FlashAttnKernel:  # pragma: no cover - needs a GPU and the flash-attn pack
         return out.transpose(1, 2), lse
 
     @staticmethod
-    def backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    def backward(dout, q, k, v, out, lse, causal: bool, scale: float, workspace=None):
         qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
         dot = dout.to(q.dtype).transpose(1, 2).contiguous()
         ot = out.to(q.dtype).transpose(1, 2).contiguous()

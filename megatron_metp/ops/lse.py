@@ -2,10 +2,16 @@
 
 Two blocks of keys give, for the same query rows, normalised outputs ``o_a, o_b`` and log-sum-exps
 ``l_a, l_b``. The attention over both is ``o = w_a·o_a + w_b·o_b`` with ``l = log(e^{l_a} + e^{l_b})``
-and ``w_x = e^{l_x − l}``. Computing ``l`` with ``logaddexp`` (``max + log1p(exp(−|l_a − l_b|))``)
-never exponentiates a large number, so nothing overflows in any dtype; the accumulators are fp32.
+and ``w_x = e^{l_x − l}``. Since ``w_a + w_b = 1``, ``w_b = σ(l_b − l_a)`` (the logistic function)
+and ``o = o_a + w_b·(o_b − o_a)``; ``l`` comes from ``logaddexp`` (``max + log1p(exp(−|l_a − l_b|))``).
+Neither exponentiates a large number, so nothing overflows in any dtype; the accumulators are fp32.
 (Summing raw ``Σ exp(score)`` per block, as an unstabilised merge does, overflows fp16 once a score
 passes ~11 and fp32 past ~88.)
+
+The first block of a ring step initialises the accumulators (:func:`start`), so rows no key has
+reached yet never occur (every ring schedule here starts with a block that covers all rows); each
+further block is folded in by :func:`merge_` in four kernels (``sub`` + ``sigmoid`` of the
+log-sum-exps, ``sub`` + ``addcmul_`` of the outputs, one ``logaddexp``).
 """
 
 from __future__ import annotations
@@ -13,8 +19,17 @@ from __future__ import annotations
 import torch
 
 
+def start(out_b: torch.Tensor, lse_b: torch.Tensor):
+    """``(out_acc, lse_acc)`` (fp32) from the first block, which must cover every query row."""
+    out = out_b if out_b.dtype == torch.float32 else out_b.to(torch.float32)
+    lse = lse_b if lse_b.dtype == torch.float32 else lse_b.to(torch.float32)
+    return out, lse
+
+
 def new_accumulators(q_shape, device):
-    """``(out_acc, lse_acc)`` for query rows ``q_shape = [b, h, n, d]``: zeros and ``−inf``, fp32."""
+    """``(out_acc, lse_acc)`` for query rows ``q_shape = [b, h, n, d]``: zeros and ``−inf``, fp32
+    (for callers whose first block does not cover every row; fold blocks in with
+    :func:`merge_masked_`)."""
     b, h, n, d = q_shape
     return (torch.zeros(b, h, n, d, dtype=torch.float32, device=device),
             torch.full((b, h, n), float("-inf"), dtype=torch.float32, device=device))
@@ -22,11 +37,58 @@ def new_accumulators(q_shape, device):
 
 def merge_(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_b: torch.Tensor,
            lse_b: torch.Tensor) -> None:
-    """In place: fold block ``(out_b [b,h,n,d], lse_b [b,h,n])`` into the fp32 accumulators."""
+    """In place: fold block ``(out_b [b,h,n,d], lse_b [b,h,n])`` into the fp32 accumulators,
+    whose rows must already hold a finite log-sum-exp (see :func:`start`)."""
+    w_b = torch.sub(lse_b, lse_acc).sigmoid_().unsqueeze(-1)
+    out_acc.addcmul_(torch.sub(out_b, out_acc), w_b)
+    torch.logaddexp(lse_acc, lse_b, out=lse_acc)
+
+
+def merge_masked_(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_b: torch.Tensor,
+                  lse_b: torch.Tensor) -> None:
+    """:func:`merge_` for accumulators that may still hold ``−inf`` rows (nothing reached yet):
+    those rows take the block's values (no NaN)."""
     lse_b = lse_b.float()
     new = torch.logaddexp(lse_acc, lse_b)
-    shift = new.masked_fill(new == float("-inf"), 0.0)  # rows no key reached yet stay 0, not NaN
+    shift = new.masked_fill(new == float("-inf"), 0.0)
     w_acc = torch.exp(lse_acc - shift).unsqueeze(-1)
     w_b = torch.exp(lse_b - shift).unsqueeze(-1)
     out_acc.mul_(w_acc).add_(out_b.float() * w_b)
     lse_acc.copy_(new)
+
+
+def combine(blocks, out=None):
+    """``(out, lse)`` of blocks ``[(rows, out_b [b,h,n_b,d], lse_b [b,h,n_b]), ...]`` for
+    query-row slices ``rows`` of ``n`` rows, the first covering every row: the final
+    log-sum-exp first (``logaddexp`` per block on its rows), then ``out = Σ_b e^{lse_b − lse}·out_b``
+    summed in fp32: the other blocks first (one product, then one ``addcmul_`` each), the
+    all-rows block last, written straight into ``out`` when given (any dtype and strides: one
+    rounding, no separate cast) or into the fp32 sum."""
+    rows0, o0, l0 = blocks[0]
+    lse = l0 if l0.dtype == torch.float32 else l0.to(torch.float32)
+    if len(blocks) == 1:
+        if out is not None:
+            out.copy_(o0)
+            return out, lse
+        return start(o0, lse)
+    lse = lse.clone()
+    for rows, _, l_b in blocks[1:]:
+        torch.logaddexp(lse[:, :, rows], l_b, out=lse[:, :, rows])
+    n = lse.shape[-1]
+    acc = torch.empty(o0.shape, dtype=torch.float32, device=o0.device)
+    for i, (rows, o_b, l_b) in enumerate(blocks[1:]):
+        w = torch.sub(l_b, lse[:, :, rows]).exp_().unsqueeze(-1)
+        if i == 0:
+            lo, hi = rows.start or 0, n if rows.stop is None else rows.stop
+            if lo > 0:
+                acc[:, :, :lo].zero_()
+            if hi < n:
+                acc[:, :, hi:].zero_()
+            torch.mul(o_b, w, out=acc[:, :, rows])
+        else:
+            acc[:, :, rows].addcmul_(o_b, w)
+    w0 = torch.sub(l0, lse).exp_().unsqueeze(-1)
+    if out is None:
+        return acc.addcmul_(o0, w0), lse
+    torch.addcmul(acc, o0, w0, out=out)
+    return out, lse

@@ -40,9 +40,10 @@ from ..agree import (agreement_checks_enabled, check_group_agrees, needs_grad, o
                      refuse_together)
 from ..finite import check_finite
 from ..groups import METPGroup, as_metp_group
-from ..ring import RingExchanger, TravellingSum
+from ..ring import RingExchanger
 from . import activations as act
 from ._accum import mm_acc as _mm_acc
+from ._accum import mm_into, mm_new
 from ._flat import FlatLayout
 
 
@@ -113,7 +114,7 @@ class _METPMLPFunction(torch.autograd.Function):
         layout = FlatLayout.of([w1, b1, w2])
         ring = RingExchanger(group, "mlp weights (fwd)")
         acc_dtype = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
-        y = torch.zeros(n_tok, h, dtype=acc_dtype, device=x.device)
+        y = None
         kept = [None] * group.size
         payload = layout.pack([w1, b1, w2]) if group.size > 1 else None
         shards = ring.circulate(payload) if group.size > 1 else [(0, None)]
@@ -121,9 +122,14 @@ class _METPMLPFunction(torch.autograd.Function):
             j = group.owner_at_step(t)
             w1j, b1j, w2j = (w1, b1, w2) if flat is None else layout.unpack(flat)
             z = torch.addmm(b1j, x2, w1j.t()) if b1j is not None else torch.mm(x2, w1j.t())
-            _mm_acc(y, act.forward(activation, z), w2j.t())
+            a = act.forward(activation, z)
+            if y is None:
+                y = mm_new(a, w2j.t(), acc_dtype)
+            else:
+                _mm_acc(y, a, w2j.t())
             if keep:
                 kept[j] = z
+            del z, a  # not alive while the next shard's z is formed
         if b2 is not None:
             y.add_(b2)
         ctx.group, ctx.activation, ctx.keep, ctx.grad_dtype = group, activation, keep, grad_dtype
@@ -144,42 +150,81 @@ class _METPMLPFunction(torch.autograd.Function):
         g = grad_y.reshape(n_tok, h).to(x.dtype)
         acc_dtype = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
         grad_dtype = ctx.grad_dtype or acc_dtype
-        dx = torch.zeros(n_tok, h, dtype=acc_dtype, device=x.device)
+        dx = None
         db2 = g.sum(0, dtype=acc_dtype).to(x.dtype) if ctx.has_b2 else None
 
         w_layout = FlatLayout.of([w1, b1, w2])
         g_layout = w_layout  # gradients of (W1_j, b1_j, W2_j) have the weights' shapes
-        w_ring = RingExchanger(group, "mlp weights (bwd)")
-        g_ring = RingExchanger(group, "mlp weight grads (bwd)")
+        ring = RingExchanger(group, "mlp weights + grads (bwd)")
 
-        def shard_grads(w1j, b1j, w2j, j, sums) -> None:
-            """dx += dz·W1_j, and this rank's (dW1, db1, dW2) of shard j added into the sum
-            travelling with the shard (waited for only after dz and dx are done)."""
+        def shard_dz(w1j, b1j, w2j, j):
+            """dx += dz·W1_j; returns ``(dz, a)`` for the shard's weight gradients."""
+            nonlocal dx
             if ctx.keep:
                 z = kept[j]
             else:
                 z = torch.addmm(b1j, x2, w1j.t()) if b1j is not None else torch.mm(x2, w1j.t())
             a = act.forward(ctx.activation, z)
             dz = act.backward(ctx.activation, z, torch.mm(g, w2j))
-            _mm_acc(dx, dz, w1j)
-            dw1, db1, dw2 = g_layout.unpack(sums.buffer())
+            del z
+            if dx is None:
+                dx = mm_new(dz, w1j, acc_dtype)
+            else:
+                _mm_acc(dx, dz, w1j)
+            return dz, a
+
+        def add_grads(flat, dz, a, first):
+            """This rank's (dW1, db1, dW2) of the shard into its travelling sum ``flat``;
+            ``first``: the sum starts here (written, not added: no zero fill)."""
+            dw1, db1, dw2 = g_layout.unpack(flat)
+            if first:
+                mm_into(dw1, dz.t(), x2)
+                mm_into(dw2, g.t(), a)
+                if db1 is not None:
+                    torch.sum(dz, 0, dtype=db1.dtype, out=db1)
+                return
             _mm_acc(dw1, dz.t(), x2)
             _mm_acc(dw2, g.t(), a)
             if db1 is not None:
                 db1.add_(dz.sum(0, dtype=acc_dtype))
 
         # Rank r visits shards r-1, r-2, ..., r+1, r: its own last, so each gradient sum ends
-        # its p-1 hops at the shard's owner.
-        sums = TravellingSum(g_ring, g_layout.numel, grad_dtype, x.device)
+        # its p-1 hops at the shard's owner. One batched exchange per step carries the shard the
+        # next step needs (a step ahead) and the previous shard's gradient sum (waited for only
+        # after this shard's dz and dx are done).
+        sums = [torch.empty(g_layout.numel, dtype=grad_dtype, device=x.device), None]
+        cur = 0
         if p > 1:
-            first = w_layout.pack([w1, b1, w2])
-            held = w_ring.start(first, torch.empty_like(first), step=0).wait()  # shard r-1; the
-            # one transfer not hidden behind compute
-            for t, flat in w_ring.circulate(held, steps=p - 1, spare=first):
-                shard_grads(*w_layout.unpack(flat), group.owner_at_step(t, offset=1), sums)
-                sums.pass_on()
-        shard_grads(w1, b1, w2, r, sums)
-        acc = sums.buffer()
+            own = w_layout.pack([w1, b1, w2])
+            held = ring.start(own, torch.empty_like(own), step=0).wait()  # shard r-1; the
+            spare = own  # one transfer not hidden behind compute
+        for t in range(p):
+            last = t == p - 1
+            j = r if last else group.owner_at_step(t, offset=1)
+            sends, recvs = [], []
+            prefetch = not last and t + 1 <= p - 2
+            if prefetch:
+                sends.append(held)
+                recvs.append(spare)
+            if t >= 1:
+                if sums[1 - cur] is None:
+                    sums[1 - cur] = torch.empty_like(sums[cur])
+                sends.append(sums[cur])
+                recvs.append(sums[1 - cur])
+            step = ring.exchange(sends, recvs, step=t + 1) if sends else None
+            dz, a = shard_dz(*((w1, b1, w2) if last else w_layout.unpack(held)), j)
+            if step is not None:
+                step.wait()
+            if t >= 1:
+                cur = 1 - cur
+            if last:
+                sums[1 - cur] = None
+                held = spare = step = None
+            add_grads(sums[cur], dz, a, t == 0)
+            del dz, a
+            if prefetch:
+                held, spare = spare, held
+        acc = sums[cur]
 
         dw1, db1, dw2 = g_layout.unpack(acc)
         return (dx.to(x.dtype).view(ctx.x_shape), dw1.to(w1.dtype),

@@ -35,7 +35,7 @@ from ..agree import (agreement_checks_enabled, check_group_agrees, needs_grad, o
                      refuse_together)
 from ..finite import check_finite
 from ..groups import METPGroup, as_metp_group
-from ..ring import RingExchanger, TravellingSum
+from ..ring import RingExchanger
 from . import lse as lse_ops
 from ._flat import FlatLayout
 from .attention_kernels import select_kernel
@@ -94,14 +94,34 @@ def _record_kernel(group: METPGroup, name: str) -> None:
     group.stats.kernels[name] = group.stats.kernels.get(name, 0) + 1
 
 
+def _kv_ring(group: METPGroup) -> METPGroup:
+    """The group K/V blocks travel on: the METP group's own K/V communicator where it has one
+    (:attr:`METPGroup.kv`, a second process group of the same ranks, so the K/V ring never
+    queues behind weight traffic), else the group itself."""
+    return group.kv_ring
+
+
 def ring_attention_forward(q, k, v, group: METPGroup, causal: bool, layout: str, scale: float,
-                           kernel):
-    """Heads-first ``q [b,hq,n,d]``, ``k, v [b,hkv,n,d]`` → ``(out [b,hq,n,d] fp32, lse fp32)``."""
+                           kernel, kv_packed=None, defer_merge: bool = False, out=None):
+    """Heads-first ``q [b,hq,n,d]``, ``k, v [b,hkv,n,d]`` → ``(out [b,hq,n,d] fp32, lse fp32)``.
+
+    Step 0 is this rank's own (diagonal) block, which covers every query row: it initialises
+    the accumulators; each later block is folded in by :func:`lse.merge_`. The transfer of the
+    next block is posted before each block's kernel (:meth:`RingExchanger.circulate`).
+    ``kv_packed``: ``k`` and ``v`` already packed back to back in one buffer (``k, v`` views of
+    it, as :class:`FlatLayout` lays them out), which the ring then consumes instead of a copy.
+    ``defer_merge``: keep every block's output (16-bit) and fold them in once the final
+    log-sum-exp is known (:func:`lse.combine`: one ``addcmul_`` per block into the fp32 output
+    instead of a rescale of it: less than half the traffic, ``p`` block outputs alive).
+    ``out``: where to write the output (``q``'s shape, any strides, e.g. ``q``'s dtype): the
+    last fold writes it directly; returned instead of the fp32 accumulator."""
     p, r, n = group.size, group.rank, q.shape[2]
-    out, lse = lse_ops.new_accumulators(q.shape, q.device)
+    dest, out, lse = out, None, None
+    kept = []
     layout_kv = FlatLayout.of([k, v])
-    ring = RingExchanger(group, "attention K/V (fwd)")
-    blocks = ring.circulate(layout_kv.pack([k, v])) if p > 1 else [(0, None)]
+    ring = RingExchanger(_kv_ring(group), "attention K/V (fwd)")
+    payload = kv_packed if kv_packed is not None else (layout_kv.pack([k, v]) if p > 1 else None)
+    blocks = ring.circulate(payload) if p > 1 else [(0, None)]
     for t, flat in blocks:
         j = (r - t) % p
         kj, vj = (k, v) if flat is None else layout_kv.unpack(flat)
@@ -110,50 +130,170 @@ def ring_attention_forward(q, k, v, group: METPGroup, causal: bool, layout: str,
             continue
         qs, ks, blk_causal = plan
         o_b, l_b = kernel.forward(q[:, :, qs], kj[:, :, ks], vj[:, :, ks], blk_causal, scale)
-        lse_ops.merge_(out[:, :, qs], lse[:, :, qs], o_b, l_b)
+        if defer_merge:
+            kept.append((qs, o_b, l_b))
+        elif out is None:  # j == r: every row
+            out, lse = lse_ops.start(o_b, l_b)
+        else:
+            lse_ops.merge_(out[:, :, qs], lse[:, :, qs], o_b, l_b)
     _record_kernel(group, kernel.name)
+    if defer_merge:
+        return lse_ops.combine(kept, out=dest)
+    if dest is not None:
+        dest.copy_(out)
+        out = dest
     return out, lse
 
 
+def post_first_kv(k, v, group: METPGroup):
+    """Post the backward's first K/V exchange (this rank's block to ``next``, ``prev``'s in):
+    returns what :func:`ring_attention_backward` takes as ``first``, or ``None`` for ``p = 1``.
+    Posting it early (before the previous head group's backward) hides it."""
+    if group.size == 1:
+        return None
+    return post_first_kv_packed(FlatLayout.of([k, v]).pack([k, v]), group, aliases_kv=False)
+
+
+def post_first_kv_packed(kv_packed, group: METPGroup, *, aliases_kv: bool = True):
+    """:func:`post_first_kv` for K/V already packed in one buffer (``aliases_kv``: the ``k, v``
+    given to the backward are views of it, so it is not reused as a receive buffer)."""
+    if group.size == 1:
+        return None
+    ring = RingExchanger(_kv_ring(group), "attention K/V (bwd)")
+    return ring.start(kv_packed, torch.empty_like(kv_packed), step=0), kv_packed, not aliases_kv
+
+
 def ring_attention_backward(dout, q, k, v, out, lse, group: METPGroup, causal: bool, layout: str,
-                            scale: float, kernel):
+                            scale: float, kernel, first=None, dv_out=None):
     """Grads of :func:`ring_attention_forward`: ``(dq fp32, dk fp32, dv fp32)``, heads-first.
 
-    ``dk, dv`` are complete (every rank's queries) for this rank's own K/V block.
+    ``dk, dv`` are complete (every rank's queries) for this rank's own K/V block. Rank ``r``
+    visits blocks ``r−1, r−2, …, r+1`` and its own last; each block's fp32 ``dK/dV`` sum travels
+    with it and ends at its owner. One batched exchange per step carries both the K/V block the
+    next step needs (posted a step ahead, before this step's kernel) and the ``dK/dV`` sum of the
+    previous step's block (waited for only after this step's kernel). ``first``: the first
+    exchange from :func:`post_first_kv` if the caller posted it already. ``dv_out``: where to
+    write ``dv`` (``v``'s shape, any strides and floating dtype), or a callable returning it
+    (called at the last step): the own block's contribution is added into it directly (no fp32
+    ``dv`` and no separate cast); then returned as ``dv``.
     """
     p, r, n = group.size, group.rank, q.shape[2]
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    dq_started = [False]
     kv_layout = FlatLayout.of([k, v])
+    if dout.dtype != q.dtype:
+        dout = dout.to(q.dtype)
+    if out.dtype != q.dtype:
+        out = out.to(q.dtype)
+    lse_rows = {}
+    workspace = {}
 
-    def block_grads(kj, vj, j, sums):
-        """dq += this block's; its dK/dV added into the sum travelling with the block (waited
-        for only after the kernel has run)."""
+    def block_grads(kj, vj, j):
+        """dq += this block's; returns ``(ks, dk_b, dv_b)`` or ``None`` (fully masked)."""
         plan = block_plan(r, j, n, causal, layout)
         if plan is None:
-            sums.buffer()
-            return
+            return None
         qs, ks, blk_causal = plan
+        key = (qs.start, qs.stop)
+        if key not in lse_rows:  # one contiguous copy per distinct row range, not per block
+            lse_rows[key] = lse[:, :, qs].contiguous()
         dq_b, dk_b, dv_b = kernel.backward(dout[:, :, qs], q[:, :, qs], kj[:, :, ks],
-                                           vj[:, :, ks], out[:, :, qs], lse[:, :, qs],
-                                           blk_causal, scale)
-        dq[:, :, qs] += dq_b
-        dk_acc, dv_acc = kv_layout.unpack(sums.buffer())
-        dk_acc[:, :, ks] += dk_b
-        dv_acc[:, :, ks] += dv_b
+                                           vj[:, :, ks], out[:, :, qs], lse_rows[key],
+                                           blk_causal, scale, workspace)
+        if dq_started[0]:
+            dq[:, :, qs].add_(dq_b)
+        else:
+            _write_rows(dq, qs, dq_b, n)
+            dq_started[0] = True
+        return ks, dk_b, dv_b
 
-    sums = TravellingSum(RingExchanger(group, "attention dK/dV (bwd)"), kv_layout.numel,
-                         torch.float32, q.device)
-    if p > 1:
-        kv_ring = RingExchanger(group, "attention K/V (bwd)")
-        first = kv_layout.pack([k, v])
-        held = kv_ring.start(first, torch.empty_like(first), step=0).wait()  # block r-1
-        for t, flat in kv_ring.circulate(held, steps=p - 1, spare=first):
-            block_grads(*kv_layout.unpack(flat), (r - 1 - t) % p, sums)
-            sums.pass_on()
-    block_grads(k, v, r, sums)
-    acc = sums.buffer()
-    dk, dv = kv_layout.unpack(acc)
-    return dq, dk, dv
+    def add_into(acc, grads, start=False, last=False):
+        """Add a block's dK/dV into the sum ``acc``; ``start``: ``acc`` is uninitialised (the
+        block's rows written, the others zeroed: no separate zero fill); ``last`` (the own,
+        complete block) with ``dv_out``: dv's final sum goes straight there."""
+        nonlocal dv_out
+        dk_acc, dv_acc = kv_layout.unpack(acc)
+        fused_dv = last and dv_out is not None
+        if fused_dv and callable(dv_out):  # allocated only now: not alive during the ring
+            dv_out = dv_out()
+        if grads is None:
+            if start:
+                acc.zero_()
+            if fused_dv:
+                dv_out.copy_(dv_acc)
+            return
+        ks, dk_b, dv_b = grads
+        if start:
+            _write_rows(dk_acc, ks, dk_b, n)
+            if fused_dv and ks == slice(0, n):
+                dv_out.copy_(dv_b)
+                return
+            _write_rows(dv_acc, ks, dv_b, n)
+        else:
+            dk_acc[:, :, ks].add_(dk_b)
+            if fused_dv and ks == slice(0, n):
+                torch.add(dv_acc, dv_b, out=dv_out)
+                return
+            dv_acc[:, :, ks].add_(dv_b)
+        if fused_dv:
+            dv_out.copy_(dv_acc)
+
+    def dq_done():
+        if not dq_started[0]:  # every block masked (cannot happen: the own block is causal)
+            dq.zero_()
+        return dq
+
+    if p == 1:
+        acc = torch.empty(kv_layout.numel, dtype=torch.float32, device=q.device)
+        add_into(acc, block_grads(k, v, r), start=True, last=True)
+        dk, dv = kv_layout.unpack(acc)
+        return dq_done(), dk, dv if dv_out is None else dv_out
+
+    ring = RingExchanger(_kv_ring(group), "attention K/V + dK/dV (bwd)")
+    pending, own, own_free = first if first is not None else post_first_kv(k, v, group)
+    held = pending.wait()  # block r-1 (posted early by a caller that can)
+    spare = own if own_free else torch.empty_like(own)  # own: free once the first step is done
+    sums = [torch.empty(kv_layout.numel, dtype=torch.float32, device=q.device), None]
+    cur = 0  # sums[cur]: the sum of the block being worked on
+    for t in range(p):
+        last = t == p - 1
+        j = r if last else (r - 1 - t) % p
+        sends, recvs = [], []
+        prefetch = not last and t + 1 <= p - 2
+        if prefetch:  # K/V of the next step's block (prev's current one)
+            sends.append(held)
+            recvs.append(spare)
+        if t >= 1:  # pass the previous block's sum on; receive this block's
+            if sums[1 - cur] is None:
+                sums[1 - cur] = torch.empty_like(sums[cur])
+            sends.append(sums[cur])
+            recvs.append(sums[1 - cur])
+        step = ring.exchange(sends, recvs, step=t + 1) if sends else None
+        grads = block_grads(*((k, v) if last else kv_layout.unpack(held)), j)
+        if step is not None:
+            step.wait()
+        if t >= 1:
+            cur = 1 - cur
+        if last:  # free what the ring no longer needs before the last sums (and dv_out)
+            sums[1 - cur] = None
+            held = spare = step = None
+        add_into(sums[cur], grads, start=t == 0, last=last)
+        grads = None  # this block's dk/dv: not alive during the next kernel
+        if prefetch:
+            held, spare = spare, held
+    dk, dv = kv_layout.unpack(sums[cur])
+    return dq_done(), dk, dv if dv_out is None else dv_out
+
+
+def _write_rows(acc, rows: slice, block, n: int) -> None:
+    """``acc[:, :, rows] = block`` (cast to ``acc``'s dtype) and the other rows of ``acc``'s
+    ``n`` zeroed: an accumulator's first contribution without a zero fill of the whole."""
+    start, stop = rows.start or 0, n if rows.stop is None else rows.stop
+    if start > 0:
+        acc[:, :, :start].zero_()
+    if stop < n:
+        acc[:, :, stop:].zero_()
+    acc[:, :, rows].copy_(block)
 
 
 def _to_heads_first(t):

@@ -14,7 +14,7 @@ def _metp_phases(model, job, lay, n, S) -> Dict[str, Dict[str, float]]:
     """Backward transients of the last METP layer: the buffers ``ops/mlp.py`` and
     ``ops/attention.py`` allocate (see their docstrings and ``benchmarks/mlp_memory.py``'s
     ``metp_peak_model``), at each op's largest step. The ops' fp32-accumulating matmuls are taken
-    on their CUDA branch (one fp32 product the size of the result)."""
+    on their CUDA branch (``addmm(out_dtype=fp32, out=acc)``: in place, no product temporary)."""
     t, p = lay.t, lay.c
     h, A, G, d, F = model.hidden, model.heads, model.groups, model.head_dim, model.ffn
     hq, hk = A * d, G * d
@@ -28,7 +28,8 @@ def _metp_phases(model, job, lay, n, S) -> Dict[str, Dict[str, float]]:
     dxacc = {"dx accumulator (fp32)": FP32 * n * h}
 
     # MLP: weight ring (own packed + held, bf16), travelling gradient sum (two fp32 buffers),
-    # then one shard's z (recomputed unless kept), f(z), d(f(z)), dz and an fp32 product.
+    # then one shard's z (recomputed unless kept), f(z), d(f(z)) and dz (the dx / dW GEMMs
+    # accumulate in place).
     z = 0 if job.keep_intermediate else BF16 * n * k * f
     a = BF16 * n * f
     dz = BF16 * n * k * f
@@ -37,11 +38,9 @@ def _metp_phases(model, job, lay, n, S) -> Dict[str, Dict[str, float]]:
              "MLP gradient sum: two travelling buffers (fp32)": 2 * FP32 * Wm}
             if p > 1 else {"MLP gradient sum (fp32)": FP32 * Wm})
     steps = [z + a + a + halves + dz,
-             z + a + dz + FP32 * n * h,
-             z + a + dz + FP32 * k * f * h,
-             z + a + dz + FP32 * h * f]
+             z + a + dz]
     ph["MLP backward (last layer)"] = dict(dxacc, **ring, **{
-        "one shard's z, f(z), dz and an fp32 product": max(steps)})
+        "one shard's z, f(z) and dz": max(steps)})
 
     # attention: head-group loop; per group recompute q, k, v, run the K/V ring backward, then
     # RoPE-transpose and join dq, dk, dv, and accumulate dW and dx in fp32
@@ -66,9 +65,7 @@ def _metp_phases(model, job, lay, n, S) -> Dict[str, Dict[str, float]]:
                                 "dq reshaped (fp32)": FP32 * n * hqg,
                                 "joined d(qkv) (fp32)": grads32})
     dx_step = dict(common, **{"RoPE-transposed dq, dk and dv (fp32)": grads32,
-                              "d(qkv) (bf16)": BF16 * n * (hqg + 2 * hkg),
-                              "fp32 product of dx += d(qkv)·W / dW += d(qkv)ᵀ·x":
-                                  FP32 * max(n * h, (hqg + 2 * hkg) * h)})
+                              "d(qkv) (bf16)": BF16 * n * (hqg + 2 * hkg)})
     step = max([ring_step, rope_step, join_step, dx_step], key=lambda d_: sum(d_.values()))
     ph["attention backward (last layer)"] = dict(base, **step)
 
@@ -83,10 +80,10 @@ def _metp_phases(model, job, lay, n, S) -> Dict[str, Dict[str, float]]:
         fwd["head-group weights: own packed + 2 receive buffers (bf16)"] = 3 * BF16 * Wa
     fwd.update(ring_forward_buffers(n, hqg, hkg, Ag, p, job))
     ph["attention forward (last layer)"] = fwd
-    # ... and the MLP forward: y in fp32 plus one fp32 product, the weight ring, z and f(z)
+    # ... and the MLP forward: y in fp32 (accumulated in place), the weight ring, z and f(z)
     mlp_fwd = {"(kept z of the last layer not formed yet)":
                -S.get("MLP x·W1ᵀ of every shard (keep_intermediate)", 0),
-               "y accumulator + fp32 product (fp32)": 2 * FP32 * n * h,
+               "y accumulator (fp32)": FP32 * n * h,
                "one shard's z and f(z) (bf16)": BF16 * n * k * f + BF16 * n * f}
     if p > 1:
         mlp_fwd["MLP weight ring: own packed + received shard (bf16)"] = 2 * BF16 * Wm

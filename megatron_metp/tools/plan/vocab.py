@@ -31,8 +31,8 @@ def vocab_loss_phases(n: int, h: int, v: int, p: int, b: int = 1) -> Dict[str, D
     Backward (the logits recomputed): the fp32 ``dX`` accumulator ``[n, h]``, two bf16 weight
     buffers and the weight-gradient sum's two fp32 buffers travelling the ring (one with
     ``p = 1``), and per shard the largest of: bf16 logits + their fp32 softmax; fp32 ``dZ`` + its
-    bf16 copy; bf16 ``dZ`` + the fp32 product of ``dX_c += dZ·W_j`` ``[c, h]`` or of
-    ``dW_j += dZᵀ·X_c`` ``[v, h]`` (``mm_acc``'s CUDA branch). At the end the fp32 ``dX`` and
+    bf16 copy (``dX_c += dZ·W_j`` and ``dW_j += dZᵀ·X_c`` accumulate in place in fp32:
+    ``mm_acc``'s CUDA branch has no product temporary). At the end the fp32 ``dX`` and
     ``dW`` with their bf16 copies (the ring buffers and the second sum are gone by then)."""
     ring = p > 1
     c = token_chunk(n, v)
@@ -50,9 +50,8 @@ def vocab_loss_phases(n: int, h: int, v: int, p: int, b: int = 1) -> Dict[str, D
         common["weight-gradient sum: two travelling buffers (fp32)"] = 2 * FP32 * v * h
     else:
         common["weight-gradient sum (fp32)"] = FP32 * v * h
-    step = max(logits, BF16 * c * v + FP32 * max(c, v) * h)
-    bwd = dict(common, **{"one shard's logits / dZ (fp32 + bf16), or bf16 dZ + an fp32 product":
-                          step})
+    step = logits
+    bwd = dict(common, **{"one shard's logits / dZ (fp32 + bf16)": step})
     end = {"dX (fp32) and its bf16 copy": (FP32 + BF16) * n * h,
            "dW (fp32 sum) and its bf16 copy": (FP32 + BF16) * v * h}
     if sum(end.values()) > sum(bwd.values()):

@@ -1,0 +1,272 @@
+#!/usr/bin/env python
+"""One prepared GPU check of METP (≤ 8 min on one H100/H200): block kernels, memory, time, launches.
+
+Writes ``<out>/gpu_check.json`` and ``<out>/gpu_check.md``. Parts:
+
+1. **Block kernels** against the plain reference (``ops.attention_kernels``): every kernel this
+   machine has (``flash_attn``, ``torch_flash``; ``reference`` itself) on causal and full
+   blocks, MHA and GQA, bf16: relative error of the output, of the log-sum-exp and of
+   ``dq, dk, dv`` (the backward given the block's own output and lse), next to the error of the
+   reference kernel run in bf16. Transformer Engine's fused attention is listed as present or
+   absent (its log-sum-exp is not a public output; METP does not use it as a block kernel).
+2. **Stacks** as rank 0 of ``p`` under torch's fake process group (collectives are no-ops, the
+   tensors are real, so memory and compute are one real rank's): a ``--layers``-layer stack of
+   the 7B geometry (h=4096, 32 heads, SwiGLU ffn 11008, RMSNorm, bf16) for METP, stock TP and
+   TP+SP (flash core attention) at ``--seq`` (16K..128K): fwd+bwd time (CUDA events, median of
+   ``--iters`` after a warm-up), ``torch.cuda.max_memory_allocated`` during fwd+bwd next to the
+   CPU instrument's peak for the same stack (``FakeTensorMode`` + ``MemTracker`` with the CUDA
+   accounting, as ``metp measure`` does), and kernel launches per layer from the CUDA profiler
+   (stacks of 1 and 2 layers, their difference). Wall time is bounded by ``--budget`` seconds:
+   cases that would start past it are reported as skipped (by name, never silently).
+
+``--dry`` runs the same code on this CPU with tiny shapes (kernels on CPU tensors, stacks on CPU
+tensors under the fake group, launches from the dispatch counter of ``benchmarks/launches.py``
+instead of the CUDA profiler, no CUDA memory): what the tests run. Timings are printed, never
+asserted anywhere.
+
+    python benchmarks/gpu_check.py --out out/gpu_check            # on a GPU machine
+    python benchmarks/gpu_check.py --dry --out /tmp/gpu_check      # CPU, tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from megatron_metp.tools import fakerank as FR  # noqa: E402
+
+GEO_7B = dict(hidden=4096, heads=32, groups=32, ffn=11008)
+GEO_TINY = dict(hidden=64, heads=8, groups=8, ffn=128)
+
+
+# ----------------------------------------------------------------------------- 1. kernels
+
+def _rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def kernels_check(device: str, shapes) -> list:
+    """Each available block kernel vs the fp32 reference on ``shapes``
+    ``[(b, hq, hkv, n, d, causal), ...]``; one row per (kernel, shape)."""
+    import torch
+
+    from megatron_metp.ops.attention_kernels import _BY_NAME, available_kernels
+
+    rows = []
+    dev = torch.device(device)
+    names = list(available_kernels(dev, torch.bfloat16))
+    import importlib.util
+
+    te = ("present (not a METP block kernel: no public log-sum-exp)"
+          if importlib.util.find_spec("transformer_engine") is not None else "absent")
+    ref = _BY_NAME["reference"]
+    for b, hq, hkv, n, d, causal in shapes:
+        g = torch.Generator(device="cpu").manual_seed(n + hq)
+        q, k, v = (torch.randn(b, h_, n, d, generator=g).to(dev)
+                   for h_ in (hq, hkv, hkv))
+        dout = torch.randn(b, hq, n, d, generator=g).to(dev)
+        scale = d ** -0.5
+        o32, l32 = ref.forward(q, k, v, causal, scale)
+        g32 = ref.backward(dout, q, k, v, o32, l32, causal, scale)
+        q16, k16, v16, do16 = (t.to(torch.bfloat16) for t in (q, k, v, dout))
+        for name in names:
+            kern = _BY_NAME[name]
+            t0 = time.perf_counter()
+            o, lse = kern.forward(q16, k16, v16, causal, scale)
+            grads = kern.backward(do16, q16, k16, v16, o, lse, causal, scale)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            rows.append({"kernel": name, "b": b, "hq": hq, "hkv": hkv, "n": n, "d": d,
+                         "causal": causal, "err_out": _rel(o, o32), "err_lse": _rel(lse, l32),
+                         **{f"err_{w}": _rel(x, y) for w, x, y in zip(("dq", "dk", "dv"),
+                                                                        grads, g32)},
+                         "seconds": round(time.perf_counter() - t0, 4),
+                         "transformer_engine": te})
+    return rows
+
+
+# ----------------------------------------------------------------------------- 2. stacks
+
+def _cpu_instrument_peak(mode, seq, p, layers, geo) -> int:
+    """The CPU instrument's peak for the stack: FakeTensorMode + MemTracker + CUDA accounting
+    (run in a fresh forked process)."""
+    import launches
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from megatron_metp.ops import attention_kernels
+
+    FR.fake_world(p)
+    undo = attention_kernels.emulate_cuda_branch()  # the GPU code paths (head-group blocks)
+    try:
+        with FakeTensorMode():
+            model, x, freqs, grad, _ = launches.build_stack(mode, seq, p, layers=layers, **geo)
+            trk = FR.tracker()
+            trk.track_external(model, x, freqs, grad)
+            with FR.measuring(trk):
+                out = model(x, attention_mask=None, rotary_pos_emb=freqs)
+                out.backward(grad)
+            return FR.snap(trk, "peak")["total"]
+    finally:
+        undo()
+
+
+def _launches_dispatch(mode, seq, p, geo) -> int:
+    import launches
+
+    return launches.per_layer(mode, seq, p, **geo)["launches"]
+
+
+def run_stack(mode, seq, p, layers, geo, device, iters) -> dict:
+    """fwd+bwd time, peak memory and (GPU) CUDA kernels of the stack (fresh process)."""
+    import torch
+
+    import launches
+
+    gpu = device == "cuda"
+    FR.fake_world(p, megatron=not gpu)
+    if gpu:  # pragma: no cover - GPU only
+        torch.cuda.set_device(0)
+    model, x, freqs, grad, _ = launches.build_stack(mode, seq, p, layers=layers, device=device,
+                                                    gpu=gpu, **geo)
+
+    def step():
+        out = model(x, attention_mask=None, rotary_pos_emb=freqs)
+        out.backward(grad)
+        x.grad = None
+        for prm in model.parameters():
+            prm.grad = None
+
+    step()  # warm-up (kernel selection, allocator)
+    times = []
+    if gpu:  # pragma: no cover - GPU only
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    for _ in range(iters):
+        if gpu:  # pragma: no cover
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+    res = {"mode": mode, "seq": seq, "layers": layers, "fwd_bwd_s": statistics.median(times)}
+    if gpu:  # pragma: no cover - GPU only
+        res["max_memory_allocated"] = torch.cuda.max_memory_allocated()
+        res["allocated_before"] = base
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        res["cuda_kernels"] = sum(1 for e in prof.events()
+                                  if e.device_type.name == "CUDA")
+    return res
+
+
+def stacks(seqs, modes, p, layers, geo, device, iters, budget, t_start) -> list:
+    rows = []
+    for seq in seqs:
+        for mode in modes:
+            name = f"{mode} s={seq}"
+            if time.monotonic() - t_start > budget:
+                rows.append({"mode": mode, "seq": seq, "skipped": f"past the {budget:g} s budget"})
+                continue
+            got = FR.map_isolated(lambda L: run_stack(mode, seq, p, L, geo, device, iters),
+                                  [(1,), (layers,)], timeout=max(60.0, budget),
+                                  what=lambda a: f"{name} layers={a[0]}")
+            if any("error" in g for g in got):
+                rows.append({"mode": mode, "seq": seq,
+                             "error": next(g["error"] for g in got if "error" in g)[-2000:]})
+                continue
+            one, full = got[0]["ok"], got[1]["ok"]
+            row = dict(full)
+            if "cuda_kernels" in full:
+                row["launches_per_layer"] = (full["cuda_kernels"] - one["cuda_kernels"]) \
+                    // max(1, layers - 1)
+                row["launches_from"] = "CUDA profiler (kernels, 2 layers - 1 layer)"
+            else:
+                row["launches_per_layer"] = FR.run_isolated(_launches_dispatch, mode, seq, p, geo,
+                                                            timeout=600)
+                row["launches_from"] = "dispatch counter (benchmarks/launches.py)"
+            row["cpu_instrument_peak"] = FR.run_isolated(_cpu_instrument_peak, mode, seq, p,
+                                                         layers, geo, timeout=600)
+            rows.append(row)
+    return rows
+
+
+# ----------------------------------------------------------------------------- report
+
+def table(res) -> str:
+    out = ["| kernel | shape (b, hq, hkv, n, d) | causal | out | lse | dq | dk | dv |",
+           "|---|---|---|---:|---:|---:|---:|---:|"]
+    for r in res["kernels"]:
+        out.append(f"| {r['kernel']} | {r['b']}, {r['hq']}, {r['hkv']}, {r['n']}, {r['d']} | "
+                   f"{r['causal']} | {r['err_out']:.1e} | {r['err_lse']:.1e} | "
+                   f"{r['err_dq']:.1e} | {r['err_dk']:.1e} | {r['err_dv']:.1e} |")
+    out += ["", "| mode | s | fwd+bwd s | max_memory_allocated MiB | CPU instrument MiB | "
+                "launches / layer |", "|---|---:|---:|---:|---:|---:|"]
+    for r in res["stacks"]:
+        if "skipped" in r or "error" in r:
+            out.append(f"| {r['mode']} | {r['seq']} | {r.get('skipped') or 'error'} | | | |")
+            continue
+        mem = r.get("max_memory_allocated")
+        out.append(f"| {r['mode']} | {r['seq']} | {r['fwd_bwd_s']:.4f} | "
+                   f"{'' if mem is None else f'{mem / 2 ** 20:,.1f}'} | "
+                   f"{r['cpu_instrument_peak'] / 2 ** 20:,.1f} | {r['launches_per_layer']} |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="out/gpu_check")
+    ap.add_argument("--dry", action="store_true", help="CPU, tiny shapes (what the tests run)")
+    ap.add_argument("--p", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--seq", type=int, nargs="+", default=[16384, 32768, 65536, 131072])
+    ap.add_argument("--modes", nargs="+", default=["metp", "tp-sp", "tp"])
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--budget", type=float, default=420.0,
+                    help="seconds after which no further stack case starts (default 420)")
+    args = ap.parse_args(argv)
+    t_start = time.monotonic()
+    if args.dry:
+        device, geo = "cpu", GEO_TINY
+        args.p, args.seq, args.iters = 4, [256], 1
+        shapes = [(1, 4, 4, 32, 16, True), (1, 4, 2, 32, 16, False)]
+    else:  # pragma: no cover - GPU only
+        device, geo = "cuda", GEO_7B
+        shapes = [(1, 4, 4, 4096, 128, True), (1, 4, 4, 4096, 128, False),
+                  (1, 8, 2, 2048, 128, True), (1, 32, 32, 4096, 128, True)]
+    FR.preload_megatron()
+    res = {"device": device, "dry": args.dry, "p": args.p, "layers": args.layers,
+           "geometry": geo, "kernels": FR.run_isolated(kernels_check, device, shapes,
+                                                       timeout=600)}
+    res["stacks"] = stacks(args.seq, args.modes, args.p, args.layers, geo, device, args.iters,
+                           args.budget, t_start)
+    res["seconds"] = round(time.monotonic() - t_start, 1)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "gpu_check.json"), "w") as fh:
+        json.dump(res, fh, indent=1)
+    md = table(res)
+    with open(os.path.join(args.out, "gpu_check.md"), "w") as fh:
+        fh.write(md + "\n")
+    print(md)
+    print(f"\n{res['seconds']} s; wrote {args.out}/gpu_check.json and gpu_check.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
