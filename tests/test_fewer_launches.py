@@ -274,3 +274,48 @@ def test_gpu_check_dry_runs_its_code_paths_on_cpu(tmp_path):
         assert r["cpu_instrument_peak"] > 0 and r["fwd_bwd_s"] > 0
         assert r["launches_from"].startswith("dispatch counter")
     assert rows["metp"]["launches_per_layer"] <= 8 * rows["tp-sp"]["launches_per_layer"]
+
+
+# ---------------------------------------------------------------- weight gradients and main_grad
+
+def _grads_rank(rank, p, use_main_grad, wire):
+    from megatron_metp.ops import metp_mlp
+
+    g = torch.Generator().manual_seed(3)
+    h, F, A = 16, 32, 4
+    x = (torch.randn(S // p, B, h, generator=g) * (rank + 1)).bfloat16().requires_grad_()
+    w1 = torch.randn(2 * F // p, h, generator=g).bfloat16().requires_grad_()
+    w2 = torch.randn(h, F // p, generator=g).bfloat16().requires_grad_()
+    wq = torch.randn(3 * h // p, h, generator=g).bfloat16().requires_grad_()
+    wo = torch.randn(h, h // p, generator=g).bfloat16().requires_grad_()
+    params = (w1, w2, wq, wo)
+    if use_main_grad:  # what Megatron's DDP gives each parameter
+        for w in params:
+            w.main_grad = torch.zeros(w.shape, dtype=wire)
+            w.grad_added_to_main_grad = False
+    grp = METPGroup.from_process_group(dist.group.WORLD, name="grads")
+    y = metp_attention(x, wq, wo, group=grp, num_heads=A, num_query_groups=A, causal=True,
+                       kernel="torch_flash", grad_reduce_dtype=wire)
+    y = metp_mlp(y, w1, w2, group=grp, activation="swiglu", grad_reduce_dtype=wire)
+    before = grp.stats.bytes_sent
+    y.float().square().sum().backward()
+    return ([w.main_grad.clone() if use_main_grad else w.grad for w in params],
+            [getattr(w, "grad_added_to_main_grad", None) for w in params],
+            grp.stats.bytes_sent - before)
+
+
+def test_owner_gradient_goes_into_main_grad_unrounded_and_wire_follows_its_dtype():
+    p = 2
+    plain = run_ranks(_grads_rank, p, False, torch.float32)
+    fused = run_ranks(_grads_rank, p, True, torch.float32)
+    for (g_plain, _, sent32), (g_main, added, _) in zip(plain, fused):
+        assert added == [True] * 4
+        for a, b in zip(g_plain, g_main):
+            assert b.dtype == torch.float32
+            assert torch.equal(b.bfloat16(), a)  # the same fp32 sum, not rounded first
+        assert any(not torch.equal(b, b.bfloat16().float()) for b in g_main)
+    # bf16 main_grad (Megatron's --grad-reduce-in-bf16): bf16 on the wire
+    bf = run_ranks(_grads_rank, p, True, torch.bfloat16)
+    for (_, _, sent32), (g_bf, _, sent16) in zip(plain, bf):
+        assert all(g.dtype == torch.bfloat16 for g in g_bf)
+        assert sent16 < sent32

@@ -8,6 +8,11 @@
   that runs :func:`megatron_metp.ops.ring_attention` over the METP group: with replicated
   (TP-only) weights this is the ring self-attention baseline (``weight_ring=False``).
 
+Gradients of the METP-sharded weights travel the ring in the dtype of Megatron's ``main_grad``
+buffer (fp32 by default, bf16 with ``--grad-reduce-in-bf16``: what Megatron's own reduce would
+send) and are added into ``main_grad`` by the ops directly, without a rounding to bf16 first
+(:mod:`megatron_metp.ops._grads`); without Megatron's DDP they travel in fp32.
+
 Why whole-block forwards rather than five swapped linears: the METP schedule recomputes each weight
 shard's intermediate as the shard passes (``f(x·W1_j)`` in the MLP, ``Q/K/V`` of head group ``j`` in
 attention). Chaining separate ring linears would store the full-width intermediates — the memory
@@ -38,6 +43,7 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
 
 from ..ops import metp_attention, metp_mlp, ring_attention
+from ..ops._grads import wire_dtype
 from .groups import METPGroups
 
 
@@ -181,7 +187,9 @@ class METPSelfAttention(SelfAttention):
                              layout="dual_chunk", rotary_pos_emb=_single_rope(rotary_pos_emb),
                              qkv_bias=self.linear_qkv.bias, proj_bias=None,
                              softmax_scale=self.config.softmax_scale, kernel=self.kernel,
-                             label=f"layer {self.layer_number} self_attention")
+                             label=f"layer {self.layer_number} self_attention",
+                             grad_reduce_dtype=wire_dtype(self.linear_qkv.weight,
+                                                          self.linear_proj.weight))
         if tp:
             out = reduce_from_tensor_model_parallel_region(out, group=tp)
         return out, self.linear_proj.bias
@@ -221,7 +229,9 @@ class METPMLP(MLP):
         y = metp_mlp(x, self.linear_fc1.weight, self.linear_fc2.weight, group=self.groups.metp,
                      activation=self.activation, fc1_bias=self.linear_fc1.bias, fc2_bias=None,
                      keep_intermediate=self.keep_intermediate, ffn_hidden_size=self.ffn_tp,
-                     label=f"layer {self.layer_number} mlp")
+                     label=f"layer {self.layer_number} mlp",
+                     grad_reduce_dtype=wire_dtype(self.linear_fc1.weight,
+                                                  self.linear_fc2.weight))
         if tp:
             y = reduce_from_tensor_model_parallel_region(y, group=tp)
         return y, self.linear_fc2.bias

@@ -58,6 +58,7 @@ from ..groups import METPGroup, as_metp_group
 from ..ring import RingExchanger
 from ._accum import mm_acc, mm_into, mm_new
 from ._flat import FlatLayout
+from ._grads import weight_grad
 from .attention_kernels import select_kernel
 from .ring_attention import (post_first_kv_packed, ring_attention_backward,
                              ring_attention_forward)
@@ -319,7 +320,7 @@ def _keep_owned(in_flight, rank, acc):
 class _METPAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, wqkv, bqkv, wo, bo, freqs, group: METPGroup, geo: _Geometry, causal, layout,
-                scale, kernel, label, kb):
+                scale, kernel, label, kb, grad_dtype):
         check_finite(f"{label} (forward)", x=x, qkv_weight=wqkv, proj_weight=wo, qkv_bias=bqkv,
                      proj_bias=bo)
         ctx.label = label
@@ -350,14 +351,14 @@ class _METPAttentionFunction(torch.autograd.Function):
         if bo is not None:
             y.add_(bo)
         ctx.save_for_backward(x, wqkv, bqkv, wo, freqs, *outs, *lses)
-        ctx.args = (group, geo, causal, layout, scale, kernel, kb)
+        ctx.args = (group, geo, causal, layout, scale, kernel, kb, grad_dtype)
         ctx.has = (bqkv is not None, bo is not None, freqs is not None)
         return y.to(x.dtype).view(n, b, h)
 
     @staticmethod
     def backward(ctx, grad_y):
         check_finite(f"{ctx.label} (backward)", grad_output=grad_y)
-        group, geo, causal, layout, scale, kernel, kb = ctx.args
+        group, geo, causal, layout, scale, kernel, kb, grad_dtype = ctx.args
         has_bq, has_bo, has_freqs = ctx.has
         saved = ctx.saved_tensors
         x, wqkv, bqkv, wo, freqs = saved[:5]
@@ -375,7 +376,6 @@ class _METPAttentionFunction(torch.autograd.Function):
         dbo = gy.sum(0, dtype=acc_dtype).to(x.dtype) if has_bo else None
         rows, d, qpg = geo.qkv_rows, geo.d, geo.q_per_group
         G, H = kb * geo.groups_local, kb * geo.heads_local
-        f32 = dict(dtype=torch.float32, device=x.device)
         grad_layout = FlatLayout([wqkv.shape, None if bqkv is None else bqkv.shape,
                                   (wo.shape[1], wo.shape[0])])
 
@@ -384,19 +384,20 @@ class _METPAttentionFunction(torch.autograd.Function):
         grad_ring = RingExchanger(group, "attention weight grads (bwd)")
         acc, in_flight = [None, None, None], []
         tables = rope_tables(freqs, x.dtype) if freqs is not None else None
+        gw = dict(dtype=grad_dtype or acc_dtype, device=x.device)
         for i, (WQ, BQ, WOT) in _block_weights(group, wqkv, bqkv, wo, "bwd", kb):
             q, k, v, kv = _qkv_block(x2, WQ, BQ, freqs, geo, n, b, kb, tables)
             first = post_first_kv_packed(kv, group)  # hidden behind the dO / dWo GEMMs
             o2 = outs[i].view(N, -1)
             d_o = torch.mm(gy, WOT.t())
-            if kb == 1:  # one fp32 buffer, one reduce: the pieces back to back
-                flat = torch.empty(grad_layout.numel, **f32)
+            if kb == 1:  # one buffer, one reduce: the pieces back to back
+                flat = torch.empty(grad_layout.numel, **gw)
                 g_wq, g_bq, g_wot = grad_layout.unpack(flat)
             else:
                 flat = None
-                g_wq = torch.empty(kb * rows, h, **f32)
-                g_bq = torch.empty(kb * rows, **f32) if has_bq else None
-                g_wot = torch.empty(kb * geo.heads_local * d, h, **f32)
+                g_wq = torch.empty(kb * rows, h, **gw)
+                g_bq = torch.empty(kb * rows, **gw) if has_bq else None
+                g_wot = torch.empty(kb * geo.heads_local * d, h, **gw)
             dWOT = mm_into(g_wot, o2.t(), gy)
             made = []
 
@@ -421,7 +422,7 @@ class _METPAttentionFunction(torch.autograd.Function):
                 t[:, :, :, qpg].copy_(dk_sf)
             del dq, dk, dq_sf, dk_sf
             dWQ = mm_into(g_wq, dqkv.t(), x2)
-            dBQ = torch.sum(dqkv, 0, dtype=torch.float32, out=g_bq) if has_bq else None
+            dBQ = torch.sum(dqkv, 0, dtype=g_bq.dtype, out=g_bq) if has_bq else None
             if nb == 1:
                 dx = torch.mm(dqkv, WQ)
             elif dx is None:
@@ -442,10 +443,9 @@ class _METPAttentionFunction(torch.autograd.Function):
         if p > 1 and kb == 1:
             acc = grad_layout.unpack(acc[0])
         dwq, dbq, dwot = acc
-        dwp = torch.empty_like(wo).copy_(dwot.t())
-        return (dx.to(x.dtype).view(n, b, h), dwq.to(wqkv.dtype),
-                dbq.to(wqkv.dtype) if dbq is not None else None, dwp, dbo,
-                None, None, None, None, None, None, None, None, None)
+        return (dx.to(x.dtype).view(n, b, h), weight_grad(wqkv, dwq), weight_grad(bqkv, dbq),
+                weight_grad(wo, dwot.t()), dbo,
+                None, None, None, None, None, None, None, None, None, None)
 
 
 def metp_attention(x: torch.Tensor, qkv_weight: torch.Tensor, proj_weight: torch.Tensor, *, group,
@@ -455,7 +455,8 @@ def metp_attention(x: torch.Tensor, qkv_weight: torch.Tensor, proj_weight: torch
                    proj_bias: Optional[torch.Tensor] = None,
                    softmax_scale: Optional[float] = None,
                    kernel: Optional[str] = None, label: str = "metp_attention",
-                   head_block=None) -> torch.Tensor:
+                   head_block=None,
+                   grad_reduce_dtype: Optional[torch.dtype] = torch.float32) -> torch.Tensor:
     """The METP self-attention block (before the residual): ``y = Attn(x)·Woᵀ + bo``.
 
     Args:
@@ -474,6 +475,11 @@ def metp_attention(x: torch.Tensor, qkv_weight: torch.Tensor, proj_weight: torch
         head_block: head groups per block of the outer loop, a divisor of ``p``, or ``"auto"``
             (default, see :func:`head_block_size`): ``kb`` groups share one weight fetch and one
             K/V ring of ``kb·A/p`` heads. The result is the same for every choice.
+        grad_reduce_dtype: dtype in which each head group's weight gradient is formed and
+            reduced to its owner (default fp32; ``None``: the accumulation dtype; Megatron's
+            METP modules pass their ``main_grad``'s dtype). Where a weight has Megatron's
+            ``main_grad``, the complete gradient is added there directly (no rounding to the
+            weight's dtype first).
         label: names this call in NaN/Inf reports (:mod:`megatron_metp.finite`) and in the
             cross-rank agreement check (:mod:`megatron_metp.agree`, opt-in), which also requires
             it, every shape/dtype and every option to be equal on all ranks of the group.
@@ -508,4 +514,4 @@ def metp_attention(x: torch.Tensor, qkv_weight: torch.Tensor, proj_weight: torch
     geo = _Geometry(num_heads, num_query_groups, d, group.size)
     return _METPAttentionFunction.apply(x, qkv_weight, qkv_bias, proj_weight, proj_bias, freqs,
                                         group, geo, bool(causal), layout, float(scale), kern,
-                                        label, kb)
+                                        label, kb, grad_reduce_dtype)

@@ -45,6 +45,7 @@ from . import activations as act
 from ._accum import mm_acc as _mm_acc
 from ._accum import mm_into, mm_new
 from ._flat import FlatLayout
+from ._grads import weight_grad
 
 
 def _check_inputs(x, w1, w2, b1, b2, group: METPGroup, activation, ffn_hidden_size,
@@ -227,8 +228,8 @@ class _METPMLPFunction(torch.autograd.Function):
         acc = sums[cur]
 
         dw1, db1, dw2 = g_layout.unpack(acc)
-        return (dx.to(x.dtype).view(ctx.x_shape), dw1.to(w1.dtype),
-                db1.to(w1.dtype) if db1 is not None else None, dw2.to(w2.dtype), db2,
+        return (dx.to(x.dtype).view(ctx.x_shape), weight_grad(w1, dw1),
+                weight_grad(b1, db1), weight_grad(w2, dw2), db2,
                 None, None, None, None, None)
 
 
@@ -251,7 +252,11 @@ def metp_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor
         keep_intermediate: save ``x·W1ᵀ`` of every shard instead of recomputing it in backward.
         ffn_hidden_size: the full ``F``; when given, the shard shapes are checked against it.
         grad_reduce_dtype: dtype of the weight-gradient accumulators that travel the ring
-            (default fp32; ``None`` = the accumulation dtype, fp32 for 16-bit inputs).
+            (default fp32; ``None`` = the accumulation dtype, fp32 for 16-bit inputs; Megatron's
+            METP modules pass their ``main_grad``'s dtype). Each hop adds its contribution in
+            one GEMM (fp32 inside) and rounds once into this dtype. Where a weight has
+            Megatron's ``main_grad``, its complete gradient is added there directly (no rounding
+            to the weight's dtype first; :mod:`._grads`).
         label: names this call in NaN/Inf reports (:mod:`megatron_metp.finite`) and in the
             cross-rank agreement check (:mod:`megatron_metp.agree`, opt-in), which also requires
             it, every shape/dtype and every option to be equal on all ranks of the group.
