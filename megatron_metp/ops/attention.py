@@ -34,6 +34,17 @@ Backward (same head-group order, weights broadcast again)::
 Each rank's fp32 contribution to ``(dWqkv_g, dbqkv_g, dWo_g)`` is reduced to owner ``g`` with an
 async reduce that overlaps the next head group's compute (at most two in flight).
 
+Head-group blocks (``head_block`` = ``kb``, :func:`head_block_size`): the outer loop runs over
+``p/kb`` blocks of ``kb`` consecutive head groups, each one weight fetch (one packed broadcast
+per group at ``kb = 1``; per-piece broadcasts into block buffers; one all-gather per piece when
+``kb = p``) and one K/V ring of ``kb·A/p`` heads, with one GEMM per block for Q/K/V, the output
+projection, ``dO``, ``dW`` and ``dx`` (rounded once, like stock TP's, when one block holds every
+head). Where ``s/p`` is short on a GPU few larger blocks keep the device busy with far fewer
+launches; the result does not depend on ``kb``. The K/V ring runs on the group's K/V process
+group (:attr:`METPGroup.kv_ring`), so its transfers never queue behind the weight traffic, with
+one batched exchange per step (backward: the next K/V block together with the previous block's
+``dK/dV`` sum); a block's first backward K/V exchange is posted before its ``dO``/``dWo`` GEMMs.
+
 Saved for backward: ``x``, every head group's attention output ``O_g`` and its fp32 log-sum-exp:
 ``Q/K/V`` are recomputed from ``x`` as the weights pass (no rank ever holds whole Q/K/V, whole
 weights, or ``s×s`` scores).
@@ -509,7 +520,7 @@ def metp_attention(x: torch.Tensor, qkv_weight: torch.Tensor, proj_weight: torch
                            proj_bias=proj_bias, rotary_pos_emb=rotary_pos_emb,
                            num_heads=num_heads, num_query_groups=num_query_groups,
                            causal=bool(causal), layout=layout, softmax_scale=float(scale),
-                           kernel=kern.name,
+                           kernel=kern.name, head_block=kb, grad_reduce_dtype=grad_reduce_dtype,
                            needs_grad=needs_grad(x, qkv_weight, proj_weight, qkv_bias, proj_bias))
     geo = _Geometry(num_heads, num_query_groups, d, group.size)
     return _METPAttentionFunction.apply(x, qkv_weight, qkv_bias, proj_weight, proj_bias, freqs,
