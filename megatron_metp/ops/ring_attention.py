@@ -22,6 +22,12 @@ same work at every step. Non-causal attention uses full blocks everywhere.
 
 Traffic per rank and call: forward ``p−1`` K/V blocks; backward ``p−1`` K/V blocks and ``p−1``
 fp32 ``dK/dV`` blocks. Saved for backward: only local ``q, k, v``, ``out`` and the fp32 ``lse``.
+
+Messages: the K/V ring runs on the group's K/V process group (:attr:`METPGroup.kv_ring`: its own
+communicator, so K/V never queues behind weight traffic). Forward: one exchange per step, posted
+before the step's kernel. Backward: the first block's exchange (which a caller may post early,
+:func:`post_first_kv`), then one batched exchange per step carrying the next step's K/V block and
+the previous block's ``dK/dV`` sum (``p + 1`` batches for ``p > 2``).
 """
 
 from __future__ import annotations
