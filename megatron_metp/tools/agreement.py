@@ -150,6 +150,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not args.megatron_lm_dir:
         ap.error("no Megatron-LM checkout: pass --megatron-lm-dir or set MEGATRON_LM_DIR")
     configs = args.configs or sorted(glob.glob(os.path.join(REPO, "configs", "*.sh")))
+    if "PRECISION" not in os.environ:  # the planner models bf16; the tiny CPU configs say fp32
+        os.environ["PRECISION"] = "bf16"
+        print("agreement: PRECISION=bf16 for every config (what metp plan models)",
+              file=sys.stderr)
     rows = []
     for cfg in configs:
         rows.append(compare(cfg, args.megatron_lm_dir, measure=not args.no_measure,
