@@ -200,11 +200,6 @@ def _compile_helpers() -> None:
                            f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
 
 
-def _patch(owner, name, value, saved: list) -> None:
-    saved.append((owner, name, getattr(owner, name, None)))
-    setattr(owner, name, value)
-
-
 def enable_training(force: bool = False) -> None:
     """Apply every shim above (and megatron-core's); a second call does nothing.
 
@@ -212,17 +207,18 @@ def enable_training(force: bool = False) -> None:
     ``pretrain_gpt.py`` directly.
     """
     global _ENABLED
-    if _ENABLED:
+    from . import cpu
+
+    if _ENABLED and cpu.is_enabled():  # cpu.disable() undoes these shims too
         return
     if torch.cuda.is_available() and not force:
         raise RuntimeError("megatron_metp.megatron_lm_cpu: CUDA is available on this machine; "
                            "the CPU training shims are for machines without a GPU. Unset "
                            "METP_CPU (or set it to 0) and run on the GPUs")
     stub_batch_invariant_kernels()
-    from . import cpu
+    from .cpu import _patch  # recorded with megatron-core's shims (cpu.disable undoes both)
 
     cpu.enable(force=force)
-    saved: list = []
     for name, value in (("device_count", lambda: 1), ("set_device", _no_op),
                         ("empty_cache", _no_op), ("Stream", _Stream), ("Event", _Event),
                         ("current_stream", lambda *a, **k: _Stream()),
@@ -231,7 +227,7 @@ def enable_training(force: bool = False) -> None:
                         ("memory_allocated", _rss_bytes), ("max_memory_allocated", _rss_bytes),
                         ("memory_reserved", _rss_bytes), ("max_memory_reserved", _rss_bytes),
                         ("reset_peak_memory_stats", _no_op)):
-        _patch(torch.cuda, name, value, saved)
+        _patch(torch.cuda, name, value)
     from megatron.training import arguments, initialize, training
 
     def initialize_megatron(*args, **kwargs):
@@ -240,20 +236,20 @@ def enable_training(force: bool = False) -> None:
 
     original = initialize.initialize_megatron
     for mod in (initialize, training):
-        _patch(mod, "initialize_megatron", initialize_megatron, saved)
-    _patch(arguments, "get_device_arch_version", lambda: 0, saved)  # "no GPU architecture"
+        _patch(mod, "initialize_megatron", initialize_megatron)
+    _patch(arguments, "get_device_arch_version", lambda: 0)  # "no GPU architecture"
     try:
         from megatron.legacy import fused_kernels
     except ImportError:
         fused_kernels = None
     if fused_kernels is not None:
-        _patch(fused_kernels, "load", _no_op, saved)
+        _patch(fused_kernels, "load", _no_op)
     from megatron.core.datasets import utils as dataset_utils
 
-    _patch(dataset_utils, "compile_helpers", _compile_helpers, saved)
+    _patch(dataset_utils, "compile_helpers", _compile_helpers)
     _helpers_importable()  # every rank
-    _patch(training, "set_jit_fusion_options", _no_op, saved)  # warms up CUDA kernels
-    _patch(initialize, "validate_args", _validating(initialize.validate_args), saved)
+    _patch(training, "set_jit_fusion_options", _no_op)  # warms up CUDA kernels
+    _patch(initialize, "validate_args", _validating(initialize.validate_args))
     _ENABLED = True
 
 

@@ -51,6 +51,7 @@ import sys
 import time
 from typing import Dict, List, Optional
 
+from ..megatron_lm_cpu import stub_batch_invariant_kernels
 from . import fakerank as FR
 
 MiB = 2 ** 20
@@ -86,14 +87,6 @@ def check_checkout(megatron_lm_dir: str) -> str:
         raise DryRunError(f"{d} is not patched for METP ({', '.join(missing)} unchanged): run "
                           f"scripts/apply_patches.sh {d}")
     return d
-
-
-def _stub_batch_invariant_kernels() -> bool:
-    """Without triton, stand in for Megatron's batch-invariant kernels module (see
-    :func:`megatron_metp.megatron_lm_cpu.stub_batch_invariant_kernels`)."""
-    from ..megatron_lm_cpu import stub_batch_invariant_kernels
-
-    return stub_batch_invariant_kernels()
 
 
 def _have_transformer_engine() -> bool:
@@ -218,7 +211,7 @@ def run(megatron_lm_dir: str, megatron_argv: List[str], *, world_size: int, rank
                           "process (python -m megatron_metp.dry_run)")
     sys.path.insert(0, d)
     notes: List[str] = []
-    if _stub_batch_invariant_kernels():
+    if stub_batch_invariant_kernels():
         notes.append("triton is not installed: Megatron's batch-invariant kernels module "
                      "(triton, unused by GPT pre-training) is stubbed")
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0")
