@@ -28,7 +28,7 @@ import zlib
 from typing import Dict, Iterable, Optional, Tuple
 
 from .checkpoint_errors import CheckpointError
-from .checkpoint_layout import write_json_durably
+from .checkpoint_layout import fsync_path, write_json_durably
 
 ALGORITHM = "crc32"
 MANIFEST_DIR = "metp_integrity"
@@ -110,14 +110,6 @@ def build_manifest(ckpt_dir: str, metadata, rank: int) -> dict:
             "whole_files": whole}
 
 
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_manifest(ckpt_dir: str, metadata, rank: int) -> str:
     """Build ``rank``'s manifest and write it durably; returns its name inside ``ckpt_dir``.
     Rank 0 first makes ``dist_checkpointing``'s own files durable (``common.pt`` and
@@ -125,7 +117,7 @@ def write_manifest(ckpt_dir: str, metadata, rank: int) -> str:
     writers)."""
     if rank == 0:
         for name in WHOLE_FILES:
-            _fsync_file(os.path.join(ckpt_dir, name))
+            fsync_path(os.path.join(ckpt_dir, name))
     os.makedirs(os.path.join(ckpt_dir, MANIFEST_DIR), exist_ok=True)
     name = manifest_name(rank)
     write_json_durably(os.path.join(ckpt_dir, name), build_manifest(ckpt_dir, metadata, rank),

@@ -58,8 +58,8 @@ def replaced_path(save_dir: str, iteration: int) -> str:
     return os.path.join(save_dir, f".{iteration_dirname(iteration)}.replaced")
 
 
-def fsync_dir(path: str) -> None:
-    """Make a directory's entries (new or renamed files) durable."""
+def fsync_path(path: str) -> None:
+    """Make a file's bytes, or a directory's entries (new or renamed files), durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -77,7 +77,7 @@ def write_durably(path: str, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fsync_dir(directory)
+    fsync_path(directory)
 
 
 def write_json_durably(path: str, obj, indent: Optional[int] = 1) -> None:
@@ -214,7 +214,7 @@ def publish(save_dir: str, iteration: int, meta: dict) -> str:
     staging = staging_path(save_dir, iteration)
     final = os.path.join(save_dir, iteration_dirname(iteration))
     write_json_durably(os.path.join(staging, METP_META), meta)
-    fsync_dir(staging)
+    fsync_path(staging)
     old = None
     if os.path.lexists(final):
         old = replaced_path(save_dir, iteration)
@@ -222,7 +222,7 @@ def publish(save_dir: str, iteration: int, meta: dict) -> str:
             shutil.rmtree(old)
         os.rename(final, old)
     os.rename(staging, final)
-    fsync_dir(save_dir)
+    fsync_path(save_dir)
     write_durably(os.path.join(save_dir, TRACKER), f"{iteration}\n".encode())
     if old is not None:
         shutil.rmtree(old)
