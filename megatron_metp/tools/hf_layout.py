@@ -161,6 +161,15 @@ def check_hf_tensors(hf: Dict[str, Tensor], g: LlamaGeometry) -> None:
                             f"them to one dtype first")
 
 
+#: a layer's tensors that only change name (Hugging Face suffix, Megatron suffix)
+_LAYER_RENAMES = (
+    ("input_layernorm.weight", "input_layernorm.weight"),
+    ("post_attention_layernorm.weight", "pre_mlp_layernorm.weight"),
+    ("self_attn.o_proj.weight", "self_attention.linear_proj.weight"),
+    ("mlp.down_proj.weight", "mlp.linear_fc2.weight"),
+)
+
+
 def hf_to_megatron(hf: Dict[str, Tensor], g: LlamaGeometry) -> Dict[str, Tensor]:
     """Hugging Face Llama tensors → Megatron ``GPTModel`` parameters (full, TP = 1, names as
     ``named_parameters()``; shapes in :func:`megatron_shapes`). Checks the input first."""
@@ -171,15 +180,13 @@ def hf_to_megatron(hf: Dict[str, Tensor], g: LlamaGeometry) -> Dict[str, Tensor]
            "decoder.final_layernorm.weight": hf["model.norm.weight"].clone()}
     for i in range(g.num_layers):
         s, t = f"model.layers.{i}.", f"decoder.layers.{i}."
-        out[t + "input_layernorm.weight"] = hf[s + "input_layernorm.weight"].clone()
-        out[t + "pre_mlp_layernorm.weight"] = hf[s + "post_attention_layernorm.weight"].clone()
+        for hf_name, mg_name in _LAYER_RENAMES:
+            out[t + mg_name] = hf[s + hf_name].clone()
         out[t + "self_attention.linear_qkv.weight"] = fuse_qkv(
             hf[s + "self_attn.q_proj.weight"], hf[s + "self_attn.k_proj.weight"],
             hf[s + "self_attn.v_proj.weight"], n, k)
-        out[t + "self_attention.linear_proj.weight"] = hf[s + "self_attn.o_proj.weight"].clone()
         out[t + "mlp.linear_fc1.weight"] = fuse_gate_up(hf[s + "mlp.gate_proj.weight"],
                                                         hf[s + "mlp.up_proj.weight"])
-        out[t + "mlp.linear_fc2.weight"] = hf[s + "mlp.down_proj.weight"].clone()
     if not g.tie_embeddings:
         out["output_layer.weight"] = pad_vocab(hf["lm_head.weight"], g.padded_vocab_size)
     return out
@@ -206,17 +213,15 @@ def megatron_to_hf(mg: Dict[str, Tensor], g: LlamaGeometry) -> Dict[str, Tensor]
            "model.norm.weight": mg["decoder.final_layernorm.weight"].clone()}
     for i in range(g.num_layers):
         s, t = f"decoder.layers.{i}.", f"model.layers.{i}."
-        out[t + "input_layernorm.weight"] = mg[s + "input_layernorm.weight"].clone()
-        out[t + "post_attention_layernorm.weight"] = mg[s + "pre_mlp_layernorm.weight"].clone()
+        for hf_name, mg_name in _LAYER_RENAMES:
+            out[t + hf_name] = mg[s + mg_name].clone()
         q, kk, v = split_qkv(mg[s + "self_attention.linear_qkv.weight"], n, k)
         out[t + "self_attn.q_proj.weight"] = q
         out[t + "self_attn.k_proj.weight"] = kk
         out[t + "self_attn.v_proj.weight"] = v
-        out[t + "self_attn.o_proj.weight"] = mg[s + "self_attention.linear_proj.weight"].clone()
         gate, up = split_gate_up(mg[s + "mlp.linear_fc1.weight"])
         out[t + "mlp.gate_proj.weight"] = gate
         out[t + "mlp.up_proj.weight"] = up
-        out[t + "mlp.down_proj.weight"] = mg[s + "mlp.linear_fc2.weight"].clone()
     if not g.tie_embeddings:
         out["lm_head.weight"] = strip_vocab(mg["output_layer.weight"], g.vocab_size)
     return out
