@@ -83,26 +83,19 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.pipeline_parallel.schedules import custom_backward, deallocate_output_tensor
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from ..megatron.groups import METPGroups
-    from ..megatron.parallel import initialize_model_parallel
     from ..megatron.spec import get_gpt_layer_metp_spec
+    from ..megatron.training import Layout as TrainingLayout
+    from ..megatron.training import init_parallel
     from ..megatron.vocab import METPGPTModel
     from ..offload import ActivationOffloader
 
-    if mode == "metp":
-        initialize_model_parallel(lay.t, job.pp, lay.c, seq_length=model.seq,
-                                  create_gloo_process_groups=False)
-    else:
-        ps.initialize_model_parallel(tensor_model_parallel_size=lay.t,
-                                     pipeline_model_parallel_size=job.pp,
-                                     context_parallel_size=lay.c,
-                                     create_gloo_process_groups=False)
-    model_parallel_cuda_manual_seed(1234)
-    groups = METPGroups.from_parallel_state()
+    # METP folds its groups into parallel_state; the stock modes are TP(+SP) x CP there
+    groups = init_parallel(TrainingLayout(tp=lay.t, pp=job.pp, metp=lay.c,
+                                          mode="metp" if mode == "metp" else "tp"),
+                           seq_length=model.seq)
     torch.set_default_dtype(torch.bfloat16)
 
     layers_here = model.layers // job.pp
