@@ -85,3 +85,66 @@ def test_unknown_config_keys_refused(tmp_path):
     cfg.write_text("hidden: 512\nlayers: 2\nnum_heads: 8\nseq_length: 4096\n")
     model, _ = P.from_config(str(cfg))
     assert model["seq"] == 4096
+
+
+def _first_order_cases():
+    import torch
+
+    from megatron_metp.ops import metp_attention, metp_mlp, ring_attention
+
+    group = METPGroup.from_process_group(None)
+    torch.manual_seed(0)
+    s, h = 4, 8
+    x = torch.randn(s, 1, h, requires_grad=True)
+    q = torch.randn(2, 1, s, 4, requires_grad=True)
+    return group, {
+        "metp_mlp": (x, lambda: metp_mlp(x, torch.randn(16, h), torch.randn(h, 16), group=group)),
+        "metp_attention": (x, lambda: metp_attention(
+            x, torch.randn(3 * h, h), torch.randn(h, h), group=group, num_heads=2,
+            num_query_groups=2)),
+        "ring_attention": (q, lambda: ring_attention(q, q, q, group=group)),
+    }
+
+
+@pytest.mark.parametrize("op", ["metp_mlp", "metp_attention", "ring_attention"])
+def test_double_backward_is_refused_by_name_before_any_transfer(op):
+    """create_graph=True used to fail inside the flat-buffer packing with an in-place leaf error."""
+    import torch
+
+    from megatron_metp.ops._first_order import DoubleBackwardError
+
+    group, cases = _first_order_cases()
+    inp, fn = cases[op]
+    first, = torch.autograd.grad(fn().square().sum(), inp)  # first order: fine
+    assert torch.isfinite(first).all() and first.abs().sum() > 0
+    with pytest.raises(DoubleBackwardError, match=f"METP {op}: double backward.*create_graph=True"):
+        torch.autograd.grad(fn().square().sum(), inp, create_graph=True)
+
+
+def _double_backward_on_a_ring(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    from megatron_metp.ops import metp_mlp
+    from megatron_metp.ops._first_order import DoubleBackwardError
+
+    group = METPGroup.from_process_group(dist.group.WORLD)
+    torch.manual_seed(rank)
+    x = torch.randn(4, 1, 8, requires_grad=True)
+    w1, w2 = torch.randn(8, 8), torch.randn(8, 8)  # this rank's shards of a 16-wide FFN
+    y = metp_mlp(x, w1, w2, group=group)
+    after_forward = group.stats.steps
+    try:
+        torch.autograd.grad(y.square().sum(), x, create_graph=True)
+    except DoubleBackwardError as exc:
+        return {"error": str(exc), "forward_steps": after_forward,
+                "steps": group.stats.steps}
+    return {"error": None}
+
+
+def test_double_backward_is_refused_on_every_rank_of_a_ring_before_its_backward_sends():
+    from tests.harness import run_ranks
+
+    for r in run_ranks(_double_backward_on_a_ring, 2, timeout=60):
+        assert r["error"] and "metp_mlp: double backward" in r["error"]
+        assert r["forward_steps"] > 0 and r["steps"] == r["forward_steps"]

@@ -68,6 +68,7 @@ from ..finite import check_finite
 from ..groups import METPGroup, as_metp_group
 from ..ring import RingExchanger
 from ._accum import mm_acc, mm_into, mm_new
+from ._first_order import first_order_only
 from ._flat import FlatLayout
 from ._grads import weight_grad
 from .attention_kernels import select_kernel
@@ -367,6 +368,7 @@ class _METPAttentionFunction(torch.autograd.Function):
         return y.to(x.dtype).view(n, b, h)
 
     @staticmethod
+    @first_order_only("metp_attention")
     def backward(ctx, grad_y):
         check_finite(f"{ctx.label} (backward)", grad_output=grad_y)
         group, geo, causal, layout, scale, kernel, kb, grad_dtype = ctx.args

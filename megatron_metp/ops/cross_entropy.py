@@ -62,6 +62,7 @@ from ..agree import (agreement_checks_enabled, check_group_agrees, needs_grad, o
 from ..finite import check_finite
 from ..groups import METPGroup, as_metp_group
 from ..ring import RingExchanger, TravellingSum
+from ._first_order import first_order_only
 from ._accum import mm_acc
 from .vocab import (LOSS_TOKEN_CHUNK_ENV, check_ids, check_table, local_rows, resolve_token_chunk,
                     shard_rows, token_chunks, vocab_bounds)
@@ -179,6 +180,7 @@ class _METPCrossEntropyFunction(torch.autograd.Function):
         return loss.view(n, b).t().contiguous()  # [b, n], contiguous like Megatron's loss
 
     @staticmethod
+    @first_order_only("metp_output_cross_entropy")
     def backward(ctx, grad_loss):
         check_finite(f"{ctx.label} (backward)", grad_output=grad_loss)
         hidden, weight, labels, lse = ctx.saved_tensors
@@ -319,6 +321,7 @@ class _METPLogitsFunction(torch.autograd.Function):
         return out.view(n, b, group.size * v)
 
     @staticmethod
+    @first_order_only("metp_output_logits")
     def backward(ctx, grad_logits):
         check_finite(f"{ctx.label} (backward)", grad_output=grad_logits)
         hidden, weight = ctx.saved_tensors

@@ -44,6 +44,7 @@ from ..agree import (agreement_checks_enabled, check_group_agrees, needs_grad, o
 from ..finite import check_finite
 from ..groups import METPGroup, as_metp_group
 from ..ring import RingExchanger, TravellingSum
+from ._first_order import first_order_only
 from .vocab import (check_ids, check_table, local_rows, resolve_token_chunk, shard_rows,
                     token_chunks, vocab_bounds)
 
@@ -75,6 +76,7 @@ class _METPEmbeddingFunction(torch.autograd.Function):
         return y.view(*ids.shape, h)
 
     @staticmethod
+    @first_order_only("metp_embedding")
     def backward(ctx, grad_y):
         check_finite(f"{ctx.label} (backward)", grad_output=grad_y)
         (ids,) = ctx.saved_tensors

@@ -44,6 +44,7 @@ from ..ring import RingExchanger
 from . import activations as act
 from ._accum import mm_acc as _mm_acc
 from ._accum import mm_into, mm_new
+from ._first_order import first_order_only
 from ._flat import FlatLayout
 from ._grads import weight_grad
 
@@ -140,6 +141,7 @@ class _METPMLPFunction(torch.autograd.Function):
         return y.to(x.dtype).view(x.shape)
 
     @staticmethod
+    @first_order_only("metp_mlp")
     def backward(ctx, grad_y):
         check_finite(f"{ctx.label} (backward)", grad_output=grad_y)
         group: METPGroup = ctx.group

@@ -43,6 +43,7 @@ from ..finite import check_finite
 from ..groups import METPGroup, as_metp_group
 from ..ring import RingExchanger
 from . import lse as lse_ops
+from ._first_order import first_order_only
 from ._flat import FlatLayout
 from .attention_kernels import select_kernel
 from .sequence import LAYOUTS
@@ -323,6 +324,7 @@ class _RingAttentionFunction(torch.autograd.Function):
         return _to_seq_first(out).contiguous()
 
     @staticmethod
+    @first_order_only("ring_attention")
     def backward(ctx, dout):
         check_finite(f"{ctx.label} (backward)", grad_output=dout)
         qh, kh, vh, out, lse = ctx.saved_tensors
