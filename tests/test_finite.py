@@ -66,3 +66,35 @@ def test_nan_inside_a_gpt_is_reported_with_layer_and_iteration():
     for m in msgs:
         assert m is not None and "layer 1 mlp (forward)" in m and "fc2_weight" in m and \
             "iteration 2" in m, m
+
+
+def _nan_on_one_rank(rank, world):
+    import time
+
+    import torch.distributed as dist
+
+    from megatron_metp import METPGroup
+    from megatron_metp.ops import metp_mlp
+
+    finite.enable_finite_checks(True)
+    group = METPGroup.from_process_group(dist.group.WORLD, timeout_s=60.0)
+    torch.manual_seed(rank)
+    x = torch.randn(4, 1, 8)
+    if rank == 1:
+        x[2, 0, 3] = math.nan  # only rank 1's tokens are bad
+    t0 = time.monotonic()
+    try:
+        metp_mlp(x, torch.randn(8, 8), torch.randn(8, 8), group=group, label="layer 3 mlp")
+    except finite.NonFiniteError as exc:
+        return {"error": str(exc), "seconds": time.monotonic() - t0,
+                "steps": group.stats.steps}
+    return {"error": None}
+
+
+def test_a_nan_on_one_rank_ends_every_rank_at_once_naming_it():
+    """It used to raise on the bad rank only; its peers waited the whole ring timeout."""
+    for rank, r in enumerate(run_ranks(_nan_on_one_rank, 2, timeout=60)):
+        assert r["error"] is not None, rank
+        assert "layer 3 mlp (forward)" in r["error"] and "rank 1 (global 1): x has 1 NaN" in r["error"]
+        assert "rank 0 (global 0)" not in r["error"]  # rank 0's values are finite
+        assert r["seconds"] < 30 and r["steps"] == 0  # at once (timeout 60 s), nothing sent

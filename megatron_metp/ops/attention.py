@@ -333,8 +333,8 @@ class _METPAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, wqkv, bqkv, wo, bo, freqs, group: METPGroup, geo: _Geometry, causal, layout,
                 scale, kernel, label, kb, grad_dtype):
-        check_finite(f"{label} (forward)", x=x, qkv_weight=wqkv, proj_weight=wo, qkv_bias=bqkv,
-                     proj_bias=bo)
+        check_finite(f"{label} (forward)", group, x=x, qkv_weight=wqkv, proj_weight=wo,
+                     qkv_bias=bqkv, proj_bias=bo)
         ctx.label = label
         n, b, h = x.shape
         N = n * b
@@ -370,7 +370,7 @@ class _METPAttentionFunction(torch.autograd.Function):
     @staticmethod
     @first_order_only("metp_attention")
     def backward(ctx, grad_y):
-        check_finite(f"{ctx.label} (backward)", grad_output=grad_y)
+        check_finite(f"{ctx.label} (backward)", ctx.args[0], grad_output=grad_y)
         group, geo, causal, layout, scale, kernel, kb, grad_dtype = ctx.args
         has_bq, has_bo, has_freqs = ctx.has
         saved = ctx.saved_tensors

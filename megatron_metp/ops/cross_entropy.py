@@ -131,7 +131,7 @@ class _METPCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, group: METPGroup, tp_group, vocab_start: int,
                 vocab_size: int, smoothing: float, grad_dtype, label: str, token_chunk: int):
-        check_finite(f"{label} (forward)", hidden=hidden, weight=weight)
+        check_finite(f"{label} (forward)", group, hidden=hidden, weight=weight)
         n, b, h = hidden.shape
         v = weight.shape[0]
         x2 = hidden.reshape(n * b, h)
@@ -182,7 +182,7 @@ class _METPCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     @first_order_only("metp_output_cross_entropy")
     def backward(ctx, grad_loss):
-        check_finite(f"{ctx.label} (backward)", grad_output=grad_loss)
+        check_finite(f"{ctx.label} (backward)", ctx.group, grad_output=grad_loss)
         hidden, weight, labels, lse = ctx.saved_tensors
         group: METPGroup = ctx.group
         n, b, h = hidden.shape
@@ -306,7 +306,7 @@ class _METPLogitsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, group: METPGroup, grad_dtype, label: str):
-        check_finite(f"{label} (forward)", hidden=hidden, weight=weight)
+        check_finite(f"{label} (forward)", group, hidden=hidden, weight=weight)
         n, b, h = hidden.shape
         v = weight.shape[0]
         x2 = hidden.reshape(n * b, h)
@@ -323,7 +323,7 @@ class _METPLogitsFunction(torch.autograd.Function):
     @staticmethod
     @first_order_only("metp_output_logits")
     def backward(ctx, grad_logits):
-        check_finite(f"{ctx.label} (backward)", grad_output=grad_logits)
+        check_finite(f"{ctx.label} (backward)", ctx.group, grad_output=grad_logits)
         hidden, weight = ctx.saved_tensors
         n, b, h = hidden.shape
         v = weight.shape[0]

@@ -55,7 +55,7 @@ class _METPEmbeddingFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ids, weight, group: METPGroup, vocab_start: int, grad_dtype, label: str,
                 token_chunk: int):
-        check_finite(f"{label} (forward)", weight=weight)
+        check_finite(f"{label} (forward)", group, weight=weight)
         v, h = weight.shape
         flat_ids = ids.reshape(-1)
         y = torch.zeros(flat_ids.numel(), h, dtype=weight.dtype, device=weight.device)
@@ -78,7 +78,7 @@ class _METPEmbeddingFunction(torch.autograd.Function):
     @staticmethod
     @first_order_only("metp_embedding")
     def backward(ctx, grad_y):
-        check_finite(f"{ctx.label} (backward)", grad_output=grad_y)
+        check_finite(f"{ctx.label} (backward)", ctx.group, grad_output=grad_y)
         (ids,) = ctx.saved_tensors
         group: METPGroup = ctx.group
         v, h = ctx.table_shape

@@ -107,7 +107,7 @@ class _METPMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, group: METPGroup, activation: str, keep: bool,
                 grad_dtype: torch.dtype, label: str):
-        check_finite(f"{label} (forward)", x=x, fc1_weight=w1, fc2_weight=w2, fc1_bias=b1,
+        check_finite(f"{label} (forward)", group, x=x, fc1_weight=w1, fc2_weight=w2, fc1_bias=b1,
                      fc2_bias=b2)
         ctx.label = label
         n_tok = x.shape[0] * x.shape[1]
@@ -143,7 +143,7 @@ class _METPMLPFunction(torch.autograd.Function):
     @staticmethod
     @first_order_only("metp_mlp")
     def backward(ctx, grad_y):
-        check_finite(f"{ctx.label} (backward)", grad_output=grad_y)
+        check_finite(f"{ctx.label} (backward)", ctx.group, grad_output=grad_y)
         group: METPGroup = ctx.group
         x, w1, b1, w2, *kept = ctx.saved_tensors
         b1 = b1 if ctx.has_b1 else None

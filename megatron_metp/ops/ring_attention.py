@@ -314,7 +314,7 @@ def _to_seq_first(t):
 class _RingAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, causal, layout, scale, kernel, label):
-        check_finite(f"{label} (forward)", q=q, k=k, v=v)
+        check_finite(f"{label} (forward)", group, q=q, k=k, v=v)
         ctx.label = label
         qh, kh, vh = (_to_heads_first(t) for t in (q, k, v))
         out, lse = ring_attention_forward(qh, kh, vh, group, causal, layout, scale, kernel)
@@ -326,7 +326,7 @@ class _RingAttentionFunction(torch.autograd.Function):
     @staticmethod
     @first_order_only("ring_attention")
     def backward(ctx, dout):
-        check_finite(f"{ctx.label} (backward)", grad_output=dout)
+        check_finite(f"{ctx.label} (backward)", ctx.args[0], grad_output=dout)
         qh, kh, vh, out, lse = ctx.saved_tensors
         dq, dk, dv = ring_attention_backward(_to_heads_first(dout.to(qh.dtype)), qh, kh, vh, out,
                                              lse, *ctx.args)
