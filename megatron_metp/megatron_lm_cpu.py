@@ -49,7 +49,8 @@ import types
 
 import torch
 
-__all__ = ["enable_training", "stub_batch_invariant_kernels", "check_cpu_args", "main"]
+__all__ = ["enable_training", "stub_batch_invariant_kernels", "check_cpu_args",
+           "shut_down_process_groups", "main"]
 
 _ENABLED = False
 
@@ -316,6 +317,25 @@ def main(argv=None) -> None:
               "Megatron's memory reports give each process's resident set size", flush=True)
     with cuda_to_cpu():  # the training loop's device="cuda" tensors and .cuda() calls
         runpy.run_path(script, run_name="__main__")
+    shut_down_process_groups()
+
+
+def shut_down_process_groups() -> None:
+    """End the run's process groups before the interpreter exits.
+
+    ``pretrain()`` returns with its gloo groups alive; left to the interpreter's exit, a
+    group's C++ threads can be destroyed while still joinable, which aborts the process
+    ("terminate called without an active exception", SIGABRT) after training succeeded, at
+    random. All ranks first meet in a barrier (bounded by the group's timeout, so a missing
+    rank ends in gloo's timeout error rather than a hang), then destroy every group."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
