@@ -296,10 +296,12 @@ def _map_kernel_flags(args) -> None:
         notes.append("--use-flash-attn: the METP K/V ring's block kernel is flash-attn "
                      "(--metp-attention-kernel flash_attn)")
     if getattr(args, "transformer_impl", "local") == "transformer_engine":
-        notes.append("--transformer-impl transformer_engine: the METP transformer layers are "
-                     "METP's fused ring ops with Megatron's local (torch) norms, not Transformer "
-                     "Engine modules; the embedding, output layer and the rest of Megatron use "
-                     "what the flag selects")
+        from .megatron.gpu_stack import select_norm
+
+        notes.append(select_norm("transformer_engine",
+                                 getattr(args, "normalization", "LayerNorm")).note
+                     + "; the embedding, output layer and final norm are Megatron's and follow "
+                       "the flag")
     if getattr(args, "sequence_parallel", False) and args.tensor_model_parallel_size == 1:
         notes.append("--sequence-parallel with TP 1: Megatron turns it off itself (METP shards "
                      "the sequence over the METP ring anyway)")
@@ -440,6 +442,7 @@ def build_metp_gpt_model(args, pre_process, post_process, vp_stage=None, config=
     import torch.distributed as dist
     from megatron.core.models.gpt import GPTModel
 
+    from .megatron.gpu_stack import select_norm
     from .megatron.groups import METPGroups
     from .megatron.init import initialize_like_tp
     from .megatron.spec import get_gpt_layer_metp_spec
@@ -459,7 +462,8 @@ def build_metp_gpt_model(args, pre_process, post_process, vp_stage=None, config=
     spec = get_gpt_layer_metp_spec(
         groups, weight_ring=weight_ring, normalization=args.normalization,
         kernel=None if kernel in (None, "auto") else kernel,
-        keep_intermediate=bool(getattr(args, "metp_keep_intermediate", False)))
+        keep_intermediate=bool(getattr(args, "metp_keep_intermediate", False)),
+        norm=select_norm(getattr(args, "transformer_impl", "local"), args.normalization).module)
     if not dist.is_initialized() or dist.get_rank() == 0:
         mode = "METP (weight ring + K/V ring)" if weight_ring else "ring self-attention"
         print(f"building GPT model with {mode}: METP size {groups.metp.size}, TP size "

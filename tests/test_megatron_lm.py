@@ -441,12 +441,15 @@ def test_megatron_flags_metp_cannot_honour_are_refused(kw, needles):
 def test_megatron_flags_metp_honours_are_mapped_with_a_note(capsys, monkeypatch):
     # --use-flash-attn selects the flash-attn block kernel (when flash-attn is importable)
     monkeypatch.setattr(megatron_lm, "_have_module", lambda name: True)
+    from megatron_metp.megatron import gpu_stack
+
+    monkeypatch.setattr(gpu_stack, "have_transformer_engine", lambda: False)
     args = _args(metp_parallel_size=8, use_flash_attn=True, transformer_impl="transformer_engine",
                  sequence_parallel=True)
     megatron_lm.validate_metp_args(args)
     out = capsys.readouterr().out
     assert args.metp_attention_kernel == "flash_attn" and "--use-flash-attn" in out
-    assert "--transformer-impl transformer_engine: the METP transformer layers" in out
+    assert "--transformer-impl transformer_engine: transformer-engine is not installed here" in out
     assert "--sequence-parallel with TP 1: Megatron turns it off" in out
     # without flash-attn installed the flag is refused, naming the package
     monkeypatch.setattr(megatron_lm, "_have_module", lambda name: name != "flash_attn")

@@ -28,7 +28,8 @@ logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(_Drop
 
 def get_gpt_layer_metp_spec(groups: METPGroups, *, weight_ring: bool = True,
                             normalization: Optional[str] = None, kernel: Optional[str] = None,
-                            keep_intermediate: bool = False) -> ModuleSpec:
+                            keep_intermediate: bool = False,
+                            norm: Optional[type] = None) -> ModuleSpec:
     """A ``TransformerLayer`` spec for megatron-core's ``GPTModel`` running METP.
 
     Starts from ``get_gpt_layer_local_spec(normalization=...)`` and keeps ``TransformerLayer``,
@@ -43,9 +44,15 @@ def get_gpt_layer_metp_spec(groups: METPGroups, *, weight_ring: bool = True,
         normalization: ``"LayerNorm"`` or ``"RMSNorm"`` as for the local spec.
         kernel: attention block kernel (``flash_attn`` / ``torch_flash`` / ``reference``).
         keep_intermediate: keep the MLP's ``x·W1_j`` instead of recomputing it (more memory).
+        norm: the module for ``input_layernorm`` and ``pre_mlp_layernorm`` instead of the local
+            spec's (e.g. Transformer Engine's ``TENorm``:
+            :func:`megatron_metp.megatron.gpu_stack.select_norm`).
     """
     spec = copy.deepcopy(get_gpt_layer_local_spec(normalization=normalization))
     layer = spec.submodules
+    if norm is not None:
+        layer.input_layernorm = norm
+        layer.pre_mlp_layernorm = norm
     attn = layer.self_attention
     core = partial(METPRingCoreAttention, groups=groups, kernel=kernel)
     attn.submodules.core_attention = core

@@ -57,7 +57,9 @@ class Layout:
     TransformerConfig: whole layers, rings included, re-run in backward.
     ``offload_activations`` attaches :class:`megatron_metp.offload.ActivationOffloader` to the
     model's transformer block (Megatron-LM: ``--metp-offload-activations``): what the layers keep
-    for backward waits in host memory. ``extra`` adds or overrides any other TransformerConfig
+    for backward waits in host memory. ``transformer_impl`` (``--transformer-impl``) picks the
+    METP layers' norms (:func:`megatron_metp.megatron.gpu_stack.select_norm`: Transformer
+    Engine's where installed, else the local ones). ``extra`` adds or overrides any other TransformerConfig
     field.
     """
 
@@ -75,6 +77,7 @@ class Layout:
     recompute_method: str = "uniform"
     recompute_num_layers: int = 1
     offload_activations: bool = False
+    transformer_impl: str = "local"
     extra: Dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -164,6 +167,7 @@ def build_model(size: GPTSize, layout: Layout, groups: METPGroups):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    from .gpu_stack import select_norm
     from .spec import get_gpt_layer_metp_spec
     from .vocab import METPGPTModel
 
@@ -173,8 +177,10 @@ def build_model(size: GPTSize, layout: Layout, groups: METPGroups):
     if layout.mode == "tp":
         spec = get_gpt_layer_local_spec(normalization=size.normalization)
     else:
+        norm = select_norm(layout.transformer_impl, size.normalization).module
         spec = get_gpt_layer_metp_spec(groups, weight_ring=layout.mode == "metp",
-                                       normalization=size.normalization, kernel=layout.kernel)
+                                       normalization=size.normalization, kernel=layout.kernel,
+                                       norm=norm)
     cls, extra = (METPGPTModel, {"metp_groups": groups}) if layout.vocab_parallel else (GPTModel, {})
     model = cls(config=cfg, transformer_layer_spec=spec, vocab_size=size.vocab_size,
                 max_sequence_length=size.seq_length,
