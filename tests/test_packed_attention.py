@@ -1,0 +1,426 @@
+"""Packed sequences (``cu_seqlens``): ring and METP attention against a single-device reference
+with a block-diagonal causal mask from the same full inputs/weights, the block plan against the
+dense mask, skipped blocks, refusals.
+
+fp32 tolerance ``1e-5`` (norm-wise relative error, outputs and every gradient), as for the plain
+ops. The reference computes in fp64 by autograd; the masked scores are ``−inf`` outside
+``doc(key) = doc(query) ∧ key ≤ query``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from megatron_metp import METPGroup
+from megatron_metp.ops import metp_attention, ring_attention, shard_sequence, unshard_sequence
+from megatron_metp.ops import attention_kernels
+from megatron_metp.ops.documents import (attention_work, block_pieces, check_cu_seqlens,
+                                         document_ids, document_positions, forward_steps,
+                                         piece_mask, plan_counts, to_layout_order)
+from megatron_metp.ops.sequence import local_positions
+from tests.harness import run_ranks
+from tests.megatron_ref import _rope, full_attention_params
+from tests.numerics import rel_err
+from tests.test_attention import _shard as shard_attention
+
+B, D = 1, 4
+
+
+def doc_mask(cu, s):
+    """Dense ``[s, s]``: ``True`` where ``doc(key) = doc(query)`` and ``key ≤ query``."""
+    pos = torch.arange(s)
+    doc = document_ids(cu, pos)
+    return (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
+
+
+def reference_packed(q, k, v, cu, dtype=torch.float64):
+    """Single-device attention ``[s, b, h, d]`` with the block-diagonal causal mask."""
+    s, b, hq, d = q.shape
+    rep = hq // k.shape[2]
+    qh = q.to(dtype).permute(1, 2, 0, 3)
+    kh = k.to(dtype).permute(1, 2, 0, 3).repeat_interleave(rep, 1)
+    vh = v.to(dtype).permute(1, 2, 0, 3).repeat_interleave(rep, 1)
+    sc = (qh @ kh.transpose(-1, -2) / math.sqrt(d)).masked_fill(~doc_mask(cu, s), float("-inf"))
+    return (sc.softmax(-1) @ vh).permute(2, 0, 1, 3)
+
+
+def _qkv(s, hq, hkv, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, B, h, D, generator=g) for h in (hq, hkv, hkv, hq)]
+
+
+# ---------------------------------------------------------------- documents.py, no ranks
+
+def test_cu_seqlens_validation_names_the_argument():
+    assert check_cu_seqlens([0, 3, 8], 8) == (0, 3, 8)
+    assert check_cu_seqlens(torch.tensor([0, 8], dtype=torch.int32), 8) == (0, 8)
+    bad = {"not increasing": ([0, 5, 3, 8], "strictly increasing"),
+           "empty doc": ([0, 4, 4, 8], "strictly increasing"),
+           "not ending at s": ([0, 4, 7], "end at the sequence length 8"),
+           "not starting at 0": ([1, 4, 8], "start at 0"),
+           "negative": ([0, -2, 8], "must not be negative"),
+           "float list": ([0, 4.0, 8], "integers"),
+           "float tensor": (torch.tensor([0.0, 8.0]), "integers"),
+           "2-D": (torch.tensor([[0, 8]]), "1-D"),
+           "bool": ([0, True, 8], "integers"),
+           "one entry": ([8], "at least two"),
+           "string": ("0,8", "list/tuple")}
+    for name, (cu, needle) in bad.items():
+        with pytest.raises(ValueError, match="cu_seqlens") as exc:
+            check_cu_seqlens(cu, 8)
+        assert needle in str(exc.value), (name, str(exc.value))
+
+
+def _random_cu(rng, s, max_docs=6):
+    k = rng.randint(0, min(max_docs, s - 1))
+    return tuple([0] + sorted(rng.sample(range(1, s), k)) + [s])
+
+
+def test_block_plan_covers_exactly_the_document_mask():
+    """Every block's pieces (masked or split per document) tile exactly the dense mask's
+    visible pairs, once each; skipped blocks have none; the work and step counts agree."""
+    rng = random.Random(0)
+    for _ in range(150):
+        p, layout = rng.randint(1, 4), rng.choice(["dual_chunk", "contiguous"])
+        s = 2 * p * rng.randint(1, 5)
+        n, cu = s // p, _random_cu(rng, s)
+        full = doc_mask(cu, s)
+        work, last = [0] * p, 0
+        for r in range(p):
+            qp = local_positions(r, p, n, layout=layout)
+            for j in range(p):
+                m = full[qp][:, local_positions(j, p, n, layout=layout)]
+                for masks in (True, False):
+                    got = torch.zeros(m.shape, dtype=torch.int)
+                    for pc in block_pieces(cu, r, j, n, p, layout, masks):
+                        a, b = pc.rows.stop - pc.rows.start, pc.keys.stop - pc.keys.start
+                        assert not (pc.masked and not masks)
+                        if pc.masked:
+                            sub = piece_mask(cu, pc, r, j, n, p, layout).int()
+                        else:
+                            sub = torch.ones(a, b, dtype=torch.int)
+                            if pc.causal:
+                                assert a == b
+                                sub = sub.tril()
+                        got[pc.rows, pc.keys] += sub
+                    assert torch.equal(got, m.int()), (cu, p, layout, r, j, masks)
+                work[r] += int(m.sum())
+                if m.any():
+                    last = max(last, (r - j) % p)
+        assert attention_work(cu, p, layout) == tuple(work)
+        assert forward_steps(cu, n, p, layout) == last + 1
+        pos = torch.arange(s)
+        rank, idx = to_layout_order(pos, p, s, layout)
+        docpos = pos - torch.tensor(cu)[document_ids(cu, pos)]
+        for r in range(p):
+            lp = local_positions(r, p, n, layout=layout)
+            assert torch.equal(rank[lp], torch.full((n,), r)) and torch.equal(idx[lp],
+                                                                              torch.arange(n))
+            assert torch.equal(document_positions(cu, r, p, n, layout), docpos[lp])
+
+
+def test_one_document_plan_is_the_plain_causal_plan():
+    for layout in ("dual_chunk", "contiguous"):
+        one = plan_counts((0, 64), 4, layout)
+        assert one["pairs"] == one["useful"] and one["steps"] == 4
+        assert one["launches"] == ([4] * 4 if layout == "dual_chunk" else [1, 2, 3, 4])
+
+
+# ---------------------------------------------------------------- ring attention parity
+
+@contextlib.contextmanager
+def _no_masks(kernel_name, on=True):
+    """While on, ``kernel_name`` takes no mask: the plan then cuts the blocks into full/causal
+    pieces per document, the path flash_attn and CUDA torch_flash take."""
+    cls = attention_kernels._BY_NAME[kernel_name]
+    before = cls.__dict__["takes_mask"]
+    if on:
+        cls.takes_mask = staticmethod(lambda q: False)
+    try:
+        yield
+    finally:
+        cls.takes_mask = before
+
+
+def _ring_packed(rank, p, cases):
+    res = []
+    for case in cases:
+        s, cu, layout, hq, hkv, kernel, split, seed = case
+        q, k, v, go = _qkv(s, hq, hkv, seed)
+        grp = METPGroup.from_process_group(dist.group.WORLD if p > 1 else None, name="pk")
+        one = {}
+        for key, c in (("packed", cu), ("plain", None)):
+            if key == "plain" and len(cu) > 2:
+                continue
+            grp.stats.reset()
+            ql, kl, vl = (shard_sequence(t, rank, p, layout=layout).clone().requires_grad_()
+                          for t in (q, k, v))
+            with _no_masks(kernel, split):
+                o = ring_attention(ql, kl, vl, group=grp, layout=layout, kernel=kernel,
+                                   cu_seqlens=c)
+                fwd, fwd_blocks = grp.stats.snapshot(), dict(grp.stats.blocks)
+                o.backward(shard_sequence(go, rank, p, layout=layout))
+            one[key] = {"o": o.detach(), "dq": ql.grad, "dk": kl.grad, "dv": vl.grad,
+                        "fwd": fwd, "fwd_blocks": fwd_blocks, "blocks": dict(grp.stats.blocks)}
+        res.append(one)
+    return res
+
+
+def _gather(out, i, key, layout):
+    return {name: unshard_sequence([o[i][key][name] for o in out], layout=layout)
+            for name in ("o", "dq", "dk", "dv")}
+
+
+def _check_launches(out, cases):
+    """Each rank launched exactly the plan's pieces, forward and again backward."""
+    for i, (s, cu, layout, hq, hkv, kernel, split, seed) in enumerate(cases):
+        counts = plan_counts(cu, len(out), layout, masks=not split)
+        for r, o in enumerate(out):
+            assert o[i]["packed"]["fwd_blocks"] == {kernel: counts["launches"][r]}, cases[i]
+            assert o[i]["packed"]["blocks"] == {kernel: 2 * counts["launches"][r]}, cases[i]
+
+
+def _ring_errors(out, cases, ref_cu=None):
+    errs = []
+    for i, (s, cu, layout, hq, hkv, kernel, split, seed) in enumerate(cases):
+        q, k, v, go = (t.double().requires_grad_() for t in _qkv(s, hq, hkv, seed))
+        ref = reference_packed(q, k, v, ref_cu or cu)
+        ref.backward(go.detach())
+        got = _gather(out, i, "packed", layout)
+        errs.append({"o": rel_err(got["o"], ref), "dq": rel_err(got["dq"], q.grad),
+                     "dk": rel_err(got["dk"], k.grad), "dv": rel_err(got["dv"], v.grad)})
+    return errs
+
+
+def _cases(p):
+    """(s, cu_seqlens, layout, hq, hkv, kernel, split per document, seed)."""
+    s = 8 * p  # chunks of 4 (dual_chunk), blocks of 8 (contiguous)
+    c = s // (2 * p)
+    out = []
+    for li, layout in enumerate(("dual_chunk", "contiguous")):
+        short = tuple(range(0, s, 3)) + (s,)                        # shorter than a chunk
+        longer = (0, 1, s - 2, s)                                   # longer than a rank's share
+        edges = tuple(range(0, s + 1, c))                           # exactly at chunk edges
+        out += [(s, short, layout, 4, 2, "reference", False, 10 * li + 1),       # GQA
+                (s, longer, layout, 2, 2, "torch_flash", False, 10 * li + 2),
+                (s, edges, layout, 4, 1, "torch_flash", False, 10 * li + 3),     # MQA
+                (s, short, layout, 4, 2, "torch_flash", True, 10 * li + 4),      # split
+                (s, (0, s), layout, 2, 2, "torch_flash", False, 10 * li + 5)]    # one document
+    return out
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+def test_ring_attention_packed_fp32_parity(p):
+    cases = _cases(p)
+    out = run_ranks(_ring_packed, p, cases)
+    for case, errs in zip(cases, _ring_errors(out, cases)):
+        assert max(errs.values()) <= 1e-5, (case, errs)
+    _check_launches(out, cases)
+    for i, case in enumerate(cases):
+        if len(case[1]) == 2:  # one document: equal to plain causal, same blocks and traffic
+            packed, plain = _gather(out, i, "packed", case[2]), _gather(out, i, "plain", case[2])
+            for name in packed:
+                assert rel_err(packed[name], plain[name]) <= 1e-6, (case, name)
+            for o in out:
+                assert o[i]["packed"]["fwd"] == o[i]["plain"]["fwd"]
+                assert o[i]["packed"]["blocks"] == o[i]["plain"]["blocks"]
+
+
+def test_negative_control_a_boundary_off_by_one_does_not_match():
+    p, s = 2, 16
+    cases = [(s, (0, 5, 11, s), "dual_chunk", 2, 2, "reference", False, 7)]
+    out = run_ranks(_ring_packed, p, cases)
+    assert max(_ring_errors(out, cases)[0].values()) <= 1e-5
+    errs = _ring_errors(out, cases, ref_cu=(0, 6, 11, s))[0]
+    assert errs["o"] > 1e-2 and errs["dk"] > 1e-2, errs
+
+
+# ---------------------------------------------------------------- property: random mixes
+
+def _mixes(p, seed, count):
+    rng = random.Random(seed)
+    out = []
+    for i in range(count):
+        layout = rng.choice(["dual_chunk", "contiguous"])
+        s = 2 * p * rng.randint(1, 4)
+        hkv = rng.choice([1, 2])
+        out.append((s, _random_cu(rng, s, max_docs=8), layout, hkv * rng.choice([1, 2]), hkv,
+                    rng.choice(["reference", "torch_flash"]), rng.random() < 0.3, seed + i))
+    return out
+
+
+@settings(max_examples=2, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
+          suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 10 ** 6))
+def test_random_document_mixes_match_the_reference(seed):
+    """One example is a batch of random mixes (lengths, boundaries, layout, GQA, kernel) for
+    each group size, one ``run_ranks`` call per size."""
+    for p in (2, 3, 4):
+        cases = _mixes(p, seed + p, 4)
+        out = run_ranks(_ring_packed, p, cases)
+        for case, errs in zip(cases, _ring_errors(out, cases)):
+            assert max(errs.values()) <= 1e-5, (p, case, errs)
+        _check_launches(out, cases)
+
+
+# ---------------------------------------------------------------- skipping
+
+def _skip_rank(rank, p, s, cu):
+    q, k, v, go = _qkv(s, 2, 2, 0)
+    grp = METPGroup.from_process_group(dist.group.WORLD, name="skip")
+    ql, kl, vl = (shard_sequence(t, rank, p, layout="contiguous").clone().requires_grad_()
+                  for t in (q, k, v))
+    o = ring_attention(ql, kl, vl, group=grp, layout="contiguous", kernel="reference",
+                       cu_seqlens=cu)
+    fwd = (grp.stats.snapshot(), dict(grp.stats.blocks))
+    o.backward(shard_sequence(go, rank, p, layout="contiguous"))
+    return fwd, dict(grp.stats.blocks)
+
+
+def test_skipped_blocks_launch_no_kernel_and_unneeded_steps_are_not_sent():
+    """Documents inside each rank's block (contiguous): only the diagonal blocks run, one
+    launch each way per rank, and the forward ring sends nothing (one step); with one document
+    crossing from rank 1 into rank 2, that block runs too and the forward needs two steps."""
+    p, s = 4, 32
+    within = (0, 3, 8, 16, 20, 24, 32)
+    for (fwd, blocks_fwd), blocks in run_ranks(_skip_rank, p, s, within):
+        assert fwd["steps"] == 0 and fwd["bytes_sent"] == 0
+        assert blocks_fwd == {"reference": 1} and blocks == {"reference": 2}
+    crossing = (0, 12, 20, 32)
+    counts = plan_counts(crossing, p, "contiguous")
+    res = run_ranks(_skip_rank, p, s, crossing)
+    for r, ((fwd, blocks_fwd), blocks) in enumerate(res):
+        assert fwd["steps"] == counts["steps"] - 1 == 1
+        assert blocks_fwd == {"reference": counts["launches"][r]}
+        assert blocks == {"reference": 2 * counts["launches"][r]}
+    assert counts["launches"] == [1, 2, 2, 2]
+
+
+# ---------------------------------------------------------------- refusals
+
+def _bad_rank(rank, p):
+    grp = METPGroup.from_process_group(dist.group.WORLD, name="bad")
+    x = torch.zeros(4, 1, 2, 4)
+    msgs = {}
+    for name, cu in {"not_increasing": [0, 5, 3, 8], "not_ending_at_s": [0, 4, 6],
+                     "negative": [0, -1, 8], "float": [0.0, 4.0, 8.0],
+                     "float_tensor": torch.tensor([0.0, 8.0])}.items():
+        try:
+            ring_attention(x, x, x, group=grp, cu_seqlens=cu)
+            msgs[name] = None
+        except ValueError as exc:
+            msgs[name] = str(exc)
+    try:
+        ring_attention(x, x, x, group=grp, causal=False, cu_seqlens=[0, 8])
+    except ValueError as exc:
+        msgs["not_causal"] = str(exc)
+    return msgs, grp.stats.steps
+
+
+def test_bad_boundaries_are_refused_on_every_rank_before_any_transfer():
+    for msgs, steps in run_ranks(_bad_rank, 2, timeout=60):
+        assert steps == 0
+        assert all(m is not None and "cu_seqlens" in m for m in msgs.values()), msgs
+        assert "strictly increasing" in msgs["not_increasing"]
+        assert "end at the sequence length 8" in msgs["not_ending_at_s"]
+        assert "causal=True" in msgs["not_causal"]
+
+
+# ---------------------------------------------------------------- METP attention
+
+S_ATT, H_ATT = 16, 8
+
+
+def reference_packed_self_attention(full, cu, A, G):
+    """Single-device self-attention (fp64, autograd) with the block-diagonal causal mask and
+    RoPE positions restarting per document: ``freqs[x − c_doc(x)]``."""
+    leaf = {k: None if full[k] is None else full[k].double().requires_grad_()
+            for k in ("x", "qkv_weight", "qkv_bias", "proj_weight", "proj_bias")}
+    s, b, _ = leaf["x"].shape
+    d = full["qkv_weight"].shape[0] // (A + 2 * G)
+    npg = A // G
+    qkv = torch.nn.functional.linear(leaf["x"], leaf["qkv_weight"], leaf["qkv_bias"])
+    q, k, v = torch.split(qkv.view(s, b, G, (npg + 2) * d), [npg * d, d, d], dim=-1)
+    q = q.reshape(s, b, A, d)
+    if full["rotary_pos_emb"] is not None:
+        pos = torch.arange(s)
+        freqs = full["rotary_pos_emb"].double()[pos - torch.tensor(cu)[document_ids(cu, pos)]]
+        q, k = _rope(q, freqs), _rope(k, freqs)
+    ctx = reference_packed(q, k, v, cu).reshape(s, b, A * d)
+    y = torch.nn.functional.linear(ctx, leaf["proj_weight"], leaf["proj_bias"])
+    y.backward(full["gy"].double())
+    return {"y": y.detach(), **{"d" + k: None if t is None else t.grad for k, t in leaf.items()}}
+
+
+def _metp_packed(rank, p, cases):
+    res = []
+    for A, G, layout, rope, kernel, cu, seed in cases:
+        full = full_attention_params(S_ATT, B, H_ATT, A, G, D, rope=rope, seed=seed)
+        params = {k: None if v is None else v.clone().requires_grad_()
+                  for k, v in shard_attention(full, rank, p, A, G, D).items()}
+        x = shard_sequence(full["x"], rank, p, layout=layout).clone().requires_grad_()
+        grp = METPGroup.from_process_group(dist.group.WORLD if p > 1 else None, name="mp")
+        y = metp_attention(x, params["qkv_weight"], params["proj_weight"], group=grp,
+                           num_heads=A, num_query_groups=G, layout=layout,
+                           rotary_pos_emb=full["rotary_pos_emb"], qkv_bias=params["qkv_bias"],
+                           proj_bias=params["proj_bias"], kernel=kernel, cu_seqlens=cu)
+        y.backward(shard_sequence(full["gy"], rank, p, layout=layout))
+        res.append({"y": y.detach(), "dx": x.grad,
+                    **{"d" + k: None if v is None else v.grad for k, v in params.items()}})
+    return res
+
+
+METP_CASES = [  # (A, G, layout, rope, kernel, cu_seqlens, seed)
+    (4, 4, "dual_chunk", True, "torch_flash", (0, 3, 9, 16), 1),
+    (8, 4, "contiguous", True, "reference", (0, 8, 11, 16), 2),     # GQA, boundary at a block
+    (4, 4, "dual_chunk", False, "reference", (0, 16), 3),           # one document
+]
+
+
+@pytest.mark.parametrize("p", [1, 2, 4])
+def test_metp_attention_packed_fp32_parity_with_per_document_rope(p):
+    out = run_ranks(_metp_packed, p, METP_CASES)
+    for i, (A, G, layout, rope, kernel, cu, seed) in enumerate(METP_CASES):
+        full = full_attention_params(S_ATT, B, H_ATT, A, G, D, rope=rope, seed=seed)
+        ref = reference_packed_self_attention(full, cu, A, G)
+        rs = [o[i] for o in out]
+        got = {"y": unshard_sequence([r["y"] for r in rs], layout=layout),
+               "dx": unshard_sequence([r["dx"] for r in rs], layout=layout)}
+        errs = {k: rel_err(got[k], ref[k]) for k in got}
+        rows = (G // p) * (A // G + 2) * D
+        cols = (A // p) * D
+        dwq = torch.cat([r["dqkv_weight"] for r in rs])
+        dbq = torch.cat([r["dqkv_bias"] for r in rs])
+        dwo = torch.cat([r["dproj_weight"] for r in rs], dim=1)
+        dbo = sum(r["dproj_bias"] for r in rs)
+        assert dwq.shape[0] == p * rows and dwo.shape[1] == p * cols
+        errs.update(dqkv_w=rel_err(dwq, ref["dqkv_weight"]), dqkv_b=rel_err(dbq, ref["dqkv_bias"]),
+                    dproj_w=rel_err(dwo, ref["dproj_weight"]), dproj_b=rel_err(dbo, ref["dproj_bias"]))
+        assert max(errs.values()) <= 1e-5, (METP_CASES[i], errs)
+
+
+def _local_rope_rank(rank, p):
+    full = full_attention_params(S_ATT, B, H_ATT, 4, 4, D, rope=True, seed=0)
+    params = shard_attention(full, rank, p, 4, 4, D)
+    grp = METPGroup.from_process_group(dist.group.WORLD, name="lr")
+    try:
+        metp_attention(shard_sequence(full["x"], rank, p), params["qkv_weight"],
+                       params["proj_weight"], group=grp, num_heads=4, num_query_groups=4,
+                       rotary_pos_emb=shard_sequence(full["rotary_pos_emb"], rank, p),
+                       cu_seqlens=(0, 5, S_ATT))
+    except ValueError as exc:
+        return str(exc), grp.stats.steps
+    return None, grp.stats.steps
+
+
+def test_per_rank_rope_slice_with_cu_seqlens_is_refused():
+    for msg, steps in run_ranks(_local_rope_rank, 2):
+        assert msg is not None and "whole-sequence table" in msg and steps == 0
