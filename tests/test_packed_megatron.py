@@ -221,3 +221,178 @@ def test_mock_document_length_flag(monkeypatch):
         megatron_lm.validate_metp_args(_args(metp_mock_max_document_length=64))
     with pytest.raises(ValueError, match="at least 2"):
         megatron_lm.validate_metp_args(_args(mock_data=True, metp_mock_max_document_length=1))
+
+
+# ------------------------------------------------------------------------------ the model
+
+def _packed_step(rank, world, size, layout, ends, eod_mask_loss, dense_mask=True):
+    """Loss (as pretrain_gpt's loss_func: masked sum over tokens / their count) and full-weight
+    gradients of one forward/backward of a packed sample: stock layouts get Megatron's dense
+    document mask, METP layouts only the tokens (the hook derives the boundaries)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    from megatron_metp import cpu
+    from megatron_metp.megatron.linear import is_metp_sharded
+    from megatron_metp.megatron.training import (_global_name, build_model, full_shape,
+                                                 global_batch, init_parallel,
+                                                 load_initial_weights)
+
+    cpu.enable()
+    groups = init_parallel(layout, size.seq_length)
+    model = build_model(size, layout, groups)
+    load_initial_weights(model, groups, size)
+    eod = size.vocab_size - 1
+    tokens, labels = global_batch(size, 0, 1)
+    tokens[tokens == eod] = 0
+    tokens[:, ends] = eod
+    mask, loss_mask, pos = _get_ltor_masks_and_position_ids(tokens[0], eod, True, dense_mask,
+                                                            eod_mask_loss, True)
+    batch = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask[None],
+             "position_ids": pos[None]}
+    attention_mask = mask[None]
+    cp = ps.get_context_parallel_group() if layout.metp > 1 else None
+    if layout.metp > 1:
+        batch = get_batch_on_this_cp_rank(batch, cp_group=cp)
+        DocumentBoundaries(groups.metp, eod_token=eod, full_rope=layout.mode == "metp") \
+            .attach(model)
+        attention_mask = None
+    per_token = model(batch["tokens"], batch["position_ids"], attention_mask,
+                      labels=batch["labels"])
+    lm = batch["loss_mask"].float()
+    count = lm.sum()
+    if cp is not None:
+        dist.all_reduce(count, group=cp)
+    loss = (per_token.float() * lm).sum() / count
+    loss.backward()
+    total = loss.detach().clone()
+    if cp is not None:
+        dist.all_reduce(total, group=cp)
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad.detach().clone()
+        if cp is not None and not is_metp_sharded(p):
+            dist.all_reduce(g, group=cp)
+        grads[_global_name(model, name)] = (g, getattr(p, "tensor_model_parallel", False),
+                                            getattr(p, "partition_dim", 0), is_metp_sharded(p),
+                                            full_shape(p, groups))
+    hook = getattr(model, "_metp_document_boundaries", None)
+    return {"loss": total.item(), "grads": grads, "shard": groups.shard_index,
+            "tp_rank": groups.tp_rank,
+            "cu": hook.last.cu_seqlens.tolist() if hook is not None else None}
+
+
+def _size(**kw):
+    from megatron_metp.megatron.training import GPTSize
+
+    base = dict(num_layers=2, hidden_size=32, num_attention_heads=8, num_query_groups=4,
+                ffn_hidden_size=48, vocab_size=72, seq_length=32)
+    base.update(kw)
+    return GPTSize(**base)
+
+
+#: EOD positions of the packed sample: documents of 6, 1, 11, 5 and 9 tokens
+ENDS = [5, 6, 17, 22]
+
+
+def _check_against(out, ref, size, what, tol=1e-5):
+    from tests.gpt_cases import assemble
+    from tests.numerics import rel_err
+
+    assert abs(out[0]["loss"] - ref["loss"]) <= tol * abs(ref["loss"]), (what, out[0]["loss"],
+                                                                          ref["loss"])
+    full, grads = assemble([ref], size), assemble(out, size)
+    assert set(full) == set(grads)
+    errs = {k: rel_err(grads[k], full[k]) for k in full}
+    worst = max(errs, key=errs.get)
+    assert errs[worst] <= tol, (what, worst, errs[worst])
+
+
+@pytest.fixture(scope="module")
+def stock_reference():
+    """Single-rank stock GPTModel with Megatron's dense document mask, for two geometries."""
+    from megatron_metp.megatron.training import Layout
+
+    out = {}
+    for pe in ("rope", "learned_absolute"):
+        for eml in (False, True):
+            out[pe, eml] = run_ranks(_packed_step, 1, _size(position_embedding_type=pe),
+                                     Layout(mode="tp"), ENDS, eml)[0]
+    return out
+
+
+@pytest.mark.parametrize("pe", ["rope", "learned_absolute"])
+def test_packed_metp_matches_stock_with_the_dense_document_mask(pe, stock_reference):
+    from megatron_metp.megatron.training import Layout
+
+    size = _size(position_embedding_type=pe)
+    ref = stock_reference[pe, True]
+    metp = run_ranks(_packed_step, 2, size, Layout(metp=2), ENDS, True)
+    assert [r["cu"] for r in metp] == [[0, 6, 7, 18, 23, 32]] * 2
+    _check_against(metp, ref, size, f"METP 2, {pe}")
+    stock_tp = run_ranks(_packed_step, 2, size, Layout(tp=2, mode="tp"), ENDS, True)
+    _check_against(stock_tp, ref, size, f"stock TP 2, {pe}")
+
+
+def test_packed_ring_attention_and_vocab_parallel_match_stock(stock_reference):
+    from megatron_metp.megatron.training import Layout
+
+    size = _size()
+    ref = stock_reference["rope", True]
+    for layout in (Layout(metp=2, mode="ring"), Layout(metp=2, vocab_parallel=True),
+                   Layout(metp=4)):
+        world = layout.metp
+        _check_against(run_ranks(_packed_step, world, size, layout, ENDS, True), ref, size,
+                       f"{layout.mode} {layout.metp} vocab_parallel={layout.vocab_parallel}")
+
+
+def test_eod_mask_loss_changes_metp_loss_as_it_changes_stock(stock_reference):
+    """--eod-mask-loss drops the EOD tokens from the loss: the same change for METP and stock."""
+    from megatron_metp.megatron.training import Layout
+
+    size = _size()
+    plain = run_ranks(_packed_step, 2, size, Layout(metp=2), ENDS, False)
+    _check_against(plain, stock_reference["rope", False], size, "METP 2 without --eod-mask-loss")
+    masked = stock_reference["rope", True]["loss"]
+    assert abs(masked - stock_reference["rope", False]["loss"]) > 1e-3 * masked
+
+
+def test_the_document_mask_matters_negative_control(stock_reference):
+    """Plain causal attention over the packed sample gives another loss: the comparison above
+    sees whether the boundaries reach the attention."""
+    from megatron_metp.megatron.training import Layout
+
+    causal = run_ranks(_packed_step, 1, _size(), Layout(mode="tp"), ENDS, True, False)[0]
+    ref = stock_reference["rope", True]["loss"]
+    assert abs(causal["loss"] - ref) > 1e-3 * ref
+
+
+# ------------------------------------------------------------------------------ dry run
+
+def test_dry_run_of_the_packed_config(patched_megatron_lm):
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/"),
+           "PYTHON": sys.executable, "LC_ALL": "C.UTF-8", "OMP_NUM_THREADS": "1",
+           "MEGATRON_LM_DIR": patched_megatron_lm}
+    proc = subprocess.run(["bash", "scripts/pretrain_gpt.sh", "--config",
+                           "tiny-cpu-metp2-packed.sh", "--dry-run", "--gpu-memory-gib", "80"],
+                          cwd=repo, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    out = proc.stdout
+    command = out.split("command: ", 1)[1].splitlines()[0]
+    for flag in ("--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss",
+                 "--metp-mock-max-document-length 64", "--no-create-attention-mask-in-dataloader"):
+        assert flag in command, flag
+    assert "2 of 2 layers (METPSelfAttention + METPMLP)" in out and "fits in 80 GiB" in out
+    assert "the micro-batch holds 8 documents of 32 tokens" in out
+    # a packed micro-batch of two samples is refused by validate_args, naming the fix
+    proc = subprocess.run(["bash", "scripts/pretrain_gpt.sh", "--config",
+                           "tiny-cpu-metp2-packed.sh", "--dry-run", "--", "--micro-batch-size",
+                           "2"], cwd=repo, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 1 and "--micro-batch-size 1" in proc.stderr, proc.stderr[-3000:]

@@ -522,8 +522,8 @@ def dry_run_documents(args, metp: bool, notes: List[str]):
     n = max(1, min(DRY_RUN_DOCUMENTS, s))
     cu = sorted({round(i * s / n) for i in range(n + 1)})
     notes.append(f"--reset-attention-mask: the micro-batch holds {len(cu) - 1} documents of "
-                 f"{s // (len(cu) - 1):,} tokens (a training run derives them from the EOD "
-                 f"tokens; METP's memory does not depend on where they are)")
+                 f"{s // (len(cu) - 1):,} tokens (fake tensors hold no EOD tokens; a training "
+                 f"run derives the boundaries from them)")
     return documents(cu, s, full_rope=not getattr(args, "metp_disable_weight_ring", False))
 
 
