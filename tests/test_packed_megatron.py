@@ -336,16 +336,17 @@ def test_packed_metp_matches_stock_with_the_dense_document_mask(pe, stock_refere
     _check_against(stock_tp, ref, size, f"stock TP 2, {pe}")
 
 
-def test_packed_ring_attention_and_vocab_parallel_match_stock(stock_reference):
+def test_packed_compositions_match_stock(stock_reference):
+    """Ring self-attention, the vocabulary ring, METP 4, TP 2 x METP 2, full recompute."""
     from megatron_metp.megatron.training import Layout
 
     size = _size()
     ref = stock_reference["rope", True]
     for layout in (Layout(metp=2, mode="ring"), Layout(metp=2, vocab_parallel=True),
-                   Layout(metp=4)):
-        world = layout.metp
+                   Layout(metp=4), Layout(metp=2, tp=2), Layout(metp=2, recompute="full")):
+        world = layout.metp * layout.tp
         _check_against(run_ranks(_packed_step, world, size, layout, ENDS, True), ref, size,
-                       f"{layout.mode} {layout.metp} vocab_parallel={layout.vocab_parallel}")
+                       layout.describe())
 
 
 def test_eod_mask_loss_changes_metp_loss_as_it_changes_stock(stock_reference):

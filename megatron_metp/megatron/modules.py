@@ -29,6 +29,12 @@ its own ring buffers and saves only its own inputs/outputs), and every rank reco
 layers in the same order, so the recomputed rings pair the same messages as the first forward.
 Selective recompute, ``distribute_saved_activations`` and Megatron's ``cpu_offloading`` are
 refused (:func:`recompute_problems`).
+
+Packed documents: ``packed_seq_params`` may be a :class:`~.packing.METPDocuments` (derived from
+the EOD tokens by :class:`~.packing.DocumentBoundaries`, Megatron-LM's
+``--reset-attention-mask``); its ``cu_seqlens`` go to the ops. Any other ``packed_seq_params``
+(Megatron's THD batches) is refused. ``attention_mask`` is never read: the attention is causal,
+within documents when boundaries are given.
 """
 
 from __future__ import annotations
