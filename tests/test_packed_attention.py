@@ -424,3 +424,51 @@ def _local_rope_rank(rank, p):
 def test_per_rank_rope_slice_with_cu_seqlens_is_refused():
     for msg, steps in run_ranks(_local_rope_rank, 2):
         assert msg is not None and "whole-sequence table" in msg and steps == 0
+
+
+# ---------------------------------------------------------------- the benchmark
+
+def _bench_rank(rank, p, cases):
+    res = []
+    for s, cu, layout in cases:
+        q, k, v, go = _qkv(s, 2, 2, 0)
+        grp = METPGroup.from_process_group(dist.group.WORLD, name="bench")
+        ql, kl, vl = (shard_sequence(t, rank, p, layout=layout).clone().requires_grad_()
+                      for t in (q, k, v))
+        o = ring_attention(ql, kl, vl, group=grp, layout=layout, kernel="torch_flash",
+                           cu_seqlens=cu)
+        fwd = grp.stats.snapshot()
+        o.backward(shard_sequence(go, rank, p, layout=layout))
+        res.append((fwd["bytes_sent"], grp.stats.bytes_sent - fwd["bytes_sent"],
+                    dict(grp.stats.blocks)))
+    return res
+
+
+def test_packed_benchmark_quick_and_its_arithmetic_is_what_the_ranks_do(capsys):
+    """``benchmarks/packed.py --quick`` prints its tables; its byte and launch arithmetic equals
+    what forked ranks send and launch for the same plans (tiny shapes, fp32)."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+    import packed
+
+    balance, layer = packed.main(["--quick"])
+    text = capsys.readouterr().out
+    assert "| context | seed | docs | dual_chunk | contiguous |" in text and "launches" in text
+    assert all(r["dual_chunk"] >= 1.0 for r in balance)
+    full = [r for r in layer if r["mix"] == "full causal" and r["layout"] == "dual_chunk"][0]
+    assert full["balance"] == 1.0 and full["fwd_steps"] == 4 and full["launches_masked"] == 4
+    assert packed.draw_mix(2048, 1)[-1] == 2048
+
+    p, s = 4, 32
+    rng = random.Random(5)
+    cases = [(s, _random_cu(rng, s, 5), lay) for lay in ("dual_chunk", "contiguous")
+             for _ in range(2)] + [(s, (0, 3, 8, 16, 20, 24, 32), "contiguous")]
+    res = run_ranks(_bench_rank, p, cases)
+    for i, (s_, cu, layout) in enumerate(cases):
+        kv = packed.kv_bytes(cu, p, layout, B, 2, D, 4)
+        counts = plan_counts(cu, p, layout, masks=True)
+        for r in range(p):
+            fwd, bwd, blocks = res[r][i]
+            assert (fwd, bwd) == (kv["fwd"], kv["bwd"]), (cu, layout, r)
+            assert blocks == {"torch_flash": 2 * counts["launches"][r]}, (cu, layout, r)
