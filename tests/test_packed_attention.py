@@ -20,12 +20,13 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from megatron_metp import METPGroup
-from megatron_metp.ops import metp_attention, ring_attention, shard_sequence, unshard_sequence
+from megatron_metp.ops import metp_attention, ring_attention, shard_sequence
 from megatron_metp.ops import attention_kernels
 from megatron_metp.ops.documents import (attention_work, block_pieces, check_cu_seqlens,
                                          document_ids, document_positions, forward_steps,
-                                         piece_mask, plan_counts, to_layout_order)
-from megatron_metp.ops.sequence import local_positions
+                                         layout_positions, piece_mask, plan_counts,
+                                         shard_documents, to_layout_order, unshard_documents,
+                                         work_balance)
 from tests.harness import run_ranks
 from tests.megatron_ref import _rope, full_attention_params
 from tests.numerics import rel_err
@@ -79,9 +80,14 @@ def test_cu_seqlens_validation_names_the_argument():
         assert needle in str(exc.value), (name, str(exc.value))
 
 
-def _random_cu(rng, s, max_docs=6):
-    k = rng.randint(0, min(max_docs, s - 1))
-    return tuple([0] + sorted(rng.sample(range(1, s), k)) + [s])
+def _random_cu(rng, s, max_docs=6, unit=1):
+    """Random boundaries of ``s`` tokens, every document a multiple of ``unit`` tokens."""
+    m = s // unit
+    k = rng.randint(0, min(max_docs, m - 1))
+    return tuple(unit * c for c in [0] + sorted(rng.sample(range(1, m), k)) + [m])
+
+
+LAYOUTS3 = ["dual_chunk", "contiguous", "doc_chunk"]
 
 
 def test_block_plan_covers_exactly_the_document_mask():
@@ -89,22 +95,23 @@ def test_block_plan_covers_exactly_the_document_mask():
     visible pairs, once each; skipped blocks have none; the work and step counts agree."""
     rng = random.Random(0)
     for _ in range(150):
-        p, layout = rng.randint(1, 4), rng.choice(["dual_chunk", "contiguous"])
+        p, layout = rng.randint(1, 4), rng.choice(LAYOUTS3)
         s = 2 * p * rng.randint(1, 5)
-        n, cu = s // p, _random_cu(rng, s)
+        n = s // p
+        cu = _random_cu(rng, s, unit=2 * p if layout == "doc_chunk" else 1)
         full = doc_mask(cu, s)
         work, last = [0] * p, 0
         for r in range(p):
-            qp = local_positions(r, p, n, layout=layout)
+            qp = layout_positions(r, p, n, layout, cu)
             for j in range(p):
-                m = full[qp][:, local_positions(j, p, n, layout=layout)]
+                m = full[qp][:, layout_positions(j, p, n, layout, cu)]
                 for masks in (True, False):
                     got = torch.zeros(m.shape, dtype=torch.int)
                     for pc in block_pieces(cu, r, j, n, p, layout, masks):
                         a, b = pc.rows.stop - pc.rows.start, pc.keys.stop - pc.keys.start
                         assert not (pc.masked and not masks)
                         if pc.masked:
-                            sub = piece_mask(cu, pc, r, j, n, p, layout).int()
+                            sub = piece_mask(pc).int()
                         else:
                             sub = torch.ones(a, b, dtype=torch.int)
                             if pc.causal:
@@ -118,13 +125,24 @@ def test_block_plan_covers_exactly_the_document_mask():
         assert attention_work(cu, p, layout) == tuple(work)
         assert forward_steps(cu, n, p, layout) == last + 1
         pos = torch.arange(s)
-        rank, idx = to_layout_order(pos, p, s, layout)
+        rank, idx = to_layout_order(pos, p, s, layout, cu)
         docpos = pos - torch.tensor(cu)[document_ids(cu, pos)]
+        parts = [shard_documents(pos, cu, r, p, layout=layout) for r in range(p)]
+        assert torch.equal(unshard_documents(parts, cu, layout=layout), pos)
         for r in range(p):
-            lp = local_positions(r, p, n, layout=layout)
+            lp = layout_positions(r, p, n, layout, cu)
+            assert torch.equal(parts[r], lp)
             assert torch.equal(rank[lp], torch.full((n,), r)) and torch.equal(idx[lp],
                                                                               torch.arange(n))
             assert torch.equal(document_positions(cu, r, p, n, layout), docpos[lp])
+
+
+def test_doc_chunk_balances_every_mix_exactly():
+    rng = random.Random(1)
+    for _ in range(40):
+        p = rng.randint(1, 8)
+        cu = _random_cu(rng, 2 * p * rng.randint(1, 40), max_docs=12, unit=2 * p)
+        assert work_balance(cu, p, "doc_chunk") == 1.0, (cu, p)
 
 
 def test_one_document_plan_is_the_plain_causal_plan():
@@ -161,21 +179,22 @@ def _ring_packed(rank, p, cases):
             if key == "plain" and len(cu) > 2:
                 continue
             grp.stats.reset()
-            ql, kl, vl = (shard_sequence(t, rank, p, layout=layout).clone().requires_grad_()
+            lay = "dual_chunk" if key == "plain" and layout == "doc_chunk" else layout
+            ql, kl, vl = (shard_documents(t, cu, rank, p, layout=layout).requires_grad_()
                           for t in (q, k, v))
             with _no_masks(kernel, split):
-                o = ring_attention(ql, kl, vl, group=grp, layout=layout, kernel=kernel,
+                o = ring_attention(ql, kl, vl, group=grp, layout=lay, kernel=kernel,
                                    cu_seqlens=c)
                 fwd, fwd_blocks = grp.stats.snapshot(), dict(grp.stats.blocks)
-                o.backward(shard_sequence(go, rank, p, layout=layout))
+                o.backward(shard_documents(go, cu, rank, p, layout=layout))
             one[key] = {"o": o.detach(), "dq": ql.grad, "dk": kl.grad, "dv": vl.grad,
                         "fwd": fwd, "fwd_blocks": fwd_blocks, "blocks": dict(grp.stats.blocks)}
         res.append(one)
     return res
 
 
-def _gather(out, i, key, layout):
-    return {name: unshard_sequence([o[i][key][name] for o in out], layout=layout)
+def _gather(out, i, key, layout, cu):
+    return {name: unshard_documents([o[i][key][name] for o in out], cu, layout=layout)
             for name in ("o", "dq", "dk", "dv")}
 
 
@@ -194,7 +213,7 @@ def _ring_errors(out, cases, ref_cu=None):
         q, k, v, go = (t.double().requires_grad_() for t in _qkv(s, hq, hkv, seed))
         ref = reference_packed(q, k, v, ref_cu or cu)
         ref.backward(go.detach())
-        got = _gather(out, i, "packed", layout)
+        got = _gather(out, i, "packed", layout, cu)
         errs.append({"o": rel_err(got["o"], ref), "dq": rel_err(got["dq"], q.grad),
                      "dk": rel_err(got["dk"], k.grad), "dv": rel_err(got["dv"], v.grad)})
     return errs
@@ -214,6 +233,11 @@ def _cases(p):
                 (s, edges, layout, 4, 1, "torch_flash", False, 10 * li + 3),     # MQA
                 (s, short, layout, 4, 2, "torch_flash", True, 10 * li + 4),      # split
                 (s, (0, s), layout, 2, 2, "torch_flash", False, 10 * li + 5)]    # one document
+    u = 2 * p  # doc_chunk: every document a multiple of 2p
+    out += [(s, (0, u, 3 * u, s), "doc_chunk", 4, 2, "torch_flash", False, 31),
+            (s, (0, u, 2 * u, 3 * u, s), "doc_chunk", 2, 1, "reference", False, 32),
+            (s, (0, u, 3 * u, s), "doc_chunk", 2, 2, "torch_flash", True, 33),
+            (s, (0, s), "doc_chunk", 2, 2, "reference", False, 34)]       # = dual_chunk
     return out
 
 
@@ -226,7 +250,8 @@ def test_ring_attention_packed_fp32_parity(p):
     _check_launches(out, cases)
     for i, case in enumerate(cases):
         if len(case[1]) == 2:  # one document: equal to plain causal, same blocks and traffic
-            packed, plain = _gather(out, i, "packed", case[2]), _gather(out, i, "plain", case[2])
+            packed = _gather(out, i, "packed", case[2], case[1])
+            plain = _gather(out, i, "plain", case[2], case[1])
             for name in packed:
                 assert rel_err(packed[name], plain[name]) <= 1e-6, (case, name)
             for o in out:
@@ -249,10 +274,11 @@ def _mixes(p, seed, count):
     rng = random.Random(seed)
     out = []
     for i in range(count):
-        layout = rng.choice(["dual_chunk", "contiguous"])
+        layout = rng.choice(LAYOUTS3)
         s = 2 * p * rng.randint(1, 4)
         hkv = rng.choice([1, 2])
-        out.append((s, _random_cu(rng, s, max_docs=8), layout, hkv * rng.choice([1, 2]), hkv,
+        cu = _random_cu(rng, s, max_docs=8, unit=2 * p if layout == "doc_chunk" else 1)
+        out.append((s, cu, layout, hkv * rng.choice([1, 2]), hkv,
                     rng.choice(["reference", "torch_flash"]), rng.random() < 0.3, seed + i))
     return out
 
@@ -286,14 +312,19 @@ def _skip_rank(rank, p, s, cu):
 
 
 def test_skipped_blocks_launch_no_kernel_and_unneeded_steps_are_not_sent():
-    """Documents inside each rank's block (contiguous): only the diagonal blocks run, one
-    launch each way per rank, and the forward ring sends nothing (one step); with one document
-    crossing from rank 1 into rank 2, that block runs too and the forward needs two steps."""
+    """Documents inside each rank's block (contiguous): only the diagonal blocks run (ranks 0
+    and 2 hold two documents each: two causal pieces, as one masked box would be 3x and 2.4x
+    their pairs), and the forward ring sends nothing (one step); with documents crossing each
+    rank boundary, the blocks they cross run too and the forward needs two steps."""
     p, s = 4, 32
     within = (0, 3, 8, 16, 20, 24, 32)
-    for (fwd, blocks_fwd), blocks in run_ranks(_skip_rank, p, s, within):
+    assert all(block_pieces(within, r, j, 8, p, "contiguous") == ()
+               for r in range(p) for j in range(p) if j != r)
+    assert [len(block_pieces(within, r, r, 8, p, "contiguous")) for r in range(p)] == [2, 1, 2, 1]
+    for r, ((fwd, blocks_fwd), blocks) in enumerate(run_ranks(_skip_rank, p, s, within)):
         assert fwd["steps"] == 0 and fwd["bytes_sent"] == 0
-        assert blocks_fwd == {"reference": 1} and blocks == {"reference": 2}
+        launches = [2, 1, 2, 1][r]
+        assert blocks_fwd == {"reference": launches} and blocks == {"reference": 2 * launches}
     crossing = (0, 12, 20, 32)
     counts = plan_counts(crossing, p, "contiguous")
     res = run_ranks(_skip_rank, p, s, crossing)
@@ -301,7 +332,7 @@ def test_skipped_blocks_launch_no_kernel_and_unneeded_steps_are_not_sent():
         assert fwd["steps"] == counts["steps"] - 1 == 1
         assert blocks_fwd == {"reference": counts["launches"][r]}
         assert blocks == {"reference": 2 * counts["launches"][r]}
-    assert counts["launches"] == [1, 2, 2, 2]
+    assert counts["launches"] == [1, 3, 3, 2]  # diagonal pieces per document + the crossing
 
 
 # ---------------------------------------------------------------- refusals
@@ -318,10 +349,14 @@ def _bad_rank(rank, p):
             msgs[name] = None
         except ValueError as exc:
             msgs[name] = str(exc)
-    try:
-        ring_attention(x, x, x, group=grp, causal=False, cu_seqlens=[0, 8])
-    except ValueError as exc:
-        msgs["not_causal"] = str(exc)
+    for name, kw in {"not_causal": dict(causal=False, cu_seqlens=[0, 8]),
+                     "doc_chunk_odd": dict(layout="doc_chunk", cu_seqlens=[0, 2, 8]),
+                     "doc_chunk_no_cu": dict(layout="doc_chunk")}.items():
+        try:
+            ring_attention(x, x, x, group=grp, **kw)
+            msgs[name] = None
+        except ValueError as exc:
+            msgs[name] = str(exc)
     return msgs, grp.stats.steps
 
 
@@ -330,6 +365,7 @@ def test_bad_boundaries_are_refused_on_every_rank_before_any_transfer():
         assert steps == 0
         assert all(m is not None and "cu_seqlens" in m for m in msgs.values()), msgs
         assert "strictly increasing" in msgs["not_increasing"]
+        assert "multiple of 2·p = 4" in msgs["doc_chunk_odd"]
         assert "end at the sequence length 8" in msgs["not_ending_at_s"]
         assert "causal=True" in msgs["not_causal"]
 
@@ -366,13 +402,13 @@ def _metp_packed(rank, p, cases):
         full = full_attention_params(S_ATT, B, H_ATT, A, G, D, rope=rope, seed=seed)
         params = {k: None if v is None else v.clone().requires_grad_()
                   for k, v in shard_attention(full, rank, p, A, G, D).items()}
-        x = shard_sequence(full["x"], rank, p, layout=layout).clone().requires_grad_()
+        x = shard_documents(full["x"], cu, rank, p, layout=layout).requires_grad_()
         grp = METPGroup.from_process_group(dist.group.WORLD if p > 1 else None, name="mp")
         y = metp_attention(x, params["qkv_weight"], params["proj_weight"], group=grp,
                            num_heads=A, num_query_groups=G, layout=layout,
                            rotary_pos_emb=full["rotary_pos_emb"], qkv_bias=params["qkv_bias"],
                            proj_bias=params["proj_bias"], kernel=kernel, cu_seqlens=cu)
-        y.backward(shard_sequence(full["gy"], rank, p, layout=layout))
+        y.backward(shard_documents(full["gy"], cu, rank, p, layout=layout))
         res.append({"y": y.detach(), "dx": x.grad,
                     **{"d" + k: None if v is None else v.grad for k, v in params.items()}})
     return res
@@ -382,6 +418,7 @@ METP_CASES = [  # (A, G, layout, rope, kernel, cu_seqlens, seed)
     (4, 4, "dual_chunk", True, "torch_flash", (0, 3, 9, 16), 1),
     (8, 4, "contiguous", True, "reference", (0, 8, 11, 16), 2),     # GQA, boundary at a block
     (4, 4, "dual_chunk", False, "reference", (0, 16), 3),           # one document
+    (4, 4, "doc_chunk", True, "torch_flash", (0, 8, 16), 4),        # balanced layout
 ]
 
 
@@ -392,8 +429,8 @@ def test_metp_attention_packed_fp32_parity_with_per_document_rope(p):
         full = full_attention_params(S_ATT, B, H_ATT, A, G, D, rope=rope, seed=seed)
         ref = reference_packed_self_attention(full, cu, A, G)
         rs = [o[i] for o in out]
-        got = {"y": unshard_sequence([r["y"] for r in rs], layout=layout),
-               "dx": unshard_sequence([r["dx"] for r in rs], layout=layout)}
+        got = {"y": unshard_documents([r["y"] for r in rs], cu, layout=layout),
+               "dx": unshard_documents([r["dx"] for r in rs], cu, layout=layout)}
         errs = {k: rel_err(got[k], ref[k]) for k in got}
         rows = (G // p) * (A // G + 2) * D
         cols = (A // p) * D
