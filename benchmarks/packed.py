@@ -6,13 +6,12 @@ Everything is arithmetic from the block plan of :mod:`megatron_metp.ops.document
 plan the ops run; ``tests/test_packed_attention.py`` checks these counts against what forked
 gloo ranks really launch and send); nothing is timed and no 128K attention runs here.
 
-Mixes: document lengths drawn log-uniformly in ``[256, 65536]`` tokens, rounded to a multiple
-of ``2p`` (what ``doc_chunk`` needs; the same mix for every layout), until the context is full
-(the last document cut to fit), one mix per seed.
+Mixes: document lengths drawn log-uniformly in ``[256, 65536]`` tokens until the context is
+full (the last document cut to fit), one mix per seed, the same for every layout.
 
 Layouts: ``dual_chunk`` (Megatron's CP order over the whole packed sequence), ``contiguous``,
-and ``doc_chunk`` (every document dual-chunked over the ranks, :mod:`megatron_metp.ops.documents`:
-the balanced split).
+and ``balanced`` (:mod:`megatron_metp.ops.documents`: documents of at least ``2p·128`` tokens
+dual-chunked over the ranks on their own, the rest dual-chunked together: the balanced split).
 
 Tables:
 
@@ -51,12 +50,12 @@ from megatron_metp.ops import documents  # noqa: E402
 
 #: Llama-3-8B-like attention geometry: hidden, heads, query groups, head dim; batch 1, bf16.
 GEOMETRY = {"hidden": 4096, "heads": 32, "groups": 8, "head_dim": 128, "batch": 1, "elem": 2}
-LAYOUTS = ("dual_chunk", "contiguous", "doc_chunk")
+LAYOUTS = ("dual_chunk", "contiguous", "balanced")
 
 
 def draw_mix(s: int, seed: int, lo: int = 256, hi: int = 65536, unit: int = 1):
     """``cu_seqlens`` of one mix: log-uniform lengths in ``[lo, hi]`` (rounded to a multiple
-    of ``unit``, as ``doc_chunk`` needs ``2p``) until ``s`` is full (the last one cut to fit)."""
+    of ``unit``) until ``s`` is full (the last one cut to fit)."""
     rng = random.Random(seed)
     cu = [0]
     while cu[-1] < s:
@@ -104,7 +103,7 @@ def balance_table(contexts, p, seeds, layouts=LAYOUTS):
     rows = []
     for s in contexts:
         for seed in seeds:
-            cu = draw_mix(s, seed, unit=2 * p)
+            cu = draw_mix(s, seed)
             rows.append({"context": s, "seed": seed, "docs": len(cu) - 1,
                          **{lay: documents.work_balance(cu, p, lay) for lay in layouts}})
     return rows
@@ -117,7 +116,7 @@ def layer_table(contexts, p, seeds, layouts=LAYOUTS):
             rows.append({"context": s, "mix": "full causal", **layer_row((0, s), p, layout)})
             for seed in seeds:
                 rows.append({"context": s, "mix": f"seed {seed}",
-                             **layer_row(draw_mix(s, seed, unit=2 * p), p, layout)})
+                             **layer_row(draw_mix(s, seed), p, layout)})
     return rows
 
 

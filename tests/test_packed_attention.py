@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import random
+import sys
 
 import pytest
 import torch
@@ -21,7 +23,7 @@ from hypothesis import strategies as st
 
 from megatron_metp import METPGroup
 from megatron_metp.ops import metp_attention, ring_attention, shard_sequence
-from megatron_metp.ops import attention_kernels
+from megatron_metp.ops import attention_kernels, documents
 from megatron_metp.ops.documents import (attention_work, block_pieces, check_cu_seqlens,
                                          document_ids, document_positions, forward_steps,
                                          layout_positions, piece_mask, plan_counts,
@@ -87,10 +89,19 @@ def _random_cu(rng, s, max_docs=6, unit=1):
     return tuple(unit * c for c in [0] + sorted(rng.sample(range(1, m), k)) + [m])
 
 
-LAYOUTS3 = ["dual_chunk", "contiguous", "doc_chunk"]
+LAYOUTS3 = ["dual_chunk", "contiguous", "balanced"]
 
 
-def test_block_plan_covers_exactly_the_document_mask():
+@pytest.fixture
+def small_chunks():
+    """``balanced`` with own chunks from 1 token: at these tiny lengths every document of at
+    least ``2p`` tokens is dual-chunked on its own, the rest pooled (forked ranks inherit it)."""
+    before = documents.set_balanced_min_chunk(1)
+    yield
+    documents.set_balanced_min_chunk(before)
+
+
+def test_block_plan_covers_exactly_the_document_mask(small_chunks):
     """Every block's pieces (masked or split per document) tile exactly the dense mask's
     visible pairs, once each; skipped blocks have none; the work and step counts agree."""
     rng = random.Random(0)
@@ -98,7 +109,7 @@ def test_block_plan_covers_exactly_the_document_mask():
         p, layout = rng.randint(1, 4), rng.choice(LAYOUTS3)
         s = 2 * p * rng.randint(1, 5)
         n = s // p
-        cu = _random_cu(rng, s, unit=2 * p if layout == "doc_chunk" else 1)
+        cu = _random_cu(rng, s, unit=rng.choice([1, 2 * p]) if layout == "balanced" else 1)
         full = doc_mask(cu, s)
         work, last = [0] * p, 0
         for r in range(p):
@@ -137,12 +148,24 @@ def test_block_plan_covers_exactly_the_document_mask():
             assert torch.equal(document_positions(cu, r, p, n, layout), docpos[lp])
 
 
-def test_doc_chunk_balances_every_mix_exactly():
+def test_balanced_layout_balances_the_work(small_chunks):
+    """Documents that are multiples of ``2p`` tokens: exactly equal work on every rank; the
+    benchmark's mixes (default own-chunk minimum, 32K, p = 8): within 1.05 where
+    ``dual_chunk`` is off by more than 1.2; one document: exactly ``dual_chunk``."""
     rng = random.Random(1)
     for _ in range(40):
         p = rng.randint(1, 8)
         cu = _random_cu(rng, 2 * p * rng.randint(1, 40), max_docs=12, unit=2 * p)
-        assert work_balance(cu, p, "doc_chunk") == 1.0, (cu, p)
+        assert work_balance(cu, p, "balanced") == 1.0, (cu, p)
+    for p in (2, 3):
+        assert documents.balanced_runs((0, 12 * p), 1, p) == \
+            tuple(documents.rank_runs(1, p, 12, "dual_chunk"))
+    documents.set_balanced_min_chunk(documents.BALANCED_MIN_CHUNK_DEFAULT)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+    import packed
+    for seed in (0, 1, 3):
+        cu = packed.draw_mix(32768, seed)
+        assert work_balance(cu, 8, "balanced") <= 1.05 < 1.2 < work_balance(cu, 8, "dual_chunk")
 
 
 def test_one_document_plan_is_the_plain_causal_plan():
@@ -179,7 +202,7 @@ def _ring_packed(rank, p, cases):
             if key == "plain" and len(cu) > 2:
                 continue
             grp.stats.reset()
-            lay = "dual_chunk" if key == "plain" and layout == "doc_chunk" else layout
+            lay = "dual_chunk" if key == "plain" and layout == "balanced" else layout
             ql, kl, vl = (shard_documents(t, cu, rank, p, layout=layout).requires_grad_()
                           for t in (q, k, v))
             with _no_masks(kernel, split):
@@ -233,16 +256,19 @@ def _cases(p):
                 (s, edges, layout, 4, 1, "torch_flash", False, 10 * li + 3),     # MQA
                 (s, short, layout, 4, 2, "torch_flash", True, 10 * li + 4),      # split
                 (s, (0, s), layout, 2, 2, "torch_flash", False, 10 * li + 5)]    # one document
-    u = 2 * p  # doc_chunk: every document a multiple of 2p
-    out += [(s, (0, u, 3 * u, s), "doc_chunk", 4, 2, "torch_flash", False, 31),
-            (s, (0, u, 2 * u, 3 * u, s), "doc_chunk", 2, 1, "reference", False, 32),
-            (s, (0, u, 3 * u, s), "doc_chunk", 2, 2, "torch_flash", True, 33),
-            (s, (0, s), "doc_chunk", 2, 2, "reference", False, 34)]       # = dual_chunk
+    u = 2 * p  # balanced (own chunks from 1 token): documents of >= 2p tokens on their own
+    def cuts(*at):
+        return (0,) + tuple(sorted({c for c in at if 0 < c < s})) + (s,)
+
+    out += [(s, cuts(u, 3 * u), "balanced", 4, 2, "torch_flash", False, 31),
+            (s, cuts(1, u + 3, 2 * u + 2, 3 * u), "balanced", 2, 1, "reference", False, 32),
+            (s, cuts(u - 1, 3 * u + 1), "balanced", 2, 2, "torch_flash", True, 33),
+            (s, (0, s), "balanced", 2, 2, "reference", False, 34)]       # = dual_chunk
     return out
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 4])
-def test_ring_attention_packed_fp32_parity(p):
+def test_ring_attention_packed_fp32_parity(p, small_chunks):
     cases = _cases(p)
     out = run_ranks(_ring_packed, p, cases)
     for case, errs in zip(cases, _ring_errors(out, cases)):
@@ -277,7 +303,7 @@ def _mixes(p, seed, count):
         layout = rng.choice(LAYOUTS3)
         s = 2 * p * rng.randint(1, 4)
         hkv = rng.choice([1, 2])
-        cu = _random_cu(rng, s, max_docs=8, unit=2 * p if layout == "doc_chunk" else 1)
+        cu = _random_cu(rng, s, max_docs=8)
         out.append((s, cu, layout, hkv * rng.choice([1, 2]), hkv,
                     rng.choice(["reference", "torch_flash"]), rng.random() < 0.3, seed + i))
     return out
@@ -287,6 +313,14 @@ def _mixes(p, seed, count):
           suppress_health_check=list(HealthCheck))
 @given(seed=st.integers(0, 10 ** 6))
 def test_random_document_mixes_match_the_reference(seed):
+    before = documents.set_balanced_min_chunk(1)
+    try:
+        _random_mixes(seed)
+    finally:
+        documents.set_balanced_min_chunk(before)
+
+
+def _random_mixes(seed):
     """One example is a batch of random mixes (lengths, boundaries, layout, GQA, kernel) for
     each group size, one ``run_ranks`` call per size."""
     for p in (2, 3, 4):
@@ -350,8 +384,7 @@ def _bad_rank(rank, p):
         except ValueError as exc:
             msgs[name] = str(exc)
     for name, kw in {"not_causal": dict(causal=False, cu_seqlens=[0, 8]),
-                     "doc_chunk_odd": dict(layout="doc_chunk", cu_seqlens=[0, 2, 8]),
-                     "doc_chunk_no_cu": dict(layout="doc_chunk")}.items():
+                     "balanced_no_cu": dict(layout="balanced")}.items():
         try:
             ring_attention(x, x, x, group=grp, **kw)
             msgs[name] = None
@@ -365,7 +398,7 @@ def test_bad_boundaries_are_refused_on_every_rank_before_any_transfer():
         assert steps == 0
         assert all(m is not None and "cu_seqlens" in m for m in msgs.values()), msgs
         assert "strictly increasing" in msgs["not_increasing"]
-        assert "multiple of 2·p = 4" in msgs["doc_chunk_odd"]
+        assert "layout='balanced'" in msgs["balanced_no_cu"]
         assert "end at the sequence length 8" in msgs["not_ending_at_s"]
         assert "causal=True" in msgs["not_causal"]
 
@@ -418,12 +451,12 @@ METP_CASES = [  # (A, G, layout, rope, kernel, cu_seqlens, seed)
     (4, 4, "dual_chunk", True, "torch_flash", (0, 3, 9, 16), 1),
     (8, 4, "contiguous", True, "reference", (0, 8, 11, 16), 2),     # GQA, boundary at a block
     (4, 4, "dual_chunk", False, "reference", (0, 16), 3),           # one document
-    (4, 4, "doc_chunk", True, "torch_flash", (0, 8, 16), 4),        # balanced layout
+    (4, 4, "balanced", True, "torch_flash", (0, 9, 16), 4),         # balanced layout
 ]
 
 
 @pytest.mark.parametrize("p", [1, 2, 4])
-def test_metp_attention_packed_fp32_parity_with_per_document_rope(p):
+def test_metp_attention_packed_fp32_parity_with_per_document_rope(p, small_chunks):
     out = run_ranks(_metp_packed, p, METP_CASES)
     for i, (A, G, layout, rope, kernel, cu, seed) in enumerate(METP_CASES):
         full = full_attention_params(S_ATT, B, H_ATT, A, G, D, rope=rope, seed=seed)
@@ -484,8 +517,6 @@ def _bench_rank(rank, p, cases):
 def test_packed_benchmark_quick_and_its_arithmetic_is_what_the_ranks_do(capsys):
     """``benchmarks/packed.py --quick`` prints its tables; its byte and launch arithmetic equals
     what forked ranks send and launch for the same plans (tiny shapes, fp32)."""
-    import os
-    import sys
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
     import packed
 

@@ -10,13 +10,17 @@ start (:func:`document_positions`).
 Layouts (:mod:`.sequence`): rank ``r`` of ``p`` holds ``n = s/p`` tokens as *runs* of consecutive
 global positions (:func:`rank_runs`): ``dual_chunk`` two runs of ``c = n/2`` (chunks ``r`` and
 ``2p−1−r`` of ``2p``), ``contiguous`` one run of ``n`` (block ``r``), and, for packed sequences
-only, ``doc_chunk``: *every document* cut into ``2p`` equal chunks, rank ``r`` holding chunks ``r``
-and ``2p−1−r`` of each (local order: document by document, its two chunks in order; every
-document length a multiple of ``2p``, as Megatron pads sequences for context parallelism in its
-THD format). ``doc_chunk`` gives every rank exactly the same causal work of every document (the
-dual-chunk argument per document), where ``dual_chunk`` over a packed sequence is unbalanced
-(``benchmarks/packed.py``); shard tokens for it with :func:`shard_documents`. Runs of two ranks
-are either the same positions or disjoint.
+only, ``balanced`` (:func:`balanced_runs`): every document of at least ``2p·m`` tokens
+(``m`` = :data:`BALANCED_MIN_CHUNK`) is dual-chunked *on its own*, its first ``2p·⌊L/2p⌋``
+tokens cut into ``2p`` equal chunks and rank ``r`` holding chunks ``r`` and ``2p−1−r`` of it (the
+per-sequence split Megatron's THD context parallelism makes); the rest (shorter documents and
+those few tail tokens), concatenated in natural order as a *pool*, is dual-chunked as one
+sequence. Local order: the long documents' chunks document by document, then the pool's two
+chunks. A long document then costs every rank exactly the same causal work; ``dual_chunk`` over
+a packed sequence does not balance (``benchmarks/packed.py``: max/mean up to ~1.9 at 128K).
+``balanced`` needs only ``s`` divisible by ``2p``; one document, or only short ones, is exactly
+``dual_chunk``. Shard tokens for it with :func:`shard_documents`. The runs of all ranks
+partition the sequence.
 
 Block plan (:func:`block_pieces`): the block of rank ``r``'s queries against rank ``j``'s keys is
 cut into *pieces* ``(rows, keys, causal, masked)`` (local row slices). Per pair of runs, the
@@ -48,8 +52,25 @@ import torch
 
 from .sequence import LAYOUTS, local_positions, unshard_sequence
 
-#: Layouts of a packed sequence: the plain ones and ``doc_chunk`` (per-document dual chunk).
-PACKED_LAYOUTS = LAYOUTS + ("doc_chunk",)
+#: Layouts of a packed sequence: the plain ones and ``balanced`` (long documents dual-chunked
+#: on their own, the rest dual-chunked together).
+PACKED_LAYOUTS = LAYOUTS + ("balanced",)
+
+#: ``balanced``: documents whose own chunks would have at least this many tokens are dual-chunked
+#: on their own (smaller pieces cost more in launches than they gain in balance). Change it with
+#: :func:`set_balanced_min_chunk` (the same value on every rank).
+BALANCED_MIN_CHUNK = BALANCED_MIN_CHUNK_DEFAULT = 128
+
+
+def set_balanced_min_chunk(tokens: int) -> int:
+    """Set :data:`BALANCED_MIN_CHUNK` (clears the cached plans); returns the previous value."""
+    global BALANCED_MIN_CHUNK
+    if not isinstance(tokens, int) or tokens < 1:
+        raise ValueError(f"balanced min chunk must be a positive int, got {tokens!r}")
+    before, BALANCED_MIN_CHUNK = BALANCED_MIN_CHUNK, tokens
+    for fn in (balanced_runs, _rank_doc_runs, _rectangles, block_pieces, forward_steps):
+        fn.cache_clear()
+    return before
 
 
 def check_cu_seqlens(cu_seqlens, s: int) -> Tuple[int, ...]:
@@ -104,40 +125,61 @@ def check_layout(layout: str, cu, p: int) -> None:
     """ValueError unless ``layout`` can hold the packed sequence ``cu`` on ``p`` ranks."""
     if layout not in PACKED_LAYOUTS:
         raise ValueError(f"layout must be one of {PACKED_LAYOUTS}, got {layout!r}")
-    if layout != "doc_chunk":
+    if layout != "balanced":
         return
     if cu is None:
-        raise ValueError("layout='doc_chunk' (every document cut into 2·p chunks) needs "
+        raise ValueError("layout='balanced' (documents dual-chunked over the ranks) needs "
                          "cu_seqlens")
-    odd = [(d, cu[d + 1] - cu[d]) for d in range(len(cu) - 1) if (cu[d + 1] - cu[d]) % (2 * p)]
-    if odd:
-        raise ValueError(f"layout='doc_chunk' needs every document length (cu_seqlens) to be a "
-                         f"multiple of 2·p = {2 * p}; document {odd[0][0]} has {odd[0][1]} tokens: "
-                         f"pad each document to a multiple of {2 * p}, or use layout='dual_chunk'")
+    if cu[-1] % (2 * p):
+        raise ValueError(f"layout='balanced' needs the sequence length (cu_seqlens[-1] = "
+                         f"{cu[-1]}) divisible by 2·p = {2 * p}; pad the packed sequence")
 
 
 def rank_runs(rank: int, p: int, n: int, layout: str,
               cu: Tuple[int, ...] = None) -> Tuple[Tuple[int, int, int], ...]:
     """Rank ``rank``'s ``n`` local tokens as runs ``(local start, global start, length)``
-    (``cu``: the documents, needed for ``doc_chunk``)."""
+    (``cu``: the documents, needed for ``balanced``)."""
     if layout not in PACKED_LAYOUTS:
         raise ValueError(f"layout must be one of {PACKED_LAYOUTS}, got {layout!r}")
     if layout == "contiguous":
         return ((0, rank * n, n),)
-    if layout == "doc_chunk":
-        return _doc_chunk_runs(tuple(cu), rank, p)
+    if layout == "balanced":
+        return balanced_runs(tuple(cu), rank, p)
     c = n // 2
     return ((0, rank * c, c), (c, (2 * p - 1 - rank) * c, c))
 
 
 @lru_cache(maxsize=256)
-def _doc_chunk_runs(cu, rank, p):
-    runs, local = [], 0
+def balanced_runs(cu: Tuple[int, ...], rank: int, p: int) -> Tuple[Tuple[int, int, int], ...]:
+    """Rank ``rank``'s runs ``(local start, global start, length)`` in the ``balanced`` layout
+    (module docstring): long documents' own chunks ``rank`` and ``2p−1−rank``, then the pool's."""
+    q = 2 * p
+    own, pool = [], []
     for d in range(len(cu) - 1):
-        c = (cu[d + 1] - cu[d]) // (2 * p)
-        for chunk in (rank, 2 * p - 1 - rank):
-            runs.append((local, cu[d] + chunk * c, c))
+        a, length = cu[d], cu[d + 1] - cu[d]
+        c = length // q
+        if c >= BALANCED_MIN_CHUNK:
+            own.append((a, c))
+            if length % q:
+                pool.append((a + c * q, length % q))
+        elif pool and pool[-1][0] + pool[-1][1] == a:  # contiguous with the pool's last piece
+            pool[-1] = (pool[-1][0], pool[-1][1] + length)
+        else:
+            pool.append((a, length))
+    runs, local = [], 0
+    for a, c in own:
+        for chunk in (rank, q - 1 - rank):
+            runs.append((local, a + chunk * c, c))
             local += c
+    pc = sum(length for _, length in pool) // q
+    for chunk in (rank, q - 1 - rank):
+        lo, hi, at = chunk * pc, (chunk + 1) * pc, 0  # pool coordinates
+        for a, length in pool:
+            s0, s1 = max(lo, at), min(hi, at + length)
+            if s0 < s1:
+                runs.append((local, a + s0 - at, s1 - s0))
+                local += s1 - s0
+            at += length
     return tuple(runs)
 
 
@@ -146,13 +188,13 @@ def layout_positions(rank: int, p: int, n: int, layout: str, cu=None,
     """Global positions (int64) of rank ``rank``'s ``n`` tokens in local order (any layout of
     :data:`PACKED_LAYOUTS`; :func:`~megatron_metp.ops.sequence.local_positions` for the plain
     ones)."""
-    if layout != "doc_chunk":
+    if layout != "balanced":
         return local_positions(rank, p, n, layout=layout, device=device)
     return torch.cat([torch.arange(g, g + length, device=device)
                       for _, g, length in rank_runs(rank, p, n, layout, cu)])
 
 
-def shard_documents(x: torch.Tensor, cu, rank: int, p: int, *, layout: str = "doc_chunk",
+def shard_documents(x: torch.Tensor, cu, rank: int, p: int, *, layout: str = "balanced",
                     seq_dim: int = 0) -> torch.Tensor:
     """Rank ``rank``'s tokens of the full packed sequence ``x`` in ``layout`` order (a copy)."""
     cu = check_cu_seqlens(cu, x.shape[seq_dim])
@@ -161,11 +203,11 @@ def shard_documents(x: torch.Tensor, cu, rank: int, p: int, *, layout: str = "do
     return x.index_select(seq_dim, pos)
 
 
-def unshard_documents(parts: Sequence[torch.Tensor], cu, *, layout: str = "doc_chunk",
+def unshard_documents(parts: Sequence[torch.Tensor], cu, *, layout: str = "balanced",
                       seq_dim: int = 0) -> torch.Tensor:
     """Inverse of :func:`shard_documents`: ``parts[r]`` is rank ``r``'s tokens."""
     p = len(parts)
-    if layout != "doc_chunk":
+    if layout != "balanced":
         return unshard_sequence(parts, layout=layout, seq_dim=seq_dim)
     cu = tuple(cu)
     n = cu[-1] // p
@@ -176,7 +218,7 @@ def unshard_documents(parts: Sequence[torch.Tensor], cu, *, layout: str = "doc_c
 
 def to_layout_order(positions: torch.Tensor, p: int, s: int, layout: str, cu=None):
     """``(rank, local index)`` of global natural-order ``positions`` (int64 tensors)."""
-    if layout == "doc_chunk":
+    if layout == "balanced":
         n = s // p
         rank, idx = torch.empty(s, dtype=torch.int64), torch.empty(s, dtype=torch.int64)
         for r in range(p):
@@ -226,12 +268,45 @@ class Piece(NamedTuple):
 MASK_WASTE = 2.0
 
 
+@lru_cache(maxsize=256)
+def _rank_doc_runs(cu, rank, n, p, layout):
+    """Rank ``rank``'s runs cut at document boundaries, by document: ``{doc: [(local, global,
+    length), ...]}``."""
+    out = {}
+    for ql, qg, L in rank_runs(rank, p, n, layout, cu):
+        d = bisect.bisect_right(cu, qg) - 1
+        while cu[d] < qg + L:
+            lo, hi = max(cu[d], qg), min(cu[d + 1], qg + L)
+            out.setdefault(d, []).append((ql + lo - qg, lo, hi - lo))
+            d += 1
+    return out
+
+
+def _rectangles_by_document(cu, r, j, n, p, layout):
+    """:func:`_rectangles` for any partition into runs: per document, each pair of its query
+    and key pieces is causal (the same piece), full (keys before) or nothing."""
+    keys = _rank_doc_runs(cu, j, n, p, layout)
+    rects = []
+    for d, qruns in _rank_doc_runs(cu, r, n, p, layout).items():
+        for ql, qg, L in qruns:
+            for kl, kg, M in keys.get(d, ()):
+                if kg == qg:
+                    rects.append((ql, ql + L, kl, kl + M, True))
+                elif kg + M <= qg:
+                    rects.append((ql, ql + L, kl, kl + M, False))
+    return tuple(rects), len(cu) > 2  # one document: balanced is dual_chunk
+
+
+@lru_cache(maxsize=4096)
 def _rectangles(cu, r, j, n, p, layout):
     """Visible rectangles ``(q_lo, q_hi, k_lo, k_hi, causal)`` (local rows) of block ``(r, j)``
-    and whether any document boundary cuts a causally related pair of runs."""
+    and whether any document boundary cuts a causally related pair of runs (cached: the same
+    plan serves every head-group block, layer and step)."""
+    if layout == "balanced":
+        return _rectangles_by_document(cu, r, j, n, p, layout)
     rects, cut = [], False
-    for ql, qg, L in rank_runs(r, p, n, layout, cu):
-        for kl, kg, M in rank_runs(j, p, n, layout, cu):
+    for (ql, qg, L) in rank_runs(r, p, n, layout, cu):
+        for (kl, kg, M) in rank_runs(j, p, n, layout, cu):
             if kg >= qg + L:  # every key after every query
                 continue
             if kg == qg:  # the same chunk: one causal square per document in it
@@ -252,7 +327,7 @@ def _rectangles(cu, r, j, n, p, layout):
             if q_hi != qg + L or k_lo != kg:
                 cut = True
             rects.append((ql, ql + q_hi - qg, kl + k_lo - kg, kl + M, False))
-    return rects, cut
+    return tuple(rects), cut
 
 
 def _docs_in(cu, lo, hi) -> int:
@@ -272,7 +347,7 @@ def block_pieces(cu: Tuple[int, ...], r: int, j: int, n: int, p: int, layout: st
     rects, cut = _rectangles(cu, r, j, n, p, layout)
     if not rects:
         return ()
-    if not cut:  # no boundary inside: the plain causal block (doc_chunk: one document)
+    if not cut:  # no boundary inside: the plain causal block (balanced: one document)
         qs, ks, causal = block_plan(r, j, n, True, "contiguous" if layout == "contiguous"
                                     else "dual_chunk")
         return (Piece(qs, ks, causal, False),)
@@ -328,6 +403,7 @@ def piece_mask(piece: Piece, device=None) -> torch.Tensor:
     return mask
 
 
+@lru_cache(maxsize=256)
 def forward_steps(cu: Tuple[int, ...], n: int, p: int, layout: str) -> int:
     """Ring steps the forward needs: ``1 +`` the largest ring distance ``(r − j) mod p`` of a
     block with a visible pair on any rank (the same on every rank; later steps, whose K/V

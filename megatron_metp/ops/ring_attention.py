@@ -436,8 +436,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, 
         group: :class:`~megatron_metp.groups.METPGroup` (or ProcessGroup, or ``None`` for p=1).
         causal: causal mask over *global* positions of ``layout``.
         layout: ``"dual_chunk"`` (Megatron CP order) or ``"contiguous"``; with ``cu_seqlens``
-            also ``"doc_chunk"`` (every document dual-chunked over the ranks: balanced work;
-            shard with :func:`documents.shard_documents`).
+            also ``"balanced"`` (long documents dual-chunked over the ranks on their own, the
+            rest together: balanced work; shard with :func:`documents.shard_documents`).
         softmax_scale: default ``1/sqrt(d)``.
         kernel: block kernel name (``"flash_attn"``, ``"torch_flash"``, ``"reference"``); default
             the best available. The one used is counted in ``group.stats.kernels``.
@@ -471,17 +471,17 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, 
 
 
 def shape_layout(layout: str) -> str:
-    """The plain layout whose shape rules ``layout`` follows (``doc_chunk``: ``dual_chunk``'s,
+    """The plain layout whose shape rules ``layout`` follows (``balanced``: ``dual_chunk``'s,
     an even number of local tokens)."""
-    return "dual_chunk" if layout == "doc_chunk" else layout
+    return "dual_chunk" if layout == "balanced" else layout
 
 
 def check_packed(cu_seqlens, s: int, causal: bool, layout: str, p: int):
     """``cu_seqlens`` checked (a tuple of ints, :func:`documents.check_cu_seqlens`), or ``None``;
-    packed sequences need ``causal=True``; ``layout='doc_chunk'`` needs them, every document a
-    multiple of ``2p`` tokens (:func:`documents.check_layout`)."""
+    packed sequences need ``causal=True``; ``layout='balanced'`` needs them
+    (:func:`documents.check_layout`)."""
     if cu_seqlens is None:
-        if layout == "doc_chunk":
+        if layout == "balanced":
             documents.check_layout(layout, None, p)
         return None
     if not causal:
