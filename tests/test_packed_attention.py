@@ -431,7 +431,7 @@ def reference_packed_self_attention(full, cu, A, G):
 
 def _metp_packed(rank, p, cases):
     res = []
-    for A, G, layout, rope, kernel, cu, seed in cases:
+    for A, G, layout, rope, kernel, cu, seed, kb in cases:
         full = full_attention_params(S_ATT, B, H_ATT, A, G, D, rope=rope, seed=seed)
         params = {k: None if v is None else v.clone().requires_grad_()
                   for k, v in shard_attention(full, rank, p, A, G, D).items()}
@@ -440,25 +440,27 @@ def _metp_packed(rank, p, cases):
         y = metp_attention(x, params["qkv_weight"], params["proj_weight"], group=grp,
                            num_heads=A, num_query_groups=G, layout=layout,
                            rotary_pos_emb=full["rotary_pos_emb"], qkv_bias=params["qkv_bias"],
-                           proj_bias=params["proj_bias"], kernel=kernel, cu_seqlens=cu)
+                           proj_bias=params["proj_bias"], kernel=kernel, cu_seqlens=cu,
+                           head_block=kb if p % kb == 0 else 1)
         y.backward(shard_documents(full["gy"], cu, rank, p, layout=layout))
         res.append({"y": y.detach(), "dx": x.grad,
                     **{"d" + k: None if v is None else v.grad for k, v in params.items()}})
     return res
 
 
-METP_CASES = [  # (A, G, layout, rope, kernel, cu_seqlens, seed)
-    (4, 4, "dual_chunk", True, "torch_flash", (0, 3, 9, 16), 1),
-    (8, 4, "contiguous", True, "reference", (0, 8, 11, 16), 2),     # GQA, boundary at a block
-    (4, 4, "dual_chunk", False, "reference", (0, 16), 3),           # one document
-    (4, 4, "balanced", True, "torch_flash", (0, 9, 16), 4),         # balanced layout
+METP_CASES = [  # (A, G, layout, rope, kernel, cu_seqlens, seed, head_block)
+    (4, 4, "dual_chunk", True, "torch_flash", (0, 3, 9, 16), 1, 1),
+    (8, 4, "contiguous", True, "reference", (0, 8, 11, 16), 2, 1),     # GQA, boundary at a block
+    (4, 4, "dual_chunk", False, "reference", (0, 16), 3, 1),           # one document
+    (4, 4, "balanced", True, "torch_flash", (0, 9, 16), 4, 1),         # balanced layout
+    (4, 4, "dual_chunk", True, "torch_flash", (0, 2, 7, 16), 5, 2),    # head blocks of 2
 ]
 
 
 @pytest.mark.parametrize("p", [1, 2, 4])
 def test_metp_attention_packed_fp32_parity_with_per_document_rope(p, small_chunks):
     out = run_ranks(_metp_packed, p, METP_CASES)
-    for i, (A, G, layout, rope, kernel, cu, seed) in enumerate(METP_CASES):
+    for i, (A, G, layout, rope, kernel, cu, seed, kb) in enumerate(METP_CASES):
         full = full_attention_params(S_ATT, B, H_ATT, A, G, D, rope=rope, seed=seed)
         ref = reference_packed_self_attention(full, cu, A, G)
         rs = [o[i] for o in out]
@@ -540,3 +542,66 @@ def test_packed_benchmark_quick_and_its_arithmetic_is_what_the_ranks_do(capsys):
             fwd, bwd, blocks = res[r][i]
             assert (fwd, bwd) == (kv["fwd"], kv["bwd"]), (cu, layout, r)
             assert blocks == {"torch_flash": 2 * counts["launches"][r]}, (cu, layout, r)
+
+
+# ---------------------------------------------------------------- GPU paths, bf16, head blocks
+
+def test_cuda_kernels_get_per_document_pieces_without_a_mask():
+    """No GPU here: with the CUDA branches selected (:func:`emulate_cuda_branch`, the launch
+    benchmark's mode) on fake tensors, the packed ring (p = 1) runs torch_flash's CUDA calling
+    convention with full/causal pieces only (it takes no mask; a mask is refused) and the
+    shapes come out."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from megatron_metp.ops.attention_kernels import (FlashAttnKernel, TorchFlashKernel,
+                                                     emulate_cuda_branch)
+    from megatron_metp.ops.ring_attention import ring_attention_backward, ring_attention_forward
+
+    cu = (0, 5, 6, 16, 32)
+    grp = METPGroup.single("fake")
+    undo = emulate_cuda_branch()
+    try:
+        with FakeTensorMode():
+            q = torch.empty(1, 4, 32, 8, dtype=torch.bfloat16)
+            k = torch.empty(1, 2, 32, 8, dtype=torch.bfloat16)
+            v = torch.empty(1, 2, 32, 8, dtype=torch.bfloat16)
+            assert not TorchFlashKernel.takes_mask(q) and not FlashAttnKernel.takes_mask(q)
+            out, lse = ring_attention_forward(q, k, v, grp, True, "dual_chunk", 0.3,
+                                              TorchFlashKernel, cu_seqlens=cu)
+            assert out.shape == q.shape and lse.shape == (1, 4, 32)
+            dq, dk, dv = ring_attention_backward(out.to(q.dtype), q, k, v, out, lse, grp, True,
+                                                 "dual_chunk", 0.3, TorchFlashKernel,
+                                                 cu_seqlens=cu)
+            assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+            with pytest.raises(ValueError, match="takes no attention mask"):
+                TorchFlashKernel.forward(q, k, v, False, 0.3,
+                                         mask=torch.ones(32, 32, dtype=torch.bool))
+    finally:
+        undo()
+    pieces = block_pieces(cu, 0, 0, 32, 1, "dual_chunk", False)
+    assert grp.stats.blocks == {"torch_flash": 2 * len(pieces)} and len(pieces) == 4
+
+
+def _bf16_rank(rank, p, cu, layout):
+    q, k, v, go = (t.to(torch.bfloat16) for t in _qkv(32, 4, 2, 9))
+    grp = METPGroup.from_process_group(dist.group.WORLD, name="bf16")
+    ql, kl, vl = (shard_documents(t, cu, rank, p, layout=layout).requires_grad_()
+                  for t in (q, k, v))
+    o = ring_attention(ql, kl, vl, group=grp, layout=layout, kernel="torch_flash", cu_seqlens=cu)
+    o.backward(shard_documents(go, cu, rank, p, layout=layout))
+    return o.detach(), ql.grad
+
+
+@pytest.mark.parametrize("layout", ["dual_chunk", "balanced"])
+def test_bf16_packed_is_finite_and_close(layout, small_chunks):
+    """bf16 inputs (masked CPU flash kernel, rows without a visible key in many pieces): finite
+    and within bf16 rounding of the fp64 reference from the same rounded inputs."""
+    p, cu = 2, (0, 3, 4, 13, 30, 32)
+    out = run_ranks(_bf16_rank, p, cu, layout)
+    o = unshard_documents([r[0] for r in out], cu, layout=layout)
+    dq = unshard_documents([r[1] for r in out], cu, layout=layout)
+    q, k, v, go = (t.to(torch.bfloat16).double().requires_grad_() for t in _qkv(32, 4, 2, 9))
+    ref = reference_packed(q, k, v, cu)
+    ref.backward(go.detach())
+    assert torch.isfinite(o).all() and torch.isfinite(dq).all()
+    assert rel_err(o, ref) <= 2e-2 and rel_err(dq, q.grad) <= 3e-2
