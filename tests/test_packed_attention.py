@@ -146,6 +146,8 @@ def test_block_plan_covers_exactly_the_document_mask(small_chunks):
             assert torch.equal(rank[lp], torch.full((n,), r)) and torch.equal(idx[lp],
                                                                               torch.arange(n))
             assert torch.equal(document_positions(cu, r, p, n, layout), docpos[lp])
+            assert torch.equal(documents.local_document_ids(cu, r, p, n, layout),
+                               document_ids(cu, pos)[lp])
 
 
 def test_balanced_layout_balances_the_work(small_chunks):

@@ -241,6 +241,12 @@ def document_ids(cu: Sequence[int], positions: torch.Tensor) -> torch.Tensor:
     return torch.bucketize(positions, bounds, right=True) - 1
 
 
+def local_document_ids(cu: Sequence[int], rank: int, p: int, n: int, layout: str,
+                       device=None) -> torch.Tensor:
+    """Document index (int64) of each of rank ``rank``'s ``n`` local tokens (local order)."""
+    return document_ids(cu, layout_positions(rank, p, n, layout, cu, device=device))
+
+
 def document_positions(cu: Sequence[int], rank: int, p: int, n: int, layout: str,
                        device=None) -> torch.Tensor:
     """Position of each of rank ``rank``'s ``n`` local tokens within its document (int64, local
