@@ -35,6 +35,8 @@ from tests.numerics import rel_err
 from tests.test_attention import _shard as shard_attention
 
 B, D = 1, 4
+#: ``METP_FULL_PROPERTIES=1``: fresh random examples, 12x as many (as tests/test_properties.py).
+FULL = os.environ.get("METP_FULL_PROPERTIES", "") not in ("", "0")
 
 
 def doc_mask(cu, s):
@@ -311,8 +313,8 @@ def _mixes(p, seed, count):
     return out
 
 
-@settings(max_examples=2, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
-          suppress_health_check=list(HealthCheck))
+@settings(max_examples=24 if FULL else 2, deadline=None, derandomize=not FULL,
+          phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
 @given(seed=st.integers(0, 10 ** 6))
 def test_random_document_mixes_match_the_reference(seed):
     before = documents.set_balanced_min_chunk(1)

@@ -26,7 +26,8 @@ Block plan (:func:`block_pieces`): the block of rank ``r``'s queries against ran
 cut into *pieces* ``(rows, keys, causal, masked)`` (local row slices). Per pair of runs, the
 visible pairs are rectangles, one per document meeting both runs: a square causal one when the
 runs are the same chunk, a full one when the key run precedes the query run (then at most one
-document spans from the key run to the query run), none when the keys follow. Where no document
+document spans from the key run to the query run), none when the keys follow (``balanced``:
+the runs are first cut at document boundaries and paired within each document). Where no document
 boundary cuts a causally related run pair the block is exactly the plain causal block
 (:func:`~megatron_metp.ops.ring_attention.block_plan`). Otherwise a kernel that takes a mask
 gets the rectangles grouped (in row order, while a group's bounding box holds at most
@@ -346,8 +347,10 @@ def block_pieces(cu: Tuple[int, ...], r: int, j: int, n: int, p: int, layout: st
                  masks: bool = True) -> Tuple[Piece, ...]:
     """The pieces of rank ``r``'s queries against rank ``j``'s keys (``()``: skip the block).
 
-    ``masks``: the kernel takes a mask (one masked piece over the bounding box where the block
-    has several rectangles); else one full/causal piece per rectangle."""
+    ``masks``: the kernel takes a mask (rectangles grouped while a group's box holds at most
+    :data:`MASK_WASTE` times its visible pairs, one masked piece per group of several); else
+    one full/causal piece per rectangle. Cached (the same plan serves every head-group block,
+    layer and step)."""
     from .ring_attention import block_plan
 
     rects, cut = _rectangles(cu, r, j, n, p, layout)
