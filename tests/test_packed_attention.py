@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import random
+import sys
 
 import pytest
 import torch
@@ -20,18 +22,21 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from megatron_metp import METPGroup
-from megatron_metp.ops import metp_attention, ring_attention, shard_sequence, unshard_sequence
-from megatron_metp.ops import attention_kernels
+from megatron_metp.ops import metp_attention, ring_attention, shard_sequence
+from megatron_metp.ops import attention_kernels, documents
 from megatron_metp.ops.documents import (attention_work, block_pieces, check_cu_seqlens,
                                          document_ids, document_positions, forward_steps,
-                                         piece_mask, plan_counts, to_layout_order)
-from megatron_metp.ops.sequence import local_positions
+                                         layout_positions, piece_mask, plan_counts,
+                                         shard_documents, to_layout_order, unshard_documents,
+                                         work_balance)
 from tests.harness import run_ranks
 from tests.megatron_ref import _rope, full_attention_params
 from tests.numerics import rel_err
 from tests.test_attention import _shard as shard_attention
 
 B, D = 1, 4
+#: ``METP_FULL_PROPERTIES=1``: fresh random examples, 12x as many (as tests/test_properties.py).
+FULL = os.environ.get("METP_FULL_PROPERTIES", "") not in ("", "0")
 
 
 def doc_mask(cu, s):
@@ -79,32 +84,47 @@ def test_cu_seqlens_validation_names_the_argument():
         assert needle in str(exc.value), (name, str(exc.value))
 
 
-def _random_cu(rng, s, max_docs=6):
-    k = rng.randint(0, min(max_docs, s - 1))
-    return tuple([0] + sorted(rng.sample(range(1, s), k)) + [s])
+def _random_cu(rng, s, max_docs=6, unit=1):
+    """Random boundaries of ``s`` tokens, every document a multiple of ``unit`` tokens."""
+    m = s // unit
+    k = rng.randint(0, min(max_docs, m - 1))
+    return tuple(unit * c for c in [0] + sorted(rng.sample(range(1, m), k)) + [m])
 
 
-def test_block_plan_covers_exactly_the_document_mask():
+LAYOUTS3 = ["dual_chunk", "contiguous", "balanced"]
+
+
+@pytest.fixture
+def small_chunks():
+    """``balanced`` with own chunks from 1 token: at these tiny lengths every document of at
+    least ``2p`` tokens is dual-chunked on its own, the rest pooled (forked ranks inherit it)."""
+    before = documents.set_balanced_min_chunk(1)
+    yield
+    documents.set_balanced_min_chunk(before)
+
+
+def test_block_plan_covers_exactly_the_document_mask(small_chunks):
     """Every block's pieces (masked or split per document) tile exactly the dense mask's
     visible pairs, once each; skipped blocks have none; the work and step counts agree."""
     rng = random.Random(0)
     for _ in range(150):
-        p, layout = rng.randint(1, 4), rng.choice(["dual_chunk", "contiguous"])
+        p, layout = rng.randint(1, 4), rng.choice(LAYOUTS3)
         s = 2 * p * rng.randint(1, 5)
-        n, cu = s // p, _random_cu(rng, s)
+        n = s // p
+        cu = _random_cu(rng, s, unit=rng.choice([1, 2 * p]) if layout == "balanced" else 1)
         full = doc_mask(cu, s)
         work, last = [0] * p, 0
         for r in range(p):
-            qp = local_positions(r, p, n, layout=layout)
+            qp = layout_positions(r, p, n, layout, cu)
             for j in range(p):
-                m = full[qp][:, local_positions(j, p, n, layout=layout)]
+                m = full[qp][:, layout_positions(j, p, n, layout, cu)]
                 for masks in (True, False):
                     got = torch.zeros(m.shape, dtype=torch.int)
                     for pc in block_pieces(cu, r, j, n, p, layout, masks):
                         a, b = pc.rows.stop - pc.rows.start, pc.keys.stop - pc.keys.start
                         assert not (pc.masked and not masks)
                         if pc.masked:
-                            sub = piece_mask(cu, pc, r, j, n, p, layout).int()
+                            sub = piece_mask(pc).int()
                         else:
                             sub = torch.ones(a, b, dtype=torch.int)
                             if pc.causal:
@@ -118,13 +138,38 @@ def test_block_plan_covers_exactly_the_document_mask():
         assert attention_work(cu, p, layout) == tuple(work)
         assert forward_steps(cu, n, p, layout) == last + 1
         pos = torch.arange(s)
-        rank, idx = to_layout_order(pos, p, s, layout)
+        rank, idx = to_layout_order(pos, p, s, layout, cu)
         docpos = pos - torch.tensor(cu)[document_ids(cu, pos)]
+        parts = [shard_documents(pos, cu, r, p, layout=layout) for r in range(p)]
+        assert torch.equal(unshard_documents(parts, cu, layout=layout), pos)
         for r in range(p):
-            lp = local_positions(r, p, n, layout=layout)
+            lp = layout_positions(r, p, n, layout, cu)
+            assert torch.equal(parts[r], lp)
             assert torch.equal(rank[lp], torch.full((n,), r)) and torch.equal(idx[lp],
                                                                               torch.arange(n))
             assert torch.equal(document_positions(cu, r, p, n, layout), docpos[lp])
+            assert torch.equal(documents.local_document_ids(cu, r, p, n, layout),
+                               document_ids(cu, pos)[lp])
+
+
+def test_balanced_layout_balances_the_work(small_chunks):
+    """Documents that are multiples of ``2p`` tokens: exactly equal work on every rank; the
+    benchmark's mixes (default own-chunk minimum, 32K, p = 8): within 1.05 where
+    ``dual_chunk`` is off by more than 1.2; one document: exactly ``dual_chunk``."""
+    rng = random.Random(1)
+    for _ in range(40):
+        p = rng.randint(1, 8)
+        cu = _random_cu(rng, 2 * p * rng.randint(1, 40), max_docs=12, unit=2 * p)
+        assert work_balance(cu, p, "balanced") == 1.0, (cu, p)
+    for p in (2, 3):
+        assert documents.balanced_runs((0, 12 * p), 1, p) == \
+            tuple(documents.rank_runs(1, p, 12, "dual_chunk"))
+    documents.set_balanced_min_chunk(documents.BALANCED_MIN_CHUNK_DEFAULT)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+    import packed
+    for seed in (0, 1, 3):
+        cu = packed.draw_mix(32768, seed)
+        assert work_balance(cu, 8, "balanced") <= 1.05 < 1.2 < work_balance(cu, 8, "dual_chunk")
 
 
 def test_one_document_plan_is_the_plain_causal_plan():
@@ -161,21 +206,22 @@ def _ring_packed(rank, p, cases):
             if key == "plain" and len(cu) > 2:
                 continue
             grp.stats.reset()
-            ql, kl, vl = (shard_sequence(t, rank, p, layout=layout).clone().requires_grad_()
+            lay = "dual_chunk" if key == "plain" and layout == "balanced" else layout
+            ql, kl, vl = (shard_documents(t, cu, rank, p, layout=layout).requires_grad_()
                           for t in (q, k, v))
             with _no_masks(kernel, split):
-                o = ring_attention(ql, kl, vl, group=grp, layout=layout, kernel=kernel,
+                o = ring_attention(ql, kl, vl, group=grp, layout=lay, kernel=kernel,
                                    cu_seqlens=c)
                 fwd, fwd_blocks = grp.stats.snapshot(), dict(grp.stats.blocks)
-                o.backward(shard_sequence(go, rank, p, layout=layout))
+                o.backward(shard_documents(go, cu, rank, p, layout=layout))
             one[key] = {"o": o.detach(), "dq": ql.grad, "dk": kl.grad, "dv": vl.grad,
                         "fwd": fwd, "fwd_blocks": fwd_blocks, "blocks": dict(grp.stats.blocks)}
         res.append(one)
     return res
 
 
-def _gather(out, i, key, layout):
-    return {name: unshard_sequence([o[i][key][name] for o in out], layout=layout)
+def _gather(out, i, key, layout, cu):
+    return {name: unshard_documents([o[i][key][name] for o in out], cu, layout=layout)
             for name in ("o", "dq", "dk", "dv")}
 
 
@@ -194,7 +240,7 @@ def _ring_errors(out, cases, ref_cu=None):
         q, k, v, go = (t.double().requires_grad_() for t in _qkv(s, hq, hkv, seed))
         ref = reference_packed(q, k, v, ref_cu or cu)
         ref.backward(go.detach())
-        got = _gather(out, i, "packed", layout)
+        got = _gather(out, i, "packed", layout, cu)
         errs.append({"o": rel_err(got["o"], ref), "dq": rel_err(got["dq"], q.grad),
                      "dk": rel_err(got["dk"], k.grad), "dv": rel_err(got["dv"], v.grad)})
     return errs
@@ -214,11 +260,19 @@ def _cases(p):
                 (s, edges, layout, 4, 1, "torch_flash", False, 10 * li + 3),     # MQA
                 (s, short, layout, 4, 2, "torch_flash", True, 10 * li + 4),      # split
                 (s, (0, s), layout, 2, 2, "torch_flash", False, 10 * li + 5)]    # one document
+    u = 2 * p  # balanced (own chunks from 1 token): documents of >= 2p tokens on their own
+    def cuts(*at):
+        return (0,) + tuple(sorted({c for c in at if 0 < c < s})) + (s,)
+
+    out += [(s, cuts(u, 3 * u), "balanced", 4, 2, "torch_flash", False, 31),
+            (s, cuts(1, u + 3, 2 * u + 2, 3 * u), "balanced", 2, 1, "reference", False, 32),
+            (s, cuts(u - 1, 3 * u + 1), "balanced", 2, 2, "torch_flash", True, 33),
+            (s, (0, s), "balanced", 2, 2, "reference", False, 34)]       # = dual_chunk
     return out
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 4])
-def test_ring_attention_packed_fp32_parity(p):
+def test_ring_attention_packed_fp32_parity(p, small_chunks):
     cases = _cases(p)
     out = run_ranks(_ring_packed, p, cases)
     for case, errs in zip(cases, _ring_errors(out, cases)):
@@ -226,7 +280,8 @@ def test_ring_attention_packed_fp32_parity(p):
     _check_launches(out, cases)
     for i, case in enumerate(cases):
         if len(case[1]) == 2:  # one document: equal to plain causal, same blocks and traffic
-            packed, plain = _gather(out, i, "packed", case[2]), _gather(out, i, "plain", case[2])
+            packed = _gather(out, i, "packed", case[2], case[1])
+            plain = _gather(out, i, "plain", case[2], case[1])
             for name in packed:
                 assert rel_err(packed[name], plain[name]) <= 1e-6, (case, name)
             for o in out:
@@ -249,18 +304,27 @@ def _mixes(p, seed, count):
     rng = random.Random(seed)
     out = []
     for i in range(count):
-        layout = rng.choice(["dual_chunk", "contiguous"])
+        layout = rng.choice(LAYOUTS3)
         s = 2 * p * rng.randint(1, 4)
         hkv = rng.choice([1, 2])
-        out.append((s, _random_cu(rng, s, max_docs=8), layout, hkv * rng.choice([1, 2]), hkv,
+        cu = _random_cu(rng, s, max_docs=8)
+        out.append((s, cu, layout, hkv * rng.choice([1, 2]), hkv,
                     rng.choice(["reference", "torch_flash"]), rng.random() < 0.3, seed + i))
     return out
 
 
-@settings(max_examples=2, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
-          suppress_health_check=list(HealthCheck))
+@settings(max_examples=24 if FULL else 2, deadline=None, derandomize=not FULL,
+          phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
 @given(seed=st.integers(0, 10 ** 6))
 def test_random_document_mixes_match_the_reference(seed):
+    before = documents.set_balanced_min_chunk(1)
+    try:
+        _random_mixes(seed)
+    finally:
+        documents.set_balanced_min_chunk(before)
+
+
+def _random_mixes(seed):
     """One example is a batch of random mixes (lengths, boundaries, layout, GQA, kernel) for
     each group size, one ``run_ranks`` call per size."""
     for p in (2, 3, 4):
@@ -286,14 +350,19 @@ def _skip_rank(rank, p, s, cu):
 
 
 def test_skipped_blocks_launch_no_kernel_and_unneeded_steps_are_not_sent():
-    """Documents inside each rank's block (contiguous): only the diagonal blocks run, one
-    launch each way per rank, and the forward ring sends nothing (one step); with one document
-    crossing from rank 1 into rank 2, that block runs too and the forward needs two steps."""
+    """Documents inside each rank's block (contiguous): only the diagonal blocks run (ranks 0
+    and 2 hold two documents each: two causal pieces, as one masked box would be 3x and 2.4x
+    their pairs), and the forward ring sends nothing (one step); with documents crossing each
+    rank boundary, the blocks they cross run too and the forward needs two steps."""
     p, s = 4, 32
     within = (0, 3, 8, 16, 20, 24, 32)
-    for (fwd, blocks_fwd), blocks in run_ranks(_skip_rank, p, s, within):
+    assert all(block_pieces(within, r, j, 8, p, "contiguous") == ()
+               for r in range(p) for j in range(p) if j != r)
+    assert [len(block_pieces(within, r, r, 8, p, "contiguous")) for r in range(p)] == [2, 1, 2, 1]
+    for r, ((fwd, blocks_fwd), blocks) in enumerate(run_ranks(_skip_rank, p, s, within)):
         assert fwd["steps"] == 0 and fwd["bytes_sent"] == 0
-        assert blocks_fwd == {"reference": 1} and blocks == {"reference": 2}
+        launches = [2, 1, 2, 1][r]
+        assert blocks_fwd == {"reference": launches} and blocks == {"reference": 2 * launches}
     crossing = (0, 12, 20, 32)
     counts = plan_counts(crossing, p, "contiguous")
     res = run_ranks(_skip_rank, p, s, crossing)
@@ -301,7 +370,7 @@ def test_skipped_blocks_launch_no_kernel_and_unneeded_steps_are_not_sent():
         assert fwd["steps"] == counts["steps"] - 1 == 1
         assert blocks_fwd == {"reference": counts["launches"][r]}
         assert blocks == {"reference": 2 * counts["launches"][r]}
-    assert counts["launches"] == [1, 2, 2, 2]
+    assert counts["launches"] == [1, 3, 3, 2]  # diagonal pieces per document + the crossing
 
 
 # ---------------------------------------------------------------- refusals
@@ -318,10 +387,13 @@ def _bad_rank(rank, p):
             msgs[name] = None
         except ValueError as exc:
             msgs[name] = str(exc)
-    try:
-        ring_attention(x, x, x, group=grp, causal=False, cu_seqlens=[0, 8])
-    except ValueError as exc:
-        msgs["not_causal"] = str(exc)
+    for name, kw in {"not_causal": dict(causal=False, cu_seqlens=[0, 8]),
+                     "balanced_no_cu": dict(layout="balanced")}.items():
+        try:
+            ring_attention(x, x, x, group=grp, **kw)
+            msgs[name] = None
+        except ValueError as exc:
+            msgs[name] = str(exc)
     return msgs, grp.stats.steps
 
 
@@ -330,6 +402,7 @@ def test_bad_boundaries_are_refused_on_every_rank_before_any_transfer():
         assert steps == 0
         assert all(m is not None and "cu_seqlens" in m for m in msgs.values()), msgs
         assert "strictly increasing" in msgs["not_increasing"]
+        assert "layout='balanced'" in msgs["balanced_no_cu"]
         assert "end at the sequence length 8" in msgs["not_ending_at_s"]
         assert "causal=True" in msgs["not_causal"]
 
@@ -362,38 +435,41 @@ def reference_packed_self_attention(full, cu, A, G):
 
 def _metp_packed(rank, p, cases):
     res = []
-    for A, G, layout, rope, kernel, cu, seed in cases:
+    for A, G, layout, rope, kernel, cu, seed, kb in cases:
         full = full_attention_params(S_ATT, B, H_ATT, A, G, D, rope=rope, seed=seed)
         params = {k: None if v is None else v.clone().requires_grad_()
                   for k, v in shard_attention(full, rank, p, A, G, D).items()}
-        x = shard_sequence(full["x"], rank, p, layout=layout).clone().requires_grad_()
+        x = shard_documents(full["x"], cu, rank, p, layout=layout).requires_grad_()
         grp = METPGroup.from_process_group(dist.group.WORLD if p > 1 else None, name="mp")
         y = metp_attention(x, params["qkv_weight"], params["proj_weight"], group=grp,
                            num_heads=A, num_query_groups=G, layout=layout,
                            rotary_pos_emb=full["rotary_pos_emb"], qkv_bias=params["qkv_bias"],
-                           proj_bias=params["proj_bias"], kernel=kernel, cu_seqlens=cu)
-        y.backward(shard_sequence(full["gy"], rank, p, layout=layout))
+                           proj_bias=params["proj_bias"], kernel=kernel, cu_seqlens=cu,
+                           head_block=kb if p % kb == 0 else 1)
+        y.backward(shard_documents(full["gy"], cu, rank, p, layout=layout))
         res.append({"y": y.detach(), "dx": x.grad,
                     **{"d" + k: None if v is None else v.grad for k, v in params.items()}})
     return res
 
 
-METP_CASES = [  # (A, G, layout, rope, kernel, cu_seqlens, seed)
-    (4, 4, "dual_chunk", True, "torch_flash", (0, 3, 9, 16), 1),
-    (8, 4, "contiguous", True, "reference", (0, 8, 11, 16), 2),     # GQA, boundary at a block
-    (4, 4, "dual_chunk", False, "reference", (0, 16), 3),           # one document
+METP_CASES = [  # (A, G, layout, rope, kernel, cu_seqlens, seed, head_block)
+    (4, 4, "dual_chunk", True, "torch_flash", (0, 3, 9, 16), 1, 1),
+    (8, 4, "contiguous", True, "reference", (0, 8, 11, 16), 2, 1),     # GQA, boundary at a block
+    (4, 4, "dual_chunk", False, "reference", (0, 16), 3, 1),           # one document
+    (4, 4, "balanced", True, "torch_flash", (0, 9, 16), 4, 1),         # balanced layout
+    (4, 4, "dual_chunk", True, "torch_flash", (0, 2, 7, 16), 5, 2),    # head blocks of 2
 ]
 
 
 @pytest.mark.parametrize("p", [1, 2, 4])
-def test_metp_attention_packed_fp32_parity_with_per_document_rope(p):
+def test_metp_attention_packed_fp32_parity_with_per_document_rope(p, small_chunks):
     out = run_ranks(_metp_packed, p, METP_CASES)
-    for i, (A, G, layout, rope, kernel, cu, seed) in enumerate(METP_CASES):
+    for i, (A, G, layout, rope, kernel, cu, seed, kb) in enumerate(METP_CASES):
         full = full_attention_params(S_ATT, B, H_ATT, A, G, D, rope=rope, seed=seed)
         ref = reference_packed_self_attention(full, cu, A, G)
         rs = [o[i] for o in out]
-        got = {"y": unshard_sequence([r["y"] for r in rs], layout=layout),
-               "dx": unshard_sequence([r["dx"] for r in rs], layout=layout)}
+        got = {"y": unshard_documents([r["y"] for r in rs], cu, layout=layout),
+               "dx": unshard_documents([r["dx"] for r in rs], cu, layout=layout)}
         errs = {k: rel_err(got[k], ref[k]) for k in got}
         rows = (G // p) * (A // G + 2) * D
         cols = (A // p) * D
@@ -424,3 +500,112 @@ def _local_rope_rank(rank, p):
 def test_per_rank_rope_slice_with_cu_seqlens_is_refused():
     for msg, steps in run_ranks(_local_rope_rank, 2):
         assert msg is not None and "whole-sequence table" in msg and steps == 0
+
+
+# ---------------------------------------------------------------- the benchmark
+
+def _bench_rank(rank, p, cases):
+    res = []
+    for s, cu, layout in cases:
+        q, k, v, go = _qkv(s, 2, 2, 0)
+        grp = METPGroup.from_process_group(dist.group.WORLD, name="bench")
+        ql, kl, vl = (shard_sequence(t, rank, p, layout=layout).clone().requires_grad_()
+                      for t in (q, k, v))
+        o = ring_attention(ql, kl, vl, group=grp, layout=layout, kernel="torch_flash",
+                           cu_seqlens=cu)
+        fwd = grp.stats.snapshot()
+        o.backward(shard_sequence(go, rank, p, layout=layout))
+        res.append((fwd["bytes_sent"], grp.stats.bytes_sent - fwd["bytes_sent"],
+                    dict(grp.stats.blocks)))
+    return res
+
+
+def test_packed_benchmark_quick_and_its_arithmetic_is_what_the_ranks_do(capsys):
+    """``benchmarks/packed.py --quick`` prints its tables; its byte and launch arithmetic equals
+    what forked ranks send and launch for the same plans (tiny shapes, fp32)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+    import packed
+
+    balance, layer = packed.main(["--quick"])
+    text = capsys.readouterr().out
+    assert "| context | seed | docs | dual_chunk | contiguous |" in text and "launches" in text
+    assert all(r["dual_chunk"] >= 1.0 for r in balance)
+    full = [r for r in layer if r["mix"] == "full causal" and r["layout"] == "dual_chunk"][0]
+    assert full["balance"] == 1.0 and full["fwd_steps"] == 4 and full["launches_masked"] == 4
+    assert packed.draw_mix(2048, 1)[-1] == 2048
+
+    p, s = 4, 32
+    rng = random.Random(5)
+    cases = [(s, _random_cu(rng, s, 5), lay) for lay in ("dual_chunk", "contiguous")
+             for _ in range(2)] + [(s, (0, 3, 8, 16, 20, 24, 32), "contiguous")]
+    res = run_ranks(_bench_rank, p, cases)
+    for i, (s_, cu, layout) in enumerate(cases):
+        kv = packed.kv_bytes(cu, p, layout, B, 2, D, 4)
+        counts = plan_counts(cu, p, layout, masks=True)
+        for r in range(p):
+            fwd, bwd, blocks = res[r][i]
+            assert (fwd, bwd) == (kv["fwd"], kv["bwd"]), (cu, layout, r)
+            assert blocks == {"torch_flash": 2 * counts["launches"][r]}, (cu, layout, r)
+
+
+# ---------------------------------------------------------------- GPU paths, bf16, head blocks
+
+def test_cuda_kernels_get_per_document_pieces_without_a_mask():
+    """No GPU here: with the CUDA branches selected (:func:`emulate_cuda_branch`, the launch
+    benchmark's mode) on fake tensors, the packed ring (p = 1) runs torch_flash's CUDA calling
+    convention with full/causal pieces only (it takes no mask; a mask is refused) and the
+    shapes come out."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from megatron_metp.ops.attention_kernels import (FlashAttnKernel, TorchFlashKernel,
+                                                     emulate_cuda_branch)
+    from megatron_metp.ops.ring_attention import ring_attention_backward, ring_attention_forward
+
+    cu = (0, 5, 6, 16, 32)
+    grp = METPGroup.single("fake")
+    undo = emulate_cuda_branch()
+    try:
+        with FakeTensorMode():
+            q = torch.empty(1, 4, 32, 8, dtype=torch.bfloat16)
+            k = torch.empty(1, 2, 32, 8, dtype=torch.bfloat16)
+            v = torch.empty(1, 2, 32, 8, dtype=torch.bfloat16)
+            assert not TorchFlashKernel.takes_mask(q) and not FlashAttnKernel.takes_mask(q)
+            out, lse = ring_attention_forward(q, k, v, grp, True, "dual_chunk", 0.3,
+                                              TorchFlashKernel, cu_seqlens=cu)
+            assert out.shape == q.shape and lse.shape == (1, 4, 32)
+            dq, dk, dv = ring_attention_backward(out.to(q.dtype), q, k, v, out, lse, grp, True,
+                                                 "dual_chunk", 0.3, TorchFlashKernel,
+                                                 cu_seqlens=cu)
+            assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+            with pytest.raises(ValueError, match="takes no attention mask"):
+                TorchFlashKernel.forward(q, k, v, False, 0.3,
+                                         mask=torch.ones(32, 32, dtype=torch.bool))
+    finally:
+        undo()
+    pieces = block_pieces(cu, 0, 0, 32, 1, "dual_chunk", False)
+    assert grp.stats.blocks == {"torch_flash": 2 * len(pieces)} and len(pieces) == 4
+
+
+def _bf16_rank(rank, p, cu, layout):
+    q, k, v, go = (t.to(torch.bfloat16) for t in _qkv(32, 4, 2, 9))
+    grp = METPGroup.from_process_group(dist.group.WORLD, name="bf16")
+    ql, kl, vl = (shard_documents(t, cu, rank, p, layout=layout).requires_grad_()
+                  for t in (q, k, v))
+    o = ring_attention(ql, kl, vl, group=grp, layout=layout, kernel="torch_flash", cu_seqlens=cu)
+    o.backward(shard_documents(go, cu, rank, p, layout=layout))
+    return o.detach(), ql.grad
+
+
+@pytest.mark.parametrize("layout", ["dual_chunk", "balanced"])
+def test_bf16_packed_is_finite_and_close(layout, small_chunks):
+    """bf16 inputs (masked CPU flash kernel, rows without a visible key in many pieces): finite
+    and within bf16 rounding of the fp64 reference from the same rounded inputs."""
+    p, cu = 2, (0, 3, 4, 13, 30, 32)
+    out = run_ranks(_bf16_rank, p, cu, layout)
+    o = unshard_documents([r[0] for r in out], cu, layout=layout)
+    dq = unshard_documents([r[1] for r in out], cu, layout=layout)
+    q, k, v, go = (t.to(torch.bfloat16).double().requires_grad_() for t in _qkv(32, 4, 2, 9))
+    ref = reference_packed(q, k, v, cu)
+    ref.backward(go.detach())
+    assert torch.isfinite(o).all() and torch.isfinite(dq).all()
+    assert rel_err(o, ref) <= 2e-2 and rel_err(dq, q.grad) <= 3e-2

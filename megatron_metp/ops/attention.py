@@ -74,7 +74,7 @@ from ._grads import weight_grad
 from .attention_kernels import select_kernel
 from .documents import cu_seqlens_digest, document_positions
 from .ring_attention import (check_packed, post_first_kv_packed, ring_attention_backward,
-                             ring_attention_forward)
+                             ring_attention_forward, shape_layout)
 from .rope import apply_rope, rope_tables
 from .sequence import LAYOUTS, local_positions
 
@@ -514,12 +514,12 @@ def metp_attention(x: torch.Tensor, qkv_weight: torch.Tensor, proj_weight: torch
     group = as_metp_group(group)
     try:
         d = _check_inputs(x, qkv_weight, proj_weight, qkv_bias, proj_bias, group, num_heads,
-                          num_query_groups, layout, causal, rotary_pos_emb)
+                          num_query_groups, shape_layout(layout), causal, rotary_pos_emb)
         kern = select_kernel(x.device, x.dtype, kernel)
         kb = head_block_size(group.size, num_heads // group.size, x.shape[0] * x.shape[1],
                              x.device, head_block)
         n, p = x.shape[0], group.size
-        cu = check_packed(cu_seqlens, n * p, causal)
+        cu = check_packed(cu_seqlens, n * p, causal, layout, p)
         freqs = rotary_pos_emb
         if freqs is not None and cu is not None:
             if freqs.shape[0] != n * p:

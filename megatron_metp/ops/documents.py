@@ -9,20 +9,33 @@ start (:func:`document_positions`).
 
 Layouts (:mod:`.sequence`): rank ``r`` of ``p`` holds ``n = s/p`` tokens as *runs* of consecutive
 global positions (:func:`rank_runs`): ``dual_chunk`` two runs of ``c = n/2`` (chunks ``r`` and
-``2p−1−r`` of ``2p``), ``contiguous`` one run of ``n`` (block ``r``). Chunks are aligned, so two
-runs are either the same positions or disjoint.
+``2p−1−r`` of ``2p``), ``contiguous`` one run of ``n`` (block ``r``), and, for packed sequences
+only, ``balanced`` (:func:`balanced_runs`): every document of at least ``2p·m`` tokens
+(``m`` = :data:`BALANCED_MIN_CHUNK`) is dual-chunked *on its own*, its first ``2p·⌊L/2p⌋``
+tokens cut into ``2p`` equal chunks and rank ``r`` holding chunks ``r`` and ``2p−1−r`` of it (the
+per-sequence split Megatron's THD context parallelism makes); the rest (shorter documents and
+those few tail tokens), concatenated in natural order as a *pool*, is dual-chunked as one
+sequence. Local order: the long documents' chunks document by document, then the pool's two
+chunks. A long document then costs every rank exactly the same causal work; ``dual_chunk`` over
+a packed sequence does not balance (``benchmarks/packed.py``: max/mean up to ~1.9 at 128K).
+``balanced`` needs only ``s`` divisible by ``2p``; one document, or only short ones, is exactly
+``dual_chunk``. Shard tokens for it with :func:`shard_documents`. The runs of all ranks
+partition the sequence.
 
 Block plan (:func:`block_pieces`): the block of rank ``r``'s queries against rank ``j``'s keys is
 cut into *pieces* ``(rows, keys, causal, masked)`` (local row slices). Per pair of runs, the
 visible pairs are rectangles, one per document meeting both runs: a square causal one when the
 runs are the same chunk, a full one when the key run precedes the query run (then at most one
-document spans from the key run to the query run), none when the keys follow. Where no document
+document spans from the key run to the query run), none when the keys follow (``balanced``:
+the runs are first cut at document boundaries and paired within each document). Where no document
 boundary cuts a causally related run pair the block is exactly the plain causal block
 (:func:`~megatron_metp.ops.ring_attention.block_plan`). Otherwise a kernel that takes a mask
-gets one masked piece over the rectangles' bounding box (its boolean mask from
-:func:`piece_mask`), or the single rectangle as a plain piece; a kernel that does not (flash-attn)
-gets each rectangle as its own full/causal piece (exact, more launches). A block with no visible
-pair is ``()``: skipped, no kernel.
+gets the rectangles grouped (in row order, while a group's bounding box holds at most
+:data:`MASK_WASTE` = 2× its visible pairs): a group of one is a plain full/causal piece, a larger
+group one masked piece over its box (boolean mask: the union of its rectangles,
+:func:`piece_mask`); a kernel that does not (flash-attn, CUDA torch_flash) gets each rectangle as
+its own full/causal piece (exact work, more launches). A block with no visible pair is ``()``:
+skipped, no kernel.
 
 Work (:func:`attention_work`): visible score pairs per rank (``a·b`` per full rectangle,
 ``a(a+1)/2`` per causal one), and its max/mean over ranks (:func:`work_balance`).
@@ -38,7 +51,27 @@ from typing import NamedTuple, Sequence, Tuple
 
 import torch
 
-from .sequence import LAYOUTS, local_positions
+from .sequence import LAYOUTS, local_positions, unshard_sequence
+
+#: Layouts of a packed sequence: the plain ones and ``balanced`` (long documents dual-chunked
+#: on their own, the rest dual-chunked together).
+PACKED_LAYOUTS = LAYOUTS + ("balanced",)
+
+#: ``balanced``: documents whose own chunks would have at least this many tokens are dual-chunked
+#: on their own (smaller pieces cost more in launches than they gain in balance). Change it with
+#: :func:`set_balanced_min_chunk` (the same value on every rank).
+BALANCED_MIN_CHUNK = BALANCED_MIN_CHUNK_DEFAULT = 128
+
+
+def set_balanced_min_chunk(tokens: int) -> int:
+    """Set :data:`BALANCED_MIN_CHUNK` (clears the cached plans); returns the previous value."""
+    global BALANCED_MIN_CHUNK
+    if not isinstance(tokens, int) or tokens < 1:
+        raise ValueError(f"balanced min chunk must be a positive int, got {tokens!r}")
+    before, BALANCED_MIN_CHUNK = BALANCED_MIN_CHUNK, tokens
+    for fn in (balanced_runs, _rank_doc_runs, _rectangles, block_pieces, forward_steps):
+        fn.cache_clear()
+    return before
 
 
 def check_cu_seqlens(cu_seqlens, s: int) -> Tuple[int, ...]:
@@ -89,18 +122,110 @@ def cu_seqlens_digest(cu: Tuple[int, ...]) -> str:
 
 # ---------------------------------------------------------------- layout maps
 
-def rank_runs(rank: int, p: int, n: int, layout: str) -> Tuple[Tuple[int, int, int], ...]:
-    """Rank ``rank``'s ``n`` local tokens as runs ``(local start, global start, length)``."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+def check_layout(layout: str, cu, p: int) -> None:
+    """ValueError unless ``layout`` can hold the packed sequence ``cu`` on ``p`` ranks."""
+    if layout not in PACKED_LAYOUTS:
+        raise ValueError(f"layout must be one of {PACKED_LAYOUTS}, got {layout!r}")
+    if layout != "balanced":
+        return
+    if cu is None:
+        raise ValueError("layout='balanced' (documents dual-chunked over the ranks) needs "
+                         "cu_seqlens")
+    if cu[-1] % (2 * p):
+        raise ValueError(f"layout='balanced' needs the sequence length (cu_seqlens[-1] = "
+                         f"{cu[-1]}) divisible by 2·p = {2 * p}; pad the packed sequence")
+
+
+def rank_runs(rank: int, p: int, n: int, layout: str,
+              cu: Tuple[int, ...] = None) -> Tuple[Tuple[int, int, int], ...]:
+    """Rank ``rank``'s ``n`` local tokens as runs ``(local start, global start, length)``
+    (``cu``: the documents, needed for ``balanced``)."""
+    if layout not in PACKED_LAYOUTS:
+        raise ValueError(f"layout must be one of {PACKED_LAYOUTS}, got {layout!r}")
     if layout == "contiguous":
         return ((0, rank * n, n),)
+    if layout == "balanced":
+        return balanced_runs(tuple(cu), rank, p)
     c = n // 2
     return ((0, rank * c, c), (c, (2 * p - 1 - rank) * c, c))
 
 
-def to_layout_order(positions: torch.Tensor, p: int, s: int, layout: str):
+@lru_cache(maxsize=256)
+def balanced_runs(cu: Tuple[int, ...], rank: int, p: int) -> Tuple[Tuple[int, int, int], ...]:
+    """Rank ``rank``'s runs ``(local start, global start, length)`` in the ``balanced`` layout
+    (module docstring): long documents' own chunks ``rank`` and ``2p−1−rank``, then the pool's."""
+    q = 2 * p
+    own, pool = [], []
+    for d in range(len(cu) - 1):
+        a, length = cu[d], cu[d + 1] - cu[d]
+        c = length // q
+        if c >= BALANCED_MIN_CHUNK:
+            own.append((a, c))
+            if length % q:
+                pool.append((a + c * q, length % q))
+        elif pool and pool[-1][0] + pool[-1][1] == a:  # contiguous with the pool's last piece
+            pool[-1] = (pool[-1][0], pool[-1][1] + length)
+        else:
+            pool.append((a, length))
+    runs, local = [], 0
+    for a, c in own:
+        for chunk in (rank, q - 1 - rank):
+            runs.append((local, a + chunk * c, c))
+            local += c
+    pc = sum(length for _, length in pool) // q
+    for chunk in (rank, q - 1 - rank):
+        lo, hi, at = chunk * pc, (chunk + 1) * pc, 0  # pool coordinates
+        for a, length in pool:
+            s0, s1 = max(lo, at), min(hi, at + length)
+            if s0 < s1:
+                runs.append((local, a + s0 - at, s1 - s0))
+                local += s1 - s0
+            at += length
+    return tuple(runs)
+
+
+def layout_positions(rank: int, p: int, n: int, layout: str, cu=None,
+                     device=None) -> torch.Tensor:
+    """Global positions (int64) of rank ``rank``'s ``n`` tokens in local order (any layout of
+    :data:`PACKED_LAYOUTS`; :func:`~megatron_metp.ops.sequence.local_positions` for the plain
+    ones)."""
+    if layout != "balanced":
+        return local_positions(rank, p, n, layout=layout, device=device)
+    return torch.cat([torch.arange(g, g + length, device=device)
+                      for _, g, length in rank_runs(rank, p, n, layout, cu)])
+
+
+def shard_documents(x: torch.Tensor, cu, rank: int, p: int, *, layout: str = "balanced",
+                    seq_dim: int = 0) -> torch.Tensor:
+    """Rank ``rank``'s tokens of the full packed sequence ``x`` in ``layout`` order (a copy)."""
+    cu = check_cu_seqlens(cu, x.shape[seq_dim])
+    check_layout(layout, cu, p)
+    pos = layout_positions(rank, p, cu[-1] // p, layout, cu, device=x.device)
+    return x.index_select(seq_dim, pos)
+
+
+def unshard_documents(parts: Sequence[torch.Tensor], cu, *, layout: str = "balanced",
+                      seq_dim: int = 0) -> torch.Tensor:
+    """Inverse of :func:`shard_documents`: ``parts[r]`` is rank ``r``'s tokens."""
+    p = len(parts)
+    if layout != "balanced":
+        return unshard_sequence(parts, layout=layout, seq_dim=seq_dim)
+    cu = tuple(cu)
+    n = cu[-1] // p
+    pos = torch.cat([layout_positions(r, p, n, layout, cu) for r in range(p)])
+    out = torch.cat(list(parts), dim=seq_dim)
+    return out.index_select(seq_dim, torch.argsort(pos).to(out.device))
+
+
+def to_layout_order(positions: torch.Tensor, p: int, s: int, layout: str, cu=None):
     """``(rank, local index)`` of global natural-order ``positions`` (int64 tensors)."""
+    if layout == "balanced":
+        n = s // p
+        rank, idx = torch.empty(s, dtype=torch.int64), torch.empty(s, dtype=torch.int64)
+        for r in range(p):
+            pos = layout_positions(r, p, n, layout, cu)
+            rank[pos], idx[pos] = r, torch.arange(n)
+        return rank.to(positions.device)[positions], idx.to(positions.device)[positions]
     if layout == "contiguous":
         n = s // p
         return positions // n, positions % n
@@ -117,11 +242,17 @@ def document_ids(cu: Sequence[int], positions: torch.Tensor) -> torch.Tensor:
     return torch.bucketize(positions, bounds, right=True) - 1
 
 
+def local_document_ids(cu: Sequence[int], rank: int, p: int, n: int, layout: str,
+                       device=None) -> torch.Tensor:
+    """Document index (int64) of each of rank ``rank``'s ``n`` local tokens (local order)."""
+    return document_ids(cu, layout_positions(rank, p, n, layout, cu, device=device))
+
+
 def document_positions(cu: Sequence[int], rank: int, p: int, n: int, layout: str,
                        device=None) -> torch.Tensor:
     """Position of each of rank ``rank``'s ``n`` local tokens within its document (int64, local
     order): the RoPE positions of a packed sequence (``x − c_doc(x)``)."""
-    pos = local_positions(rank, p, n, layout=layout, device=device)
+    pos = layout_positions(rank, p, n, layout, cu, device=device)
     bounds = torch.tensor(list(cu), dtype=torch.int64, device=pos.device)
     return pos - bounds[document_ids(cu, pos)]
 
@@ -130,19 +261,59 @@ def document_positions(cu: Sequence[int], rank: int, p: int, n: int, layout: str
 
 class Piece(NamedTuple):
     """One kernel call of a block: local query ``rows`` × local ``keys``; ``causal``: square,
-    query ``i`` sees keys ``≤ i``; ``masked``: needs :func:`piece_mask` (else full/causal)."""
+    query ``i`` sees keys ``≤ i``; ``masked``: needs :func:`piece_mask` (else full/causal), the
+    union of the visible rectangles ``parts`` ``(q_lo, q_hi, k_lo, k_hi, causal)`` (local rows)."""
     rows: slice
     keys: slice
     causal: bool
     masked: bool
+    parts: tuple = ()
 
 
+#: A masked piece covers a group of rectangles only while its box holds at most this many times
+#: the group's visible pairs (bounds the masked kernel's wasted work; more pieces otherwise).
+MASK_WASTE = 2.0
+
+
+@lru_cache(maxsize=256)
+def _rank_doc_runs(cu, rank, n, p, layout):
+    """Rank ``rank``'s runs cut at document boundaries, by document: ``{doc: [(local, global,
+    length), ...]}``."""
+    out = {}
+    for ql, qg, L in rank_runs(rank, p, n, layout, cu):
+        d = bisect.bisect_right(cu, qg) - 1
+        while cu[d] < qg + L:
+            lo, hi = max(cu[d], qg), min(cu[d + 1], qg + L)
+            out.setdefault(d, []).append((ql + lo - qg, lo, hi - lo))
+            d += 1
+    return out
+
+
+def _rectangles_by_document(cu, r, j, n, p, layout):
+    """:func:`_rectangles` for any partition into runs: per document, each pair of its query
+    and key pieces is causal (the same piece), full (keys before) or nothing."""
+    keys = _rank_doc_runs(cu, j, n, p, layout)
+    rects = []
+    for d, qruns in _rank_doc_runs(cu, r, n, p, layout).items():
+        for ql, qg, L in qruns:
+            for kl, kg, M in keys.get(d, ()):
+                if kg == qg:
+                    rects.append((ql, ql + L, kl, kl + M, True))
+                elif kg + M <= qg:
+                    rects.append((ql, ql + L, kl, kl + M, False))
+    return tuple(rects), len(cu) > 2  # one document: balanced is dual_chunk
+
+
+@lru_cache(maxsize=4096)
 def _rectangles(cu, r, j, n, p, layout):
     """Visible rectangles ``(q_lo, q_hi, k_lo, k_hi, causal)`` (local rows) of block ``(r, j)``
-    and whether any document boundary cuts a causally related pair of runs."""
+    and whether any document boundary cuts a causally related pair of runs (cached: the same
+    plan serves every head-group block, layer and step)."""
+    if layout == "balanced":
+        return _rectangles_by_document(cu, r, j, n, p, layout)
     rects, cut = [], False
-    for ql, qg, L in rank_runs(r, p, n, layout):
-        for kl, kg, M in rank_runs(j, p, n, layout):
+    for (ql, qg, L) in rank_runs(r, p, n, layout, cu):
+        for (kl, kg, M) in rank_runs(j, p, n, layout, cu):
             if kg >= qg + L:  # every key after every query
                 continue
             if kg == qg:  # the same chunk: one causal square per document in it
@@ -163,7 +334,7 @@ def _rectangles(cu, r, j, n, p, layout):
             if q_hi != qg + L or k_lo != kg:
                 cut = True
             rects.append((ql, ql + q_hi - qg, kl + k_lo - kg, kl + M, False))
-    return rects, cut
+    return tuple(rects), cut
 
 
 def _docs_in(cu, lo, hi) -> int:
@@ -176,32 +347,72 @@ def block_pieces(cu: Tuple[int, ...], r: int, j: int, n: int, p: int, layout: st
                  masks: bool = True) -> Tuple[Piece, ...]:
     """The pieces of rank ``r``'s queries against rank ``j``'s keys (``()``: skip the block).
 
-    ``masks``: the kernel takes a mask (one masked piece over the bounding box where the block
-    has several rectangles); else one full/causal piece per rectangle."""
+    ``masks``: the kernel takes a mask (rectangles grouped while a group's box holds at most
+    :data:`MASK_WASTE` times its visible pairs, one masked piece per group of several); else
+    one full/causal piece per rectangle. Cached (the same plan serves every head-group block,
+    layer and step)."""
     from .ring_attention import block_plan
 
     rects, cut = _rectangles(cu, r, j, n, p, layout)
     if not rects:
         return ()
-    if not cut:  # no boundary inside: the plain causal block
-        qs, ks, causal = block_plan(r, j, n, True, layout)
+    if not cut:  # no boundary inside: the plain causal block (balanced: one document)
+        qs, ks, causal = block_plan(r, j, n, True, "contiguous" if layout == "contiguous"
+                                    else "dual_chunk")
         return (Piece(qs, ks, causal, False),)
-    if len(rects) == 1 or not masks:
-        return tuple(Piece(slice(a, b), slice(c, d), cz, False) for a, b, c, d, cz in rects)
-    return (Piece(slice(min(x[0] for x in rects), max(x[1] for x in rects)),
-                  slice(min(x[2] for x in rects), max(x[3] for x in rects)), False, True),)
+    if not masks:
+        return tuple(_plain(x) for x in rects)
+    return tuple(_plain(g[0]) if len(g) == 1 else _masked(g) for g in _groups(rects))
 
 
-def piece_mask(cu: Sequence[int], piece: Piece, r: int, j: int, n: int, p: int, layout: str,
-               device=None) -> torch.Tensor:
-    """Boolean ``[rows, keys]`` of a piece: ``True`` where ``doc(key) = doc(query)`` and
-    ``key ≤ query`` (global positions)."""
-    qpos = local_positions(r, p, n, layout=layout, device=device)[piece.rows]
-    kpos = local_positions(j, p, n, layout=layout, device=device)[piece.keys]
-    same = document_ids(cu, qpos).unsqueeze(1) == document_ids(cu, kpos).unsqueeze(0)
-    return same & (kpos.unsqueeze(0) <= qpos.unsqueeze(1))
+def _plain(rect) -> Piece:
+    a, b, c, d, causal = rect
+    return Piece(slice(a, b), slice(c, d), causal, False)
 
 
+def _box(group):
+    return (min(x[0] for x in group), max(x[1] for x in group),
+            min(x[2] for x in group), max(x[3] for x in group))
+
+
+def _masked(group) -> Piece:
+    a, b, c, d = _box(group)
+    return Piece(slice(a, b), slice(c, d), False, True, tuple(group))
+
+
+def _groups(rects):
+    """Rectangles grouped greedily (in row order) while a group's box stays within
+    :data:`MASK_WASTE` times its visible pairs."""
+    groups, cur, useful = [], [], 0
+    for rect in sorted(rects):
+        if cur:
+            a, b, c, d = _box(cur + [rect])
+            if (b - a) * (d - c) <= MASK_WASTE * (useful + _rect_pairs(rect)):
+                cur.append(rect)
+                useful += _rect_pairs(rect)
+                continue
+            groups.append(cur)
+        cur, useful = [rect], _rect_pairs(rect)
+    groups.append(cur)
+    return groups
+
+
+def piece_mask(piece: Piece, device=None) -> torch.Tensor:
+    """Boolean ``[rows, keys]`` of a masked piece: the union of its rectangles, which is
+    ``doc(key) = doc(query) ∧ key ≤ query`` over global positions within them."""
+    r0, k0 = piece.rows.start, piece.keys.start
+    mask = torch.zeros(piece.rows.stop - r0, piece.keys.stop - k0, dtype=torch.bool,
+                       device=device)
+    for a, b, c, d, causal in piece.parts:
+        sub = mask[a - r0:b - r0, c - k0:d - k0]
+        if causal:
+            sub.copy_(torch.ones(b - a, d - c, dtype=torch.bool, device=device).tril())
+        else:
+            sub.fill_(True)
+    return mask
+
+
+@lru_cache(maxsize=256)
 def forward_steps(cu: Tuple[int, ...], n: int, p: int, layout: str) -> int:
     """Ring steps the forward needs: ``1 +`` the largest ring distance ``(r − j) mod p`` of a
     block with a visible pair on any rank (the same on every rank; later steps, whose K/V

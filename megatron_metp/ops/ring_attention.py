@@ -205,8 +205,7 @@ def _packed_forward(q, k, v, group: METPGroup, layout: str, scale: float, kernel
         j = (r - t) % p
         kj, vj = (k, v) if flat is None else layout_kv.unpack(flat)
         for pc in _pieces(r, j, n, p, True, layout, cu, kernel, q):
-            mask = documents.piece_mask(cu, pc, r, j, n, p, layout, q.device) if pc.masked \
-                else None
+            mask = documents.piece_mask(pc, q.device) if pc.masked else None
             o_b, l_b = kernel.forward(q[:, :, pc.rows], kj[:, :, pc.keys], vj[:, :, pc.keys],
                                       pc.causal, scale, mask=mask)
             _record_block(group, kernel.name)
@@ -274,8 +273,7 @@ def ring_attention_backward(dout, q, k, v, out, lse, group: METPGroup, causal: b
 
     def piece_grads(kj, vj, j, pc):
         qs, ks = pc.rows, pc.keys
-        mask = documents.piece_mask(cu_seqlens, pc, r, j, n, p, layout, q.device) \
-            if pc.masked else None
+        mask = documents.piece_mask(pc, q.device) if pc.masked else None
         key = (qs.start, qs.stop)
         if key not in lse_rows:  # one contiguous copy per distinct row range, not per block
             lse_rows[key] = lse[:, :, qs].contiguous()
@@ -437,7 +435,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, 
         k, v: ``[s/p, b, hkv, d]`` this rank's keys/values; ``hq`` a multiple of ``hkv`` (GQA/MQA).
         group: :class:`~megatron_metp.groups.METPGroup` (or ProcessGroup, or ``None`` for p=1).
         causal: causal mask over *global* positions of ``layout``.
-        layout: ``"dual_chunk"`` (Megatron CP order) or ``"contiguous"``.
+        layout: ``"dual_chunk"`` (Megatron CP order) or ``"contiguous"``; with ``cu_seqlens``
+            also ``"balanced"`` (long documents dual-chunked over the ranks on their own, the
+            rest together: balanced work; shard with :func:`documents.shard_documents`).
         softmax_scale: default ``1/sqrt(d)``.
         kernel: block kernel name (``"flash_attn"``, ``"torch_flash"``, ``"reference"``); default
             the best available. The one used is counted in ``group.stats.kernels``.
@@ -454,8 +454,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, 
     """
     group = as_metp_group(group)
     try:
-        check_attention_inputs(q, k, v, group, causal, layout)
-        cu = check_packed(cu_seqlens, q.shape[0] * group.size, causal)
+        check_attention_inputs(q, k, v, group, causal, shape_layout(layout))
+        cu = check_packed(cu_seqlens, q.shape[0] * group.size, causal, layout, group.size)
         kern = select_kernel(q.device, q.dtype, kernel)
     except ValueError as exc:
         refuse_together(group, op_label("ring_attention", label), exc)
@@ -470,12 +470,23 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, 
                                         label, cu)
 
 
-def check_packed(cu_seqlens, s: int, causal: bool):
+def shape_layout(layout: str) -> str:
+    """The plain layout whose shape rules ``layout`` follows (``balanced``: ``dual_chunk``'s,
+    an even number of local tokens)."""
+    return "dual_chunk" if layout == "balanced" else layout
+
+
+def check_packed(cu_seqlens, s: int, causal: bool, layout: str, p: int):
     """``cu_seqlens`` checked (a tuple of ints, :func:`documents.check_cu_seqlens`), or ``None``;
-    packed sequences need ``causal=True``."""
+    packed sequences need ``causal=True``; ``layout='balanced'`` needs them
+    (:func:`documents.check_layout`)."""
     if cu_seqlens is None:
+        if layout == "balanced":
+            documents.check_layout(layout, None, p)
         return None
     if not causal:
         raise ValueError("cu_seqlens (packed documents) needs causal=True: each query attends "
                          "causally within its own document")
-    return documents.check_cu_seqlens(cu_seqlens, s)
+    cu = documents.check_cu_seqlens(cu_seqlens, s)
+    documents.check_layout(layout, cu, p)
+    return cu
