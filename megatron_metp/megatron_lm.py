@@ -94,6 +94,14 @@ def add_metp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "and without METP; replaces Megatron's --cpu-offloading, which cannot be combined "
              "with recompute.")
     group.add_argument(
+        "--metp-packed-layout", choices=("dual_chunk", "balanced"), default="dual_chunk",
+        help="With --reset-attention-mask: how the packed documents' tokens are spread over the "
+             "METP ring. dual_chunk (default): Megatron's CP split of the whole sequence. "
+             "balanced: documents of at least 2 x METP x 128 tokens are dual-chunked over the "
+             "ring on their own, the rest together, so every rank gets the same attention work "
+             "(the model's token inputs move there with one all-gather per micro-batch, the "
+             "per-token loss comes back).")
+    group.add_argument(
         "--metp-mock-max-document-length", type=int, default=None, metavar="N",
         help="With --mock-data: Megatron's mock dataset draws its document lengths (each "
              "document ends with an EOD token) uniformly from [1, N) instead of [1, 4096), so "
@@ -506,5 +514,6 @@ def build_metp_gpt_model(args, pre_process, post_process, vp_stage=None, config=
     if getattr(args, "reset_attention_mask", False):  # packed documents: boundaries from EOD
         from .megatron.packing import DocumentBoundaries
 
-        DocumentBoundaries(groups.metp, full_rope=weight_ring).attach(model)
+        DocumentBoundaries(groups.metp, full_rope=weight_ring,
+                           layout=getattr(args, "metp_packed_layout", "dual_chunk")).attach(model)
     return model

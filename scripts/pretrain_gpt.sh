@@ -53,6 +53,9 @@
 #                                           --reset-attention-mask; METP never builds it)
 #   MOCK_MAX_DOCUMENT_LENGTH [unset]        mock data: documents of 1..N-1 tokens (Megatron's
 #                                           default 1..4095), --metp-mock-max-document-length
+#   METP_PACKED_LAYOUT [dual_chunk]         with PACKED_SEQUENCES=1 and METP: balanced spreads
+#                                           long documents over the ring on their own
+#                                           (--metp-packed-layout)
 #   EXTRA_ARGS                              more pretrain_gpt.py arguments (a bash array in the
 #                                           config, or a string in the environment)
 #   METP_CPU [0]                            1: train on CPU ranks with gloo (no GPU; CI, laptops):
@@ -186,6 +189,7 @@ if [[ "$METP" -gt 1 ]]; then
     [[ "$METP_KEEP_INTERMEDIATE" == 1 ]] && MODEL_PARALLEL_ARGS+=(--metp-keep-intermediate)
     [[ "$METP_VOCAB_PARALLEL" == 1 ]] && MODEL_PARALLEL_ARGS+=(--metp-vocab-parallel)
     [[ -n "${METP_RING_TIMEOUT:-}" ]] && MODEL_PARALLEL_ARGS+=(--metp-ring-timeout "$METP_RING_TIMEOUT")
+    [[ -n "${METP_PACKED_LAYOUT:-}" ]] && MODEL_PARALLEL_ARGS+=(--metp-packed-layout "$METP_PACKED_LAYOUT")
 fi
 if [[ -n "${RECOMPUTE_GRANULARITY:-}" ]]; then
     MODEL_PARALLEL_ARGS+=(--recompute-granularity "$RECOMPUTE_GRANULARITY")

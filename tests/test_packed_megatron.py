@@ -147,7 +147,7 @@ def test_metp_modules_take_only_metp_documents():
 
     from megatron_metp.megatron.modules import _document_kwargs
 
-    assert _document_kwargs(None, "x") == {}
+    assert _document_kwargs(None, "x") == {"layout": "dual_chunk"}
     d = packing.documents([0, 3, 8], 8)
     assert _document_kwargs(d, "x")["cu_seqlens"] is d.cu_seqlens
     with pytest.raises(ValueError, match="METP attention takes packed documents only.*--sft"):
@@ -166,6 +166,11 @@ def _args(**kw):
     (dict(sft=True), ["--sft", "--reset-attention-mask"]),
     (dict(reset_attention_mask=True, micro_batch_size=2),
      ["--reset-attention-mask with --micro-batch-size 2", "--micro-batch-size 1"]),
+    (dict(metp_packed_layout="balanced"),
+     ["--metp-packed-layout balanced without --reset-attention-mask"]),
+    (dict(metp_packed_layout="balanced", reset_attention_mask=True,
+          metp_disable_weight_ring=True),
+     ["--metp-packed-layout balanced with --metp-disable-weight-ring"]),
     (dict(reset_attention_mask=True, pipeline_model_parallel_size=2, world_size=16),
      ["--reset-attention-mask with --pipeline-model-parallel-size 2",
       "--pipeline-model-parallel-size 1"]),
@@ -206,6 +211,10 @@ def test_mock_document_length_flag(monkeypatch):
 
     parser = megatron_lm.add_metp_args(argparse.ArgumentParser(allow_abbrev=False))
     assert parser.parse_args([]).metp_mock_max_document_length is None
+    assert parser.parse_args([]).metp_packed_layout == "dual_chunk"
+    assert parser.parse_args(["--metp-packed-layout", "balanced"]).metp_packed_layout == "balanced"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--metp-packed-layout", "contiguous"])
     assert parser.parse_args(["--metp-mock-max-document-length", "64"]) \
         .metp_mock_max_document_length == 64
     monkeypatch.setattr(MockGPTLowLevelDataset, "max_sequence_length",
@@ -225,7 +234,8 @@ def test_mock_document_length_flag(monkeypatch):
 
 # ------------------------------------------------------------------------------ the model
 
-def _packed_step(rank, world, size, layout, ends, eod_mask_loss, dense_mask=True):
+def _packed_step(rank, world, size, layout, ends, eod_mask_loss, dense_mask=True,
+                 packed_layout="dual_chunk", min_chunk=None):
     """Loss (as pretrain_gpt's loss_func: masked sum over tokens / their count) and full-weight
     gradients of one forward/backward of a packed sample: stock layouts get Megatron's dense
     document mask, METP layouts only the tokens (the hook derives the boundaries)."""
@@ -241,6 +251,10 @@ def _packed_step(rank, world, size, layout, ends, eod_mask_loss, dense_mask=True
                                                  load_initial_weights)
 
     cpu.enable()
+    if min_chunk is not None:  # so that the tiny documents get chunks of their own
+        from megatron_metp.ops.documents import set_balanced_min_chunk
+
+        set_balanced_min_chunk(min_chunk)
     groups = init_parallel(layout, size.seq_length)
     model = build_model(size, layout, groups)
     load_initial_weights(model, groups, size)
@@ -256,8 +270,8 @@ def _packed_step(rank, world, size, layout, ends, eod_mask_loss, dense_mask=True
     cp = ps.get_context_parallel_group() if layout.metp > 1 else None
     if layout.metp > 1:
         batch = get_batch_on_this_cp_rank(batch, cp_group=cp)
-        DocumentBoundaries(groups.metp, eod_token=eod, full_rope=layout.mode == "metp") \
-            .attach(model)
+        DocumentBoundaries(groups.metp, eod_token=eod, full_rope=layout.mode == "metp",
+                           layout=packed_layout).attach(model)
         attention_mask = None
     per_token = model(batch["tokens"], batch["position_ids"], attention_mask,
                       labels=batch["labels"])
@@ -279,8 +293,15 @@ def _packed_step(rank, world, size, layout, ends, eod_mask_loss, dense_mask=True
                                             getattr(p, "partition_dim", 0), is_metp_sharded(p),
                                             full_shape(p, groups))
     hook = getattr(model, "_metp_document_boundaries", None)
+    tokens_seen = None
+    if hook is not None:
+        from megatron_metp.ops.documents import layout_positions
+
+        tokens_seen = layout_positions(groups.metp.rank, layout.metp,
+                                       size.seq_length // layout.metp, packed_layout,
+                                       tuple(hook.last.cu_seqlens.tolist())).tolist()
     return {"loss": total.item(), "grads": grads, "shard": groups.shard_index,
-            "tp_rank": groups.tp_rank,
+            "tp_rank": groups.tp_rank, "positions": tokens_seen,
             "cu": hook.last.cu_seqlens.tolist() if hook is not None else None}
 
 
@@ -347,6 +368,21 @@ def test_packed_compositions_match_stock(stock_reference):
         world = layout.metp * layout.tp
         _check_against(run_ranks(_packed_step, world, size, layout, ENDS, True), ref, size,
                        layout.describe())
+
+
+def test_balanced_layout_matches_stock(stock_reference):
+    """--metp-packed-layout balanced: the model's token inputs move to the balanced layout
+    (long documents dual-chunked on their own) and the per-token loss comes back dual-chunk."""
+    from megatron_metp.megatron.training import Layout
+
+    size = _size()
+    ref = stock_reference["rope", True]
+    for layout in (Layout(metp=2), Layout(metp=2, vocab_parallel=True), Layout(metp=4)):
+        world = layout.metp
+        out = run_ranks(_packed_step, world, size, layout, ENDS, True, True, "balanced", 1)
+        dual = [shard_sequence(torch.arange(32), r, world).tolist() for r in range(world)]
+        assert [r["positions"] for r in out] != dual  # the tokens did move
+        _check_against(out, ref, size, f"balanced, {layout.describe()}")
 
 
 def test_eod_mask_loss_changes_metp_loss_as_it_changes_stock(stock_reference):

@@ -73,15 +73,16 @@ def _single_rope(rotary_pos_emb):
 
 
 def _document_kwargs(packed_seq_params, what: str) -> dict:
-    """``{"cu_seqlens": ...}`` of METP's packed documents (:mod:`.packing`), ``{}`` without."""
+    """``cu_seqlens`` and ``layout`` of METP's packed documents (:mod:`.packing`) for the ops;
+    ``layout='dual_chunk'`` alone without them."""
     if packed_seq_params is None:
-        return {}
+        return {"layout": "dual_chunk"}
     if not isinstance(packed_seq_params, METPDocuments):
         raise ValueError(f"{what} takes packed documents only as METPDocuments (derived from "
                          f"the EOD tokens with --reset-attention-mask), not Megatron's packed "
                          f"THD batches (qkv_format="
                          f"{getattr(packed_seq_params, 'qkv_format', None)!r}, e.g. --sft)")
-    return {"cu_seqlens": packed_seq_params.cu_seqlens}
+    return {"cu_seqlens": packed_seq_params.cu_seqlens, "layout": packed_seq_params.layout}
 
 
 #: what to use instead of Megatron's selective recompute with METP
@@ -204,7 +205,7 @@ class METPSelfAttention(SelfAttention):
         out = metp_attention(x, self.linear_qkv.weight, self.linear_proj.weight, **packed,
                              group=self.groups.metp, num_heads=self.heads_tp,
                              num_query_groups=self.groups_tp, causal=self.causal,
-                             layout="dual_chunk", rotary_pos_emb=_single_rope(rotary_pos_emb),
+                             rotary_pos_emb=_single_rope(rotary_pos_emb),
                              qkv_bias=self.linear_qkv.bias, proj_bias=None,
                              softmax_scale=self.config.softmax_scale, kernel=self.kernel,
                              label=f"layer {self.layer_number} self_attention",
@@ -283,7 +284,7 @@ class METPRingCoreAttention(MegatronModule):
         packed = _document_kwargs(packed_seq_params, "ring attention")
         causal = self.causal if attn_mask_type is None else _mask_is_causal(attn_mask_type)
         out = ring_attention(query, key, value, **packed, group=self.groups.metp, causal=causal,
-                             layout="dual_chunk", softmax_scale=self.softmax_scale,
+                             softmax_scale=self.softmax_scale,
                              kernel=self.kernel, label=f"layer {self.layer_number} core_attention")
         n, b = out.shape[:2]
         return out.reshape(n, b, -1)

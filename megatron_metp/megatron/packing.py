@@ -26,6 +26,12 @@ score crosses a document, so the attention is the same).
 
 Micro-batches of more than one sample would need boundaries per sample: refused at argument
 validation (``--micro-batch-size 1``); :func:`boundaries_from_eod` refuses differing rows too.
+
+``layout='balanced'`` (``--metp-packed-layout balanced``): the hook also moves the model's token
+inputs (ids, position ids, labels) from Megatron's dual-chunk split into the ops' balanced
+layout (:mod:`megatron_metp.ops.documents`: long documents dual-chunked over the ring on their
+own) with one all-gather each, and a forward hook moves the per-token loss back to dual-chunk
+order (:func:`relayout_autograd`), where Megatron's loss mask is.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from ..ops.documents import PACKED_LAYOUTS, shard_documents, unshard_documents
 from ..ops.sequence import unshard_sequence
 
 
@@ -60,14 +67,20 @@ class METPDocuments(PackedSeqParams):
         return int(self.cu_seqlens_q.numel()) - 1
 
 
-def documents(cu_seqlens, seq_length: int, *, full_rope: bool = True) -> METPDocuments:
+def documents(cu_seqlens, seq_length: int, *, full_rope: bool = True,
+              layout: str = "dual_chunk") -> METPDocuments:
     """:class:`METPDocuments` for ``cu_seqlens`` (a sequence of ints or a 1-D tensor)."""
     cu = torch.as_tensor(list(cu_seqlens) if not torch.is_tensor(cu_seqlens) else
                          cu_seqlens.tolist(), dtype=torch.int32)
     _check(cu, seq_length)
+    if layout not in PACKED_LAYOUTS:
+        raise ValueError(f"--metp-packed-layout must be one of {PACKED_LAYOUTS}, got {layout!r}")
+    if layout == "balanced" and not full_rope:
+        raise ValueError("--metp-packed-layout balanced needs the weight ring (METP's attention "
+                         "applies RoPE per document); drop --metp-disable-weight-ring")
     return METPDocuments(qkv_format="thd" if full_rope else "sbhd", cu_seqlens_q=cu,
                          cu_seqlens_kv=cu, max_seqlen_q=int(seq_length),
-                         max_seqlen_kv=int(seq_length))
+                         max_seqlen_kv=int(seq_length), layout=layout)
 
 
 def _check(cu: torch.Tensor, s: int) -> None:
@@ -114,10 +127,46 @@ def gather_sequence(local: torch.Tensor, group, *, layout: str = "dual_chunk") -
 def documents_from_tokens(tokens: torch.Tensor, eod_token: int, group, *,
                           full_rope: bool = True, layout: str = "dual_chunk") -> METPDocuments:
     """:class:`METPDocuments` of this METP rank's token ids ``tokens [b, s/p]`` (every rank of
-    ``group`` calls it with its own tokens; the result is the same on all of them)."""
+    ``group`` calls it with its own tokens, in ``layout`` order; the result is the same on all
+    of them)."""
     marks = gather_sequence((tokens == eod_token).to(torch.uint8), group, layout=layout)
     cu = boundaries_from_eod(marks.bool())
     return documents(cu, marks.shape[1], full_rope=full_rope)
+
+
+def relayout(x: torch.Tensor, group, cu, src: str, dst: str, *, seq_dim: int = 1) -> torch.Tensor:
+    """This rank's tokens of ``x`` (``src`` order along ``seq_dim``) in ``dst`` order: one
+    all-gather over the METP ``group``, no autograd (:func:`relayout_autograd` for that)."""
+    if src == dst:
+        return x
+    pg = getattr(group, "group", group)
+    size = 1 if pg is None else dist.get_world_size(pg)
+    rank = 0 if pg is None else dist.get_rank(pg)
+    parts = [x]
+    if size > 1:
+        parts = [torch.empty_like(x) for _ in range(size)]
+        dist.all_gather(parts, x.contiguous(), group=pg)
+    full = unshard_documents(parts, cu, layout=src, seq_dim=seq_dim)
+    return shard_documents(full, cu, rank, size, layout=dst, seq_dim=seq_dim)
+
+
+class _Relayout(torch.autograd.Function):
+    """:func:`relayout` whose backward relays the gradient back (one all-gather each way, on
+    the single path from the model's output: no other backward communication can interleave)."""
+
+    @staticmethod
+    def forward(ctx, x, group, cu, src, dst, seq_dim):
+        ctx.args = (group, cu, src, dst, seq_dim)
+        return relayout(x, group, cu, src, dst, seq_dim=seq_dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        group, cu, src, dst, seq_dim = ctx.args
+        return relayout(grad, group, cu, dst, src, seq_dim=seq_dim), None, None, None, None, None
+
+
+def relayout_autograd(x, group, cu, src: str, dst: str, *, seq_dim: int = 1):
+    return x if src == dst else _Relayout.apply(x, group, cu, src, dst, seq_dim)
 
 
 class DocumentBoundaries:
@@ -132,14 +181,36 @@ class DocumentBoundaries:
     :func:`megatron_metp.megatron_lm.validate_metp_args` switches the dataloader's off anyway).
     """
 
-    def __init__(self, group, *, eod_token: Optional[int] = None, full_rope: bool = True):
+    def __init__(self, group, *, eod_token: Optional[int] = None, full_rope: bool = True,
+                 layout: str = "dual_chunk"):
+        if layout not in PACKED_LAYOUTS:
+            raise ValueError(f"--metp-packed-layout must be one of {PACKED_LAYOUTS}, got "
+                             f"{layout!r}")
         self.group, self.eod_token, self.full_rope = group, eod_token, full_rope
+        self.layout = layout
         self.last: Optional[METPDocuments] = None
 
     def attach(self, model: torch.nn.Module) -> "DocumentBoundaries":
         model.register_forward_pre_hook(self._hook, with_kwargs=True)
+        if self.layout != "dual_chunk":
+            model.register_forward_hook(self._output_hook, with_kwargs=True)
         model._metp_document_boundaries = self
         return self
+
+    def _output_hook(self, module, args, kwargs, output):
+        """The per-token loss ``[b, s/p]`` back in Megatron's dual-chunk order (where
+        ``pretrain_gpt.py``'s loss mask is)."""
+        docs = self.last
+        if docs is None or docs.layout == "dual_chunk":
+            return output
+        labels = kwargs.get("labels", args[4] if len(args) > 4 else None)
+        if labels is None:
+            raise ValueError(f"--metp-packed-layout {docs.layout}: the model returns logits in "
+                             f"that layout's token order without labels; METP supports it for "
+                             f"training and evaluation with labels only (use "
+                             f"--metp-packed-layout dual_chunk)")
+        return relayout_autograd(output, self.group, docs.cu_seqlens.tolist(), docs.layout,
+                                 "dual_chunk", seq_dim=1)
 
     def _eod(self) -> int:
         if self.eod_token is None:
@@ -180,8 +251,19 @@ class DocumentBoundaries:
                     "METP with --reset-attention-mask needs the token ids of the micro-batch in "
                     "GPTModel.forward (Megatron gives them only to the first pipeline stage); "
                     "use --pipeline-model-parallel-size 1")
-            self.last = documents_from_tokens(tokens, self._eod(), self.group,
-                                              full_rope=self.full_rope)
+            docs = documents_from_tokens(tokens, self._eod(), self.group,
+                                         full_rope=self.full_rope)
+            if self.layout != "dual_chunk":
+                docs = documents(docs.cu_seqlens, docs.max_seqlen_q, full_rope=self.full_rope,
+                                 layout=self.layout)
+                cu = docs.cu_seqlens.tolist()
+                # Megatron sliced the micro-batch dual-chunk; the model's token inputs move
+                for name, index in (("input_ids", 0), ("position_ids", 1), ("labels", 4)):
+                    value = get(name, index)
+                    if value is not None:
+                        put(name, index, relayout(value, self.group, cu, "dual_chunk",
+                                                  self.layout, seq_dim=1))
+            self.last = docs
             put("packed_seq_params", 6, self.last)
         if get("attention_mask", 2) is not None:
             put("attention_mask", 2, None)
@@ -202,6 +284,14 @@ def packing_problems(args) -> List[str]:
                    "by Transformer Engine's per-sequence CP partition, not METP's dual-chunk "
                    "layout; METP packs pre-training documents: drop --sft and use "
                    "--reset-attention-mask on EOD-separated data)")
+    layout = flag("metp_packed_layout", "dual_chunk") or "dual_chunk"
+    if layout != "dual_chunk" and not flag("reset_attention_mask"):
+        out.append(f"--metp-packed-layout {layout} without --reset-attention-mask (it spreads "
+                   f"the packed documents over the ring: add --reset-attention-mask or drop it)")
+    if layout != "dual_chunk" and flag("metp_disable_weight_ring"):
+        out.append(f"--metp-packed-layout {layout} with --metp-disable-weight-ring (the ring "
+                   f"self-attention baseline applies RoPE in Megatron's dual-chunk order: drop "
+                   f"one of them)")
     if flag("reset_attention_mask"):
         mbs = flag("micro_batch_size", 1) or 1
         if mbs > 1:

@@ -524,7 +524,8 @@ def dry_run_documents(args, metp: bool, notes: List[str]):
     notes.append(f"--reset-attention-mask: the micro-batch holds {len(cu) - 1} documents of "
                  f"{s // (len(cu) - 1):,} tokens (fake tensors hold no EOD tokens; a training "
                  f"run derives the boundaries from them)")
-    return documents(cu, s, full_rope=not getattr(args, "metp_disable_weight_ring", False))
+    return documents(cu, s, full_rope=not getattr(args, "metp_disable_weight_ring", False),
+                     layout=getattr(args, "metp_packed_layout", "dual_chunk"))
 
 
 def _fwd_bwd(model, pre, post, args, mbs, n_local, sp, tp, dtype, tracker, docs=None) -> int:
