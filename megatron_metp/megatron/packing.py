@@ -134,14 +134,18 @@ def documents_from_tokens(tokens: torch.Tensor, eod_token: int, group, *,
     return documents(cu, marks.shape[1], full_rope=full_rope)
 
 
+def _rank_size(group):
+    pg = getattr(group, "group", group)
+    return (0, 1) if pg is None else (dist.get_rank(pg), dist.get_world_size(pg))
+
+
 def relayout(x: torch.Tensor, group, cu, src: str, dst: str, *, seq_dim: int = 1) -> torch.Tensor:
     """This rank's tokens of ``x`` (``src`` order along ``seq_dim``) in ``dst`` order: one
     all-gather over the METP ``group``, no autograd (:func:`relayout_autograd` for that)."""
     if src == dst:
         return x
     pg = getattr(group, "group", group)
-    size = 1 if pg is None else dist.get_world_size(pg)
-    rank = 0 if pg is None else dist.get_rank(pg)
+    rank, size = _rank_size(group)
     parts = [x]
     if size > 1:
         parts = [torch.empty_like(x) for _ in range(size)]
@@ -175,8 +179,11 @@ class DocumentBoundaries:
 
     ``eod_token``: the tokenizer's EOD id (``None``: Megatron-LM's global tokenizer's, read at
     the first forward). ``full_rope``: ``True`` for METP layers (weight ring), ``False`` for the
-    ring self-attention baseline. A caller may pass its own ``METPDocuments`` (the dry run does);
-    any other ``packed_seq_params`` (Megatron's THD batches of ``--sft``) is refused.
+    ring self-attention baseline. ``layout``: ``"dual_chunk"`` (Megatron's split, as the batch
+    arrives) or ``"balanced"`` (the token inputs move there; the per-token loss comes back).
+    A caller may pass its own ``METPDocuments`` (the dry run does; its inputs must then be in
+    the documents' layout already); any other ``packed_seq_params`` (Megatron's THD batches of
+    ``--sft``) is refused.
     A dense ``attention_mask`` is dropped: the boundaries replace it (with METP
     :func:`megatron_metp.megatron_lm.validate_metp_args` switches the dataloader's off anyway).
     """
@@ -251,14 +258,19 @@ class DocumentBoundaries:
                     "METP with --reset-attention-mask needs the token ids of the micro-batch in "
                     "GPTModel.forward (Megatron gives them only to the first pipeline stage); "
                     "use --pipeline-model-parallel-size 1")
-            docs = documents_from_tokens(tokens, self._eod(), self.group,
-                                         full_rope=self.full_rope)
-            if self.layout != "dual_chunk":
-                docs = documents(docs.cu_seqlens, docs.max_seqlen_q, full_rope=self.full_rope,
-                                 layout=self.layout)
-                cu = docs.cu_seqlens.tolist()
-                # Megatron sliced the micro-batch dual-chunk; the model's token inputs move
-                for name, index in (("input_ids", 0), ("position_ids", 1), ("labels", 4)):
+            if self.layout == "dual_chunk":
+                docs = documents_from_tokens(tokens, self._eod(), self.group,
+                                             full_rope=self.full_rope)
+            else:  # the whole sequence's tokens once: the boundaries, then this rank's share
+                full = gather_sequence(tokens, self.group)
+                cu = boundaries_from_eod(full == self._eod())
+                docs = documents(cu, full.shape[1], full_rope=self.full_rope, layout=self.layout)
+                cu = cu.tolist()
+                rank, p = _rank_size(self.group)
+                put("input_ids", 0, shard_documents(full, cu, rank, p, layout=self.layout,
+                                                    seq_dim=1))
+                # Megatron sliced the micro-batch dual-chunk; the other token inputs move too
+                for name, index in (("position_ids", 1), ("labels", 4)):
                     value = get(name, index)
                     if value is not None:
                         put(name, index, relayout(value, self.group, cu, "dual_chunk",
