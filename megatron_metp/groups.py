@@ -45,16 +45,20 @@ class RingStats:
     ``steps``: exchanges posted (one exchange = one send to ``next`` + one receive from ``prev``).
     ``bytes_sent`` / ``bytes_received``: payload bytes, counted when the exchange is posted.
     ``kernels``: which attention block kernel ran, and how many ops used it.
+    ``blocks``: attention block-kernel launches per kernel name, forward and backward (a block
+    skipped as fully masked launches none; a packed-sequence block may launch several pieces).
     """
 
     steps: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
     kernels: dict = field(default_factory=dict)  # attention kernel name -> calls
+    blocks: dict = field(default_factory=dict)  # attention kernel name -> block launches
 
     def reset(self) -> None:
         self.steps = self.bytes_sent = self.bytes_received = 0
         self.kernels = {}
+        self.blocks = {}
 
     def snapshot(self) -> dict:
         return {"steps": self.steps, "bytes_sent": self.bytes_sent,

@@ -94,6 +94,20 @@ def add_metp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "and without METP; replaces Megatron's --cpu-offloading, which cannot be combined "
              "with recompute.")
     group.add_argument(
+        "--metp-packed-layout", choices=("dual_chunk", "balanced"), default="dual_chunk",
+        help="With --reset-attention-mask: how the packed documents' tokens are spread over the "
+             "METP ring. dual_chunk (default): Megatron's CP split of the whole sequence. "
+             "balanced: documents of at least 2 x METP x 128 tokens are dual-chunked over the "
+             "ring on their own, the rest together, so every rank gets the same attention work "
+             "(the model's token inputs move there with one all-gather per micro-batch, the "
+             "per-token loss comes back).")
+    group.add_argument(
+        "--metp-mock-max-document-length", type=int, default=None, metavar="N",
+        help="With --mock-data: Megatron's mock dataset draws its document lengths (each "
+             "document ends with an EOD token) uniformly from [1, N) instead of [1, 4096), so "
+             "that short sequences hold several documents (tests and demos of "
+             "--reset-attention-mask / --eod-mask-loss). Works with METP on or off.")
+    group.add_argument(
         "--metp-ring-timeout", type=float, default=None, metavar="SECONDS",
         help="Seconds a ring step waits for its peer before failing with a message naming the "
              "group, step and peer (default: $METP_RING_TIMEOUT_S or 600). On NCCL the process "
@@ -152,6 +166,11 @@ def validate_metp_args(args):
         raise ValueError("--metp-offload-activations with --cpu-offloading: two activation "
                          "offloads; keep one (--metp-offload-activations also works with "
                          "--recompute-granularity full, Megatron's does not)")
+    from .megatron.packing import apply_mock_document_length
+
+    mock_note = apply_mock_document_length(args)
+    if mock_note and getattr(args, "rank", 0) == 0:
+        print(f"> METP: {mock_note}", flush=True)
     if p is None or p == 1:
         if getattr(args, "metp_vocab_parallel", False):
             raise ValueError("--metp-vocab-parallel needs --metp-parallel-size > 1 (with METP off "
@@ -260,6 +279,9 @@ def _metp_problems(args, p: int, tp: int) -> List[str]:
                    f"seconds)")
     out.extend(_recompute_problems(args))
     out.extend(_kernel_problems(args))
+    from .megatron.packing import packing_problems
+
+    out.extend(packing_problems(args))
     return out
 
 
@@ -289,7 +311,9 @@ def _kernel_problems(args) -> List[str]:
 
 def _map_kernel_flags(args) -> None:
     """Flags METP honours by mapping them onto its own, each with a printed note."""
-    notes = []
+    from .megatron.packing import map_packing_flags
+
+    notes = map_packing_flags(args)
     if getattr(args, "use_flash_attn", False) and \
             getattr(args, "metp_attention_kernel", "auto") == "auto":
         args.metp_attention_kernel = "flash_attn"
@@ -491,4 +515,9 @@ def build_metp_gpt_model(args, pre_process, post_process, vp_stage=None, config=
     )
     if weight_ring:  # the same global weights as stock TP of size TP x METP
         initialize_like_tp(model, groups)
+    if getattr(args, "reset_attention_mask", False):  # packed documents: boundaries from EOD
+        from .megatron.packing import DocumentBoundaries
+
+        DocumentBoundaries(groups.metp, full_rope=weight_ring,
+                           layout=getattr(args, "metp_packed_layout", "dual_chunk")).attach(model)
     return model

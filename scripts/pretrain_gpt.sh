@@ -44,6 +44,18 @@
 #   RECOMPUTE_GRANULARITY [unset; full] RECOMPUTE_METHOD [uniform] RECOMPUTE_NUM_LAYERS [1]
 #                                           Megatron's activation recompute
 #   METP_OFFLOAD_ACTIVATIONS [0]            saved activations to host memory (also without METP)
+#   PACKED_SEQUENCES [0]                    1: documents packed into each sample, separated by EOD
+#                                           tokens: --reset-position-ids --reset-attention-mask
+#                                           --eod-mask-loss (METP derives the document boundaries
+#                                           from the EOD tokens)
+#   DATALOADER_ATTENTION_MASK [0]           1: let the dataloader build Megatron's dense
+#                                           [b, 1, s, s] mask (stock TP needs it to honour
+#                                           --reset-attention-mask; METP never builds it)
+#   MOCK_MAX_DOCUMENT_LENGTH [unset]        mock data: documents of 1..N-1 tokens (Megatron's
+#                                           default 1..4095), --metp-mock-max-document-length
+#   METP_PACKED_LAYOUT [dual_chunk]         with PACKED_SEQUENCES=1 and METP: balanced spreads
+#                                           long documents over the ring on their own
+#                                           (--metp-packed-layout)
 #   EXTRA_ARGS                              more pretrain_gpt.py arguments (a bash array in the
 #                                           config, or a string in the environment)
 #   METP_CPU [0]                            1: train on CPU ranks with gloo (no GPU; CI, laptops):
@@ -177,6 +189,7 @@ if [[ "$METP" -gt 1 ]]; then
     [[ "$METP_KEEP_INTERMEDIATE" == 1 ]] && MODEL_PARALLEL_ARGS+=(--metp-keep-intermediate)
     [[ "$METP_VOCAB_PARALLEL" == 1 ]] && MODEL_PARALLEL_ARGS+=(--metp-vocab-parallel)
     [[ -n "${METP_RING_TIMEOUT:-}" ]] && MODEL_PARALLEL_ARGS+=(--metp-ring-timeout "$METP_RING_TIMEOUT")
+    [[ -n "${METP_PACKED_LAYOUT:-}" ]] && MODEL_PARALLEL_ARGS+=(--metp-packed-layout "$METP_PACKED_LAYOUT")
 fi
 if [[ -n "${RECOMPUTE_GRANULARITY:-}" ]]; then
     MODEL_PARALLEL_ARGS+=(--recompute-granularity "$RECOMPUTE_GRANULARITY")
@@ -219,7 +232,12 @@ else
     DATA_ARGS=(--mock-data)
     : "${TOKENIZER_TYPE:=NullTokenizer}"
 fi
-DATA_ARGS+=(--tokenizer-type "$TOKENIZER_TYPE" --no-create-attention-mask-in-dataloader)
+DATA_ARGS+=(--tokenizer-type "$TOKENIZER_TYPE")
+[[ "${DATALOADER_ATTENTION_MASK:-0}" == 1 ]] || DATA_ARGS+=(--no-create-attention-mask-in-dataloader)
+[[ "${PACKED_SEQUENCES:-0}" == 1 ]] &&
+    DATA_ARGS+=(--reset-position-ids --reset-attention-mask --eod-mask-loss)
+[[ -n "${MOCK_MAX_DOCUMENT_LENGTH:-}" ]] &&
+    DATA_ARGS+=(--metp-mock-max-document-length "$MOCK_MAX_DOCUMENT_LENGTH")
 case "$TOKENIZER_TYPE" in
     NullTokenizer) DATA_ARGS+=(--vocab-size "$VOCAB_SIZE") ;;
     GPT2BPETokenizer)

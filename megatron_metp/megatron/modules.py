@@ -29,6 +29,12 @@ its own ring buffers and saves only its own inputs/outputs), and every rank reco
 layers in the same order, so the recomputed rings pair the same messages as the first forward.
 Selective recompute, ``distribute_saved_activations`` and Megatron's ``cpu_offloading`` are
 refused (:func:`recompute_problems`).
+
+Packed documents: ``packed_seq_params`` may be a :class:`~.packing.METPDocuments` (derived from
+the EOD tokens by :class:`~.packing.DocumentBoundaries`, Megatron-LM's
+``--reset-attention-mask``); its ``cu_seqlens`` go to the ops. Any other ``packed_seq_params``
+(Megatron's THD batches) is refused. ``attention_mask`` is never read: the attention is causal,
+within documents when boundaries are given.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from megatron.core.transformer.module import MegatronModule
 from ..ops import metp_attention, metp_mlp, ring_attention
 from ..ops._grads import wire_dtype
 from .groups import METPGroups
+from .packing import METPDocuments
 
 
 def _mask_is_causal(attn_mask_type) -> bool:
@@ -63,6 +70,19 @@ def _single_rope(rotary_pos_emb):
             raise ValueError("METP attention needs the same RoPE table for queries and keys")
         return q_emb
     return rotary_pos_emb
+
+
+def _document_kwargs(packed_seq_params, what: str) -> dict:
+    """``cu_seqlens`` and ``layout`` of METP's packed documents (:mod:`.packing`) for the ops;
+    ``layout='dual_chunk'`` alone without them."""
+    if packed_seq_params is None:
+        return {"layout": "dual_chunk"}
+    if not isinstance(packed_seq_params, METPDocuments):
+        raise ValueError(f"{what} takes packed documents only as METPDocuments (derived from "
+                         f"the EOD tokens with --reset-attention-mask), not Megatron's packed "
+                         f"THD batches (qkv_format="
+                         f"{getattr(packed_seq_params, 'qkv_format', None)!r}, e.g. --sft)")
+    return {"cu_seqlens": packed_seq_params.cu_seqlens, "layout": packed_seq_params.layout}
 
 
 #: what to use instead of Megatron's selective recompute with METP
@@ -175,16 +195,17 @@ class METPSelfAttention(SelfAttention):
                 inference_params is not None:
             raise ValueError("METP attention supports training self-attention only (no "
                              "cross-attention or inference KV cache)")
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("METP attention does not support packed sequences or attention_bias")
+        if attention_bias is not None:
+            raise ValueError("METP attention does not support attention_bias")
+        packed = _document_kwargs(packed_seq_params, "METP attention")
         if rotary_pos_cos is not None or rotary_pos_sin is not None:
             raise ValueError("METP attention takes RoPE as rotary_pos_emb, not cos/sin tables")
         tp = self.groups.tp if self.groups.tp_size > 1 else None
         x = copy_to_tensor_model_parallel_region(hidden_states, group=tp) if tp else hidden_states
-        out = metp_attention(x, self.linear_qkv.weight, self.linear_proj.weight,
+        out = metp_attention(x, self.linear_qkv.weight, self.linear_proj.weight, **packed,
                              group=self.groups.metp, num_heads=self.heads_tp,
                              num_query_groups=self.groups_tp, causal=self.causal,
-                             layout="dual_chunk", rotary_pos_emb=_single_rope(rotary_pos_emb),
+                             rotary_pos_emb=_single_rope(rotary_pos_emb),
                              qkv_bias=self.linear_qkv.bias, proj_bias=None,
                              softmax_scale=self.config.softmax_scale, kernel=self.kernel,
                              label=f"layer {self.layer_number} self_attention",
@@ -258,11 +279,12 @@ class METPRingCoreAttention(MegatronModule):
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("ring attention does not support packed sequences or attention_bias")
+        if attention_bias is not None:
+            raise ValueError("ring attention does not support attention_bias")
+        packed = _document_kwargs(packed_seq_params, "ring attention")
         causal = self.causal if attn_mask_type is None else _mask_is_causal(attn_mask_type)
-        out = ring_attention(query, key, value, group=self.groups.metp, causal=causal,
-                             layout="dual_chunk", softmax_scale=self.softmax_scale,
+        out = ring_attention(query, key, value, **packed, group=self.groups.metp, causal=causal,
+                             softmax_scale=self.softmax_scale,
                              kernel=self.kernel, label=f"layer {self.layer_number} core_attention")
         n, b = out.shape[:2]
         return out.reshape(n, b, -1)

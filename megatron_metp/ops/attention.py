@@ -72,8 +72,9 @@ from ._first_order import first_order_only
 from ._flat import FlatLayout
 from ._grads import weight_grad
 from .attention_kernels import select_kernel
-from .ring_attention import (post_first_kv_packed, ring_attention_backward,
-                             ring_attention_forward)
+from .documents import cu_seqlens_digest, document_positions
+from .ring_attention import (check_packed, post_first_kv_packed, ring_attention_backward,
+                             ring_attention_forward, shape_layout)
 from .rope import apply_rope, rope_tables
 from .sequence import LAYOUTS, local_positions
 
@@ -332,7 +333,7 @@ def _keep_owned(in_flight, rank, acc):
 class _METPAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, wqkv, bqkv, wo, bo, freqs, group: METPGroup, geo: _Geometry, causal, layout,
-                scale, kernel, label, kb, grad_dtype):
+                scale, kernel, label, kb, grad_dtype, cu):
         check_finite(f"{label} (forward)", group, x=x, qkv_weight=wqkv, proj_weight=wo,
                      qkv_bias=bqkv, proj_bias=bo)
         ctx.label = label
@@ -350,7 +351,7 @@ class _METPAttentionFunction(torch.autograd.Function):
             o = torch.empty(n, b, H * geo.d, dtype=x.dtype, device=x.device)
             _, lse = ring_attention_forward(q, k, v, group, causal, layout, scale, kernel,
                                             kv_packed=kv, defer_merge=kb > 1,
-                                            out=_heads_first_view(o, H, geo.d))
+                                            out=_heads_first_view(o, H, geo.d), cu_seqlens=cu)
             outs.append(o)
             lses.append(lse)
             o2 = o.view(N, -1)
@@ -364,6 +365,7 @@ class _METPAttentionFunction(torch.autograd.Function):
             y.add_(bo)
         ctx.save_for_backward(x, wqkv, bqkv, wo, freqs, *outs, *lses)
         ctx.args = (group, geo, causal, layout, scale, kernel, kb, grad_dtype)
+        ctx.cu = cu
         ctx.has = (bqkv is not None, bo is not None, freqs is not None)
         return y.to(x.dtype).view(n, b, h)
 
@@ -421,7 +423,7 @@ class _METPAttentionFunction(torch.autograd.Function):
             dq, dk, dv = ring_attention_backward(
                 _heads_first_view(d_o.view(n, b, -1), H, d), q, k, v,
                 _heads_first_view(outs[i], H, d), lses[i], group, causal, layout, scale, kernel,
-                first=first, dv_out=dqkv_dv)
+                first=first, dv_out=dqkv_dv, cu_seqlens=ctx.cu)
             del q, k, v, kv, d_o, first, dv  # dv: written into dqkv already
             dqkv = made[0]
             t = dqkv.view(n, b, G, qpg + 2, d)
@@ -458,7 +460,7 @@ class _METPAttentionFunction(torch.autograd.Function):
         dwq, dbq, dwot = acc
         return (dx.to(x.dtype).view(n, b, h), weight_grad(wqkv, dwq), weight_grad(bqkv, dbq),
                 weight_grad(wo, dwot.t()), dbo,
-                None, None, None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None, None, None)
 
 
 def metp_attention(x: torch.Tensor, qkv_weight: torch.Tensor, proj_weight: torch.Tensor, *, group,
@@ -469,7 +471,8 @@ def metp_attention(x: torch.Tensor, qkv_weight: torch.Tensor, proj_weight: torch
                    softmax_scale: Optional[float] = None,
                    kernel: Optional[str] = None, label: str = "metp_attention",
                    head_block=None,
-                   grad_reduce_dtype: Optional[torch.dtype] = torch.float32) -> torch.Tensor:
+                   grad_reduce_dtype: Optional[torch.dtype] = torch.float32,
+                   cu_seqlens=None) -> torch.Tensor:
     """The METP self-attention block (before the residual): ``y = Attn(x)·Woᵀ + bo``.
 
     Args:
@@ -482,7 +485,11 @@ def metp_attention(x: torch.Tensor, qkv_weight: torch.Tensor, proj_weight: torch
         causal, layout: as in :func:`~megatron_metp.ops.ring_attention`.
         rotary_pos_emb: Megatron's RoPE angles ``[s/p, 1, 1, r]`` for this rank's tokens (as
             Megatron's ``RotaryEmbedding`` returns them under context parallelism) or ``[s, 1, 1, r]``
-            for the whole sequence (this rank's positions are selected).
+            for the whole sequence (this rank's positions are selected). With ``cu_seqlens`` it
+            must be the whole-sequence table ``[s, 1, 1, r]`` (rows ``0 … s−1``): positions
+            restart at 0 at each document start (:func:`documents.document_positions`); a
+            per-rank ``[s/p, 1, 1, r]`` slice (``p > 1``) is refused, since its rows are this
+            rank's global positions, not positions within documents.
         qkv_bias: ``[(G/p)·(A/G+2)·d]`` sharded like ``qkv_weight``; proj_bias: ``[h]`` replicated.
         softmax_scale: default ``1/sqrt(d)``. kernel: block kernel name, default best available.
         head_block: head groups per block of the outer loop, a divisor of ``p``, or ``"auto"``
@@ -493,6 +500,10 @@ def metp_attention(x: torch.Tensor, qkv_weight: torch.Tensor, proj_weight: torch
             METP modules pass their ``main_grad``'s dtype). Where a weight has Megatron's
             ``main_grad``, the complete gradient is added there directly (no rounding to the
             weight's dtype first).
+        cu_seqlens: packed documents, as in :func:`~megatron_metp.ops.ring_attention`:
+            cumulative document lengths of the global sequence ``[0, …, s]`` (natural token
+            order, identical on every rank); attention is causal within each document and RoPE
+            positions restart per document. ``None``: unchanged.
         label: names this call in NaN/Inf reports (:mod:`megatron_metp.finite`) and in the
             cross-rank agreement check (:mod:`megatron_metp.agree`, opt-in), which also requires
             it, every shape/dtype and every option to be equal on all ranks of the group.
@@ -503,14 +514,23 @@ def metp_attention(x: torch.Tensor, qkv_weight: torch.Tensor, proj_weight: torch
     group = as_metp_group(group)
     try:
         d = _check_inputs(x, qkv_weight, proj_weight, qkv_bias, proj_bias, group, num_heads,
-                          num_query_groups, layout, causal, rotary_pos_emb)
+                          num_query_groups, shape_layout(layout), causal, rotary_pos_emb)
         kern = select_kernel(x.device, x.dtype, kernel)
         kb = head_block_size(group.size, num_heads // group.size, x.shape[0] * x.shape[1],
                              x.device, head_block)
+        n, p = x.shape[0], group.size
+        cu = check_packed(cu_seqlens, n * p, causal, layout, p)
         freqs = rotary_pos_emb
-        if freqs is not None and freqs.shape[0] != x.shape[0]:
-            pos = local_positions(group.rank, group.size, x.shape[0], layout=layout,
-                                  device=x.device)
+        if freqs is not None and cu is not None:
+            if freqs.shape[0] != n * p:
+                raise ValueError(f"rotary_pos_emb with cu_seqlens must be the whole-sequence "
+                                 f"table [s={n * p}, 1, 1, r] (positions restart at each "
+                                 f"document start), got {tuple(freqs.shape)}: a per-rank "
+                                 f"[s/p, 1, 1, r] slice cannot be re-indexed per document")
+            freqs = freqs.index_select(0, document_positions(cu, group.rank, p, n, layout,
+                                                             device=x.device))
+        elif freqs is not None and freqs.shape[0] != n:
+            pos = local_positions(group.rank, p, n, layout=layout, device=x.device)
             freqs = freqs.index_select(0, pos)
     except ValueError as exc:
         refuse_together(group, op_label("metp_attention", label), exc)
@@ -523,8 +543,9 @@ def metp_attention(x: torch.Tensor, qkv_weight: torch.Tensor, proj_weight: torch
                            num_heads=num_heads, num_query_groups=num_query_groups,
                            causal=bool(causal), layout=layout, softmax_scale=float(scale),
                            kernel=kern.name, head_block=kb, grad_reduce_dtype=grad_reduce_dtype,
+                           cu_seqlens=None if cu is None else cu_seqlens_digest(cu),
                            needs_grad=needs_grad(x, qkv_weight, proj_weight, qkv_bias, proj_bias))
     geo = _Geometry(num_heads, num_query_groups, d, group.size)
     return _METPAttentionFunction.apply(x, qkv_weight, qkv_bias, proj_weight, proj_bias, freqs,
                                         group, geo, bool(causal), layout, float(scale), kern,
-                                        label, kb, grad_reduce_dtype)
+                                        label, kb, grad_reduce_dtype, cu)

@@ -3,11 +3,16 @@
 A ring step attends one block of queries to one block of keys/values. Every kernel here works on
 ``q [b, hq, n, d]``, ``k, v [b, hkv, m, d]`` (heads first; ``hq`` a multiple of ``hkv`` for GQA/MQA)
 with one of two masks: ``causal=False`` (no mask) or ``causal=True`` (square block, query ``i``
-sees keys ``≤ i``: the diagonal block of a causal ring).
+sees keys ``≤ i``: the diagonal block of a causal ring), and, for packed sequences
+(:mod:`.documents`), an optional boolean ``mask [n, m]`` (``True``: visible) on the kernels whose
+``takes_mask(q)`` is true (``reference``; ``torch_flash`` on CPU, as an additive ``0/−inf`` mask).
+A masked row with no visible key gives ``out = 0``, ``lse = −inf``; in backward its
+probabilities are ``exp(−inf − lse) = 0``. ``flash_attn`` and CUDA ``torch_flash`` take no mask:
+the packed plan gives them full/causal pieces per document instead (exact, more launches).
 
-* ``forward(q, k, v, causal, scale) -> (out, lse)``: ``out = softmax(q·kᵀ·scale)·v`` and
+* ``forward(q, k, v, causal, scale, mask=None) -> (out, lse)``: ``out = softmax(q·kᵀ·scale)·v`` and
   ``lse = log Σ_keys exp(q·kᵀ·scale)`` (natural log, fp32, ``[b, hq, n]``).
-* ``backward(dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv)`` where ``out`` and ``lse``
+* ``backward(dout, q, k, v, out, lse, causal, scale, workspace=None, mask=None) -> (dq, dk, dv)`` where ``out`` and ``lse``
   are the *final* (merged over all blocks) output and log-sum-exp of these query rows, so that
   ``P = exp(q·kᵀ·scale − lse)`` are this block's true probabilities and
   ``dS = P ⊙ (dout·vᵀ − rowsum(dout ⊙ out))``, ``dq = dS·k·scale``, ``dk = dSᵀ·q·scale``,
@@ -88,27 +93,39 @@ def _causal_mask(n: int, m: int, device) -> torch.Tensor:
 
 
 class ReferenceKernel:
-    """Plain PyTorch in fp32; materialises the block's scores (the unfused path)."""
+    """Plain PyTorch in fp32; materialises the block's scores (the unfused path). Takes a
+    boolean ``mask [n, m]`` (``True``: visible); rows with no visible key give ``out = 0`` and
+    ``lse = −inf`` (no NaN), which :func:`lse.merge_masked_` folds in as nothing."""
 
     name = "reference"
 
     @staticmethod
-    def forward(q, k, v, causal: bool, scale: float):
-        hq = q.shape[1]
-        s = torch.matmul(q.float(), _expand_kv(k, hq).float().transpose(-1, -2)) * scale
+    def takes_mask(q) -> bool:
+        return True
+
+    @staticmethod
+    def _scores(q, k, causal, scale, mask):
+        s = torch.matmul(q.float(), _expand_kv(k, q.shape[1]).float().transpose(-1, -2)) * scale
         if causal:
             s.masked_fill_(~_causal_mask(s.shape[-2], s.shape[-1], s.device), float("-inf"))
+        if mask is not None:
+            s.masked_fill_(~mask, float("-inf"))
+        return s
+
+    @staticmethod
+    def forward(q, k, v, causal: bool, scale: float, mask=None):
+        hq = q.shape[1]
+        s = ReferenceKernel._scores(q, k, causal, scale, mask)
         lse = torch.logsumexp(s, dim=-1)
-        out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), _expand_kv(v, hq).float())
+        shift = lse if mask is None else lse.masked_fill(lse == float("-inf"), 0.0)
+        out = torch.matmul(torch.exp(s - shift.unsqueeze(-1)), _expand_kv(v, hq).float())
         return out, lse
 
     @staticmethod
-    def backward(dout, q, k, v, out, lse, causal: bool, scale: float, workspace=None):
+    def backward(dout, q, k, v, out, lse, causal: bool, scale: float, workspace=None, mask=None):
         hq, hkv = q.shape[1], k.shape[1]
         qf, kf, vf = q.float(), _expand_kv(k, hq).float(), _expand_kv(v, hq).float()
-        s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
-        if causal:
-            s.masked_fill_(~_causal_mask(s.shape[-2], s.shape[-1], s.device), float("-inf"))
+        s = ReferenceKernel._scores(q, k, causal, scale, mask)
         prob = torch.exp(s - lse.unsqueeze(-1))
         do = dout.float()
         dv = torch.matmul(prob.transpose(-1, -2), do)
@@ -117,6 +134,17 @@ class ReferenceKernel:
         dq = torch.matmul(ds, kf) * scale
         dk = torch.matmul(ds.transpose(-1, -2), qf) * scale
         return dq, _fold_kv(dk, hkv), _fold_kv(dv, hkv)
+
+
+def _additive(mask, dtype):
+    """Boolean ``mask`` → the additive ``0 / −inf`` mask the CPU flash kernel takes (``dtype``)."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask,
+                                                                                 float("-inf"))
+
+
+def _refuse_mask_on_cuda():
+    raise ValueError("torch_flash on CUDA takes no attention mask; the packed-sequence plan "
+                     "(cu_seqlens) cuts its blocks into full/causal pieces for it instead")
 
 
 class TorchFlashKernel:
@@ -129,9 +157,16 @@ class TorchFlashKernel:
     name = "torch_flash"
 
     @staticmethod
-    def forward(q, k, v, causal: bool, scale: float):
+    def takes_mask(q) -> bool:
+        """The CPU kernel takes an additive mask; the CUDA one does not."""
+        return not _cuda_path(q)
+
+    @staticmethod
+    def forward(q, k, v, causal: bool, scale: float, mask=None):
         hq = q.shape[1]
         cuda = _cuda_path(q)
+        if mask is not None and cuda:
+            _refuse_mask_on_cuda()
         q = _last_dim_dense(q) if cuda else q.contiguous()
         k, v = _expand_kv(k, hq), _expand_kv(v, hq)
         k, v = (_last_dim_dense(k), _last_dim_dense(v)) if cuda else (k.contiguous(), v.contiguous())
@@ -140,11 +175,14 @@ class TorchFlashKernel:
                 q, k, v, 0.0, causal, False, scale=scale)
             return res[0], res[1]
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, attn_mask=None, scale=scale)
+            q, k, v, 0.0, causal, attn_mask=None if mask is None else _additive(mask, q.dtype),
+            scale=scale)
+        if mask is not None:  # rows with no visible key: the kernel gives lse 0, out 0
+            lse = lse.masked_fill(~mask.any(-1), float("-inf"))
         return out, lse
 
     @staticmethod
-    def backward(dout, q, k, v, out, lse, causal: bool, scale: float, workspace=None):
+    def backward(dout, q, k, v, out, lse, causal: bool, scale: float, workspace=None, mask=None):
         """``workspace``: a dict the caller keeps over a ring's blocks (the CUDA kernel's unused
         RNG-state arguments are made once there, not per block). ``out``/``dout`` in ``q``'s
         dtype and ``lse`` contiguous are used as given (no copies); others are converted."""
@@ -156,6 +194,8 @@ class TorchFlashKernel:
         out = dense(out if out.dtype == q.dtype else out.to(q.dtype))
         dout = dense(dout if dout.dtype == q.dtype else dout.to(q.dtype))
         lse = lse if lse.is_contiguous() else lse.contiguous()
+        if mask is not None and cuda:
+            _refuse_mask_on_cuda()
         if cuda:
             n, m = q.shape[2], k.shape[2]
             ws = workspace if workspace is not None else {}
@@ -168,7 +208,8 @@ class TorchFlashKernel:
                 zero, zero, scale=scale)
         else:
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                dout, q, ke, ve, out, lse, 0.0, causal, attn_mask=None, scale=scale)
+                dout, q, ke, ve, out, lse, 0.0, causal,
+                attn_mask=None if mask is None else _additive(mask, q.dtype), scale=scale)
         return dq, _fold_kv(dk, hkv), _fold_kv(dv, hkv)
 
 
@@ -178,7 +219,14 @@ class FlashAttnKernel:  # pragma: no cover - needs a GPU and the flash-attn pack
     name = "flash_attn"
 
     @staticmethod
-    def forward(q, k, v, causal: bool, scale: float):
+    def takes_mask(q) -> bool:
+        """No mask argument: packed sequences run as full/causal pieces per document."""
+        return False
+
+    @staticmethod
+    def forward(q, k, v, causal: bool, scale: float, mask=None):
+        if mask is not None:
+            raise ValueError("flash_attn takes no attention mask (pieces are full or causal)")
         qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
         # flash-attn >= 2.6 interface; other versions fail here with a TypeError naming it.
         res = _flash_attn_forward(qt, kt, vt, 0.0, scale, causal=causal, window_size_left=-1,
@@ -188,7 +236,9 @@ class FlashAttnKernel:  # pragma: no cover - needs a GPU and the flash-attn pack
         return out.transpose(1, 2), lse
 
     @staticmethod
-    def backward(dout, q, k, v, out, lse, causal: bool, scale: float, workspace=None):
+    def backward(dout, q, k, v, out, lse, causal: bool, scale: float, workspace=None, mask=None):
+        if mask is not None:
+            raise ValueError("flash_attn takes no attention mask (pieces are full or causal)")
         qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
         dot = dout.to(q.dtype).transpose(1, 2).contiguous()
         ot = out.to(q.dtype).transpose(1, 2).contiguous()

@@ -28,6 +28,18 @@ communicator, so K/V never queues behind weight traffic). Forward: one exchange 
 before the step's kernel. Backward: the first block's exchange (which a caller may post early,
 :func:`post_first_kv`), then one batched exchange per step carrying the next step's K/V block and
 the previous block's ``dK/dV`` sum (``p + 1`` batches for ``p > 2``).
+
+Packed sequences (``cu_seqlens``, :mod:`.documents`): a query attends causally within its own
+document. Each block runs the pieces of :func:`documents.block_pieces` (one masked piece, or
+full/causal pieces per document for kernels without a mask; a block no document crosses is the
+plain block); blocks without a same-document pair launch no kernel, forward and backward. The
+pieces fold into zero/``−inf`` accumulators with :func:`lse.merge_masked_` (rows without a
+visible key in a piece carry ``lse = −inf``, no NaN). Transfers: the forward ring stops after
+:func:`documents.forward_steps` steps (the last step any rank needs: with ``contiguous`` and
+documents inside ranks' blocks, no K/V is sent at all); no per-hop skipping, since a block
+travelling on may be needed further along the ring (with ``dual_chunk``, rank ``j``'s block is
+needed by rank ``j − 1``, ``p − 1`` hops on). The backward ring is unchanged (each block's
+``dK/dV`` sum must travel home through every rank).
 """
 
 from __future__ import annotations
@@ -42,6 +54,7 @@ from ..agree import (agreement_checks_enabled, check_group_agrees, needs_grad, o
 from ..finite import check_finite
 from ..groups import METPGroup, as_metp_group
 from ..ring import RingExchanger
+from . import documents
 from . import lse as lse_ops
 from ._first_order import first_order_only
 from ._flat import FlatLayout
@@ -101,6 +114,18 @@ def _record_kernel(group: METPGroup, name: str) -> None:
     group.stats.kernels[name] = group.stats.kernels.get(name, 0) + 1
 
 
+def _record_block(group: METPGroup, name: str) -> None:
+    group.stats.blocks[name] = group.stats.blocks.get(name, 0) + 1
+
+
+def _pieces(r, j, n, p, causal, layout, cu, kernel, q):
+    """The kernel calls of block ``(r, j)``: :class:`documents.Piece` s (``()``: skipped)."""
+    if cu is not None:
+        return documents.block_pieces(cu, r, j, n, p, layout, kernel.takes_mask(q))
+    plan = block_plan(r, j, n, causal, layout)
+    return () if plan is None else (documents.Piece(plan[0], plan[1], plan[2], False),)
+
+
 def _kv_ring(group: METPGroup) -> METPGroup:
     """The group K/V blocks travel on: the METP group's own K/V communicator where it has one
     (:attr:`METPGroup.kv`, a second process group of the same ranks, so the K/V ring never
@@ -109,7 +134,8 @@ def _kv_ring(group: METPGroup) -> METPGroup:
 
 
 def ring_attention_forward(q, k, v, group: METPGroup, causal: bool, layout: str, scale: float,
-                           kernel, kv_packed=None, defer_merge: bool = False, out=None):
+                           kernel, kv_packed=None, defer_merge: bool = False, out=None,
+                           cu_seqlens=None):
     """Heads-first ``q [b,hq,n,d]``, ``k, v [b,hkv,n,d]`` → ``(out [b,hq,n,d] fp32, lse fp32)``.
 
     Step 0 is this rank's own (diagonal) block, which covers every query row: it initialises
@@ -121,7 +147,10 @@ def ring_attention_forward(q, k, v, group: METPGroup, causal: bool, layout: str,
     log-sum-exp is known (:func:`lse.combine`: one ``addcmul_`` per block into the fp32 output
     instead of a rescale of it: less than half the traffic, ``p`` block outputs alive).
     ``out``: where to write the output (``q``'s shape, any strides, e.g. ``q``'s dtype): the
-    last fold writes it directly; returned instead of the fp32 accumulator."""
+    last fold writes it directly; returned instead of the fp32 accumulator.
+    ``cu_seqlens``: checked document boundaries (tuple): :func:`_packed_forward`."""
+    if cu_seqlens is not None:
+        return _packed_forward(q, k, v, group, layout, scale, kernel, cu_seqlens, kv_packed, out)
     p, r, n = group.size, group.rank, q.shape[2]
     dest, out, lse = out, None, None
     kept = []
@@ -137,6 +166,7 @@ def ring_attention_forward(q, k, v, group: METPGroup, causal: bool, layout: str,
             continue
         qs, ks, blk_causal = plan
         o_b, l_b = kernel.forward(q[:, :, qs], kj[:, :, ks], vj[:, :, ks], blk_causal, scale)
+        _record_block(group, kernel.name)
         if defer_merge:
             kept.append((qs, o_b, l_b))
         elif out is None:  # j == r: every row
@@ -146,6 +176,41 @@ def ring_attention_forward(q, k, v, group: METPGroup, causal: bool, layout: str,
     _record_kernel(group, kernel.name)
     if defer_merge:
         return lse_ops.combine(kept, out=dest)
+    if dest is not None:
+        dest.copy_(out)
+        out = dest
+    return out, lse
+
+
+def _packed_forward(q, k, v, group: METPGroup, layout: str, scale: float, kernel, cu, kv_packed,
+                    dest):
+    """:func:`ring_attention_forward` of a packed sequence (document boundaries ``cu``).
+
+    Each block's pieces (:func:`documents.block_pieces`) fold into zero/``−inf`` accumulators by
+    :func:`lse.merge_masked_` (a piece's rows without a visible key carry ``lse = −inf`` and add
+    nothing); blocks without a visible pair launch no kernel. The ring runs only
+    :func:`documents.forward_steps` steps: the K/V blocks no rank needs at later steps are not
+    sent (the same count on every rank, computed from ``cu``)."""
+    p, r, n = group.size, group.rank, q.shape[2]
+    layout_kv = FlatLayout.of([k, v])
+    steps = documents.forward_steps(cu, n, p, layout) if p > 1 else 1
+    ring = RingExchanger(_kv_ring(group), "attention K/V (fwd)")
+    if steps > 1:
+        payload = kv_packed if kv_packed is not None else layout_kv.pack([k, v])
+        blocks = ring.circulate(payload, steps=steps)
+    else:
+        blocks = [(0, None)]
+    out, lse = lse_ops.new_accumulators(q.shape, q.device)
+    for t, flat in blocks:
+        j = (r - t) % p
+        kj, vj = (k, v) if flat is None else layout_kv.unpack(flat)
+        for pc in _pieces(r, j, n, p, True, layout, cu, kernel, q):
+            mask = documents.piece_mask(pc, q.device) if pc.masked else None
+            o_b, l_b = kernel.forward(q[:, :, pc.rows], kj[:, :, pc.keys], vj[:, :, pc.keys],
+                                      pc.causal, scale, mask=mask)
+            _record_block(group, kernel.name)
+            lse_ops.merge_masked_(out[:, :, pc.rows], lse[:, :, pc.rows], o_b, l_b)
+    _record_kernel(group, kernel.name)
     if dest is not None:
         dest.copy_(out)
         out = dest
@@ -171,7 +236,7 @@ def post_first_kv_packed(kv_packed, group: METPGroup, *, aliases_kv: bool = True
 
 
 def ring_attention_backward(dout, q, k, v, out, lse, group: METPGroup, causal: bool, layout: str,
-                            scale: float, kernel, first=None, dv_out=None):
+                            scale: float, kernel, first=None, dv_out=None, cu_seqlens=None):
     """Grads of :func:`ring_attention_forward`: ``(dq fp32, dk fp32, dv fp32)``, heads-first.
 
     ``dk, dv`` are complete (every rank's queries) for this rank's own K/V block. Rank ``r``
@@ -182,7 +247,10 @@ def ring_attention_backward(dout, q, k, v, out, lse, group: METPGroup, causal: b
     exchange from :func:`post_first_kv` if the caller posted it already. ``dv_out``: where to
     write ``dv`` (``v``'s shape, any strides and floating dtype), or a callable returning it
     (called at the last step): the own block's contribution is added into it directly (no fp32
-    ``dv`` and no separate cast); then returned as ``dv``.
+    ``dv`` and no separate cast); then returned as ``dv``. ``cu_seqlens``: document
+    boundaries (tuple): each block's pieces as in :func:`_packed_forward` (masked pieces with
+    their mask); a block's pieces' ``dK/dV`` are summed over their key rows. The K/V and
+    ``dK/dV`` ring itself is unchanged (every sum must travel home).
     """
     p, r, n = group.size, group.rank, q.shape[2]
     dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
@@ -197,16 +265,23 @@ def ring_attention_backward(dout, q, k, v, out, lse, group: METPGroup, causal: b
 
     def block_grads(kj, vj, j):
         """dq += this block's; returns ``(ks, dk_b, dv_b)`` or ``None`` (fully masked)."""
-        plan = block_plan(r, j, n, causal, layout)
-        if plan is None:
+        pieces = _pieces(r, j, n, p, causal, layout, cu_seqlens, kernel, q)
+        if not pieces:
             return None
-        qs, ks, blk_causal = plan
+        got = [piece_grads(kj, vj, j, pc) for pc in pieces]
+        return got[0] if len(got) == 1 else _sum_key_rows(got)
+
+    def piece_grads(kj, vj, j, pc):
+        qs, ks = pc.rows, pc.keys
+        mask = documents.piece_mask(pc, q.device) if pc.masked else None
         key = (qs.start, qs.stop)
         if key not in lse_rows:  # one contiguous copy per distinct row range, not per block
             lse_rows[key] = lse[:, :, qs].contiguous()
         dq_b, dk_b, dv_b = kernel.backward(dout[:, :, qs], q[:, :, qs], kj[:, :, ks],
                                            vj[:, :, ks], out[:, :, qs], lse_rows[key],
-                                           blk_causal, scale, workspace)
+                                           pc.causal, scale, workspace,
+                                           **({} if mask is None else {"mask": mask}))
+        _record_block(group, kernel.name)
         if dq_started[0]:
             dq[:, :, qs].add_(dq_b)
         else:
@@ -292,6 +367,19 @@ def ring_attention_backward(dout, q, k, v, out, lse, group: METPGroup, causal: b
     return dq_done(), dk, dv if dv_out is None else dv_out
 
 
+def _sum_key_rows(grads):
+    """``(ks, dk, dv)`` (fp32) over the key rows spanned by pieces ``[(ks_i, dk_i, dv_i)]``."""
+    lo, hi = min(g[0].start for g in grads), max(g[0].stop for g in grads)
+    dk0 = grads[0][1]
+    shape = dk0.shape[:2] + (hi - lo,) + dk0.shape[3:]
+    dk = torch.zeros(shape, dtype=torch.float32, device=dk0.device)
+    dv = torch.zeros(shape, dtype=torch.float32, device=dk0.device)
+    for ks, dk_b, dv_b in grads:
+        dk[:, :, ks.start - lo:ks.stop - lo].add_(dk_b)
+        dv[:, :, ks.start - lo:ks.stop - lo].add_(dv_b)
+    return slice(lo, hi), dk, dv
+
+
 def _write_rows(acc, rows: slice, block, n: int) -> None:
     """``acc[:, :, rows] = block`` (cast to ``acc``'s dtype) and the other rows of ``acc``'s
     ``n`` zeroed: an accumulator's first contribution without a zero fill of the whole."""
@@ -313,14 +401,16 @@ def _to_seq_first(t):
 
 class _RingAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, layout, scale, kernel, label):
+    def forward(ctx, q, k, v, group, causal, layout, scale, kernel, label, cu):
         check_finite(f"{label} (forward)", group, q=q, k=k, v=v)
         ctx.label = label
         qh, kh, vh = (_to_heads_first(t) for t in (q, k, v))
-        out, lse = ring_attention_forward(qh, kh, vh, group, causal, layout, scale, kernel)
+        out, lse = ring_attention_forward(qh, kh, vh, group, causal, layout, scale, kernel,
+                                          cu_seqlens=cu)
         out = out.to(q.dtype)
         ctx.save_for_backward(qh, kh, vh, out, lse)
         ctx.args = (group, causal, layout, scale, kernel)
+        ctx.cu = cu
         return _to_seq_first(out).contiguous()
 
     @staticmethod
@@ -329,14 +419,15 @@ class _RingAttentionFunction(torch.autograd.Function):
         check_finite(f"{ctx.label} (backward)", ctx.args[0], grad_output=dout)
         qh, kh, vh, out, lse = ctx.saved_tensors
         dq, dk, dv = ring_attention_backward(_to_heads_first(dout.to(qh.dtype)), qh, kh, vh, out,
-                                             lse, *ctx.args)
+                                             lse, *ctx.args, cu_seqlens=ctx.cu)
         return (_to_seq_first(dq).to(qh.dtype), _to_seq_first(dk).to(kh.dtype),
-                _to_seq_first(dv).to(vh.dtype), None, None, None, None, None, None)
+                _to_seq_first(dv).to(vh.dtype), None, None, None, None, None, None, None)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, causal: bool = True,
                    layout: str = "dual_chunk", softmax_scale: Optional[float] = None,
-                   kernel: Optional[str] = None, label: str = "ring_attention") -> torch.Tensor:
+                   kernel: Optional[str] = None, label: str = "ring_attention",
+                   cu_seqlens=None) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence's keys, K/V on a ring.
 
     Args:
@@ -344,18 +435,27 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, 
         k, v: ``[s/p, b, hkv, d]`` this rank's keys/values; ``hq`` a multiple of ``hkv`` (GQA/MQA).
         group: :class:`~megatron_metp.groups.METPGroup` (or ProcessGroup, or ``None`` for p=1).
         causal: causal mask over *global* positions of ``layout``.
-        layout: ``"dual_chunk"`` (Megatron CP order) or ``"contiguous"``.
+        layout: ``"dual_chunk"`` (Megatron CP order) or ``"contiguous"``; with ``cu_seqlens``
+            also ``"balanced"`` (long documents dual-chunked over the ranks on their own, the
+            rest together: balanced work; shard with :func:`documents.shard_documents`).
         softmax_scale: default ``1/sqrt(d)``.
         kernel: block kernel name (``"flash_attn"``, ``"torch_flash"``, ``"reference"``); default
             the best available. The one used is counted in ``group.stats.kernels``.
         label: names this call in NaN/Inf reports (:mod:`megatron_metp.finite`).
+        cu_seqlens: packed documents: cumulative document lengths of the *global* sequence in
+            natural token order ``[0, …, s]`` (list/tuple or 1-D integer tensor), identical on
+            every rank; each query then attends causally within its own document only
+            (:mod:`.documents`; needs ``causal=True``). Blocks without a same-document pair
+            launch no kernel; the forward ring stops after the last step any rank needs.
+            ``None``: one document (today's computation, unchanged).
 
     Returns: ``[s/p, b, hq, d]``. With replicated weights around it this is ring self-attention
     (sequence parallelism); inside :func:`metp_attention` it is the inner loop.
     """
     group = as_metp_group(group)
     try:
-        check_attention_inputs(q, k, v, group, causal, layout)
+        check_attention_inputs(q, k, v, group, causal, shape_layout(layout))
+        cu = check_packed(cu_seqlens, q.shape[0] * group.size, causal, layout, group.size)
         kern = select_kernel(q.device, q.dtype, kernel)
     except ValueError as exc:
         refuse_together(group, op_label("ring_attention", label), exc)
@@ -364,6 +464,29 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, 
     if agreement_checks_enabled():
         check_group_agrees(group, op_label("ring_attention", label), label=label, q=q, k=k, v=v,
                            causal=bool(causal), layout=layout, softmax_scale=float(scale),
-                           kernel=kern.name, needs_grad=needs_grad(q, k, v))
+                           kernel=kern.name, needs_grad=needs_grad(q, k, v),
+                           cu_seqlens=None if cu is None else documents.cu_seqlens_digest(cu))
     return _RingAttentionFunction.apply(q, k, v, group, bool(causal), layout, float(scale), kern,
-                                        label)
+                                        label, cu)
+
+
+def shape_layout(layout: str) -> str:
+    """The plain layout whose shape rules ``layout`` follows (``balanced``: ``dual_chunk``'s,
+    an even number of local tokens)."""
+    return "dual_chunk" if layout == "balanced" else layout
+
+
+def check_packed(cu_seqlens, s: int, causal: bool, layout: str, p: int):
+    """``cu_seqlens`` checked (a tuple of ints, :func:`documents.check_cu_seqlens`), or ``None``;
+    packed sequences need ``causal=True``; ``layout='balanced'`` needs them
+    (:func:`documents.check_layout`)."""
+    if cu_seqlens is None:
+        if layout == "balanced":
+            documents.check_layout(layout, None, p)
+        return None
+    if not causal:
+        raise ValueError("cu_seqlens (packed documents) needs causal=True: each query attends "
+                         "causally within its own document")
+    cu = documents.check_cu_seqlens(cu_seqlens, s)
+    documents.check_layout(layout, cu, p)
+    return cu

@@ -393,12 +393,15 @@ def _build_and_measure(args, pretrain_gpt, ps, te_absent: bool, notes: List[str]
             chunks.append((m, pre, post))
         return chunks
 
+    docs = dry_run_documents(args, metp, notes)
+
     def measure(chunks):
         tracker = FR.tracker()
         stored = 0
         with FR.measuring(tracker, cuda=not cpu_kernels):
             for m, pre, post in chunks:
-                stored += _fwd_bwd(m, pre, post, args, mbs, n_local, sp, tp, dtype, tracker)
+                stored += _fwd_bwd(m, pre, post, args, mbs, n_local, sp, tp, dtype, tracker,
+                                   docs)
         offloaders = [getattr(m.decoder, "_metp_offloader", None) for m, _, _ in chunks
                       if getattr(m, "decoder", None) is not None]
         host = sum(o.stats.host_peak for o in offloaders if o is not None)
@@ -502,7 +505,30 @@ def _build_and_measure(args, pretrain_gpt, ps, te_absent: bool, notes: List[str]
     }
 
 
-def _fwd_bwd(model, pre, post, args, mbs, n_local, sp, tp, dtype, tracker) -> int:
+#: documents per sequence in the dry run of a packed (--reset-attention-mask) METP config
+DRY_RUN_DOCUMENTS = 8
+
+
+def dry_run_documents(args, metp: bool, notes: List[str]):
+    """The METP document boundaries of the dry run's micro-batch (``None`` unless METP runs with
+    ``--reset-attention-mask``): :data:`DRY_RUN_DOCUMENTS` equal documents. Fake tensors have no
+    token values to find EOD tokens in, so the boundaries are given to the model (made here,
+    outside the fake mode) as the training run derives them, in ``packed_seq_params``."""
+    if not metp or not getattr(args, "reset_attention_mask", False):
+        return None
+    from ..megatron.packing import documents
+
+    s = args.seq_length
+    n = max(1, min(DRY_RUN_DOCUMENTS, s))
+    cu = sorted({round(i * s / n) for i in range(n + 1)})
+    notes.append(f"--reset-attention-mask: the micro-batch holds {len(cu) - 1} documents of "
+                 f"{s // (len(cu) - 1):,} tokens (fake tensors hold no EOD tokens; a training "
+                 f"run derives the boundaries from them)")
+    return documents(cu, s, full_rope=not getattr(args, "metp_disable_weight_ring", False),
+                     layout=getattr(args, "metp_packed_layout", "dual_chunk"))
+
+
+def _fwd_bwd(model, pre, post, args, mbs, n_local, sp, tp, dtype, tracker, docs=None) -> int:
     """One forward and backward of one micro-batch on this chunk; returns the bytes the forward
     left alive for the backward (forward allocations still alive when it ends)."""
     import torch
@@ -518,7 +544,8 @@ def _fwd_bwd(model, pre, post, args, mbs, n_local, sp, tp, dtype, tracker) -> in
         model.set_input_tensor(torch.zeros(s_in, mbs, args.hidden_size, dtype=dtype,
                                            requires_grad=True))
     act_before = _categories(tracker, "current").get("ACT", 0)
-    out = model(tokens, position_ids, mask, labels=labels if post else None)
+    kw = {"packed_seq_params": docs} if docs is not None else {}
+    out = model(tokens, position_ids, mask, labels=labels if post else None, **kw)
     stored = _categories(tracker, "current").get("ACT", 0) - act_before
     if post:
         out.float().sum().backward()
