@@ -437,3 +437,32 @@ def test_dry_run_of_the_packed_config(patched_megatron_lm):
                            "tiny-cpu-metp2-packed.sh", "--dry-run", "--", "--micro-batch-size",
                            "2"], cwd=repo, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 1 and "--micro-batch-size 1" in proc.stderr, proc.stderr[-3000:]
+
+
+# ------------------------------------------------------------------------------ RoPE per document
+
+@pytest.mark.parametrize("layout", ["dual_chunk", "balanced", "contiguous"])
+def test_per_document_rope_equals_the_rows_of_the_whole_table(layout):
+    """packing.document_rope builds this rank's per-document angles from Megatron's own
+    RotaryEmbedding without the whole-sequence table: bit-identical to selecting its rows."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from megatron_metp import cpu
+    from megatron_metp.megatron.packing import document_rope
+    from megatron_metp.ops.documents import document_position_runs, document_positions
+
+    cpu.enable()  # get_emb moves inv_freq to the "current CUDA device"
+    rotary = RotaryEmbedding(kv_channels=16, rotary_percent=1.0, rotary_base=10000)
+    s, p = 96, 3
+    n = s // p
+    cu = [0, 5, 6, 40, 41, 90, 96]
+    full = rotary.get_emb(s)
+    for rank in range(p):
+        pos = document_positions(cu, rank, p, n, layout)
+        runs = document_position_runs(cu, rank, p, n, layout)
+        assert torch.equal(torch.cat([torch.arange(a, a + m) for _, a, m in runs]), pos)
+        got = document_rope(rotary, cu, rank, p, n, layout)
+        assert got.shape == (n, 1, 1, 16) and torch.equal(got, full.index_select(0, pos))
+    # negative control: global positions are not the per-document ones
+    assert not torch.equal(document_rope(rotary, cu, 1, p, n, layout),
+                           full.index_select(0, torch.arange(n, 2 * n)))

@@ -200,6 +200,10 @@ class METPSelfAttention(SelfAttention):
         packed = _document_kwargs(packed_seq_params, "METP attention")
         if rotary_pos_cos is not None or rotary_pos_sin is not None:
             raise ValueError("METP attention takes RoPE as rotary_pos_emb, not cos/sin tables")
+        rope = getattr(packed_seq_params, "rope", None)
+        if rope is not None and rotary_pos_emb is not None:
+            # the micro-batch's per-document angles (packing.py), one tensor for every layer
+            rotary_pos_emb, packed["rope_per_document"] = rope, True
         tp = self.groups.tp if self.groups.tp_size > 1 else None
         x = copy_to_tensor_model_parallel_region(hidden_states, group=tp) if tp else hidden_states
         out = metp_attention(x, self.linear_qkv.weight, self.linear_proj.weight, **packed,

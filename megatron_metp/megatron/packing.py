@@ -17,10 +17,13 @@ Megatron's default); METP never materialises it. Instead, per micro-batch:
 :class:`DocumentBoundaries` attaches that to a ``GPTModel`` as a forward pre-hook: it passes the
 boundaries down as ``packed_seq_params`` (a :class:`METPDocuments`), which megatron-core hands
 through the decoder (also into Megatron's full-recompute re-runs) to every layer's attention,
-where the METP modules give them to the ops as ``cu_seqlens=``. With the weight ring the
-``METPDocuments`` say ``qkv_format='thd'``, so ``GPTModel`` builds the whole sequence's RoPE table
-``[s, 1, 1, r]`` instead of this rank's slice, and ``metp_attention`` restarts positions at each
-document. The ring self-attention baseline applies RoPE in Megatron's stock ``SelfAttention``,
+where the METP modules give them to the ops as ``cu_seqlens=``. With the weight ring and
+Megatron's plain RoPE, the hook also computes this rank's per-document RoPE angles
+``[s/p, 1, 1, r]`` once (:func:`document_rope`; positions restart at each document) and every
+layer's ``metp_attention`` takes them as they are (``rope_per_document=True``): no per-layer copy,
+and no whole-sequence table. For other position embeddings the ``METPDocuments`` say
+``qkv_format='thd'``, so ``GPTModel`` builds the whole sequence's table ``[s, 1, 1, r]`` and each
+layer selects its rows. The ring self-attention baseline applies RoPE in Megatron's stock ``SelfAttention``,
 so there they say ``'sbhd'`` (this rank's slice, global positions: RoPE is relative, and no
 score crosses a document, so the attention is the same).
 
@@ -36,6 +39,7 @@ order (:func:`relayout_autograd`), where Megatron's loss mask is.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -43,7 +47,8 @@ import torch
 import torch.distributed as dist
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from ..ops.documents import PACKED_LAYOUTS, shard_documents, unshard_documents
+from ..ops.documents import (PACKED_LAYOUTS, document_position_runs, shard_documents,
+                             unshard_documents)
 from ..ops.sequence import unshard_sequence
 
 
@@ -57,6 +62,10 @@ class METPDocuments(PackedSeqParams):
     """
 
     layout: str = "dual_chunk"
+    #: this rank's per-document RoPE angles ``[s/p, 1, 1, r]`` (:func:`document_rope`), computed
+    #: once per micro-batch for every layer; ``None``: the layers select them per call from the
+    #: whole-sequence table (``qkv_format='thd'``)
+    rope: Optional[torch.Tensor] = None
 
     @property
     def cu_seqlens(self) -> torch.Tensor:
@@ -132,6 +141,29 @@ def documents_from_tokens(tokens: torch.Tensor, eod_token: int, group, *,
     marks = gather_sequence((tokens == eod_token).to(torch.uint8), group, layout=layout)
     cu = boundaries_from_eod(marks.bool())
     return documents(cu, marks.shape[1], full_rope=full_rope)
+
+
+def document_rope(rotary, cu, rank: int, p: int, n: int, layout: str) -> torch.Tensor:
+    """Rank ``rank``'s per-document RoPE angles ``[n, 1, 1, r]`` from Megatron's
+    ``RotaryEmbedding`` ``rotary``: row ``i`` holds the angles of local token ``i``'s position
+    within its document (:func:`megatron_metp.ops.documents.document_positions`).
+
+    Built with ``rotary.get_emb(m, offset=a)`` once per run of consecutive positions (a few per
+    document on this rank), so the rows are bit-identical to those of the whole-sequence table
+    (integer positions are exact in fp32) without ever forming it: at 4M tokens that table is
+    2 GiB, and Megatron's ``RotaryEmbedding.forward`` would keep it in its ``lru_cache``."""
+    runs = document_position_runs(cu, rank, p, n, layout)  # plain ints (fake tensors too)
+    pieces = [rotary.get_emb(length, offset=start) for _, start, length in runs]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+
+
+def _plain_rotary(module):
+    """The model's Megatron ``RotaryEmbedding`` (plain RoPE: ``get_emb(len, offset)``), else
+    ``None`` (no RoPE, or another kind: those keep the per-layer selection)."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    rotary = getattr(module, "rotary_pos_emb", None)
+    return rotary if type(rotary) is RotaryEmbedding else None
 
 
 def _rank_size(group):
@@ -276,6 +308,18 @@ class DocumentBoundaries:
                         put(name, index, relayout(value, self.group, cu, "dual_chunk",
                                                   self.layout, seq_dim=1))
             self.last = docs
+            put("packed_seq_params", 6, self.last)
+        docs = self.last
+        rotary = _plain_rotary(module) if docs.qkv_format == "thd" else None
+        if rotary is not None and docs.rope is None:
+            # per-document angles once for every layer; Megatron then builds (and caches) only
+            # this rank's usual slice, not the whole sequence's table
+            tokens = get("input_ids", 0)
+            rank, p = _rank_size(self.group)
+            n = tokens.shape[1] if tokens is not None else docs.max_seqlen_q // p
+            rope = document_rope(rotary, docs.cu_seqlens.tolist(), rank, p, n, docs.layout)
+            # a copy: a caller's METPDocuments (the dry run reuses one) stays as given
+            self.last = dataclasses.replace(docs, rope=rope, qkv_format="sbhd")
             put("packed_seq_params", 6, self.last)
         if get("attention_mask", 2) is not None:
             put("attention_mask", 2, None)

@@ -472,7 +472,7 @@ def metp_attention(x: torch.Tensor, qkv_weight: torch.Tensor, proj_weight: torch
                    kernel: Optional[str] = None, label: str = "metp_attention",
                    head_block=None,
                    grad_reduce_dtype: Optional[torch.dtype] = torch.float32,
-                   cu_seqlens=None) -> torch.Tensor:
+                   cu_seqlens=None, rope_per_document: bool = False) -> torch.Tensor:
     """The METP self-attention block (before the residual): ``y = Attn(x)·Woᵀ + bo``.
 
     Args:
@@ -489,7 +489,8 @@ def metp_attention(x: torch.Tensor, qkv_weight: torch.Tensor, proj_weight: torch
             must be the whole-sequence table ``[s, 1, 1, r]`` (rows ``0 … s−1``): positions
             restart at 0 at each document start (:func:`documents.document_positions`); a
             per-rank ``[s/p, 1, 1, r]`` slice (``p > 1``) is refused, since its rows are this
-            rank's global positions, not positions within documents.
+            rank's global positions, not positions within documents — unless
+            ``rope_per_document``.
         qkv_bias: ``[(G/p)·(A/G+2)·d]`` sharded like ``qkv_weight``; proj_bias: ``[h]`` replicated.
         softmax_scale: default ``1/sqrt(d)``. kernel: block kernel name, default best available.
         head_block: head groups per block of the outer loop, a divisor of ``p``, or ``"auto"``
@@ -504,6 +505,12 @@ def metp_attention(x: torch.Tensor, qkv_weight: torch.Tensor, proj_weight: torch
             cumulative document lengths of the global sequence ``[0, …, s]`` (natural token
             order, identical on every rank); attention is causal within each document and RoPE
             positions restart per document. ``None``: unchanged.
+        rope_per_document: with ``cu_seqlens``, ``rotary_pos_emb`` is already this rank's
+            per-document angles ``[s/p, 1, 1, r]`` (row ``i`` = the angles of local token ``i``'s
+            position within its document, :func:`documents.document_positions`), computed once
+            per micro-batch and shared by every layer (Megatron's METP modules: what
+            :mod:`megatron_metp.megatron.packing` computes), instead of a per-layer selection
+            from the whole-sequence table.
         label: names this call in NaN/Inf reports (:mod:`megatron_metp.finite`) and in the
             cross-rank agreement check (:mod:`megatron_metp.agree`, opt-in), which also requires
             it, every shape/dtype and every option to be equal on all ranks of the group.
@@ -521,7 +528,15 @@ def metp_attention(x: torch.Tensor, qkv_weight: torch.Tensor, proj_weight: torch
         n, p = x.shape[0], group.size
         cu = check_packed(cu_seqlens, n * p, causal, layout, p)
         freqs = rotary_pos_emb
-        if freqs is not None and cu is not None:
+        if rope_per_document and cu is None:
+            raise ValueError("rope_per_document=True needs cu_seqlens (the angles are positions "
+                             "within packed documents); pass cu_seqlens or drop it")
+        if rope_per_document and freqs is not None:
+            if freqs.shape[0] != n:
+                raise ValueError(f"rotary_pos_emb with rope_per_document=True must be this "
+                                 f"rank's per-document angles [s/p={n}, 1, 1, r], got "
+                                 f"{tuple(freqs.shape)}")
+        elif freqs is not None and cu is not None:
             if freqs.shape[0] != n * p:
                 raise ValueError(f"rotary_pos_emb with cu_seqlens must be the whole-sequence "
                                  f"table [s={n * p}, 1, 1, r] (positions restart at each "
@@ -544,6 +559,7 @@ def metp_attention(x: torch.Tensor, qkv_weight: torch.Tensor, proj_weight: torch
                            causal=bool(causal), layout=layout, softmax_scale=float(scale),
                            kernel=kern.name, head_block=kb, grad_reduce_dtype=grad_reduce_dtype,
                            cu_seqlens=None if cu is None else cu_seqlens_digest(cu),
+                           rope_per_document=bool(rope_per_document),
                            needs_grad=needs_grad(x, qkv_weight, proj_weight, qkv_bias, proj_bias))
     geo = _Geometry(num_heads, num_query_groups, d, group.size)
     return _METPAttentionFunction.apply(x, qkv_weight, qkv_bias, proj_weight, proj_bias, freqs,

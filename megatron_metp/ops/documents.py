@@ -47,7 +47,7 @@ import bisect
 import hashlib
 import numbers
 from functools import lru_cache
-from typing import NamedTuple, Sequence, Tuple
+from typing import List, NamedTuple, Sequence, Tuple
 
 import torch
 
@@ -287,6 +287,17 @@ def _rank_doc_runs(cu, rank, n, p, layout):
             out.setdefault(d, []).append((ql + lo - qg, lo, hi - lo))
             d += 1
     return out
+
+
+def document_position_runs(cu: Sequence[int], rank: int, p: int, n: int,
+                           layout: str) -> List[Tuple[int, int, int]]:
+    """Rank ``rank``'s local tokens as runs of consecutive positions within documents, in local
+    order: ``[(local start, position in its document, length), ...]`` (plain ints, no tensors:
+    :func:`document_positions` is their expansion)."""
+    cu = tuple(int(c) for c in cu)
+    runs = [(ql, g - cu[d], L) for d, rs in _rank_doc_runs(cu, rank, n, p, layout).items()
+            for ql, g, L in rs]
+    return sorted(runs)
 
 
 def _rectangles_by_document(cu, r, j, n, p, layout):
