@@ -502,6 +502,51 @@ def test_per_rank_rope_slice_with_cu_seqlens_is_refused():
         assert msg is not None and "whole-sequence table" in msg and steps == 0
 
 
+def _per_document_rope_rank(rank, p):
+    from megatron_metp.ops.documents import document_positions
+
+    full = full_attention_params(S_ATT, B, H_ATT, 4, 4, D, rope=True, seed=3)
+    cu = (0, 5, 11, S_ATT)
+    grp = METPGroup.from_process_group(dist.group.WORLD, name="pd")
+    n = S_ATT // p
+    angles = full["rotary_pos_emb"].index_select(0, document_positions(cu, rank, p, n,
+                                                                       "dual_chunk"))
+    outs = []
+    for rope, per_doc in ((full["rotary_pos_emb"], False), (angles, True)):
+        params = {k: None if v is None else v.clone().requires_grad_()
+                  for k, v in shard_attention(full, rank, p, 4, 4, D).items()}
+        x = shard_documents(full["x"], cu, rank, p).requires_grad_()
+        y = metp_attention(x, params["qkv_weight"], params["proj_weight"], group=grp,
+                           num_heads=4, num_query_groups=4, rotary_pos_emb=rope,
+                           qkv_bias=params["qkv_bias"], cu_seqlens=cu,
+                           rope_per_document=per_doc)
+        y.backward(shard_documents(full["gy"], cu, rank, p))
+        outs.append((y.detach(), x.grad, params["qkv_weight"].grad))
+    errors = []
+    for kwargs in (dict(rope_per_document=True),  # no cu_seqlens
+                   dict(rope_per_document=True, cu_seqlens=cu, rope=full["rotary_pos_emb"])):
+        rope = kwargs.pop("rope", angles)
+        shard = shard_attention(full, rank, p, 4, 4, D)
+        try:
+            metp_attention(shard_documents(full["x"], cu, rank, p), shard["qkv_weight"],
+                           shard["proj_weight"], group=grp, num_heads=4, num_query_groups=4,
+                           rotary_pos_emb=rope, **kwargs)
+        except ValueError as exc:
+            errors.append(str(exc))
+    return outs, errors
+
+
+def test_per_document_angles_given_once_equal_the_per_call_selection():
+    """``rope_per_document=True`` (Megatron's packed path computes the angles once per
+    micro-batch) gives bit-identical outputs and gradients to selecting them from the whole
+    table in the op; without cu_seqlens or with the whole table it is refused."""
+    for (a, b), errors in run_ranks(_per_document_rope_rank, 2):
+        for t, u in zip(a, b):
+            assert torch.equal(t, u)
+        assert len(errors) == 2 and "needs cu_seqlens" in errors[0] \
+            and "per-document angles" in errors[1], errors
+
+
 # ---------------------------------------------------------------- the benchmark
 
 def _bench_rank(rank, p, cases):
