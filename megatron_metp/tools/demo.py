@@ -574,7 +574,12 @@ def _worker(cfg: DemoConfig) -> int:
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    import datetime
+
+    from ..watchdog import job_timeout_s
+
+    # the one job timeout (METP_RING_TIMEOUT_S) from the start: the default group too
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=job_timeout_s()))
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != WORLD:
         raise SystemExit(f"the demo runs on {WORLD} ranks, got {world}")
