@@ -108,3 +108,63 @@ def test_a_stalled_or_dead_rank_is_named_within_the_timeout(tmp_path, where, how
         assert out[1] is None, out  # it died
     print(f"\n[fault] rank 1 {how} in {where} at iteration 2: rank 0 {kind} after "
           f"{seconds:.2f} s: {msg[:400]}")
+
+
+def test_under_megatron_lm_the_distributed_timeout_is_the_one_setting(monkeypatch):
+    """--distributed-timeout-minutes wins: the ring timeout derives from it; a ring timeout above
+    it (the process group would end the wait first) is refused naming both settings."""
+    from types import SimpleNamespace
+
+    from megatron_metp import megatron_lm
+    from megatron_metp.watchdog import megatron_lm_timeout_s
+
+    monkeypatch.delenv("METP_RING_TIMEOUT_S", raising=False)
+    args = SimpleNamespace(distributed_timeout_minutes=2, metp_ring_timeout=None)
+    assert megatron_lm_timeout_s(args) == 120.0
+    assert megatron_lm_timeout_s(SimpleNamespace()) == 1800.0  # Megatron's default, 30 minutes
+    assert megatron_lm_timeout_s(SimpleNamespace(distributed_timeout_minutes=2,
+                                                 metp_ring_timeout=30.0)) == 30.0  # ring only
+    with pytest.raises(ValueError, match=r"--metp-ring-timeout 600 s is longer than "
+                                         r"--distributed-timeout-minutes 2 \(120 s\)"):
+        megatron_lm_timeout_s(SimpleNamespace(distributed_timeout_minutes=2,
+                                              metp_ring_timeout=600.0))
+    monkeypatch.setenv("METP_RING_TIMEOUT_S", "300")
+    with pytest.raises(ValueError, match="METP_RING_TIMEOUT_S 300 s is longer"):
+        megatron_lm_timeout_s(args)
+    # refused in validate_metp_args too, before any rank starts work
+    from tests.test_megatron_lm import _args
+
+    with pytest.raises(ValueError, match="METP_RING_TIMEOUT_S 300 s is longer"):
+        megatron_lm.validate_metp_args(_args(metp_parallel_size=2, distributed_timeout_minutes=2))
+
+
+def _init_timeouts(rank, world):
+    import datetime
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_metp import watchdog
+
+    from megatron_metp import cpu
+
+    cpu.enable()
+    os.environ["METP_RING_TIMEOUT_S"] = "7.5"
+    groups = init_parallel(LAYOUT, SIZE.seq_length)
+    seen = {}
+    for name, g in (("default", None), ("cp", ps.get_context_parallel_group()),
+                    ("dp-cp", ps.get_data_parallel_group(with_context_parallel=True)),
+                    ("tp", ps.get_tensor_model_parallel_group()),
+                    ("mp", ps.get_model_parallel_group())):
+        backend = (g or dist.distributed_c10d._get_default_group())._get_backend(
+            __import__("torch").device("cpu"))
+        seen[name] = backend.options._timeout
+    return ({k: v.total_seconds() if isinstance(v, datetime.timedelta) else v
+             for k, v in seen.items()}, groups.metp.timeout_s, groups.metp.kv_ring.timeout_s,
+            watchdog.job_timeout_s())
+
+
+def test_init_parallel_gives_every_group_the_one_timeout():
+    for timeouts, ring, kv, job in run_ranks(_init_timeouts, WORLD):
+        assert ring == kv == job == 7.5
+        assert all(v == 7.5 for v in timeouts.values()), timeouts  # gloo's own default: 1800

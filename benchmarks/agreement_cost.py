@@ -1,0 +1,125 @@
+"""What the default cross-rank agreement check costs: a METP layer step with it on and off.
+
+Two (or ``--metp``) forked gloo ranks run a small METP layer step — ``metp_attention`` then
+``metp_mlp``, forward and backward — in alternating blocks of ``--block`` steps: check off, the
+default schedule (``METP_CHECK_AGREEMENT=1``: an exchange at the first calls of a group and every
+64th, each call's digest added to the window in between), and ``every`` (an exchange at each call),
+so the three are measured side by side under the same load. It prints per mode the median step
+time over the blocks and its ratio to "off", and the cost of one check call on its own (cached
+path and exchange). Rank 0's numbers; the ranks run the same schedule.
+
+    python benchmarks/agreement_cost.py                 # METP=2, hidden 64, 64 tokens per rank
+    python benchmarks/agreement_cost.py --tokens 256 --hidden 128 --blocks 12
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_metp import METPGroup, agree  # noqa: E402
+from megatron_metp.ops import metp_attention, metp_mlp  # noqa: E402
+from tests.harness import run_ranks  # noqa: E402
+
+MODES = ("off", "default", "every")
+
+
+def _set_mode(mode: str) -> None:
+    """Switch without resetting the call counters (every rank switches at the same call)."""
+    agree._enabled = mode != "off"
+    agree._mode = {"off": "off", "default": "cached", "every": "every"}[mode]
+
+
+def _rank(rank, p, tokens, hidden, heads_per_rank, head_dim, block, blocks):
+    torch.manual_seed(rank)
+    grp = METPGroup.from_process_group(dist.group.WORLD, name="bench")
+    agree.enable_agreement_checks(True)
+    ffn = 4 * hidden
+    x = torch.randn(tokens, 1, hidden, requires_grad=True)
+    rows = (heads_per_rank + 2) * head_dim  # one query group per rank: q heads, k, v
+    wqkv = (torch.randn(rows, hidden) * 0.05).requires_grad_()
+    wo = (torch.randn(hidden, heads_per_rank * head_dim) * 0.05).requires_grad_()
+    w1 = (torch.randn(ffn // p, hidden) * 0.05).requires_grad_()
+    w2 = (torch.randn(hidden, ffn // p) * 0.05).requires_grad_()
+
+    def step():
+        y = metp_attention(x, wqkv, wo, group=grp, num_heads=heads_per_rank * p,
+                           num_query_groups=p, kernel="reference", label="layer 1 attention")
+        z = metp_mlp(y, w1, w2, group=grp, ffn_hidden_size=ffn, label="layer 1 mlp")
+        z.sum().backward()
+
+    for _ in range(agree.FIRST_CALLS + 2):  # warm-up: the scheduled first calls
+        step()
+    times = {m: [] for m in MODES}
+    for b in range(blocks):
+        for mode in (MODES if b % 2 == 0 else MODES[::-1]):
+            _set_mode(mode)
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(block):
+                step()
+            times[mode].append((time.perf_counter() - t0) / block)
+    # one check call on its own: the cached path (between exchanges) and an exchange
+    _set_mode("default")
+    fields = dict(label="layer 1 mlp", x_hidden_size=hidden, x_dtype=x.dtype, activation="gelu",
+                  w1=w1, w2=w2, b1=None, b2=None, needs_grad=True, keep_intermediate=False)
+    w = agree._window(grp)
+    n = 2000
+    while agree._scheduled(w.calls):
+        agree.check_group_agrees(grp, "metp_mlp 'layer 1 mlp'", **fields)
+    t0 = time.perf_counter()
+    cached = 0
+    for _ in range(n):
+        if agree._scheduled(w.calls):
+            break
+        agree.check_group_agrees(grp, "metp_mlp 'layer 1 mlp'", **fields)
+        cached += 1
+    t_cached = (time.perf_counter() - t0) / max(cached, 1)
+    _set_mode("every")
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(200):
+        agree.check_group_agrees(grp, "metp_mlp 'layer 1 mlp'", **fields)
+    t_exchange = (time.perf_counter() - t0) / 200
+    return {"times": times, "t_cached": t_cached, "t_exchange": t_exchange}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--metp", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=64, help="tokens per rank")
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--heads-per-rank", type=int, default=2)
+    ap.add_argument("--head-dim", type=int, default=16)
+    ap.add_argument("--block", type=int, default=64, help="steps per block")
+    ap.add_argument("--blocks", type=int, default=8)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    res = run_ranks(_rank, args.metp, args.tokens, args.hidden, args.heads_per_rank,
+                    args.head_dim, args.block, args.blocks, timeout=1800)[0]
+    med = {m: statistics.median(v) for m, v in res["times"].items()}
+    print(f"METP={args.metp}, {args.tokens} tokens per rank, hidden {args.hidden}, "
+          f"{args.heads_per_rank * args.metp} heads of {args.head_dim}, FFN {4 * args.hidden}; "
+          f"metp_attention + metp_mlp forward and backward (2 checked calls per step); "
+          f"{args.blocks} blocks of {args.block} steps per mode, interleaved; rank 0")
+    print("| agreement check | median step (ms) | vs off | min..max of the blocks (ms) |")
+    print("|---|---|---|---|")
+    for m in MODES:
+        v = res["times"][m]
+        print(f"| {m} | {med[m] * 1e3:.3f} | {med[m] / med['off']:.4f} | "
+              f"{min(v) * 1e3:.3f}..{max(v) * 1e3:.3f} |")
+    print(f"one check call: {res['t_cached'] * 1e6:.1f} us between exchanges (memo, window "
+          f"append), {res['t_exchange'] * 1e6:.1f} us with an exchange (all-gather over gloo)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
