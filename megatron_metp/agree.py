@@ -153,9 +153,16 @@ def _device(group: METPGroup, fields: dict) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+#: the check exchanges (this module's and the NaN/Inf check's) posted by this process: calls and
+#: bytes sent (ring convention, ``(p-1)·record``), so traffic reports can tell them apart
+exchange_stats = {"calls": 0, "bytes_sent": 0}
+
+
 def _all_gather(group: METPGroup, t: torch.Tensor, what: str, label: str) -> list:
     """All-gather ``t`` over the group, waiting at most ``group.timeout_s`` on CPU."""
     g = group
+    exchange_stats["calls"] += 1
+    exchange_stats["bytes_sent"] += (g.size - 1) * t.numel() * t.element_size()
     outs = [torch.empty_like(t) for _ in range(g.size)]
     try:
         work = dist.all_gather(outs, t, group=g.group, async_op=True)

@@ -79,6 +79,7 @@ CASES = [  # where rank 1 stalls or dies, how, the error rank 0 must raise
     ("optimizer", "sigstop", StalledRankError),
     ("optimizer", "exit", StalledRankError),
     ("forward", "sigstop", StalledRankError),
+    ("forward", "exit", StalledRankError),
     ("save", "sleep", CheckpointError),
     ("save", "exit", CheckpointError),
 ]
