@@ -177,8 +177,8 @@ def _all_gather(group: METPGroup, t: torch.Tensor, what: str, label: str) -> lis
             f"METP agreement check of {label} on group {g.name!r} (rank {g.rank} of {g.size}, "
             f"global ranks {list(g.ranks)}): {what} failed (timeout {g.timeout_s:g} s): "
             f"{text.splitlines()[0] if text else type(exc).__name__}. A peer rank died, stalled, "
-            f"is in another op, or runs without METP_CHECK_AGREEMENT=1 (switch it on for every "
-            f"rank).") from exc
+            f"is in another op, or runs with the check off (METP_CHECK_AGREEMENT=0: switch it "
+            f"the same way on every rank).") from exc
     return [o.cpu() for o in outs]
 
 
@@ -218,16 +218,20 @@ def _scheduled(n: int) -> bool:
     return _mode == "every" or n < FIRST_CALLS or n % EVERY == 0
 
 
+_PLAIN = frozenset((bool, int, float, str, type(None), torch.dtype))
+
+
 def _memo_key(label: str, fields: dict):
-    parts = [label]
+    key = [label]
     for k, v in fields.items():
-        if isinstance(v, torch.Tensor):
-            parts.append((k, v.dtype, tuple(v.shape)))
-        elif isinstance(v, (list, tuple)):
-            parts.append((k, type(v).__name__, tuple(_memo_item(x) for x in v)))
+        t = type(v)
+        if t in _PLAIN:
+            key.append((k, t, v))  # the type too: True and 1 are different keys, as in the digest
+        elif isinstance(v, torch.Tensor):
+            key.append((k, v.dtype, v.shape))
         else:
-            parts.append((k, _memo_item(v)))
-    return tuple(parts)
+            key.append((k, _memo_item(v)))
+    return tuple(key)
 
 
 def _memo_item(v):
@@ -243,12 +247,14 @@ def _memo_item(v):
 
 
 def _encoded(w: _Window, label: str, fields: dict):
-    """``(blob, record)`` of a call, from the memo when its arguments were seen before."""
+    """``(blob, record, window digest)`` of a call, from the memo when its arguments were seen
+    before."""
     key = _memo_key(label, fields)
     hit = w.memo.get(key)
     if hit is None:
         blob = encode(fields)
-        hit = (blob, _record(blob))
+        record = _record(blob)
+        hit = (blob, record, _call_digest(record))
         if len(w.memo) >= _MEMO_MAX:
             w.memo.clear()
         w.memo[key] = hit
@@ -275,9 +281,8 @@ def check_group_agrees(group: METPGroup, label: str, /, **fields) -> None:
         return
     n = w.calls
     w.calls += 1
-    blob, record = _encoded(w, label, fields)
+    blob, record, d = _encoded(w, label, fields)
     if not _scheduled(n):
-        d = _call_digest(record)
         w.digests += d
         w.labels.append(label)
         w.blobs.setdefault(d, blob)

@@ -906,6 +906,8 @@ def test_geometry_that_differs_between_ranks_is_refused_by_default(what, p):
     GroupDisagreementError naming the field before anything is sent; no rank is aborted."""
     out = run_ranks(_mismatched_rank, p, what, True, timeout=60)
     field = "k differs" if what == "tokens" else "fc1_weight differs"
-    for kind, msg, elapsed in out:
+    for rank, (kind, msg, elapsed) in enumerate(out):
         assert kind == "GroupDisagreementError" and field in msg, out
         assert elapsed < 2.0, elapsed
+        print(f"\n[fault] {what} differ between ranks (p={p}): rank {rank} {kind} after "
+              f"{elapsed:.3f} s: {msg[:140]}")
