@@ -1,6 +1,7 @@
 # Two commands do all set-up on a fresh machine:
 #   make demo   - the METP demo on CPU ranks (creates .venv on first use)
 #   make test   - the test suite (creates .venv on first use)
+#   make faults - the fault-injection suite alone (part of make test; ~1.5 min on 2 cores)
 # TORCH_SPEC pins the CPU build used here and in CI; on a GPU machine pass e.g. TORCH_SPEC=torch
 # or use the Dockerfile, which keeps the container's own torch.
 
@@ -10,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.metp-installed
 
-.PHONY: venv demo test bench clean
+.PHONY: venv demo test faults bench clean
 
 venv: $(STAMP)
 
@@ -27,6 +28,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+
+faults: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -s --durations=8 tests/test_ring.py tests/test_stalls.py \
+		tests/test_checkpoint_faults.py tests/test_agree.py tests/test_finite.py
 
 bench: $(STAMP)
 	$(PY) benchmarks/mlp_memory.py

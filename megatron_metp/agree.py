@@ -1,10 +1,10 @@
-"""Optional check that every rank of a METP group calls an op with the same geometry and options.
+"""Check that every rank of a METP group calls an op with the same geometry and options.
 
 The ops check each rank's arguments on their own; they cannot see that rank 0 holds 4 tokens and
 rank 1 holds 6, or that one rank asked for ``swiglu`` and another for ``gelu``. Such a call used to
 end half-way through the ring (gloo aborts one rank, the others get a ``RingPeerError``) or, when
-the byte counts happen to match, compute a wrong result. With the check on, every op first
-exchanges a 72-byte digest of its shapes, dtypes and options over the group, and every rank raises
+the byte counts happen to match, compute a wrong result. With the check, the ranks exchange a
+digest of each op call's shapes, dtypes and options over the group and every rank raises
 :class:`GroupDisagreementError` (a ``ValueError``) before anything is sent, such as::
 
     METP: the ranks of group 'metp[tp=0,pp=0,dp=0]' called metp_attention 'layer 3
@@ -12,14 +12,38 @@ exchanges a 72-byte digest of its shapes, dtypes and options over the group, and
     float32[6, 1, 8] on ranks 1, 2 (global 1, 2). Every rank of a METP group must call the same op
     with the same shapes, dtypes and options. This rank (1 of 3, global 1) has: causal=true, ...
 
-A rank that refuses its own arguments (a local ``ValueError``) still takes part in the exchange,
+A rank that refuses its own arguments (a local ``ValueError``) still takes part in an exchange,
 so its peers fail at once naming it instead of waiting for a ring step that never comes.
 
-Off by default (the exchange is one small collective per op call, and on CUDA a host sync). Switch
-it on with ``METP_CHECK_AGREEMENT=1`` or :func:`enable_agreement_checks` — on *every* rank of the
-job: a rank with the check off never joins the exchange, and its peers wait for it until the
-group's timeout. The exchange waits at most ``group.timeout_s`` on gloo (then
-:class:`~megatron_metp.ring.RingTimeoutError`); on NCCL the process group's own timeout applies.
+**On by default, and cheap: when to exchange.** Exchanging at every call costs a collective per
+op (on CUDA a host sync). Skipping the exchange for calls already checked ("cached") is only safe
+if *every rank skips the same calls*: a rank that skips while a peer exchanges leaves the peer
+waiting in the all-gather (and itself in the ring) until the timeout. A cache keyed by the local
+digest cannot give that: when rank 0 calls with a signature it has checked before and rank 1 with
+a new one — exactly the disagreement to catch — rank 0 would skip and rank 1 exchange. So the
+decision depends on nothing local: each process group counts its METP op calls (every rank makes
+the same calls in the same order, or the ring itself is already out of step) and the ranks
+exchange at calls ``0 .. FIRST_CALLS-1`` and then at every ``EVERY``-th call, the same calls on
+every rank. Nothing goes unchecked in between: every call's 16-byte digest is appended to a
+window, and a scheduled exchange carries, besides the digest of its own call, the number of calls
+since the previous exchange and a hash of their digests. If the windows differ, the ranks
+exchange the windows (equal lengths on every rank), find the first call that differs and its
+fields, and every rank raises :class:`GroupDisagreementError` naming that call, the number of
+calls since, and the fields. So a disagreement on any of the first ``FIRST_CALLS`` calls of a
+group (a whole first step of a small model; always a mismatch present from the start) is refused
+before anything is sent; one that appears later is refused within ``EVERY`` calls, at the next
+scheduled exchange — in between, a disagreement that moves the same bytes computes a wrong
+result that the error then reports (differing byte counts end the ring step itself first, with
+gloo's error or ``RingPeerError``). A local memo maps each call's arguments to their digest, so a
+call between exchanges costs a tuple hash, a dictionary look-up and a 16-byte append.
+
+Modes: ``METP_CHECK_AGREEMENT`` unset or ``1`` (the default, as above), ``every`` (exchange at
+every call: every disagreement refused before anything is sent), ``0`` (off). Switch it the same
+way on *every* rank of the job (:func:`enable_agreement_checks` in code): a rank with the check off
+never joins an exchange, and its peers wait for it until the group's timeout. The exchange waits
+at most ``group.timeout_s`` on gloo (then :class:`~megatron_metp.ring.RingTimeoutError` naming the
+check); on NCCL the process group's own timeout applies. The fake process group of the dry runs
+and launch counters exchanges nothing.
 """
 
 from __future__ import annotations
@@ -35,11 +59,31 @@ import torch.distributed as dist
 from .groups import METPGroup
 from .ring import RingPeerError, RingTimeoutError
 
-_enabled = os.environ.get("METP_CHECK_AGREEMENT", "0") not in ("", "0", "false", "False")
+def _mode_from_env() -> str:
+    raw = os.environ.get("METP_CHECK_AGREEMENT", "").strip().lower()
+    if raw in ("", "1", "true", "on", "yes"):
+        return "cached"
+    if raw in ("0", "false", "off", "no"):
+        return "off"
+    if raw in ("every", "always", "all"):
+        return "every"
+    raise ValueError(f"METP_CHECK_AGREEMENT={raw!r}: use 1 (the default: exchange at the first "
+                     f"calls of each group and every {EVERY}th), every (each call) or 0 (off)")
+
+
+#: every call of a process group exchanges for its first FIRST_CALLS calls, then every EVERY-th
+FIRST_CALLS = 8
+EVERY = 64
+
+_mode = _mode_from_env()
+_enabled = _mode != "off"
 
 #: int64 words of the exchanged record: the encoded fields' byte length, then the digest.
 _DIGEST_WORDS = 8
+_WINDOW_WORDS = 4  # hash of the window of digests since the last exchange
+_CALL_DIGEST_BYTES = 16  # per call in the window
 _REFUSED = "refused"  # field of a rank whose own arguments were refused locally
+_MEMO_MAX = 512
 
 
 class GroupDisagreementError(ValueError):
@@ -47,9 +91,13 @@ class GroupDisagreementError(ValueError):
     raised when agreement checks are on)."""
 
 
-def enable_agreement_checks(on: bool = True) -> None:
-    global _enabled
+def enable_agreement_checks(on: bool = True, *, every: bool = False) -> None:
+    """Switch the check on (the default schedule, or at ``every`` call) or off, in this process
+    (do the same on every rank). Resets the call counters (on every rank alike)."""
+    global _enabled, _mode
     _enabled = bool(on)
+    _mode = "off" if not on else ("every" if every else "cached")
+    _windows.clear()
 
 
 def agreement_checks_enabled() -> bool:
@@ -105,9 +153,16 @@ def _device(group: METPGroup, fields: dict) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+#: the check exchanges (this module's and the NaN/Inf check's) posted by this process: calls and
+#: bytes sent (ring convention, ``(p-1)·record``), so traffic reports can tell them apart
+exchange_stats = {"calls": 0, "bytes_sent": 0}
+
+
 def _all_gather(group: METPGroup, t: torch.Tensor, what: str, label: str) -> list:
     """All-gather ``t`` over the group, waiting at most ``group.timeout_s`` on CPU."""
     g = group
+    exchange_stats["calls"] += 1
+    exchange_stats["bytes_sent"] += (g.size - 1) * t.numel() * t.element_size()
     outs = [torch.empty_like(t) for _ in range(g.size)]
     try:
         work = dist.all_gather(outs, t, group=g.group, async_op=True)
@@ -122,36 +177,179 @@ def _all_gather(group: METPGroup, t: torch.Tensor, what: str, label: str) -> lis
             f"METP agreement check of {label} on group {g.name!r} (rank {g.rank} of {g.size}, "
             f"global ranks {list(g.ranks)}): {what} failed (timeout {g.timeout_s:g} s): "
             f"{text.splitlines()[0] if text else type(exc).__name__}. A peer rank died, stalled, "
-            f"is in another op, or runs without METP_CHECK_AGREEMENT=1 (switch it on for every "
-            f"rank).") from exc
+            f"is in another op, or runs with the check off (METP_CHECK_AGREEMENT=0: switch it "
+            f"the same way on every rank).") from exc
     return [o.cpu() for o in outs]
+
+
+class _Window:
+    """Per process group: calls counted, and the digests of the calls since the last exchange."""
+
+    __slots__ = ("calls", "first", "digests", "labels", "blobs", "memo", "skip")
+
+    def __init__(self, skip: bool):
+        self.calls = 0          # METP op calls on this group so far (the schedule's clock)
+        self.first = 0          # index of the first call in ``digests``
+        self.digests = bytearray()  # _CALL_DIGEST_BYTES per call since the last exchange
+        self.labels: list = []  # the label of each of those calls (the callers' own strings)
+        self.blobs: dict = {}   # digest -> encoded fields, for the calls in the window
+        self.memo: dict = {}    # (label, fields key) -> (blob, record): no re-encoding
+        self.skip = skip        # the fake backend: nothing to agree with
+
+    def reset(self, calls: int) -> None:
+        self.first = calls
+        self.digests = bytearray()
+        self.labels = []
+        self.blobs = {}
+
+
+_windows: dict = {}
+
+
+def _window(group: METPGroup) -> _Window:
+    w = _windows.get(group.group)
+    if w is None:
+        w = _windows[group.group] = _Window(skip=(group.backend or "") == "fake")
+    return w
+
+
+def _scheduled(n: int) -> bool:
+    """Whether call ``n`` of a group exchanges: a function of ``n`` only, the same on every rank."""
+    return _mode == "every" or n < FIRST_CALLS or n % EVERY == 0
+
+
+_PLAIN = frozenset((bool, int, float, str, type(None), torch.dtype))
+
+
+def _memo_key(label: str, fields: dict):
+    key = [label]
+    for k, v in fields.items():
+        t = type(v)
+        if t in _PLAIN:
+            key.append((k, t, v))  # the type too: True and 1 are different keys, as in the digest
+        elif isinstance(v, torch.Tensor):
+            key.append((k, v.dtype, v.shape))
+        else:
+            key.append((k, _memo_item(v)))
+    return tuple(key)
+
+
+def _memo_item(v):
+    if isinstance(v, torch.Tensor):
+        return ("tensor", v.dtype, tuple(v.shape))
+    if isinstance(v, (list, tuple)):
+        return (type(v).__name__, tuple(_memo_item(x) for x in v))
+    try:
+        hash(v)
+    except TypeError:
+        return ("repr", repr(v))
+    return (type(v).__name__, v)  # True and 1 are different keys, as in the digest
+
+
+def _encoded(w: _Window, label: str, fields: dict):
+    """``(blob, record, window digest)`` of a call, from the memo when its arguments were seen
+    before."""
+    key = _memo_key(label, fields)
+    hit = w.memo.get(key)
+    if hit is None:
+        blob = encode(fields)
+        record = _record(blob)
+        hit = (blob, record, _call_digest(record))
+        if len(w.memo) >= _MEMO_MAX:
+            w.memo.clear()
+        w.memo[key] = hit
+    return hit
+
+
+def _call_digest(record: list) -> bytes:
+    return b"".join(int(x).to_bytes(8, "little", signed=True) for x in record[1:3])
 
 
 def check_group_agrees(group: METPGroup, label: str, /, **fields) -> None:
     """Raise :class:`GroupDisagreementError` on every rank unless all ranks of ``group`` passed
-    equal ``fields`` (no-op when checks are off or ``group.size == 1``).
+    equal ``fields`` (no-op when checks are off or ``group.size == 1``); see the module
+    docstring for when the ranks exchange (the first calls of the group and every ``EVERY``-th,
+    the window of calls in between checked with it).
 
     ``fields``: tensors (compared by shape and dtype), dtypes, strings, numbers, booleans, ``None``
-    and tuples of these. ``label`` names the call (op and layer) in the message. Every rank takes
-    part in the same one all-gather of a 72-byte record (the encoded fields' length and a 64-byte
-    BLAKE2b digest), so the check cannot deadlock on a disagreement; only when the records differ
-    do the ranks exchange the encoded fields themselves (a second all-gather, entered by every rank
-    since all saw the same records) to name what differs.
+    and tuples of these. ``label`` names the call (op and layer) in the message.
     """
     if not _enabled or group.size == 1:
         return
-    blob = encode(fields)
-    device = _device(group, fields)
-    mine = torch.tensor(_record(blob), dtype=torch.int64, device=device)
-    records = [r.tolist() for r in _all_gather(group, mine, "exchanging the argument digest",
-                                               label)]
-    if all(r == records[0] for r in records):
+    w = _window(group)
+    if w.skip:
         return
-    longest = max(r[0] for r in records)
+    n = w.calls
+    w.calls += 1
+    blob, record, d = _encoded(w, label, fields)
+    if not _scheduled(n):
+        w.digests += d
+        w.labels.append(label)
+        w.blobs.setdefault(d, blob)
+        return
+    try:
+        _exchange(group, w, n, label, blob, record)
+    except GroupDisagreementError:
+        # every rank raises at this same call: all start the schedule over, alike
+        w.calls = 0
+        w.reset(0)
+        raise
+
+
+def _window_words(w: _Window) -> list:
+    h = hashlib.blake2b(bytes(w.digests), digest_size=8 * _WINDOW_WORDS).digest()
+    return [len(w.digests) // _CALL_DIGEST_BYTES] + [
+        int.from_bytes(h[8 * i:8 * i + 8], "little", signed=True) for i in range(_WINDOW_WORDS)]
+
+
+def _exchange(group: METPGroup, w: _Window, n: int, label: str, blob: bytes, record: list) -> None:
+    """Call ``n`` is a scheduled one: exchange its record and the window's hash, raise on every
+    rank if anything differs."""
+    device = torch.device("cpu") if "nccl" not in (group.backend or "") else _device(group, {})
+    mine = torch.tensor(record + _window_words(w), dtype=torch.int64, device=device)
+    rows = [r.tolist() for r in _all_gather(group, mine, "exchanging the argument digest",
+                                            label)]
+    mine_rec = rows[group.rank]
+    rest = 1 + _DIGEST_WORDS
+    window_rows = [r[rest:] for r in rows]
+    if all(r[:rest] == mine_rec[:rest] for r in rows) and \
+            all(x == window_rows[0] for x in window_rows):
+        w.reset(n + 1)
+        return
+    if any(r[:rest] != mine_rec[:rest] for r in rows):
+        _raise_with_fields(group, label, blob, [r[0] for r in rows], device)
+    counts = [x[0] for x in window_rows]
+    if any(c != counts[0] for c in counts):
+        raise GroupDisagreementError(
+            f"METP: the ranks of group {group.name!r} made different numbers of METP op calls on "
+            f"it since its last agreement check (call {w.first}): "
+            f"{'; '.join(f'{c} on {_ranks_text(group, [i])}' for i, c in enumerate(counts))}. "
+            f"Every rank of a METP group must make the same op calls in the same order.")
+    # the windows differ: find the first call that differs, then exchange its fields
+    win = torch.frombuffer(bytearray(w.digests), dtype=torch.uint8).to(device)
+    wins = [bytes(x.tolist()) for x in _all_gather(group, win, "exchanging the window", label)]
+    step = _CALL_DIGEST_BYTES
+    first = next(i for i in range(counts[0])
+                 if len({x[i * step:(i + 1) * step] for x in wins}) > 1)
+    mine_label = w.labels[first]
+    mine_blob = w.blobs[bytes(w.digests[first * step:(first + 1) * step])]
+    at = w.first + first
+    lens = [int(x[0]) for x in _all_gather(
+        group, torch.tensor([len(mine_blob)], dtype=torch.int64, device=device),
+        "exchanging the arguments' size", label)]
+    what = (f"{mine_label} (call {at} of the METP ops on this group; found by the agreement "
+            f"check at call {n}, {n - at} calls later: the calls in between may have computed "
+            f"wrong results)")
+    _raise_with_fields(group, what, mine_blob, lens, device)
+
+
+def _raise_with_fields(group: METPGroup, label: str, blob: bytes, lens: list, device) -> None:
+    """Every rank sends its encoded fields; raise the same diagnosis everywhere."""
+    longest = max(lens)
     buf = torch.zeros(longest, dtype=torch.uint8)
     buf[:len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
     blobs = _all_gather(group, buf.to(device), "exchanging the arguments", label)
-    per_rank = [bytes(b[:r[0]].tolist()) for b, r in zip(blobs, records)]
+    per_rank = [bytes(b[:n].tolist()) for b, n in zip(blobs, lens)]
     raise GroupDisagreementError(_message(group, label, [json.loads(b) for b in per_rank]))
 
 

@@ -128,7 +128,9 @@ class METPGroup:
         ``kv_group``: optionally a second process group of the same ranks (same order) for the
         attention's K/V ring (:meth:`with_kv_group`)."""
         if timeout_s is None:
-            timeout_s = ring_timeout_from_env()
+            from .watchdog import job_timeout_s  # the one timeout (METP_RING_TIMEOUT_S)
+
+            timeout_s = job_timeout_s()
         if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or \
                 not math.isfinite(timeout_s) or timeout_s <= 0:
             raise ValueError(f"timeout_s must be a positive, finite number of seconds, got "

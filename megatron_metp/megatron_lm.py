@@ -110,8 +110,9 @@ def add_metp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument(
         "--metp-ring-timeout", type=float, default=None, metavar="SECONDS",
         help="Seconds a ring step waits for its peer before failing with a message naming the "
-             "group, step and peer (default: $METP_RING_TIMEOUT_S or 600). On NCCL the process "
-             "group's --distributed-timeout-minutes applies as well.")
+             "group, step and peer (default: $METP_RING_TIMEOUT_S, else "
+             "--distributed-timeout-minutes x 60, the one timeout of every process group; a "
+             "longer value is refused).")
     return parser
 
 
@@ -277,6 +278,13 @@ def _metp_problems(args, p: int, tp: int) -> List[str]:
     if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
         out.append(f"--metp-ring-timeout {timeout} (must be a positive, finite number of "
                    f"seconds)")
+    else:  # the one timeout is --distributed-timeout-minutes; a longer ring timeout is refused
+        from .watchdog import megatron_lm_timeout_s
+
+        try:
+            megatron_lm_timeout_s(args)
+        except ValueError as exc:
+            out.append(str(exc))
     out.extend(_recompute_problems(args))
     out.extend(_kernel_problems(args))
     from .megatron.packing import packing_problems
@@ -475,7 +483,9 @@ def build_metp_gpt_model(args, pre_process, post_process, vp_stage=None, config=
     if config is None:
         config = _config_from_args(args)
     check_metp_parallel_state(args)
-    groups = METPGroups.from_parallel_state(timeout_s=getattr(args, "metp_ring_timeout", None))
+    from .watchdog import megatron_lm_timeout_s
+
+    groups = METPGroups.from_parallel_state(timeout_s=megatron_lm_timeout_s(args))
     vocab_parallel = bool(getattr(args, "metp_vocab_parallel", False))
     if vocab_parallel and args.padded_vocab_size % groups.shards:
         raise ValueError(f"--metp-vocab-parallel: the padded vocabulary ({args.padded_vocab_size}) "

@@ -66,8 +66,9 @@ class PendingExchange:
                 kind = RingTimeoutError if "imed out" in text or "imeout" in text else RingPeerError
                 raise kind(
                     f"METP ring {g.name!r} (rank {g.rank} of {g.size}, global ranks {list(g.ranks)}): "
-                    f"step {self._step} of {self._what!r} failed waiting for peer "
-                    f"{self._peer} (ring {g.prev_rank} -> {g.rank_global} -> {g.next_rank}, "
+                    f"step {self._step} of {self._what!r} failed waiting for "
+                    f"{self._peer if isinstance(self._peer, str) else f'peer {self._peer}'} "
+                    f"(ring {g.prev_rank} -> {g.rank_global} -> {g.next_rank}, "
                     f"timeout {g.timeout_s:g} s): "
                     f"{text.splitlines()[0] if text else type(exc).__name__}. "
                     f"A peer rank died or stalled; check its log. Raise METP_RING_TIMEOUT_S "
@@ -132,7 +133,9 @@ class RingExchanger:
         if g.rank != src:
             g.stats.steps += 1
             g.stats.bytes_received += tensor.numel() * tensor.element_size()
-        return PendingExchange([work], tensor, g, step, self.what, peer=g.ranks[src])
+        others = [r for r in g.ranks if r != g.ranks[src]]
+        peer = g.ranks[src] if g.rank != src else f"the receiving peers {others}"
+        return PendingExchange([work], tensor, g, step, self.what, peer=peer)
 
     def reduce(self, tensor: torch.Tensor, dst: int, *, step: int) -> PendingExchange:
         """Async sum of ``tensor`` over the group into member ``dst`` (index in the group).
@@ -146,7 +149,9 @@ class RingExchanger:
         if g.rank != dst:
             g.stats.steps += 1
             g.stats.bytes_sent += tensor.numel() * tensor.element_size()
-        return PendingExchange([work], tensor, g, step, self.what, peer=g.ranks[dst])
+        others = [r for r in g.ranks if r != g.ranks[dst]]
+        peer = g.ranks[dst] if g.rank != dst else f"the contributing peers {others}"
+        return PendingExchange([work], tensor, g, step, self.what, peer=peer)
 
     def all_gather(self, out: torch.Tensor, tensor: torch.Tensor, *,
                    step: int) -> PendingExchange:

@@ -1,4 +1,4 @@
-"""The opt-in cross-rank agreement check (:mod:`megatron_metp.agree`).
+"""The cross-rank agreement check (:mod:`megatron_metp.agree`), on by default.
 
 With the check on, ranks of one METP group that call an op with different shapes, dtypes or options
 all raise :class:`GroupDisagreementError` naming the op and the field, before anything is sent; a
@@ -27,9 +27,10 @@ H = 8  # hidden size of the MLP and attention cases
 
 # ============================================================================== single process
 
-def test_off_by_default_and_a_single_rank_never_exchanges(monkeypatch):
+def test_on_by_default_and_a_single_rank_never_exchanges(monkeypatch):
     assert issubclass(GroupDisagreementError, ValueError)
-    on = os.environ.get("METP_CHECK_AGREEMENT", "0") not in ("", "0", "false", "False")
+    on = os.environ.get("METP_CHECK_AGREEMENT", "1").strip().lower() not in ("0", "false", "off",
+                                                                             "no")
     assert agree.agreement_checks_enabled() == on
     monkeypatch.setattr(agree, "_enabled", True)
     agree.check_group_agrees(METPGroup.single(), "metp_mlp", x=torch.zeros(2))  # nothing to ask
@@ -43,9 +44,25 @@ def _reload_with_env(rank, world, value):
     return agree.agreement_checks_enabled()
 
 
-def test_env_var_switches_the_check_on():
+def _reload_mode(rank, world, value):
+    if value is None:
+        os.environ.pop("METP_CHECK_AGREEMENT", None)
+    else:
+        os.environ["METP_CHECK_AGREEMENT"] = value
+    try:
+        importlib.reload(agree)
+    except ValueError as exc:
+        return str(exc)
+    return agree._mode
+
+
+def test_env_var_switches_the_check_off_or_to_every_call():
     assert run_ranks(_reload_with_env, 1, "1") == [True]
     assert run_ranks(_reload_with_env, 1, "0") == [False]
+    got = [run_ranks(_reload_mode, 1, v)[0] for v in (None, "", "1", "0", "off", "every")]
+    assert got == ["cached", "cached", "cached", "off", "off", "every"]
+    msg = run_ranks(_reload_mode, 1, "sometimes")[0]
+    assert msg.startswith("METP_CHECK_AGREEMENT='sometimes': use 1"), msg
 
 
 def test_encoding_is_canonical_and_leaves_the_device_out():
@@ -265,3 +282,98 @@ def test_mlp_with_different_token_counts_per_rank_is_not_refused_and_is_right(p)
            "dw1": dw1, "db1": db1, "dw2": dw2}
     errs = {k: rel_err(v, ref[k]) for k, v in got.items()}
     assert max(errs.values()) <= 1e-5, errs
+
+
+# ============================================================================== the schedule
+
+def _scheduled_calls(rank, p, n_calls, odd_call, field, every=False):
+    """``n_calls`` agreement checks on one group; at call ``odd_call`` rank 1 passes another
+    ``field``. Returns ("raised", call index, message, exchanges) or ("ok", None, None, n)."""
+    agree.enable_agreement_checks(True, every=every)
+    grp = METPGroup.from_process_group(dist.group.WORLD, name="agree-sched", timeout_s=10.0)
+    exchanges = []
+    real = agree._all_gather
+
+    def counting(group, t, what, label):
+        exchanges.append(what)
+        return real(group, t, what, label)
+
+    agree._all_gather = counting
+    x = torch.zeros(4, 1, H)
+    for i in range(n_calls):
+        fields = {"x": x, "activation": "gelu", "causal": True}
+        if rank == 1 and i == odd_call:
+            fields[field] = {"x": torch.zeros(4, 1, H, dtype=torch.bfloat16),
+                             "activation": "swiglu", "causal": False}[field]
+        try:
+            agree.check_group_agrees(grp, f"metp_mlp 'layer {i % 3} mlp'", **fields)
+        except GroupDisagreementError as exc:
+            return "raised", i, str(exc), len(exchanges)
+    return "ok", None, None, exchanges.count("exchanging the argument digest")
+
+
+def test_the_schedule_is_the_same_on_every_rank_and_cheap():
+    """No disagreement: the ranks exchange at the first FIRST_CALLS calls and every EVERY-th."""
+    n = 3 * agree.EVERY + 5
+    expect = agree.FIRST_CALLS + sum(1 for i in range(agree.FIRST_CALLS, n) if i % agree.EVERY == 0)
+    assert run_ranks(_scheduled_calls, 2, n, -1, "x") == [("ok", None, None, expect)] * 2
+    every = run_ranks(_scheduled_calls, 2, 20, -1, "x", every=True)
+    assert every == [("ok", None, None, 20)] * 2
+
+
+@pytest.mark.parametrize("field,needle", [("causal", "causal differs: true on rank"),
+                                          ("activation", "activation differs: gelu on rank"),
+                                          ("x", "x differs: float32[4, 1, 8] on rank")])
+@pytest.mark.parametrize("p", [2, 3])
+def test_a_disagreement_between_scheduled_checks_raises_on_every_rank_at_the_next(p, field,
+                                                                                   needle):
+    """Rank 1 changes one field at a call that does not exchange, after the same signature was
+    checked and cached on every rank (the case a cache keyed by the local digest would hang on):
+    every rank raises at the next scheduled check, naming the call and the field; none hangs."""
+    odd = agree.FIRST_CALLS + 5
+    t0 = time.monotonic()
+    out = run_ranks(_scheduled_calls, p, 2 * agree.EVERY, odd, field, timeout=60)
+    assert time.monotonic() - t0 < 30
+    for kind, at, msg, _ in out:
+        assert (kind, at) == ("raised", agree.EVERY), out
+        assert f"(call {odd} of the METP ops on this group; found by the agreement check at call " \
+               f"{agree.EVERY}, {agree.EVERY - odd} calls later" in msg, msg
+        assert needle in msg and "bfloat16[4, 1, 8] on rank 1" in msg if field == "x" else \
+            needle in msg, msg
+    assert len({msg.split(" This rank")[0] for _, _, msg, _ in out}) == 1  # the same diagnosis
+
+
+@pytest.mark.parametrize("odd", [0, agree.FIRST_CALLS - 1, agree.EVERY])
+def test_a_disagreement_at_a_scheduled_call_raises_there(odd):
+    for kind, at, msg, _ in run_ranks(_scheduled_calls, 2, agree.EVERY + 3, odd, "causal"):
+        assert (kind, at) == ("raised", odd) and "causal differs" in msg, msg
+        assert "calls later" not in msg, msg
+
+
+def test_every_mode_refuses_at_the_call_itself():
+    odd = agree.FIRST_CALLS + 5
+    for kind, at, msg, _ in run_ranks(_scheduled_calls, 2, 30, odd, "causal", every=True):
+        assert (kind, at) == ("raised", odd) and "causal differs" in msg, msg
+
+
+def _ring_causal_after_warmup(rank, p):
+    """Real ops: ring_attention with the same signature for FIRST_CALLS calls, then rank 1 turns
+    causal off (the same bytes move: without the check a silently wrong result)."""
+    agree.enable_agreement_checks(True)
+    grp = METPGroup.from_process_group(dist.group.WORLD, name="agree-ring", timeout_s=10.0)
+    q = torch.randn(4, 1, 2, 4)
+    for i in range(agree.EVERY + 1):
+        causal = not (rank == 1 and i == agree.FIRST_CALLS + 1)
+        try:
+            ring_attention(q, q, q, group=grp, causal=causal, kernel="reference",
+                           label=f"layer {i} core_attention")
+        except GroupDisagreementError as exc:
+            return i, str(exc)
+    return None, None
+
+
+def test_real_ops_disagreeing_after_the_cached_calls_are_refused_on_every_rank():
+    for at, msg in run_ranks(_ring_causal_after_warmup, 2, timeout=60):
+        assert at == agree.EVERY, msg
+        assert f"ring_attention 'layer {agree.FIRST_CALLS + 1} core_attention' (call " \
+               f"{agree.FIRST_CALLS + 1} of the METP ops" in msg and "causal differs" in msg, msg

@@ -111,7 +111,8 @@ def test_the_tracker_decides_what_a_save_directory_loads(base, tmp_path):
 
 
 def test_a_bad_timeout_variable_is_refused_naming_it(monkeypatch):
-    from megatron_metp.megatron.checkpoint_agreement import DEFAULT_TIMEOUT_S, checkpoint_timeout_s
+    from megatron_metp.megatron.checkpoint_agreement import checkpoint_timeout_s
+    from megatron_metp.watchdog import job_timeout_s
 
     for bad in ("abc", "nan", "inf", "0", "-3"):
         monkeypatch.setenv("METP_CHECKPOINT_TIMEOUT_S", bad)
@@ -120,8 +121,14 @@ def test_a_bad_timeout_variable_is_refused_naming_it(monkeypatch):
             checkpoint_timeout_s()
     monkeypatch.setenv("METP_CHECKPOINT_TIMEOUT_S", "2.5")
     assert checkpoint_timeout_s() == 2.5
+    monkeypatch.setenv("METP_RING_TIMEOUT_S", "2")  # longer than the job timeout: contradictory
+    with pytest.raises(ValueError, match="METP_CHECKPOINT_TIMEOUT_S='2.5' is longer than the job "
+                                         "timeout 2 s"):
+        checkpoint_timeout_s()
     monkeypatch.delenv("METP_CHECKPOINT_TIMEOUT_S")
-    assert checkpoint_timeout_s() == DEFAULT_TIMEOUT_S
+    assert checkpoint_timeout_s() == job_timeout_s() == 2.0  # the one timeout by default
+    monkeypatch.delenv("METP_RING_TIMEOUT_S")
+    assert checkpoint_timeout_s() == 600.0
 
 
 # ---------------------------------------------------------------- a rank dies during a save

@@ -33,6 +33,9 @@ def test_demo_two_runs_agree_and_write_table(tmp_path):
     assert t_tp["metp_ring_stats_per_step"]["bytes_sent"] == 0
     assert t_metp["by_op_per_step"]["send"] > 0  # METP's rings
     assert t_metp["metp_ring_stats_per_step"]["bytes_sent"] > 0
+    # the agreement check (on by default) exchanges at the first calls: counted apart
+    assert t_metp["agreement_check_bytes_each_step"][0] > 0
+    assert t_tp["agreement_check_bytes_each_step"] == [0] * TINY.iters  # no METP op in stock TP
     for t in (t_tp, t_metp):
         assert len(set(t["bytes_sent_each_step"])) == 1  # the same traffic every step
         assert not t["uncounted_calls"]

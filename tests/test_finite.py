@@ -98,3 +98,5 @@ def test_a_nan_on_one_rank_ends_every_rank_at_once_naming_it():
         assert "layer 3 mlp (forward)" in r["error"] and "rank 1 (global 1): x has 1 NaN" in r["error"]
         assert "rank 0 (global 0)" not in r["error"]  # rank 0's values are finite
         assert r["seconds"] < 30 and r["steps"] == 0  # at once (timeout 60 s), nothing sent
+        print(f"\n[fault] NaN in rank 1's MLP input: rank {rank} NonFiniteError after "
+              f"{r['seconds']:.2f} s: {r['error'][:160]}")

@@ -855,11 +855,15 @@ def test_every_fault_kind_is_refused(p):
 
 # ============================================================================== cross-rank mismatch
 
-def _mismatched_rank(rank, p, what):
-    """Rank 0 holds a different geometry than the others: the ops cannot see it locally."""
+def _mismatched_rank(rank, p, what, check=False):
+    """Rank 0 holds a different geometry than the others: the ops cannot see it locally. With
+    ``check`` False the cross-rank agreement check (on by default) is switched off."""
     import faulthandler
     import time
 
+    from megatron_metp import agree
+
+    agree.enable_agreement_checks(check)
     faulthandler.disable()  # gloo aborts one rank on purpose: no Python fatal-error dump
     grp = METPGroup.from_process_group(dist.group.WORLD, name="mismatch", timeout_s=5.0)
     t0 = time.monotonic()
@@ -880,8 +884,8 @@ def _mismatched_rank(rank, p, what):
 @pytest.mark.parametrize("p", [2, 3])
 @pytest.mark.parametrize("what", ["tokens", "ffn"])
 def test_geometry_that_differs_between_ranks_ends_the_job_not_a_wrong_result(what, p):
-    """Shapes are checked per rank, not across ranks. A mismatch still ends the step (forward and
-    backward): the rank that receives a larger message than it posted is aborted by gloo
+    """With the agreement check switched off (``METP_CHECK_AGREEMENT=0``) shapes are checked per
+    rank, not across ranks. A mismatch still ends the step (forward and backward): the rank that receives a larger message than it posted is aborted by gloo
     ("Received data size doesn't match"), and the others fail with the ring's error naming the
     group, step and peer. (A rank receiving a *smaller* message is not stopped by gloo: its forward
     can finish on a partly filled buffer; only its next exchange fails.)"""
@@ -893,3 +897,17 @@ def test_geometry_that_differs_between_ranks_ends_the_job_not_a_wrong_result(wha
     for _, msg, elapsed in finished:
         assert "'mismatch'" in msg and "step " in msg and "peer " in msg, msg
         assert elapsed < 5.0 + 3.0, elapsed
+
+
+@pytest.mark.parametrize("p", [2, 3])
+@pytest.mark.parametrize("what", ["tokens", "ffn"])
+def test_geometry_that_differs_between_ranks_is_refused_by_default(what, p):
+    """The same mismatch with the default agreement check: every rank raises
+    GroupDisagreementError naming the field before anything is sent; no rank is aborted."""
+    out = run_ranks(_mismatched_rank, p, what, True, timeout=60)
+    field = "k differs" if what == "tokens" else "fc1_weight differs"
+    for rank, (kind, msg, elapsed) in enumerate(out):
+        assert kind == "GroupDisagreementError" and field in msg, out
+        assert elapsed < 2.0, elapsed
+        print(f"\n[fault] {what} differ between ranks (p={p}): rank {rank} {kind} after "
+              f"{elapsed:.3f} s: {msg[:140]}")

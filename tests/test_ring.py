@@ -72,6 +72,8 @@ def test_peer_that_never_answers_fails_with_group_step_and_peer(mode):
     assert kind in ("RingTimeoutError", "RingPeerError")
     assert "stall-test" in msg and "step 0" in msg and "peer 1" in msg and "probe" in msg
     assert elapsed < 5.0
+    print(f"\n[fault] ring step, peer {mode}s (timeout 1.5 s): {kind} after {elapsed:.2f} s: "
+          f"{msg[:160]}")
 
 
 def test_single_rank_group_has_nothing_to_exchange():

@@ -8,9 +8,12 @@ failure's message) that each phase of :func:`~megatron_metp.megatron.checkpoint.
 and :func:`~megatron_metp.megatron.checkpoint.load_checkpoint` ends with: if any rank failed,
 every rank raises the same :class:`CheckpointError` naming the failing ranks and their reasons.
 
-The wait is bounded by ``METP_CHECKPOINT_TIMEOUT_S`` seconds (default 600) on gloo; on NCCL the
+The wait is bounded by the job timeout (:mod:`megatron_metp.watchdog`: ``METP_RING_TIMEOUT_S``,
+default 600 s, the timeout of every process group), or by ``METP_CHECKPOINT_TIMEOUT_S`` when that
+is set lower (a larger one is refused: the process group would end the wait first); on NCCL the
 process group's own timeout applies (the record travels on the current CUDA device). A peer that
-died is reported at once on gloo (its sockets close). Each record carries a tag of its phase, so
+died is reported at once on gloo (its sockets close). Either way the error names the ranks that
+did not answer and where each was last seen (:func:`megatron_metp.watchdog.diagnose`). Each record carries a tag of its phase, so
 a rank that timed out and moved on cannot be mistaken for a peer's answer in another phase.
 After a timeout the process group is out of step: the job should end (torchrun ends the other
 ranks when one exits with the error).
@@ -38,17 +41,26 @@ _HEADER = 4 + _MAX_INTS  # failed flag, message length, number of ints, phase ta
 
 
 def checkpoint_timeout_s() -> float:
-    """The agreement's bound from ``METP_CHECKPOINT_TIMEOUT_S`` (a positive finite number)."""
+    """The agreement's bound: the job timeout, or ``METP_CHECKPOINT_TIMEOUT_S`` (a positive finite
+    number, at most the job timeout) when set."""
+    from ..watchdog import job_timeout_s
+
+    job = job_timeout_s()
     raw = os.environ.get(TIMEOUT_ENV)
     if raw is None or raw.strip() == "":
-        return DEFAULT_TIMEOUT_S
+        return job
     try:
         value = float(raw)
     except ValueError:
         value = float("nan")
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"{TIMEOUT_ENV}={raw!r} must be a positive finite number of seconds "
-                         f"(unset it for the default {DEFAULT_TIMEOUT_S:g})")
+                         f"(unset it for the job timeout, {job:g} s)")
+    if value > job:
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r} is longer than the job timeout {job:g} s "
+                         f"(METP_RING_TIMEOUT_S, which bounds every process group, so the "
+                         f"agreement could never wait that long): unset it or raise "
+                         f"METP_RING_TIMEOUT_S")
     return value
 
 
@@ -136,6 +148,10 @@ def agree(what: str, error: Optional[BaseException], ints: Sequence[int] = (), *
         buf = buf.to(torch.device("cuda", torch.cuda.current_device()))
     out = [torch.empty_like(buf) for _ in range(world)]
     timeout = checkpoint_timeout_s()
+    from .. import watchdog
+
+    if group is None:
+        watchdog.enter(what)
     try:
         work = dist.all_gather(out, buf, group=group, async_op=True)
         work.wait(timeout=datetime.timedelta(seconds=timeout))
@@ -143,9 +159,14 @@ def agree(what: str, error: Optional[BaseException], ints: Sequence[int] = (), *
         first = _first_line(exc)
         mine = describe(error) if error is not None else ""
         mine = f" This rank failed first: {mine}." if mine and first not in mine else ""
+        who, stalled, _ = watchdog.diagnose(what, exc, timeout_s=timeout) if group is None else ("", [], [])
+        named = (f" rank{'s' if len(stalled) > 1 else ''} {_ranges(stalled)} did not answer."
+                 if stalled else "")
         raise CheckpointError(
             f"{what}: a peer rank died or hangs (it did not answer; the wait is bounded by "
-            f"{TIMEOUT_ENV}={timeout:g} s): {first}.{mine}{tail}") from (error or exc)
+            f"{TIMEOUT_ENV if os.environ.get(TIMEOUT_ENV, '').strip() else 'the job timeout'}"
+            f"={timeout:g} s): {first}.{named} {who}{mine}{tail}".replace("  ", " ")
+        ) from (error or exc)
     decoded = [_decode(b) for b in out]
     tag = zlib.crc32(what.encode())
     astray = [r for r, d in enumerate(decoded) if d[3] != tag]

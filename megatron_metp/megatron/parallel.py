@@ -71,8 +71,16 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
     ``megatron_kwargs`` go to ``megatron.core.parallel_state.initialize_model_parallel`` (for
     example ``virtual_pipeline_model_parallel_size``, ``order``); ``context_parallel_size`` there
     must stay 1 when ``metp_parallel_size > 1``.
+
+    Timeout: every group waits the one job timeout (:mod:`megatron_metp.watchdog`):
+    ``ring_timeout_s``, else ``METP_RING_TIMEOUT_S`` (default 600 s). Megatron's groups are made
+    with it (``distributed_timeout_minutes`` = seconds / 60), the default group is set to it, and
+    the METP rings wait it. A ``distributed_timeout_minutes`` given here instead is the setting
+    (the rings derive theirs from it); a ``ring_timeout_s`` longer than it is refused.
     """
     from megatron.core import parallel_state as ps
+
+    from ..watchdog import apply_to_process_groups, job_timeout_s
 
     if not dist.is_initialized():
         raise ValueError("initialize torch.distributed first (torchrun/srun + "
@@ -83,6 +91,17 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
         raise ValueError(f"expert_model_parallel_size {ep} cannot be combined with "
                          f"--metp-parallel-size {metp_parallel_size}: METP uses the expert "
                          f"groups for its weight gradients")
+    minutes = megatron_kwargs.pop("distributed_timeout_minutes", None)
+    if minutes is None:
+        timeout_s = job_timeout_s() if ring_timeout_s is None else float(ring_timeout_s)
+    else:
+        timeout_s = float(minutes) * 60.0
+        if ring_timeout_s is not None and ring_timeout_s > timeout_s:
+            raise ValueError(f"ring_timeout_s {ring_timeout_s:g} s is longer than "
+                             f"distributed_timeout_minutes {minutes:g} ({timeout_s:g} s), which "
+                             f"bounds every process group: give one of them")
+        if ring_timeout_s is not None:
+            timeout_s = float(ring_timeout_s)
     validate_metp_config(world_size=dist.get_world_size(),
                          tensor_model_parallel_size=tensor_model_parallel_size,
                          pipeline_model_parallel_size=pipeline_model_parallel_size,
@@ -92,5 +111,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                                  pipeline_model_parallel_size=pipeline_model_parallel_size,
                                  context_parallel_size=max(cp, metp_parallel_size),
                                  expert_model_parallel_size=max(ep, metp_parallel_size),
+                                 distributed_timeout_minutes=(timeout_s / 60.0 if minutes is None
+                                                              else minutes),
                                  **megatron_kwargs)
-    return METPGroups.from_parallel_state(timeout_s=ring_timeout_s)
+    apply_to_process_groups(timeout_s)
+    return METPGroups.from_parallel_state(timeout_s=timeout_s)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..finite import set_iteration
+from ..watchdog import bounded
 from .groups import METPGroups
 from .linear import is_metp_sharded
 
@@ -333,13 +334,18 @@ def train(size: GPTSize, layout: Layout, steps: int, *, log: Optional[Callable[[
         t0 = time.perf_counter()
         ddp.zero_grad_buffer()
         opt.zero_grad()
-        reports = fwd_bwd(forward_step_func=_forward_step,
-                          data_iterator=_microbatches(size, layout, step, batch_fn), model=[ddp],
-                          num_microbatches=n_mb, seq_length=size.seq_length,
-                          micro_batch_size=layout.micro_batch_size, forward_only=False)
-        with cpu.cuda_to_cpu() if cpu.is_enabled() else _null():
+        # each phase records this rank's progress; a wait that times out or breaks in it ends
+        # with StalledRankError naming the rank that stalled or died (megatron_metp.watchdog)
+        with bounded(f"forward-backward of iteration {step + 1}"):
+            reports = fwd_bwd(forward_step_func=_forward_step,
+                              data_iterator=_microbatches(size, layout, step, batch_fn),
+                              model=[ddp], num_microbatches=n_mb, seq_length=size.seq_length,
+                              micro_batch_size=layout.micro_batch_size, forward_only=False)
+        with bounded(f"optimizer step of iteration {step + 1}"), \
+                (cpu.cuda_to_cpu() if cpu.is_enabled() else _null()):
             ok, grad_norm, _ = opt.step()
-        lm = _reduce_loss(reports)
+        with bounded(f"loss reduction of iteration {step + 1}"):
+            lm = _reduce_loss(reports)
         dt = time.perf_counter() - t0
         rec = StepRecord(step + 1, lm, float(grad_norm or 0.0), dt)
         records.append(rec)
@@ -410,24 +416,33 @@ def megatron_log_line(rec: StepRecord, total: int, layout: Layout, opt) -> str:
             f"number of nan iterations:   0 |")
 
 
-def init_parallel(layout: Layout, seq_length: Optional[int] = None) -> METPGroups:
-    """Megatron's parallel state for ``layout`` on the initialised world (plus RNG seeds)."""
+def init_parallel(layout: Layout, seq_length: Optional[int] = None, *,
+                  timeout_s: Optional[float] = None) -> METPGroups:
+    """Megatron's parallel state for ``layout`` on the initialised world (plus RNG seeds).
+
+    Every group — Megatron's, the METP rings and the default group — waits at most the job
+    timeout: ``timeout_s``, else ``METP_RING_TIMEOUT_S`` (:mod:`megatron_metp.watchdog`)."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+    from ..watchdog import apply_to_process_groups, job_timeout_s
     from .parallel import initialize_model_parallel
 
     if layout.mode not in ("metp", "tp", "ring"):
         raise ValueError(f"layout.mode must be 'metp', 'tp' or 'ring', got {layout.mode!r}")
+    timeout_s = job_timeout_s() if timeout_s is None else float(timeout_s)
     if layout.mode == "metp":
         groups = initialize_model_parallel(layout.tp, layout.pp, layout.metp, seq_length=seq_length,
-                                           create_gloo_process_groups=False)
+                                           create_gloo_process_groups=False,
+                                           ring_timeout_s=timeout_s)
     else:
         ps.initialize_model_parallel(tensor_model_parallel_size=layout.tp,
                                      pipeline_model_parallel_size=layout.pp,
                                      context_parallel_size=layout.metp,
-                                     create_gloo_process_groups=False)
-        groups = METPGroups.from_parallel_state()
+                                     create_gloo_process_groups=False,
+                                     distributed_timeout_minutes=timeout_s / 60.0)
+        apply_to_process_groups(timeout_s)
+        groups = METPGroups.from_parallel_state(timeout_s=timeout_s)
     torch.manual_seed(1234)
     model_parallel_cuda_manual_seed(1234)
     return groups

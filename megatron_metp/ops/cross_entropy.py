@@ -246,8 +246,8 @@ def metp_output_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels
         label_smoothing: Megatron's label smoothing (0 = off, the default).
         check_labels: check on every rank (one tiny all-reduce) that labels lie in ``[0, V)``.
         grad_reduce_dtype: dtype of the weight-gradient sum travelling the ring (default fp32).
-        label: names this call in NaN/Inf reports and in the opt-in cross-rank agreement check
-            (:mod:`megatron_metp.agree`).
+        label: names this call in NaN/Inf reports and in the cross-rank agreement check
+            (:mod:`megatron_metp.agree`, on by default).
         token_chunk: token rows (of the ``s/p·b`` flattened ``[s/p, b]`` tokens) per chunk of the
             per-shard compute, forward and backward. ``None`` (default): the environment variable
             ``METP_LOSS_TOKEN_CHUNK`` if set, else auto (``max(1, 2**28 // v)``: one fp32

@@ -122,8 +122,8 @@ def metp_embedding(tokens: torch.Tensor, weight: torch.Tensor, *, group, vocab_s
             raise ``ValueError`` everywhere if any is out of range, before any ring step.
         grad_reduce_dtype: dtype of the gradient accumulator that travels the ring (default
             fp32; ``None``: the table's dtype, fp32 for 16-bit tables).
-        label: names this call in NaN/Inf reports and in the opt-in cross-rank agreement check
-            (:mod:`megatron_metp.agree`).
+        label: names this call in NaN/Inf reports and in the cross-rank agreement check
+            (:mod:`megatron_metp.agree`, on by default).
         token_chunk: tokens per chunk of each ring step's lookup (forward) and gradient
             scatter (backward); ``None`` (default): auto, ``max(1, 2**28 // h)`` (one fp32
             ``[token_chunk, h]`` chunk is at most 1 GiB). A positive integer, else

@@ -260,8 +260,9 @@ def metp_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor
             Megatron's ``main_grad``, its complete gradient is added there directly (no rounding
             to the weight's dtype first; :mod:`._grads`).
         label: names this call in NaN/Inf reports (:mod:`megatron_metp.finite`) and in the
-            cross-rank agreement check (:mod:`megatron_metp.agree`, opt-in), which also requires
-            it, every shape/dtype and every option to be equal on all ranks of the group.
+            cross-rank agreement check (:mod:`megatron_metp.agree`, on by default), which also
+            requires it, every shape/dtype and every option to be equal on all ranks of the
+            group.
 
     Returns:
         ``y`` ``[s/p, b, h]``: this rank's tokens' MLP output. Gradients of the weight shards are

@@ -293,8 +293,12 @@ def train_one(name: str, layout, cfg: DemoConfig, log=None) -> dict:
     losses, norms, seconds, sent, by_op, calls, uncounted = [], [], [], [], {}, {}, {}
     mem = None
     mem_step = cfg.iters - 1
+    from .. import agree
+
+    checks = []  # bytes of the agreement check's exchanges (first calls, then every 64th)
     for step in range(cfg.iters):
         counter = _comm_counter()
+        check0 = agree.exchange_stats["bytes_sent"]
         if step == mem_step:
             mt = _memory_tracker(state)
             with mt, counter:
@@ -308,11 +312,14 @@ def train_one(name: str, layout, cfg: DemoConfig, log=None) -> dict:
         losses.append(rec.lm_loss)
         norms.append(rec.grad_norm)
         seconds.append(rec.seconds)
-        sent.append(counter.sent)
+        checks.append(agree.exchange_stats["bytes_sent"] - check0)
+        sent.append(counter.sent - checks[-1])  # the model's traffic, without the check's
         for d, src in ((by_op, counter.by_op), (calls, counter.calls),
                        (uncounted, counter.uncounted)):
             for k, v in src.items():
                 d[k] = d.get(k, 0) + v
+        if checks[-1]:  # the check's all-gathers are not the model's traffic
+            by_op["allgather_"] -= checks[-1]
         if log is not None and rank == 0:
             note = "  (MemTracker on: slower)" if step == mem_step else ""
             log(f"[{name}]" + megatron_log_line(rec, cfg.iters, layout, state["optimizer"]) + note)
@@ -324,6 +331,7 @@ def train_one(name: str, layout, cfg: DemoConfig, log=None) -> dict:
         "traffic": {
             "bytes_sent_per_step": sum(sent) / n,
             "bytes_sent_each_step": sent,
+            "agreement_check_bytes_each_step": checks,
             "by_op_per_step": {k: v / n for k, v in sorted(by_op.items())},
             "calls_per_step": {k: v / n for k, v in sorted(calls.items())},
             "uncounted_calls": uncounted,
@@ -574,7 +582,12 @@ def _worker(cfg: DemoConfig) -> int:
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    import datetime
+
+    from ..watchdog import job_timeout_s
+
+    # the one job timeout (METP_RING_TIMEOUT_S) from the start: the default group too
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=job_timeout_s()))
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != WORLD:
         raise SystemExit(f"the demo runs on {WORLD} ranks, got {world}")
