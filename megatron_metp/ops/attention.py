@@ -512,7 +512,7 @@ def metp_attention(x: torch.Tensor, qkv_weight: torch.Tensor, proj_weight: torch
             :mod:`megatron_metp.megatron.packing` computes), instead of a per-layer selection
             from the whole-sequence table.
         label: names this call in NaN/Inf reports (:mod:`megatron_metp.finite`) and in the
-            cross-rank agreement check (:mod:`megatron_metp.agree`, opt-in), which also requires
+            cross-rank agreement check (:mod:`megatron_metp.agree`, on by default), which also requires
             it, every shape/dtype and every option to be equal on all ranks of the group.
 
     Returns: ``y [s/p, b, h]``. Weight-shard gradients are complete; ``proj_bias``'s is this
