@@ -204,8 +204,9 @@ def _peer_never_arrives(rank, world):
         time.sleep(2.5)  # joins the exchange only after rank 0's timeout ...
         # ... then completes rank 0's abandoned all-gather (which gloo keeps running), so that
         # both ranks' exit barriers pair up and the test ends at once
-        dist.all_gather([torch.empty(9, dtype=torch.int64) for _ in range(2)],
-                        torch.zeros(9, dtype=torch.int64))
+        words = 1 + agree._DIGEST_WORDS + 1 + agree._WINDOW_WORDS  # record + window hash
+        dist.all_gather([torch.empty(words, dtype=torch.int64) for _ in range(2)],
+                        torch.zeros(words, dtype=torch.int64))
         return "late"
     t0 = time.monotonic()
     try:
