@@ -34,7 +34,8 @@ group (a whole first step of a small model; always a mismatch present from the s
 before anything is sent; one that appears later is refused within ``EVERY`` calls, at the next
 scheduled exchange — in between, a disagreement that moves the same bytes computes a wrong
 result that the error then reports (differing byte counts end the ring step itself first, with
-gloo's error or ``RingPeerError``). A local memo maps each call's arguments to their digest, so a
+gloo's error or ``RingPeerError``), and :func:`check_pending` (which the project's checkpoint
+save runs first) checks the calls since the last exchange at once. A local memo maps each call's arguments to their digest, so a
 call between exchanges costs a tuple hash, a dictionary look-up and a 16-byte append.
 
 Modes: ``METP_CHECK_AGREEMENT`` unset or ``1`` (the default, as above), ``every`` (exchange at
@@ -276,13 +277,28 @@ def check_group_agrees(group: METPGroup, label: str, /, **fields) -> None:
     """
     if not _enabled or group.size == 1:
         return
+    _check_call(group, label, fields, force=False)
+
+
+def check_pending(group: Optional[METPGroup], label: str = "before a checkpoint save") -> None:
+    """Exchange now, on every rank of ``group`` together (a collective: call it at the same
+    point on all of them): the calls since the group's last exchange are checked at once, so a
+    disagreement that appeared between scheduled exchanges is refused (``GroupDisagreementError``
+    on every rank, naming the call) before, e.g., a checkpoint publishes what it computed.
+    No-op when checks are off, for ``None`` or a group of one."""
+    if group is None or not _enabled or group.size == 1:
+        return
+    _check_call(group, label, {}, force=True)
+
+
+def _check_call(group: METPGroup, label: str, fields: dict, force: bool) -> None:
     w = _window(group)
     if w.skip:
         return
     n = w.calls
     w.calls += 1
     blob, record, d = _encoded(w, label, fields)
-    if not _scheduled(n):
+    if not force and not _scheduled(n):
         w.digests += d
         w.labels.append(label)
         w.blobs.setdefault(d, blob)

@@ -378,3 +378,30 @@ def test_real_ops_disagreeing_after_the_cached_calls_are_refused_on_every_rank()
         assert at == agree.EVERY, msg
         assert f"ring_attention 'layer {agree.FIRST_CALLS + 1} core_attention' (call " \
                f"{agree.FIRST_CALLS + 1} of the METP ops" in msg and "causal differs" in msg, msg
+
+
+def _pending_checked(rank, p, odd, calls):
+    """``calls`` agreeing checks (rank 1 changes ``causal`` at call ``odd`` unless -1, between
+    scheduled exchanges), then :func:`agree.check_pending` as a save does."""
+    agree.enable_agreement_checks(True)
+    grp = METPGroup.from_process_group(dist.group.WORLD, name="agree-pending", timeout_s=10.0)
+    x = torch.zeros(4, 1, H)
+    for i in range(calls):
+        agree.check_group_agrees(grp, f"metp_mlp 'layer {i % 3} mlp'", x=x, activation="gelu",
+                                 causal=not (rank == 1 and i == odd))
+    try:
+        agree.check_pending(grp, "before saving iteration 3")
+    except GroupDisagreementError as exc:
+        return "raised", str(exc)
+    return "ok", None
+
+
+def test_check_pending_refuses_a_disagreement_between_scheduled_exchanges_at_once():
+    """What a checkpoint save runs first: the calls since the last exchange are checked now,
+    not at the next scheduled exchange (call EVERY), on every rank alike."""
+    odd = agree.FIRST_CALLS + 2
+    out = run_ranks(_pending_checked, 2, odd, agree.FIRST_CALLS + 5, timeout=60)
+    for kind, msg in out:
+        assert kind == "raised" and "causal differs" in msg and f"call {odd} " in msg, msg
+    # negative control: agreeing calls pass, on every rank
+    assert run_ranks(_pending_checked, 2, -1, agree.FIRST_CALLS + 5) == [("ok", None)] * 2

@@ -404,3 +404,30 @@ def test_missing_or_truncated_file_is_refused_naming_it(base, tmp_path, victim):
     assert all(o[0] == "CheckpointError" and victim in o[1] and needle in o[1] for o in out), out
     print(f"\n[fault] {victim} {'deleted' if victim.endswith('.json') else 'truncated'}: refused "
           f"after {max(o[2] for o in out):.2f} s: {out[0][1][:200]}")
+
+
+def _save_after_a_disagreement(rank, world, save_dir):
+    """Two agreeing steps, then one METP op call that disagrees between the agreement check's
+    scheduled exchanges (rank 1 says causal=False), then a save."""
+    from megatron_metp import agree
+
+    state = _start()
+    train(SIZE, LAYOUT, FIRST, state=state)
+    grp = state["groups"].metp
+    while agree._scheduled(agree._window(grp).calls):  # reach a call that does not exchange
+        agree.check_group_agrees(grp, "metp_mlp 'warm-up'", causal=True)
+    agree.check_group_agrees(grp, "metp_mlp 'layer 1 mlp'", causal=rank == 0)
+    try:
+        save_checkpoint(save_dir, state, FIRST, LAYOUT.describe())
+    except ValueError as exc:  # GroupDisagreementError
+        return type(exc).__name__, str(exc)
+    return "saved", None
+
+
+def test_a_save_is_refused_when_the_ranks_disagreed_since_the_last_agreement_exchange(tmp_path):
+    save_dir = str(tmp_path / "save")
+    out = run_ranks(_save_after_a_disagreement, WORLD, save_dir, timeout=120)
+    for kind, msg in out:
+        assert kind == "GroupDisagreementError" and "metp_mlp 'layer 1 mlp'" in msg, (kind, msg)
+        assert "causal differs" in msg, msg
+    assert not os.path.exists(os.path.join(save_dir, TRACKER))  # nothing was published

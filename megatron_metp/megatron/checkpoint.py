@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..agree import check_pending
 from .checkpoint_agreement import agree, checkpoint_timeout_s
 from .checkpoint_errors import CheckpointError
 from .checkpoint_integrity import ALGORITHM, manifest_name, verify_share, write_manifest
@@ -342,6 +343,11 @@ def save_checkpoint(directory: str, state, iteration: int, layout_description: s
     if len({i[0] for i in its}) > 1:
         raise CheckpointError(f"{what}: the ranks were asked to save different iterations "
                               f"({sorted({i[0] for i in its})}); every rank must pass the same one")
+    # every rank is here (the bounded agreement above names any that is not): the METP op calls
+    # since the last agreement exchange are checked now, so a disagreement between scheduled
+    # exchanges is refused before its result is published
+    groups = state.get("groups") if isinstance(state, dict) else None
+    check_pending(getattr(groups, "metp", None), f"before {what}")
     _, error = _attempt(dist_checkpointing.save, sd, staging)
     agree(f"{what} (writing shards into {staging!r})", error, outcome=kept)
     _, error = _attempt(lambda: write_manifest(
