@@ -171,6 +171,10 @@ def _args(**kw):
     (dict(metp_packed_layout="balanced", reset_attention_mask=True,
           metp_disable_weight_ring=True),
      ["--metp-packed-layout balanced with --metp-disable-weight-ring"]),
+    (dict(eod_mask_loss=True, micro_batch_size=1),
+     ["--eod-mask-loss without --calculate-per-token-loss", "add --calculate-per-token-loss"]),
+    (dict(reset_attention_mask=True, micro_batch_size=1),
+     ["--reset-attention-mask without --calculate-per-token-loss"]),
     (dict(reset_attention_mask=True, pipeline_model_parallel_size=2, world_size=16),
      ["--reset-attention-mask with --pipeline-model-parallel-size 2",
       "--pipeline-model-parallel-size 1"]),
@@ -186,7 +190,8 @@ def test_packing_flags_metp_cannot_honour_are_refused(kw, needles):
 
 def test_packing_flags_work_and_the_dense_mask_is_switched_off(capsys):
     args = _args(metp_parallel_size=8, reset_attention_mask=True, reset_position_ids=True,
-                 eod_mask_loss=True, micro_batch_size=1, create_attention_mask_in_dataloader=True)
+                 eod_mask_loss=True, micro_batch_size=1, create_attention_mask_in_dataloader=True,
+                 calculate_per_token_loss=True)
     megatron_lm.validate_metp_args(args)
     out = capsys.readouterr().out
     assert args.context_parallel_size == 8
@@ -466,3 +471,38 @@ def test_per_document_rope_equals_the_rows_of_the_whole_table(layout):
     # negative control: global positions are not the per-document ones
     assert not torch.equal(document_rope(rotary, cu, 1, p, n, layout),
                            full.index_select(0, torch.arange(n, 2 * n)))
+
+
+# ------------------------------------------------------------------------------ the training loop
+
+def _train_packed(rank, world, layout, steps):
+    from megatron_metp import cpu
+    from megatron_metp.megatron.training import init_parallel, setup, train
+    from megatron_metp.tools.demo import DemoConfig, packed_walk_batch
+
+    cpu.enable()
+    size = DemoConfig(layers=2, hidden=32, seq=64).size()
+    init_parallel(layout, size.seq_length)
+    state = setup(size, layout)
+    return [r.lm_loss for r in train(size, layout, steps, state=state,
+                                     batch_fn=packed_walk_batch)]
+
+
+def test_the_training_loop_trains_packed_documents_as_stock_tp_does():
+    """megatron_metp.megatron.training with Layout(packed_eod=...) (the demo's --packed): METP
+    derives the boundaries, stock TP gets Megatron's dense mask, both the loss mask and
+    per-token loss scaling; Adam at lr 3e-3 keeps the curves together."""
+    from megatron_metp.megatron.training import Layout
+
+    common = dict(micro_batch_size=2, global_batch_size=4, lr=3e-3, packed_eod=127)
+    tp = run_ranks(_train_packed, 2, Layout(tp=2, mode="tp", **common), 4)[0]
+    metp = run_ranks(_train_packed, 2, Layout(metp=2, vocab_parallel=True, **common), 4)[0]
+    assert max(abs(a - b) / a for a, b in zip(tp, metp)) <= 1e-5, (tp, metp)
+    assert tp[-1] < tp[0]
+    # negative control: each METP rank's own token mean, averaged over the ring (what Megatron
+    # does without --calculate-per-token-loss), is not the global mean once EOD tokens are
+    # masked out
+    off = run_ranks(_train_packed, 2, Layout(metp=2, vocab_parallel=True,
+                                             extra={"calculate_per_token_loss": False},
+                                             **common), 4)[0]
+    assert max(abs(a - b) / a for a, b in zip(tp, off)) > 1e-5, (tp, off)

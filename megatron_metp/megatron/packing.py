@@ -348,6 +348,13 @@ def packing_problems(args) -> List[str]:
         out.append(f"--metp-packed-layout {layout} with --metp-disable-weight-ring (the ring "
                    f"self-attention baseline applies RoPE in Megatron's dual-chunk order: drop "
                    f"one of them)")
+    if (flag("eod_mask_loss") or flag("reset_attention_mask")) and \
+            (flag("metp_parallel_size", 1) or 1) > 1 and not flag("calculate_per_token_loss"):
+        given = "--eod-mask-loss" if flag("eod_mask_loss") else "--reset-attention-mask"
+        out.append(f"{given} without --calculate-per-token-loss (the loss mask leaves EOD tokens "
+                   f"out, so the METP ranks hold different token counts, and Megatron would "
+                   f"average each rank's own mean over the ring: not the global mean stock TP "
+                   f"computes; add --calculate-per-token-loss)")
     if flag("reset_attention_mask"):
         mbs = flag("micro_batch_size", 1) or 1
         if mbs > 1:

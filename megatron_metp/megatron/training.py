@@ -60,7 +60,12 @@ class Layout:
     model's transformer block (Megatron-LM: ``--metp-offload-activations``): what the layers keep
     for backward waits in host memory. ``transformer_impl`` (``--transformer-impl``) picks the
     METP layers' norms (:func:`megatron_metp.megatron.gpu_stack.select_norm`: Transformer
-    Engine's where installed, else the local ones). ``extra`` adds or overrides any other TransformerConfig
+    Engine's where installed, else the local ones). ``packed_eod``: the token id that ends each
+    packed document (Megatron-LM's ``--reset-position-ids --reset-attention-mask
+    --eod-mask-loss``): the batches get Megatron's loss mask (zero at EOD tokens) and reset
+    positions; stock TP gets Megatron's dense document mask, METP and the ring baseline derive
+    the boundaries from the tokens (:class:`~megatron_metp.megatron.packing.DocumentBoundaries`;
+    every sample of a micro-batch must have the same boundaries). ``extra`` adds or overrides any other TransformerConfig
     field.
     """
 
@@ -79,6 +84,7 @@ class Layout:
     recompute_num_layers: int = 1
     offload_activations: bool = False
     transformer_impl: str = "local"
+    packed_eod: Optional[int] = None
     extra: Dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -91,6 +97,11 @@ class Layout:
         if self.recompute_method not in RECOMPUTE_METHODS:
             raise ValueError(f"Layout.recompute_method must be one of {RECOMPUTE_METHODS}, got "
                              f"{self.recompute_method!r}")
+        if self.packed_eod is not None and (isinstance(self.packed_eod, bool) or
+                                            not isinstance(self.packed_eod, int) or
+                                            self.packed_eod < 0):
+            raise ValueError(f"Layout.packed_eod must be a token id (an int >= 0) or None, got "
+                             f"{self.packed_eod!r}")
         if isinstance(self.recompute_num_layers, bool) or \
                 not isinstance(self.recompute_num_layers, int) or self.recompute_num_layers < 1:
             raise ValueError(f"Layout.recompute_num_layers must be an int >= 1, got "
@@ -147,6 +158,11 @@ def transformer_config(size: GPTSize, layout: Layout):
         apply_rope_fusion=False, gradient_accumulation_fusion=False,
         params_dtype=torch.float32, pipeline_dtype=torch.float32, batch_p2p_sync=False)
     kwargs.update(layout.recompute_config(size.num_layers))
+    if layout.packed_eod is not None:
+        # the loss mask leaves EOD tokens out, so the ranks of a METP ring hold different token
+        # counts: gradients are scaled by the global count (Megatron-LM's
+        # --calculate-per-token-loss), not each rank's own mean averaged over the ring
+        kwargs["calculate_per_token_loss"] = True
     kwargs.update(layout.extra)
     if layout.mode != "tp":
         # before Megatron's own checks: these are refused with METP whatever else is set
@@ -192,6 +208,11 @@ def build_model(size: GPTSize, layout: Layout, groups: METPGroups):
         from ..offload import ActivationOffloader
 
         ActivationOffloader().attach(model.decoder)
+    if layout.packed_eod is not None and layout.mode != "tp":
+        from .packing import DocumentBoundaries
+
+        DocumentBoundaries(groups.metp, eod_token=layout.packed_eod,
+                           full_rope=layout.mode == "metp").attach(model)
     return model
 
 
@@ -275,14 +296,34 @@ def _microbatches(size: GPTSize, layout: Layout, step: int, batch_fn=None):
         sl = slice(start + i * mb, start + (i + 1) * mb)
         batch = {"tokens": tokens[sl], "labels": labels[sl], "loss_mask": torch.ones(mb, size.seq_length),
                  "position_ids": pos.expand(mb, -1).contiguous()}
+        if layout.packed_eod is not None:
+            batch.update(_packed_fields(tokens[sl], layout.packed_eod,
+                                        dense_mask=layout.mode == "tp"))
         if ps.get_context_parallel_world_size() > 1:
             batch = get_batch_on_this_cp_rank(batch, cp_group=ps.get_context_parallel_group())
         yield batch
 
 
+def _packed_fields(tokens: torch.Tensor, eod: int, dense_mask: bool) -> dict:
+    """Megatron's GPTDataset fields of packed samples ``tokens [mb, s]`` (documents end with
+    ``eod``; ``--reset-position-ids --reset-attention-mask --eod-mask-loss``): ``loss_mask``,
+    ``position_ids`` and, with ``dense_mask`` (stock TP), the ``[mb, 1, s, s]`` boolean
+    ``attention_mask`` (True = masked out)."""
+    from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
+
+    rows = [_get_ltor_masks_and_position_ids(t, eod, True, True, True, dense_mask)
+            for t in tokens]
+    out = {"loss_mask": torch.stack([r[1] for r in rows]),
+           "position_ids": torch.stack([r[2] for r in rows])}
+    if dense_mask:
+        out["attention_mask"] = torch.stack([r[0] for r in rows])
+    return out
+
+
 def _forward_step(data_iterator, model):
     batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
+                   labels=batch["labels"])
     mask = batch["loss_mask"]
 
     def loss_func(output_tensor):

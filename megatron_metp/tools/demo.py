@@ -16,7 +16,11 @@ any iteration.
 
 Data: a learnable synthetic language, so the loss visibly falls within a few iterations. Every
 sequence is a walk over a fixed random permutation of the vocabulary (token t is followed by
-succ[t]) from a random start: seeded, nothing downloaded.
+succ[t]) from a random start: seeded, nothing downloaded. ``--packed``: every sample packs
+several such documents (a new walk each, ended by an EOD token; the same boundaries in every
+sample of a step, lengths drawn per step) with Megatron-LM's ``--reset-position-ids
+--reset-attention-mask --eod-mask-loss`` semantics: stock TP gets Megatron's dense document mask,
+METP derives the boundaries from the EOD tokens and runs document-masked ring attention.
 
 Memory: ``torch.distributed._tools.mem_tracker.MemTracker`` around one whole training step (the
 last iteration: forward and backward of every micro-batch, gradient reduction, optimizer step),
@@ -63,6 +67,7 @@ class DemoConfig:
     micro_batch: int = 2
     lr: float = 3e-3
     vocab_parallel: bool = True
+    packed: bool = False
     out_dir: str = os.path.join("out", "demo")
 
     def size(self):
@@ -81,10 +86,12 @@ def _parse(argv=None) -> DemoConfig:
     ap.add_argument("--seq", type=int, default=d.seq, help="sequence length (divisible by 4)")
     ap.add_argument("--no-vocab-parallel", action="store_true",
                     help="keep METP's word embedding and output layer replicated over the ring")
+    ap.add_argument("--packed", action="store_true",
+                    help="packed documents (EOD-separated, document-masked attention)")
     ap.add_argument("--out-dir", default=d.out_dir, help="where rank 0 writes demo.json, demo.png")
     a = ap.parse_args(argv)
     cfg = DemoConfig(iters=a.iters, layers=a.layers, hidden=a.hidden, seq=a.seq, out_dir=a.out_dir,
-                     vocab_parallel=not a.no_vocab_parallel)
+                     vocab_parallel=not a.no_vocab_parallel, packed=a.packed)
     problems = []
     if cfg.iters < 1:
         problems.append(f"--iters must be >= 1, got {cfg.iters}")
@@ -122,6 +129,8 @@ def _launch(cfg: DemoConfig) -> int:
            f"--seq={cfg.seq}", f"--out-dir={cfg.out_dir}"]
     if not cfg.vocab_parallel:
         cmd.append("--no-vocab-parallel")
+    if cfg.packed:
+        cmd.append("--packed")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     print("launching:", " ".join(cmd[1:]), flush=True)
     t0 = time.perf_counter()
@@ -146,6 +155,28 @@ def permutation_walk_batch(size, step: int, global_batch_size: int, seed: int = 
         cols.append(tok)
     tokens = torch.stack(cols, dim=1)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def packed_walk_batch(size, step: int, global_batch_size: int, seed: int = 7):
+    """:func:`permutation_walk_batch` packed: each sample holds 2–6 documents (the same
+    boundaries in every sample of the step, drawn from ``seed`` and ``step``), each a walk over
+    the permutation of tokens ``0 … V−2`` from a random start, ended by the EOD token ``V−1``."""
+    v = size.vocab_size - 1  # the EOD token is the last id
+    succ = torch.randperm(v, generator=torch.Generator().manual_seed(seed))
+    gen = torch.Generator().manual_seed(seed * 100003 + step + 17)
+    s = size.seq_length
+    docs = int(torch.randint(2, 7, (), generator=gen))
+    ends = sorted(set(torch.randint(2, s, (docs - 1,), generator=gen).tolist())) + [s + 1]
+    stream = torch.empty(global_batch_size, s + 1, dtype=torch.long)
+    start = 0
+    for end in ends:  # a document is stream[start:end], its last token EOD
+        tok = torch.randint(0, v, (global_batch_size,), generator=gen)
+        for t in range(start, end - 1):
+            stream[:, t] = tok
+            tok = succ[tok]
+        stream[:, end - 1] = v
+        start = end
+    return stream[:, :-1].contiguous(), stream[:, 1:].contiguous()
 
 
 # ---------------------------------------------------------------- traffic counter
@@ -293,6 +324,7 @@ def train_one(name: str, layout, cfg: DemoConfig, log=None) -> dict:
     losses, norms, seconds, sent, by_op, calls, uncounted = [], [], [], [], {}, {}, {}
     mem = None
     mem_step = cfg.iters - 1
+    batch_fn = packed_walk_batch if cfg.packed else permutation_walk_batch
     from .. import agree
 
     checks = []  # bytes of the agreement check's exchanges (first calls, then every 64th)
@@ -303,12 +335,12 @@ def train_one(name: str, layout, cfg: DemoConfig, log=None) -> dict:
             mt = _memory_tracker(state)
             with mt, counter:
                 rec = train(size, layout, 1, state=state, start_step=step,
-                            batch_fn=permutation_walk_batch)[0]
+                            batch_fn=batch_fn)[0]
             mem = _peak_split(mt)
         else:
             with counter:
                 rec = train(size, layout, 1, state=state, start_step=step,
-                            batch_fn=permutation_walk_batch)[0]
+                            batch_fn=batch_fn)[0]
         losses.append(rec.lm_loss)
         norms.append(rec.grad_norm)
         seconds.append(rec.seconds)
@@ -347,7 +379,8 @@ def runs(world: int, cfg: DemoConfig):
     """The two runs, in order: stock Megatron TP over the world, then METP over the world."""
     from ..megatron.training import Layout
 
-    common = dict(micro_batch_size=cfg.micro_batch, global_batch_size=cfg.global_batch, lr=cfg.lr)
+    common = dict(micro_batch_size=cfg.micro_batch, global_batch_size=cfg.global_batch, lr=cfg.lr,
+                  packed_eod=cfg.vocab - 1 if cfg.packed else None)
     metp = Layout(metp=world, vocab_parallel=cfg.vocab_parallel, **common)
     return [(f"stock TP={world}", Layout(tp=world, mode="tp", **common)),
             (f"METP={world}" + ("+vocab" if cfg.vocab_parallel else ""), metp)]
@@ -596,7 +629,9 @@ def _worker(cfg: DemoConfig) -> int:
         print(f"tiny GPT: {cfg.layers} layers, hidden {cfg.hidden}, {cfg.heads} heads, "
               f"FFN {4 * cfg.hidden}, vocab {cfg.vocab}, seq {cfg.seq}, global batch "
               f"{cfg.global_batch} (micro-batch {cfg.micro_batch}), Adam lr {cfg.lr}, "
-              f"{cfg.iters} iterations per run, fp32, {world} gloo CPU ranks", flush=True)
+              f"{cfg.iters} iterations per run, fp32, {world} gloo CPU ranks"
+              + ("; packed documents (EOD-separated, document-masked attention)"
+                 if cfg.packed else ""), flush=True)
     res = rank_main(rank, world, cfg, log=lambda s: print(s, flush=True))
     if rank == 0:
         for name, r in res["runs"].items():
