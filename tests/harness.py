@@ -24,6 +24,9 @@ import torch.distributed as dist
 def _child(fn, rank, world_size, store_path, queue, args, kwargs):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
+    from megatron_metp.tools.fakerank import compile_in_this_process
+
+    compile_in_this_process()  # the parent's inductor worker threads did not survive the fork
     try:
         try:
             store = dist.FileStore(store_path, world_size)

@@ -351,8 +351,20 @@ def preload_megatron() -> None:
         from ..megatron import spec, vocab  # noqa: F401
 
 
+def compile_in_this_process() -> None:
+    """Make TorchInductor compile (Megatron's ``jit_fuser`` kernels) synchronously here.
+
+    A forked child inherits the parent's inductor state but none of its threads: if the parent
+    compiled anything with inductor's worker pool, the child's compile (or cache load) waits
+    forever on a future of that pool. With one compile thread inductor never uses the pool."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config.compile_threads = 1
+
+
 def _child(conn, fn, args):
     try:
+        compile_in_this_process()
         res = fn(*args)
         conn.send(("ok", pickle.dumps(res)))
     except BaseException:  # noqa: BLE001 - reported to the parent
