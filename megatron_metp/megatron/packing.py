@@ -47,8 +47,8 @@ import torch
 import torch.distributed as dist
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from ..ops.documents import (PACKED_LAYOUTS, document_position_runs, shard_documents,
-                             unshard_documents)
+from ..ops.documents import (PACKED_LAYOUTS, check_cu_seqlens, document_position_runs,
+                             shard_documents, unshard_documents)
 from ..ops.sequence import unshard_sequence
 
 
@@ -93,11 +93,14 @@ def documents(cu_seqlens, seq_length: int, *, full_rope: bool = True,
 
 
 def _check(cu: torch.Tensor, s: int) -> None:
-    v = cu.tolist()
-    if cu.dim() != 1 or len(v) < 2 or v[0] != 0 or v[-1] != s or \
-            any(b <= a for a, b in zip(v, v[1:])):
+    """The ops' own check (:func:`~megatron_metp.ops.documents.check_cu_seqlens`), its message
+    prefixed with what the boundaries are here."""
+    try:
+        check_cu_seqlens(cu, s)
+    except ValueError as exc:
+        v = cu.tolist()
         raise ValueError(f"document boundaries must be a 1-D, strictly increasing [0, ..., {s}], "
-                         f"got {v[:8]}{' ...' if len(v) > 8 else ''}")
+                         f"got {v[:8]}{' ...' if len(v) > 8 else ''}: {exc}") from None
 
 
 def boundaries_from_eod(eod: torch.Tensor) -> torch.Tensor:
