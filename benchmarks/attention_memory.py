@@ -40,7 +40,7 @@ biases, no dropout (``attention_dropout = hidden_dropout = 0``: METP has none; M
 
 How: as ``benchmarks/mlp_memory.py`` (see ``megatron_metp/tools/fakerank.py``): one subprocess per
 (p, part), torch's ``fake`` process group, ``FakeTensorMode``, ``MemTracker``. The workers call
-``megatron_metp.cpu.enable()`` (CPU RNG tracker, CPU causal mask, current device = CPU) and
+``megatron_metp.megatron.cpu.enable()`` (CPU RNG tracker, CPU causal mask, current device = CPU) and
 ``initialize_model_parallel(tensor_model_parallel_size=p)`` on the fake world.
 
 Memory columns (MiB, rank 0, tensor allocations only, each rounded up to 512 B):
@@ -254,7 +254,7 @@ def unfused_block_analytic(c):
 def _setup_megatron(p):
     import warnings
 
-    import megatron_metp.cpu as mcpu
+    import megatron_metp.megatron.cpu as mcpu
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -39,7 +39,7 @@ def _run(rank, world, layout, steps):
     import warnings
 
     warnings.simplefilter("ignore")
-    from megatron_metp import cpu
+    from megatron_metp.megatron import cpu
 
     cpu.enable()
     init_parallel(layout, SIZE.seq_length)

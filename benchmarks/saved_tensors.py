@@ -363,7 +363,7 @@ def _megatron():
 
         dist.init_process_group("fake", rank=0, world_size=1, store=FakeStore())
         try:
-            import megatron_metp.cpu as mcpu
+            import megatron_metp.megatron.cpu as mcpu
 
             mcpu.enable()
         except Exception:  # noqa: BLE001 - only torch.cuda.current_device matters here

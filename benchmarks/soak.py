@@ -121,7 +121,7 @@ class RingBufferWatch:
     def __init__(self):
         from torch.utils.weak import WeakIdKeyDictionary
 
-        from megatron_metp import ring
+        from megatron_metp.runtime import ring
 
         self.ring = ring
         self.alive = WeakIdKeyDictionary()   # every receive buffer ever used, weakly
@@ -164,7 +164,7 @@ def soak_rank(rank, world, steps, size=SIZE, layout=None, sample_every=1, warmup
     import warnings
 
     warnings.simplefilter("ignore")
-    from megatron_metp import cpu
+    from megatron_metp.megatron import cpu
     from megatron_metp.megatron.training import init_parallel, setup, train
 
     cpu.enable()

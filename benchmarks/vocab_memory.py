@@ -44,7 +44,7 @@ subprocess per ``p`` with ``init_process_group("fake", rank=0, world_size=p, sto
 ``torch.distributed._tools.mem_tracker.MemTracker`` follows every storage and reports the peak.
 Megatron DDP's fp32 ``main_grad`` buffer is reproduced as ``metp measure`` does (one fp32 buffer
 for the parameters, a post-accumulate hook adds ``param.grad`` into it and frees it), so the peak
-includes it (``--no-main-grad`` leaves it out). ``megatron_metp.cpu.enable(force=True)`` (CPU
+includes it (``--no-main-grad`` leaves it out). ``megatron_metp.megatron.cpu.enable(force=True)`` (CPU
 shims, this worker process only) and ``finite.enable_finite_checks(False)``.
 
 Approximations, all explicit:

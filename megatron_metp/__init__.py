@@ -4,8 +4,8 @@ METP shards both the weights and the sequence of every transformer layer over a 
 ranks and passes weight shards and K/V blocks around a ring with send/recv.
 """
 
-from .groups import METPGroup, RingStats
-from .ring import RingError, RingExchanger, RingPeerError, RingTimeoutError
+from .runtime.groups import METPGroup, RingStats
+from .runtime.ring import RingError, RingExchanger, RingPeerError, RingTimeoutError
 
 __version__ = "0.1.0"
 

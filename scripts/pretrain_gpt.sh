@@ -59,7 +59,7 @@
 #   EXTRA_ARGS                              more pretrain_gpt.py arguments (a bash array in the
 #                                           config, or a string in the environment)
 #   METP_CPU [0]                            1: train on CPU ranks with gloo (no GPU; CI, laptops):
-#                                           torchrun starts python -m megatron_metp.megatron_lm_cpu,
+#                                           torchrun starts python -m megatron_metp.megatron_lm.cpu,
 #                                           which applies the CPU shims and runs pretrain_gpt.py;
 #                                           refused where CUDA is available
 #   PYTHON [python] TORCHRUN [the torchrun next to $PYTHON, else $PYTHON -m torch.distributed.run]
@@ -311,7 +311,7 @@ else  # the torchrun of $PYTHON's environment (a venv's bin/), whatever is on PA
 fi
 if [[ "$METP_CPU" == 1 ]]; then
     export PYTHONPATH="$METP_DIR${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-    CMD=("${TORCHRUN_CMD[@]}" "${DISTRIBUTED_ARGS[@]}" -m megatron_metp.megatron_lm_cpu
+    CMD=("${TORCHRUN_CMD[@]}" "${DISTRIBUTED_ARGS[@]}" -m megatron_metp.megatron_lm.cpu
          "$MEGATRON_LM_DIR/pretrain_gpt.py" "${MEGATRON_ARGS[@]}")
 else
     CMD=("${TORCHRUN_CMD[@]}" "${DISTRIBUTED_ARGS[@]}" "$MEGATRON_LM_DIR/pretrain_gpt.py"

@@ -20,7 +20,7 @@ def one_step_grads(rank, world, size: GPTSize, layout: Layout):
     from megatron.core import parallel_state as ps
     from megatron.core.utils import get_batch_on_this_cp_rank
 
-    from megatron_metp import cpu
+    from megatron_metp.megatron import cpu
 
     cpu.enable()
     groups = init_parallel(layout, size.seq_length)

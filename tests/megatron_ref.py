@@ -146,7 +146,7 @@ def _quiet_megatron_warnings():
 
 
 def _stock_rank(rank, p, full, num_heads, num_query_groups, causal, dtype, rotary_pos_emb):
-    import megatron_metp.cpu as mcpu
+    import megatron_metp.megatron.cpu as mcpu
 
     _quiet_megatron_warnings()  # a forked rank's own filters; the parent's are untouched
 

@@ -1,4 +1,4 @@
-"""The cross-rank agreement check (:mod:`megatron_metp.agree`), on by default.
+"""The cross-rank agreement check (:mod:`megatron_metp.runtime.agree`), on by default.
 
 With the check on, ranks of one METP group that call an op with different shapes, dtypes or options
 all raise :class:`GroupDisagreementError` naming the op and the field, before anything is sent; a
@@ -15,8 +15,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_metp import METPGroup, agree
-from megatron_metp.agree import GroupDisagreementError
+from megatron_metp import METPGroup
+from megatron_metp.runtime import agree
+from megatron_metp.runtime.agree import GroupDisagreementError
 from megatron_metp.ops import metp_attention, metp_mlp, ring_attention
 from tests.harness import run_ranks
 from tests.mlp_cases import full_mlp_params, reference_mlp, shard_params, unshard_grads

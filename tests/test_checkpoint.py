@@ -29,7 +29,7 @@ def _rng_digest():
 
 
 def _save_and_continue(rank, world, layout, directory, size=SIZE):
-    from megatron_metp import cpu
+    from megatron_metp.megatron import cpu
 
     cpu.enable()
     init_parallel(layout, size.seq_length)
@@ -42,7 +42,7 @@ def _save_and_continue(rank, world, layout, directory, size=SIZE):
 
 
 def _resume(rank, world, layout, directory, size=SIZE, load_rng=True, with_rng=False):
-    from megatron_metp import cpu
+    from megatron_metp.megatron import cpu
 
     cpu.enable()
     init_parallel(layout, size.seq_length)
@@ -162,7 +162,7 @@ def test_truncated_shard_file_is_refused(saved, tmp_path):
 
 
 def _save_distopt(rank, world, directory):
-    from megatron_metp import cpu
+    from megatron_metp.megatron import cpu
 
     cpu.enable()
     layout = Layout(metp=2, distributed_optimizer=True)

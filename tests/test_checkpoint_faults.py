@@ -39,7 +39,7 @@ def _digest(state):
 
 
 def _start(seed=1234):
-    from megatron_metp import cpu
+    from megatron_metp.megatron import cpu
 
     cpu.enable()
     init_parallel(LAYOUT, SIZE.seq_length)
@@ -112,7 +112,7 @@ def test_the_tracker_decides_what_a_save_directory_loads(base, tmp_path):
 
 def test_a_bad_timeout_variable_is_refused_naming_it(monkeypatch):
     from megatron_metp.megatron.checkpoint_agreement import checkpoint_timeout_s
-    from megatron_metp.watchdog import job_timeout_s
+    from megatron_metp.runtime.watchdog import job_timeout_s
 
     for bad in ("abc", "nan", "inf", "0", "-3"):
         monkeypatch.setenv("METP_CHECKPOINT_TIMEOUT_S", bad)
@@ -409,7 +409,7 @@ def test_missing_or_truncated_file_is_refused_naming_it(base, tmp_path, victim):
 def _save_after_a_disagreement(rank, world, save_dir):
     """Two agreeing steps, then one METP op call that disagrees between the agreement check's
     scheduled exchanges (rank 1 says causal=False), then a save."""
-    from megatron_metp import agree
+    from megatron_metp.runtime import agree
 
     state = _start()
     train(SIZE, LAYOUT, FIRST, state=state)

@@ -117,7 +117,7 @@ def test_kv_group_with_other_ranks_is_refused():
 
 
 def _megatron_groups(rank, p):
-    from megatron_metp import cpu
+    from megatron_metp.megatron import cpu
     from megatron_metp.megatron.parallel import initialize_model_parallel
 
     cpu.enable()

@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from megatron_metp import finite
+from megatron_metp.runtime import finite
 from megatron_metp.ops import metp_mlp
 from tests.harness import run_ranks
 
@@ -41,7 +41,7 @@ def test_forward_and_backward_report_where(monkeypatch):
 
 
 def _gpt_with_nan(rank, world):
-    from megatron_metp import cpu
+    from megatron_metp.megatron import cpu
     from megatron_metp.megatron.training import GPTSize, Layout, init_parallel, setup, train
 
     cpu.enable()

@@ -90,7 +90,7 @@ def _metp_forward(rank, world, ckpt, geometry: dict, ids, vocab_parallel=False):
     from megatron.core import parallel_state as ps
     from megatron.core.utils import get_batch_on_this_cp_rank
 
-    from megatron_metp import cpu
+    from megatron_metp.megatron import cpu
     from megatron_metp.megatron.training import Layout, init_parallel
 
     cpu.enable()

@@ -10,7 +10,7 @@ from tests.harness import run_ranks
 
 def initial_weights(rank, world, size: GPTSize, layout: Layout, like_tp: bool, cpu_init: bool):
     """Every parameter of a freshly built model, by global name, with its shard index."""
-    from megatron_metp import cpu
+    from megatron_metp.megatron import cpu
     from megatron_metp.megatron.init import initialize_like_tp
     from megatron_metp.megatron.linear import is_metp_sharded
     from megatron_metp.megatron.training import _global_name, build_model, full_shape, init_parallel

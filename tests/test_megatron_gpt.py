@@ -61,7 +61,7 @@ def _mispaired_fc1(rank, world, size):
 # ---------------------------------------------------------------- compositions, 3 optimizer steps
 
 def _train(rank, world, size, layout):
-    from megatron_metp import cpu
+    from megatron_metp.megatron import cpu
 
     cpu.enable()
     init_parallel(layout, size.seq_length)

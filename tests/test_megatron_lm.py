@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from megatron_metp import megatron_lm
+from megatron_metp.megatron_lm import hooks as megatron_lm
 from tests.harness import run_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -228,7 +228,7 @@ def _build(rank, world, fold=True, **kw):
     wrap_gpt_builder; returns what was built."""
     from megatron.core import parallel_state as ps
 
-    from megatron_metp import cpu
+    from megatron_metp.megatron import cpu
     from megatron_metp.megatron.training import GPTSize, Layout, transformer_config
 
     cpu.enable()

@@ -1,15 +1,15 @@
-"""The attention references agree with stock Megatron SelfAttention, and megatron_metp.cpu is safe.
+"""The attention references agree with stock Megatron SelfAttention, and megatron_metp.megatron.cpu is safe.
 
 (a) reference_self_attention == stock SelfAttention at TP=1 (fp32), MHA and GQA, +/- RoPE, biases;
 (b) the same at TP=2 (including ng < p, Megatron's all-gather path);
 (c) negative controls: a wrong qkv layout or a missing RoPE is caught;
-(d) megatron_metp.cpu.enable() is idempotent, reversible and refuses when CUDA is claimed.
+(d) megatron_metp.megatron.cpu.enable() is idempotent, reversible and refuses when CUDA is claimed.
 """
 
 import pytest
 import torch
 
-from megatron_metp import cpu as mcpu
+from megatron_metp.megatron import cpu as mcpu
 from tests.harness import run_ranks
 from tests.megatron_ref import (RESULT_KEYS, full_attention_params, qkv_layout,
                                 reference_self_attention, rel_err, rope_freqs,
@@ -133,7 +133,7 @@ def test_rope_freqs_match_megatron_rotary_embedding():
     assert ours.shape == (S, 1, 1, D) and torch.equal(ours, theirs)
 
 
-# ---------------------------------------------------------------- megatron_metp.cpu
+# ---------------------------------------------------------------- megatron_metp.megatron.cpu
 
 def test_enable_refuses_when_cuda_is_claimed(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -11,7 +11,7 @@ from tests.harness import run_ranks
 def _groups(rank, world, tp, metp, pp):
     from megatron.core import parallel_state as ps
 
-    from megatron_metp import cpu
+    from megatron_metp.megatron import cpu
 
     cpu.enable()
     g = initialize_model_parallel(tp, pp, metp, create_gloo_process_groups=False)
@@ -69,7 +69,7 @@ def test_initialize_needs_torch_distributed():
 
 
 def _bad_model(rank, world, what):
-    from megatron_metp import cpu
+    from megatron_metp.megatron import cpu
     from megatron_metp.megatron.training import GPTSize, Layout, build_model, init_parallel
 
     cpu.enable()

@@ -34,7 +34,7 @@ def test_gpt_vocab_metp_matches_single_rank(world, layout, tied):
 
 
 def _table_shapes(rank, world, size, layout):
-    from megatron_metp import cpu
+    from megatron_metp.megatron import cpu
     from megatron_metp.megatron.training import build_model
 
     cpu.enable()
@@ -64,7 +64,7 @@ def test_no_rank_holds_a_whole_table_and_checkpoint_keys_are_megatrons():
 
 
 def _train(rank, world, size, layout):
-    from megatron_metp import cpu
+    from megatron_metp.megatron import cpu
 
     cpu.enable()
     init_parallel(layout, size.seq_length)
@@ -94,7 +94,7 @@ def _logits(rank, world, size, layout):
     from megatron.core import parallel_state as ps
     from megatron.core.utils import get_batch_on_this_cp_rank
 
-    from megatron_metp import cpu
+    from megatron_metp.megatron import cpu
     from megatron_metp.megatron.training import build_model, global_batch, load_initial_weights
 
     cpu.enable()

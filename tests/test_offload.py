@@ -1,4 +1,4 @@
-"""Host offload of saved activations (``megatron_metp.offload.ActivationOffloader``).
+"""Host offload of saved activations (``megatron_metp.runtime.offload.ActivationOffloader``).
 
 * Exact: loss and gradients with the offload equal those without (bit-identical), and a corrupted
   host copy is caught by the same comparison (negative control).
@@ -10,7 +10,7 @@
 import pytest
 import torch
 
-from megatron_metp.offload import ActivationOffloader
+from megatron_metp.runtime.offload import ActivationOffloader
 
 
 class Block(torch.nn.Module):
@@ -113,7 +113,7 @@ OFF = {"offload_activations": True}
 def _offload_variants(rank, world, size, base, variants):
     """``_variants`` with every saved tensor offloaded (the tiny model's are < 1 MiB), and the
     offloaders' statistics: what went to the host came back."""
-    from megatron_metp import offload
+    from megatron_metp.runtime import offload
 
     offload.DEFAULT_MIN_BYTES = 0
     attached = []

@@ -10,7 +10,7 @@ import argparse
 import pytest
 import torch
 
-from megatron_metp import megatron_lm
+from megatron_metp.megatron_lm import hooks as megatron_lm
 from megatron_metp.megatron import packing
 from megatron_metp.megatron.packing import (DocumentBoundaries, METPDocuments,
                                             boundaries_from_eod, documents_from_tokens)
@@ -249,7 +249,7 @@ def _packed_step(rank, world, size, layout, ends, eod_mask_loss, dense_mask=True
     from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
     from megatron.core.utils import get_batch_on_this_cp_rank
 
-    from megatron_metp import cpu
+    from megatron_metp.megatron import cpu
     from megatron_metp.megatron.linear import is_metp_sharded
     from megatron_metp.megatron.training import (_global_name, build_model, full_shape,
                                                  global_batch, init_parallel,
@@ -452,7 +452,7 @@ def test_per_document_rope_equals_the_rows_of_the_whole_table(layout):
     RotaryEmbedding without the whole-sequence table: bit-identical to selecting its rows."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-    from megatron_metp import cpu
+    from megatron_metp.megatron import cpu
     from megatron_metp.megatron.packing import document_rope
     from megatron_metp.ops.documents import document_position_runs, document_positions
 
@@ -476,7 +476,7 @@ def test_per_document_rope_equals_the_rows_of_the_whole_table(layout):
 # ------------------------------------------------------------------------------ the training loop
 
 def _train_packed(rank, world, layout, steps):
-    from megatron_metp import cpu
+    from megatron_metp.megatron import cpu
     from megatron_metp.megatron.training import init_parallel, setup, train
     from megatron_metp.tools.demo import DemoConfig, packed_walk_batch
 

@@ -861,7 +861,7 @@ def _mismatched_rank(rank, p, what, check=False):
     import faulthandler
     import time
 
-    from megatron_metp import agree
+    from megatron_metp.runtime import agree
 
     agree.enable_agreement_checks(check)
     faulthandler.disable()  # gloo aborts one rank on purpose: no Python fatal-error dump

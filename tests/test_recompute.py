@@ -8,7 +8,7 @@ from the same weights several times in one process, without and with recompute (
 (``megatron_metp.megatron.training``), and compares losses, grad norms and every gradient
 (fp32: within 1e-6; on the CPU they come out bit-identical). The ring counters show that the
 recompute re-ran the rings, once per recomputed layer. With hidden dropout the comparison also
-checks that the RNG states (CPU generator and tracker, through ``megatron_metp.cpu``'s shims) are
+checks that the RNG states (CPU generator and tracker, through ``megatron_metp.megatron.cpu``'s shims) are
 restored for the recompute. Negative controls: a perturbed initial weight, and dropout with the
 RNG restore switched off, are caught by the same comparison. Selective recompute,
 ``--distribute-saved-activations`` and ``--cpu-offloading`` are refused, through the Megatron-LM
@@ -20,7 +20,7 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_metp import megatron_lm
+from megatron_metp.megatron_lm import hooks as megatron_lm
 from megatron_metp.megatron.training import (GPTSize, Layout, _global_name, init_parallel, setup,
                                              train, transformer_config)
 from tests.gpt_cases import SIZE
@@ -49,7 +49,7 @@ def _variants(rank, world, size, base, variants, steps=STEPS, probe_builds=False
     step 1 (DDP's reduced ``main_grad``) and the METP ring counters."""
     from megatron.core.tensor_parallel import random as mrandom
 
-    from megatron_metp import cpu
+    from megatron_metp.megatron import cpu
 
     cpu.enable()
     init_parallel(base, size.seq_length)
@@ -191,7 +191,7 @@ def test_metp2_vocab_ring_full_recompute_is_exact(metp2):
 
 
 def test_recompute_restores_the_cpu_rng_state_for_dropout(metp2):
-    """Hidden dropout draws from the CPU generator (megatron_metp.cpu's tracker): the recompute
+    """Hidden dropout draws from the CPU generator (megatron_metp.megatron.cpu's tracker): the recompute
     must draw the same masks as the first forward, so dropout + recompute equals dropout."""
     _assert_same(metp2, "dropout", ["dropout-uniform1"])
     for res in metp2:

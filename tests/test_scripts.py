@@ -20,7 +20,7 @@ import zlib
 
 import pytest
 
-from megatron_metp import megatron_lm
+from megatron_metp.megatron_lm import hooks as megatron_lm
 from megatron_metp.tools import compare, dry_run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -119,7 +119,7 @@ def test_tiny_config_command():
     # the torchrun of $PYTHON's environment, starting the CPU runner (METP_CPU=1 in the config)
     assert launcher[:3] == [os.path.join(os.path.dirname(sys.executable), "torchrun"),
                             "--nproc_per_node", "2"]
-    assert launcher[-2:] == ["-m", "megatron_metp.megatron_lm_cpu"]
+    assert launcher[-2:] == ["-m", "megatron_metp.megatron_lm.cpu"]
     assert launcher[launcher.index("--nnodes") + 1] == "1"
     assert launcher[launcher.index("--node_rank") + 1] == "0"
     f = _flags(argv)

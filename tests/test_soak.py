@@ -33,7 +33,7 @@ _LEAKED = []
 
 def _leaky_soak_rank(rank, world, steps):
     """Negative control: keep every ring receive buffer of one kind alive forever."""
-    from megatron_metp import ring
+    from megatron_metp.runtime import ring
 
     start = ring.RingExchanger.start
 

@@ -17,7 +17,7 @@ import pytest
 
 from megatron_metp.megatron.checkpoint import CheckpointError, save_checkpoint
 from megatron_metp.megatron.training import Layout, init_parallel, setup, train
-from megatron_metp.watchdog import StalledRankError, grace_s
+from megatron_metp.runtime.watchdog import StalledRankError, grace_s
 from tests.harness import run_ranks
 from tests.test_checkpoint import SIZE
 
@@ -41,7 +41,7 @@ def _halt(how):
 
 def _run(rank, world, where, how, save_dir):
     os.environ["METP_RING_TIMEOUT_S"] = str(TIMEOUT_S)  # read by init_parallel: every group
-    from megatron_metp import cpu
+    from megatron_metp.megatron import cpu
 
     cpu.enable()
     init_parallel(LAYOUT, SIZE.seq_length)
@@ -116,8 +116,8 @@ def test_under_megatron_lm_the_distributed_timeout_is_the_one_setting(monkeypatc
     it (the process group would end the wait first) is refused naming both settings."""
     from types import SimpleNamespace
 
-    from megatron_metp import megatron_lm
-    from megatron_metp.watchdog import megatron_lm_timeout_s
+    from megatron_metp.megatron_lm import hooks as megatron_lm
+    from megatron_metp.runtime.watchdog import megatron_lm_timeout_s
 
     monkeypatch.delenv("METP_RING_TIMEOUT_S", raising=False)
     args = SimpleNamespace(distributed_timeout_minutes=2, metp_ring_timeout=None)
@@ -145,9 +145,9 @@ def _init_timeouts(rank, world):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from megatron_metp import watchdog
+    from megatron_metp.runtime import watchdog
 
-    from megatron_metp import cpu
+    from megatron_metp.megatron import cpu
 
     cpu.enable()
     os.environ["METP_RING_TIMEOUT_S"] = "7.5"

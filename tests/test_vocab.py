@@ -323,7 +323,7 @@ def test_padded_vocab_size_is_megatrons_rule_times_metp():
 # ---------------------------------------------------------------- cross-rank agreement (opt-in)
 
 def _disagree(rank, p, what):
-    from megatron_metp import agree
+    from megatron_metp.runtime import agree
 
     agree.enable_agreement_checks(True)
     g = METPGroup.from_process_group(dist.group.WORLD, name="vocab-agree", timeout_s=20)

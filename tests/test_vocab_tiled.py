@@ -51,7 +51,7 @@ class _Count(TorchFunctionMode):
 
 def _log_traffic(log):
     """Record every ring exchange and all-reduce of this process in ``log``."""
-    from megatron_metp import ring
+    from megatron_metp.runtime import ring
 
     start, all_reduce = ring.RingExchanger.start, dist.all_reduce
 

@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..agree import check_pending
+from ..runtime.agree import check_pending
 from .checkpoint_agreement import agree, checkpoint_timeout_s
 from .checkpoint_errors import CheckpointError
 from .checkpoint_integrity import ALGORITHM, manifest_name, verify_share, write_manifest

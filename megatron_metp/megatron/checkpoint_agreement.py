@@ -8,12 +8,12 @@ failure's message) that each phase of :func:`~megatron_metp.megatron.checkpoint.
 and :func:`~megatron_metp.megatron.checkpoint.load_checkpoint` ends with: if any rank failed,
 every rank raises the same :class:`CheckpointError` naming the failing ranks and their reasons.
 
-The wait is bounded by the job timeout (:mod:`megatron_metp.watchdog`: ``METP_RING_TIMEOUT_S``,
+The wait is bounded by the job timeout (:mod:`megatron_metp.runtime.watchdog`: ``METP_RING_TIMEOUT_S``,
 default 600 s, the timeout of every process group), or by ``METP_CHECKPOINT_TIMEOUT_S`` when that
 is set lower (a larger one is refused: the process group would end the wait first); on NCCL the
 process group's own timeout applies (the record travels on the current CUDA device). A peer that
 died is reported at once on gloo (its sockets close). Either way the error names the ranks that
-did not answer and where each was last seen (:func:`megatron_metp.watchdog.diagnose`). Each record carries a tag of its phase, so
+did not answer and where each was last seen (:func:`megatron_metp.runtime.watchdog.diagnose`). Each record carries a tag of its phase, so
 a rank that timed out and moved on cannot be mistaken for a peer's answer in another phase.
 After a timeout the process group is out of step: the job should end (torchrun ends the other
 ranks when one exits with the error).
@@ -43,7 +43,7 @@ _HEADER = 4 + _MAX_INTS  # failed flag, message length, number of ints, phase ta
 def checkpoint_timeout_s() -> float:
     """The agreement's bound: the job timeout, or ``METP_CHECKPOINT_TIMEOUT_S`` (a positive finite
     number, at most the job timeout) when set."""
-    from ..watchdog import job_timeout_s
+    from ..runtime.watchdog import job_timeout_s
 
     job = job_timeout_s()
     raw = os.environ.get(TIMEOUT_ENV)
@@ -148,7 +148,7 @@ def agree(what: str, error: Optional[BaseException], ints: Sequence[int] = (), *
         buf = buf.to(torch.device("cuda", torch.cuda.current_device()))
     out = [torch.empty_like(buf) for _ in range(world)]
     timeout = checkpoint_timeout_s()
-    from .. import watchdog
+    from ..runtime import watchdog
 
     if group is None:
         watchdog.enter(what)

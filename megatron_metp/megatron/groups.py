@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from ..groups import METPGroup
+from ..runtime.groups import METPGroup
 
 
 def _size(group) -> int:

@@ -125,7 +125,7 @@ def boundaries_from_eod(eod: torch.Tensor) -> torch.Tensor:
 
 def gather_sequence(local: torch.Tensor, group, *, layout: str = "dual_chunk") -> torch.Tensor:
     """``local [b, s/p]`` of every rank of METP ``group`` → ``[b, s]`` in natural order (one
-    all-gather; ``group`` a :class:`~megatron_metp.groups.METPGroup`, a process group or
+    all-gather; ``group`` a :class:`~megatron_metp.runtime.groups.METPGroup`, a process group or
     ``None`` for one rank)."""
     pg = getattr(group, "group", group)
     size = 1 if pg is None else dist.get_world_size(pg)

@@ -72,7 +72,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
     example ``virtual_pipeline_model_parallel_size``, ``order``); ``context_parallel_size`` there
     must stay 1 when ``metp_parallel_size > 1``.
 
-    Timeout: every group waits the one job timeout (:mod:`megatron_metp.watchdog`):
+    Timeout: every group waits the one job timeout (:mod:`megatron_metp.runtime.watchdog`):
     ``ring_timeout_s``, else ``METP_RING_TIMEOUT_S`` (default 600 s). Megatron's groups are made
     with it (``distributed_timeout_minutes`` = seconds / 60), the default group is set to it, and
     the METP rings wait it. A ``distributed_timeout_minutes`` given here instead is the setting
@@ -80,7 +80,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
     """
     from megatron.core import parallel_state as ps
 
-    from ..watchdog import apply_to_process_groups, job_timeout_s
+    from ..runtime.watchdog import apply_to_process_groups, job_timeout_s
 
     if not dist.is_initialized():
         raise ValueError("initialize torch.distributed first (torchrun/srun + "

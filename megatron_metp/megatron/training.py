@@ -18,8 +18,8 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..finite import set_iteration
-from ..watchdog import bounded
+from ..runtime.finite import set_iteration
+from ..runtime.watchdog import bounded
 from .groups import METPGroups
 from .linear import is_metp_sharded
 
@@ -56,7 +56,7 @@ class Layout:
     ``recompute="full"`` sets Megatron's activation recompute (``recompute_granularity``,
     ``recompute_method`` ``"uniform"``/``"block"``, ``recompute_num_layers``) on the
     TransformerConfig: whole layers, rings included, re-run in backward.
-    ``offload_activations`` attaches :class:`megatron_metp.offload.ActivationOffloader` to the
+    ``offload_activations`` attaches :class:`megatron_metp.runtime.offload.ActivationOffloader` to the
     model's transformer block (Megatron-LM: ``--metp-offload-activations``): what the layers keep
     for backward waits in host memory. ``transformer_impl`` (``--transformer-impl``) picks the
     METP layers' norms (:func:`megatron_metp.megatron.gpu_stack.select_norm`: Transformer
@@ -205,7 +205,7 @@ def build_model(size: GPTSize, layout: Layout, groups: METPGroups):
                 share_embeddings_and_output_weights=size.tie_embeddings,
                 position_embedding_type=size.position_embedding_type, **extra)
     if layout.offload_activations:
-        from ..offload import ActivationOffloader
+        from ..runtime.offload import ActivationOffloader
 
         ActivationOffloader().attach(model.decoder)
     if layout.packed_eod is not None and layout.mode != "tp":
@@ -360,7 +360,7 @@ def train(size: GPTSize, layout: Layout, steps: int, *, log: Optional[Callable[[
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from .. import cpu
+    from . import cpu
 
     if state is None:
         state = setup(size, layout, seed=seed)
@@ -376,7 +376,7 @@ def train(size: GPTSize, layout: Layout, steps: int, *, log: Optional[Callable[[
         ddp.zero_grad_buffer()
         opt.zero_grad()
         # each phase records this rank's progress; a wait that times out or breaks in it ends
-        # with StalledRankError naming the rank that stalled or died (megatron_metp.watchdog)
+        # with StalledRankError naming the rank that stalled or died (megatron_metp.runtime.watchdog)
         with bounded(f"forward-backward of iteration {step + 1}"):
             reports = fwd_bwd(forward_step_func=_forward_step,
                               data_iterator=_microbatches(size, layout, step, batch_fn),
@@ -403,7 +403,7 @@ def setup(size: GPTSize, layout: Layout, *, seed: int = 1234) -> dict:
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from .. import cpu
+    from . import cpu
 
     groups = METPGroups.from_parallel_state()
     # Megatron moves a tied embedding's last-stage copy to CUDA while building (PP > 1)
@@ -462,11 +462,11 @@ def init_parallel(layout: Layout, seq_length: Optional[int] = None, *,
     """Megatron's parallel state for ``layout`` on the initialised world (plus RNG seeds).
 
     Every group — Megatron's, the METP rings and the default group — waits at most the job
-    timeout: ``timeout_s``, else ``METP_RING_TIMEOUT_S`` (:mod:`megatron_metp.watchdog`)."""
+    timeout: ``timeout_s``, else ``METP_RING_TIMEOUT_S`` (:mod:`megatron_metp.runtime.watchdog`)."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from ..watchdog import apply_to_process_groups, job_timeout_s
+    from ..runtime.watchdog import apply_to_process_groups, job_timeout_s
     from .parallel import initialize_model_parallel
 
     if layout.mode not in ("metp", "tp", "ring"):

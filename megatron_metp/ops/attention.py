@@ -62,11 +62,11 @@ from typing import Optional
 
 import torch
 
-from ..agree import (agreement_checks_enabled, check_group_agrees, needs_grad, op_label,
+from ..runtime.agree import (agreement_checks_enabled, check_group_agrees, needs_grad, op_label,
                      refuse_together)
-from ..finite import check_finite
-from ..groups import METPGroup, as_metp_group
-from ..ring import RingExchanger
+from ..runtime.finite import check_finite
+from ..runtime.groups import METPGroup, as_metp_group
+from ..runtime.ring import RingExchanger
 from ._accum import mm_acc, mm_into, mm_new
 from ._first_order import first_order_only
 from ._flat import FlatLayout
@@ -480,7 +480,7 @@ def metp_attention(x: torch.Tensor, qkv_weight: torch.Tensor, proj_weight: torch
         qkv_weight: this rank's ``linear_qkv`` ColumnParallelLinear shard
             ``[(G/p)·(A/G+2)·d, h]`` (Megatron's query-group interleaved layout).
         proj_weight: this rank's ``linear_proj`` RowParallelLinear shard ``[h, (A/p)·d]``.
-        group: :class:`~megatron_metp.groups.METPGroup` (or ProcessGroup, or ``None`` for p=1).
+        group: :class:`~megatron_metp.runtime.groups.METPGroup` (or ProcessGroup, or ``None`` for p=1).
         num_heads, num_query_groups: ``A`` and ``G`` of the whole model (GQA when ``G < A``).
         causal, layout: as in :func:`~megatron_metp.ops.ring_attention`.
         rotary_pos_emb: Megatron's RoPE angles ``[s/p, 1, 1, r]`` for this rank's tokens (as
@@ -511,8 +511,8 @@ def metp_attention(x: torch.Tensor, qkv_weight: torch.Tensor, proj_weight: torch
             per micro-batch and shared by every layer (Megatron's METP modules: what
             :mod:`megatron_metp.megatron.packing` computes), instead of a per-layer selection
             from the whole-sequence table.
-        label: names this call in NaN/Inf reports (:mod:`megatron_metp.finite`) and in the
-            cross-rank agreement check (:mod:`megatron_metp.agree`, on by default), which also requires
+        label: names this call in NaN/Inf reports (:mod:`megatron_metp.runtime.finite`) and in the
+            cross-rank agreement check (:mod:`megatron_metp.runtime.agree`, on by default), which also requires
             it, every shape/dtype and every option to be equal on all ranks of the group.
 
     Returns: ``y [s/p, b, h]``. Weight-shard gradients are complete; ``proj_bias``'s is this

@@ -57,11 +57,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..agree import (agreement_checks_enabled, check_group_agrees, needs_grad, op_label,
+from ..runtime.agree import (agreement_checks_enabled, check_group_agrees, needs_grad, op_label,
                      refuse_together)
-from ..finite import check_finite
-from ..groups import METPGroup, as_metp_group
-from ..ring import RingExchanger, TravellingSum
+from ..runtime.finite import check_finite
+from ..runtime.groups import METPGroup, as_metp_group
+from ..runtime.ring import RingExchanger, TravellingSum
 from ._first_order import first_order_only
 from ._accum import mm_acc
 from .vocab import (LOSS_TOKEN_CHUNK_ENV, check_ids, check_table, local_rows, resolve_token_chunk,
@@ -239,7 +239,7 @@ def metp_output_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels
         hidden: this rank's final hidden states ``[s/p, b, h]``.
         weight: this rank's output-layer shard ``[v, h]`` (rows ``vocab_start + rank·v`` on).
         labels: target ids ``[b, s/p]`` in ``[0, V)``.
-        group: the METP group (:class:`~megatron_metp.groups.METPGroup`, ProcessGroup or None).
+        group: the METP group (:class:`~megatron_metp.runtime.groups.METPGroup`, ProcessGroup or None).
         tp_group: Megatron's TP group when the vocabulary is also split over TP (``None``: no TP).
         vocab_start: first row of this METP group's range (``tp_rank·p·v``).
         vocab_size: the full padded vocabulary ``V`` (default ``p·v``: no TP).
@@ -247,7 +247,7 @@ def metp_output_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels
         check_labels: check on every rank (one tiny all-reduce) that labels lie in ``[0, V)``.
         grad_reduce_dtype: dtype of the weight-gradient sum travelling the ring (default fp32).
         label: names this call in NaN/Inf reports and in the cross-rank agreement check
-            (:mod:`megatron_metp.agree`, on by default).
+            (:mod:`megatron_metp.runtime.agree`, on by default).
         token_chunk: token rows (of the ``s/p·b`` flattened ``[s/p, b]`` tokens) per chunk of the
             per-shard compute, forward and backward. ``None`` (default): the environment variable
             ``METP_LOSS_TOKEN_CHUNK`` if set, else auto (``max(1, 2**28 // v)``: one fp32

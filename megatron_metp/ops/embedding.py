@@ -39,11 +39,11 @@ from typing import Optional
 
 import torch
 
-from ..agree import (agreement_checks_enabled, check_group_agrees, needs_grad, op_label,
+from ..runtime.agree import (agreement_checks_enabled, check_group_agrees, needs_grad, op_label,
                      refuse_together)
-from ..finite import check_finite
-from ..groups import METPGroup, as_metp_group
-from ..ring import RingExchanger, TravellingSum
+from ..runtime.finite import check_finite
+from ..runtime.groups import METPGroup, as_metp_group
+from ..runtime.ring import RingExchanger, TravellingSum
 from ._first_order import first_order_only
 from .vocab import (check_ids, check_table, local_rows, resolve_token_chunk, shard_rows,
                     token_chunks, vocab_bounds)
@@ -114,7 +114,7 @@ def metp_embedding(tokens: torch.Tensor, weight: torch.Tensor, *, group, vocab_s
     Args:
         tokens: this rank's token ids ``[b, s/p]`` (integer).
         weight: this rank's table shard ``[v, h]`` (rows ``vocab_start + rank·v`` onwards).
-        group: a :class:`~megatron_metp.groups.METPGroup` (or a ProcessGroup, or ``None``).
+        group: a :class:`~megatron_metp.runtime.groups.METPGroup` (or a ProcessGroup, or ``None``).
         vocab_start: first row of the group's range (``tp_rank·p·v`` when composed with TP).
         vocab_size: the full (padded) vocabulary ``V``; token ids must lie in ``[0, V)``.
             Default: the end of the group's range (no TP).
@@ -123,7 +123,7 @@ def metp_embedding(tokens: torch.Tensor, weight: torch.Tensor, *, group, vocab_s
         grad_reduce_dtype: dtype of the gradient accumulator that travels the ring (default
             fp32; ``None``: the table's dtype, fp32 for 16-bit tables).
         label: names this call in NaN/Inf reports and in the cross-rank agreement check
-            (:mod:`megatron_metp.agree`, on by default).
+            (:mod:`megatron_metp.runtime.agree`, on by default).
         token_chunk: tokens per chunk of each ring step's lookup (forward) and gradient
             scatter (backward); ``None`` (default): auto, ``max(1, 2**28 // h)`` (one fp32
             ``[token_chunk, h]`` chunk is at most 1 GiB). A positive integer, else

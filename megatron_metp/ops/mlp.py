@@ -36,11 +36,11 @@ from typing import Optional
 
 import torch
 
-from ..agree import (agreement_checks_enabled, check_group_agrees, needs_grad, op_label,
+from ..runtime.agree import (agreement_checks_enabled, check_group_agrees, needs_grad, op_label,
                      refuse_together)
-from ..finite import check_finite
-from ..groups import METPGroup, as_metp_group
-from ..ring import RingExchanger
+from ..runtime.finite import check_finite
+from ..runtime.groups import METPGroup, as_metp_group
+from ..runtime.ring import RingExchanger
 from . import activations as act
 from ._accum import mm_acc as _mm_acc
 from ._accum import mm_into, mm_new
@@ -248,7 +248,7 @@ def metp_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor
         fc1_weight: this rank's ColumnParallelLinear shard ``[k·F/p, h]`` (``k=2`` for swiglu,
             rows gate then up, as Megatron's TP shard).
         fc2_weight: this rank's RowParallelLinear shard ``[h, F/p]``.
-        group: a :class:`~megatron_metp.groups.METPGroup` (or a ProcessGroup, or ``None`` for p=1).
+        group: a :class:`~megatron_metp.runtime.groups.METPGroup` (or a ProcessGroup, or ``None`` for p=1).
         activation: ``"gelu"`` or ``"swiglu"``.
         fc1_bias: ``[k·F/p]``, sharded like ``fc1_weight``. fc2_bias: ``[h]``, replicated, added once.
         keep_intermediate: save ``x·W1ᵀ`` of every shard instead of recomputing it in backward.
@@ -259,8 +259,8 @@ def metp_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor
             one GEMM (fp32 inside) and rounds once into this dtype. Where a weight has
             Megatron's ``main_grad``, its complete gradient is added there directly (no rounding
             to the weight's dtype first; :mod:`._grads`).
-        label: names this call in NaN/Inf reports (:mod:`megatron_metp.finite`) and in the
-            cross-rank agreement check (:mod:`megatron_metp.agree`, on by default), which also
+        label: names this call in NaN/Inf reports (:mod:`megatron_metp.runtime.finite`) and in the
+            cross-rank agreement check (:mod:`megatron_metp.runtime.agree`, on by default), which also
             requires it, every shape/dtype and every option to be equal on all ranks of the
             group.
 

@@ -49,11 +49,11 @@ from typing import Optional
 
 import torch
 
-from ..agree import (agreement_checks_enabled, check_group_agrees, needs_grad, op_label,
+from ..runtime.agree import (agreement_checks_enabled, check_group_agrees, needs_grad, op_label,
                      refuse_together)
-from ..finite import check_finite
-from ..groups import METPGroup, as_metp_group
-from ..ring import RingExchanger
+from ..runtime.finite import check_finite
+from ..runtime.groups import METPGroup, as_metp_group
+from ..runtime.ring import RingExchanger
 from . import documents
 from . import lse as lse_ops
 from ._first_order import first_order_only
@@ -433,7 +433,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, 
     Args:
         q: ``[s/p, b, hq, d]`` this rank's queries (tokens in ``layout`` order).
         k, v: ``[s/p, b, hkv, d]`` this rank's keys/values; ``hq`` a multiple of ``hkv`` (GQA/MQA).
-        group: :class:`~megatron_metp.groups.METPGroup` (or ProcessGroup, or ``None`` for p=1).
+        group: :class:`~megatron_metp.runtime.groups.METPGroup` (or ProcessGroup, or ``None`` for p=1).
         causal: causal mask over *global* positions of ``layout``.
         layout: ``"dual_chunk"`` (Megatron CP order) or ``"contiguous"``; with ``cu_seqlens``
             also ``"balanced"`` (long documents dual-chunked over the ranks on their own, the
@@ -441,7 +441,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, 
         softmax_scale: default ``1/sqrt(d)``.
         kernel: block kernel name (``"flash_attn"``, ``"torch_flash"``, ``"reference"``); default
             the best available. The one used is counted in ``group.stats.kernels``.
-        label: names this call in NaN/Inf reports (:mod:`megatron_metp.finite`).
+        label: names this call in NaN/Inf reports (:mod:`megatron_metp.runtime.finite`).
         cu_seqlens: packed documents: cumulative document lengths of the *global* sequence in
             natural token order ``[0, …, s]`` (list/tuple or 1-D integer tensor), identical on
             every rank; each query then attends causally within its own document only

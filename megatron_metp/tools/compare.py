@@ -78,7 +78,7 @@ class MemoryReport:
 class RunLog:
     iterations: List[Iteration] = field(default_factory=list)
     memory: List[MemoryReport] = field(default_factory=list)
-    cpu: bool = False  # trained on CPU ranks (megatron_metp.megatron_lm_cpu): memory = RSS
+    cpu: bool = False  # trained on CPU ranks (megatron_metp.megatron_lm.cpu): memory = RSS
 
     def peak_memory_mb(self) -> Optional[float]:
         """Largest ``max allocated`` any rank reported."""
@@ -89,7 +89,7 @@ class RunLog:
         return max(vals, default=None)
 
 
-#: printed by ``python -m megatron_metp.megatron_lm_cpu`` (Megatron-LM on CPU ranks)
+#: printed by ``python -m megatron_metp.megatron_lm.cpu`` (Megatron-LM on CPU ranks)
 CPU_MARKER = "> METP_CPU: Megatron-LM on CPU ranks"
 
 
@@ -182,7 +182,7 @@ def markdown(runs: Dict[str, RunLog], skip: int = 2) -> str:
         out.append(f"| max lm loss rel. difference | {worst:.2e} over {len(diffs)} "
                    f"iterations |  |  |")
     if any(r.cpu for r in runs.values()):
-        out += ["", "CPU ranks (megatron_metp.megatron_lm_cpu): times are CPU times, and the "
+        out += ["", "CPU ranks (megatron_metp.megatron_lm.cpu): times are CPU times, and the "
                     "memory columns are each process's resident set size, not GPU memory."]
     out += ["", "### Per iteration", ""]
     cols = ["iteration"] + [f"{n} {c}" for n in names for c in ("lm loss", "ms", "TFLOP/s")]

@@ -325,7 +325,7 @@ def train_one(name: str, layout, cfg: DemoConfig, log=None) -> dict:
     mem = None
     mem_step = cfg.iters - 1
     batch_fn = packed_walk_batch if cfg.packed else permutation_walk_batch
-    from .. import agree
+    from ..runtime import agree
 
     checks = []  # bytes of the agreement check's exchanges (first calls, then every 64th)
     for step in range(cfg.iters):
@@ -604,7 +604,7 @@ def _plot(res: dict, path: str) -> None:
 
 def rank_main(rank: int, world: int, cfg: DemoConfig, log=None):
     """One rank of the demo on an initialised gloo world (torchrun or ``tests.harness``)."""
-    from .. import cpu
+    from ..megatron import cpu
 
     cpu.enable()
     return run_demo(cfg, log)
@@ -617,7 +617,7 @@ def _worker(cfg: DemoConfig) -> int:
     torch.set_num_threads(1)
     import datetime
 
-    from ..watchdog import job_timeout_s
+    from ..runtime.watchdog import job_timeout_s
 
     # the one job timeout (METP_RING_TIMEOUT_S) from the start: the default group too
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=job_timeout_s()))

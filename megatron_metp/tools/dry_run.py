@@ -51,7 +51,7 @@ import sys
 import time
 from typing import Dict, List, Optional
 
-from ..megatron_lm_cpu import stub_batch_invariant_kernels
+from ..megatron_lm.cpu import stub_batch_invariant_kernels
 from . import fakerank as FR
 
 MiB = 2 ** 20
@@ -219,7 +219,7 @@ def run(megatron_lm_dir: str, megatron_argv: List[str], *, world_size: int, rank
 
     import torch
 
-    from .. import megatron_lm
+    from ..megatron_lm import hooks as megatron_lm
 
     torch.set_num_threads(1)
     log = io.StringIO()
@@ -313,7 +313,7 @@ def _build_and_measure(args, pretrain_gpt, ps, te_absent: bool, notes: List[str]
     from megatron.core.transformer.spec_utils import ModuleSpec
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from .. import megatron_lm
+    from ..megatron_lm import hooks as megatron_lm
     from ..megatron.linear import is_metp_sharded
 
     import gpt_builders

@@ -5,7 +5,7 @@ column and every memory benchmark (``benchmarks/*_memory.py``) build one rank wi
 
 * :func:`fake_world`: torch's ``fake`` process group (``init_process_group("fake", ...)``): every
   collective and send/recv is a no-op with the true payload shapes; one CPU thread; the
-  megatron-core CPU shims (:func:`megatron_metp.cpu.enable`); the METP finite checks off (a
+  megatron-core CPU shims (:func:`megatron_metp.megatron.cpu.enable`); the METP finite checks off (a
   data-dependent check cannot run on fake tensors).
 * ``FakeTensorMode`` (the caller's): nothing is allocated, every shape and dtype is exact.
 * :func:`megatron_metp.tools.cuda_accounting.cuda_kernels`: the ops whose CPU kernels keep other
@@ -51,10 +51,10 @@ def fake_world(world: int, rank: int = 0, *, dtype=None, megatron: bool = True) 
     torch.set_num_threads(1)
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
     if megatron:
-        from .. import cpu as metp_cpu
+        from ..megatron import cpu as metp_cpu
 
         metp_cpu.enable(force=True)  # a throwaway process: CPU fake tensors only
-    from .. import finite
+    from ..runtime import finite
 
     finite.enable_finite_checks(False)
     if dtype is not None:

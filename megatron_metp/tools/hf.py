@@ -135,7 +135,7 @@ def build_model(g: LlamaGeometry, *, groups=None, vocab_parallel: bool = False):
 @contextlib.contextmanager
 def _single_process_megatron():
     """A one-rank gloo world and Megatron's parallel state at TP = PP = 1 (if none is set up),
-    with the CPU shims of :mod:`megatron_metp.cpu` on a machine without CUDA."""
+    with the CPU shims of :mod:`megatron_metp.megatron.cpu` on a machine without CUDA."""
     import torch.distributed as dist
 
     own_world = not dist.is_initialized()
@@ -152,7 +152,7 @@ def _single_process_megatron():
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from .. import cpu
+    from ..megatron import cpu
 
     if not torch.cuda.is_available():
         cpu.enable()

@@ -90,7 +90,7 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
     from ..megatron.training import Layout as TrainingLayout
     from ..megatron.training import init_parallel
     from ..megatron.vocab import METPGPTModel
-    from ..offload import ActivationOffloader
+    from ..runtime.offload import ActivationOffloader
 
     # METP folds its groups into parallel_state; the stock modes are TP(+SP) x CP there
     groups = init_parallel(TrainingLayout(tp=lay.t, pp=job.pp, metp=lay.c,

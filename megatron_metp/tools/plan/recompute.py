@@ -7,7 +7,7 @@ what the last layer's phases have on the device on top of that.
   before the last layer's backward transients. Method ``block``: the first ``N`` layers of the
   stage keep their inputs only, the others keep everything; the last layer (the first backward)
   re-forms its activations only if all layers are checkpointed.
-* ``--offload-activations`` (``megatron_metp.offload``): every tensor saved in the block's
+* ``--offload-activations`` (``megatron_metp.runtime.offload``): every tensor saved in the block's
   forward that is ≥ 1 MiB goes to host memory (here: everything but the per-row statistics and
   log-sum-exps); when the backward reaches a layer group it brings that group back and
   prefetches the previous one, so the device holds two groups (two chunk inputs with full

@@ -42,7 +42,7 @@ Modes: ``METP_CHECK_AGREEMENT`` unset or ``1`` (the default, as above), ``every`
 every call: every disagreement refused before anything is sent), ``0`` (off). Switch it the same
 way on *every* rank of the job (:func:`enable_agreement_checks` in code): a rank with the check off
 never joins an exchange, and its peers wait for it until the group's timeout. The exchange waits
-at most ``group.timeout_s`` on gloo (then :class:`~megatron_metp.ring.RingTimeoutError` naming the
+at most ``group.timeout_s`` on gloo (then :class:`~megatron_metp.runtime.ring.RingTimeoutError` naming the
 check); on NCCL the process group's own timeout applies. The fake process group of the dry runs
 and launch counters exchanges nothing.
 """

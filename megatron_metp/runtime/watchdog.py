@@ -1,14 +1,14 @@
 """One timeout for every wait, and errors that name the rank that stalled or died.
 
 **The one timeout.** Every process group METP creates or uses waits at most the *job timeout*:
-the METP groups and their K/V groups (:class:`~megatron_metp.groups.METPGroup`), the groups
+the METP groups and their K/V groups (:class:`~megatron_metp.runtime.groups.METPGroup`), the groups
 Megatron's ``initialize_model_parallel`` makes for :func:`megatron_metp.megatron.training.
 init_parallel` / :func:`megatron_metp.megatron.parallel.initialize_model_parallel`, the default
 group where METP initialises or configures the job (the demo, the tests, ``init_parallel``), and
 the checkpoint agreements. Which setting it is:
 
 * METP's own training loop, the demo, the tests: ``METP_RING_TIMEOUT_S`` (seconds, default 600,
-  :func:`~megatron_metp.groups.ring_timeout_from_env`), or the ``timeout_s`` given to
+  :func:`~megatron_metp.runtime.groups.ring_timeout_from_env`), or the ``timeout_s`` given to
   ``init_parallel``; :func:`set_job_timeout` records it and :func:`apply_to_process_groups` sets
   it on the process groups (torch's ``_set_pg_timeout``, as Megatron's ``update_pg_timeout``).
 * Megatron-LM (``pretrain_gpt.py`` with the METP patches): ``--distributed-timeout-minutes``,

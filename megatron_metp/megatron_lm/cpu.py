@@ -4,14 +4,14 @@ Opt-in and for machines without a GPU only (CI, laptops, login nodes): torchrun 
 module instead of the script, and the module applies the shims below, then runs the script
 unchanged as ``__main__``::
 
-    torchrun --nproc-per-node 2 -m megatron_metp.megatron_lm_cpu pretrain_gpt.py \\
+    torchrun --nproc-per-node 2 -m megatron_metp.megatron_lm.cpu pretrain_gpt.py \\
         --distributed-backend gloo ... (the usual pretrain_gpt.py arguments)
 
 ``scripts/pretrain_gpt.sh`` does this when the config (or the environment) sets ``METP_CPU=1``
 (the tiny ``configs/tiny-cpu-*.sh`` do). With CUDA available the module refuses to start, so
 the shims can never replace a real device.
 
-What ``enable_training()`` patches, on top of :func:`megatron_metp.cpu.enable` (megatron-core's
+What ``enable_training()`` patches, on top of :func:`megatron_metp.megatron.cpu.enable` (megatron-core's
 CPU shims, documented there):
 
 * ``triton`` missing: the one Megatron module importing it at import time
@@ -24,7 +24,7 @@ CPU shims, documented there):
 * ``get_device_arch_version`` (``validate_args``' device-architecture query) reports 0;
 * the fused CUDA kernels (``megatron.legacy.fused_kernels.load``) are not compiled, and the
   CUDA jit warm-up (``set_jit_fusion_options``) does not run;
-* the script runs inside :func:`megatron_metp.cpu.cuda_to_cpu` (``device="cuda"`` and
+* the script runs inside :func:`megatron_metp.megatron.cpu.cuda_to_cpu` (``device="cuda"`` and
   ``.cuda()`` in the training loop give CPU tensors);
 * the dataset index helpers (C++): ``compile_helpers`` builds them with ``python3`` from
   ``PATH``, which need not be the interpreter running; the glue uses the build the installed
@@ -208,16 +208,16 @@ def enable_training(force: bool = False) -> None:
     ``pretrain_gpt.py`` directly.
     """
     global _ENABLED
-    from . import cpu
+    from ..megatron import cpu
 
     if _ENABLED and cpu.is_enabled():  # cpu.disable() undoes these shims too
         return
     if torch.cuda.is_available() and not force:
-        raise RuntimeError("megatron_metp.megatron_lm_cpu: CUDA is available on this machine; "
+        raise RuntimeError("megatron_metp.megatron_lm.cpu: CUDA is available on this machine; "
                            "the CPU training shims are for machines without a GPU. Unset "
                            "METP_CPU (or set it to 0) and run on the GPUs")
     stub_batch_invariant_kernels()
-    from .cpu import _patch  # recorded with megatron-core's shims (cpu.disable undoes both)
+    from ..megatron.cpu import _patch  # recorded with megatron-core's shims (cpu.disable undoes both)
 
     cpu.enable(force=force)
     for name, value in (("device_count", lambda: 1), ("set_device", _no_op),
@@ -296,7 +296,7 @@ def check_cpu_args(args) -> None:
 
 
 def main(argv=None) -> None:
-    """``python -m megatron_metp.megatron_lm_cpu SCRIPT [ARGS...]``: run SCRIPT as ``__main__``
+    """``python -m megatron_metp.megatron_lm.cpu SCRIPT [ARGS...]``: run SCRIPT as ``__main__``
     with the CPU shims applied (the script's directory first on ``sys.path``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -304,16 +304,16 @@ def main(argv=None) -> None:
         raise SystemExit(0 if argv else 2)
     script = os.path.abspath(argv[0])
     if not os.path.isfile(script):
-        raise SystemExit(f"megatron_metp.megatron_lm_cpu: {argv[0]} is not a file (give the path "
+        raise SystemExit(f"megatron_metp.megatron_lm.cpu: {argv[0]} is not a file (give the path "
                          f"of Megatron-LM's pretrain_gpt.py)")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
     sys.path.insert(0, os.path.dirname(script))
     enable_training()
     sys.argv = [script] + argv[1:]
-    from .cpu import cuda_to_cpu
+    from ..megatron.cpu import cuda_to_cpu
 
     if os.environ.get("RANK", "0") == "0":
-        print("> METP_CPU: Megatron-LM on CPU ranks (gloo) through megatron_metp.megatron_lm_cpu; "
+        print("> METP_CPU: Megatron-LM on CPU ranks (gloo) through megatron_metp.megatron_lm.cpu; "
               "Megatron's memory reports give each process's resident set size", flush=True)
     with cuda_to_cpu():  # the training loop's device="cuda" tensors and .cuda() calls
         runpy.run_path(script, run_name="__main__")

@@ -57,7 +57,7 @@ def _counts(tensors: dict):
 def check_finite(where: str, group=None, **tensors) -> None:
     """Raise :class:`NonFiniteError` if any given tensor holds NaN/Inf (no-op when checks are off).
 
-    With ``group`` (the op's :class:`~megatron_metp.groups.METPGroup`, size > 1) the ranks
+    With ``group`` (the op's :class:`~megatron_metp.runtime.groups.METPGroup`, size > 1) the ranks
     exchange what they found (one small all-gather, bounded by the group's timeout) and *every*
     rank raises, naming the ranks whose values are not finite, before the op sends anything: a
     NaN on one rank ends its peers at once instead of after a ring timeout (or spreading into

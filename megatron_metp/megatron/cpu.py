@@ -63,7 +63,7 @@ _DEFAULT_STREAM = "default-rng"  # Megatron's name for "no named stream forked"
 def _refuse_on_cuda(force: bool, what: str) -> None:
     if torch.cuda.is_available() and not force:
         raise RuntimeError(
-            f"megatron_metp.cpu.{what} refused: torch.cuda.is_available() is True. The CPU shims "
+            f"megatron_metp.megatron.cpu.{what} refused: torch.cuda.is_available() is True. The CPU shims "
             "are meant for machines without a GPU; pass force=True to apply them anyway.")
 
 

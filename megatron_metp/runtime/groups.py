@@ -76,7 +76,7 @@ class METPGroup:
         prev_rank / next_rank: global ranks of the ring neighbours.
         ranks: global ranks of the group in ring order.
         timeout_s: seconds a ring step waits for its peer before raising
-            :class:`megatron_metp.ring.RingTimeoutError`.
+            :class:`megatron_metp.runtime.ring.RingTimeoutError`.
         name: a label used in error messages (e.g. ``"metp[tp=0,pp=1,dp=0]"``).
         stats: traffic counters, shared by every exchanger on this group.
         kv: a second METP group over the *same ranks in the same ring order* but its own

@@ -27,7 +27,7 @@ import functools
 import math
 from typing import Callable, List, Optional
 
-from .megatron.parallel import validate_metp_config
+from ..megatron.parallel import validate_metp_config
 
 __all__ = [
     "ATTENTION_KERNELS",
@@ -158,7 +158,7 @@ def validate_metp_args(args):
     same ``args`` is harmless.
     """
     p = getattr(args, "metp_parallel_size", 1)
-    from .megatron_lm_resume import check_resume_layout
+    from .resume import check_resume_layout
 
     check_resume_layout(args)
     if getattr(args, "metp_offload_activations", False) and (
@@ -167,7 +167,7 @@ def validate_metp_args(args):
         raise ValueError("--metp-offload-activations with --cpu-offloading: two activation "
                          "offloads; keep one (--metp-offload-activations also works with "
                          "--recompute-granularity full, Megatron's does not)")
-    from .megatron.packing import apply_mock_document_length
+    from ..megatron.packing import apply_mock_document_length
 
     mock_note = apply_mock_document_length(args)
     if mock_note and getattr(args, "rank", 0) == 0:
@@ -279,7 +279,7 @@ def _metp_problems(args, p: int, tp: int) -> List[str]:
         out.append(f"--metp-ring-timeout {timeout} (must be a positive, finite number of "
                    f"seconds)")
     else:  # the one timeout is --distributed-timeout-minutes; a longer ring timeout is refused
-        from .watchdog import megatron_lm_timeout_s
+        from ..runtime.watchdog import megatron_lm_timeout_s
 
         try:
             megatron_lm_timeout_s(args)
@@ -287,7 +287,7 @@ def _metp_problems(args, p: int, tp: int) -> List[str]:
             out.append(str(exc))
     out.extend(_recompute_problems(args))
     out.extend(_kernel_problems(args))
-    from .megatron.packing import packing_problems
+    from ..megatron.packing import packing_problems
 
     out.extend(packing_problems(args))
     return out
@@ -319,7 +319,7 @@ def _kernel_problems(args) -> List[str]:
 
 def _map_kernel_flags(args) -> None:
     """Flags METP honours by mapping them onto its own, each with a printed note."""
-    from .megatron.packing import map_packing_flags
+    from ..megatron.packing import map_packing_flags
 
     notes = map_packing_flags(args)
     if getattr(args, "use_flash_attn", False) and \
@@ -328,7 +328,7 @@ def _map_kernel_flags(args) -> None:
         notes.append("--use-flash-attn: the METP K/V ring's block kernel is flash-attn "
                      "(--metp-attention-kernel flash_attn)")
     if getattr(args, "transformer_impl", "local") == "transformer_engine":
-        from .megatron.gpu_stack import select_norm
+        from ..megatron.gpu_stack import select_norm
 
         notes.append(select_norm("transformer_engine",
                                  getattr(args, "normalization", "LayerNorm")).note
@@ -448,7 +448,7 @@ def wrap_gpt_builder(gpt_builder: Callable) -> Callable:
             model = build_metp_gpt_model(args, pre_process, post_process, vp_stage,
                                          config=config, pg_collection=pg_collection)
         if getattr(args, "metp_offload_activations", False):
-            from .offload import ActivationOffloader
+            from ..runtime.offload import ActivationOffloader
 
             ActivationOffloader().attach(model.decoder)
         return model
@@ -474,16 +474,16 @@ def build_metp_gpt_model(args, pre_process, post_process, vp_stage=None, config=
     import torch.distributed as dist
     from megatron.core.models.gpt import GPTModel
 
-    from .megatron.gpu_stack import select_norm
-    from .megatron.groups import METPGroups
-    from .megatron.init import initialize_like_tp
-    from .megatron.spec import get_gpt_layer_metp_spec
-    from .megatron.vocab import METPGPTModel
+    from ..megatron.gpu_stack import select_norm
+    from ..megatron.groups import METPGroups
+    from ..megatron.init import initialize_like_tp
+    from ..megatron.spec import get_gpt_layer_metp_spec
+    from ..megatron.vocab import METPGPTModel
 
     if config is None:
         config = _config_from_args(args)
     check_metp_parallel_state(args)
-    from .watchdog import megatron_lm_timeout_s
+    from ..runtime.watchdog import megatron_lm_timeout_s
 
     groups = METPGroups.from_parallel_state(timeout_s=megatron_lm_timeout_s(args))
     vocab_parallel = bool(getattr(args, "metp_vocab_parallel", False))
@@ -526,7 +526,7 @@ def build_metp_gpt_model(args, pre_process, post_process, vp_stage=None, config=
     if weight_ring:  # the same global weights as stock TP of size TP x METP
         initialize_like_tp(model, groups)
     if getattr(args, "reset_attention_mask", False):  # packed documents: boundaries from EOD
-        from .megatron.packing import DocumentBoundaries
+        from ..megatron.packing import DocumentBoundaries
 
         DocumentBoundaries(groups.metp, full_rope=weight_ring,
                            layout=getattr(args, "metp_packed_layout", "dual_chunk")).attach(model)

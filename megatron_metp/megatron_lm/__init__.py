@@ -1,0 +1,15 @@
+"""The Megatron-LM side of METP: the hooks the patches in ``patches/`` call (:mod:`.hooks`), the
+runner that trains Megatron-LM's own scripts on CPU ranks (:mod:`.cpu`), the checks of a
+checkpoint before ``--load`` (:mod:`.resume`) and what differs between the supported Megatron-LM
+releases (:mod:`.releases`).
+
+The names below are the ones the patches call (``from megatron_metp.megatron_lm import ...`` and
+``from megatron_metp import megatron_lm as metp``); they stay here as long as a patched checkout
+may call them. Importing this package imports neither ``megatron.training`` nor megatron-core.
+"""
+
+from .hooks import (add_metp_args, compose_extra_args_providers, metp_expert_model_parallel_size,
+                    validate_metp_args, wrap_gpt_builder)
+
+__all__ = ["add_metp_args", "compose_extra_args_providers", "metp_expert_model_parallel_size",
+           "validate_metp_args", "wrap_gpt_builder"]

@@ -1,0 +1,4 @@
+"""The runtime under the METP ops: explicit process groups (:mod:`.groups`), the double-buffered
+ring exchange (:mod:`.ring`), the one timeout and stalled-rank naming (:mod:`.watchdog`), the
+cross-rank agreement check (:mod:`.agree`), the finite check (:mod:`.finite`) and host offload of
+saved activations (:mod:`.offload`). Nothing here imports megatron-core or the ops."""
