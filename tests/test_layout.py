@@ -51,6 +51,27 @@ def imported_modules(source: str, module: str, is_package: bool):
     return names
 
 
+def module_exists(module: str) -> bool:
+    """Whether a dotted ``megatron_metp...`` name is a module or package of the tree."""
+    path = ROOT.parent.joinpath(*module.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def missing_imports(source: str, module: str, is_package: bool = False):
+    """Package-internal imports that name no module of the tree (a relative import left pointing
+    at a module's old place); ``from pkg import name`` may name an attribute of ``pkg``."""
+    bad = []
+    for name in imported_modules(source, module, is_package):
+        if not name.startswith("megatron_metp") or module_exists(name):
+            continue
+        parent = name.rsplit(".", 1)[0]
+        if module_exists(parent) and (ROOT.parent.joinpath(*parent.split(".")) / "__init__.py"
+                                      ).is_file():
+            continue  # ``from .package import attribute``
+        bad.append((module, name))
+    return bad
+
+
 def upward_imports(source: str, module: str, is_package: bool = False):
     """(importer, imported) pairs where a module imports a layer above its own."""
     own = layer_of(module)
@@ -82,6 +103,14 @@ def test_imports_point_only_downward():
     assert len(modules) > 60  # the walk found the package
     bad = [pair for name, pkg, src in modules for pair in upward_imports(src, name, pkg)]
     assert bad == [], f"upward imports: {bad}"
+
+
+def test_every_import_names_a_module_of_the_tree():
+    bad = [pair for name, pkg, src in package_modules() for pair in missing_imports(src, name, pkg)]
+    assert bad == [], f"imports of modules that do not exist: {bad}"
+    # negative control: the import that once pointed from the runtime at a module above it
+    assert missing_imports("from .megatron.checkpoint_errors import CheckpointError",
+                           "megatron_metp.runtime.watchdog") != []
 
 
 def test_every_module_is_in_a_layer():

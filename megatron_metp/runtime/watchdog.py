@@ -166,10 +166,10 @@ def _first_line(exc: BaseException) -> str:
 
 
 def is_transport_error(exc: BaseException) -> bool:
-    """Whether ``exc`` says a peer did not answer (a timeout, a closed connection)."""
-    from .megatron.checkpoint_errors import CheckpointError
-
-    if isinstance(exc, CheckpointError):  # already names the ranks (checkpoint_agreement)
+    """Whether ``exc`` says a peer did not answer (a timeout, a closed connection). An exception
+    whose class sets ``names_ranks = True`` (the checkpoint errors of the layers above, which
+    already name the ranks) is not diagnosed again."""
+    if getattr(exc, "names_ranks", False):
         return False
     if isinstance(exc, RingError):
         return True
