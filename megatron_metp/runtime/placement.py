@@ -51,8 +51,10 @@ def check_metp_groups_on_one_node(metp: METPGroup, *, hostname: Optional[str] = 
     call it on every rank at the same point (start-up). ``hostname``: this rank's host
     (default ``socket.gethostname()``; tests pass fake ones). ``gpus_per_node`` only improves
     the message."""
-    if not dist.is_initialized():
-        return {hostname or socket.gethostname(): [0]}
+    if not dist.is_initialized() or (dist.get_backend() or "") == "fake":
+        # the fake process group of the instruments moves nothing: one process, one host
+        return {hostname or socket.gethostname(): list(range(dist.get_world_size()
+                                                             if dist.is_initialized() else 1))}
     world = dist.get_world_size()
     host = hostname if hostname is not None else socket.gethostname()
     mine = _encode(host, metp.ranks, world)
