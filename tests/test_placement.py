@@ -37,3 +37,22 @@ def test_a_metp_ring_across_two_nodes_is_refused_on_every_rank_naming_the_fix(ho
         assert f"METP group of global ranks {bad} spans 2 nodes" in msg, msg
         assert "--metp-parallel-size" in msg and "--context-parallel-size" in msg
         assert "divisor of the GPUs per node" in msg
+
+
+def _init_allowed(rank, world, hosts, allow):
+    import os
+
+    os.environ["METP_ALLOW_CROSS_NODE_RING"] = allow
+    try:
+        return _init(rank, world, 2, 2, hosts)
+    except ValueError as exc:
+        return "bad value", str(exc)
+
+
+def test_cross_node_ring_accepted_on_purpose_with_the_variable():
+    """METP_ALLOW_CROSS_NODE_RING=1 (e.g. gpt-13b-256k-metp16.sh: METP 16 over 2 nodes) turns
+    the refusal into rank 0's warning line; another value is refused naming the variable."""
+    out = run_ranks(_init_allowed, 4, ["n1", "n2", "n2", "n2"], "1")
+    assert [o[0] for o in out] == ["ok"] * 4
+    out = run_ranks(_init_allowed, 4, ["n1", "n2", "n2", "n2"], "yes")
+    assert all(o[0] == "bad value" and "METP_ALLOW_CROSS_NODE_RING='yes'" in o[1] for o in out)

@@ -6,11 +6,16 @@ the CP group may cross nodes. :func:`check_metp_groups_on_one_node` all-gathers 
 host name and METP group over the world (one small collective, bounded by the job timeout) and
 raises :class:`METPPlacementError` on *every* rank, naming the group, its hosts and the fix,
 when a METP group has ranks on two hosts.
+
+``METP_ALLOW_CROSS_NODE_RING=1`` accepts such a layout on purpose (e.g. METP 16 over two nodes
+of 8, ``configs/gpt-13b-256k-metp16.sh``, which predates METP × CP): rank 0 then prints the
+same text as a warning line and the job goes on.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 from typing import Optional, Sequence
 
@@ -80,16 +85,30 @@ def check_metp_groups_on_one_node(metp: METPGroup, *, hostname: Optional[str] = 
         if len(on) > 1:
             bad.append((ranks, on))
     if bad:
-        ranks, on = bad[0]
-        where = ", ".join(f"{h} (ranks {', '.join(map(str, rs))})" for h, rs in on.items())
-        per_node = gpus_per_node or max(len(v) for v in hosts.values())
-        more = f" (and {len(bad) - 1} more group(s))" if len(bad) > 1 else ""
-        raise METPPlacementError(
-            f"METP: the METP group of global ranks {list(ranks)} spans {len(on)} nodes: "
+        text = _message(bad, hosts, host, gpus_per_node)
+        allow = os.environ.get("METP_ALLOW_CROSS_NODE_RING", "").strip()
+        if allow not in ("", "0", "1"):
+            raise ValueError(f"METP_ALLOW_CROSS_NODE_RING={allow!r}: must be 1 (accept a METP "
+                             f"ring across nodes) or 0/unset (refuse it)")
+        if allow == "1":
+            if dist.get_rank() == 0:
+                print(f"> {text.split(' This is rank')[0]} Accepted: "
+                      f"METP_ALLOW_CROSS_NODE_RING=1.", flush=True)
+            return hosts
+        raise METPPlacementError(text + " (METP_ALLOW_CROSS_NODE_RING=1 accepts the layout "
+                                 "on purpose.)")
+    return hosts
+
+
+def _message(bad, hosts, host, gpus_per_node) -> str:
+    ranks, on = bad[0]
+    where = ", ".join(f"{h} (ranks {', '.join(map(str, rs))})" for h, rs in on.items())
+    per_node = gpus_per_node or max(len(v) for v in hosts.values())
+    more = f" (and {len(bad) - 1} more group(s))" if len(bad) > 1 else ""
+    return (f"METP: the METP group of global ranks {list(ranks)} spans {len(on)} nodes: "
             f"{where}{more}. Its weight ring and head-group broadcasts would cross the "
             f"inter-node link every layer. Fix: keep TP x METP a divisor of the GPUs per node "
             f"({per_node}) with Megatron's default rank order (tp-cp-ep-dp-pp), so that each "
             f"METP ring is adjacent ranks of one node, or lower --metp-parallel-size and put the "
             f"rest of the sequence on --context-parallel-size (its K/V ring may cross nodes). "
             f"This is rank {dist.get_rank()} on {host}.")
-    return hosts
