@@ -1,7 +1,7 @@
 """METP × context parallelism inside megatron-core: Megatron's CP group of p·c ranks, the METP
 group its expert group of p adjacent ranks (``Layout(metp=p, cp=c)``), against single-rank stock
 Megatron from the same full weights (fp32, ≤ 1e-5): loss and every gradient of one step (with and
-without the vocabulary ring, full recompute), three optimizer steps through Megatron's DDP and
+without the vocabulary ring, full recompute, host offload of saved activations), three optimizer steps through Megatron's DDP and
 distributed optimizer, packed documents; negative control."""
 
 import pytest
@@ -31,8 +31,10 @@ def _worst(out, ref):
 
 @pytest.mark.parametrize("layout", [
     Layout(metp=2, cp=2), Layout(metp=2, cp=2, vocab_parallel=True),
-    Layout(metp=2, cp=2, recompute="full"), Layout(metp=1, cp=4)],
-    ids=["metp2xcp2", "metp2xcp2-vocab", "metp2xcp2-recompute", "metp1xcp4"])
+    Layout(metp=2, cp=2, recompute="full"),
+    Layout(metp=2, cp=2, recompute="full", offload_activations=True), Layout(metp=1, cp=4)],
+    ids=["metp2xcp2", "metp2xcp2-vocab", "metp2xcp2-recompute", "metp2xcp2-recompute-offload",
+         "metp1xcp4"])
 def test_one_step_loss_and_every_gradient_match_single_rank(layout, single_rank):
     out = run_ranks(one_step_grads, 4, GLU, layout)
     loss_err, worst, err = _worst(out, single_rank)
@@ -96,3 +98,20 @@ def test_cp_outer_factor_validation_names_the_flags():
                              seq_length=32 * 1000 + 32)
     with pytest.raises(ValueError, match="mode='metp'"):
         Layout(metp=2, cp=2, mode="ring")
+
+
+def test_checkpoint_saved_under_cp_resumes_exactly_and_in_metp_alone(tmp_path):
+    """A checkpoint saved at METP 2 × CP 2 with the vocabulary ring (METP-sharded tensors unique
+    per METP rank, replicas over the c rings) resumes bit-exactly in the same layout and
+    continues the loss curve as METP 2 alone on 2 ranks."""
+    from tests.test_checkpoint import SAVE_AT, SIZE, _resume, _save_and_continue
+
+    layout = Layout(metp=2, cp=2, vocab_parallel=True)
+    directory = str(tmp_path / "cp")
+    uninterrupted = run_ranks(_save_and_continue, 4, layout, directory, timeout=300)[0][0]
+    same = run_ranks(_resume, 4, layout, directory, timeout=300)[0]
+    assert same == uninterrupted[SAVE_AT:]
+    alone = run_ranks(_resume, 2, Layout(metp=2, vocab_parallel=True), directory, SIZE, False,
+                      timeout=300)[0]
+    for got, ref in zip(alone, uninterrupted[SAVE_AT:]):
+        assert abs(got - ref) <= 1e-6 * ref, (alone, uninterrupted)
