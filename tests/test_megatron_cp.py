@@ -61,12 +61,15 @@ def single_rank_training():
     return run_ranks(_train, 1, TRAIN_SIZE, Layout())[0]
 
 
-def test_three_steps_ddp_distributed_optimizer_vocab_ring_match_single_rank(single_rank_training):
-    """DDP (METP-sharded weights over Megatron's expert-DP group = the c METP groups, replicated
-    ones over DP×CP), the distributed optimizer (sharded weights' states split over expert-DP),
-    the vocabulary ring, Megatron's grad-norm clipping: three Adam steps."""
+@pytest.mark.parametrize("world", [4, 8], ids=["dp1", "dp2"])
+def test_three_steps_ddp_distributed_optimizer_vocab_ring_match_single_rank(
+        single_rank_training, world):
+    """DDP (METP-sharded weights over Megatron's expert-DP group = the c METP groups × DP,
+    replicated ones over DP×CP), the distributed optimizer (sharded weights' states split over
+    expert-DP), the vocabulary ring, Megatron's grad-norm clipping: three Adam steps, at DP 1
+    (4 ranks) and DP 2 (8 ranks: TP 1 × METP 2 × CP 2 × DP 2)."""
     layout = Layout(metp=2, cp=2, distributed_optimizer=True, vocab_parallel=True)
-    got = run_ranks(_train, 4, TRAIN_SIZE, layout, timeout=300)[0]
+    got = run_ranks(_train, world, TRAIN_SIZE, layout, timeout=300)[0]
     for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(got, single_rank_training)):
         assert abs(loss - ref_loss) <= 1e-5 * ref_loss, (step, loss, ref_loss)
         assert abs(norm - ref_norm) <= 1e-5 * ref_norm, (step, norm, ref_norm)
