@@ -41,6 +41,17 @@ def test_one_step_loss_and_every_gradient_match_single_rank(layout, single_rank)
     assert loss_err <= 1e-5 and err <= 1e-5, (layout.describe(), loss_err, worst, err)
 
 
+def test_odd_metp_three_times_cp_two_one_step_matches_single_rank():
+    """The odd case: METP 3 × CP 2 on 6 ranks (GeLU, 12 heads, vocabulary ring)."""
+    ref = run_ranks(one_step_grads, 1, SIZE, Layout())[0]
+    out = run_ranks(one_step_grads, 6, SIZE, Layout(metp=3, cp=2, vocab_parallel=True))
+    full_ref, grads = assemble([ref], SIZE), assemble(out, SIZE)
+    errs = {k: rel_err(grads[k], full_ref[k]) for k in full_ref}
+    worst = max(errs, key=errs.get)
+    assert abs(out[0]["loss"] - ref["loss"]) <= 1e-5 * ref["loss"], (out[0]["loss"], ref["loss"])
+    assert errs[worst] <= 1e-5, (worst, errs[worst])
+
+
 def _no_context(rank, world, size, layout):
     """The same layout with the CP group not attached: each METP group's K/V ring sees only its
     own p ranks' tokens."""
