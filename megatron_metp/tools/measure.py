@@ -73,6 +73,7 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     P.validate(model, job, modes=[mode])
+    refuse_unmeasurable(job)
     asked = mode
     mode, job = P.canonical(mode, job)  # "metp+vocab" -> "metp" with job.vocab_parallel
     lay = P.layout(mode, job)
@@ -221,6 +222,14 @@ def _depths(model: "P.Model", job: "P.Job", measure_layers: str):
                            offload=job.offload)
 
 
+def refuse_unmeasurable(job: "P.Job") -> None:
+    """``ValueError`` for a job the fake-rank measurement cannot build yet (METP × CP: the ops'
+    context group is not wired into the measured model), naming the flag and the alternative."""
+    if job.cp > 1:
+        raise ValueError(f"--cp {job.cp}: metp measure does not build METP × CP models yet; plan "
+                         f"it with metp plan --cp {job.cp}, or measure --cp 1")
+
+
 def measure(model: "P.Model", job: "P.Job", modes, *, jobs: int = 1, timeout: float = 600.0,
             cpu_matmul: bool = False, measure_layers: str = "full") -> List[Dict]:
     """Measure each mode (a list, or one name) in its own forked child; ``jobs`` at a time.
@@ -234,6 +243,7 @@ def measure(model: "P.Model", job: "P.Job", modes, *, jobs: int = 1, timeout: fl
     if isinstance(modes, str):
         modes = [modes]
     P.validate(model, job, modes=modes)
+    refuse_unmeasurable(job)
     depths = _depths(model, job, measure_layers)
     FR.preload_megatron()
     runs = [(m, model) for m in modes] if depths is None else \

@@ -1,0 +1,203 @@
+"""The plan of METP × CP (``--cp``), Megatron's optimizer CPU offload, the inter-node K/V hop
+and the reach search (``metp plan --reach``): arithmetic checked by hand, refusals, negative
+controls. Planning only: no process group, milliseconds each."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from megatron_metp import cli
+from megatron_metp.tools import plan as P
+from megatron_metp.tools.plan import search as R
+
+LLAMA8 = P.PRESETS["llama3-8b"]
+SMALL = P.Model(name="small", hidden=256, layers=2, heads=4, query_groups=2, ffn=512,
+                vocab=1000, seq=4096, swiglu=True, tied=False)
+
+
+def _job(**kw):
+    base = dict(tp=1, metp=8, cp=4, vocab_parallel=True, distributed_optimizer=True,
+                recompute="full", offload=True, hardware="H100-80GB")
+    base.update(kw)
+    return P.Job(**base)
+
+
+def test_cp_shards_the_sequence_over_metp_times_cp_and_the_weights_over_metp():
+    s = 1 << 20
+    cp = _job()
+    metp32 = _job(metp=32, cp=1)  # the same tokens per rank (not a valid METP size: plan only)
+    metp8 = _job(cp=1)
+    a_cp = P.activations(LLAMA8, cp, "metp", s)
+    # tokens per rank s/(p·c): the per-layer checkpoint (one [n, h] bf16 input) is s/32's
+    n = s // 32
+    assert P.layout("metp", cp).c == 32 and P.layout("metp", cp).p == 8
+    assert P.activations(LLAMA8, replace(cp, offload=False), "metp", s).stored_per_layer == \
+        2 * n * LLAMA8.hidden
+    # weights over p only: the same parameters as METP 8 without CP, not METP 32's
+    assert P.params(LLAMA8, cp, "metp").layer_sharded == \
+        P.params(LLAMA8, metp8, "metp").layer_sharded
+    assert P.params(LLAMA8, cp, "metp").layer_sharded == \
+        4 * P.params(LLAMA8, metp32, "metp").layer_sharded
+    # the vocabulary over p: V/8 rows per table
+    assert P.head_memory(LLAMA8, cp, "metp", s)["rows"] == P.padded_vocab(128256, 8) // 8
+    # the K/V ring buffers are sized by the rank's n tokens (= METP 32's), so the transient of
+    # one layer's attention equals METP 8's at s/4 up to the (CP-independent) weight buffers
+    a8 = P.activations(LLAMA8, metp8, "metp", s // 4)
+    assert a_cp.phases["attention backward (last layer)"].keys() == \
+        a8.phases["attention backward (last layer)"].keys()
+    assert a_cp.phase_totals()["MLP backward (last layer)"] == \
+        pytest.approx(a8.phase_totals()["MLP backward (last layer)"], rel=1e-12)
+
+
+def test_cp_optimizer_sharded_as_megatron_does():
+    """Distributed optimizer: METP-sharded weights over CP × DP (expert-DP under the fold),
+    replicated parameters over DP × METP × CP (Megatron's DP-with-CP group)."""
+    job = _job(dp=2)
+    prm = P.params(LLAMA8, job, "metp")
+    assert (prm.dp_sharded, prm.dp_replicated) == (4 * 2, 8 * 4 * 2)
+    st = P.static_memory(LLAMA8, job, "metp")
+    want = 12 * prm.sharded / 8 + 12 * (prm.total - prm.sharded) / 64
+    assert st["optimizer"] == pytest.approx(want)
+    # negative control: without CP the same weights shard only over DP
+    st1 = P.static_memory(LLAMA8, replace(job, cp=1), "metp")
+    assert st1["optimizer"] > 3.9 * st["optimizer"]
+
+
+def test_optimizer_cpu_offload_moves_the_states_to_the_host():
+    job = _job()
+    on = P.static_memory(LLAMA8, replace(job, optimizer_offload=True), "metp")
+    off = P.static_memory(LLAMA8, job, "metp")
+    assert on["optimizer"] == 0 and off["optimizer"] > 0
+    shard = off["optimizer"] / 12  # parameters of this rank's optimizer shard
+    assert on["optimizer_host"] == pytest.approx(16 * shard)  # fp32 master, grad, 2 moments
+    assert on["optimizer_host_pinned"] == pytest.approx(4 * shard)
+    assert on["params"] == off["params"] and on["grads"] == off["grads"]
+    with pytest.raises(ValueError, match="--optimizer-cpu-offload needs --distributed-optimizer"):
+        P.validate(LLAMA8, replace(job, optimizer_offload=True, distributed_optimizer=False),
+                   ["metp"])
+
+
+def test_kv_traffic_and_the_internode_hop_by_hand():
+    s = 1 << 24
+    job = _job()
+    n = s // 32
+    kv_block = 2 * n * (8 * 128 // 8) * 2  # one head group's K and V, bf16
+    t = P.traffic_per_layer(LLAMA8, job, "metp", s)
+    assert t["attention K/V ring (every head group)"] == 4 * 8 * 31 * kv_block
+    hop = P.internode_hop(LLAMA8, job, "metp", s)
+    assert (hop["ring"], hop["span"], hop["nodes"], hop["crossing_hops"]) == (32, 32, 4, 4)
+    assert hop["block_bytes"] == kv_block
+    assert hop["bytes_per_layer"] == 4 * 8 * 31 * kv_block
+    # 989 TFLOP/s over 50 GB/s per direction: n ≥ 2·(F/B)·g/a = 2·19780·(8/32)
+    assert hop["threshold_forward"] == pytest.approx(2 * 989e12 / 50e9 * 8 / 32)
+    assert hop["hidden"] == 1 and not hop["metp_group_crosses"]
+    # one node: no crossing; A100 presets have HDR (25 GB/s): twice the threshold
+    assert P.internode_hop(LLAMA8, _job(cp=1), "metp", s)["crosses"] == 0
+    a100 = P.internode_hop(LLAMA8, replace(job, hardware="A100-80GB"), "metp", s)
+    assert a100["threshold_forward"] == pytest.approx(2 * 312e12 / 25e9 * 8 / 32)
+    # a METP group wider than a node is flagged
+    wide = P.internode_hop(LLAMA8, _job(tp=2, metp=8, cp=2), "metp", s)
+    assert wide["metp_group_crosses"] == 1
+
+
+def test_cp_refusals_name_the_flag():
+    with pytest.raises(ValueError, match="--cp 4 is METP × CP's outer"):
+        P.validate(LLAMA8, _job(), ["metp", "tp-sp"])
+    with pytest.raises(ValueError, match=r"--seq 96 is not divisible by 2 × --metp × --cp = 64"):
+        P.validate(LLAMA8.with_seq(96), _job(), ["metp"])
+    with pytest.raises(ValueError, match="--cp must be a positive integer"):
+        P.validate(LLAMA8, _job(cp=0), ["metp"])
+    from megatron_metp.tools import measure as M
+    with pytest.raises(ValueError, match="--cp 4: metp measure does not build"):
+        M.refuse_unmeasurable(_job())
+
+
+def test_cli_plan_with_cp_reports_the_internode_hop(capsys):
+    rc = cli.main(["plan", "--preset", "llama3-8b", "--seq", "16777216", "--metp", "8", "--cp",
+                   "4", "--vocab-parallel", "--distributed-optimizer", "--recompute", "full",
+                   "--offload-activations", "--optimizer-cpu-offload"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "METP=8×CP=4+vocab" in out and "K/V bytes over the inter-node hop" in out
+    assert "4 of its hops cross nodes" in out and "optimizer on host (CPU Adam)" in out
+    rc = cli.main(["plan", "--preset", "llama3-8b", "--metp", "8", "--cp", "4", "--modes",
+                   "tp-sp"])
+    assert rc == 2 and "--cp 4 is METP × CP's outer" in capsys.readouterr().err
+
+
+def _key(c):
+    j = c.job
+    return (c.mode, j.tp, j.metp, j.cp, j.pp, j.dp)
+
+
+def test_reach_layouts_by_hand():
+    """4 GPUs, 4 heads, 2 K/V groups, 2 layers: every valid layout, listed by hand."""
+    got = {}
+    for fam in R.FAMILIES:
+        cands = R.candidates(SMALL, 4, fam, recompute=("none",), optimizer_offload=(False,))
+        got[fam] = {_key(c) for c in cands}
+    assert got["metp"] == {("metp", 1, 2, 1, 1, 2), ("metp", 1, 2, 2, 1, 1),
+                           ("metp", 1, 2, 1, 2, 1)}
+    assert got["stock"] == {("tp-sp", 1, 1, 1, 1, 4), ("cp", 1, 2, 1, 1, 2),
+                            ("cp", 1, 4, 1, 1, 1), ("tp-sp", 1, 1, 1, 2, 2),
+                            ("cp", 1, 2, 1, 2, 1), ("tp-sp", 2, 1, 1, 1, 2),
+                            ("cp", 2, 2, 1, 1, 1), ("tp-sp", 2, 1, 1, 2, 1)}
+    # invalid layouts are not listed: METP 4 (more shards than K/V groups), TP 4, PP 4 (2 layers)
+    flat = got["metp"] | got["stock"]
+    assert not any(k[0] == "metp" and k[2] == 4 for k in flat)
+    assert not any(k[1] == 4 or k[4] == 4 for k in flat)
+
+
+def test_reach_longest_is_the_boundary_and_the_best_is_the_maximum():
+    cands = R.candidates(SMALL, 4, "metp", recompute=("none", "full"), limit=1 << 22)
+    assert len(cands) == 3 * 2 * 2
+    best = cands[0]
+    assert best.seq == max(c.seq for c in cands) > 0
+    for c in cands:
+        q = P.seq_step(c.job, c.mode)
+        cap = P.capacity_bytes(c.job)
+        assert R._total(SMALL, c.job, c.mode, c.seq) <= cap
+        if c.seq + q <= 1 << 22:
+            assert R._total(SMALL, c.job, c.mode, c.seq + q) > cap or \
+                R._host_per_node(SMALL, c.job, c.mode, c.seq + q) > \
+                R.DEFAULT_HOST_GIB_PER_NODE * P.GiB
+        # without a host bound the search equals the plan's own longest_seq
+        if not c.job.offload and not c.job.optimizer_offload:
+            assert c.seq == P.longest_seq(SMALL, c.job, c.mode, limit=1 << 22)
+
+
+def test_reach_host_bound_binds():
+    """Negative control of the host constraint: a tiny host budget shortens the offloaded
+    layouts' reach (and the reach found fits that budget)."""
+    job = _job()
+    free = R.longest(LLAMA8, job, "metp")
+    tight = R.longest(LLAMA8, job, "metp", host_gib=256)
+    assert 0 < tight < free
+    assert R._host_per_node(LLAMA8, job, "metp", tight) <= 256 * P.GiB
+    q = P.seq_step(job, "metp")
+    assert R._host_per_node(LLAMA8, job, "metp", tight + q) > 256 * P.GiB
+
+
+def test_cli_reach(capsys):
+    rc = cli.main(["plan", "--reach", "--gpus", "4", "--preset", "llama3-8b", "--hidden", "256",
+                   "--heads", "4", "--query-groups", "2", "--ffn", "512", "--layers", "2",
+                   "--vocab", "1000", "--reach-top", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "## METP" in out and "## stock Megatron" in out
+    assert "best METP ÷ best stock Megatron" in out
+    rc = cli.main(["plan", "--reach", "--gpus", "4", "--preset", "llama3-8b", "--tp", "2"])
+    assert rc == 2 and "--tp: --reach searches every layout" in capsys.readouterr().err
+    rc = cli.main(["plan", "--reach", "--preset", "llama3-8b"])
+    assert rc == 2 and "--reach needs --gpus" in capsys.readouterr().err
+    rc = cli.main(["plan", "--gpus", "4", "--preset", "llama3-8b"])
+    assert rc == 2 and "--gpus is the GPU count of --reach" in capsys.readouterr().err
+
+
+def test_longest_seq_goes_past_16m():
+    job = _job()
+    s = P.longest_seq(LLAMA8, job, "metp")
+    assert s > 1 << 24 and not math.isnan(s)
+    assert P.worst_total(LLAMA8, job, "metp", s) <= P.capacity_bytes(job)
