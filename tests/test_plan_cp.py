@@ -201,3 +201,15 @@ def test_longest_seq_goes_past_16m():
     s = P.longest_seq(LLAMA8, job, "metp")
     assert s > 1 << 24 and not math.isnan(s)
     assert P.worst_total(LLAMA8, job, "metp", s) <= P.capacity_bytes(job)
+
+
+def test_reach_llama3_70b_on_32_metp_best_ahead_of_stock_best():
+    """The issue's done-when comparison, from the search (planned): METP's best layout for
+    Llama-3-70B on 32 × H100-80GB against stock Megatron's best (goals: 2× stock, ALST's 4M)."""
+    model = P.PRESETS["llama3-70b"]
+    m = R.best(model, 32, "metp")
+    st = R.best(model, 32, "stock")
+    assert m.job.cp > 1 and m.job.metp * m.job.tp <= 8  # METP × CP, the METP group in a node
+    assert m.seq >= 2 * st.seq and m.seq >= 4_000_000
+    assert m.total <= P.capacity_bytes(m.job)
+    assert m.host_per_node <= R.DEFAULT_HOST_GIB_PER_NODE * P.GiB
