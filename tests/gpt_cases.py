@@ -15,7 +15,8 @@ def one_step_grads(rank, world, size: GPTSize, layout: Layout):
     """Loss and full-weight gradients of one forward/backward of the raw GPTModel (no DDP).
 
     Replicated parameters' gradients are summed over the METP group (what DDP does over DP×CP);
-    METP-sharded ones are complete already. Every rank returns its shards with their global names.
+    METP-sharded ones are complete already (under METP × CP, ``layout.cp > 1``: summed over the
+    ``c`` METP groups of the CP group, what DDP does over Megatron's expert data-parallel group). Every rank returns its shards with their global names.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.utils import get_batch_on_this_cp_rank
@@ -29,19 +30,21 @@ def one_step_grads(rank, world, size: GPTSize, layout: Layout):
     tokens, labels = global_batch(size, 0, 2)
     batch = {"tokens": tokens, "labels": labels,
              "position_ids": torch.arange(size.seq_length).expand(2, -1).contiguous()}
-    if layout.metp > 1:
+    if layout.metp * layout.cp > 1:
         batch = get_batch_on_this_cp_rank(batch, cp_group=ps.get_context_parallel_group())
     per_token = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     loss = per_token.sum() / tokens.numel()
     loss.backward()
     total = loss.detach().clone()
-    if layout.metp > 1:
+    if layout.metp * layout.cp > 1:
         dist.all_reduce(total, group=ps.get_context_parallel_group())
     grads = {}
     for name, p in model.named_parameters():
         g = p.grad.detach().clone()
-        if layout.metp > 1 and not is_metp_sharded(p):
+        if layout.metp * layout.cp > 1 and not is_metp_sharded(p):
             dist.all_reduce(g, group=ps.get_context_parallel_group())
+        elif layout.cp > 1 and is_metp_sharded(p):
+            dist.all_reduce(g, group=groups.dp)
         grads[_global_name(model, name)] = (g, getattr(p, "tensor_model_parallel", False),
                                             getattr(p, "partition_dim", 0), is_metp_sharded(p),
                                             full_shape(p, groups))

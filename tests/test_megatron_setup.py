@@ -43,8 +43,9 @@ def test_metp_groups_compose_with_tp_pp_dp(tp, metp, pp, world):
 
 
 @pytest.mark.parametrize("kwargs,needle", [
-    (dict(world_size=6, tensor_model_parallel_size=2, metp_parallel_size=2), "not divisible by TP×METP×PP"),
-    (dict(world_size=4, metp_parallel_size=2, context_parallel_size=2), "--context-parallel-size"),
+    (dict(world_size=6, tensor_model_parallel_size=2, metp_parallel_size=2), "not divisible by TP×METP×CP×PP"),
+    # METP × CP: c is the outer factor, the world needs TP × METP × CP × PP ranks
+    (dict(world_size=6, metp_parallel_size=2, context_parallel_size=2), "--context-parallel-size"),
     (dict(world_size=4, metp_parallel_size=2, num_experts=8), "MoE"),
     (dict(world_size=4, metp_parallel_size=2, seq_length=18), "--seq-length 18 is not divisible by 2×METP = 4"),
     (dict(world_size=4, metp_parallel_size=2, sequence_parallel=True), "--sequence-parallel"),
@@ -59,7 +60,9 @@ def test_good_configuration_returns_dp_size():
     assert validate_metp_config(world_size=16, tensor_model_parallel_size=2, metp_parallel_size=4,
                                 seq_length=4096) == 2
     assert validate_metp_config(world_size=4, metp_parallel_size=1, num_experts=8,
-                                context_parallel_size=2) == 4
+                                context_parallel_size=2) == 2  # DP excludes CP, as Megatron's
+    assert validate_metp_config(world_size=8, metp_parallel_size=2, context_parallel_size=2,
+                                seq_length=16) == 2
 
 
 def test_initialize_needs_torch_distributed():

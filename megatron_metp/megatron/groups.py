@@ -2,7 +2,13 @@
 
 ``METPGroups`` bundles the tensor-parallel group, the METP ring (Megatron's context-parallel group:
 METP shards the sequence exactly like CP) and the pure data-parallel group over which METP-sharded
-weights reduce their gradients. It is built once, next to Megatron's own groups, and handed to
+weights reduce their gradients.
+
+METP × CP (``context_parallel_size = c > 1``, the *outer* factor): Megatron's CP group has
+``p·c`` ranks and its expert-model-parallel group (folded to ``p``) is the METP group, the ``p``
+adjacent ranks of the CP group; the CP group is the METP group's sequence ring
+(:func:`megatron_metp.runtime.context.attach_context_group`), and METP-sharded weights reduce
+over Megatron's expert data-parallel group (the ``c`` METP groups of the CP group × DP). It is built once, next to Megatron's own groups, and handed to
 :func:`megatron_metp.megatron.spec.get_gpt_layer_metp_spec`.
 """
 
@@ -26,7 +32,10 @@ def _rank(group) -> int:
 
 @dataclass
 class METPGroups:
-    """``tp``: Megatron's TP group; ``metp``: the METP ring; ``dp``: pure data parallel (no CP)."""
+    """``tp``: Megatron's TP group; ``metp``: the METP ring (with ``metp.context``, the CP group
+    of ``p·c`` ranks, under METP × CP); ``dp``: the group over which METP-sharded weights are
+    replicated (pure data parallel; × the ``c`` outer CP replicas under METP × CP: Megatron's
+    expert data-parallel group)."""
 
     tp: Optional[dist.ProcessGroup]
     metp: METPGroup
@@ -52,16 +61,47 @@ class METPGroups:
         return self.tp_rank * self.metp.size + self.metp.rank
 
     @classmethod
-    def from_parallel_state(cls, timeout_s: Optional[float] = None) -> "METPGroups":
-        """Groups of an initialised ``megatron.core.parallel_state`` (METP = its CP group)."""
+    def from_parallel_state(cls, timeout_s: Optional[float] = None,
+                            context_parallel_size: int = 1) -> "METPGroups":
+        """Groups of an initialised ``megatron.core.parallel_state`` (METP = its CP group;
+        with ``context_parallel_size`` ``c > 1``, METP = its expert-model-parallel group inside
+        the CP group of ``p·c`` ranks, which becomes the METP group's sequence ring)."""
         from megatron.core import parallel_state as ps
 
+        if context_parallel_size > 1:
+            return cls._with_context(ps, timeout_s, context_parallel_size)
         cp = ps.get_context_parallel_group()
         metp = METPGroup.from_process_group(cp if dist.get_world_size(cp) > 1 else None,
                                             name=_name(ps), timeout_s=timeout_s)
         metp.with_kv_group(kv_ring_group(ps, metp))
         return cls(tp=ps.get_tensor_model_parallel_group(), metp=metp,
                    dp=ps.get_data_parallel_group(with_context_parallel=False))
+
+
+    @classmethod
+    def _with_context(cls, ps, timeout_s, c: int) -> "METPGroups":
+        from ..runtime.context import attach_context_group
+
+        cp = ps.get_context_parallel_group()
+        pc = dist.get_world_size(cp)
+        if pc % c:
+            raise ValueError(f"Megatron's context-parallel group has {pc} ranks, not a multiple "
+                             f"of --context-parallel-size {c} (METP × CP needs CP = METP × c)")
+        p = pc // c
+        if p > 1:
+            ep = ps.get_expert_model_parallel_group()
+            if dist.get_world_size(ep) != p:
+                raise ValueError(f"METP × CP: Megatron's expert-model-parallel group has "
+                                 f"{dist.get_world_size(ep)} ranks, not the METP size {p}; "
+                                 f"initialise with expert_model_parallel_size = METP "
+                                 f"(megatron_metp.megatron.parallel.initialize_model_parallel)")
+        else:
+            ep = None
+        metp = METPGroup.from_process_group(ep, name=_name(ps), timeout_s=timeout_s)
+        attach_context_group(metp, cp, name=f"{_name(ps)}/cp")
+        dp = ps.get_expert_data_parallel_group() if p > 1 else \
+            ps.get_data_parallel_group(with_context_parallel=True)
+        return cls(tp=ps.get_tensor_model_parallel_group(), metp=metp, dp=dp)
 
 
 def kv_ring_group(ps, metp: METPGroup):

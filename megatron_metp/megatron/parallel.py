@@ -1,6 +1,6 @@
 """Set up Megatron's parallel state with METP as its context-parallel dimension.
 
-World = TP × METP × PP × DP. METP is placed on Megatron's CP axis, so Megatron itself sizes DP,
+World = TP × METP × CP × PP × DP. METP is placed on Megatron's CP axis, so Megatron itself sizes DP,
 splits batches in the dual-chunk order, slices RoPE and shapes pipeline messages; with Megatron's
 default rank order (``tp-cp-ep-dp-pp``) a METP ring's neighbours are adjacent right after TP —
 on the same node whenever TP·METP ≤ GPUs per node.
@@ -13,6 +13,13 @@ that expert-DP group is exactly pure DP (checked in the tests for TP×METP×PP×
 replicated parameters reduce over DP×METP as under CP. Scaling matches too: a sharded weight's
 gradient already holds the sum over the METP group (the op's ring reduce), and DDP scales expert
 gradients by ``1/|DP×CP|`` like dense ones.
+
+METP × CP (``context_parallel_size = c``, the *outer* factor): Megatron's CP size is ``p·c``
+and ``expert_model_parallel_size = p``; under the default order the expert (METP) groups are
+``p`` adjacent ranks inside each CP group, the CP group is the sequence ring (K/V of each head
+group over ``p·c`` ranks, sequence split in ``2·p·c`` dual chunks), and the expert data-parallel
+group is the ``c`` METP groups of the CP group × DP: what METP-sharded weights reduce over
+(scaled ``1/|DP×CP|`` like dense ones, CP = ``p·c``). World = TP × p × c × PP × DP.
 """
 
 from __future__ import annotations
@@ -38,24 +45,24 @@ def validate_metp_config(*, world_size: int, tensor_model_parallel_size: int = 1
                     ("--metp-parallel-size", p), ("--context-parallel-size", context_parallel_size)):
         if v < 1:
             raise ValueError(f"{flag} must be >= 1, got {v}")
-    if p > 1 and context_parallel_size > 1:
-        raise ValueError(f"--metp-parallel-size {p} cannot be combined with "
-                         f"--context-parallel-size {context_parallel_size}: METP already shards "
-                         f"the sequence (it uses the CP dimension); drop --context-parallel-size")
+    c = context_parallel_size  # the outer factor: Megatron's CP group has p·c ranks
     if p > 1 and num_experts:
         raise ValueError(f"--metp-parallel-size {p} does not support MoE (--num-experts "
                          f"{num_experts}) yet; use --metp-parallel-size 1 for MoE models")
     if p > 1 and sequence_parallel:
         raise ValueError("--sequence-parallel cannot be combined with --metp-parallel-size > 1: "
                          "METP already shards the sequence; drop --sequence-parallel")
-    model = t * p * pp
+    model = t * p * c * pp
     if world_size % model:
-        raise ValueError(f"world size {world_size} is not divisible by TP×METP×PP = {t}×{p}×{pp} = "
-                         f"{model}; change --tensor-model-parallel-size / --metp-parallel-size / "
+        raise ValueError(f"world size {world_size} is not divisible by TP×METP×CP×PP = "
+                         f"{t}×{p}×{c}×{pp} = {model}; change --tensor-model-parallel-size / "
+                         f"--metp-parallel-size / --context-parallel-size / "
                          f"--pipeline-model-parallel-size or the number of GPUs")
-    if seq_length is not None and p > 1 and seq_length % (2 * p):
-        raise ValueError(f"--seq-length {seq_length} is not divisible by 2×METP = {2 * p} (METP "
-                         f"splits the sequence into 2·p balanced chunks); pad or change "
+    if seq_length is not None and p * c > 1 and seq_length % (2 * p * c):
+        what = "2×METP" if c == 1 else "2×METP×CP"
+        raise ValueError(f"--seq-length {seq_length} is not divisible by {what} = "
+                         f"{2 * p * c} (the sequence is split into "
+                         f"{'2·p' if c == 1 else '2·p·c'} balanced chunks); pad or change "
                          f"--seq-length")
     return world_size // model
 
@@ -70,7 +77,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
 
     ``megatron_kwargs`` go to ``megatron.core.parallel_state.initialize_model_parallel`` (for
     example ``virtual_pipeline_model_parallel_size``, ``order``); ``context_parallel_size`` there
-    must stay 1 when ``metp_parallel_size > 1``.
+    is the outer factor ``c`` of METP × CP (Megatron's CP group: ``p·c`` ranks).
 
     Timeout: every group waits the one job timeout (:mod:`megatron_metp.runtime.watchdog`):
     ``ring_timeout_s``, else ``METP_RING_TIMEOUT_S`` (default 600 s). Megatron's groups are made
@@ -109,10 +116,10 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                          seq_length=seq_length, num_experts=num_experts)
     ps.initialize_model_parallel(tensor_model_parallel_size=tensor_model_parallel_size,
                                  pipeline_model_parallel_size=pipeline_model_parallel_size,
-                                 context_parallel_size=max(cp, metp_parallel_size),
+                                 context_parallel_size=cp * metp_parallel_size,
                                  expert_model_parallel_size=max(ep, metp_parallel_size),
                                  distributed_timeout_minutes=(timeout_s / 60.0 if minutes is None
                                                               else minutes),
                                  **megatron_kwargs)
     apply_to_process_groups(timeout_s)
-    return METPGroups.from_parallel_state(timeout_s=timeout_s)
+    return METPGroups.from_parallel_state(timeout_s=timeout_s, context_parallel_size=cp)

@@ -66,12 +66,15 @@ class Layout:
     positions; stock TP gets Megatron's dense document mask, METP and the ring baseline derive
     the boundaries from the tokens (:class:`~megatron_metp.megatron.packing.DocumentBoundaries`;
     every sample of a micro-batch must have the same boundaries). ``extra`` adds or overrides any other TransformerConfig
-    field.
+    field. ``cp``: METP × context parallelism, the *outer* factor ``c`` (mode ``"metp"`` only):
+    Megatron's CP group has ``metp·cp`` ranks, the sequence is split over all of them, the
+    weights over the METP group only (world = TP × METP × CP × PP × DP).
     """
 
     tp: int = 1
     pp: int = 1
     metp: int = 1
+    cp: int = 1
     mode: str = "metp"
     micro_batch_size: int = 1
     global_batch_size: int = 4
@@ -88,6 +91,12 @@ class Layout:
     extra: Dict = field(default_factory=dict)
 
     def __post_init__(self):
+        if isinstance(self.cp, bool) or not isinstance(self.cp, int) or self.cp < 1:
+            raise ValueError(f"Layout.cp must be an int >= 1, got {self.cp!r}")
+        if self.cp > 1 and self.mode != "metp":
+            raise ValueError(f"Layout.cp={self.cp} (METP × CP) needs mode='metp', got "
+                             f"mode={self.mode!r}; stock Megatron CP is context_parallel_size="
+                             f"metp with mode='tp'")
         if self.recompute not in RECOMPUTE:
             hint = (" (selective recompute is refused with METP: its attention and MLP already "
                     "recompute per weight shard; pass recompute='full')"
@@ -106,6 +115,11 @@ class Layout:
                 not isinstance(self.recompute_num_layers, int) or self.recompute_num_layers < 1:
             raise ValueError(f"Layout.recompute_num_layers must be an int >= 1, got "
                              f"{self.recompute_num_layers!r}")
+
+    @property
+    def model_ranks(self) -> int:
+        """Ranks of one model replica: TP × METP × CP × PP."""
+        return self.tp * self.pp * self.metp * self.cp
 
     def recompute_config(self, num_layers: int) -> dict:
         """The TransformerConfig fields of :attr:`recompute` (empty when it is None); checks
@@ -133,8 +147,9 @@ class Layout:
                      f"{self.recompute_num_layers}")
         if self.offload_activations:
             name += "+offload"
-        parts = [name] + [f"{k}={v}" for k, v in (("TP", self.tp), ("PP", self.pp)) if v > 1]
-        dp = dist.get_world_size() // (self.tp * self.pp * self.metp) if dist.is_initialized() else 1
+        parts = [name] + [f"{k}={v}" for k, v in (("CP", self.cp), ("TP", self.tp), ("PP", self.pp))
+                          if v > 1]
+        dp = dist.get_world_size() // self.model_ranks if dist.is_initialized() else 1
         if dp > 1:
             parts.append(f"DP={dp}" + ("+distopt" if self.distributed_optimizer else ""))
         return " × ".join(parts)
@@ -150,7 +165,7 @@ def transformer_config(size: GPTSize, layout: Layout):
         num_query_groups=size.num_query_groups or size.num_attention_heads,
         ffn_hidden_size=size.ffn_hidden_size, normalization=size.normalization,
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-        context_parallel_size=layout.metp,
+        context_parallel_size=layout.metp * layout.cp,
         use_cpu_initialization=True, perform_initialization=True,
         attention_dropout=0.0, hidden_dropout=0.0, add_bias_linear=size.bias,
         gated_linear_unit=size.swiglu, activation_func=F.silu if size.swiglu else F.gelu,
@@ -211,7 +226,7 @@ def build_model(size: GPTSize, layout: Layout, groups: METPGroups):
     if layout.packed_eod is not None and layout.mode != "tp":
         from .packing import DocumentBoundaries
 
-        DocumentBoundaries(groups.metp, eod_token=layout.packed_eod,
+        DocumentBoundaries(groups.metp.sequence_ring, eod_token=layout.packed_eod,
                            full_rope=layout.mode == "metp").attach(model)
     return model
 
@@ -368,7 +383,7 @@ def train(size: GPTSize, layout: Layout, steps: int, *, log: Optional[Callable[[
     cfg = ddp.config
     fwd_bwd = get_forward_backward_func()
     records = []
-    dp = dist.get_world_size() // (layout.tp * layout.pp * layout.metp)
+    dp = dist.get_world_size() // layout.model_ranks
     n_mb = layout.global_batch_size // (dp * layout.micro_batch_size)
     for step in range(start_step, start_step + steps):
         set_iteration(step + 1)
@@ -405,7 +420,7 @@ def setup(size: GPTSize, layout: Layout, *, seed: int = 1234) -> dict:
 
     from . import cpu
 
-    groups = METPGroups.from_parallel_state()
+    groups = METPGroups.from_parallel_state(context_parallel_size=layout.cp)
     # Megatron moves a tied embedding's last-stage copy to CUDA while building (PP > 1)
     with cpu.cuda_to_cpu() if cpu.is_enabled() else _null():
         model = build_model(size, layout, groups)
@@ -474,6 +489,7 @@ def init_parallel(layout: Layout, seq_length: Optional[int] = None, *,
     timeout_s = job_timeout_s() if timeout_s is None else float(timeout_s)
     if layout.mode == "metp":
         groups = initialize_model_parallel(layout.tp, layout.pp, layout.metp, seq_length=seq_length,
+                                           context_parallel_size=layout.cp,
                                            create_gloo_process_groups=False,
                                            ring_timeout_s=timeout_s)
     else:

@@ -182,6 +182,11 @@ def validate_metp_args(args):
     cp = args.context_parallel_size
     if getattr(args, _MAPPED, False) and cp == p:
         cp = 1  # mapped by an earlier call
+    if cp > 1:  # METP × CP runs in megatron-core (parallel.initialize_model_parallel) only
+        raise ValueError(f"--metp-parallel-size {p} with --context-parallel-size {cp}: METP × CP "
+                         f"is not wired into Megatron-LM's pretrain_gpt.py yet (megatron-core: "
+                         f"megatron_metp.megatron.parallel.initialize_model_parallel("
+                         f"context_parallel_size={cp})); drop --context-parallel-size")
     validate_metp_config(
         world_size=args.world_size, tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size, metp_parallel_size=p,

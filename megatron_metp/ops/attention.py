@@ -103,8 +103,10 @@ class _Geometry:
         return torch.cat([dq, dk, dv], dim=-1).reshape(n, b, self.qkv_rows)
 
 
-def _check_inputs(x, wqkv, wo, bqkv, bo, group: METPGroup, A, G, layout, causal, freqs):
+def _check_inputs(x, wqkv, wo, bqkv, bo, group: METPGroup, A, G, layout, causal, freqs,
+                  P=None):
     p = group.size
+    P = p if P is None else P  # ranks the sequence is split over (p·c under METP × CP)
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if x.dim() != 3:
@@ -140,12 +142,12 @@ def _check_inputs(x, wqkv, wo, bqkv, bo, group: METPGroup, A, G, layout, causal,
             raise ValueError(f"{name} has dtype {t.dtype} but x has {x.dtype}")
     if causal and layout == "dual_chunk" and n % 2:
         raise ValueError(f"layout='dual_chunk' needs an even number of local tokens (sequence "
-                         f"split into 2·p = {2 * p} chunks), got {n}; make the sequence length "
-                         f"divisible by {2 * p}")
+                         f"split into 2·{'p·c' if P != p else 'p'} = {2 * P} chunks), got {n}; "
+                         f"make the sequence length divisible by {2 * P}")
     if freqs is not None:
-        if freqs.dim() != 4 or freqs.shape[0] not in (n, n * p) or freqs.shape[-1] > d \
+        if freqs.dim() != 4 or freqs.shape[0] not in (n, n * P) or freqs.shape[-1] > d \
                 or freqs.shape[-1] % 2:
-            raise ValueError(f"rotary_pos_emb must be Megatron's RoPE angles [s/p={n} or s={n * p}, "
+            raise ValueError(f"rotary_pos_emb must be Megatron's RoPE angles [s/p={n} or s={n * P}, "
                              f"1, 1, r] with even r <= head dim {d}, got {tuple(freqs.shape)}")
     return d
 
@@ -333,7 +335,7 @@ def _keep_owned(in_flight, rank, acc):
 class _METPAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, wqkv, bqkv, wo, bo, freqs, group: METPGroup, geo: _Geometry, causal, layout,
-                scale, kernel, label, kb, grad_dtype, cu):
+                scale, kernel, label, kb, grad_dtype, cu, seq: METPGroup):
         check_finite(f"{label} (forward)", group, x=x, qkv_weight=wqkv, proj_weight=wo,
                      qkv_bias=bqkv, proj_bias=bo)
         ctx.label = label
@@ -349,7 +351,7 @@ class _METPAttentionFunction(torch.autograd.Function):
         for _, (WQ, BQ, WOT) in _block_weights(group, wqkv, bqkv, wo, "fwd", kb):
             q, k, v, kv = _qkv_block(x2, WQ, BQ, freqs, geo, n, b, kb, tables)
             o = torch.empty(n, b, H * geo.d, dtype=x.dtype, device=x.device)
-            _, lse = ring_attention_forward(q, k, v, group, causal, layout, scale, kernel,
+            _, lse = ring_attention_forward(q, k, v, seq, causal, layout, scale, kernel,
                                             kv_packed=kv, defer_merge=kb > 1,
                                             out=_heads_first_view(o, H, geo.d), cu_seqlens=cu)
             outs.append(o)
@@ -366,6 +368,7 @@ class _METPAttentionFunction(torch.autograd.Function):
         ctx.save_for_backward(x, wqkv, bqkv, wo, freqs, *outs, *lses)
         ctx.args = (group, geo, causal, layout, scale, kernel, kb, grad_dtype)
         ctx.cu = cu
+        ctx.seq = seq
         ctx.has = (bqkv is not None, bo is not None, freqs is not None)
         return y.to(x.dtype).view(n, b, h)
 
@@ -402,7 +405,7 @@ class _METPAttentionFunction(torch.autograd.Function):
         gw = dict(dtype=grad_dtype or acc_dtype, device=x.device)
         for i, (WQ, BQ, WOT) in _block_weights(group, wqkv, bqkv, wo, "bwd", kb):
             q, k, v, kv = _qkv_block(x2, WQ, BQ, freqs, geo, n, b, kb, tables)
-            first = post_first_kv_packed(kv, group)  # hidden behind the dO / dWo GEMMs
+            first = post_first_kv_packed(kv, ctx.seq)  # hidden behind the dO / dWo GEMMs
             o2 = outs[i].view(N, -1)
             d_o = torch.mm(gy, WOT.t())
             if kb == 1:  # one buffer, one reduce: the pieces back to back
@@ -422,7 +425,7 @@ class _METPAttentionFunction(torch.autograd.Function):
 
             dq, dk, dv = ring_attention_backward(
                 _heads_first_view(d_o.view(n, b, -1), H, d), q, k, v,
-                _heads_first_view(outs[i], H, d), lses[i], group, causal, layout, scale, kernel,
+                _heads_first_view(outs[i], H, d), lses[i], ctx.seq, causal, layout, scale, kernel,
                 first=first, dv_out=dqkv_dv, cu_seqlens=ctx.cu)
             del q, k, v, kv, d_o, first, dv  # dv: written into dqkv already
             dqkv = made[0]
@@ -460,7 +463,7 @@ class _METPAttentionFunction(torch.autograd.Function):
         dwq, dbq, dwot = acc
         return (dx.to(x.dtype).view(n, b, h), weight_grad(wqkv, dwq), weight_grad(bqkv, dbq),
                 weight_grad(wo, dwot.t()), dbo,
-                None, None, None, None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None, None, None, None)
 
 
 def metp_attention(x: torch.Tensor, qkv_weight: torch.Tensor, proj_weight: torch.Tensor, *, group,
@@ -472,7 +475,8 @@ def metp_attention(x: torch.Tensor, qkv_weight: torch.Tensor, proj_weight: torch
                    kernel: Optional[str] = None, label: str = "metp_attention",
                    head_block=None,
                    grad_reduce_dtype: Optional[torch.dtype] = torch.float32,
-                   cu_seqlens=None, rope_per_document: bool = False) -> torch.Tensor:
+                   cu_seqlens=None, rope_per_document: bool = False,
+                   context_group=None) -> torch.Tensor:
     """The METP self-attention block (before the residual): ``y = Attn(x)·Woᵀ + bo``.
 
     Args:
@@ -515,17 +519,34 @@ def metp_attention(x: torch.Tensor, qkv_weight: torch.Tensor, proj_weight: torch
             cross-rank agreement check (:mod:`megatron_metp.runtime.agree`, on by default), which also requires
             it, every shape/dtype and every option to be equal on all ranks of the group.
 
-    Returns: ``y [s/p, b, h]``. Weight-shard gradients are complete; ``proj_bias``'s is this
+        context_group: METP × context parallelism (:mod:`megatron_metp.runtime.context`): the
+            sequence ring, a :class:`METPGroup` of ``p·c`` ranks containing ``group``'s (default:
+            ``group.context``, else ``group`` itself, ``c = 1``). The sequence is then split over
+            its ``p·c`` ranks in ``layout`` order (``x [s/(p·c), b, h]``; its rank index ``R``
+            is the chunk index; RoPE rows and ``cu_seqlens`` refer to the whole sequence of
+            ``s`` tokens); the weight broadcasts stay in ``group``; each head group's K/V ring
+            (forward, and dK/dV home in backward) runs over the ``p·c`` ranks.
+
+    Returns: ``y [s/p, b, h]`` (``[s/(p·c), b, h]`` under CP). Weight-shard gradients are
+    complete over the tokens of ``group`` (under CP the caller sums them over the ``c`` METP
+    groups of the context group, Megatron's expert-DP reduction); ``proj_bias``'s is this
     rank's token partial (replicated parameter, reduced over the group by the caller's DDP).
     """
     group = as_metp_group(group)
+    seq = group.sequence_ring if context_group is None else as_metp_group(context_group)
     try:
+        if seq is not group and (seq.size % group.size
+                                 or any(g not in seq.ranks for g in group.ranks)):
+            raise ValueError(f"context_group {seq.name!r} (global ranks {list(seq.ranks)}) must "
+                             f"contain every rank of the METP group {group.name!r} "
+                             f"({list(group.ranks)}) and have a multiple of {group.size} ranks")
         d = _check_inputs(x, qkv_weight, proj_weight, qkv_bias, proj_bias, group, num_heads,
-                          num_query_groups, shape_layout(layout), causal, rotary_pos_emb)
+                          num_query_groups, shape_layout(layout), causal, rotary_pos_emb,
+                          seq.size)
         kern = select_kernel(x.device, x.dtype, kernel)
         kb = head_block_size(group.size, num_heads // group.size, x.shape[0] * x.shape[1],
                              x.device, head_block)
-        n, p = x.shape[0], group.size
+        n, p = x.shape[0], seq.size  # the sequence's split (p·c ranks under CP)
         cu = check_packed(cu_seqlens, n * p, causal, layout, p)
         freqs = rotary_pos_emb
         if rope_per_document and cu is None:
@@ -542,17 +563,17 @@ def metp_attention(x: torch.Tensor, qkv_weight: torch.Tensor, proj_weight: torch
                                  f"table [s={n * p}, 1, 1, r] (positions restart at each "
                                  f"document start), got {tuple(freqs.shape)}: a per-rank "
                                  f"[s/p, 1, 1, r] slice cannot be re-indexed per document")
-            freqs = freqs.index_select(0, document_positions(cu, group.rank, p, n, layout,
+            freqs = freqs.index_select(0, document_positions(cu, seq.rank, p, n, layout,
                                                              device=x.device))
         elif freqs is not None and freqs.shape[0] != n:
-            pos = local_positions(group.rank, p, n, layout=layout, device=x.device)
+            pos = local_positions(seq.rank, p, n, layout=layout, device=x.device)
             freqs = freqs.index_select(0, pos)
     except ValueError as exc:
-        refuse_together(group, op_label("metp_attention", label), exc)
+        refuse_together(seq, op_label("metp_attention", label), exc)
         raise
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    if agreement_checks_enabled():
-        check_group_agrees(group, op_label("metp_attention", label), label=label, x=x,
+    if agreement_checks_enabled():  # over the sequence ring: every rank of every METP group
+        check_group_agrees(seq, op_label("metp_attention", label), label=label, x=x,
                            qkv_weight=qkv_weight, proj_weight=proj_weight, qkv_bias=qkv_bias,
                            proj_bias=proj_bias, rotary_pos_emb=rotary_pos_emb,
                            num_heads=num_heads, num_query_groups=num_query_groups,
@@ -564,4 +585,4 @@ def metp_attention(x: torch.Tensor, qkv_weight: torch.Tensor, proj_weight: torch
     geo = _Geometry(num_heads, num_query_groups, d, group.size)
     return _METPAttentionFunction.apply(x, qkv_weight, qkv_bias, proj_weight, proj_bias, freqs,
                                         group, geo, bool(causal), layout, float(scale), kern,
-                                        label, kb, grad_reduce_dtype, cu)
+                                        label, kb, grad_reduce_dtype, cu, seq)

@@ -1,4 +1,5 @@
 """The runtime under the METP ops: explicit process groups (:mod:`.groups`), the double-buffered
 ring exchange (:mod:`.ring`), the one timeout and stalled-rank naming (:mod:`.watchdog`), the
-cross-rank agreement check (:mod:`.agree`), the finite check (:mod:`.finite`) and host offload of
+cross-rank agreement check (:mod:`.agree`), the finite check (:mod:`.finite`), the METP × CP
+sequence ring (:mod:`.context`) and host offload of
 saved activations (:mod:`.offload`). Nothing here imports megatron-core or the ops."""

@@ -84,6 +84,11 @@ class METPGroup:
             K/V ring uses (:attr:`kv_ring`), so that K/V blocks never queue behind the weight
             broadcasts and gradient reduces of this group; it shares ``stats``. ``None``: the
             K/V ring runs on this group.
+        context: under METP × context parallelism, the *sequence ring*: a group of ``p·c``
+            ranks (Megatron's CP group) that contains this one, over which the sequence is
+            split and the attention's K/V ring runs (:attr:`sequence_ring`); built by
+            :func:`megatron_metp.runtime.context.attach_context_group`. ``None`` (``c = 1``):
+            the sequence is split over this group, as before.
     """
 
     group: Optional[dist.ProcessGroup]
@@ -96,6 +101,13 @@ class METPGroup:
     name: str = "metp"
     stats: RingStats = field(default_factory=RingStats)
     kv: Optional["METPGroup"] = field(default=None, repr=False)
+    context: Optional["METPGroup"] = field(default=None, repr=False)
+
+    @property
+    def sequence_ring(self) -> "METPGroup":
+        """The group the sequence is split over and the attention's K/V ring runs on
+        (:attr:`context`, else this one)."""
+        return self.context if self.context is not None else self
 
     @property
     def kv_ring(self) -> "METPGroup":
