@@ -110,9 +110,6 @@ def test_cp_refusals_name_the_flag():
         P.validate(LLAMA8.with_seq(96), _job(), ["metp"])
     with pytest.raises(ValueError, match="--cp must be a positive integer"):
         P.validate(LLAMA8, _job(cp=0), ["metp"])
-    from megatron_metp.tools import measure as M
-    with pytest.raises(ValueError, match="--cp 4: metp measure does not build"):
-        M.refuse_unmeasurable(_job())
 
 
 def test_cli_plan_with_cp_reports_the_internode_hop(capsys):
@@ -213,3 +210,52 @@ def test_reach_llama3_70b_on_32_metp_best_ahead_of_stock_best():
     assert m.seq >= 2 * st.seq and m.seq >= 4_000_000
     assert m.total <= P.capacity_bytes(m.job)
     assert m.host_per_node <= R.DEFAULT_HOST_GIB_PER_NODE * P.GiB
+
+
+SMALL_CP = P.Job(tp=1, metp=2, cp=2, vocab_parallel=True, distributed_optimizer=True)
+
+
+@pytest.fixture(scope="module")
+def cp_measured():
+    """``metp measure`` of METP 2 × CP 2 (1 and 2 layers) and TP 2 × METP 2 × CP 2 with full
+    recompute and host offload: rank 0 of the real megatron-core model under the fake group."""
+    from megatron_metp.tools import measure as M
+
+    tp2 = replace(SMALL, heads=8, query_groups=4, seq=16384)
+    tp2_job = replace(SMALL_CP, tp=2, recompute="full", offload=True)
+    runs = [(replace(SMALL, layers=1), SMALL_CP), (SMALL, SMALL_CP), (tp2, tp2_job)]
+    out = []
+    for model, job in runs:
+        r = M.measure(model, job, "metp")[0]
+        assert "error" not in r, r.get("error")
+        out.append((model, job, r))
+    return out
+
+
+def test_measure_cp_matches_the_plan(cp_measured):
+    for model, job, r in cp_measured:
+        mem = P.memory(model, job, "metp")
+        assert r["tokens_per_rank"] == model.seq // (job.metp * job.cp)
+        assert mem.measured_part == pytest.approx(r["peak"], rel=0.01), (job, r["peak"])
+        if job.offload:
+            assert r["host_peak"] == pytest.approx(mem.act.host, rel=0.01)
+    # bytes per layer (2 layers − 1 layer) are the planned METP × CP traffic exactly
+    (m1, _, r1), (m2, job, r2) = cp_measured[:2]
+    assert r2["sent"] - r1["sent"] == sum(P.traffic_per_layer(m2, job, "metp").values())
+    # negative control: METP 2 without CP on the same sequence is planned (and measured) larger
+    assert P.memory(m2, replace(job, cp=1), "metp").measured_part > 1.05 * r2["peak"]
+
+
+def test_config_llama3_8b_16m_metp8_cp4():
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "configs", "llama3-8b-16m-metp8-cp4.sh")
+    from megatron_metp.tools.cli import build_from_argv
+
+    model, job, modes = build_from_argv(["--config", path])
+    assert (job.tp, job.metp, job.cp, job.pp, job.dp) == (1, 8, 4, 1, 1)
+    assert job.replica == 32 and modes == ["metp"] and job.vocab_parallel
+    assert (job.recompute, job.offload, job.distributed_optimizer) == ("full", True, True)
+    assert (model.seq, model.hidden, model.groups, model.ffn) == (16777216, 4096, 8, 14336)
+    mem = P.memory(model, job, "metp")
+    assert mem.total <= 76 * P.GiB and 8 * mem.act.host <= 1862 * P.GiB

@@ -213,7 +213,8 @@ def measure_table(model, job, modes, results) -> str:
     lines.append(f"# measured vs planned, rank 0: {model.name} h={model.hidden} L={model.layers} "
                  f"a={model.heads} ffn={model.ffn} vocab={model.vocab} s={model.seq:,} "
                  f"b={job.micro_batch}, {job.kernel} attention, tp={job.tp} metp={job.metp} "
-                 f"pp={job.pp}" + (", METP vocabulary split" if job.vocab_parallel else ""))
+                 + (f"cp={job.cp} " if job.cp > 1 else "")
+                 + f"pp={job.pp}" + (", METP vocabulary split" if job.vocab_parallel else ""))
     lines.append("# measured: torch fake process group + FakeTensorMode + MemTracker, one "
                  "micro-batch fwd+bwd (×PP in flight) of megatron-core GPTModel, params + fp32 "
                  "main_grad + activations; optimizer states are planned (not measured)")

@@ -73,7 +73,6 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     P.validate(model, job, modes=[mode])
-    refuse_unmeasurable(job)
     asked = mode
     mode, job = P.canonical(mode, job)  # "metp+vocab" -> "metp" with job.vocab_parallel
     lay = P.layout(mode, job)
@@ -94,7 +93,7 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
     from ..runtime.offload import ActivationOffloader
 
     # METP folds its groups into parallel_state; the stock modes are TP(+SP) x CP there
-    groups = init_parallel(TrainingLayout(tp=lay.t, pp=job.pp, metp=lay.c,
+    groups = init_parallel(TrainingLayout(tp=lay.t, pp=job.pp, metp=lay.p, cp=lay.cp,
                                           mode="metp" if mode == "metp" else "tp"),
                            seq_length=model.seq)
     torch.set_default_dtype(torch.bfloat16)
@@ -134,7 +133,7 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
         spec.submodules.pre_mlp_layernorm = CpuSPNorm
         block = TransformerBlockSubmodules(layer_specs=[spec] * layers_here, layer_norm=CpuSPNorm)
 
-    n = model.seq // lay.c  # this rank's tokens
+    n = model.seq // lay.c  # this rank's tokens (METP × CP: s/(p·c))
     b = job.micro_batch
     first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
     inflight = job.inflight
@@ -222,14 +221,6 @@ def _depths(model: "P.Model", job: "P.Job", measure_layers: str):
                            offload=job.offload)
 
 
-def refuse_unmeasurable(job: "P.Job") -> None:
-    """``ValueError`` for a job the fake-rank measurement cannot build yet (METP × CP: the ops'
-    context group is not wired into the measured model), naming the flag and the alternative."""
-    if job.cp > 1:
-        raise ValueError(f"--cp {job.cp}: metp measure does not build METP × CP models yet; plan "
-                         f"it with metp plan --cp {job.cp}, or measure --cp 1")
-
-
 def measure(model: "P.Model", job: "P.Job", modes, *, jobs: int = 1, timeout: float = 600.0,
             cpu_matmul: bool = False, measure_layers: str = "full") -> List[Dict]:
     """Measure each mode (a list, or one name) in its own forked child; ``jobs`` at a time.
@@ -243,7 +234,6 @@ def measure(model: "P.Model", job: "P.Job", modes, *, jobs: int = 1, timeout: fl
     if isinstance(modes, str):
         modes = [modes]
     P.validate(model, job, modes=modes)
-    refuse_unmeasurable(job)
     depths = _depths(model, job, measure_layers)
     FR.preload_megatron()
     runs = [(m, model) for m in modes] if depths is None else \
