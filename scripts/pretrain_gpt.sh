@@ -26,7 +26,8 @@
 #   MASTER_PORT [6000]                      torchrun rendezvous (one torchrun per node)
 #   MEGATRON_LM_DIR [/opt/Megatron-LM]      patched checkout at core_v0.16.1
 #   TP PP METP [1 1 1] SEQUENCE_PARALLEL [1 when TP>1 and METP=1]   model parallelism
-#   CP [1] VPP [unset]                      Megatron context parallelism (stock baselines only),
+#   CP [1] VPP [unset]                      Megatron context parallelism (with METP > 1: the outer
+#                                           factor c, world = TP x METP x CP x PP x DP),
 #                                           layers per virtual pipeline stage
 #   NUM_LAYERS HIDDEN_SIZE FFN_HIDDEN_SIZE NUM_ATTENTION_HEADS NUM_QUERY_GROUPS SEQ_LENGTH
 #   SWIGLU [0] NORMALIZATION [LayerNorm] UNTIE_EMBEDDINGS [0] DISABLE_BIAS_LINEAR [0]

@@ -129,6 +129,22 @@ def test_metp_is_mapped_onto_context_parallelism(capsys):
     assert args.world_size // (args.tensor_model_parallel_size * args.context_parallel_size) == 1
 
 
+def test_metp_times_cp_maps_onto_context_parallelism_of_p_times_c(capsys):
+    """--context-parallel-size c with METP is the outer factor: Megatron's CP size is p·c, the
+    world TP × p × c × PP × DP; validating again keeps it (not p·c·c)."""
+    args = _args(metp_parallel_size=8, context_parallel_size=4, world_size=64,
+                 seq_length=16 * 2 ** 20)
+    megatron_lm.validate_metp_args(args)
+    assert args.context_parallel_size == 32
+    assert "--context-parallel-size 4 (the outer factor" in capsys.readouterr().out
+    megatron_lm.validate_metp_args(args)
+    assert args.context_parallel_size == 32
+    assert args.world_size // (args.tensor_model_parallel_size * args.context_parallel_size) == 2
+    with pytest.raises(ValueError, match="2×METP×CP = 64"):
+        megatron_lm.validate_metp_args(_args(metp_parallel_size=8, context_parallel_size=4,
+                                             world_size=32, seq_length=4096 + 32))
+
+
 def test_vocab_parallel_folds_metp_into_megatrons_vocab_padding(capsys):
     from megatron_metp.ops import padded_vocab_size
 
@@ -163,7 +179,7 @@ def test_sequence_parallel_with_tp1_is_left_to_megatron():
 
 @pytest.mark.parametrize("kw,needles", [
     (dict(world_size=12), ["world size 12", "--metp-parallel-size"]),
-    (dict(context_parallel_size=2, world_size=16), ["--context-parallel-size 2"]),
+    (dict(context_parallel_size=2, world_size=24), ["world size 24", "--context-parallel-size"]),
     (dict(seq_length=4100), ["--seq-length 4100", "2×METP = 16"]),
     (dict(num_experts=8), ["MoE", "--num-experts 8"]),
     (dict(tensor_model_parallel_size=2, world_size=16, sequence_parallel=True),
@@ -424,7 +440,8 @@ def test_every_added_line_only_calls_megatron_lm():
     (dict(tp_comm_overlap=True), ["--tp-comm-overlap", "drop it"]),
     (dict(use_flash_attn=True, metp_attention_kernel="reference"),
      ["--use-flash-attn with --metp-attention-kernel reference", "keep one"]),
-    (dict(context_parallel_size=2, world_size=16), ["--context-parallel-size 2"]),
+    (dict(context_parallel_size=2, world_size=16, metp_disable_weight_ring=True),
+     ["--metp-disable-weight-ring", "--context-parallel-size 2"]),
     (dict(recompute_activations=True), ["--recompute-activations", "--recompute-granularity full"]),
     (dict(recompute_granularity="selective"), ["--recompute-granularity selective"]),
     (dict(cpu_offloading=True), ["--cpu-offloading", "--metp-offload-activations"]),

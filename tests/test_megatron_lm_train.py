@@ -181,3 +181,26 @@ def test_packed_documents_train_with_the_same_losses_as_stock_tp(patched_megatro
     # gives 7.136188, and stock TP without its dense mask 7.143366 (it then ignores
     # --reset-attention-mask): tests/test_packed_megatron.py checks that the mask matters
 
+
+
+def test_metp_times_cp_trains_with_the_stock_tp_twins_losses(patched_megatron_lm, tmp_path):
+    """METP 2 × CP 2 on 4 CPU ranks (configs/tiny-cpu-metp2-cp2.sh: --context-parallel-size 2
+    is the outer factor, Megatron's CP group has 4 ranks) through pretrain_gpt.py prints the
+    losses of its twin, stock TP 2 on 2 ranks (tiny-cpu-tp2.sh), from iteration 1: METP draws
+    its shards as stock TP of size TP × METP does, and both run DP 1, so Megatron's sampler
+    feeds both the same global batches in the same order."""
+    out = tmp_path / "cmp"
+    proc = subprocess.run(["bash", "scripts/compare_tp.sh", "--config",
+                           "configs/tiny-cpu-metp2-cp2.sh", "--iters", "2", "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True,
+                          env=_env(patched_megatron_lm), timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    metp, tp = (_iterations((out / f"{n}.log").read_text()) for n in ("metp", "tp"))
+    assert sorted(metp) == sorted(tp) == [1, 2]
+    for k in metp:
+        assert abs(metp[k][0] - tp[k][0]) <= 1e-5 * abs(tp[k][0]), (k, metp[k], tp[k])
+    assert metp[1][0] != metp[2][0]
+    log = (out / "metp.log").read_text()
+    assert re.search(r"\bcontext_parallel_size \.+ 4\b", log)
+    assert re.search(r"\bworld_size \.+ 4\b", log)
+    assert "context-parallel (outer) 2 (K/V ring over 4 ranks)" in log

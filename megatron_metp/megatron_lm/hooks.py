@@ -46,6 +46,9 @@ ATTENTION_KERNELS = ("auto", "flash_attn", "torch_flash", "reference")
 
 #: set on ``args`` once ``validate_metp_args`` has moved METP onto the context-parallel dimension
 _MAPPED = "metp_context_parallel_mapped"
+#: set on ``args``: ``--context-parallel-size`` as given with METP (the outer factor ``c`` of
+#: METP × CP; Megatron's context-parallel size becomes ``p·c``)
+CP_OUTER = "metp_context_parallel_outer"
 #: set on ``args``: ``--make-vocab-size-divisible-by`` as given, before METP's factor
 _VOCAB_BASE = "metp_vocab_divisible_by_base"
 
@@ -180,13 +183,13 @@ def validate_metp_args(args):
         return args
     tp = args.tensor_model_parallel_size
     cp = args.context_parallel_size
-    if getattr(args, _MAPPED, False) and cp == p:
-        cp = 1  # mapped by an earlier call
-    if cp > 1:  # METP × CP runs in megatron-core (parallel.initialize_model_parallel) only
-        raise ValueError(f"--metp-parallel-size {p} with --context-parallel-size {cp}: METP × CP "
-                         f"is not wired into Megatron-LM's pretrain_gpt.py yet (megatron-core: "
-                         f"megatron_metp.megatron.parallel.initialize_model_parallel("
-                         f"context_parallel_size={cp})); drop --context-parallel-size")
+    if getattr(args, _MAPPED, False):
+        cp = getattr(args, CP_OUTER, 1)  # mapped by an earlier call: Megatron's CP is p·c
+    if cp > 1 and getattr(args, "metp_disable_weight_ring", False):
+        raise ValueError(f"--metp-disable-weight-ring (ring self-attention) with "
+                         f"--context-parallel-size {cp}: the ring baseline runs over the METP "
+                         f"group only; drop --context-parallel-size (or use stock "
+                         f"--context-parallel-size without METP)")
     validate_metp_config(
         world_size=args.world_size, tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size, metp_parallel_size=p,
@@ -198,12 +201,15 @@ def validate_metp_args(args):
     if problems:
         raise ValueError(f"--metp-parallel-size {p} cannot be used with: " + "; ".join(problems))
     _map_kernel_flags(args)
-    args.context_parallel_size = p
+    args.context_parallel_size = p * cp
+    setattr(args, CP_OUTER, cp)
     setattr(args, _MAPPED, True)
     if getattr(args, "rank", 0) == 0:
-        print(f"> METP: --metp-parallel-size {p} runs on Megatron's context-parallel dimension "
-              f"(context-parallel size {p}); expert groups are folded onto the METP rings in "
-              f"parallel_state only", flush=True)
+        cp_note = (f" x --context-parallel-size {cp} (the outer factor: the sequence over all "
+                   f"{p * cp} ranks, weights over the {p} of each METP ring)") if cp > 1 else ""
+        print(f"> METP: --metp-parallel-size {p}{cp_note} runs on Megatron's context-parallel "
+              f"dimension (context-parallel size {p * cp}); expert groups are folded onto the "
+              f"METP rings in parallel_state only", flush=True)
     _fold_vocab_padding(args, p)
     return args
 
@@ -416,22 +422,28 @@ def check_metp_parallel_state(args) -> None:
     from megatron.core import parallel_state as ps
 
     p = args.metp_parallel_size
+    c = getattr(args, CP_OUTER, 1)
     fix = "apply all of patches/ with scripts/apply_patches.sh MEGATRON_LM_DIR"
     cp = ps.get_context_parallel_world_size()
-    if cp != p:
+    if cp != p * c:
         raise RuntimeError(f"parallel_state has context-parallel size {cp}, but "
-                           f"--metp-parallel-size is {p}: validate_args did not map METP onto "
-                           f"context parallelism ({fix})")
+                           f"--metp-parallel-size {p} x --context-parallel-size {c} is {p * c}: "
+                           f"validate_args did not map METP onto context parallelism ({fix})")
     ranks = dist.get_process_group_ranks
+    cp_ranks = ranks(ps.get_context_parallel_group())
+    ep_ranks = ranks(ps.get_expert_model_parallel_group())
     if ps.get_expert_model_parallel_world_size() != p or \
-            ranks(ps.get_expert_model_parallel_group()) != ranks(ps.get_context_parallel_group()):
+            (ep_ranks != cp_ranks if c == 1 else any(r not in cp_ranks for r in ep_ranks)):
         raise RuntimeError(f"parallel_state's expert-model-parallel groups are not the METP "
                            f"rings (expert-model-parallel size "
                            f"{ps.get_expert_model_parallel_world_size()}, METP {p}): the "
                            f"initialize_model_parallel call does not fold them ({fix})")
-    if ranks(ps.get_expert_data_parallel_group()) != ranks(ps.get_data_parallel_group()):
-        raise RuntimeError("expert data-parallel groups differ from pure data-parallel groups; "
-                           "METP-sharded gradients would be reduced over the wrong ranks")
+    edp = ps.get_expert_data_parallel_group()
+    if (c == 1 and ranks(edp) != ranks(ps.get_data_parallel_group())) or \
+            dist.get_world_size(edp) != c * ps.get_data_parallel_world_size():
+        raise RuntimeError("expert data-parallel groups differ from pure data-parallel groups "
+                           "(x the outer context-parallel factor); METP-sharded gradients "
+                           "would be reduced over the wrong ranks")
     dp = getattr(args, "data_parallel_size", None)
     if dp is not None and dp != ps.get_data_parallel_world_size():
         raise RuntimeError(f"args.data_parallel_size {dp} differs from parallel_state's "
@@ -490,7 +502,8 @@ def build_metp_gpt_model(args, pre_process, post_process, vp_stage=None, config=
     check_metp_parallel_state(args)
     from ..runtime.watchdog import megatron_lm_timeout_s
 
-    groups = METPGroups.from_parallel_state(timeout_s=megatron_lm_timeout_s(args))
+    groups = METPGroups.from_parallel_state(timeout_s=megatron_lm_timeout_s(args),
+                                            context_parallel_size=getattr(args, CP_OUTER, 1))
     vocab_parallel = bool(getattr(args, "metp_vocab_parallel", False))
     if vocab_parallel and args.padded_vocab_size % groups.shards:
         raise ValueError(f"--metp-vocab-parallel: the padded vocabulary ({args.padded_vocab_size}) "
@@ -505,7 +518,10 @@ def build_metp_gpt_model(args, pre_process, post_process, vp_stage=None, config=
         norm=select_norm(getattr(args, "transformer_impl", "local"), args.normalization).module)
     if not dist.is_initialized() or dist.get_rank() == 0:
         mode = "METP (weight ring + K/V ring)" if weight_ring else "ring self-attention"
-        print(f"building GPT model with {mode}: METP size {groups.metp.size}, TP size "
+        cp_note = (f", context-parallel (outer) {groups.metp.sequence_ring.size // groups.metp.size}"
+                   f" (K/V ring over {groups.metp.sequence_ring.size} ranks)"
+                   if groups.metp.context is not None else "")
+        print(f"building GPT model with {mode}: METP size {groups.metp.size}{cp_note}, TP size "
               f"{groups.tp_size}, attention kernel {kernel}, vocabulary "
               f"{'sharded over TP x METP' if vocab_parallel else 'sharded over TP only'}",
               flush=True)
@@ -533,6 +549,6 @@ def build_metp_gpt_model(args, pre_process, post_process, vp_stage=None, config=
     if getattr(args, "reset_attention_mask", False):  # packed documents: boundaries from EOD
         from ..megatron.packing import DocumentBoundaries
 
-        DocumentBoundaries(groups.metp, full_rope=weight_ring,
+        DocumentBoundaries(groups.metp.sequence_ring, full_rope=weight_ring,
                            layout=getattr(args, "metp_packed_layout", "dual_chunk")).attach(model)
     return model
