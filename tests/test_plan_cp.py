@@ -259,3 +259,41 @@ def test_config_llama3_8b_16m_metp8_cp4():
     assert (model.seq, model.hidden, model.groups, model.ffn) == (16777216, 4096, 8, 14336)
     mem = P.memory(model, job, "metp")
     assert mem.total <= 76 * P.GiB and 8 * mem.act.host <= 1862 * P.GiB
+
+
+def test_dry_run_report_names_metp_and_cp():
+    from megatron_metp.tools import dry_run
+    from tests.test_scripts import _report
+
+    r = _report(70)
+    r["world"] = dict(r["world"], world=32, cp=32, ep=8, expert_dp=4)
+    text = dry_run.format_report(r, gpu_memory_gib=80)
+    assert "world 32 = TP 1 x METP 8 x CP 4 (Megatron's CP group of 32" in text
+    # without CP the line is as before
+    assert "world 8 = TP 1 x METP 8 x PP 1 x DP 1" in dry_run.format_report(_report(70))
+
+
+def test_agreement_mode_of_a_metp_cp_config():
+    import os
+
+    from megatron_metp.tools import agreement as A
+
+    cfg = os.path.join(os.path.dirname(__file__), "..", "configs", "llama3-8b-16m-metp8-cp4.sh")
+    twin = os.path.join(os.path.dirname(__file__), "..", "configs", "llama3-8b-4m-cp8.sh")
+    assert A.mode_of(A.model_job(cfg)[1], cfg) == "metp"
+    assert A.mode_of(A.model_job(twin)[1], twin) == "ring"  # stock CP stays the ring mode
+
+
+def test_dry_run_plan_and_measure_agree_on_metp_cp(patched_megatron_lm, monkeypatch):
+    """The tiny METP 2 × CP 2 config through Megatron-LM's parser, validate_args and model
+    provider (dry run), the plan and the measurement: per-rank totals within 3 % (bf16, what the
+    planner models; the config trains in fp32 on CPU ranks)."""
+    import os
+
+    from megatron_metp.tools import agreement as A
+
+    monkeypatch.setenv("PRECISION", "bf16")
+    cfg = os.path.join(os.path.dirname(__file__), "..", "configs", "tiny-cpu-metp2-cp2.sh")
+    row = A.compare(cfg, patched_megatron_lm)
+    assert row["mode"] == "metp" and row["layout"] == "METP=2×CP=2", row
+    assert abs(row["plan_vs_dry_run"]) <= 0.03 and abs(row["measure_vs_dry_run"]) <= 0.03, row
