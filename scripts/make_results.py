@@ -490,8 +490,9 @@ def part_reach(out, meas):
                "rank's shard). A layout fits when the per-rank total fits the device and the "
                "pinned + pageable host bytes of a node (offloaded activations + offloaded "
                "optimizer) fit a DGX H100's 2 TB (1,862 GiB). Published figures (ALST, UPipe) "
-               "are the papers' own, on the same GPUs; METP × CP is planned only (its ops are "
-               "being built on branch cp-ops; no METP × CP figure here is measured).\n")
+               "are the papers' own, on the same GPUs. Every figure of the two tables is planned; "
+               "the 16M METP × CP job below is also measured (`metp measure` and the Megatron-LM "
+               "dry run of `configs/llama3-8b-16m-metp8-cp4.sh`: docs/megatron-lm.md).\n")
     done = {}
     for model in (LLAMA3_8B, LLAMA3_70B):
         out.append(f"**{model.name}** (h {model.hidden}, {model.layers} layers, {model.heads} "
