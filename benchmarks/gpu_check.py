@@ -16,7 +16,12 @@ Writes ``<out>/gpu_check.json`` and ``<out>/gpu_check.md``. Parts:
    ``--iters`` after a warm-up), ``torch.cuda.max_memory_allocated`` during fwd+bwd next to the
    CPU instrument's peak for the same stack (``FakeTensorMode`` + ``MemTracker`` with the CUDA
    accounting, as ``metp measure`` does), and kernel launches per layer from the CUDA profiler
-   (stacks of 1 and 2 layers, their difference). Wall time is bounded by ``--budget`` seconds:
+   (stacks of 1 and 2 layers, their difference). Mode ``metp-cp`` is METP × context parallelism:
+   rank 0 of a fake world of ``p·cp`` ranks (``--cp``, the outer factor), holding ``s/(p·cp)``
+   tokens, its weight ring and broadcasts over the ``p`` ranks of its METP group and each head
+   group's K/V ring over the ``p·cp`` ranks of the CP group (on one GPU the K/V messages go
+   nowhere; what it measures is one rank's memory, compute and launches at that split).
+   Wall time is bounded by ``--budget`` seconds:
    cases that would start past it are reported as skipped (by name, never silently).
 
 ``--dry`` runs the same code on this CPU with tiny shapes (kernels on CPU tensors, stacks on CPU
@@ -95,7 +100,14 @@ def kernels_check(device: str, shapes) -> list:
 
 # ----------------------------------------------------------------------------- 2. stacks
 
-def _cpu_instrument_peak(mode, seq, p, layers, geo) -> int:
+def _stack_mode(mode, cp):
+    """``(build_stack mode, cp, fake world factor)`` of a gpu_check mode."""
+    if mode == "metp-cp":
+        return "metp", cp, cp
+    return mode, 1, 1
+
+
+def _cpu_instrument_peak(mode, seq, p, layers, geo, cp=1) -> int:
     """The CPU instrument's peak for the stack: FakeTensorMode + MemTracker + CUDA accounting
     (run in a fresh forked process)."""
     import launches
@@ -103,11 +115,13 @@ def _cpu_instrument_peak(mode, seq, p, layers, geo) -> int:
 
     from megatron_metp.ops import attention_kernels
 
-    FR.fake_world(p)
+    mode, cp, world = _stack_mode(mode, cp)
+    FR.fake_world(p * world)
     undo = attention_kernels.emulate_cuda_branch()  # the GPU code paths (head-group blocks)
     try:
         with FakeTensorMode():
-            model, x, freqs, grad, _ = launches.build_stack(mode, seq, p, layers=layers, **geo)
+            model, x, freqs, grad, _ = launches.build_stack(mode, seq, p, layers=layers, cp=cp,
+                                                            **geo)
             trk = FR.tracker()
             trk.track_external(model, x, freqs, grad)
             with FR.measuring(trk):
@@ -118,24 +132,27 @@ def _cpu_instrument_peak(mode, seq, p, layers, geo) -> int:
         undo()
 
 
-def _launches_dispatch(mode, seq, p, geo) -> int:
+def _launches_dispatch(mode, seq, p, geo, cp=1) -> int:
     import launches
 
-    return launches.per_layer(mode, seq, p, **geo)["launches"]
+    mode, cp, _ = _stack_mode(mode, cp)
+    return launches.per_layer(mode, seq, p, cp=cp, **geo)["launches"]
 
 
-def run_stack(mode, seq, p, layers, geo, device, iters) -> dict:
+def run_stack(mode, seq, p, layers, geo, device, iters, cp=1) -> dict:
     """fwd+bwd time, peak memory and (GPU) CUDA kernels of the stack (fresh process)."""
     import torch
 
     import launches
 
     gpu = device == "cuda"
-    FR.fake_world(p, megatron=not gpu)
+    name = mode
+    mode, cp, world = _stack_mode(mode, cp)
+    FR.fake_world(p * world, megatron=not gpu)
     if gpu:  # pragma: no cover - GPU only
         torch.cuda.set_device(0)
-    model, x, freqs, grad, _ = launches.build_stack(mode, seq, p, layers=layers, device=device,
-                                                    gpu=gpu, **geo)
+    model, x, freqs, grad, groups = launches.build_stack(mode, seq, p, layers=layers,
+                                                         device=device, gpu=gpu, cp=cp, **geo)
 
     def step():
         out = model(x, attention_mask=None, rotary_pos_emb=freqs)
@@ -162,7 +179,11 @@ def run_stack(mode, seq, p, layers, geo, device, iters) -> dict:
             t0 = time.perf_counter()
             step()
             times.append(time.perf_counter() - t0)
-    res = {"mode": mode, "seq": seq, "layers": layers, "fwd_bwd_s": statistics.median(times)}
+    res = {"mode": name, "seq": seq, "layers": layers, "fwd_bwd_s": statistics.median(times),
+           "cp": cp, "tokens_per_rank": int(x.shape[0])}
+    if mode == "metp":
+        ring = groups.metp.sequence_ring
+        res.update(metp_ranks=groups.metp.size, kv_ring_ranks=ring.size)
     if gpu:  # pragma: no cover - GPU only
         res["max_memory_allocated"] = torch.cuda.max_memory_allocated()
         res["allocated_before"] = base
@@ -176,7 +197,7 @@ def run_stack(mode, seq, p, layers, geo, device, iters) -> dict:
     return res
 
 
-def stacks(seqs, modes, p, layers, geo, device, iters, budget, t_start) -> list:
+def stacks(seqs, modes, p, layers, geo, device, iters, budget, t_start, cp=1) -> list:
     rows = []
     for seq in seqs:
         for mode in modes:
@@ -184,7 +205,7 @@ def stacks(seqs, modes, p, layers, geo, device, iters, budget, t_start) -> list:
             if time.monotonic() - t_start > budget:
                 rows.append({"mode": mode, "seq": seq, "skipped": f"past the {budget:g} s budget"})
                 continue
-            got = FR.map_isolated(lambda L: run_stack(mode, seq, p, L, geo, device, iters),
+            got = FR.map_isolated(lambda L: run_stack(mode, seq, p, L, geo, device, iters, cp),
                                   [(1,), (layers,)], timeout=max(60.0, budget),
                                   what=lambda a: f"{name} layers={a[0]}")
             if any("error" in g for g in got):
@@ -199,10 +220,10 @@ def stacks(seqs, modes, p, layers, geo, device, iters, budget, t_start) -> list:
                 row["launches_from"] = "CUDA profiler (kernels, 2 layers - 1 layer)"
             else:
                 row["launches_per_layer"] = FR.run_isolated(_launches_dispatch, mode, seq, p, geo,
-                                                            timeout=600)
+                                                            cp, timeout=600)
                 row["launches_from"] = "dispatch counter (benchmarks/launches.py)"
             row["cpu_instrument_peak"] = FR.run_isolated(_cpu_instrument_peak, mode, seq, p,
-                                                         layers, geo, timeout=600)
+                                                         layers, geo, cp, timeout=600)
             rows.append(row)
     return rows
 
@@ -236,7 +257,10 @@ def main(argv=None) -> int:
     ap.add_argument("--p", type=int, default=8)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--seq", type=int, nargs="+", default=[16384, 32768, 65536, 131072])
-    ap.add_argument("--modes", nargs="+", default=["metp", "tp-sp", "tp"])
+    ap.add_argument("--modes", nargs="+", default=["metp", "tp-sp", "tp", "metp-cp"],
+                    help="metp, tp-sp, tp, metp-cp (METP × CP, --cp)")
+    ap.add_argument("--cp", type=int, default=4,
+                    help="outer context-parallel factor of mode metp-cp (default 4; --dry: 2)")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--budget", type=float, default=420.0,
                     help="seconds after which no further stack case starts (default 420)")
@@ -245,6 +269,7 @@ def main(argv=None) -> int:
     if args.dry:
         device, geo = "cpu", GEO_TINY
         args.p, args.seq, args.iters = 4, [256], 1
+        args.cp = min(args.cp, 2)
         shapes = [(1, 4, 4, 32, 16, True), (1, 4, 2, 32, 16, False)]
     else:  # pragma: no cover - GPU only
         device, geo = "cuda", GEO_7B
@@ -254,8 +279,12 @@ def main(argv=None) -> int:
     res = {"device": device, "dry": args.dry, "p": args.p, "layers": args.layers,
            "geometry": geo, "kernels": FR.run_isolated(kernels_check, device, shapes,
                                                        timeout=600)}
+    bad = [m for m in args.modes if m not in ("metp", "tp-sp", "tp", "metp-cp")]
+    if bad or args.cp < 1:
+        ap.error(f"--modes takes metp, tp-sp, tp, metp-cp (got {bad}); --cp must be >= 1")
+    res["cp"] = args.cp
     res["stacks"] = stacks(args.seq, args.modes, args.p, args.layers, geo, device, args.iters,
-                           args.budget, t_start)
+                           args.budget, t_start, args.cp)
     res["seconds"] = round(time.monotonic() - t_start, 1)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "gpu_check.json"), "w") as fh:

@@ -276,12 +276,14 @@ class _Patched:
 
 
 def build_stack(mode: str, seq: int, p: int, *, hidden=4096, heads=32, groups=None, ffn=11008,
-                batch=1, layers=1, device="cpu", gpu=False):
+                batch=1, layers=1, device="cpu", gpu=False, cp=1):
     """Rank 0's ``layers``-layer Megatron ``TransformerBlock`` of ``mode`` (``metp``, ``tp-sp``
     or ``tp``: stock TP without SP) and its inputs ``(block, x, freqs, grad, groups)``; call once
     per process, after :func:`megatron_metp.tools.fakerank.fake_world` (and inside a
     ``FakeTensorMode`` to allocate nothing). ``device="cuda"`` builds real CUDA tensors; ``gpu``:
-    the process has a GPU and no megatron-core CPU shims."""
+    the process has a GPU and no megatron-core CPU shims. ``cp`` (``metp`` only): METP × CP, the
+    outer context-parallel factor (fake world ``p·cp``; rank 0 holds ``seq/(p·cp)`` tokens, its
+    K/V ring runs over the ``p·cp`` ranks of the CP group)."""
     import torch
     import torch.nn.functional as Fn
     from megatron.core import parallel_state as ps
@@ -301,7 +303,7 @@ def build_stack(mode: str, seq: int, p: int, *, hidden=4096, heads=32, groups=No
     groups = groups or heads
     metp = mode == "metp"
     if metp:
-        mgroups = initialize_model_parallel(1, 1, p, seq_length=seq,
+        mgroups = initialize_model_parallel(1, 1, p, seq_length=seq, context_parallel_size=cp,
                                             create_gloo_process_groups=False)
     else:
         ps.initialize_model_parallel(tensor_model_parallel_size=p,
@@ -314,7 +316,7 @@ def build_stack(mode: str, seq: int, p: int, *, hidden=4096, heads=32, groups=No
     cfg = TransformerConfig(
         num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
         num_query_groups=groups, kv_channels=d, ffn_hidden_size=ffn,
-        tensor_model_parallel_size=1 if metp else p, context_parallel_size=p if metp else 1,
+        tensor_model_parallel_size=1 if metp else p, context_parallel_size=p * cp if metp else 1,
         sequence_parallel=sp, use_cpu_initialization=not gpu, perform_initialization=gpu,
         attention_dropout=0.0, hidden_dropout=0.0, add_bias_linear=False,
         gated_linear_unit=True, activation_func=Fn.silu, bias_activation_fusion=True,
@@ -331,7 +333,9 @@ def build_stack(mode: str, seq: int, p: int, *, hidden=4096, heads=32, groups=No
         spec.submodules.input_layernorm = norm
         spec.submodules.pre_mlp_layernorm = norm
         block = TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=norm)
-    n = seq // p if mode != "tp" else seq  # stock TP: every rank holds the whole sequence
+    if cp > 1 and not metp:
+        raise ValueError(f"cp={cp} (METP × CP) needs mode='metp', got {mode!r}")
+    n = seq // (p * cp) if mode != "tp" else seq  # stock TP: every rank holds the whole sequence
     model = TransformerBlock(cfg, block, post_layer_norm=False)
     if str(device) != "cpu":
         model = model.to(device)
@@ -343,8 +347,9 @@ def build_stack(mode: str, seq: int, p: int, *, hidden=4096, heads=32, groups=No
 
 
 def count_layer(mode: str, seq: int, p: int, *, hidden=4096, heads=32, groups=None,
-                ffn=11008, batch=1, layers=1) -> dict:
-    """Counts of ``layers`` layers' forward + backward on rank 0 (call in a fresh process)."""
+                ffn=11008, batch=1, layers=1, cp=1) -> dict:
+    """Counts of ``layers`` layers' forward + backward on rank 0 (call in a fresh process);
+    ``cp``: METP × CP (:func:`build_stack`)."""
     import warnings
 
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -352,12 +357,12 @@ def count_layer(mode: str, seq: int, p: int, *, hidden=4096, heads=32, groups=No
     from megatron_metp.tools.cuda_accounting import cuda_kernels
 
     warnings.filterwarnings("ignore")
-    FR.fake_world(p)
+    FR.fake_world(p * cp)
     counter = op_counter_class()(p)
     with FakeTensorMode():
         model, x, freqs, grad, mgroups = build_stack(mode, seq, p, hidden=hidden, heads=heads,
                                                      groups=groups, ffn=ffn, batch=batch,
-                                                     layers=layers)
+                                                     layers=layers, cp=cp)
         with cuda_kernels(), _Patched(counter), counter:
             out = model(x, attention_mask=None, rotary_pos_emb=freqs)
             out.backward(grad)

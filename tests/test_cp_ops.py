@@ -48,12 +48,15 @@ def _cp_rank(rank, world, p, cases, with_context=True):
         params = {k: None if v is None else v.clone().requires_grad_()
                   for k, v in _shard(full, r, p, A, G, d).items()}
         x = _shard_x(full["x"], cu, R, P, layout).clone().requires_grad_()
+        metp.stats.reset()
         y = metp_attention(x, params["qkv_weight"], params["proj_weight"], group=metp,
                            num_heads=A, num_query_groups=G, layout=layout,
                            rotary_pos_emb=full["rotary_pos_emb"], qkv_bias=params["qkv_bias"],
                            proj_bias=params["proj_bias"], kernel=kernel, cu_seqlens=cu)
+        fwd = metp.stats.snapshot()
         y.backward(_shard_x(full["gy"], cu, R, P, layout))
-        out.append({"y": y.detach(), "dx": x.grad, "c": context_size(metp),
+        out.append({"y": y.detach(), "dx": x.grad, "c": context_size(metp), "fwd": fwd,
+                    "total": metp.stats.snapshot(),
                     **{"d" + k: None if v is None else v.grad for k, v in params.items()}})
     return out
 
@@ -136,3 +139,26 @@ def test_bad_context_group_is_refused_naming_the_rule():
     out = run_ranks(_bad_context, 3)
     assert any("not a multiple of the METP group size 2" in m for m in out[0]), out[0]
     assert any("does not contain" in m for m in out[1]), out[1]
+
+
+def test_traffic_weights_inside_the_metp_group_kv_over_the_cp_group():
+    """Per rank and call, METP 2 × CP 2: the head-group weights arrive only from the p−1 other
+    ranks of the METP group, each head group's K/V block travels p·c−1 steps of the CP ring:
+    forward (p−1) weight receipts + p·(pc−1) K/V steps; backward the weights again, (p−1)
+    gradient reduces, and each head group's K/V block and fp32 dK/dV sum sent pc−1 times
+    (bytes: the closed form of tests/test_attention.py with p·c in the K/V ring)."""
+    p, c, A, G, d = 2, 2, 4, 2, 2
+    case = (A, G, d, "dual_chunk", False, "reference", None, 0)
+    res = run_ranks(_cp_rank, p * c, p, [case])
+    pc = p * c
+    w = ((G // p) * (A // G + 2) * d * H + (G // p) * (A // G + 2) * d + H * (A // p) * d) * 4
+    kv = 2 * (S // pc) * B * (G // p) * d * 4  # K and V of one head group, fp32
+    for r in res:
+        f, t = r[0]["fwd"], r[0]["total"]
+        assert f == {"steps": (p - 1) + p * (pc - 1), "bytes_sent": p * (pc - 1) * kv,
+                     "bytes_received": (p - 1) * w + p * (pc - 1) * kv}, f
+        # backward K/V ring: one batched exchange per step (K/V ahead + the dK/dV sum) and the
+        # first one posted early: pc + 1 exchanges per head group for pc >= 3
+        assert t["steps"] == 3 * (p - 1) + p * (pc - 1) + p * (pc + (pc >= 3)), t
+        assert t["bytes_sent"] == (p - 1) * w + 3 * p * (pc - 1) * kv, t
+        assert t["bytes_received"] == 2 * (p - 1) * w + 3 * p * (pc - 1) * kv, t

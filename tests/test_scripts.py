@@ -236,8 +236,11 @@ def _validate_like_megatron(launcher, argv):
 @pytest.mark.parametrize("config", METP_CONFIGS)
 def test_metp_config_and_its_tp_twin(config):
     twin = _twin(config)
-    assert _twin(twin) == config
     la, a = _print_cmd(f"configs/{config}", TRANSFORMER_IMPL="transformer_engine")
+    # METP × CP (--context-parallel-size c, the outer factor): the twin may serve a METP
+    # config of its own too, so the relation is one way
+    c = int(_flags(a).get("--context-parallel-size", ["1"])[0])
+    assert _twin(twin) == config or (c > 1 and _twin(twin))
     lb, b = _print_cmd(f"configs/{twin}", TRANSFORMER_IMPL="transformer_engine")
     fa, fb = _flags(a), _flags(b)
     for flag in _MODEL_FLAGS:  # same model and batch
@@ -245,8 +248,8 @@ def test_metp_config_and_its_tp_twin(config):
     p = int(fa["--metp-parallel-size"][0])
     assert p > 1 and fa["--tensor-model-parallel-size"] == ["1"]
     assert fb["--metp-parallel-size"] == ["1"] and "--sequence-parallel" not in fa
-    if "--context-parallel-size" in fb:  # a stock context-parallel twin: CP = p, TP = 1
-        assert fb["--context-parallel-size"] == [str(p)]
+    if "--context-parallel-size" in fb:  # a stock context-parallel twin: CP = p·c, TP = 1
+        assert fb["--context-parallel-size"] == [str(p * c)]
         assert fb["--tensor-model-parallel-size"] == ["1"]
         for flag in ("--recompute-granularity", "--metp-offload-activations"):
             assert fa.get(flag) == fb.get(flag), flag  # the same recompute and offload
@@ -254,9 +257,10 @@ def test_metp_config_and_its_tp_twin(config):
         assert fb["--tensor-model-parallel-size"] == [str(p)]
         assert ("--sequence-parallel" in fb) == ("--distributed-backend" not in fb)
     args, world = _validate_like_megatron(la, a)  # the METP layout passes METP's checks
-    assert args.context_parallel_size == p
+    assert args.context_parallel_size == p * c
     _, world_b = _validate_like_megatron(lb, b)
-    assert world == world_b
+    # a TP twin of size p runs one METP ring's ranks: under METP × CP it has c times fewer
+    assert world == world_b * (c if "--context-parallel-size" not in fb else 1)
     seq = int(fa["--seq-length"][0])
     assert 32 * 1024 <= seq <= 4 * 1024 * 1024 or config.startswith("tiny")
     if not config.startswith("tiny"):  # long context: the vocabulary is on the ring too, and
@@ -710,3 +714,26 @@ def test_recompute_and_offload_agree_through_megatron_lm(patched_clone, tmp_path
         (dry["bytes"], host_plan)
     plain = A.dry_run(str(cfg), patched_clone, env={"METP_OFFLOAD_ACTIVATIONS": "0"})
     assert plain["bytes"]["host"] == 0 and plain["bytes"]["total"] > dry["bytes"]["total"]
+
+
+def test_slurm_print_only_metp_times_cp_on_four_nodes():
+    """A multi-node METP × CP job: METP 8 on each node's 8 GPUs (one ring per node under the
+    default rank order), --context-parallel-size 4 across the 4 nodes (world 32, Megatron's CP
+    group 32 ranks); at start-up the ranks check that no METP ring spans two nodes
+    (tests/test_placement.py)."""
+    proc = _slurm(METP_HOSTNAMES="g1,g2,g3,g4", SLURM_NNODES=4, MEGATRON_LM_DIR="/shared/Megatron-LM",
+                  CONFIG="configs/gpt-7b-128k-metp8.sh", CP=4,
+                  TRANSFORMER_IMPL="transformer_engine")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("# Slurm job 4242 (metp-gpt): 4 nodes (g1 g2 g3 g4), 8 GPUs")
+    torchruns = [shlex.split(ln) for ln in lines if ln.split(" ", 1)[0].endswith("torchrun")]
+    assert len(torchruns) == 4
+    for node, cmd in enumerate(torchruns):
+        assert cmd[cmd.index("--node_rank") + 1] == str(node)
+        i = cmd.index("/shared/Megatron-LM/pretrain_gpt.py")
+        f = _flags(cmd[i + 1:])
+        assert f["--metp-parallel-size"] == ["8"] and f["--context-parallel-size"] == ["4"]
+        args, world = _validate_like_megatron(cmd[:i], cmd[i + 1:])
+        assert world == 32 and args.context_parallel_size == 32
+        assert world // (args.tensor_model_parallel_size * args.context_parallel_size) == 1

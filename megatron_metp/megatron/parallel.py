@@ -72,6 +72,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                               metp_parallel_size: int = 1, *, seq_length: Optional[int] = None,
                               num_experts: Optional[int] = None,
                               ring_timeout_s: Optional[float] = None,
+                              hostname: Optional[str] = None,
                               **megatron_kwargs) -> METPGroups:
     """Megatron's ``initialize_model_parallel`` with METP on the CP axis; returns the groups.
 
@@ -84,6 +85,10 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
     with it (``distributed_timeout_minutes`` = seconds / 60), the default group is set to it, and
     the METP rings wait it. A ``distributed_timeout_minutes`` given here instead is the setting
     (the rings derive theirs from it); a ``ring_timeout_s`` longer than it is refused.
+
+    Placement: the ranks then check together that no METP ring spans two hosts
+    (:func:`megatron_metp.runtime.placement.check_metp_groups_on_one_node`; ``hostname``
+    replaces this rank's host name, for tests) and raise ``METPPlacementError`` naming the fix.
     """
     from megatron.core import parallel_state as ps
 
@@ -122,4 +127,9 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                                                               else minutes),
                                  **megatron_kwargs)
     apply_to_process_groups(timeout_s)
-    return METPGroups.from_parallel_state(timeout_s=timeout_s, context_parallel_size=cp)
+    groups = METPGroups.from_parallel_state(timeout_s=timeout_s, context_parallel_size=cp)
+    if metp_parallel_size > 1:  # no METP ring may span two nodes (refused on every rank)
+        from ..runtime.placement import check_metp_groups_on_one_node
+
+        check_metp_groups_on_one_node(groups.metp, hostname=hostname)
+    return groups

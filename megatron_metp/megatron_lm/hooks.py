@@ -411,6 +411,20 @@ def metp_expert_model_parallel_size(args) -> int:
     return args.metp_parallel_size
 
 
+_placement_checked = []
+
+
+def _check_placement_once(groups) -> None:
+    """At start-up (the first model chunk built), every rank together: no METP ring spans two
+    nodes (:func:`megatron_metp.runtime.placement.check_metp_groups_on_one_node`)."""
+    if _placement_checked:
+        return
+    from ..runtime.placement import check_metp_groups_on_one_node
+
+    check_metp_groups_on_one_node(groups.metp)
+    _placement_checked.append(True)
+
+
 def check_metp_parallel_state(args) -> None:
     """Raise if ``parallel_state`` does not have the METP layout ``args`` ask for.
 
@@ -504,6 +518,7 @@ def build_metp_gpt_model(args, pre_process, post_process, vp_stage=None, config=
 
     groups = METPGroups.from_parallel_state(timeout_s=megatron_lm_timeout_s(args),
                                             context_parallel_size=getattr(args, CP_OUTER, 1))
+    _check_placement_once(groups)
     vocab_parallel = bool(getattr(args, "metp_vocab_parallel", False))
     if vocab_parallel and args.padded_vocab_size % groups.shards:
         raise ValueError(f"--metp-vocab-parallel: the padded vocabulary ({args.padded_vocab_size}) "
