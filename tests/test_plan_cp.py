@@ -187,6 +187,8 @@ def test_cli_reach(capsys):
     assert "best METP ÷ best stock Megatron" in out
     rc = cli.main(["plan", "--reach", "--gpus", "4", "--preset", "llama3-8b", "--tp", "2"])
     assert rc == 2 and "--tp: --reach searches every layout" in capsys.readouterr().err
+    rc = cli.main(["plan", "--reach", "--gpus", "4", "--preset", "llama3-8b", "--json", "x"])
+    assert rc == 2 and "--json writes a single plan's" in capsys.readouterr().err
     rc = cli.main(["plan", "--reach", "--preset", "llama3-8b"])
     assert rc == 2 and "--reach needs --gpus" in capsys.readouterr().err
     rc = cli.main(["plan", "--gpus", "4", "--preset", "llama3-8b"])

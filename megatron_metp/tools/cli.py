@@ -167,10 +167,14 @@ def build_from_argv(argv: List[str]):
 #: flags ``--reach`` searches over itself (refused next to it: each would be ignored)
 _REACH_SEARCHED = ("seq", "tp", "metp", "cp", "pp", "dp", "recompute", "recompute_method",
                    "recompute_num_layers", "offload_activations", "optimizer_cpu_offload",
-                   "vocab_parallel", "modes", "png", "json", "config")
+                   "vocab_parallel", "modes", "config")
 
 
 def cmd_reach(args) -> int:
+    for f in ("png", "json"):
+        if getattr(args, f, None):
+            raise ValueError(f"--{f} writes a single plan's charts / figures; --reach prints "
+                             f"its table only: drop --{f}, or plan one layout without --reach")
     given = [f for f in _REACH_SEARCHED if getattr(args, f, None) not in (None, False)]
     if given:
         flag = "--" + given[0].replace("_", "-")
