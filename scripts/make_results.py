@@ -12,7 +12,10 @@ geometries, stock TP vs TP+SP vs ring self-attention vs METP, with and without f
 to the paper's 2.38–2.99×; (b) per-rank memory saved vs TP with flash kernels next to the paper's
 ≥ 41.7 %; (c) METP's live attention intermediate vs p without a flash kernel (the 1/p³ slope);
 (d) bytes moved per layer, METP vs TP+SP, and the crossover length; (e) the full-overlap
-thresholds on A100/H100/H200; plus the GPU figures measured in DESIGN.md §4 as references.
+thresholds on A100/H100/H200; (f) the best layout of METP (TP × METP × CP × PP × DP) and of
+stock Megatron (TP+SP × CP × PP × DP) for Llama-3-8B / -70B on 8, 16 and 32 H100s (the reach
+search of ``metp plan --reach``) next to ALST and UPipe; plus the GPU figures measured in
+DESIGN.md §4 as references. ``--part f`` regenerates part (f) alone in the existing file.
 
 "Planned" numbers come from :mod:`megatron_metp.tools.plan`; "measured" ones from
 :mod:`megatron_metp.tools.measure` (megatron-core GPTModel of rank 0 under torch's fake process group,
@@ -454,59 +457,101 @@ LLAMA3_8B = P.Model(name="llama3-8b", hidden=4096, layers=32, heads=32, query_gr
                     ffn=14336, vocab=128256, seq=131072, swiglu=True, tied=False)
 LLAMA3_70B = P.Model(name="llama3-70b", hidden=8192, layers=80, heads=64, query_groups=8,
                      ffn=28672, vocab=128256, seq=131072, swiglu=True, tied=False)
-RECOMPUTES = (("none", {}), ("full", {"recompute": "full"}),
-              ("full, 2 layers a chunk", {"recompute": "full", "recompute_num_layers": 2}),
-              ("full + offload", {"recompute": "full", "offload": True}))
+#: published reach (tokens) next to which part (f) puts the plan's best layouts: ALST (Arctic
+#: Long Sequence Training, Snowflake 2025: Ulysses + ZeRO-3 + offloaded checkpoints + tiled MLP
+#: and loss, H100-80GB) and UPipe (8 and 16 H100s, Llama-8B-class)
+PUBLISHED = {("llama3-8b", 8): {"ALST": 3.7e6, "UPipe": 5e6},
+             ("llama3-8b", 16): {"ALST": 8e6, "UPipe": 8e6},
+             ("llama3-8b", 32): {"ALST": 15e6},
+             ("llama3-70b", 16): {"ALST": 1.2e6},
+             ("llama3-70b", 32): {"ALST": 4e6}}
 
 
-def _reach(model, mode, gpus, **kw):
-    """Longest planned sequence on ``gpus`` H100-80GB for a mode laid out over all of them."""
-    if mode == "metp":  # METP over as many GPUs as the K/V groups allow, DP over the rest
-        metp = max(m for m in range(1, gpus + 1) if gpus % m == 0 and model.groups % m == 0)
-        job = P.Job(tp=1, metp=metp, dp=gpus // metp, vocab_parallel=True,
-                    distributed_optimizer=True, hardware="H100-80GB", **kw)
-    elif mode == "ring":  # stock context parallelism CP = gpus, TP = 1
-        job = P.Job(tp=1, metp=gpus, distributed_optimizer=True, hardware="H100-80GB", **kw)
-    else:  # TP+SP over a node (TP 8) and context parallelism over the nodes
-        job = P.Job(tp=8, metp=gpus // 8, distributed_optimizer=True, hardware="H100-80GB", **kw)
-        mode = "tp-sp" if gpus == 8 else "cp"
-    try:
-        P.validate(model, job, [mode])
-        return P.longest_seq(model, job, mode)
-    except ValueError:
-        return None
+def _mtok(x):
+    return f"{x / 1e6:,.2f}M"
 
 
 def part_reach(out, meas):
-    out.append("## (f) Millions of tokens: recompute and host offload\n")
+    from megatron_metp.tools.plan import search as S
+
+    out.append("## (f) Millions of tokens: the best layout of each family\n")
     out.append("Longest trainable sequence on H100-80GB (80 GB − 2 GiB reserve, bf16, micro-batch "
-               "1, distributed optimizer, planned), every mode laid out over all the GPUs: METP = "
-               "GPUs with the vocabulary ring; stock context parallelism CP = GPUs with TP 1 "
-               "(weights replicated over the CP ranks, a K/V ring); TP+SP over a node (TP 8) "
-               "× CP over the nodes. Recompute is Megatron's `--recompute-granularity full` "
-               "(uniform, 1 or 2 layers a chunk); offload is `--metp-offload-activations` "
-               "(METP shards over at most as many GPUs as there are K/V groups, 8 here: on 16 and "
-               "32 GPUs it runs METP 8 × DP 2 or 4, the distributed optimizer sharding the "
-               "optimizer over DP, the sequence per replica unchanged) "
-               "(the layer inputs in pinned host memory: 1 GiB per layer per 1M tokens / GPUs). "
-               "Published, same hardware: ALST (Ulysses + ZeRO-3 + offloaded checkpoints, "
-               "Llama-8B) 3.7M on 8, 15M on 32 GPUs; UPipe 5M on 8.\n")
+               "1, distributed optimizer), **planned**, the best of every valid layout of each "
+               "family (`metp plan --reach --gpus N --preset MODEL --hardware H100-80GB`, "
+               "`megatron_metp/tools/plan/search.py`): METP = TP × METP × CP × PP × DP with the "
+               "vocabulary ring (the METP group inside a node, TP·METP dividing the 8 K/V "
+               "groups; CP the outer factor of Megatron's CP group of METP·CP ranks: the "
+               "sequence over METP·CP, the weights over METP); stock Megatron = TP+SP (inside a "
+               "node) × CP × PP × DP. Options searched for every layout: recompute none / full "
+               "(Megatron's `--recompute-granularity full`, uniform, 1 layer) / full + host "
+               "offload of the layer inputs (`--metp-offload-activations`, planned for the stock "
+               "layers the same way), each with and without Megatron's `--optimizer-cpu-offload` "
+               "(Adam's states and fp32 master weights on the host: 16 B per parameter of the "
+               "rank's shard). A layout fits when the per-rank total fits the device and the "
+               "pinned + pageable host bytes of a node (offloaded activations + offloaded "
+               "optimizer) fit a DGX H100's 2 TB (1,862 GiB). Published figures (ALST, UPipe) "
+               "are the papers' own, on the same GPUs. Every figure of the two tables is planned; "
+               "the 16M METP × CP job below is also measured (`metp measure` and the Megatron-LM "
+               "dry run of `configs/llama3-8b-16m-metp8-cp4.sh`: docs/megatron-lm.md).\n")
+    done = {}
     for model in (LLAMA3_8B, LLAMA3_70B):
         out.append(f"**{model.name}** (h {model.hidden}, {model.layers} layers, {model.heads} "
                    f"heads, {model.groups} K/V groups, FFN {model.ffn}, vocabulary "
-                   f"{model.vocab}):\n")
-        out.append("| mode | recompute | 8 GPUs | 16 GPUs | 32 GPUs |")
-        out.append("|---|---|---:|---:|---:|")
-        for mode, label in (("metp", "METP"), ("ring", "stock CP (TP 1)"),
-                            ("tp-sp", "TP 8 + SP × CP")):
-            for name, kw in RECOMPUTES:
-                if mode != "metp" and name.startswith("full, 2"):
-                    continue
-                cells = [_reach(model, mode, g, **kw) for g in (8, 16, 32)]
-                out.append(f"| {label} | {name} | "
-                           + " | ".join(P.fmt_tokens(c) if c else "does not fit" for c in cells)
-                           + " |")
+                   f"{model.vocab}, untied, SwiGLU):\n")
+        out.append("| GPUs | METP best layout | METP reach | per rank / host per node | stock "
+                   "best layout | stock reach | per rank / host per node | METP ÷ stock | "
+                   "published | METP ÷ published |")
+        out.append("|---:|---|---:|---|---|---:|---|---:|---|---|")
+        for gpus in (8, 16, 32):
+            m = S.best(model, gpus, "metp")
+            st = S.best(model, gpus, "stock")
+            done[(model.name, gpus)] = (m, st)
+
+            def cells(c):
+                if c is None:
+                    return ["nothing fits", "—", "—"]
+                return [c.describe(), f"{_mtok(c.seq)} (planned)",
+                        f"{c.total / GiB:.2f} GiB / {c.host_per_node / GiB:,.0f} GiB"]
+
+            pub = PUBLISHED.get((model.name, gpus), {})
+            ratio = f"{m.seq / st.seq:.2f}×" if m and st else "—"
+            pubs = ", ".join(f"{k} {_mtok(v)}" for k, v in pub.items()) or "—"
+            vs = ", ".join(f"{m.seq / v:.2f}× {k}" for k, v in pub.items()) if m else "—"
+            out.append(f"| {gpus} | " + " | ".join(cells(m)) + " | " + " | ".join(cells(st))
+                       + f" | {ratio} | {pubs} | {vs or '—'} |")
         out.append("")
+    m, st = done[("llama3-70b", 32)]
+    out.append(f"**Done-when figure (planned).** Llama-3-70B on 32 × H100-80GB: METP's best "
+               f"({m.describe()}) reaches {_mtok(m.seq)} tokens, stock Megatron's best "
+               f"({st.describe()}) {_mtok(st.seq)}: **{m.seq / st.seq:.2f}× stock** (goal 2×) "
+               f"and **{m.seq / 4e6:.2f}× ALST's 4M** (goal 1×). Llama-3-8B on 32: "
+               f"{_mtok(done[('llama3-8b', 32)][0].seq)}, "
+               f"{done[('llama3-8b', 32)][0].seq / 15e6:.2f}× ALST's 15M. What binds: stock "
+               f"Megatron keeps the loss's fp32 logits `[s/CP, V/TP]` of every token (not tiled) "
+               f"and the whole layer's activations in the re-formed chunk (34·sbh/t); METP tiles "
+               f"the loss on the vocabulary ring and re-forms 12·sbh/p. The optimizer CPU offload "
+               f"step (Adam on the host's cores) is not in the step-time estimate.\n")
+    job16 = P.Job(tp=1, metp=8, cp=4, vocab_parallel=True, distributed_optimizer=True,
+                  hardware="H100-80GB", recompute="full", offload=True)
+    m16 = LLAMA3_8B.with_seq(16777216)
+    mem = P.memory(m16, job16, "metp")
+    hop = P.internode_hop(m16, job16, "metp")
+    out.append(f"The issue's 16M job, planned (`metp plan --preset llama3-8b --seq 16777216 "
+               f"--metp 8 --cp 4 --vocab-parallel --distributed-optimizer --recompute full "
+               f"--offload-activations`): {mem.total / GiB:.2f} GiB per rank (parameters "
+               f"{mem.static['params'] / GiB:.2f} + gradients {mem.static['grads'] / GiB:.2f} + "
+               f"optimizer {mem.static['optimizer'] / GiB:.2f} + activation peak "
+               f"{mem.act.peak / GiB:.2f}, of it one layer's backward transient "
+               f"{mem.act.transient / GiB:.2f}), host {mem.act.host / GiB:.1f} GiB per rank = "
+               f"{8 * mem.act.host / GiB:,.0f} GiB pinned per node (goals: ≤ 76 GiB, ≤ 1,862 "
+               f"GiB). Its K/V ring runs over all 32 ranks = 4 nodes: {hop['crossing_hops']} "
+               f"hops on InfiniBand NDR (50 GB/s per GPU and direction), "
+               f"{hop['block_bytes'] / 2 ** 20:,.0f} MiB per forward step and hop, "
+               f"{hop['bytes_per_layer'] / GiB:,.0f} GiB per layer (fwd+bwd), hidden from "
+               f"{hop['threshold_forward']:,.0f} tokens per rank; this job has "
+               f"{hop['tokens_per_rank']:,} ({1e3 * hop['step_transfer_s']:.1f} ms transfer vs "
+               f"{1e3 * hop['step_compute_s']:.0f} ms attention per step, datasheet rates): a "
+               f"flat ring suffices, no hierarchical schedule is needed at these lengths.\n")
     job = P.Job(tp=1, metp=8, vocab_parallel=True, distributed_optimizer=True,
                 hardware="H100-80GB", recompute="full", offload=True)
     model = LLAMA3_8B.with_seq(4194304)
@@ -589,6 +634,29 @@ def part_gpu(out):
 
 # ----------------------------------------------------------------------------- main
 
+def _splice_part_f(args, meas, t0):
+    """Regenerate part (f) alone and replace the ``## (f)`` section of ``args.out``."""
+    with open(args.out, encoding="utf-8") as fh:
+        text = fh.read()
+    i = text.index("\n## (f) ")
+    j = text.index("\n## ", i + 1)
+    body = []
+    part_reach(body, meas)
+    wall = time.perf_counter() - t0
+    commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"],
+                            capture_output=True, text=True).stdout.strip() or "?"
+    body.append(f"(Part (f) regenerated alone by `python scripts/make_results.py --part f"
+                f"{' --no-measure' if args.no_measure else ''}` on "
+                f"{datetime.date.today().isoformat()}, commit {commit}, in {wall:.0f} s, "
+                f"{meas.count} measurements; the other parts are from the generation named at "
+                f"the top.)\n")
+    section = "\n".join(body).rstrip() + "\n"
+    with open(args.out, "w", encoding="utf-8") as fh:
+        fh.write(text[:i + 1] + section + text[j:])
+    print(f"wrote part (f) of {args.out} in {wall:.0f} s ({meas.count} measurements)")
+    return 0
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.path.join(REPO, "docs", "results.md"))
@@ -596,9 +664,14 @@ def main(argv=None):
     ap.add_argument("--full", action="store_true",
                     help="also measure full-depth 7B models (each METP one takes minutes)")
     ap.add_argument("--jobs", type=int, default=2, help="measurements at once (default 2)")
+    ap.add_argument("--part", choices=["f"], default=None,
+                    help="regenerate only this part and put it in place of the same part of "
+                         "the existing --out file (the other parts stay as they were)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     meas = Measurer(not args.no_measure, args.jobs)
+    if args.part == "f":
+        return _splice_part_f(args, meas, t0)
     out = []
     try:
         commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"],

@@ -50,8 +50,8 @@ def mode_of(job: "P.Job", config: Optional[str] = None) -> str:
     context-parallel twin (``CP > 1``: weights replicated, the K/V ring over the CP ranks: mode
     ``ring``), or a stock TP twin (TP+SP when TP > 1, as ``scripts/pretrain_gpt.sh`` sets
     sequence parallelism unless the config sets ``SEQUENCE_PARALLEL=0``)."""
-    if config is not None and _stock_cp(config) > 1 and job.tp == 1:
-        return "ring"
+    if config is not None and _stock_cp(config) > 1 and job.tp == 1 and job.cp == 1:
+        return "ring"  # (METP × CP configs have job.cp = CP: they run mode metp)
     if job.metp > 1:
         return "metp"
     sp = P.read_config(config).get("sequence_parallel") if config is not None else None

@@ -53,6 +53,11 @@ def _add_common(ap: argparse.ArgumentParser) -> None:
     j = ap.add_argument_group("job")
     j.add_argument("--tp", type=int, help="tensor-parallel size (default 1)")
     j.add_argument("--metp", type=int, help="METP / ring / CP size (default 8)")
+    j.add_argument("--cp", type=int,
+                   help="METP × CP: the outer context-parallel factor c (Megatron-LM "
+                        "--context-parallel-size c with --metp-parallel-size p: the sequence "
+                        "over p·c ranks, the weights over p; world = TP×METP×CP×PP×DP; mode "
+                        "metp only; default 1)")
     j.add_argument("--pp", type=int, help="pipeline stages (default 1)")
     j.add_argument("--dp", type=int, help="data-parallel size (default 1)")
     j.add_argument("--micro-batch", type=int, help="micro-batch size (default 1)")
@@ -81,6 +86,10 @@ def _add_common(ap: argparse.ArgumentParser) -> None:
                         "embedding and output layer over TP×METP, loss on the vocabulary ring; "
                         "plans mode metp this way (default modes: metp only; the mode "
                         "metp+vocab shows the split next to the others without this flag)")
+    j.add_argument("--optimizer-cpu-offload", action="store_true", default=None,
+                   help="Megatron's --optimizer-cpu-offload (offload fraction 1.0; needs "
+                        "--distributed-optimizer): Adam's states and fp32 master weights on the "
+                        "host (16 B per parameter of the rank's shard), none on the device")
     j.add_argument("--precision", default="bf16", help="only bf16 is planned")
     j.add_argument("--hardware", default="H100-80GB", choices=list(P.HARDWARE),
                    help="device preset (default H100-80GB)")
@@ -92,8 +101,8 @@ def _add_common(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--json", help="also write the results as JSON")
 
 
-def build(args) -> tuple:
-    """``(Model, Job, modes)`` from parsed arguments; ``ValueError`` naming the flag."""
+def build_model(args) -> tuple:
+    """``(Model, job fields from --config)`` from parsed arguments."""
     base = P.PRESETS[args.preset or "gpt-7b"]
     fields = asdict(base)
     job_fields = {}
@@ -113,14 +122,21 @@ def build(args) -> tuple:
         fields["tied"] = False
     if fields.get("query_groups") == fields.get("heads"):
         fields["query_groups"] = None
-    model = P.Model(**fields)
-    for flag in ("tp", "metp", "pp", "dp", "micro_batch", "vocab_parallel", "recompute",
+    return P.Model(**fields), job_fields
+
+
+def build(args) -> tuple:
+    """``(Model, Job, modes)`` from parsed arguments; ``ValueError`` naming the flag."""
+    model, job_fields = build_model(args)
+    for flag in ("tp", "metp", "cp", "pp", "dp", "micro_batch", "vocab_parallel", "recompute",
                  "recompute_method", "recompute_num_layers"):
         v = getattr(args, flag)
         if v is not None:
             job_fields[flag] = v
     if args.offload_activations:
         job_fields["offload"] = True
+    if args.optimizer_cpu_offload:
+        job_fields["optimizer_offload"] = True
     job = P.Job(microbatches=args.microbatches,
                 kernel=args.kernel or job_fields.pop("kernel", "flash"),
                 keep_intermediate=args.keep_intermediate or job_fields.pop("keep_intermediate",
@@ -130,7 +146,7 @@ def build(args) -> tuple:
                 hardware=args.hardware, reserve_gib=args.reserve_gib, **job_fields)
     if args.modes:
         modes = args.modes
-    elif job.vocab_parallel:
+    elif job.vocab_parallel or job.cp > 1:
         modes = ["metp"]
     else:
         modes = [m for m in P.MODES if not (m == "cp" and (job.tp == 1 or job.metp == 1))]
@@ -148,7 +164,41 @@ def build_from_argv(argv: List[str]):
     return build(ap.parse_args(list(argv)))
 
 
+#: flags ``--reach`` searches over itself (refused next to it: each would be ignored)
+_REACH_SEARCHED = ("seq", "tp", "metp", "cp", "pp", "dp", "recompute", "recompute_method",
+                   "recompute_num_layers", "offload_activations", "optimizer_cpu_offload",
+                   "vocab_parallel", "modes", "config")
+
+
+def cmd_reach(args) -> int:
+    for f in ("png", "json"):
+        if getattr(args, f, None):
+            raise ValueError(f"--{f} writes a single plan's charts / figures; --reach prints "
+                             f"its table only: drop --{f}, or plan one layout without --reach")
+    given = [f for f in _REACH_SEARCHED if getattr(args, f, None) not in (None, False)]
+    if given:
+        flag = "--" + given[0].replace("_", "-")
+        raise ValueError(f"{flag}: --reach searches every layout and option itself (TP, METP, "
+                         f"CP, PP, DP, recompute, offload, optimizer CPU offload); drop {flag}, "
+                         f"or plan that one layout without --reach")
+    if not args.gpus:
+        raise ValueError("--reach needs --gpus N (the GPUs of the job)")
+    if args.kernel not in (None, "flash") or args.keep_intermediate or args.micro_batch not in \
+            (None, 1) or args.precision != "bf16" or args.microbatches:
+        raise ValueError("--reach plans micro-batch 1, bf16, flash kernels, the METP MLP "
+                         "intermediate recomputed; drop --kernel / --keep-intermediate / "
+                         "--micro-batch / --microbatches / --precision")
+    model, _ = build_model(args)
+    print(P.reach_report(model, args.gpus, args.hardware, args.reserve_gib, top=args.reach_top))
+    return 0
+
+
 def cmd_plan(args) -> int:
+    if args.reach:
+        return cmd_reach(args)
+    if args.gpus:
+        raise ValueError("--gpus is the GPU count of --reach; a single plan takes the layout "
+                         "(--tp, --metp, --cp, --pp, --dp); add --reach or drop --gpus")
     model, job, modes = build(args)
     print(P.report(model, job, modes))
     if args.png:
@@ -167,7 +217,8 @@ def measure_table(model, job, modes, results) -> str:
     lines.append(f"# measured vs planned, rank 0: {model.name} h={model.hidden} L={model.layers} "
                  f"a={model.heads} ffn={model.ffn} vocab={model.vocab} s={model.seq:,} "
                  f"b={job.micro_batch}, {job.kernel} attention, tp={job.tp} metp={job.metp} "
-                 f"pp={job.pp}" + (", METP vocabulary split" if job.vocab_parallel else ""))
+                 + (f"cp={job.cp} " if job.cp > 1 else "")
+                 + f"pp={job.pp}" + (", METP vocabulary split" if job.vocab_parallel else ""))
     lines.append("# measured: torch fake process group + FakeTensorMode + MemTracker, one "
                  "micro-batch fwd+bwd (×PP in flight) of megatron-core GPTModel, params + fp32 "
                  "main_grad + activations; optimizer states are planned (not measured)")
@@ -236,6 +287,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     _add_common(pl)
     pl.add_argument("--png", help="write memory-vs-sequence (PATH) and longest-sequence "
                                   "(PATH-longest.png) charts")
+    pl.add_argument("--reach", action="store_true",
+                    help="search every valid layout of METP (TP×METP×CP×PP×DP) and of stock "
+                         "Megatron (TP+SP×CP×PP×DP) on --gpus GPUs, with recompute none / full "
+                         "/ full + offload and optimizer CPU offload off / on, and print the "
+                         "longest sequence of each family's best layouts")
+    pl.add_argument("--gpus", type=int, default=None, help="GPUs of the job (--reach)")
+    pl.add_argument("--reach-top", type=int, default=3,
+                    help="layouts shown per family (--reach; default 3)")
     ms = sub.add_parser("measure", help="measure rank 0 on CPU (fake group) next to the plan")
     _add_common(ms)
     ms.add_argument("--jobs", type=int, default=1, help="measurements at once (default 1)")

@@ -593,8 +593,12 @@ def format_report(r: Dict, gpu_memory_gib: Optional[float] = None) -> str:
         f"METP dry run: Megatron-LM {r['megatron_lm_dir']} (patched), megatron.core from "
         f"{r['megatron_core']}",
         f"command: pretrain_gpt.py {' '.join(r['argv'])}",
-        f"layout: world {w['world']} = TP {w['tp']} x {kind} {w['cp']} x PP {w['pp']} x DP "
-        f"{w['dp']} ({mode})",
+        f"layout: world {w['world']} = TP {w['tp']} x "
+        + (f"METP {r['metp_size']} x CP {w['cp'] // r['metp_size']}"
+           f" (Megatron's CP group of {w['cp']}: the sequence over {w['cp']} ranks, the weights "
+           f"over METP {r['metp_size']})" if r["metp"] and w["cp"] > r["metp_size"] else
+           f"{kind} {w['cp']}")
+        + f" x PP {w['pp']} x DP {w['dp']} ({mode})",
         f"batch: micro-batch {r['micro_batch_size']} x {r['seq_length']:,} tokens "
         f"({r['tokens_per_rank']:,} per rank"
         + (", sequence-parallel" if r["sequence_parallel"] else "")

@@ -93,7 +93,7 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
     from ..runtime.offload import ActivationOffloader
 
     # METP folds its groups into parallel_state; the stock modes are TP(+SP) x CP there
-    groups = init_parallel(TrainingLayout(tp=lay.t, pp=job.pp, metp=lay.c,
+    groups = init_parallel(TrainingLayout(tp=lay.t, pp=job.pp, metp=lay.p, cp=lay.cp,
                                           mode="metp" if mode == "metp" else "tp"),
                            seq_length=model.seq)
     torch.set_default_dtype(torch.bfloat16)
@@ -133,7 +133,7 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
         spec.submodules.pre_mlp_layernorm = CpuSPNorm
         block = TransformerBlockSubmodules(layer_specs=[spec] * layers_here, layer_norm=CpuSPNorm)
 
-    n = model.seq // lay.c  # this rank's tokens
+    n = model.seq // lay.c  # this rank's tokens (METP × CP: s/(p·c))
     b = job.micro_batch
     first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
     inflight = job.inflight

@@ -91,8 +91,12 @@ as when the plan was one module:
 ``cost``                 ``step_cost()``: FLOPs, traffic and host bytes with recompute/offload,
                          a step-time estimate
 ``overlap``              ``overlap_thresholds()``
+``internode``            ``internode_hop()``: the K/V ring's hop that crosses nodes (bytes,
+                         overlap threshold on the inter-node link)
 ``summary``              ``plan()`` (the ``--json`` dict) and ``report()`` (the printed text)
 ``figures``              ``charts()`` (``--png``)
+``search``               ``reach()`` / ``reach_report()`` (``--reach``): the longest sequence
+                         over every valid layout of METP and of stock Megatron
 =======================  ====================================================================
 
 Setting a name on the package (``monkeypatch.setattr(P, "_metp_phases", ...)``) rebinds it in
@@ -120,9 +124,12 @@ from .traffic import crossover_seq, forward_traffic_per_layer, traffic_per_layer
 from .recompute import recompute_and_offload
 from .cost import layer_flops, step_cost
 from .overlap import overlap_thresholds
+from .internode import internode_hop
 from .summary import fmt_bytes, fmt_tokens, plan, report
+from .search import reach, reach_report
 from .figures import COLORS, charts
-from . import (activation_memory, config, cost, figures, hardware, metp, model, overlap,
+from . import (activation_memory, config, cost, figures, hardware, internode, metp, model,
+               overlap, search,
                parameters, rank_memory, recompute, ring, stock, summary, traffic, vocab)
 
 __all__ = [
@@ -135,13 +142,14 @@ __all__ = [
     "Activations", "activations",
     "Memory", "memory", "worst_total", "head_memory", "seq_step", "capacity_bytes", "longest_seq",
     "traffic_per_layer", "forward_traffic_per_layer", "crossover_seq", "overlap_thresholds",
-    "recompute_and_offload", "layer_flops", "step_cost",
-    "fmt_bytes", "fmt_tokens", "plan", "report", "COLORS", "charts",
+    "recompute_and_offload", "layer_flops", "step_cost", "internode_hop",
+    "fmt_bytes", "fmt_tokens", "plan", "report", "COLORS", "charts", "reach", "reach_report",
 ]
 
 #: the modules whose names :class:`_Package` rebinds
 _MODULES = (hardware, model, config, parameters, ring, stock, metp, vocab, recompute,
-            activation_memory, rank_memory, traffic, cost, overlap, summary, figures)
+            activation_memory, rank_memory, traffic, cost, overlap, internode, summary, figures,
+            search)
 _UNSET = object()
 
 

@@ -171,7 +171,7 @@ def activations(model: Model, job: Job, mode: str, seq: Optional[int] = None,
     inflight = job.inflight if first else 1
     phases: Dict[str, Dict[str, float]] = {}
     if last and vocab:
-        phases.update(vocab_loss_phases(n, h, Vr, lay.c, b))
+        phases.update(vocab_loss_phases(n, h, Vr, lay.p, b))
     elif last:
         phases["loss (forward): bf16 logits"] = {"bf16 logits [tokens, V/t]": BF16 * n * Vr}
         phases["output layer (backward)"] = {
@@ -220,7 +220,7 @@ def activations(model: Model, job: Job, mode: str, seq: Optional[int] = None,
         emb["incoming gradient [tokens, h] (bf16)"] = BF16 * n * h
         if not last:
             emb["gradient received from the next stage, held (bf16)"] = dy
-        emb.update(vocab_embedding_backward(n, h, Vr, lay.c))
+        emb.update(vocab_embedding_backward(n, h, Vr, lay.p))
     else:
         emb["embedding weight gradient (bf16)"] = BF16 * Vr * h
     if last and model.tied:
@@ -234,7 +234,7 @@ def activations(model: Model, job: Job, mode: str, seq: Optional[int] = None,
         phases["embedding (forward)"] = {
             "(this micro-batch's activations not formed yet)":
                 emb["(this micro-batch's activations freed)"] + BF16 * n * h,
-            **vocab_embedding_forward(n, h, Vr, lay.c)}
+            **vocab_embedding_forward(n, h, Vr, lay.p)}
     host = inflight * (L * host_layer + host_head)
     return Activations(stored_layer=S, head=head, phases=phases, persistent=persistent,
                        layers=L, inflight=inflight, korthikanti_layer=kor, host=host)

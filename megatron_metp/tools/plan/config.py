@@ -158,8 +158,11 @@ def _launcher_settings(kv: Dict[str, object], model: Dict[str, object],
     cp = int(kv.get("cp") or 1)
     if cp > 1 and int(job.get("metp") or 1) == 1:  # a stock context-parallel twin: plan it as
         job["metp"] = cp                           # mode ring (K/V ring over CP, weights whole)
+    elif cp > 1:  # METP × CP: CP the outer factor of Megatron's CP group of METP·CP ranks
+        job["cp"] = cp
     world = int(kv.get("nnodes") or 1) * int(kv.get("gpus_per_node") or 8)
-    per_replica = int(job.get("tp") or 1) * int(job.get("metp") or 1) * int(job.get("pp") or 1)
+    per_replica = int(job.get("tp") or 1) * int(job.get("metp") or 1) * \
+        int(job.get("cp") or 1) * int(job.get("pp") or 1)
     if "dp" not in job and world % per_replica == 0:
         job["dp"] = world // per_replica
     tokenizer = kv.get("tokenizer_type") or ("HuggingFaceTokenizer" if kv.get("data_path")

@@ -16,6 +16,7 @@ class Hardware:
     measured_tflops: Optional[float] = None  # a matmul rate measured by this project
     source: str = ""
     host_gbps: float = 64.0  # host link (PCIe) per direction, GB/s, nominal
+    internode_gbps: float = 50.0  # inter-node link per GPU per direction, GB/s (see below)
 
 
 #: Sources (public datasheets):
@@ -30,8 +31,13 @@ class Hardware:
 #: * Host link (activation offload): PCIe 4.0 x16 (A100) 32 GB/s per direction, PCIe 5.0 x16
 #:   (H100/H200 SXM) 64 GB/s per direction, nominal (PCI-SIG; NVIDIA's HGX system specs list
 #:   one PCIe 5.0 x16 link per GPU). Not measured here.
+#: * Inter-node link (a ring that crosses nodes: METP × CP's K/V ring): one InfiniBand adapter
+#:   per GPU in NVIDIA's reference systems. DGX H100 / H200 user guide (hardware overview): eight
+#:   single-port ConnectX-7 for the compute fabric, 400 Gb/s NDR each = 50 GB/s per direction per
+#:   GPU. DGX A100 user guide: eight single-port ConnectX-6, 200 Gb/s HDR each = 25 GB/s per
+#:   direction per GPU. Nominal line rates, not measured here.
 HARDWARE: Dict[str, Hardware] = {
-    "A100-80GB": Hardware("A100-80GB", 80, 312, 300, host_gbps=32.0,
+    "A100-80GB": Hardware("A100-80GB", 80, 312, 300, host_gbps=32.0, internode_gbps=25.0,
                           source="NVIDIA A100 datasheet: 312 TFLOP/s bf16 dense, NVLink3 "
                                  "600 GB/s total (300 per direction), 80 GB"),
     "H100-80GB": Hardware("H100-80GB", 80, 989, 450,

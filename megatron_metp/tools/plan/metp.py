@@ -15,7 +15,8 @@ def _metp_phases(model, job, lay, n, S) -> Dict[str, Dict[str, float]]:
     ``ops/attention.py`` allocate (see their docstrings and ``benchmarks/mlp_memory.py``'s
     ``metp_peak_model``), at each op's largest step. The ops' fp32-accumulating matmuls are taken
     on their CUDA branch (``addmm(out_dtype=fp32, out=acc)``: in place, no product temporary)."""
-    t, p = lay.t, lay.c
+    t, p = lay.t, lay.p                # METP group: weights, weight ring, head groups
+    R = lay.c                          # the K/V ring: METP × CP ranks (p without CP)
     h, A, G, d, F = model.hidden, model.heads, model.groups, model.head_dim, model.ffn
     hq, hk = A * d, G * d
     k = 2 if model.swiglu else 1
@@ -56,7 +57,7 @@ def _metp_phases(model, job, lay, n, S) -> Dict[str, Dict[str, float]]:
     common["recomputed q, k, v heads-first (bf16)"] = BF16 * n * (hqg + 2 * hkg)
     common["o_g seq-first copy, d(o_g) (bf16)"] = 2 * BF16 * n * hqg
     ring_step = dict(common, **{"d(o_g) heads-first (bf16)": BF16 * n * hqg},
-                     **ring_backward_buffers(n, hqg, hkg, Ag, p, job))
+                     **ring_backward_buffers(n, hqg, hkg, Ag, R, job))
     grads32 = FP32 * n * (hqg + 2 * hkg)  # dq, dk, dv in fp32 (after RoPE: new dq, dk)
     rope_step = dict(common, **{"ring dq, dk, dv (fp32)": grads32,
                                 "RoPE transpose of dq: temporaries and result (fp32)":
@@ -78,7 +79,7 @@ def _metp_phases(model, job, lay, n, S) -> Dict[str, Dict[str, float]]:
            "recomputed q, k, v heads-first (bf16)": BF16 * n * (hqg + 2 * hkg)}
     if p > 1:
         fwd["head-group weights: own packed + 2 receive buffers (bf16)"] = 3 * BF16 * Wa
-    fwd.update(ring_forward_buffers(n, hqg, hkg, Ag, p, job))
+    fwd.update(ring_forward_buffers(n, hqg, hkg, Ag, R, job))
     ph["attention forward (last layer)"] = fwd
     # ... and the MLP forward: y in fp32 (accumulated in place), the weight ring, z and f(z)
     mlp_fwd = {"(kept z of the last layer not formed yet)":
@@ -96,4 +97,4 @@ def unfused_live_block(model: Model, job: Job, seq: Optional[int] = None) -> int
     ``b·(a/p)·(s/p)²·4`` bytes — the paper's O(1/p³) live intermediate."""
     s = model.seq if seq is None else seq
     sh = job.width
-    return job.micro_batch * (model.heads // sh) * (s // job.metp) ** 2 * FP32
+    return job.micro_batch * (model.heads // sh) * (s // (job.metp * job.cp)) ** 2 * FP32

@@ -68,6 +68,11 @@ PRESETS: Dict[str, Model] = {
                     seq=131072, swiglu=True, tied=False),
     "gpt-13b": Model(name="gpt-13b", hidden=6144, layers=28, heads=48, ffn=16384, vocab=32000,
                      seq=262144, swiglu=True, tied=False),
+    # Meta's Llama-3 8B / 70B geometries (their config.json; configs/models/llama3-8b.sh)
+    "llama3-8b": Model(name="llama3-8b", hidden=4096, layers=32, heads=32, query_groups=8,
+                       ffn=14336, vocab=128256, seq=131072, swiglu=True, tied=False),
+    "llama3-70b": Model(name="llama3-70b", hidden=8192, layers=80, heads=64, query_groups=8,
+                        ffn=28672, vocab=128256, seq=131072, swiglu=True, tied=False),
 }
 
 
@@ -92,10 +97,18 @@ class Job:
     recompute_method: str = "uniform"  # full: "uniform" (chunks of N layers) or "block" (first N)
     recompute_num_layers: int = 1
     offload: bool = False          # --metp-offload-activations: saved tensors to host memory
+    cp: int = 1                    # METP × CP: the outer factor c of Megatron's CP group of
+    #                                size metp·cp (mode metp only; --context-parallel-size c)
+    optimizer_offload: bool = False  # Megatron's --optimizer-cpu-offload (fraction 1.0)
 
     @property
     def width(self) -> int:
         return self.tp * self.metp
+
+    @property
+    def replica(self) -> int:
+        """GPUs of one model replica: TP × METP × CP × PP."""
+        return self.tp * self.metp * self.cp * self.pp
 
     @property
     def inflight(self) -> int:
@@ -115,25 +128,31 @@ class Layout:
     c: int
     sp: bool
     weight_shards: int
-    vocab: bool = False  # word embedding / output layer split over t·c (METP vocabulary)
+    vocab: bool = False  # word embedding / output layer split over t·p (METP vocabulary)
+    cp: int = 1          # METP × CP: the outer CP factor (the sequence over c = p·cp ranks)
+
+    @property
+    def p(self) -> int:
+        """The METP group (weights, weight ring, vocabulary ring): ``c / cp``."""
+        return self.c // self.cp
 
     @property
     def vocab_shards(self) -> int:
-        """Shards of each vocabulary table: ``t·c`` with the METP split, else TP's ``t``."""
-        return self.t * self.c if self.vocab else self.t
+        """Shards of each vocabulary table: ``t·p`` with the METP split, else TP's ``t``."""
+        return self.t * self.p if self.vocab else self.t
 
     @property
     def vocab_pad(self) -> int:
-        """Megatron-LM pads the vocabulary to a multiple of ``128 × vocab_pad``: ``t·c`` with
-        METP (METP pads as stock TP of size ``t·c`` does), else TP's ``t``."""
-        return self.t * self.c if self.mode in VOCAB_MODES else self.t
+        """Megatron-LM pads the vocabulary to a multiple of ``128 × vocab_pad``: ``t·p`` with
+        METP (METP pads as stock TP of size ``t·p`` does), else TP's ``t``."""
+        return self.t * self.p if self.mode in VOCAB_MODES else self.t
 
     def describe(self) -> str:
         if self.mode in ("tp", "tp-sp"):
             return f"TP={self.t}" + ("+SP" if self.sp else "")
         if self.mode in VOCAB_MODES:
-            return f"METP={self.c}" + (f"×TP={self.t}" if self.t > 1 else "") + \
-                ("+vocab" if self.vocab else "")
+            return f"METP={self.p}" + (f"×CP={self.cp}" if self.cp > 1 else "") + \
+                (f"×TP={self.t}" if self.t > 1 else "") + ("+vocab" if self.vocab else "")
         if self.mode == "ring":
             return f"ring={self.c}"
         return f"TP={self.t}{'+SP' if self.sp else ''}×CP={self.c}"
@@ -150,8 +169,8 @@ def layout(mode: str, job: Job) -> Layout:
     if mode == "ring":
         return Layout(mode, 1, W, False, 1)
     if mode in VOCAB_MODES:
-        return Layout(mode, job.tp, job.metp, False, W,
-                      vocab=mode == "metp+vocab" or job.vocab_parallel)
+        return Layout(mode, job.tp, job.metp * job.cp, False, W,
+                      vocab=mode == "metp+vocab" or job.vocab_parallel, cp=job.cp)
     raise ValueError(f"--modes: unknown mode {mode!r}; choose from {', '.join(MODES)}")
 
 
@@ -173,7 +192,7 @@ def validate(model: Model, job: Job, modes: Sequence[str] = MODES) -> None:
     for flag, v in (("--hidden", model.hidden), ("--layers", model.layers),
                     ("--heads", model.heads), ("--ffn", model.ffn), ("--vocab", model.vocab),
                     ("--seq", model.seq), ("--query-groups", model.groups), ("--tp", job.tp),
-                    ("--metp", job.metp), ("--pp", job.pp), ("--dp", job.dp),
+                    ("--metp", job.metp), ("--cp", job.cp), ("--pp", job.pp), ("--dp", job.dp),
                     ("--micro-batch", job.micro_batch)):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{flag} must be a positive integer, got {v!r}")
@@ -220,6 +239,18 @@ def validate(model: Model, job: Job, modes: Sequence[str] = MODES) -> None:
         raise ValueError(f"--precision {job.precision!r}: only bf16 is planned")
     if job.hardware not in HARDWARE:
         raise ValueError(f"--hardware {job.hardware!r}: choose from {', '.join(HARDWARE)}")
+    if job.cp > 1:
+        other = [m for m in modes if m not in VOCAB_MODES]
+        if other:
+            raise ValueError(f"--cp {job.cp} is METP × CP's outer context-parallel factor "
+                             f"(Megatron-LM: --metp-parallel-size p --context-parallel-size c): "
+                             f"it applies to mode metp only, not to {', '.join(other)}; pass "
+                             f"--modes metp, or plan stock context parallelism as mode cp/ring "
+                             f"with --metp as its CP size and --cp 1")
+    if job.optimizer_offload and not job.distributed_optimizer:
+        raise ValueError("--optimizer-cpu-offload needs --distributed-optimizer (Megatron-LM "
+                         "asserts --use-precision-aware-optimizer, which needs "
+                         "--use-distributed-optimizer); add --distributed-optimizer")
     if job.vocab_parallel:
         other = [m for m in modes if m not in VOCAB_MODES]
         if other:
@@ -247,7 +278,8 @@ def validate(model: Model, job: Job, modes: Sequence[str] = MODES) -> None:
                 raise ValueError(f"{flag} {count} is not divisible by {shards_flag} = "
                                  f"{lay.weight_shards} (mode {mode}: {lay.describe()})")
         if lay.c > 1 and model.seq % (2 * lay.c):
-            flag = "--metp" if mode in ("metp", "cp") else "--tp × --metp"
+            flag = ("--metp × --cp" if mode == "metp" and job.cp > 1 else
+                    "--metp" if mode in ("metp", "cp") else "--tp × --metp")
             raise ValueError(f"--seq {model.seq} is not divisible by 2 × {flag} = {2 * lay.c} "
                              f"(mode {mode} splits the sequence into 2·{lay.c} chunks)")
         if lay.sp and (model.seq // lay.c) % lay.t:

@@ -57,7 +57,9 @@ def params(model: Model, job: Job, mode: str, stage: str = "first") -> Params:
     final = 2 * model.hidden if last else 0
     if mode == "metp":
         sharded, repl = L * (attn + mlp) // lay.weight_shards, L * norms
-        dp_sh, dp_rep = job.dp, job.dp * lay.c
+        # METP-sharded weights reduce over CP × DP (expert-DP under the fold), replicated
+        # ones over everything Megatron's DP × CP group holds (c = METP × CP ranks)
+        dp_sh, dp_rep = job.dp * lay.cp, job.dp * lay.c
     elif mode in ("tp", "tp-sp"):
         sharded, repl = L * (attn + mlp) // lay.t, L * norms
         dp_sh = dp_rep = job.dp
@@ -65,6 +67,16 @@ def params(model: Model, job: Job, mode: str, stage: str = "first") -> Params:
         sharded, repl = L * (attn + mlp) // lay.t, L * norms
         dp_sh = dp_rep = job.dp * lay.c
     return Params(sharded, repl, emb, final, dp_sh, dp_rep, embedding_sharded=lay.vocab)
+
+
+#: Megatron's ``--optimizer-cpu-offload`` (``HybridDeviceOptimizer``, offload fraction 1.0, with
+#: the precision-aware distributed optimizer it requires): per parameter of the rank's optimizer
+#: shard the host holds an fp32 master copy (4 B), a pinned fp32 copy of its gradient (4 B, the
+#: device-to-host target) and Adam's two fp32 moments (8 B); the device keeps no optimizer state
+#: (its bf16 parameters and fp32 ``main_grad`` buffer stay). Read from megatron-core 0.16.1's
+#: ``optimizer/cpu_offloading/hybrid_optimizer.py``; not measured here.
+OFFLOADED_OPTIMIZER_BYTES = 16
+OFFLOADED_PINNED_BYTES = 4
 
 
 def static_memory(model: Model, job: Job, mode: str, stage: str = "first") -> Dict[str, float]:
@@ -81,6 +93,12 @@ def static_memory(model: Model, job: Job, mode: str, stage: str = "first") -> Di
         opt_dist = 12 * sharded / p.dp_sharded + 12 * repl / p.dp_replicated
     else:
         opt_dist = 12 * p.total / p.dp_sharded
+    opt = opt_dist if job.distributed_optimizer else opt_plain
+    host = 0.0
+    if job.optimizer_offload:  # Megatron's --optimizer-cpu-offload (offload fraction 1.0)
+        host = OFFLOADED_OPTIMIZER_BYTES * opt / 12
+        opt = 0.0
     return {"n_params": p.total, "params": BF16 * p.total, "grads": FP32 * p.total,
-            "optimizer": opt_dist if job.distributed_optimizer else opt_plain,
-            "optimizer_plain": opt_plain, "optimizer_distributed": opt_dist}
+            "optimizer": opt, "optimizer_plain": opt_plain, "optimizer_distributed": opt_dist,
+            "optimizer_host": host, "optimizer_host_pinned": OFFLOADED_PINNED_BYTES * host /
+            OFFLOADED_OPTIMIZER_BYTES}

@@ -95,7 +95,7 @@ def capacity_bytes(job: Job) -> float:
 
 
 def longest_seq(model: Model, job: Job, mode: str, capacity: Optional[float] = None,
-                limit: int = 1 << 24) -> int:
+                limit: int = 1 << 28) -> int:
     """Largest ``s`` (a multiple of :func:`seq_step`) whose planned per-rank total fits in
     ``capacity`` bytes (default: the hardware's memory minus ``reserve_gib``); 0 if none."""
     cap = capacity_bytes(job) if capacity is None else capacity

@@ -8,6 +8,7 @@ from typing import Dict, Sequence
 from .hardware import HARDWARE
 from .model import GiB, MiB, MODES, VOCAB_MODES, Job, Model, validate
 from .overlap import overlap_thresholds
+from .internode import internode_hop
 from .rank_memory import capacity_bytes, head_memory, longest_seq, memory
 from .traffic import crossover_seq, traffic_per_layer
 from .cost import step_cost
@@ -53,6 +54,8 @@ def plan(model: Model, job: Job, modes: Sequence[str] = MODES) -> Dict:
             "vocab": head_memory(model, job, mode),
             "longest_seq": longest_seq(model, job, mode),
             "host": a.host, "cost": step_cost(model, job, mode),
+            "optimizer_host": mem.static["optimizer_host"],
+            "internode": internode_hop(model, job, mode),
         }
     out["overlap"] = overlap_thresholds(model, job, hw)
     if hw.measured_tflops:
@@ -74,8 +77,12 @@ def report(model: Model, job: Job, modes: Sequence[str] = MODES) -> str:
                  f"{'keep' if job.keep_intermediate else 'recompute'} METP MLP intermediate"
                  + (", METP vocabulary split (--vocab-parallel)" if job.vocab_parallel else ""))
     lines.append(f"# GPUs per model replica: TP×METP = {job.tp}×{job.metp} = {job.width} per "
-                 f"stage × PP {job.pp} × DP {job.dp}; distributed optimizer "
-                 f"{'on' if job.distributed_optimizer else 'off'}; {hw.name}: "
+                 f"stage" + (f" × CP {job.cp} (the sequence over METP×CP = {job.metp * job.cp} "
+                             f"ranks, the weights over METP)" if job.cp > 1 else "")
+                 + f" × PP {job.pp} × DP {job.dp}; distributed optimizer "
+                 f"{'on' if job.distributed_optimizer else 'off'}"
+                 + (" with Megatron's --optimizer-cpu-offload" if job.optimizer_offload else "")
+                 + f"; {hw.name}: "
                  f"{hw.memory_gib:g} GB − {job.reserve_gib:g} GiB reserve, "
                  f"{hw.bf16_tflops:g} TFLOP/s bf16 dense, {hw.link_gbps:g} GB/s per direction "
                  f"({hw.source})")
@@ -118,6 +125,13 @@ def report(model: Model, job: Job, modes: Sequence[str] = MODES) -> str:
     if job.offload:
         row("host memory (offloaded) / rank", lambda r: fmt_bytes(r["host"]))
         row(f"  per node of {GPUS_PER_NODE}", lambda r: fmt_bytes(GPUS_PER_NODE * r["host"]))
+    if job.optimizer_offload:
+        row("optimizer on host (CPU Adam) / rank", lambda r: fmt_bytes(r["optimizer_host"]))
+        row(f"  host in all, per node of {GPUS_PER_NODE}",
+            lambda r: fmt_bytes(GPUS_PER_NODE * (r["host"] + r["optimizer_host"])))
+    if any(r["internode"] and r["internode"]["crosses"] for r in res["modes"].values()):
+        row("K/V bytes over the inter-node hop / layer",
+            lambda r: fmt_bytes(r["internode"]["bytes_per_layer"]) if r["internode"] else "")
     if job.recompute == "full" or job.offload:
         row("recompute: extra FLOPs", lambda r: f"+{100 * r['cost']['recompute_flops_share']:.1f} %")
         row("  extra bytes sent / micro-batch", lambda r: fmt_bytes(r["cost"]["sent_by_recompute"]))
@@ -142,11 +156,30 @@ def report(model: Model, job: Job, modes: Sequence[str] = MODES) -> str:
         if "overlap_measured" in res:
             extra = f"   (measured {hw.measured_tflops:g} TFLOP/s: {res['overlap_measured'][key]:,.0f})"
         lines.append(f"  {key:<40s} {v:>10,.0f}{extra}")
-    if job.width > 8:
+    if job.width > GPUS_PER_NODE:
         lines.append(f"  (a group of {job.width} GPUs crosses nodes: the inter-node link, not "
                      f"NVLink, sets B for the ring steps that cross it)")
+    for mode, r in res["modes"].items():
+        x = r["internode"]
+        if not x or not x["crosses"]:
+            continue
+        lines.append(f"# {mode}: the K/V ring over {x['ring']} ranks spans {x['span']} GPUs = "
+                     f"{x['nodes']} nodes of {GPUS_PER_NODE}: {x['crossing_hops']} of its hops "
+                     f"cross nodes ({x['internode_gbps']:g} GB/s per GPU and direction, "
+                     f"InfiniBand NDR/HDR per the preset's source); per forward step "
+                     f"{fmt_bytes(x['block_bytes'])} per hop, "
+                     f"{fmt_bytes(x['bytes_per_layer'])} per layer (fwd+bwd); hidden from "
+                     f"s/(ring) ≥ {x['threshold_forward']:,.0f} tokens per rank (forward; "
+                     f"backward {x['threshold_backward']:,.0f}); this job: "
+                     f"{x['tokens_per_rank']:,} ({'hidden' if x['hidden'] else 'NOT hidden'}: "
+                     f"{1e3 * x['step_transfer_s']:.2f} ms transfer vs "
+                     f"{1e3 * x['step_compute_s']:.2f} ms attention per step)")
+        if x["metp_group_crosses"]:
+            lines.append(f"# {mode}: WARNING the METP group (TP×METP = {job.width} GPUs) spans "
+                         f"nodes: its weight ring would run on the inter-node link; use "
+                         f"TP×METP ≤ {GPUS_PER_NODE} and CP for the rest")
     if any(m in VOCAB_MODES for m in modes):
-        n = model.seq * job.micro_batch // job.metp
+        n = model.seq * job.micro_batch // (job.metp * job.cp)
         lines.append(f"  this job: s·b/p = {n:,} tokens per METP rank "
                      f"({'above' if n >= ov['MLP weight ring, forward: tokens/rank'] else 'below'} "
                      f"the MLP threshold)")

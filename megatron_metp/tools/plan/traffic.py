@@ -34,13 +34,13 @@ def traffic_per_layer(model: Model, job: Job, mode: str, seq: Optional[int] = No
         kva = 2 * n * (hk // t) * BF16
         out["K/V ring: fwd K/V, bwd K/V + fp32 dK/dV"] = 4 * (c - 1) * kva
     if mode == "metp":
-        p = c
+        p = lay.p  # METP group: weights; the K/V ring of each head group runs over c = p·cp
         sh = t * p
         wa = ((hq + 2 * hk) * h + h * hq) // sh * BF16
         wm = (k * F * h + F * h) // sh
         kv = 2 * n * (hk // sh) * BF16
         out["attention weights: bcast fwd+bwd, fp32 reduce"] = 4 * (p - 1) * wa
-        out["attention K/V ring (every head group)"] = 4 * p * (p - 1) * kv
+        out["attention K/V ring (every head group)"] = 4 * p * (c - 1) * kv
         out["MLP weight ring fwd+bwd, fp32 gradient ring"] = (p - 1) * (2 * wm * BF16 + wm * FP32)
     return out
 

@@ -1,0 +1,252 @@
+"""``metp plan --reach``: the longest sequence a model can train on a number of GPUs, searched
+over every valid layout of each family, and the best layout per family.
+
+Families (``world = gpus``, micro-batch 1, the distributed optimizer on, bf16):
+
+* ``metp``: TP ``t`` × METP ``p`` × CP ``c`` × PP × DP, the vocabulary ring on (mode ``metp``
+  with ``vocab_parallel``; ``c`` the outer factor of Megatron's CP group of size ``p·c``). The
+  METP group stays inside a node (``t·p`` divides the GPUs of a node, ``p ≥ 2``), ``t·p`` divides
+  the heads, the K/V groups and the FFN (the head-group loop: at most as many METP·TP shards as
+  K/V groups).
+* ``stock``: stock Megatron, TP ``t`` (+SP when ``t > 1``) inside a node × CP × PP × DP (mode
+  ``tp-sp`` without CP, ``cp`` with it: the K/V ring over the CP ranks, weights whole over them).
+
+Options, for every layout: recompute none / full (uniform, one layer a chunk) / full + host
+offload of the layer inputs (``--metp-offload-activations``, the project's offload, planned for
+the stock layers the same way), each with and without Megatron's ``--optimizer-cpu-offload``.
+A layout fits at ``s`` when its planned per-rank total (the larger of the first and the last
+pipeline stage) fits the device minus the reserve and the host bytes of a node (offloaded
+activations + offloaded optimizer, eight ranks of the larger stage) fit ``host_gib`` per node.
+``s`` is searched in multiples of the layout's step (:func:`.rank_memory.seq_step`), doubling
+then bisecting, up to ``limit`` tokens; the best candidate of a family is the longest sequence,
+ties going to fewer options (no offload before offload) and then the lower per-rank total.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, List, Optional, Tuple
+
+from .hardware import HARDWARE
+from .internode import GPUS_PER_NODE, internode_hop
+from .model import GiB, Job, Model, validate
+from .rank_memory import capacity_bytes, memory, seq_step
+
+#: host memory of one node by default: DGX H100 / H200 have 2 TB of system memory (NVIDIA DGX
+#: H100/H200 user guide, hardware overview) = 2·10¹² B = 1,862 GiB
+DEFAULT_HOST_GIB_PER_NODE = 2e12 / GiB
+
+RECOMPUTE_OPTIONS: Tuple[Tuple[str, Dict], ...] = (
+    ("none", {}),
+    ("full", {"recompute": "full"}),
+    ("full + offload", {"recompute": "full", "offload": True}),
+)
+FAMILIES = ("metp", "stock")
+FAMILY_NAMES = {"metp": "METP (TP × METP × CP × PP × DP)",
+                "stock": "stock Megatron (TP+SP × CP × PP × DP)"}
+
+
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass
+class Candidate:
+    family: str
+    mode: str
+    job: Job
+    recompute: str           # a name of RECOMPUTE_OPTIONS
+    seq: int = 0             # the longest sequence that fits (0: none)
+    total: float = 0.0       # planned per-rank total at ``seq`` (bytes, the larger stage)
+    host_per_node: float = 0.0  # host bytes of a node at ``seq``
+    internode: Optional[Dict[str, float]] = field(default=None, repr=False)
+
+    @property
+    def options(self) -> int:
+        """How many memory-saving options the candidate uses (the tie-break)."""
+        return (self.recompute != "none") + ("offload" in self.recompute) + \
+            int(self.job.optimizer_offload)
+
+    def describe(self) -> str:
+        j = self.job
+        if self.family == "metp":
+            parts = [f"TP {j.tp}", f"METP {j.metp}", f"CP {j.cp}"]
+        else:
+            parts = [f"TP {j.tp}" + ("+SP" if j.tp > 1 else ""),
+                     f"CP {j.metp if self.mode == 'cp' else 1}"]
+        parts += [f"PP {j.pp}", f"DP {j.dp}"]
+        opts = [f"recompute {self.recompute}"]
+        if j.optimizer_offload:
+            opts.append("optimizer on host")
+        return " × ".join(parts) + ", " + ", ".join(opts)
+
+
+def layouts(model: Model, gpus: int, family: str,
+            gpus_per_node: int = GPUS_PER_NODE) -> Iterator[Tuple[str, Dict]]:
+    """``(mode, Job fields)`` of every layout of ``family`` on ``gpus`` GPUs (before the checks
+    of :func:`.model.validate`, which :func:`candidates` applies)."""
+    node = min(gpus, gpus_per_node)
+    for t in _divisors(node):
+        for pp in _divisors(gpus // t):
+            if model.layers % pp:
+                continue
+            rest = gpus // (t * pp)
+            if family == "metp":
+                for p in _divisors(node // t):
+                    if p < 2 or rest % p:
+                        continue
+                    for c in _divisors(rest // p):
+                        yield "metp", dict(tp=t, metp=p, cp=c, pp=pp, dp=rest // (p * c),
+                                           vocab_parallel=True)
+            elif family == "stock":
+                for c in _divisors(rest):
+                    if c == 1:
+                        yield "tp-sp", dict(tp=t, metp=1, pp=pp, dp=rest)
+                    else:
+                        yield "cp", dict(tp=t, metp=c, pp=pp, dp=rest // c)
+            else:
+                raise ValueError(f"--reach: unknown family {family!r}; choose from "
+                                 f"{', '.join(FAMILIES)}")
+
+
+def _host_per_node(model: Model, job: Job, mode: str, s: int) -> float:
+    worst = 0.0
+    for stage in (("first", "last") if job.pp > 1 else ("first",)):
+        mem = memory(model, job, mode, s, stage)
+        worst = max(worst, mem.act.host + mem.static["optimizer_host"])
+    return GPUS_PER_NODE * worst
+
+
+def _total(model: Model, job: Job, mode: str, s: int) -> float:
+    tot = memory(model, job, mode, s).total
+    if job.pp > 1:
+        tot = max(tot, memory(model, job, mode, s, "last").total)
+    return tot
+
+
+def longest(model: Model, job: Job, mode: str, host_gib: float = DEFAULT_HOST_GIB_PER_NODE,
+            limit: int = 1 << 28) -> int:
+    """Longest ``s`` (a multiple of the layout's step) whose per-rank total fits the device
+    and whose host bytes per node fit ``host_gib``; 0 if none."""
+    cap, host_cap = capacity_bytes(job), host_gib * GiB
+    q = seq_step(job, mode)
+
+    def fits(k: int) -> bool:
+        s = k * q
+        return _total(model, job, mode, s) <= cap and \
+            _host_per_node(model, job, mode, s) <= host_cap
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi * q <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    if hi * q > limit:  # treat the first step beyond the limit as not fitting
+        hi = limit // q + 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo * q
+
+
+def candidates(model: Model, gpus: int, family: str, hardware: str = "H100-80GB",
+               reserve_gib: float = 2.0, host_gib: float = DEFAULT_HOST_GIB_PER_NODE,
+               optimizer_offload: Tuple[bool, ...] = (False, True),
+               recompute: Tuple[str, ...] = tuple(n for n, _ in RECOMPUTE_OPTIONS),
+               limit: int = 1 << 28) -> List[Candidate]:
+    """Every valid layout × option of ``family`` with its longest sequence, best first."""
+    if hardware not in HARDWARE:
+        raise ValueError(f"--hardware {hardware!r}: choose from {', '.join(HARDWARE)}")
+    if not isinstance(gpus, int) or gpus < 1:
+        raise ValueError(f"--gpus must be a positive integer, got {gpus!r}")
+    opts = dict(RECOMPUTE_OPTIONS)
+    for name in recompute:
+        if name not in opts:
+            raise ValueError(f"--reach-recompute {name!r}: choose from {', '.join(opts)}")
+    out: List[Candidate] = []
+    for mode, fields in layouts(model, gpus, family):
+        for name in recompute:
+            for off in optimizer_offload:
+                job = Job(distributed_optimizer=True, hardware=hardware, reserve_gib=reserve_gib,
+                          optimizer_offload=off, **fields, **opts[name])
+                q = seq_step(job, mode)
+                try:
+                    validate(model.with_seq(q), job, [mode])
+                except ValueError:
+                    continue  # not a valid layout of this model (divisibility, layers, ...)
+                cand = Candidate(family, mode, job, name)
+                cand.seq = longest(model, job, mode, host_gib, limit)
+                if cand.seq:
+                    cand.total = _total(model, job, mode, cand.seq)
+                    cand.host_per_node = _host_per_node(model, job, mode, cand.seq)
+                    cand.internode = internode_hop(model, job, mode, cand.seq)
+                out.append(cand)
+    out.sort(key=lambda c: (-c.seq, c.options, c.total))
+    return out
+
+
+def reach(model: Model, gpus: int, hardware: str = "H100-80GB", reserve_gib: float = 2.0,
+          host_gib: float = DEFAULT_HOST_GIB_PER_NODE, families: Tuple[str, ...] = FAMILIES,
+          limit: int = 1 << 28, **kw) -> Dict[str, List[Candidate]]:
+    """``{family: candidates best first}`` (see :func:`candidates`)."""
+    return {f: candidates(model, gpus, f, hardware, reserve_gib, host_gib, limit=limit, **kw)
+            for f in families}
+
+
+def reach_report(model: Model, gpus: int, hardware: str = "H100-80GB", reserve_gib: float = 2.0,
+                 host_gib: float = DEFAULT_HOST_GIB_PER_NODE, top: int = 3,
+                 limit: int = 1 << 28) -> str:
+    """The text ``metp plan --reach`` prints: per family the ``top`` layouts and the ratio of the
+    two families' best."""
+    from .summary import fmt_bytes, fmt_tokens
+
+    res = reach(model, gpus, hardware, reserve_gib, host_gib, limit=limit)
+    hw = HARDWARE[hardware]
+    g = f", {model.groups} K/V groups" if model.groups != model.heads else ""
+    lines = [f"# reach (planned): {model.name} h={model.hidden} L={model.layers} a={model.heads}{g} "
+             f"ffn={model.ffn} vocab={model.vocab} on {gpus} × {hw.name} "
+             f"({hw.memory_gib:g} GB − {reserve_gib:g} GiB reserve; host ≤ {host_gib:,.0f} GiB "
+             f"per node of {GPUS_PER_NODE}); micro-batch 1, bf16, distributed optimizer; every "
+             f"valid layout × recompute none / full / full + offload × optimizer CPU offload "
+             f"off / on"]
+    best = {}
+    for fam, cands in res.items():
+        fitting = [c for c in cands if c.seq]
+        lines.append("")
+        lines.append(f"## {FAMILY_NAMES[fam]}: {len(cands)} layouts × options, "
+                     f"{len(fitting)} fit at some length")
+        if not fitting:
+            lines.append("  nothing fits")
+            continue
+        best[fam] = fitting[0]
+        for i, c in enumerate(fitting[:top]):
+            hop = c.internode
+            kv = ""
+            if hop and hop["crosses"]:
+                kv = (f"; K/V ring crosses {hop['nodes']} nodes, {hop['tokens_per_rank']:,} "
+                      f"tokens/rank vs inter-node threshold {hop['threshold_forward']:,.0f} "
+                      f"({'hidden' if hop['hidden'] else 'NOT hidden'})")
+            lines.append(f"  {'best' if i == 0 else f'#{i + 1}  '} {fmt_tokens(c.seq):>10} "
+                         f"tokens  {c.describe()}: {fmt_bytes(c.total)} per rank, host "
+                         f"{fmt_bytes(c.host_per_node)} per node{kv}")
+    if len(best) == 2:
+        m, s = best["metp"].seq, best["stock"].seq
+        lines.append("")
+        lines.append(f"# best METP ÷ best stock Megatron: {fmt_tokens(m)} / {fmt_tokens(s)} = "
+                     f"{m / s:.2f}×" if s else f"# best METP {fmt_tokens(m)}; stock: nothing fits")
+    return "\n".join(lines)
+
+
+def best(model: Model, gpus: int, family: str, **kw) -> Optional[Candidate]:
+    """The best fitting candidate of ``family`` (None when nothing fits)."""
+    for c in candidates(model, gpus, family, **kw):
+        if c.seq:
+            return c
+    return None
+
+
+__all__ = ["Candidate", "DEFAULT_HOST_GIB_PER_NODE", "FAMILIES", "RECOMPUTE_OPTIONS", "best",
+           "candidates", "layouts", "longest", "reach", "reach_report"]
