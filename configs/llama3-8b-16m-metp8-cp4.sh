@@ -16,3 +16,4 @@ source "$(dirname "${BASH_SOURCE[0]}")/models/llama3-8b.sh"
 : "${RECOMPUTE_GRANULARITY:=full}" "${RECOMPUTE_METHOD:=uniform}" "${RECOMPUTE_NUM_LAYERS:=1}"
 : "${METP_OFFLOAD_ACTIVATIONS:=1}"
 : "${MICRO_BATCH_SIZE:=1}" "${GLOBAL_BATCH_SIZE:=8}"
+TWIN_CONFIG=llama3-8b-16m-cp32.sh
