@@ -247,7 +247,7 @@ def _packed_step(rank, world, size, layout, ends, eod_mask_loss, dense_mask=True
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
-    from megatron.core.utils import get_batch_on_this_cp_rank
+    from megatron_metp.megatron.compat import get_batch_on_this_cp_rank
 
     from megatron_metp.megatron import cpu
     from megatron_metp.megatron.linear import is_metp_sharded

@@ -1,10 +1,10 @@
 """Launch scripts, configs, Slurm wrapper, patch script, log comparison and dry run.
 
 Shell scripts are checked with ``bash -n`` and shellcheck, and run in their printing modes
-(nothing is launched). The last tests patch a temporary clone of a Megatron-LM checkout at
-``core_v0.16.1`` and run the dry run end to end: ``$MEGATRON_LM_DIR`` if set, else a private copy
-of ``../shared/megatron-lm/core_v0.16.1.git.tar`` (the ``megatron_lm_checkout`` fixture in
-tests/conftest.py).
+(nothing is launched). The last tests patch a temporary clone of a Megatron-LM checkout at the
+session's release (``tests/megatron_lm_release.py``: ``core_v0.16.1`` or ``core_v0.19.0``) and run
+the dry run end to end: ``$MEGATRON_LM_DIR`` if set, else a private copy of
+``../shared/megatron-lm/<tag>.git.tar`` (the ``megatron_lm_checkout`` fixture in tests/conftest.py).
 """
 
 import argparse
@@ -21,10 +21,11 @@ import zlib
 import pytest
 
 from megatron_metp.megatron_lm import hooks as megatron_lm
+from megatron_metp.megatron_lm import releases
 from megatron_metp.tools import compare, dry_run
+from tests.megatron_lm_release import TAG_COMMIT  # the session's release (METP_MEGATRON_LM_RELEASE)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TAG_COMMIT = "55ac7082517c3878ae653c07c09c534b8aed49f6"
 SHELL_FILES = sorted(
     glob.glob(os.path.join(REPO, "scripts", "*.sh"))
     + glob.glob(os.path.join(REPO, "scripts", "slurm", "*.sh"))
@@ -363,7 +364,7 @@ def _git(cwd, *args):
 def test_apply_patches_explains_a_wrong_checkout(tmp_path):
     script = os.path.join(REPO, "scripts", "apply_patches.sh")
     proc = _run(["bash", script, str(tmp_path / "missing")], check=False)
-    assert proc.returncode == 1 and "git clone --branch core_v0.16.1" in proc.stderr
+    assert proc.returncode == 1 and "git clone --branch core_v0.19.0" in proc.stderr
     (tmp_path / "pretrain_gpt.py").write_text("x = 1\n")
     (tmp_path / "megatron" / "training").mkdir(parents=True)
     (tmp_path / "megatron" / "training" / "arguments.py").write_text("y = 2\n")
@@ -374,11 +375,20 @@ def test_apply_patches_explains_a_wrong_checkout(tmp_path):
     _git(tmp_path, "commit", "-q", "-m", "not megatron")
     proc = _run(["bash", script, str(tmp_path)], check=False)
     assert proc.returncode == 1
-    assert f"core_v0.16.1 = {TAG_COMMIT}" in proc.stderr and "git -C" in proc.stderr
-    proc = _run(["bash", script, str(tmp_path)], env=_env(METP_ALLOW_OTHER_COMMIT=1),
-                check=False)
-    assert proc.returncode == 1
-    assert "neither applies nor is applied" in proc.stderr and "nothing was changed" in proc.stderr
+    for release in releases.RELEASES:  # every supported release named, with its commit
+        assert f"{release.tag} = {release.commit}" in proc.stderr
+    assert "git -C" in proc.stderr
+    for series in ("", "core_v0.16.1"):
+        proc = _run(["bash", script, str(tmp_path)],
+                    env=_env(METP_ALLOW_OTHER_COMMIT=1, METP_PATCH_SERIES=series), check=False)
+        assert proc.returncode == 1
+        assert f"trying the {series or 'core_v0.19.0'} series" in proc.stderr
+        assert "neither applies nor is applied" in proc.stderr
+        assert "nothing was changed" in proc.stderr
+    proc = _run(["bash", script, str(tmp_path)],
+                env=_env(METP_ALLOW_OTHER_COMMIT=1, METP_PATCH_SERIES="core_v0.17.0"), check=False)
+    assert proc.returncode == 1 and "METP_PATCH_SERIES=core_v0.17.0 is not a patch series" \
+        in proc.stderr
     assert (tmp_path / "pretrain_gpt.py").read_text() == "x = 1\n"
     proc = _run(["bash", script, "--help"])
     assert "MEGATRON_LM_DIR" in proc.stdout

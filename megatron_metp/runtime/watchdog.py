@@ -167,9 +167,7 @@ def _first_line(exc: BaseException) -> str:
 
 def is_transport_error(exc: BaseException) -> bool:
     """Whether ``exc`` says a peer did not answer (a timeout, a closed connection)."""
-    from .megatron.checkpoint_errors import CheckpointError
-
-    if isinstance(exc, CheckpointError):  # already names the ranks (checkpoint_agreement)
+    if getattr(exc, "names_ranks", False):  # a CheckpointError already names them
         return False
     if isinstance(exc, RingError):
         return True
