@@ -230,7 +230,9 @@ def test_mock_document_length_flag(monkeypatch):
     assert MockGPTLowLevelDataset.max_sequence_length == 64
     low = MockGPTLowLevelDataset(NullTokenizer(1024))
     lengths = [len(low[i]) for i in range(200)]
-    assert max(lengths) < 64 and all(low[i][-1] == 1024 for i in range(200))  # EOD = vocab
+    # EOD: the vocabulary size at core_v0.16.1, the tokenizer's eod at core_v0.19.0
+    eod = getattr(low, "eod_token", 1024)
+    assert max(lengths) < 64 and all(low[i][-1] == eod for i in range(200))
     with pytest.raises(ValueError, match="add --mock-data"):
         megatron_lm.validate_metp_args(_args(metp_mock_max_document_length=64))
     with pytest.raises(ValueError, match="at least 2"):

@@ -9,9 +9,10 @@ Megatron-LM (``megatron.training``) differences are in ``megatron_metp/megatron_
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 __all__ = ["write_results_queue_name", "mlp_submodules", "layer_mlp", "get_batch_on_this_cp_rank",
-           "checkpoint_whole_files"]
+           "checkpoint_whole_files", "common_load_strategy_base", "dist_checkpointing_load"]
 
 
 def write_results_queue_name(filesystem_async) -> str:
@@ -78,3 +79,69 @@ def checkpoint_whole_files() -> tuple:
     if hasattr(serialization, "_legacy_common_state_exists"):  # 0.19: common state in a shard
         return (".metadata", "metadata.json")
     return (".metadata", "metadata.json", "common.pt")
+
+
+def common_load_strategy_base() -> type:
+    """The base class of a ``dist_checkpointing`` common-state load strategy: 0.16's
+    ``TorchCommonLoadStrategy`` (reads ``common.pt``); 0.19 has none (``load()`` takes no common
+    strategy), so ``object``."""
+    from megatron.core.dist_checkpointing.strategies import common
+
+    return getattr(common, "TorchCommonLoadStrategy", object)
+
+
+def dist_checkpointing_load(sharded_state_dict, checkpoint_dir: str, sharded_strategy,
+                            common_strategy, load_bytes: Callable):
+    """``dist_checkpointing.load`` with the caller's strategies, in the installed signature.
+
+    0.16 takes both strategies. 0.19 takes the sharded one only and reads the common state (a
+    ``ShardedObject`` in rank 0's shard, or a legacy ``common.pt``) in
+    ``serialization.load_common_state_dict``, through torch's ``DefaultLoadPlanner``, which
+    unpickles byte objects in full. For the duration of this call that function is replaced by
+    one that reads the object with ``load_bytes(io.BytesIO) -> object`` (the caller's restricted
+    unpickler) and a legacy ``common.pt`` with ``common_strategy.load_common``."""
+    import inspect
+
+    from megatron.core.dist_checkpointing import serialization
+
+    if "common_strategy" in inspect.signature(serialization.load).parameters:  # 0.16
+        return serialization.load(sharded_state_dict, checkpoint_dir, sharded_strategy,
+                                  common_strategy)
+    original = serialization.load_common_state_dict
+
+    def load_common_state_dict(directory):
+        return _load_common_state(str(directory), common_strategy, load_bytes)
+
+    serialization.load_common_state_dict = load_common_state_dict
+    try:
+        return serialization.load(sharded_state_dict, checkpoint_dir, sharded_strategy)
+    finally:
+        serialization.load_common_state_dict = original
+
+
+def _load_common_state(directory: str, common_strategy, load_bytes: Callable):
+    """0.19's common state of the checkpoint in ``directory``, read without a full unpickle."""
+    import io
+    import os
+
+    import torch.distributed.checkpoint as dcp
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.dist_checkpointing.validation import verify_checkpoint
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    verify_checkpoint(directory)
+    if os.path.isfile(os.path.join(directory, "common.pt")):  # a legacy (0.16) checkpoint
+        return common_strategy.load_common(directory)
+
+    key = ShardedObject("common_state", None, (1,), (0,)).unique_key
+    got = {}  # dcp.load writes its own copy of the state dict back over the caller's
+
+    class _Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value) -> None:
+            got[read_item.dest_index.fqn] = load_bytes(value)
+
+    dcp.load({key: io.BytesIO()}, storage_reader=dcp.FileSystemReader(directory),
+             planner=_Planner(flatten_state_dict=False), no_dist=True)
+    if key not in got:
+        raise KeyError(f"{directory!r} holds no {key!r} (megatron-core's common state)")
+    return got[key][0]
