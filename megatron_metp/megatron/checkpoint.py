@@ -69,6 +69,12 @@ def _metadata_global_allowed(module: str, name: str) -> bool:
     return False
 
 
+def read_metadata(path: str):
+    """torch's ``Metadata`` of a ``.metadata`` file, unpickled with only the allowed globals
+    (``CheckpointError`` otherwise)."""
+    return _check_metadata_pickle(path)
+
+
 def _check_metadata_pickle(path: str):
     """Unpickle ``.metadata`` with only the allowed globals; returns torch's ``Metadata``."""
     import io

@@ -46,11 +46,14 @@ class Release:
     commit: str
     megatron_core: str
     python: Tuple[int, int]
+    #: Megatron's ``NullTokenizer(--vocab-size V)`` (mock data) has V + 1 tokens, an end-of-document
+    #: token appended (core_v0.16.1), or V with eod = V - 1 (core_v0.19.0)
+    null_tokenizer_adds_eod: bool
 
 
 RELEASES = (
-    Release("core_v0.16.1", "55ac7082517c3878ae653c07c09c534b8aed49f6", "0.16", (3, 10)),
-    Release("core_v0.19.0", "5be9626709af2722333bf54797c954c09edeada3", "0.19", (3, 12)),
+    Release("core_v0.16.1", "55ac7082517c3878ae653c07c09c534b8aed49f6", "0.16", (3, 10), True),
+    Release("core_v0.19.0", "5be9626709af2722333bf54797c954c09edeada3", "0.19", (3, 12), False),
 )
 
 
