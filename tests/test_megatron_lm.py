@@ -433,6 +433,8 @@ def test_every_added_line_only_calls_megatron_lm(tag):
     (dict(recompute_activations=True), ["--recompute-activations", "--recompute-granularity full"]),
     (dict(recompute_granularity="selective"), ["--recompute-granularity selective"]),
     (dict(cpu_offloading=True), ["--cpu-offloading", "--metp-offload-activations"]),
+    (dict(fine_grained_activation_offloading=True),
+     ["--fine-grained-activation-offloading", "--metp-offload-activations"]),
     (dict(distribute_saved_activations=True), ["--distribute-saved-activations"]),
 ])
 def test_megatron_flags_metp_cannot_honour_are_refused(kw, needles):

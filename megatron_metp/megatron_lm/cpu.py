@@ -303,9 +303,10 @@ def check_cpu_args(args) -> None:
             not getattr(args, "no_load_optim", False) and \
             os.path.isfile(os.path.join(load, "latest_checkpointed_iteration.txt")):
         problems.append("--use-distributed-optimizer resuming from --load "
-                        f"{load} (on CPU, without Apex/TE's Adam, core_v0.16.1's distributed "
-                        "optimizer cannot load its own state: torch's Adam creates it lazily and "
-                        "DistributedOptimizer.state_dict asserts; resume CPU runs without "
+                        f"{load} (on CPU, without Apex/TE's Adam, the distributed optimizer of "
+                        "core_v0.16.1 and of core_v0.19.0 cannot load its own state: torch's Adam "
+                        "creates it lazily and DistributedOptimizer.state_dict asserts "
+                        "len(steps) == 1; resume CPU runs without "
                         "--use-distributed-optimizer (DISTRIBUTED_OPTIMIZER=0), or pass "
                         "--no-load-optim to restart the optimizer)")
     if problems:
