@@ -57,13 +57,15 @@ dir=$top
 head=$(git -C "$dir" rev-parse HEAD)
 tag=
 for t in "${!RELEASE_COMMITS[@]}"; do
-    [[ "${RELEASE_COMMITS[$t]}" == "$head" ]] && tag=$t
+    if [[ "${RELEASE_COMMITS[$t]}" == "$head" ]]; then tag=$t; fi
 done
 if [[ -z "$tag" ]]; then
     described=$(git -C "$dir" describe --tags --always HEAD 2>/dev/null || echo "$head")
-    supported=$(for t in "${!RELEASE_COMMITS[@]}"; do echo "$t = ${RELEASE_COMMITS[$t]}"; done | sort)
+    supported=$(for t in "${!RELEASE_COMMITS[@]}"; do
+        echo "        $t = ${RELEASE_COMMITS[$t]}"
+    done | sort)
     msg="'$dir' is at $head ($described), but the patches are made for
-$(sed 's/^/        /' <<< "$supported")
+$supported
     Check out a supported tag:  git -C $dir fetch --tags origin && git -C $dir checkout $NEWEST_TAG"
     if [[ "${METP_ALLOW_OTHER_COMMIT:-0}" == 1 ]]; then
         tag=${METP_PATCH_SERIES:-$NEWEST_TAG}
