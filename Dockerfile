@@ -1,10 +1,13 @@
-# megatron-metp on NVIDIA's PyTorch container: Megatron-LM core_v0.16.1, patched for METP.
+# megatron-metp on NVIDIA's PyTorch container: Megatron-LM core_v0.19.0 (default) or core_v0.16.1,
+# patched for METP with that release's series (patches/<tag>/).
 #
-#   docker build -t megatron-metp .
-#   docker build --build-arg BASE_IMAGE=nvcr.io/nvidia/pytorch:25.09-py3 -t megatron-metp .
+#   docker build -t megatron-metp .                                            # core_v0.19.0
+#   docker build --build-arg MEGATRON_LM_TAG=core_v0.16.1 -t megatron-metp:0.16 .  # core_v0.16.1
+#   docker build --build-arg MEGATRON_LM_TAG=core_v0.16.1 \
+#       --build-arg BASE_IMAGE=nvcr.io/nvidia/pytorch:25.11-py3 -t megatron-metp:0.16 .
 #
 # Layout inside the image (what scripts/slurm/srun_pretrain_gpt.sh assumes with CONTAINER_IMAGE):
-#   /opt/Megatron-LM     Megatron-LM at core_v0.16.1 with patches/ applied ($MEGATRON_LM_DIR)
+#   /opt/Megatron-LM     Megatron-LM at the tag with its patches applied ($MEGATRON_LM_DIR)
 #   /opt/megatron-metp   this repository's scripts/, configs/ and patches/ ($METP_DIR);
 #                        the megatron_metp package is installed into the image's Python
 #
@@ -12,13 +15,14 @@
 # with --no-deps, and its few missing pure-Python dependencies under a constraints file that pins
 # every package already installed, so pip cannot replace any of them.
 #
-# Default base: the image Megatron-LM's own CI builds from at core_v0.16.1 (docker/.ngc_version.dev
-# and the dev image in .gitlab/stages/01.build.yml); the LTS CI image is 25.09-py3.
-ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:25.11-py3
+# Default base: the image Megatron-LM's own CI builds from at core_v0.19.0
+# (docker/.ngc_version.dev, 26.06-py3; its LTS image is 25.09-py3). At core_v0.16.1 that CI image
+# was 25.11-py3; the 0.16.1 checkout is pure Python and runs on either (Python >= 3.10).
+ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:26.06-py3
 FROM ${BASE_IMAGE}
 
 ARG MEGATRON_LM_REPO=https://github.com/NVIDIA/Megatron-LM.git
-ARG MEGATRON_LM_TAG=core_v0.16.1
+ARG MEGATRON_LM_TAG=core_v0.19.0
 
 ENV MEGATRON_LM_DIR=/opt/Megatron-LM \
     METP_DIR=/opt/megatron-metp \
@@ -36,7 +40,8 @@ COPY patches ${METP_DIR}/patches
 COPY scripts ${METP_DIR}/scripts
 COPY configs ${METP_DIR}/configs
 
-# Patch the checkout: checks the commit, runs `git apply --check` first, idempotent.
+# Patch the checkout: picks the series by the commit (refuses other tags), runs `git apply
+# --check` first, idempotent.
 RUN bash "${METP_DIR}/scripts/apply_patches.sh" "${MEGATRON_LM_DIR}"
 
 # Install megatron_metp without touching the image's packages. PIP_CONSTRAINT is cleared so the

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Apply megatron-metp's patches (patches/*.patch) to a Megatron-LM checkout at tag core_v0.16.1.
+# Apply megatron-metp's patches to a Megatron-LM checkout at a supported release tag; the series
+# is chosen by the checkout's commit (patches/<tag>/*.patch).
 #
 #   scripts/apply_patches.sh [--check | --revert] MEGATRON_LM_DIR
 #
@@ -9,14 +10,21 @@
 #                exit 0 when every patch is applied or applicable
 #   --revert     take applied patches out again (newest first)
 #
-# The checkout must be a git checkout whose HEAD is core_v0.16.1 (commit 55ac708...). Set
-# METP_ALLOW_OTHER_COMMIT=1 to try another commit anyway; every patch is still checked with
+# Supported releases (the checkout's HEAD must be one of these commits):
+#   core_v0.16.1  55ac7082517c3878ae653c07c09c534b8aed49f6  patches/core_v0.16.1/
+#   core_v0.19.0  5be9626709af2722333bf54797c954c09edeada3  patches/core_v0.19.0/
+# Set METP_ALLOW_OTHER_COMMIT=1 to try another commit anyway, with the series named by
+# METP_PATCH_SERIES (default core_v0.19.0); every patch is still checked with
 # `git apply --check` before anything is written.
 set -euo pipefail
 
-EXPECTED_TAG=core_v0.16.1
-EXPECTED_COMMIT=55ac7082517c3878ae653c07c09c534b8aed49f6
-PATCH_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/../patches" && pwd)"
+# tag -> commit of every supported release (one patch series each under patches/<tag>/)
+declare -A RELEASE_COMMITS=(
+    [core_v0.16.1]=55ac7082517c3878ae653c07c09c534b8aed49f6
+    [core_v0.19.0]=5be9626709af2722333bf54797c954c09edeada3
+)
+NEWEST_TAG=core_v0.19.0
+PATCH_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../patches" && pwd)"
 
 usage() {
     awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"
@@ -37,28 +45,40 @@ esac
 dir=$1
 
 [[ -d "$dir" ]] || die "'$dir' is not a directory. Clone Megatron-LM first:
-    git clone --branch $EXPECTED_TAG https://github.com/NVIDIA/Megatron-LM.git $dir"
+    git clone --branch $NEWEST_TAG https://github.com/NVIDIA/Megatron-LM.git $dir"
 command -v git >/dev/null || die "git is not installed"
 top=$(git -C "$dir" rev-parse --show-toplevel 2>/dev/null) ||
     die "'$dir' is not a git checkout (a source archive cannot be checked against the tag). Use
-    git clone --branch $EXPECTED_TAG https://github.com/NVIDIA/Megatron-LM.git <dir>"
+    git clone --branch $NEWEST_TAG https://github.com/NVIDIA/Megatron-LM.git <dir>"
 dir=$top
 [[ -f "$dir/pretrain_gpt.py" && -f "$dir/megatron/training/arguments.py" ]] ||
     die "'$dir' does not look like Megatron-LM (no pretrain_gpt.py or megatron/training/arguments.py)"
 
 head=$(git -C "$dir" rev-parse HEAD)
-if [[ "$head" != "$EXPECTED_COMMIT" ]]; then
+tag=
+for t in "${!RELEASE_COMMITS[@]}"; do
+    if [[ "${RELEASE_COMMITS[$t]}" == "$head" ]]; then tag=$t; fi
+done
+if [[ -z "$tag" ]]; then
     described=$(git -C "$dir" describe --tags --always HEAD 2>/dev/null || echo "$head")
-    msg="'$dir' is at $head ($described), but the patches are made for $EXPECTED_TAG = $EXPECTED_COMMIT.
-    Check out the tag:  git -C $dir fetch --tags origin && git -C $dir checkout $EXPECTED_TAG"
+    supported=$(for t in "${!RELEASE_COMMITS[@]}"; do
+        echo "        $t = ${RELEASE_COMMITS[$t]}"
+    done | sort)
+    msg="'$dir' is at $head ($described), but the patches are made for
+$supported
+    Check out a supported tag:  git -C $dir fetch --tags origin && git -C $dir checkout $NEWEST_TAG"
     if [[ "${METP_ALLOW_OTHER_COMMIT:-0}" == 1 ]]; then
+        tag=${METP_PATCH_SERIES:-$NEWEST_TAG}
+        [[ -n "${RELEASE_COMMITS[$tag]:-}" ]] ||
+            die "METP_PATCH_SERIES=$tag is not a patch series (one of: $(echo "${!RELEASE_COMMITS[@]}" | tr ' ' '\n' | sort | tr '\n' ' '))"
         echo "apply_patches.sh: warning: $msg" >&2
-        echo "apply_patches.sh: warning: METP_ALLOW_OTHER_COMMIT=1: trying anyway" >&2
+        echo "apply_patches.sh: warning: METP_ALLOW_OTHER_COMMIT=1: trying the $tag series anyway" >&2
     else
         die "$msg
-    (or set METP_ALLOW_OTHER_COMMIT=1 to try this commit anyway)"
+    (or set METP_ALLOW_OTHER_COMMIT=1 to try this commit anyway, METP_PATCH_SERIES=<tag> naming the series)"
     fi
 fi
+PATCH_DIR=$PATCH_ROOT/$tag
 
 shopt -s nullglob
 patches=("$PATCH_DIR"/*.patch)
@@ -130,7 +150,7 @@ for i in "${!patches[@]}"; do
     fi
 done
 if [[ "$failed" == 0 && "$mode" == apply ]]; then
-    echo "Megatron-LM at $dir is patched for METP. It imports megatron_metp: install this package"
+    echo "Megatron-LM at $dir ($tag) is patched for METP. It imports megatron_metp: install this package"
     echo "(pip install -e <megatron-metp>) in the environment that runs pretrain_gpt.py."
 fi
 exit "$failed"

@@ -10,15 +10,30 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from tests.harness import preload_megatron  # noqa: E402
+from tests.megatron_lm_release import ENV as RELEASE_ENV, RELEASE, TAG_COMMIT  # noqa: E402
 
 torch.set_num_threads(1)
 preload_megatron()
 
 REPO = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
-# Megatron-LM at core_v0.16.1 as a shallow bare git clone, next to the repository (read-only:
-# only ever unpacked into a private temporary directory). See ../shared/megatron-lm/README.md.
+# Megatron-LM at the session's release (tests/megatron_lm_release.py) as a shallow bare git clone,
+# next to the repository (read-only: only ever unpacked into a private temporary directory). See
+# ../shared/megatron-lm/README.md.
 MEGATRON_LM_ARCHIVE = os.path.join(os.path.dirname(REPO), "shared", "megatron-lm",
-                                   "core_v0.16.1.git.tar")
+                                   f"{RELEASE.tag}.git.tar")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test that needs a Megatron-LM checkout (directly or through a fixture) carries the
+    ``megatron_lm`` marker: ``pytest -m megatron_lm`` runs them against the session's release."""
+    for item in items:
+        if "megatron_lm_checkout" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.megatron_lm)
+
+
+def pytest_report_header(config):
+    return (f"Megatron-LM tests against {RELEASE.tag} ({RELEASE.commit[:12]}; "
+            f"{RELEASE_ENV} to choose)")
 
 
 def _git(*argv):
@@ -37,10 +52,19 @@ def _unpack(archive, dest):
 
 @pytest.fixture(scope="session")
 def megatron_lm_checkout(tmp_path_factory):
-    """A Megatron-LM git checkout at core_v0.16.1: $MEGATRON_LM_DIR if set, else a private clone
-    of ../shared/megatron-lm/core_v0.16.1.git.tar, unpacked once per session. Tests must not
-    modify it (clone it again to patch it); with neither available the test is skipped, or fails
-    under CI=true."""
+    """A Megatron-LM git checkout holding the session's release commit (``RELEASE``, chosen by
+    $METP_MEGATRON_LM_RELEASE or the installed megatron-core): $MEGATRON_LM_DIR if set, else a
+    private clone of ../shared/megatron-lm/<tag>.git.tar, unpacked once per session. Tests must
+    not modify it (clone it again to patch it); with neither available the test is skipped, or
+    fails under CI=true. A release whose megatron-core line is not the installed one fails."""
+    import importlib.metadata
+
+    installed = importlib.metadata.version("megatron-core")
+    if not installed.startswith(RELEASE.megatron_core + "."):
+        pytest.fail(f"the Megatron-LM tests run against {RELEASE.tag}, whose megatron-core is "
+                    f"{RELEASE.megatron_core}.x, but megatron-core {installed} is installed: "
+                    f"use that release's environment (make venv / make venv-019) or set "
+                    f"{RELEASE_ENV}")
     env = os.environ.get("MEGATRON_LM_DIR")
     if env:
         return env
@@ -56,15 +80,11 @@ def megatron_lm_checkout(tmp_path_factory):
         dest = tmp / "Megatron-LM"
         _git("clone", "-q", str(bare), str(dest))
         return str(dest)
-    reason = ("needs a Megatron-LM checkout at core_v0.16.1: MEGATRON_LM_DIR is unset and the "
+    reason = (f"needs a Megatron-LM checkout at {RELEASE.tag}: MEGATRON_LM_DIR is unset and the "
               f"archive {MEGATRON_LM_ARCHIVE} does not exist")
     if os.environ.get("CI", "").strip().lower() in ("true", "1"):
         pytest.fail(reason + " (CI=true: not skipping)")
     pytest.skip(reason)
-
-
-#: Megatron-LM core_v0.16.1
-TAG_COMMIT = "55ac7082517c3878ae653c07c09c534b8aed49f6"
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ def one_step_grads(rank, world, size: GPTSize, layout: Layout):
     ``c`` METP groups of the CP group, what DDP does over Megatron's expert data-parallel group). Every rank returns its shards with their global names.
     """
     from megatron.core import parallel_state as ps
-    from megatron.core.utils import get_batch_on_this_cp_rank
+    from megatron_metp.megatron.compat import get_batch_on_this_cp_rank
 
     from megatron_metp.megatron import cpu
 

@@ -88,7 +88,7 @@ def _metp_forward(rank, world, ckpt, geometry: dict, ids, vocab_parallel=False):
     """Load ``ckpt`` into the METP GPT (METP = world) and run the batch: this rank's logits
     ``[b, s/p, Vp]`` (None with the vocabulary ring) and per-token losses ``[b, s/p]``."""
     from megatron.core import parallel_state as ps
-    from megatron.core.utils import get_batch_on_this_cp_rank
+    from megatron_metp.megatron.compat import get_batch_on_this_cp_rank
 
     from megatron_metp.megatron import cpu
     from megatron_metp.megatron.training import Layout, init_parallel

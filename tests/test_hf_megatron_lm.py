@@ -5,7 +5,7 @@ whose first iteration's loss equals transformers' loss on the same mock batch; t
 that run saves exports back to a model transformers loads.
 
 Megatron-LM: a clone of the ``megatron_lm_checkout`` fixture's checkout (``tests/conftest.py``)
-at ``core_v0.16.1``, patched by ``scripts/apply_patches.sh``.
+at the session's release (``tests/megatron_lm_release.py``), patched by ``scripts/apply_patches.sh``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 from megatron_metp.tools import hf as H
 from tests.harness import run_ranks
 from tests.test_hf import _import_on_a_rank, _safetensors
-from tests.test_scripts import TAG_COMMIT
+from tests.megatron_lm_release import TAG_COMMIT
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEQ, GBS = 64, 2

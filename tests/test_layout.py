@@ -146,6 +146,6 @@ def test_public_names_keep_working():
     # the names patches/ calls
     patch_text = "".join(p.read_text() for p in (ROOT.parent / "patches").rglob("*.patch"))
     for name in ["validate_metp_args", "metp_expert_model_parallel_size", "wrap_gpt_builder",
-                 "compose_extra_args_providers", "add_metp_args"]:
+                 "compose_extra_args_providers", "add_metp_args", "route_model_provider"]:
         assert name in patch_text
         assert callable(getattr(mlm, name))

@@ -13,11 +13,14 @@ import subprocess
 
 import pytest
 
+import megatron_metp.megatron_lm as megatron_lm_package
 from megatron_metp.megatron_lm import hooks as megatron_lm
+from megatron_metp.megatron_lm import releases
 from tests.harness import run_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PATCH = os.path.join(REPO, "patches", "0001-metp.patch")
+PATCHES = {tag: os.path.join(REPO, "patches", tag, "0001-metp.patch")
+           for tag in ("core_v0.16.1", "core_v0.19.0")}
 PATCHED_FILES = {"pretrain_gpt.py", "megatron/training/arguments.py",
                  "megatron/training/initialize.py"}
 
@@ -358,12 +361,13 @@ def _hunks(text):
     return hunks
 
 
-def test_patch_parses_and_touches_only_the_intended_files():
-    with open(PATCH) as fh:
+@pytest.mark.parametrize("tag", sorted(PATCHES))
+def test_patch_parses_and_touches_only_the_intended_files(tag):
+    with open(PATCHES[tag]) as fh:
         text = fh.read()
-    assert "55ac7082517c3878ae653c07c09c534b8aed49f6" in text  # says what it applies to
-    stat = subprocess.run(["git", "apply", "--numstat", PATCH], capture_output=True, text=True,
-                          cwd=REPO)
+    assert releases.by_tag(tag).commit in text  # says what it applies to
+    stat = subprocess.run(["git", "apply", "--numstat", PATCHES[tag]], capture_output=True,
+                          text=True, cwd=REPO)
     assert stat.returncode == 0, stat.stderr
     touched = {line.split("\t")[2] for line in stat.stdout.splitlines()}
     assert touched == PATCHED_FILES
@@ -382,7 +386,7 @@ _CALL = re.compile(r"([A-Za-z_][\w.]*)\s*\(")
 def _foreign_calls(patch_text):
     """Added code in ``patch_text`` that does anything but import/call megatron_lm's public
     functions (calls the replaced lines already made are allowed)."""
-    public = set(megatron_lm.__all__)
+    public = set(megatron_lm_package.__all__)
     bad = []
     imports = collections.defaultdict(set)  # per file: names bound to megatron_lm
     for h in _hunks(patch_text):
@@ -418,14 +422,15 @@ def _foreign_calls(patch_text):
     return bad
 
 
-def test_every_added_line_only_calls_megatron_lm():
-    with open(PATCH) as fh:
+@pytest.mark.parametrize("tag", sorted(PATCHES))
+def test_every_added_line_only_calls_megatron_lm(tag):
+    with open(PATCHES[tag]) as fh:
         text = fh.read()
     assert _foreign_calls(text) == []
     # the check itself can fail
     evil = text.replace("+    validate_metp_args(args)\n",
                         "+    validate_metp_args(args)\n+    os.system('true')\n", 1)
-    evil = evil.replace("@@ -311,6 +311,10 @@", "@@ -311,6 +311,11 @@", 1)
+    evil = re.sub(r"(@@ -\d+,6 \+\d+),10 @@", r"\1,11 @@", evil, count=1)
     assert _foreign_calls(evil) == ["megatron/training/arguments.py: call os.system() in "
                                     "os.system('true')"]
     assert _foreign_calls(text.replace("metp.add_metp_args", "metp._private", 1)) == \
@@ -445,6 +450,8 @@ def test_every_added_line_only_calls_megatron_lm():
     (dict(recompute_activations=True), ["--recompute-activations", "--recompute-granularity full"]),
     (dict(recompute_granularity="selective"), ["--recompute-granularity selective"]),
     (dict(cpu_offloading=True), ["--cpu-offloading", "--metp-offload-activations"]),
+    (dict(fine_grained_activation_offloading=True),
+     ["--fine-grained-activation-offloading", "--metp-offload-activations"]),
     (dict(distribute_saved_activations=True), ["--distribute-saved-activations"]),
 ])
 def test_megatron_flags_metp_cannot_honour_are_refused(kw, needles):

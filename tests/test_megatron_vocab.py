@@ -92,7 +92,7 @@ def test_three_training_steps_match_single_rank(world, layout, tied):
 
 def _logits(rank, world, size, layout):
     from megatron.core import parallel_state as ps
-    from megatron.core.utils import get_batch_on_this_cp_rank
+    from megatron_metp.megatron.compat import get_batch_on_this_cp_rank
 
     from megatron_metp.megatron import cpu
     from megatron_metp.megatron.training import build_model, global_batch, load_initial_weights

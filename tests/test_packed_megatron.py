@@ -230,7 +230,9 @@ def test_mock_document_length_flag(monkeypatch):
     assert MockGPTLowLevelDataset.max_sequence_length == 64
     low = MockGPTLowLevelDataset(NullTokenizer(1024))
     lengths = [len(low[i]) for i in range(200)]
-    assert max(lengths) < 64 and all(low[i][-1] == 1024 for i in range(200))  # EOD = vocab
+    # EOD: the vocabulary size at core_v0.16.1, the tokenizer's eod at core_v0.19.0
+    eod = getattr(low, "eod_token", 1024)
+    assert max(lengths) < 64 and all(low[i][-1] == eod for i in range(200))
     with pytest.raises(ValueError, match="add --mock-data"):
         megatron_lm.validate_metp_args(_args(metp_mock_max_document_length=64))
     with pytest.raises(ValueError, match="at least 2"):
@@ -247,7 +249,7 @@ def _packed_step(rank, world, size, layout, ends, eod_mask_loss, dense_mask=True
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
-    from megatron.core.utils import get_batch_on_this_cp_rank
+    from megatron_metp.megatron.compat import get_batch_on_this_cp_rank
 
     from megatron_metp.megatron import cpu
     from megatron_metp.megatron.linear import is_metp_sharded

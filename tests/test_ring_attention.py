@@ -31,7 +31,7 @@ def test_shard_unshard_roundtrip_and_positions(layout, p):
 
 
 def _megatron_cp_split(rank, p):
-    from megatron.core.utils import get_batch_on_this_cp_rank
+    from megatron_metp.megatron.compat import get_batch_on_this_cp_rank
     tokens = torch.arange(S).view(1, S)
     got = get_batch_on_this_cp_rank({"tokens": tokens.clone()}, cp_group=dist.group.WORLD)
     return got["tokens"], shard_sequence(tokens, rank, p, seq_dim=1)

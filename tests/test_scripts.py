@@ -1,10 +1,10 @@
 """Launch scripts, configs, Slurm wrapper, patch script, log comparison and dry run.
 
 Shell scripts are checked with ``bash -n`` and shellcheck, and run in their printing modes
-(nothing is launched). The last tests patch a temporary clone of a Megatron-LM checkout at
-``core_v0.16.1`` and run the dry run end to end: ``$MEGATRON_LM_DIR`` if set, else a private copy
-of ``../shared/megatron-lm/core_v0.16.1.git.tar`` (the ``megatron_lm_checkout`` fixture in
-tests/conftest.py).
+(nothing is launched). The last tests patch a temporary clone of a Megatron-LM checkout at the
+session's release (``tests/megatron_lm_release.py``: ``core_v0.16.1`` or ``core_v0.19.0``) and run
+the dry run end to end: ``$MEGATRON_LM_DIR`` if set, else a private copy of
+``../shared/megatron-lm/<tag>.git.tar`` (the ``megatron_lm_checkout`` fixture in tests/conftest.py).
 """
 
 import argparse
@@ -21,10 +21,11 @@ import zlib
 import pytest
 
 from megatron_metp.megatron_lm import hooks as megatron_lm
+from megatron_metp.megatron_lm import releases
 from megatron_metp.tools import compare, dry_run
+from tests.megatron_lm_release import TAG_COMMIT  # the session's release (METP_MEGATRON_LM_RELEASE)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TAG_COMMIT = "55ac7082517c3878ae653c07c09c534b8aed49f6"
 SHELL_FILES = sorted(
     glob.glob(os.path.join(REPO, "scripts", "*.sh"))
     + glob.glob(os.path.join(REPO, "scripts", "slurm", "*.sh"))
@@ -367,7 +368,7 @@ def _git(cwd, *args):
 def test_apply_patches_explains_a_wrong_checkout(tmp_path):
     script = os.path.join(REPO, "scripts", "apply_patches.sh")
     proc = _run(["bash", script, str(tmp_path / "missing")], check=False)
-    assert proc.returncode == 1 and "git clone --branch core_v0.16.1" in proc.stderr
+    assert proc.returncode == 1 and "git clone --branch core_v0.19.0" in proc.stderr
     (tmp_path / "pretrain_gpt.py").write_text("x = 1\n")
     (tmp_path / "megatron" / "training").mkdir(parents=True)
     (tmp_path / "megatron" / "training" / "arguments.py").write_text("y = 2\n")
@@ -378,11 +379,20 @@ def test_apply_patches_explains_a_wrong_checkout(tmp_path):
     _git(tmp_path, "commit", "-q", "-m", "not megatron")
     proc = _run(["bash", script, str(tmp_path)], check=False)
     assert proc.returncode == 1
-    assert f"core_v0.16.1 = {TAG_COMMIT}" in proc.stderr and "git -C" in proc.stderr
-    proc = _run(["bash", script, str(tmp_path)], env=_env(METP_ALLOW_OTHER_COMMIT=1),
-                check=False)
-    assert proc.returncode == 1
-    assert "neither applies nor is applied" in proc.stderr and "nothing was changed" in proc.stderr
+    for release in releases.RELEASES:  # every supported release named, with its commit
+        assert f"{release.tag} = {release.commit}" in proc.stderr
+    assert "git -C" in proc.stderr
+    for series in ("", "core_v0.16.1"):
+        proc = _run(["bash", script, str(tmp_path)],
+                    env=_env(METP_ALLOW_OTHER_COMMIT=1, METP_PATCH_SERIES=series), check=False)
+        assert proc.returncode == 1
+        assert f"trying the {series or 'core_v0.19.0'} series" in proc.stderr
+        assert "neither applies nor is applied" in proc.stderr
+        assert "nothing was changed" in proc.stderr
+    proc = _run(["bash", script, str(tmp_path)],
+                env=_env(METP_ALLOW_OTHER_COMMIT=1, METP_PATCH_SERIES="core_v0.17.0"), check=False)
+    assert proc.returncode == 1 and "METP_PATCH_SERIES=core_v0.17.0 is not a patch series" \
+        in proc.stderr
     assert (tmp_path / "pretrain_gpt.py").read_text() == "x = 1\n"
     proc = _run(["bash", script, "--help"])
     assert "MEGATRON_LM_DIR" in proc.stdout
@@ -654,10 +664,15 @@ def test_dry_run_vocab_parallel(patched_clone):
     def emb_params(text):
         return int(text.split("embedding/output ", 1)[1].split(")", 1)[0].replace(",", ""))
 
-    # vocab 1024 (+1 NullTokenizer) padded to a multiple of 128 x 1 x 2 = 1280 rows, half per
-    # rank, h=64, tied: 640 x 64 on each rank (without the switch: the same 1280 rows, as stock
-    # TP=2 pads them, all on each rank)
-    assert emb_params(out) == 640 * 64 and emb_params(base) == 1280 * 64
+    # --vocab-size 1024: NullTokenizer's vocabulary is 1025 at core_v0.16.1 (eod appended), 1024
+    # at core_v0.19.0 (eod = 1023), padded to a multiple of 128 x 1 x 2: 1280 or 1024 rows, half
+    # per rank, h=64, tied: 640 x 64 or 512 x 64 on each rank (without the switch: the same rows,
+    # as stock TP=2 pads them, all on each rank)
+    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+
+    rows = -(-NullTokenizer(1024).vocab_size // 256) * 256
+    assert rows in (1280, 1024)
+    assert emb_params(out) == rows // 2 * 64 and emb_params(base) == rows * 64
 
 
 @pytest.mark.parametrize("config", ["tiny-cpu-metp2.sh", "tiny-cpu-tp2.sh"])

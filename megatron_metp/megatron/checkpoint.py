@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..runtime.agree import check_pending
+from . import compat
 from .checkpoint_agreement import agree, checkpoint_timeout_s
 from .checkpoint_errors import CheckpointError
 from .checkpoint_integrity import ALGORITHM, manifest_name, verify_share, write_manifest
@@ -66,6 +67,12 @@ def _metadata_global_allowed(module: str, name: str) -> bool:
         return isinstance(obj, type) and obj.__module__ == module and \
             (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum))
     return False
+
+
+def read_metadata(path: str):
+    """torch's ``Metadata`` of a ``.metadata`` file, unpickled with only the allowed globals
+    (``CheckpointError`` otherwise)."""
+    return _check_metadata_pickle(path)
 
 
 def _check_metadata_pickle(path: str):
@@ -120,8 +127,7 @@ def _safe_load_strategies():
     the same way (Megatron calls ``torch.load`` without ``weights_only``, which the environment
     variable ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` turns into a full unpickle)."""
     from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
-    from megatron.core.dist_checkpointing.strategies.common import (COMMON_STATE_FNAME,
-                                                                    TorchCommonLoadStrategy)
+    from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
     from torch.distributed.checkpoint._traverse import set_element
 
     if not hasattr(mcore_torch, "MCoreLoadPlanner"):
@@ -138,15 +144,15 @@ def _safe_load_strategies():
                 self.state_dict[fqn] = obj
 
     class _SafeShardedStrategy(mcore_torch.TorchDistLoadShardedStrategy):
-        def load(self, sharded_state_dict, checkpoint_dir):
+        def load(self, sharded_state_dict, checkpoint_dir, *args, **kwargs):  # 0.19: more args
             original = mcore_torch.MCoreLoadPlanner
             mcore_torch.MCoreLoadPlanner = _SafeLoadPlanner
             try:
-                return super().load(sharded_state_dict, checkpoint_dir)
+                return super().load(sharded_state_dict, checkpoint_dir, *args, **kwargs)
             finally:
                 mcore_torch.MCoreLoadPlanner = original
 
-    class _SafeCommonStrategy(TorchCommonLoadStrategy):
+    class _SafeCommonStrategy(compat.common_load_strategy_base()):
         def load_common(self, checkpoint_dir):
             path = os.path.join(checkpoint_dir, COMMON_STATE_FNAME)
             try:
@@ -437,13 +443,13 @@ def load_checkpoint(directory: str, state, *, load_optimizer: bool = True,
 
 def _load_verified(path: str, meta: dict, state, load_optimizer: bool, load_rng: bool,
                    rng_keys) -> int:
-    from megatron.core import dist_checkpointing
-
     template = _sharded(state if load_optimizer else dict(state, optimizer=None), 0,
                         is_loading=True, rng_keys=rng_keys)
     sharded_strategy, common_strategy = _safe_load_strategies()
     try:
-        loaded = dist_checkpointing.load(template, path, sharded_strategy, common_strategy)
+        loaded = compat.dist_checkpointing_load(
+            template, path, sharded_strategy, common_strategy,
+            lambda value: _safe_torch_load(value, "the common state in a .distcp shard file"))
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as exc:  # noqa: BLE001 - torch's CheckpointException is a BaseException

@@ -5,7 +5,7 @@ After ``dist_checkpointing`` has written a checkpoint, every saving rank reads b
 shard of one sharded tensor, or one byte object), the item's key and chunk offset, its byte
 range in the file and the CRC-32 of those bytes, plus each file's size, in
 ``metp_integrity/rank_<rank>.json``. Rank 0's manifest also covers the whole files
-``.metadata``, ``metadata.json`` and ``common.pt``. The manifests are written (fsync) before the
+``.metadata``, ``metadata.json`` and (megatron-core 0.16) ``common.pt``. The manifests are written (fsync) before the
 checkpoint is published, so a published checkpoint always has them.
 
 Before a load touches the model, the loading ranks split the manifests between them and each
@@ -28,13 +28,14 @@ import zlib
 from typing import Dict, Iterable, Optional, Tuple
 
 from .checkpoint_errors import CheckpointError
+from .compat import checkpoint_whole_files
 from .checkpoint_layout import fsync_path, write_json_durably
 
 ALGORITHM = "crc32"
 MANIFEST_DIR = "metp_integrity"
 MANIFEST_FORMAT = 1
 #: files of an iteration directory checksummed as a whole (rank 0's manifest)
-WHOLE_FILES = (".metadata", "metadata.json", "common.pt")
+WHOLE_FILES = checkpoint_whole_files()  # megatron-core's own files (0.19 has no common.pt)
 _CHUNK = 16 << 20
 _SHARD_RE = re.compile(r"^__(\d+)_\d+\.distcp$")
 

@@ -34,6 +34,7 @@ import shutil
 from typing import List, Optional, Tuple
 
 from .checkpoint_errors import CheckpointError
+from .compat import checkpoint_whole_files
 
 #: Megatron-LM's tracker file name (its content is the iteration number)
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -120,7 +121,7 @@ def incomplete_reason(path: str) -> Optional[str]:
     if meta is None:
         return (f"is not a complete METP/Megatron distributed checkpoint (missing or unreadable "
                 f"{METP_META}); was the save interrupted?")
-    for name in (".metadata", "metadata.json", "common.pt"):
+    for name in checkpoint_whole_files():
         if not os.path.isfile(os.path.join(path, name)):
             return (f"is not a complete METP/Megatron distributed checkpoint (missing Megatron's "
                     f"{name}); was the save interrupted?")

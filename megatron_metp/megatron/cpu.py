@@ -1,4 +1,4 @@
-"""Opt-in switch that lets megatron-core 0.16.1 run forward/backward on CPU with gloo.
+"""Opt-in switch that lets megatron-core (0.16.x and 0.19.x) run forward/backward on CPU with gloo.
 
 megatron-core assumes a CUDA device in a handful of places that a CPU forward/backward reaches.
 ``enable()`` patches exactly those places, each with a small function written here; ``disable()``
@@ -35,6 +35,10 @@ What ``enable()`` patches (ids as in ``reference/megatron-core-on-cpu.md``):
     in-process ``queue.Queue``; its ``_process_memory`` (psutil, optional) reports 0 when psutil is
     absent instead of raising inside a writer process, which would hang the save.
 
+(i) ``torch.cuda.current_stream`` returns a CPU stand-in whose ``wait_event``/``wait_stream`` do
+    nothing (megatron-core 0.19's ``start_grad_sync`` asks for the current stream on every call to
+    wait for CUDA-graph events; work on the CPU is already ordered).
+
 (f) is not global: wrap optimizer construction and ``step()`` in :func:`cuda_to_cpu`, a
 ``TorchFunctionMode`` that maps CUDA devices to the CPU, drops ``pin_memory``, makes
 ``Tensor.cuda()`` a no-op and makes a zero-argument ``Tensor.type()`` report ``torch.cuda.*``.
@@ -50,6 +54,8 @@ import warnings
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from . import compat
 
 __all__ = ["enable", "disable", "is_enabled", "cuda_to_cpu", "CpuRNGStatesTracker",
            "CudaToCpuMode"]
@@ -239,10 +245,27 @@ def _no_sync(device=None) -> None:
     """``torch.cuda.synchronize`` on CPU: nothing to wait for."""
 
 
+class _CpuStream:
+    """Shim (i): ``torch.cuda.current_stream()`` on CPU; CPU work is already ordered."""
+
+    def wait_event(self, event=None) -> None:
+        pass
+
+    def wait_stream(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _cpu_current_stream(device=None) -> _CpuStream:
+    return _CpuStream()
+
+
 _WRITE_QUEUE = None
 
 
-def _in_process_queue():
+def _in_process_queue(*_args, **_kwargs):
     global _WRITE_QUEUE
     if _WRITE_QUEUE is None:
         import queue
@@ -262,7 +285,7 @@ def is_enabled() -> bool:
 
 
 def enable(force: bool = False) -> None:
-    """Apply shims (b), (c), (d), (e), (g), (h); a second call does nothing.
+    """Apply shims (b), (c), (d), (e), (g), (h), (i); a second call does nothing.
 
     Raises ``RuntimeError`` when ``torch.cuda.is_available()`` unless ``force=True``.
     Any RNG tracker created before the call is dropped, so the next ``get_cuda_rng_tracker()`` or
@@ -297,7 +320,9 @@ def enable(force: bool = False) -> None:
                 _patch(mod, "get_default_causal_mask", _default_causal_mask)
                 _patch(mod, "get_sliding_window_causal_mask", _sliding_window_causal_mask)
             _patch(torch.cuda, "synchronize", _no_sync)  # (h)
-            _patch(filesystem_async, "_get_write_results_queue", _in_process_queue)
+            _patch(torch.cuda, "current_stream", _cpu_current_stream)  # (i)
+            _patch(filesystem_async, compat.write_results_queue_name(filesystem_async),
+                   _in_process_queue)
             if not getattr(filesystem_async, "HAVE_PSUTIL", True):
                 _patch(filesystem_async, "_process_memory", lambda: 0)
         except BaseException:

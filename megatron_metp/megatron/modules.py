@@ -172,11 +172,13 @@ class METPSelfAttention(SelfAttention):
     """
 
     def __init__(self, config, submodules, layer_number, attn_mask_type=AttnMaskType.causal,
-                 cp_comm_type=None, pg_collection=None, *, groups: METPGroups, kernel=None):
+                 cp_comm_type=None, pg_collection=None, *, groups: METPGroups, kernel=None,
+                 **megatron_kwargs):
+        # megatron_kwargs: what the installed SelfAttention takes beyond these (0.19: name)
         check_config(config)
         super().__init__(config=config, submodules=submodules, layer_number=layer_number,
                          attn_mask_type=attn_mask_type, cp_comm_type=cp_comm_type,
-                         pg_collection=pg_collection)
+                         pg_collection=pg_collection, **megatron_kwargs)
         self.groups, self.kernel = groups, kernel
         self.causal = _mask_is_causal(attn_mask_type)
         t = groups.tp_size
@@ -227,7 +229,8 @@ class METPMLP(MLP):
     """
 
     def __init__(self, config, submodules, is_expert=False, input_size=None, ffn_hidden_size=None,
-                 tp_group=None, *, groups: METPGroups, keep_intermediate=False):
+                 tp_group=None, *, groups: METPGroups, keep_intermediate=False,
+                 **megatron_kwargs):
         check_config(config)
         if is_expert:
             raise ValueError("METP MLP does not support MoE experts")
@@ -237,7 +240,8 @@ class METPMLP(MLP):
             raise ValueError(f"--ffn-hidden-size ({ffn}) is not divisible by TP×METP = "
                              f"{groups.shards}")
         super().__init__(config=config, submodules=submodules, is_expert=False,
-                         input_size=input_size, ffn_hidden_size=ffn, tp_group=groups.tp)
+                         input_size=input_size, ffn_hidden_size=ffn, tp_group=groups.tp,
+                         **megatron_kwargs)  # what the installed MLP takes beyond (0.19: name)
         self.groups, self.keep_intermediate = groups, keep_intermediate
         self.layer_number = None
         self.ffn_tp = ffn // groups.tp_size

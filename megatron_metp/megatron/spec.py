@@ -10,6 +10,7 @@ from typing import Optional
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from . import compat
 from .groups import METPGroups
 from .linear import METPLinear
 from .modules import METPMLP, METPRingCoreAttention, METPSelfAttention
@@ -63,11 +64,11 @@ def get_gpt_layer_metp_spec(groups: METPGroups, *, weight_ring: bool = True,
     # SelfAttention calls its linear_qkv builder directly, and build_module()s the others.
     attn.submodules.linear_qkv = partial(METPLinear, groups=groups, mode="column")
     attn.submodules.linear_proj = _linear(groups, "row")
-    mlp = layer.mlp
-    mlp.module = METPMLP
-    mlp.params = {**(mlp.params or {}), "groups": groups, "keep_intermediate": keep_intermediate}
-    mlp.submodules.linear_fc1 = _linear(groups, "column")
-    mlp.submodules.linear_fc2 = _linear(groups, "row")
+    mlp = compat.mlp_submodules(layer.mlp)
+    mlp.linear_fc1 = _linear(groups, "column")
+    mlp.linear_fc2 = _linear(groups, "row")
+    layer.mlp = compat.layer_mlp(layer.mlp, METPMLP,
+                                 {"groups": groups, "keep_intermediate": keep_intermediate})
     return spec
 
 

@@ -299,7 +299,7 @@ def global_batch(size: GPTSize, step: int, global_batch_size: int, seed: int = 7
 
 def _microbatches(size: GPTSize, layout: Layout, step: int, batch_fn=None):
     from megatron.core import parallel_state as ps
-    from megatron.core.utils import get_batch_on_this_cp_rank
+    from .compat import get_batch_on_this_cp_rank
 
     tokens, labels = (batch_fn or global_batch)(size, step, layout.global_batch_size)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()

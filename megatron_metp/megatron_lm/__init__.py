@@ -10,6 +10,7 @@ may call them. Importing this package imports neither ``megatron.training`` nor 
 
 from .hooks import (add_metp_args, compose_extra_args_providers, metp_expert_model_parallel_size,
                     validate_metp_args, wrap_gpt_builder)
+from .releases import route_model_provider
 
 __all__ = ["add_metp_args", "compose_extra_args_providers", "metp_expert_model_parallel_size",
-           "validate_metp_args", "wrap_gpt_builder"]
+           "validate_metp_args", "wrap_gpt_builder", "route_model_provider"]

@@ -28,8 +28,8 @@ CPU shims, documented there):
   ``.cuda()`` in the training loop give CPU tensors);
 * the dataset index helpers (C++): ``compile_helpers`` builds them with ``python3`` from
   ``PATH``, which need not be the interpreter running; the glue uses the build the installed
-  megatron-core wheel ships for this interpreter when it is the same version, else builds
-  them for ``sys.executable`` (``pybind11`` from the ``[megatron-lm]`` extra);
+  megatron-core wheel ships for this interpreter when it is the same version or built from the
+  same ``helpers.cpp``, else builds them for ``sys.executable`` (``pybind11`` from the ``[megatron-lm]`` extra);
 * Megatron's memory report (``torch.cuda.memory_*``) reports the CPU process's resident set
   size, labelled as such.
 
@@ -48,6 +48,8 @@ import sys
 import types
 
 import torch
+
+from . import releases
 
 __all__ = ["enable_training", "stub_batch_invariant_kernels", "check_cpu_args",
            "shut_down_process_groups", "main"]
@@ -144,6 +146,20 @@ def _set_cpu_rng_state(state, device="cuda"):
     torch.set_rng_state(state)
 
 
+def _same_helpers(wheel_version: str, checkout_version: str, wheel_dir: str,
+                  checkout_dir: str) -> bool:
+    """Whether the wheel's compiled helpers are the checkout's: the same version, or the same
+    ``helpers.cpp`` (core_v0.19.0's checkout says 0.19.1; the 0.19.2 wheel's source is identical)."""
+    if wheel_version == checkout_version:
+        return True
+    try:
+        with open(os.path.join(wheel_dir, "helpers.cpp"), "rb") as a, \
+                open(os.path.join(checkout_dir, "helpers.cpp"), "rb") as b:
+            return a.read() == b.read()
+    except OSError:
+        return False
+
+
 def _helpers_importable() -> bool:
     """Whether ``megatron.core.datasets.helpers_cpp`` imports, after pointing the package at
     the same-version build the installed megatron-core wheel ships for this interpreter."""
@@ -166,7 +182,8 @@ def _helpers_importable() -> bool:
         dist = metadata.distribution("megatron-core")
         wheel_dir = str(dist.locate_file("megatron/core/datasets"))
         suffix = sysconfig.get_config_var("EXT_SUFFIX")
-        if dist.version != package_info.__version__ or wheel_dir in datasets.__path__ or \
+        if not _same_helpers(dist.version, package_info.__version__, wheel_dir,
+                             datasets.__path__[0]) or wheel_dir in datasets.__path__ or \
                 not os.path.isfile(os.path.join(wheel_dir, "helpers_cpp" + suffix)):
             return False
         datasets.__path__.append(wheel_dir)
@@ -250,7 +267,8 @@ def enable_training(force: bool = False) -> None:
     _patch(dataset_utils, "compile_helpers", _compile_helpers)
     _helpers_importable()  # every rank
     _patch(training, "set_jit_fusion_options", _no_op)  # warms up CUDA kernels
-    _patch(initialize, "validate_args", _validating(initialize.validate_args))
+    owner = releases.validate_args_owner()
+    _patch(owner, "validate_args", _validating(owner.validate_args))
     _ENABLED = True
 
 
@@ -285,9 +303,10 @@ def check_cpu_args(args) -> None:
             not getattr(args, "no_load_optim", False) and \
             os.path.isfile(os.path.join(load, "latest_checkpointed_iteration.txt")):
         problems.append("--use-distributed-optimizer resuming from --load "
-                        f"{load} (on CPU, without Apex/TE's Adam, core_v0.16.1's distributed "
-                        "optimizer cannot load its own state: torch's Adam creates it lazily and "
-                        "DistributedOptimizer.state_dict asserts; resume CPU runs without "
+                        f"{load} (on CPU, without Apex/TE's Adam, the distributed optimizer of "
+                        "core_v0.16.1 and of core_v0.19.0 cannot load its own state: torch's Adam "
+                        "creates it lazily and DistributedOptimizer.state_dict asserts "
+                        "len(steps) == 1; resume CPU runs without "
                         "--use-distributed-optimizer (DISTRIBUTED_OPTIMIZER=0), or pass "
                         "--no-load-optim to restart the optimizer)")
     if problems:

@@ -380,6 +380,9 @@ def _recompute_problems(args) -> List[str]:
         out.append("--cpu-offloading / --cpu-offloading-num-layers (Megatron's activation "
                    "offload; with METP use METP's own offload, --metp-offload-activations, "
                    "instead)")
+    if getattr(args, "fine_grained_activation_offloading", False):  # core_v0.19.0's flag
+        out.append("--fine-grained-activation-offloading (Megatron's per-module offload, not "
+                   "wired into the METP layers; use --metp-offload-activations instead)")
     return out
 
 

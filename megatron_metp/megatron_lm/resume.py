@@ -1,8 +1,9 @@
 """What a Megatron-LM ``--load`` checkpoint was saved with, read without unpickling it, and the
 resumes METP refuses before any rank starts work.
 
-Megatron-LM (``torch_dist`` format) stores the run's ``args`` in ``iter_NNNNNNN/common.pt``, a
-``torch.save`` zip whose ``data.pkl`` is a pickle. :func:`saved_args` walks that pickle's opcodes
+Megatron-LM (``torch_dist`` format) stores the run's ``args`` in ``iter_NNNNNNN/common.pt``
+(core_v0.16.1) or in the ``common_state`` byte object of rank 0's ``.distcp`` shard
+(core_v0.19.0), a ``torch.save`` zip whose ``data.pkl`` is a pickle. :func:`saved_args` walks that pickle's opcodes
 with :mod:`pickletools` (nothing is executed) and returns the plain integer and boolean fields of
 the saved ``args`` it finds, e.g. ``metp_parallel_size``.
 
@@ -44,12 +45,39 @@ def checkpoint_dir(load: str) -> Optional[str]:
     return path if os.path.isdir(path) else None
 
 
-def saved_args(iteration_dir: str) -> Dict[str, object]:
-    """Integer/boolean fields of the ``args`` saved in ``iteration_dir/common.pt`` (those of
-    ``_FIELDS`` found; empty if the file is not a readable ``torch.save`` zip)."""
+def _common_state(iteration_dir: str):
+    """The ``torch.save`` zip holding the checkpoint's common state (with the saved ``args``), as
+    a path or a file-like object, or ``None``: ``common.pt`` (core_v0.16.1), else the
+    ``common_state`` byte object inside rank 0's ``.distcp`` shard (core_v0.19.0), located through
+    ``.metadata`` read with the project's restricted unpickler."""
+    import io
+
     path = os.path.join(iteration_dir, "common.pt")
+    if os.path.isfile(path):
+        return path
+    if not os.path.isfile(os.path.join(iteration_dir, ".metadata")):
+        return None
+    from ..megatron.checkpoint import read_metadata
+
     try:
-        with zipfile.ZipFile(path) as zf:
+        md = read_metadata(os.path.join(iteration_dir, ".metadata"))
+        info = next(v for k, v in md.storage_data.items()
+                    if getattr(k, "fqn", None) == "common_state/shard_0_1")
+        with open(os.path.join(iteration_dir, info.relative_path), "rb") as fh:
+            fh.seek(info.offset)
+            return io.BytesIO(fh.read(info.length))
+    except Exception:  # noqa: BLE001 - unreadable or unexpected: nothing known
+        return None
+
+
+def saved_args(iteration_dir: str) -> Dict[str, object]:
+    """Integer/boolean fields of the ``args`` saved in ``iteration_dir``'s common state (those of
+    ``_FIELDS`` found; empty if it is not a readable ``torch.save`` zip)."""
+    source = _common_state(iteration_dir)
+    if source is None:
+        return {}
+    try:
+        with zipfile.ZipFile(source) as zf:
             name = next((n for n in zf.namelist() if n.endswith("/data.pkl")), None)
             if name is None:
                 return {}

@@ -59,7 +59,7 @@ GiB = 2 ** 30
 
 #: files the patches change, and the call each must contain once patched
 PATCHED_FILES = {
-    "pretrain_gpt.py": "wrap_gpt_builder",
+    "pretrain_gpt.py": "add_metp_args",  # both releases' patches register the flags there
     "megatron/training/arguments.py": "validate_metp_args",
     "megatron/training/initialize.py": "metp_expert_model_parallel_size",
 }
@@ -220,6 +220,7 @@ def run(megatron_lm_dir: str, megatron_argv: List[str], *, world_size: int, rank
     import torch
 
     from ..megatron_lm import hooks as megatron_lm
+    from ..megatron_lm import releases
 
     torch.set_num_threads(1)
     log = io.StringIO()
@@ -248,12 +249,13 @@ def run(megatron_lm_dir: str, megatron_argv: List[str], *, world_size: int, rank
             arch = lambda: gpu_arch  # noqa: E731 - CUDA query answered for the target GPU
             with _patched(margs, "get_device_arch_version", arch):
                 try:
-                    minit.validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
+                    releases.validate_args_owner().validate_args(
+                        args, {"tokenizer_type": "GPT2BPETokenizer"})
                 except (AssertionError, ValueError, RuntimeError) as exc:
                     raise DryRunError(f"validate_args rejected the command: "
                                       f"{type(exc).__name__}: {exc}") from None
             # Dry-run settings that do not change the model or its memory:
-            args.enable_gloo_process_groups = False  # gloo needs a real store
+            releases.disable_gloo_process_groups(args)  # gloo needs a real store
             args.tensorboard_dir = args.wandb_project = None
             args.use_cpu_initialization = True
             args.perform_initialization = False  # values are never computed on fake tensors
@@ -274,9 +276,7 @@ def run(megatron_lm_dir: str, megatron_argv: List[str], *, world_size: int, rank
                                       f"--vocab-size N for the dry run") from None
                 global_vars.unset_global_variables()
                 global_vars.set_global_variables(args, build_tokenizer=False)
-                from megatron.training.tokenizer.tokenizer import _vocab_size_with_padding
-
-                args.padded_vocab_size = _vocab_size_with_padding(args.vocab_size, args)
+                args.padded_vocab_size = releases.vocab_size_with_padding(args.vocab_size, args)
                 notes.append(f"tokenizer not built here ({type(exc).__name__}); vocabulary "
                              f"size from --vocab-size ({args.vocab_size})")
 

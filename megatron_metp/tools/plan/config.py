@@ -128,7 +128,8 @@ def _launcher_settings(kv: Dict[str, object], model: Dict[str, object],
     ``METP_KEEP_INTERMEDIATE``, a stock ``CP`` as the ring size (plan it with ``--modes ring``),
     data parallelism from ``NNODES × GPUS_PER_NODE`` (default 1 × 8),
     and Megatron's ``NullTokenizer`` (mock data, no ``TOKENIZER_TYPE``), which adds an
-    end-of-document token to ``VOCAB_SIZE`` (default 32000)."""
+    end-of-document token to ``VOCAB_SIZE`` (default 32000) at core_v0.16.1, not at core_v0.19.0
+    (the release of the installed megatron-core)."""
     precision = str(kv.get("precision") or "bf16")
     if precision != "bf16":
         raise ValueError(f"PRECISION={precision} in the config: metp plan and metp measure model "
@@ -168,4 +169,7 @@ def _launcher_settings(kv: Dict[str, object], model: Dict[str, object],
     tokenizer = kv.get("tokenizer_type") or ("HuggingFaceTokenizer" if kv.get("data_path")
                                              else "NullTokenizer")
     if tokenizer == "NullTokenizer":
-        model["vocab"] = int(model.get("vocab") or kv.get("vocab_size") or 32000) + 1
+        from ...megatron_lm.releases import for_megatron_core  # +1 eod at core_v0.16.1 only
+
+        model["vocab"] = int(model.get("vocab") or kv.get("vocab_size") or 32000) + \
+            int(for_megatron_core().null_tokenizer_adds_eod)
