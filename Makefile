@@ -6,13 +6,14 @@
 #   make faults   - the fault-injection suite alone (part of make test; ~1.5 min on 2 cores)
 # Environments, one per supported Megatron-LM release:
 #   make venv     - .venv: $(PYTHON) (3.11 here), torch 2.13.0 (CPU build), megatron-core 0.16.1
-#   make venv-019 - .venv-019: $(PYTHON312), torch 2.13.0, megatron-core 0.19.x (needs Python >= 3.12;
+#   make venv-019 - .venv-019: $(PYTHON312), torch 2.13.0, megatron-core 0.19.x (needs Python >= 3.12, found by scripts/find_python312.sh or given as PYTHON312=...;
 #                   the registry's torch for 3.12 is a CUDA build, ~4.7 GB, that runs on the CPU)
 # TORCH_SPEC pins the CPU build used here and in CI; on a GPU machine pass e.g. TORCH_SPEC=torch
 # or use the Dockerfile, which keeps the container's own torch.
 
 PYTHON ?= python3
-PYTHON312 ?= python3.12
+# PYTHON312: a Python >= 3.12 for .venv-019; unset, scripts/find_python312.sh looks on PATH and in pyenv
+export PYTHON312
 VENV ?= .venv
 VENV019 ?= .venv-019
 TORCH_SPEC ?= torch==2.13.0
@@ -37,7 +38,7 @@ $(STAMP): pyproject.toml
 
 # pyproject's environment markers pick megatron-core 0.19.x on Python >= 3.12
 $(STAMP019): pyproject.toml
-	test -x $(PY019) || $(PYTHON312) -m venv $(VENV019)
+	test -x $(PY019) || { py=$$(scripts/find_python312.sh) && "$$py" -m venv $(VENV019); }
 	$(PY019) -c 'import sys; assert sys.version_info >= (3, 12), "make venv-019 needs Python >= 3.12: PYTHON312=/path/to/python3.12"'
 	$(PY019) -m pip install -q --upgrade pip
 	$(PY019) -m pip install -q "$(TORCH_SPEC)"
