@@ -120,3 +120,22 @@ def _disagree(rank, p):
 def test_ranks_with_different_tile_counts_are_refused():
     out = run_ranks(_disagree, 2)
     assert all(o and "GroupDisagreementError" in o and "token_tiles" in o for o in out), out
+
+
+def test_plan_matches_measurement_in_tiles(monkeypatch):
+    """``metp plan`` models the tiles as the op runs them: planned = measured within 5 % with
+    8 tiles per rank, and the tiles lower the measured peak (they are what the plan models)."""
+    from megatron_metp.tools import measure as M
+    from megatron_metp.tools import plan as P
+
+    model = P.Model(hidden=256, layers=2, heads=8, ffn=8192, vocab=512, seq=4096, swiglu=True)
+    job = P.Job(tp=1, metp=2)
+    peaks = {}
+    for tile in ("0", "256"):
+        monkeypatch.setenv(tiling.MLP_TOKEN_TILE_ENV, tile)
+        (res,) = M.measure(model, job, ["metp"], jobs=1, timeout=300)
+        assert "error" not in res, res["error"]
+        planned = P.memory(model, job, "metp").measured_part
+        assert abs(planned / res["peak"] - 1) <= 0.05, (tile, planned, res["peak"])
+        peaks[tile] = res["peak"]
+    assert peaks["256"] < 0.8 * peaks["0"], peaks

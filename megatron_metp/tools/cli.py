@@ -84,6 +84,9 @@ def _add_common(ap: argparse.ArgumentParser) -> None:
     j.add_argument("--precision", default="bf16", help="only bf16 is planned")
     j.add_argument("--hardware", default="H100-80GB", choices=list(P.HARDWARE),
                    help="device preset (default H100-80GB)")
+    j.add_argument("--host-memory-gib", type=float, default=None,
+                   help="host RAM per node for --offload-activations' pinned buffers (default: "
+                        "the hardware preset's, 2 TB for the DGX presets)")
     j.add_argument("--reserve-gib", type=float, default=2.0,
                    help="GiB held back for CUDA context, NCCL, fragmentation (default 2)")
     ap.add_argument("--modes", nargs="+", default=None, metavar="MODE",
@@ -127,7 +130,8 @@ def build(args) -> tuple:
                                                                           False),
                 distributed_optimizer=args.distributed_optimizer or
                 job_fields.pop("distributed_optimizer", False), precision=args.precision,
-                hardware=args.hardware, reserve_gib=args.reserve_gib, **job_fields)
+                hardware=args.hardware, reserve_gib=args.reserve_gib,
+                host_memory_gib=args.host_memory_gib, **job_fields)
     if args.modes:
         modes = args.modes
     elif job.vocab_parallel:
@@ -208,6 +212,11 @@ def cmd_measure(args) -> int:
     for mode, r in zip(modes, results):
         if "method" in r:
             print(f"# {mode}: {r['method']}")
+        if job.offload and "error" not in r:
+            from .plan.host import host_report
+
+            print(f"# {mode}: " + host_report(job, r.get("host_peak"),
+                                              P.memory(model, job, mode).act.host))
     print(f"\n{len(results)} measurements in {time.perf_counter() - t0:.1f} s")
     if args.json:
         out = []

@@ -92,6 +92,7 @@ class Job:
     recompute_method: str = "uniform"  # full: "uniform" (chunks of N layers) or "block" (first N)
     recompute_num_layers: int = 1
     offload: bool = False          # --metp-offload-activations: saved tensors to host memory
+    host_memory_gib: Optional[float] = None  # host RAM per node (None: the preset's; plan.host)
 
     @property
     def width(self) -> int:
@@ -179,6 +180,14 @@ def validate(model: Model, job: Job, modes: Sequence[str] = MODES) -> None:
             raise ValueError(f"{flag} must be a positive integer, got {v!r}")
     if job.microbatches < 0:
         raise ValueError(f"--microbatches must be >= 0, got {job.microbatches}")
+    if job.host_memory_gib is not None:
+        if not job.host_memory_gib > 0:
+            raise ValueError(f"--host-memory-gib must be a positive number of GiB, got "
+                             f"{job.host_memory_gib!r}")
+        if not job.offload:
+            raise ValueError("--host-memory-gib bounds the pinned host buffers of "
+                             "--offload-activations; add --offload-activations or drop "
+                             "--host-memory-gib")
     if model.hidden % model.heads:
         raise ValueError(f"--hidden {model.hidden} is not divisible by --heads {model.heads}")
     if model.heads % model.groups:

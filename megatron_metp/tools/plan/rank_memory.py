@@ -82,6 +82,9 @@ def head_memory(model: Model, job: Job, mode: str, seq: Optional[int] = None) ->
 
 # ----------------------------------------------------------------------------- longest sequence
 
+from .host import host_fits  # noqa: E402
+
+
 def seq_step(job: Job, mode: str) -> int:
     lay = layout(mode, job)
     q = 2 * lay.c if lay.c > 1 else 1
@@ -97,10 +100,13 @@ def capacity_bytes(job: Job) -> float:
 def longest_seq(model: Model, job: Job, mode: str, capacity: Optional[float] = None,
                 limit: int = 1 << 24) -> int:
     """Largest ``s`` (a multiple of :func:`seq_step`) whose planned per-rank total fits in
-    ``capacity`` bytes (default: the hardware's memory minus ``reserve_gib``); 0 if none."""
+    ``capacity`` bytes (default: the hardware's memory minus ``reserve_gib``) and, with host
+    offload, whose pinned host bytes fit the node's host memory (:mod:`.host`); 0 if none."""
     cap = capacity_bytes(job) if capacity is None else capacity
     q = seq_step(job, mode)
-    fits = lambda s: worst_total(model, job, mode, s) <= cap  # noqa: E731
+    def fits(s):  # the device total per GPU, and the pinned host bytes per node (.host)
+        return worst_total(model, job, mode, s) <= cap and (
+            not job.offload or host_fits(job, memory(model, job, mode, s).act.host))
     if not fits(q):
         return 0
     lo, hi = 1, 2

@@ -12,8 +12,7 @@ from .rank_memory import capacity_bytes, head_memory, longest_seq, memory
 from .traffic import crossover_seq, traffic_per_layer
 from .cost import step_cost
 
-#: GPUs per node, for the host memory a node must hold (one HGX node)
-GPUS_PER_NODE = 8
+from .host import GPUS_PER_NODE, host_capacity_bytes, host_fits  # noqa: F401 (GPUS_PER_NODE)
 
 
 def fmt_bytes(x: float) -> str:
@@ -53,6 +52,9 @@ def plan(model: Model, job: Job, modes: Sequence[str] = MODES) -> Dict:
             "vocab": head_memory(model, job, mode),
             "longest_seq": longest_seq(model, job, mode),
             "host": a.host, "cost": step_cost(model, job, mode),
+            "host_per_node": GPUS_PER_NODE * a.host,
+            "host_capacity_per_node": host_capacity_bytes(job),
+            "fits_host": (not job.offload) or host_fits(job, a.host),
         }
     out["overlap"] = overlap_thresholds(model, job, hw)
     if hw.measured_tflops:
@@ -118,6 +120,10 @@ def report(model: Model, job: Job, modes: Sequence[str] = MODES) -> str:
     if job.offload:
         row("host memory (offloaded) / rank", lambda r: fmt_bytes(r["host"]))
         row(f"  per node of {GPUS_PER_NODE}", lambda r: fmt_bytes(GPUS_PER_NODE * r["host"]))
+        cap = host_capacity_bytes(job)
+        if cap is not None:
+            row("  host memory per node", lambda r: fmt_bytes(cap))
+            row("fits host memory", lambda r: "yes" if host_fits(job, r["host"]) else "NO")
     if job.recompute == "full" or job.offload:
         row("recompute: extra FLOPs", lambda r: f"+{100 * r['cost']['recompute_flops_share']:.1f} %")
         row("  extra bytes sent / micro-batch", lambda r: fmt_bytes(r["cost"]["sent_by_recompute"]))
