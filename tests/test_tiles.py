@@ -139,3 +139,27 @@ def test_plan_matches_measurement_in_tiles(monkeypatch):
         assert abs(planned / res["peak"] - 1) <= 0.05, (tile, planned, res["peak"])
         peaks[tile] = res["peak"]
     assert peaks["256"] < 0.8 * peaks["0"], peaks
+
+
+def test_megatron_lm_flag_sets_the_tile_or_is_refused(monkeypatch):
+    import argparse
+
+    from megatron_metp.megatron_lm import hooks
+    from tests.test_megatron_lm import _args
+
+    parser = hooks.add_metp_args(argparse.ArgumentParser())
+    assert parser.parse_args(["--metp-mlp-token-tile", "4096"]).metp_mlp_token_tile == 4096
+    assert parser.parse_args([]).metp_mlp_token_tile is None
+    monkeypatch.delenv(tiling.MLP_TOKEN_TILE_ENV, raising=False)
+    hooks.validate_metp_args(_args(metp_parallel_size=8, metp_mlp_token_tile=4096))
+    import os
+
+    assert os.environ[tiling.MLP_TOKEN_TILE_ENV] == "4096"
+    assert tiling.resolve_rows(None, 100_000, 8) == 4096  # what the METP MLP then uses
+    for kw, needle in ((dict(metp_parallel_size=1), "needs --metp-parallel-size > 1"),
+                       (dict(metp_parallel_size=8, metp_disable_weight_ring=True),
+                        "--metp-disable-weight-ring"),
+                       (dict(metp_parallel_size=8), "must be >= 0")):
+        rows = -1 if needle == "must be >= 0" else 64
+        with pytest.raises(ValueError, match=needle):
+            hooks.validate_metp_args(_args(metp_mlp_token_tile=rows, **kw))
