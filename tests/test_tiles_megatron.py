@@ -1,7 +1,7 @@
 """Token tiles of the METP MLP inside Megatron: a 3-step run with Megatron's DDP and optimizer in
 tiles (``METP_MLP_TOKEN_TILE``) equals the untiled run (losses, grad norms, every gradient after
 step 1: fp32 within 1e-6) at METP 2 and 3, with full recompute, host offload and the vocabulary
-ring; the ring counters show that the MLP's ring went round once per tile; a perturbed initial
+ring (and the offload without prefetch); the ring counters show that the MLP's ring went round once per tile; a perturbed initial
 weight is caught by the same comparison."""
 
 import dataclasses
@@ -32,6 +32,8 @@ def _runs(rank, world, size, base, variants):
     out = {}
     for name, opts in variants:
         layout = dataclasses.replace(base, **opts.get("layout", {}))
+        for key, value in opts.get("env", {}).items():
+            os.environ[key] = value
         tile = opts.get("tile")
         if tile:
             os.environ[tiling.MLP_TOKEN_TILE_ENV] = str(tile)
@@ -49,8 +51,13 @@ def _runs(rank, world, size, base, variants):
                     grads[_global_name(model, pname)] = p.main_grad.detach().clone()
 
         recs = train(size, layout, STEPS, state=state, checkpoint_fn=grab)
+        for key in opts.get("env", {}):
+            os.environ.pop(key, None)
         out[name] = {"losses": [r.lm_loss for r in recs], "norms": [r.grad_norm for r in recs],
-                     "grads": grads, "ring": state["groups"].metp.stats.snapshot()}
+                     "grads": grads, "ring": state["groups"].metp.stats.snapshot(),
+                     "prefetched": getattr(state["model"].module.decoder, "_metp_offloader",
+                                           None) and
+                     state["model"].module.decoder._metp_offloader.stats.prefetched_groups}
     os.environ.pop(tiling.MLP_TOKEN_TILE_ENV, None)
     return out
 
@@ -74,6 +81,8 @@ def test_tiled_training_equals_untiled(p):
     for name, opts in PAIRS:
         variants += [(name, opts), (name + "-tiled", dict(opts, tile=5))]
     variants.append(("perturbed-tiled", {"seed": 1235, "tile": 5}))
+    no_prefetch = dict(PAIRS[2][1], env={"METP_OFFLOAD_PREFETCH": "0"})
+    variants.append(("vocab-full-offload-noprefetch-tiled", dict(no_prefetch, tile=5)))
     per_rank = run_ranks(_runs, p, SWIGLU, Layout(metp=p), variants, timeout=300)
     for res in per_rank:
         for name, _ in PAIRS:
@@ -81,3 +90,9 @@ def test_tiled_training_equals_untiled(p):
             # the MLP's weight ring went round once per tile: more ring bytes than untiled
             assert res[name + "-tiled"]["ring"]["bytes_sent"] > res[name]["ring"]["bytes_sent"]
         assert _worst(res["plain"], res["perturbed-tiled"]) > 1e-3
+        # host offload without prefetch (METP_OFFLOAD_PREFETCH=0): the same training (the
+        # tiny layers' tensors stay below the offload threshold; tests/test_offload_prefetch.py
+        # checks the bring-back itself)
+        nop = res["vocab-full-offload-noprefetch-tiled"]
+        assert _worst(res["vocab-full-offload"], nop) <= SAME
+        assert nop["prefetched"] == 0

@@ -84,6 +84,10 @@ def _add_common(ap: argparse.ArgumentParser) -> None:
     j.add_argument("--precision", default="bf16", help="only bf16 is planned")
     j.add_argument("--hardware", default="H100-80GB", choices=list(P.HARDWARE),
                    help="device preset (default H100-80GB)")
+    j.add_argument("--no-offload-prefetch", action="store_true",
+                   help="--offload-activations brings each layer back only when its backward "
+                        "starts (one layer's saved tensors on the device instead of two; "
+                        "METP_OFFLOAD_PREFETCH=0 for Megatron-LM)")
     j.add_argument("--host-memory-gib", type=float, default=None,
                    help="host RAM per node for --offload-activations' pinned buffers (default: "
                         "the hardware preset's, 2 TB for the DGX presets)")
@@ -124,6 +128,8 @@ def build(args) -> tuple:
             job_fields[flag] = v
     if args.offload_activations:
         job_fields["offload"] = True
+    if args.no_offload_prefetch:
+        job_fields["offload_prefetch"] = False
     job = P.Job(microbatches=args.microbatches,
                 kernel=args.kernel or job_fields.pop("kernel", "flash"),
                 keep_intermediate=args.keep_intermediate or job_fields.pop("keep_intermediate",

@@ -93,6 +93,7 @@ class Job:
     recompute_num_layers: int = 1
     offload: bool = False          # --metp-offload-activations: saved tensors to host memory
     host_memory_gib: Optional[float] = None  # host RAM per node (None: the preset's; plan.host)
+    offload_prefetch: bool = True  # offload: prefetch layer l-1 in l's backward (2 groups on device)
 
     @property
     def width(self) -> int:
@@ -180,6 +181,10 @@ def validate(model: Model, job: Job, modes: Sequence[str] = MODES) -> None:
             raise ValueError(f"{flag} must be a positive integer, got {v!r}")
     if job.microbatches < 0:
         raise ValueError(f"--microbatches must be >= 0, got {job.microbatches}")
+    if not job.offload_prefetch and not job.offload:
+        raise ValueError("--no-offload-prefetch (METP_OFFLOAD_PREFETCH=0) changes when "
+                         "--offload-activations brings layers back; add --offload-activations "
+                         "or drop it")
     if job.host_memory_gib is not None:
         if not job.host_memory_gib > 0:
             raise ValueError(f"--host-memory-gib must be a positive number of GiB, got "
