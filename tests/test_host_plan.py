@@ -53,3 +53,16 @@ def test_report_shows_both_sides():
     assert "host memory per node" in text and "fits host memory" in text and " NO" in text
     line = H.host_report(JOB, 132.25 * 2 ** 30, 132.25 * 2 ** 30)
     assert "1,058 GiB per node" in line and "1,863 GiB per node: fits" in line
+
+
+def test_dry_run_report_shows_host_memory_per_node_against_the_node():
+    from megatron_metp.tools import dry_run
+    from tests.test_scripts import _report
+
+    r = _report(70)
+    r["bytes"]["host"] = 198.375 * 2 ** 30  # Llama-3-8B at 6M tokens, per rank
+    text = dry_run.format_report(r, gpu_memory_gib=80)
+    assert "1,587 GiB per node of 8" in text
+    assert "fits in 1,863 GiB of host memory per node (a DGX node's 2 TB" in text
+    assert "DOES NOT FIT in 1,000 GiB of host memory per node" in \
+        dry_run.format_report(r, gpu_memory_gib=80, host_memory_gib=1000)
