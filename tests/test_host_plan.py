@@ -66,3 +66,19 @@ def test_dry_run_report_shows_host_memory_per_node_against_the_node():
     assert "fits in 1,863 GiB of host memory per node (a DGX node's 2 TB" in text
     assert "DOES NOT FIT in 1,000 GiB of host memory per node" in \
         dry_run.format_report(r, gpu_memory_gib=80, host_memory_gib=1000)
+
+
+def test_no_prefetch_plans_one_layer_input_less_and_its_exposed_copies():
+    from megatron_metp.tools.plan.cost import step_cost
+
+    six = dataclasses.replace(LLAMA, seq=6291456)
+    nop = dataclasses.replace(JOB, offload_prefetch=False)
+    a, b = P.memory(six, JOB, "metp"), P.memory(six, nop, "metp")
+    x = 2 * (6291456 // 8) * 4096  # one layer input, bf16
+    assert a.total - b.total == pytest.approx(x)
+    assert a.total / 2 ** 30 > 76 > b.total / 2 ** 30  # 77.41 vs 71.41 GiB
+    ca, cb = step_cost(six, JOB, "metp"), step_cost(six, nop, "metp")
+    assert ca["offload_hidden"] and not cb["offload_hidden"]
+    assert cb["step_s"] - ca["step_s"] == pytest.approx(b.act.host / 64e9)
+    with pytest.raises(ValueError, match="--no-offload-prefetch"):
+        P.validate(six, dataclasses.replace(nop, offload=False))

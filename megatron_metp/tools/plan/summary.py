@@ -128,7 +128,9 @@ def report(model: Model, job: Job, modes: Sequence[str] = MODES) -> str:
         row("recompute: extra FLOPs", lambda r: f"+{100 * r['cost']['recompute_flops_share']:.1f} %")
         row("  extra bytes sent / micro-batch", lambda r: fmt_bytes(r["cost"]["sent_by_recompute"]))
         row("host↔device / micro-batch", lambda r: fmt_bytes(r["cost"]["host_device_bytes"]))
-        row("  copies hidden by compute", lambda r: "yes" if r["cost"]["offload_hidden"] else "NO")
+        row("  copies hidden by compute", lambda r: "yes" if r["cost"]["offload_hidden"] else
+            (f"NO ({r['cost']['host_copy_exposed_s']:.1f} s exposed: no prefetch)"
+             if r["cost"].get("host_copy_exposed_s") else "NO"))
     row("est. time / micro-batch", lambda r: f"{r['cost']['step_s']:.2f} s")
     row("longest sequence that fits", lambda r: fmt_tokens(r["longest_seq"]))
     w0 = max(len(r[0]) for r in rows)
