@@ -456,7 +456,9 @@ LLAMA3_70B = P.Model(name="llama3-70b", hidden=8192, layers=80, heads=64, query_
                      ffn=28672, vocab=128256, seq=131072, swiglu=True, tied=False)
 RECOMPUTES = (("none", {}), ("full", {"recompute": "full"}),
               ("full, 2 layers a chunk", {"recompute": "full", "recompute_num_layers": 2}),
-              ("full + offload", {"recompute": "full", "offload": True}))
+              ("full + offload", {"recompute": "full", "offload": True}),
+              ("full + offload, no prefetch", {"recompute": "full", "offload": True,
+                                               "offload_prefetch": False}))
 
 
 def _reach(model, mode, gpus, **kw):
@@ -500,13 +502,19 @@ def part_reach(out, meas):
         for mode, label in (("metp", "METP"), ("ring", "stock CP (TP 1)"),
                             ("tp-sp", "TP 8 + SP × CP")):
             for name, kw in RECOMPUTES:
-                if mode != "metp" and name.startswith("full, 2"):
+                if mode != "metp" and (name.startswith("full, 2") or "prefetch" in name):
                     continue
                 cells = [_reach(model, mode, g, **kw) for g in (8, 16, 32)]
                 out.append(f"| {label} | {name} | "
                            + " | ".join(P.fmt_tokens(c) if c else "does not fit" for c in cells)
                            + " |")
         out.append("")
+    one = _reach(LLAMA3_8B, "metp", 8, recompute="full", offload=True, offload_prefetch=False)
+    out.append("One node, Llama-3-8B on 8 × H100-80GB, the longest sequence that fits:\n")
+    out.append("| METP (full recompute, offload without prefetch, MLP token tiles; planned) | "
+               "ALST (published) | UPipe (published) |")
+    out.append("|---|---:|---:|")
+    out.append(f"| {P.fmt_tokens(one)} (`configs/llama3-8b-6m-metp8.sh`: 6,291,456) | 3.7M | 5M |\n")
     job = P.Job(tp=1, metp=8, vocab_parallel=True, distributed_optimizer=True,
                 hardware="H100-80GB", recompute="full", offload=True)
     model = LLAMA3_8B.with_seq(4194304)
