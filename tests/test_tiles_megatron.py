@@ -1,7 +1,7 @@
 """Token tiles of the METP MLP inside Megatron: a 3-step run with Megatron's DDP and optimizer in
 tiles (``METP_MLP_TOKEN_TILE``) equals the untiled run (losses, grad norms, every gradient after
 step 1: fp32 within 1e-6) at METP 2 and 3, with full recompute, host offload and the vocabulary
-ring (and the offload without prefetch); the ring counters show that the MLP's ring went round once per tile; a perturbed initial
+ring, with TP 2 × METP 2 and METP 2 × PP 2, and on packed documents (and the offload without prefetch); the ring counters show that the MLP's ring went round once per tile; a perturbed initial
 weight is caught by the same comparison."""
 
 import dataclasses
@@ -96,3 +96,37 @@ def test_tiled_training_equals_untiled(p):
         nop = res["vocab-full-offload-noprefetch-tiled"]
         assert _worst(res["vocab-full-offload"], nop) <= SAME
         assert nop["prefetched"] == 0
+
+
+def _train_packed_tiled(rank, world, layout, steps, tile):
+    from megatron_metp.megatron import cpu
+    from megatron_metp.megatron.training import setup
+    from megatron_metp.tools.demo import DemoConfig, packed_walk_batch
+
+    os.environ[tiling.MLP_TOKEN_TILE_ENV] = str(tile)
+    cpu.enable()
+    size = DemoConfig(layers=2, hidden=32, seq=64).size()
+    init_parallel(layout, size.seq_length)
+    state = setup(size, layout)
+    recs = train(size, layout, steps, state=state, batch_fn=packed_walk_batch)
+    return [r.lm_loss for r in recs], state["groups"].metp.stats.snapshot()["bytes_sent"]
+
+
+def test_packed_documents_in_tiles_train_as_untiled():
+    """Packed documents (Megatron's EOD boundaries, per-token loss), the vocabulary ring and full
+    recompute: 3 steps in tiles of 7 rows give the untiled losses."""
+    layout = Layout(metp=2, vocab_parallel=True, micro_batch_size=2, global_batch_size=4,
+                    lr=3e-3, packed_eod=127, **FULL)
+    whole, sent_whole = run_ranks(_train_packed_tiled, 2, layout, 3, 0)[0]
+    tiled, sent_tiled = run_ranks(_train_packed_tiled, 2, layout, 3, 7)[0]
+    assert max(abs(a - b) / a for a, b in zip(whole, tiled)) <= SAME, (whole, tiled)
+    assert sent_tiled > sent_whole
+
+
+@pytest.mark.parametrize("base", [Layout(metp=2, tp=2), Layout(metp=2, pp=2)],
+                         ids=["tp2xmetp2", "metp2xpp2"])
+def test_tiled_training_equals_untiled_with_tp_and_pp(base):
+    variants = [("full", {"layout": FULL}), ("full-tiled", {"layout": FULL, "tile": 5})]
+    for res in run_ranks(_runs, 4, SWIGLU, base, variants, timeout=300):
+        assert _worst(res["full"], res["full-tiled"]) <= SAME
+        assert res["full-tiled"]["ring"]["bytes_sent"] > res["full"]["ring"]["bytes_sent"]
