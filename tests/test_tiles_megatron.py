@@ -1,8 +1,9 @@
 """Token tiles of the METP MLP inside Megatron: a 3-step run with Megatron's DDP and optimizer in
 tiles (``METP_MLP_TOKEN_TILE``) equals the untiled run (losses, grad norms, every gradient after
 step 1: fp32 within 1e-6) at METP 2 and 3, with full recompute, host offload and the vocabulary
-ring, with TP 2 × METP 2 and METP 2 × PP 2, and on packed documents (and the offload without prefetch); the ring counters show that the MLP's ring went round once per tile; a perturbed initial
-weight is caught by the same comparison."""
+ring, with TP 2 × METP 2 and METP 2 × PP 2, and on packed documents (and the offload without
+prefetch); the ring counters show that the MLP's ring went round once per tile; a perturbed
+initial weight is caught by the same comparison."""
 
 import dataclasses
 import os
