@@ -9,6 +9,7 @@ from typing import Dict, Optional
 
 from .activation_memory import Activations, activations
 from .hardware import HARDWARE
+from .host import host_fits
 from .model import BF16, FP32, GiB, Job, Model, canonical, layout, padded_vocab
 from .parameters import params, static_memory
 from .vocab import token_chunk
@@ -81,9 +82,6 @@ def head_memory(model: Model, job: Job, mode: str, seq: Optional[int] = None) ->
 
 
 # ----------------------------------------------------------------------------- longest sequence
-
-from .host import host_fits  # noqa: E402
-
 
 def seq_step(job: Job, mode: str) -> int:
     lay = layout(mode, job)
