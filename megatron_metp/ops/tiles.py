@@ -11,8 +11,10 @@ so the transfers stay hidden while ``R`` is above the overlap threshold (``metp 
 tokens per rank on H100); the auto tile is far above it (~24K rows for Llama-3-8B at METP 8).
 
 Why tile-outer and not tile-inner (the ring once, each step over the tiles, full-size fp32
-accumulators): measured with ``benchmarks/mlp_memory.py --tiles`` (CUDA-faithful fake tensors,
-Llama-3-8B MLP, METP 8, 512K tokens per rank; ``docs/tiles.md``), tile-inner keeps the
+accumulators): measured with ``benchmarks/mlp_memory.py --methods metp-outer-gpumm
+metp-inner-gpumm --token-tile 23831`` (CUDA-faithful fake tensors, Llama-3-8B MLP, METP 8,
+512K tokens per rank: tile-outer 17,742 MiB, tile-inner 24,702, whole 35,110;
+``docs/tiles.md``), tile-inner keeps the
 ``[N, h]`` fp32 accumulator of the forward and of ``dx`` (8 GiB at 512K rows, 12 GiB at 768K),
 which alone is more than the 15 % of a 76 GiB rank the 6M-token job allows a layer's transient.
 
