@@ -8,6 +8,9 @@ For rank 0 of a group of ``p`` ranks this measures one forward and one backward 
 * ``metp-keep``       the same with ``keep_intermediate=True``;
 * ``metp-gpumm``      ``metp`` with the op's CUDA matmul branch emulated (see "CPU vs GPU" below);
 * ``metp-keep-gpumm`` ``metp-keep`` likewise (not in the default list);
+* ``metp-outer-gpumm`` ``metp-gpumm`` in token tiles of ``--token-tile`` rows, the ring once per
+                      tile (tile-outer, ``ops/tiles.py``; not in the default list);
+* ``metp-inner-gpumm`` the same tiles, the ring once and each step over the tiles (tile-inner);
 * ``tp``              Megatron's ColumnParallelLinear(h→k·F, gather_output=False) → GeLU/SwiGLU →
                       RowParallelLinear(input_is_parallel=True), input ``[s, b, h]`` replicated;
 * ``tp-sp``           the same with ``sequence_parallel=True``, input ``[s/p, b, h]``.
@@ -112,6 +115,8 @@ METHODS = {
     "metp-keep": "metp_mlp, keep_intermediate=True",
     "metp-gpumm": "metp_mlp recompute, CUDA fp32-accumulation matmul branch emulated",
     "metp-keep-gpumm": "metp_mlp keep_intermediate=True, CUDA matmul branch emulated",
+    "metp-outer-gpumm": "metp-gpumm in token tiles (--token-tile rows), ring once per tile",
+    "metp-inner-gpumm": "metp-gpumm in token tiles (--token-tile rows), ring once, tiles per step",
     "tp": "Megatron ColumnParallelLinear -> f -> RowParallelLinear, input [s,b,h] replicated",
     "tp-sp": "the same with sequence_parallel=True, input [s/p,b,h]",
 }
@@ -140,13 +145,23 @@ def bytes_closed_form(c):
                                      c["bias"], c["method"])
     if m.startswith("metp"):
         w = metp_shard_numel(h, ffn, p, act, bias)
-        return (p - 1) * (2 * w * BF16 + w * FP32)  # grad_reduce_dtype = fp32 (the op's default)
+        passes = _tile_count(c) if "outer" in m else 1  # tile-outer: the ring once per tile
+        # grad_reduce_dtype = fp32 (the op's default)
+        return passes * (p - 1) * (2 * w * BF16 + w * FP32)
     n = s * b * h * BF16
     if m == "tp":
         return 4 * (p - 1) * n // p
     if m == "tp-sp":
         return 5 * (p - 1) * n // p
     raise ValueError(m)
+
+
+def _tile_count(c):
+    """Tiles of the ``-outer``/``-inner`` methods (``ops/tiles.py``'s balanced tiles)."""
+    from megatron_metp.ops import tiles as tiling
+
+    n = c["s"] * c["b"] // c["p"]
+    return len(tiling.tile_slices(n, tiling.resolve_rows(c.get("tile", 0), n, 1)))
 
 
 def stored_analytic(c):
@@ -252,8 +267,11 @@ def _build_metp(case, group):
             self.b2 = torch.nn.Parameter(torch.empty(h)) if bias else None
 
         def forward(self, x):
+            tiled = "outer" in m or "inner" in m
+            os.environ["METP_MLP_TILE_ORDER"] = "inner" if "inner" in m else "outer"
             return metp_mlp(x, self.w1, self.w2, group=group, activation=act, fc1_bias=self.b1,
-                            fc2_bias=self.b2, keep_intermediate="keep" in m, ffn_hidden_size=ffn)
+                            fc2_bias=self.b2, keep_intermediate="keep" in m, ffn_hidden_size=ffn,
+                            token_tile=case.get("tile", 0) if tiled else 0)
 
     return _METPMLP()
 
@@ -381,8 +399,11 @@ def _cases(args):
         for m in args.methods:
             if m == "tp-sp" and p == 1:
                 continue  # Megatron refuses sequence parallelism without tensor parallelism
-            cases.append({"act": act, "s": s, "b": args.batch, "h": h, "ffn": ffn, "p": p,
-                          "method": m, "bias": args.bias})
+            case = {"act": act, "s": s, "b": args.batch, "h": h, "ffn": ffn, "p": p,
+                    "method": m, "bias": args.bias}
+            if "outer" in m or "inner" in m:
+                case["tile"] = args.token_tile
+            cases.append(case)
     return cases
 
 
@@ -482,6 +503,8 @@ def main(argv=None):
     ap.add_argument("--bias", action="store_true", help="give fc1/fc2 biases (default none)")
     ap.add_argument("--methods", nargs="+", choices=list(METHODS), default=DEFAULT_METHODS,
                     help=f"variants to measure (default {' '.join(DEFAULT_METHODS)})")
+    ap.add_argument("--token-tile", type=int, default=0,
+                    help="token rows per tile of the -outer/-inner methods (0 = whole)")
     _bench.add_run_args(ap)
     args = ap.parse_args(argv)
 

@@ -552,6 +552,15 @@ def part_reach(out, meas):
                f"{hop['tokens_per_rank']:,} ({1e3 * hop['step_transfer_s']:.1f} ms transfer vs "
                f"{1e3 * hop['step_compute_s']:.0f} ms attention per step, datasheet rates): a "
                f"flat ring suffices, no hierarchical schedule is needed at these lengths.\n")
+    one_job = P.Job(tp=1, metp=8, vocab_parallel=True, distributed_optimizer=True,
+                    hardware="H100-80GB", recompute="full", offload=True, offload_prefetch=False)
+    one = P.longest_seq(LLAMA3_8B, one_job, "metp")
+    out.append("One node, Llama-3-8B on 8 × H100-80GB, the longest sequence that fits with the "
+               "layer inputs offloaded without prefetch (one on the device; MLP token tiles):\n")
+    out.append("| METP 8 (full recompute, offload without prefetch, MLP token tiles; planned) | "
+               "ALST (published) | UPipe (published) |")
+    out.append("|---|---:|---:|")
+    out.append(f"| {P.fmt_tokens(one)} (`configs/llama3-8b-6m-metp8.sh`: 6,291,456) | 3.7M | 5M |\n")
     job = P.Job(tp=1, metp=8, vocab_parallel=True, distributed_optimizer=True,
                 hardware="H100-80GB", recompute="full", offload=True)
     model = LLAMA3_8B.with_seq(4194304)

@@ -45,6 +45,9 @@
 #   RECOMPUTE_GRANULARITY [unset; full] RECOMPUTE_METHOD [uniform] RECOMPUTE_NUM_LAYERS [1]
 #                                           Megatron's activation recompute
 #   METP_OFFLOAD_ACTIVATIONS [0]            saved activations to host memory (also without METP)
+#   METP_OFFLOAD_PREFETCH [1]               0: bring each layer back when its backward starts
+#                                           (one layer input on the GPU instead of two)
+#   METP_MLP_TOKEN_TILE [unset: auto]       --metp-mlp-token-tile (token rows per MLP ring pass)
 #   PACKED_SEQUENCES [0]                    1: documents packed into each sample, separated by EOD
 #                                           tokens: --reset-position-ids --reset-attention-mask
 #                                           --eod-mask-loss (METP derives the document boundaries
@@ -200,6 +203,8 @@ if [[ -n "${RECOMPUTE_GRANULARITY:-}" ]]; then
     fi
 fi
 [[ "${METP_OFFLOAD_ACTIVATIONS:-0}" == 1 ]] && MODEL_PARALLEL_ARGS+=(--metp-offload-activations)
+[[ -n "${METP_OFFLOAD_PREFETCH:-}" ]] && export METP_OFFLOAD_PREFETCH
+[[ -n "${METP_MLP_TOKEN_TILE:-}" ]] && MODEL_PARALLEL_ARGS+=(--metp-mlp-token-tile "$METP_MLP_TOKEN_TILE")
 
 TRAINING_ARGS=(
     --micro-batch-size "$MICRO_BATCH_SIZE"

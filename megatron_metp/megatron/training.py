@@ -219,6 +219,10 @@ def build_model(size: GPTSize, layout: Layout, groups: METPGroups):
                 pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
                 share_embeddings_and_output_weights=size.tie_embeddings,
                 position_embedding_type=size.position_embedding_type, **extra)
+    if layout.mode == "metp":
+        from .recompute_output import free_recomputed_outputs
+
+        free_recomputed_outputs(model.decoder)
     if layout.offload_activations:
         from ..runtime.offload import ActivationOffloader
 

@@ -116,6 +116,9 @@ def add_metp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "group, step and peer (default: $METP_RING_TIMEOUT_S, else "
              "--distributed-timeout-minutes x 60, the one timeout of every process group; a "
              "longer value is refused).")
+    from .tiles import add_tile_args
+
+    add_tile_args(group)
     return parser
 
 
@@ -175,6 +178,9 @@ def validate_metp_args(args):
     mock_note = apply_mock_document_length(args)
     if mock_note and getattr(args, "rank", 0) == 0:
         print(f"> METP: {mock_note}", flush=True)
+    from .tiles import map_tile_args
+
+    map_tile_args(args, p is not None and p > 1)
     if p is None or p == 1:
         if getattr(args, "metp_vocab_parallel", False):
             raise ValueError("--metp-vocab-parallel needs --metp-parallel-size > 1 (with METP off "
@@ -481,6 +487,9 @@ def wrap_gpt_builder(gpt_builder: Callable) -> Callable:
         else:
             model = build_metp_gpt_model(args, pre_process, post_process, vp_stage,
                                          config=config, pg_collection=pg_collection)
+            from ..megatron.recompute_output import free_recomputed_outputs
+
+            free_recomputed_outputs(model.decoder)
         if getattr(args, "metp_offload_activations", False):
             from ..runtime.offload import ActivationOffloader
 

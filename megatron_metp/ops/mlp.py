@@ -47,6 +47,7 @@ from ._accum import mm_into, mm_new
 from ._first_order import first_order_only
 from ._flat import FlatLayout
 from ._grads import weight_grad
+from . import tiles as tiling
 
 
 def _check_inputs(x, w1, w2, b1, b2, group: METPGroup, activation, ffn_hidden_size,
@@ -102,11 +103,15 @@ def _check_inputs(x, w1, w2, b1, b2, group: METPGroup, activation, ffn_hidden_si
 
 
 class _METPMLPFunction(torch.autograd.Function):
-    """Autograd function of :func:`metp_mlp` (see the module docstring for the equations)."""
+    """Autograd function of :func:`metp_mlp` (see the module docstring for the equations).
+
+    ``tiles``: the token-row slices (:mod:`.tiles`); one slice of every row is the untiled op.
+    ``order``: ``"outer"`` runs the whole ring once per tile, ``"inner"`` runs it once and every
+    step over the tiles (full-size fp32 accumulators)."""
 
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, group: METPGroup, activation: str, keep: bool,
-                grad_dtype: torch.dtype, label: str):
+                grad_dtype: torch.dtype, label: str, tiles, order: str):
         check_finite(f"{label} (forward)", group, x=x, fc1_weight=w1, fc2_weight=w2, fc1_bias=b1,
                      fc2_bias=b2)
         ctx.label = label
@@ -116,29 +121,61 @@ class _METPMLPFunction(torch.autograd.Function):
         layout = FlatLayout.of([w1, b1, w2])
         ring = RingExchanger(group, "mlp weights (fwd)")
         acc_dtype = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
-        y = None
-        kept = [None] * group.size
-        payload = layout.pack([w1, b1, w2]) if group.size > 1 else None
-        shards = ring.circulate(payload) if group.size > 1 else [(0, None)]
-        for t, flat in shards:
-            j = group.owner_at_step(t)
-            w1j, b1j, w2j = (w1, b1, w2) if flat is None else layout.unpack(flat)
-            z = torch.addmm(b1j, x2, w1j.t()) if b1j is not None else torch.mm(x2, w1j.t())
+        T = len(tiles)
+        kept = [None] * (group.size * T)
+        inner = order == "inner" and T > 1
+        passes = [None] if inner or T == 1 else list(range(T))
+
+        def shard_rows(i, rows, w1j, b1j, w2j, j, y):
+            z = torch.addmm(b1j, rows, w1j.t()) if b1j is not None else torch.mm(rows, w1j.t())
             a = act.forward(activation, z)
             if y is None:
                 y = mm_new(a, w2j.t(), acc_dtype)
             else:
                 _mm_acc(y, a, w2j.t())
             if keep:
-                kept[j] = z
-            del z, a  # not alive while the next shard's z is formed
-        if b2 is not None:
-            y.add_(b2)
+                kept[i * group.size + j] = z
+            return y
+
+        out = None if T == 1 else torch.empty(n_tok, h, dtype=x.dtype, device=x.device)
+        for tile in passes:
+            y = None
+            payload = layout.pack([w1, b1, w2]) if group.size > 1 else None
+            shards = ring.circulate(payload) if group.size > 1 else [(0, None)]
+            for t, flat in shards:
+                j = group.owner_at_step(t)
+                w1j, b1j, w2j = (w1, b1, w2) if flat is None else layout.unpack(flat)
+                if tile is None and inner:  # tile-inner: every tile at each step
+                    if y is None:
+                        y = torch.empty(n_tok, h, dtype=acc_dtype, device=x.device)
+                    for i, sl in enumerate(tiles):
+                        z = _z(x2[sl], w1j, b1j)
+                        a = act.forward(activation, z)
+                        if t == 0:
+                            mm_into(y[sl], a, w2j.t())
+                        else:
+                            _mm_acc(y[sl], a, w2j.t())
+                        if keep:
+                            kept[i * group.size + j] = z
+                        del z, a
+                else:
+                    i = 0 if tile is None else tile
+                    y = shard_rows(i, x2 if tile is None else x2[tiles[tile]], w1j, b1j, w2j, j, y)
+            if b2 is not None:
+                y.add_(b2)
+            if out is None:
+                out = y.to(x.dtype)
+            elif inner:
+                out.copy_(y)
+            else:
+                out[tiles[tile]].copy_(y)
+            del y
         ctx.group, ctx.activation, ctx.keep, ctx.grad_dtype = group, activation, keep, grad_dtype
+        ctx.tiles, ctx.order = tiles, order
         ctx.x_shape = x.shape
         ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
         ctx.save_for_backward(x, w1, b1, w2, *(kept if keep else []))
-        return y.to(x.dtype).view(x.shape)
+        return out.view(x.shape)
 
     @staticmethod
     @first_order_only("metp_mlp")
@@ -147,92 +184,152 @@ class _METPMLPFunction(torch.autograd.Function):
         group: METPGroup = ctx.group
         x, w1, b1, w2, *kept = ctx.saved_tensors
         b1 = b1 if ctx.has_b1 else None
-        p, r = group.size, group.rank
+        p = group.size
         n_tok, h = x.shape[0] * x.shape[1], x.shape[-1]
         x2 = x.reshape(n_tok, h)
         g = grad_y.reshape(n_tok, h).to(x.dtype)
         acc_dtype = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
         grad_dtype = ctx.grad_dtype or acc_dtype
-        dx = None
         db2 = g.sum(0, dtype=acc_dtype).to(x.dtype) if ctx.has_b2 else None
-
         w_layout = FlatLayout.of([w1, b1, w2])
-        g_layout = w_layout  # gradients of (W1_j, b1_j, W2_j) have the weights' shapes
         ring = RingExchanger(group, "mlp weights + grads (bwd)")
+        tiles = ctx.tiles
+        T = len(tiles)
 
-        def shard_dz(w1j, b1j, w2j, j):
-            """dx += dz·W1_j; returns ``(dz, a)`` for the shard's weight gradients."""
-            nonlocal dx
-            if ctx.keep:
-                z = kept[j]
-            else:
-                z = torch.addmm(b1j, x2, w1j.t()) if b1j is not None else torch.mm(x2, w1j.t())
-            a = act.forward(ctx.activation, z)
-            dz = act.backward(ctx.activation, z, torch.mm(g, w2j))
-            del z
+        if T == 1 or ctx.order == "inner":
+            kept_of = (lambda i, j: kept[i * p + j]) if ctx.keep else None
+            dx, acc = _backward_pass(ctx, group, ring, w_layout, x2, g, w1, b1, w2, kept_of,
+                                     tiles if T > 1 else None, acc_dtype, grad_dtype)
+            dx = dx.to(x.dtype)
+        else:  # tile-outer: the whole ring once per tile; the owners add up the tiles' sums
+            dx = torch.empty(n_tok, h, dtype=x.dtype, device=x.device)
+            acc = None
+            total_dtype = torch.promote_types(grad_dtype, acc_dtype)
+            for i, sl in enumerate(tiles):
+                kept_of = (lambda _i, j, i=i: kept[i * p + j]) if ctx.keep else None
+                dx_t, acc_t = _backward_pass(ctx, group, ring, w_layout, x2[sl], g[sl], w1, b1,
+                                             w2, kept_of, None, acc_dtype, grad_dtype)
+                dx[sl].copy_(dx_t)
+                del dx_t
+                if acc is None:
+                    acc = acc_t if acc_t.dtype == total_dtype else acc_t.to(total_dtype)
+                else:
+                    acc.add_(acc_t)
+                del acc_t
+
+        dw1, db1, dw2 = w_layout.unpack(acc)
+        return (dx.view(ctx.x_shape), weight_grad(w1, dw1),
+                weight_grad(b1, db1), weight_grad(w2, dw2), db2,
+                None, None, None, None, None, None, None)
+
+
+def _z(rows, w1j, b1j):
+    """``rows·W1_jᵀ + b1_j``."""
+    return torch.addmm(b1j, rows, w1j.t()) if b1j is not None else torch.mm(rows, w1j.t())
+
+
+def _backward_pass(ctx, group: METPGroup, ring: RingExchanger, w_layout: FlatLayout, x2, g,
+                   w1, b1, w2, kept_of, tiles, acc_dtype, grad_dtype):
+    """One backward pass of the weight ring over the rows ``x2``/``g`` ``[R, h]``: returns
+    ``(dx [R, h] in acc_dtype, the complete flat (dW1, db1, dW2) of this rank's own shard)``.
+    ``tiles``: row slices each ring step walks one by one (tile-inner), or ``None`` (all rows
+    at once). ``kept_of(i, j)``: the kept ``z`` of tile ``i`` (0 without tiles) and shard ``j``."""
+    p, r = group.size, group.rank
+    g_layout = w_layout  # gradients of (W1_j, b1_j, W2_j) have the weights' shapes
+    dx = None
+    pieces = [(0, slice(None))] if tiles is None else list(enumerate(tiles))
+
+    def shard_dz(rows_x, rows_g, w1j, b1j, w2j, i, j):
+        """``(dz, a)`` of one shard over some rows."""
+        z = kept_of(i, j) if ctx.keep else _z(rows_x, w1j, b1j)
+        a = act.forward(ctx.activation, z)
+        dz = act.backward(ctx.activation, z, torch.mm(rows_g, w2j))
+        return dz, a
+
+    def add_grads(flat, rows_x, rows_g, dz, a, first):
+        """This rank's (dW1, db1, dW2) of the shard into its travelling sum ``flat``;
+        ``first``: the sum starts here (written, not added: no zero fill)."""
+        dw1, db1, dw2 = g_layout.unpack(flat)
+        if first:
+            mm_into(dw1, dz.t(), rows_x)
+            mm_into(dw2, rows_g.t(), a)
+            if db1 is not None:
+                torch.sum(dz, 0, dtype=db1.dtype, out=db1)
+            return
+        _mm_acc(dw1, dz.t(), rows_x)
+        _mm_acc(dw2, rows_g.t(), a)
+        if db1 is not None:
+            db1.add_(dz.sum(0, dtype=acc_dtype))
+
+    def shard_step(w1j, b1j, w2j, j, t, flat=None, wait=None):
+        """The shard's dz over the rows: dx += dz·W1_j; its gradients go into ``flat`` (after
+        ``wait()``: the travelling sum may still be arriving), tile by tile when tile-inner."""
+        nonlocal dx
+        if tiles is None:
+            dz, a = shard_dz(x2, g, w1j, b1j, w2j, 0, j)
             if dx is None:
                 dx = mm_new(dz, w1j, acc_dtype)
             else:
                 _mm_acc(dx, dz, w1j)
-            return dz, a
+            if wait is not None:
+                wait()
+            add_grads(flat(), x2, g, dz, a, t == 0)
+            return
+        if wait is not None:
+            wait()
+        if dx is None:
+            dx = torch.empty(x2.shape[0], x2.shape[1], dtype=acc_dtype, device=x2.device)
+        buf = flat()
+        for i, sl in pieces:
+            dz, a = shard_dz(x2[sl], g[sl], w1j, b1j, w2j, i, j)
+            if t == 0:
+                mm_into(dx[sl], dz, w1j)
+            else:
+                _mm_acc(dx[sl], dz, w1j)
+            add_grads(buf, x2[sl], g[sl], dz, a, t == 0 and i == 0)
+            del dz, a
 
-        def add_grads(flat, dz, a, first):
-            """This rank's (dW1, db1, dW2) of the shard into its travelling sum ``flat``;
-            ``first``: the sum starts here (written, not added: no zero fill)."""
-            dw1, db1, dw2 = g_layout.unpack(flat)
-            if first:
-                mm_into(dw1, dz.t(), x2)
-                mm_into(dw2, g.t(), a)
-                if db1 is not None:
-                    torch.sum(dz, 0, dtype=db1.dtype, out=db1)
-                return
-            _mm_acc(dw1, dz.t(), x2)
-            _mm_acc(dw2, g.t(), a)
-            if db1 is not None:
-                db1.add_(dz.sum(0, dtype=acc_dtype))
+    # Rank r visits shards r-1, r-2, ..., r+1, r: its own last, so each gradient sum ends
+    # its p-1 hops at the shard's owner. One batched exchange per step carries the shard the
+    # next step needs (a step ahead) and the previous shard's gradient sum (waited for only
+    # after this shard's dz and dx are done).
+    sums = [torch.empty(g_layout.numel, dtype=grad_dtype, device=x2.device), None]
+    cur = 0
+    if p > 1:
+        own = w_layout.pack([w1, b1, w2])
+        held = ring.start(own, torch.empty_like(own), step=0).wait()  # shard r-1; the
+        spare = own  # one transfer not hidden behind compute
+    for t in range(p):
+        last = t == p - 1
+        j = r if last else group.owner_at_step(t, offset=1)
+        sends, recvs = [], []
+        prefetch = not last and t + 1 <= p - 2
+        if prefetch:
+            sends.append(held)
+            recvs.append(spare)
+        if t >= 1:
+            if sums[1 - cur] is None:
+                sums[1 - cur] = torch.empty_like(sums[cur])
+            sends.append(sums[cur])
+            recvs.append(sums[1 - cur])
+        step = ring.exchange(sends, recvs, step=t + 1) if sends else None
 
-        # Rank r visits shards r-1, r-2, ..., r+1, r: its own last, so each gradient sum ends
-        # its p-1 hops at the shard's owner. One batched exchange per step carries the shard the
-        # next step needs (a step ahead) and the previous shard's gradient sum (waited for only
-        # after this shard's dz and dx are done).
-        sums = [torch.empty(g_layout.numel, dtype=grad_dtype, device=x.device), None]
-        cur = 0
-        if p > 1:
-            own = w_layout.pack([w1, b1, w2])
-            held = ring.start(own, torch.empty_like(own), step=0).wait()  # shard r-1; the
-            spare = own  # one transfer not hidden behind compute
-        for t in range(p):
-            last = t == p - 1
-            j = r if last else group.owner_at_step(t, offset=1)
-            sends, recvs = [], []
-            prefetch = not last and t + 1 <= p - 2
-            if prefetch:
-                sends.append(held)
-                recvs.append(spare)
-            if t >= 1:
-                if sums[1 - cur] is None:
-                    sums[1 - cur] = torch.empty_like(sums[cur])
-                sends.append(sums[cur])
-                recvs.append(sums[1 - cur])
-            step = ring.exchange(sends, recvs, step=t + 1) if sends else None
-            dz, a = shard_dz(*((w1, b1, w2) if last else w_layout.unpack(held)), j)
+        def wait(step=step, t=t, last=last):
+            nonlocal held, spare, cur
             if step is not None:
                 step.wait()
             if t >= 1:
                 cur = 1 - cur
             if last:
                 sums[1 - cur] = None
-                held = spare = step = None
-            add_grads(sums[cur], dz, a, t == 0)
-            del dz, a
-            if prefetch:
-                held, spare = spare, held
-        acc = sums[cur]
+                held = spare = None
 
-        dw1, db1, dw2 = g_layout.unpack(acc)
-        return (dx.to(x.dtype).view(ctx.x_shape), weight_grad(w1, dw1),
-                weight_grad(b1, db1), weight_grad(w2, dw2), db2,
-                None, None, None, None, None)
+        ws = (w1, b1, w2) if last else w_layout.unpack(held)
+        shard_step(*ws, j, t, flat=lambda: sums[cur], wait=wait)
+        step = None
+        if prefetch:
+            held, spare = spare, held
+    return dx, sums[cur]
 
 
 def metp_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor, *, group,
@@ -240,7 +337,7 @@ def metp_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor
              fc2_bias: Optional[torch.Tensor] = None, keep_intermediate: bool = False,
              ffn_hidden_size: Optional[int] = None,
              grad_reduce_dtype: Optional[torch.dtype] = torch.float32,
-             label: str = "metp_mlp") -> torch.Tensor:
+             label: str = "metp_mlp", token_tile: Optional[int] = None) -> torch.Tensor:
     """The METP MLP block ``y = f(x·W1ᵀ + b1)·W2ᵀ + b2`` over a weight ring.
 
     Args:
@@ -263,6 +360,12 @@ def metp_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor
             cross-rank agreement check (:mod:`megatron_metp.runtime.agree`, on by default), which also
             requires it, every shape/dtype and every option to be equal on all ranks of the
             group.
+        token_tile: token rows (of ``s/p·b``) per tile (:mod:`.tiles`): ``None`` = the
+            environment variable ``METP_MLP_TOKEN_TILE``, else auto from ``METP_TILE_BUDGET_MIB``
+            (default 1 GiB of token-proportional transient per tile); ``0`` = whole. One tile is
+            the untiled op; ``T`` tiles run the weight ring ``T`` times (tile-outer;
+            ``METP_MLP_TILE_ORDER=inner``: once, each step over the tiles). Every rank of the
+            group must get the same tile count (checked with the agreement check).
 
     Returns:
         ``y`` ``[s/p, b, h]``: this rank's tokens' MLP output. Gradients of the weight shards are
@@ -272,6 +375,14 @@ def metp_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor
     try:
         _check_inputs(x, fc1_weight, fc2_weight, fc1_bias, fc2_bias, group, activation,
                       ffn_hidden_size, grad_reduce_dtype)
+        n_rows = x.shape[0] * x.shape[1]
+        k = act.fc1_rows_per_ffn(activation)
+        acc_elem = 4 if x.dtype in (torch.float16, torch.bfloat16) else x.element_size()
+        rows = tiling.resolve_rows(token_tile, n_rows, tiling.mlp_row_bytes(
+            x.shape[-1], fc1_weight.shape[0] // k, k, x.element_size(), acc_elem,
+            bool(keep_intermediate)))
+        tiles = tiling.tile_slices(n_rows, rows)
+        order = tiling.tile_order()
     except ValueError as exc:
         refuse_together(group, op_label("metp_mlp", label), exc)
         raise
@@ -284,6 +395,8 @@ def metp_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor
                            activation=activation,
                            keep_intermediate=bool(keep_intermediate),
                            ffn_hidden_size=ffn_hidden_size, grad_reduce_dtype=grad_reduce_dtype,
-                           needs_grad=needs_grad(x, fc1_weight, fc2_weight, fc1_bias, fc2_bias))
+                           needs_grad=needs_grad(x, fc1_weight, fc2_weight, fc1_bias, fc2_bias),
+                           **tiling.agreement_fields(len(tiles), order))
     return _METPMLPFunction.apply(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, group,
-                                  activation, bool(keep_intermediate), grad_reduce_dtype, label)
+                                  activation, bool(keep_intermediate), grad_reduce_dtype, label,
+                                  tiles, order)

@@ -93,6 +93,13 @@ def _add_common(ap: argparse.ArgumentParser) -> None:
     j.add_argument("--precision", default="bf16", help="only bf16 is planned")
     j.add_argument("--hardware", default="H100-80GB", choices=list(P.HARDWARE),
                    help="device preset (default H100-80GB)")
+    j.add_argument("--no-offload-prefetch", action="store_true",
+                   help="--offload-activations brings each layer back only when its backward "
+                        "starts (one layer's saved tensors on the device instead of two; "
+                        "METP_OFFLOAD_PREFETCH=0 for Megatron-LM)")
+    j.add_argument("--host-memory-gib", type=float, default=None,
+                   help="host RAM per node for --offload-activations' pinned buffers (default: "
+                        "the hardware preset's, 2 TB for the DGX presets)")
     j.add_argument("--reserve-gib", type=float, default=2.0,
                    help="GiB held back for CUDA context, NCCL, fragmentation (default 2)")
     ap.add_argument("--modes", nargs="+", default=None, metavar="MODE",
@@ -137,13 +144,16 @@ def build(args) -> tuple:
         job_fields["offload"] = True
     if args.optimizer_cpu_offload:
         job_fields["optimizer_offload"] = True
+    if args.no_offload_prefetch:
+        job_fields["offload_prefetch"] = False
     job = P.Job(microbatches=args.microbatches,
                 kernel=args.kernel or job_fields.pop("kernel", "flash"),
                 keep_intermediate=args.keep_intermediate or job_fields.pop("keep_intermediate",
                                                                           False),
                 distributed_optimizer=args.distributed_optimizer or
                 job_fields.pop("distributed_optimizer", False), precision=args.precision,
-                hardware=args.hardware, reserve_gib=args.reserve_gib, **job_fields)
+                hardware=args.hardware, reserve_gib=args.reserve_gib,
+                host_memory_gib=args.host_memory_gib, **job_fields)
     if args.modes:
         modes = args.modes
     elif job.vocab_parallel or job.cp > 1:
@@ -259,6 +269,11 @@ def cmd_measure(args) -> int:
     for mode, r in zip(modes, results):
         if "method" in r:
             print(f"# {mode}: {r['method']}")
+        if job.offload and "error" not in r:
+            from .plan.host import host_report
+
+            print(f"# {mode}: " + host_report(job, r.get("host_peak"),
+                                              P.memory(model, job, mode).act.host))
     print(f"\n{len(results)} measurements in {time.perf_counter() - t0:.1f} s")
     if args.json:
         out = []

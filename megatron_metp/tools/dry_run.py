@@ -562,7 +562,8 @@ def _row(label: str, nbytes: float, extra: str = "") -> str:
     return f"  {label:<34} {num} MiB" + (f"   {extra}" if extra else "")
 
 
-def format_report(r: Dict, gpu_memory_gib: Optional[float] = None) -> str:
+def format_report(r: Dict, gpu_memory_gib: Optional[float] = None,
+                  host_memory_gib: Optional[float] = None) -> str:
     """The human-readable report of :func:`run`."""
     w, b, a, s = r["world"], r["bytes"], r["activation_detail"], r["static_detail"]
     kind = "METP" if r["metp"] else "CP"
@@ -625,6 +626,14 @@ def format_report(r: Dict, gpu_memory_gib: Optional[float] = None) -> str:
                           f"per rank, --metp-offload-activations; = {b['host'] / GiB:,.1f} GiB, "
                           f"{b['host'] * r.get('gpus_per_node', 8) / GiB:,.0f} GiB per node "
                           f"of {r.get('gpus_per_node', 8)}"))
+        from .plan.host import HOST_MEMORY_GIB
+
+        host_cap = (host_memory_gib or HOST_MEMORY_GIB["H100-80GB"]) * GiB
+        node = b["host"] * r.get("gpus_per_node", 8)
+        lines.append(f"{'fits' if node <= host_cap else 'DOES NOT FIT'} in "
+                     f"{host_cap / GiB:,.0f} GiB of host memory per node"
+                     + ("" if host_memory_gib else " (a DGX node's 2 TB; --host-memory-gib)")
+                     + f": {(host_cap - node) / GiB:+,.0f} GiB left")
     if gpu_memory_gib:
         cap = gpu_memory_gib * GiB
         verdict = "fits" if b["total"] <= cap else "DOES NOT FIT"
@@ -664,6 +673,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                          "device query (default 9.0: Hopper)")
     ap.add_argument("--gpu-memory-gib", type=float, default=None,
                     help="GPU memory to check the total against (e.g. 80 for H100, 141 for H200)")
+    ap.add_argument("--host-memory-gib", type=float, default=None,
+                    help="host RAM per node to check the pinned offload buffers against "
+                         "(default 1,863 GiB = a DGX node's 2 TB)")
     ap.add_argument("--measure-layers", default="auto", metavar="{auto,full,N}",
                     help="activations: 'full' runs fwd+bwd through every layer of the rank; N "
                          "measures N-1 and N layers and extrapolates linearly per layer; 'auto' "
@@ -685,7 +697,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except DryRunError as exc:
         print(f"dry run failed: {exc}", file=sys.stderr)
         return 1
-    print(format_report(report, opts.gpu_memory_gib), flush=True)
+    print(format_report(report, opts.gpu_memory_gib, opts.host_memory_gib), flush=True)
     if opts.json:
         with open(opts.json, "w") as fh:
             json.dump({k: v for k, v in report.items() if k != "megatron_log"}, fh, indent=1)

@@ -144,7 +144,12 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
                   max_sequence_length=model.seq, pre_process=first, post_process=last,
                   share_embeddings_and_output_weights=model.tied and job.pp == 1,
                   position_embedding_type="rope", **extra)
-        offloader = ActivationOffloader().attach(gpt.decoder) if job.offload else None
+        offloader = ActivationOffloader(prefetch=job.offload_prefetch).attach(gpt.decoder) \
+            if job.offload else None
+        if lay.mode in ("metp", "metp+vocab"):
+            from ..megatron.recompute_output import free_recomputed_outputs
+
+            free_recomputed_outputs(gpt.decoder)
         params = list(gpt.parameters())
         n_params = sum(p.numel() for p in params)
         main_grad = FR.main_grad_buffer(params)

@@ -80,6 +80,10 @@ as when the plan was one module:
 ``stock``                transients of the stock Megatron layers (``tp``, ``tp-sp``, ``cp``,
                          ``ring``)
 ``metp``                 transients of a METP layer
+``tiles``                the METP MLP's token tiles (rows per pass of its weight ring, as the
+                         op resolves them: ``ops/tiles.py``)
+``host``                 host RAM per node of each preset (with sources), ``--host-memory-gib``,
+                         pinned host bytes per node against it
 ``vocab``                transients of the vocabulary split's ring loss and ring embedding
 ``recompute``            full recompute and host offload: device / host bytes per layer, and
                          what the last layer's phases re-form or bring back

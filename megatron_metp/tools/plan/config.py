@@ -156,6 +156,8 @@ def _launcher_settings(kv: Dict[str, object], model: Dict[str, object],
             job["recompute_num_layers"] = int(kv.get("recompute_num_layers") or 1)
     if kv.get("metp_offload_activations"):
         job["offload"] = True
+        if str(kv.get("metp_offload_prefetch", "1")) == "0":
+            job["offload_prefetch"] = False
     cp = int(kv.get("cp") or 1)
     if cp > 1 and int(job.get("metp") or 1) == 1:  # a stock context-parallel twin: plan it as
         job["metp"] = cp                           # mode ring (K/V ring over CP, weights whole)

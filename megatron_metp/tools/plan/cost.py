@@ -62,10 +62,13 @@ def step_cost(model: Model, job: Job, mode: str) -> Dict[str, float]:
     copy_s = 2 * host / (hw.host_gbps * 1e9)
     per_layer_compute = compute_s / max(1, L)
     per_layer_copy = copy_s / max(1, L)
+    # without prefetch every layer's copy back to the device waits in its backward's path
+    exposed_s = 0.0 if (not job.offload or job.offload_prefetch) else (host / (hw.host_gbps * 1e9))
     return {"flops": base + extra, "flops_without_recompute": base,
             "recompute_flops_share": extra / base if base else 0.0,
             "sent": sent + sent_extra, "sent_by_recompute": sent_extra,
             "host_device_bytes": 2 * host, "compute_s": compute_s, "host_copy_s": copy_s,
-            "offload_hidden": per_layer_copy <= per_layer_compute,
-            "step_s": compute_s + max(0.0, copy_s - compute_s),
+            "offload_hidden": per_layer_copy <= per_layer_compute and not exposed_s,
+            "host_copy_exposed_s": exposed_s,
+            "step_s": compute_s + max(0.0, copy_s - compute_s) + exposed_s,
             "rate_tflops": rate / 1e12}

@@ -8,6 +8,7 @@ from typing import Dict, Optional
 
 from .model import BF16, FP32, Job, Model
 from .ring import ring_backward_buffers, ring_forward_buffers
+from .tiles import mlp_tile_rows
 
 
 def _metp_phases(model, job, lay, n, S) -> Dict[str, Dict[str, float]]:
@@ -30,17 +31,24 @@ def _metp_phases(model, job, lay, n, S) -> Dict[str, Dict[str, float]]:
 
     # MLP: weight ring (own packed + held, bf16), travelling gradient sum (two fp32 buffers),
     # then one shard's z (recomputed unless kept), f(z), d(f(z)) and dz (the dx / dW GEMMs
-    # accumulate in place).
-    z = 0 if job.keep_intermediate else BF16 * n * k * f
-    a = BF16 * n * f
-    dz = BF16 * n * k * f
-    halves = 2 * BF16 * n * f if model.swiglu else 0
+    # accumulate in place); token tiles (.tiles): per tile of R rows, the whole dx output kept
+    R = mlp_tile_rows(n, h, f, k, job.keep_intermediate)
+    tiled = R < n
+    z = 0 if job.keep_intermediate else BF16 * R * k * f
+    a = BF16 * R * f
+    dz = BF16 * R * k * f
+    halves = 2 * BF16 * R * f if model.swiglu else 0
     ring = ({"MLP weight ring: own packed + held shard (bf16)": 2 * BF16 * Wm,
              "MLP gradient sum: two travelling buffers (fp32)": 2 * FP32 * Wm}
             if p > 1 else {"MLP gradient sum (fp32)": FP32 * Wm})
+    if tiled:
+        ring["MLP gradient sums of the tiles so far (fp32)"] = FP32 * Wm
     steps = [z + a + a + halves + dz,
              z + a + dz]
-    ph["MLP backward (last layer)"] = dict(dxacc, **ring, **{
+    mlp_dx = ({"dx output, filled tile by tile (bf16)": BF16 * n * h,
+               f"dx accumulator of one tile of {R:,} rows (fp32)": FP32 * R * h}
+              if tiled else dxacc)
+    ph["MLP backward (last layer)"] = dict(mlp_dx, **ring, **{
         "one shard's z, f(z) and dz": max(steps)})
 
     # attention: head-group loop; per group recompute q, k, v, run the K/V ring backward, then
@@ -84,8 +92,10 @@ def _metp_phases(model, job, lay, n, S) -> Dict[str, Dict[str, float]]:
     # ... and the MLP forward: y in fp32 (accumulated in place), the weight ring, z and f(z)
     mlp_fwd = {"(kept z of the last layer not formed yet)":
                -S.get("MLP x·W1ᵀ of every shard (keep_intermediate)", 0),
-               "y accumulator (fp32)": FP32 * n * h,
-               "one shard's z and f(z) (bf16)": BF16 * n * k * f + BF16 * n * f}
+               "y accumulator (fp32)": FP32 * R * h,
+               "one shard's z and f(z) (bf16)": BF16 * R * k * f + BF16 * R * f}
+    if tiled:
+        mlp_fwd["y output, filled tile by tile (bf16)"] = BF16 * n * h
     if p > 1:
         mlp_fwd["MLP weight ring: own packed + received shard (bf16)"] = 2 * BF16 * Wm
     ph["MLP forward (last layer)"] = mlp_fwd

@@ -100,6 +100,8 @@ class Job:
     cp: int = 1                    # METP × CP: the outer factor c of Megatron's CP group of
     #                                size metp·cp (mode metp only; --context-parallel-size c)
     optimizer_offload: bool = False  # Megatron's --optimizer-cpu-offload (fraction 1.0)
+    host_memory_gib: Optional[float] = None  # host RAM per node (None: the preset's; plan.host)
+    offload_prefetch: bool = True  # offload: prefetch layer l-1 in l's backward (2 groups on device)
 
     @property
     def width(self) -> int:
@@ -198,6 +200,18 @@ def validate(model: Model, job: Job, modes: Sequence[str] = MODES) -> None:
             raise ValueError(f"{flag} must be a positive integer, got {v!r}")
     if job.microbatches < 0:
         raise ValueError(f"--microbatches must be >= 0, got {job.microbatches}")
+    if not job.offload_prefetch and not job.offload:
+        raise ValueError("--no-offload-prefetch (METP_OFFLOAD_PREFETCH=0) changes when "
+                         "--offload-activations brings layers back; add --offload-activations "
+                         "or drop it")
+    if job.host_memory_gib is not None:
+        if not job.host_memory_gib > 0:
+            raise ValueError(f"--host-memory-gib must be a positive number of GiB, got "
+                             f"{job.host_memory_gib!r}")
+        if not job.offload:
+            raise ValueError("--host-memory-gib bounds the pinned host buffers of "
+                             "--offload-activations; add --offload-activations or drop "
+                             "--host-memory-gib")
     if model.hidden % model.heads:
         raise ValueError(f"--hidden {model.hidden} is not divisible by --heads {model.heads}")
     if model.heads % model.groups:

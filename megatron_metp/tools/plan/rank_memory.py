@@ -9,6 +9,7 @@ from typing import Dict, Optional
 
 from .activation_memory import Activations, activations
 from .hardware import HARDWARE
+from .host import host_fits
 from .model import BF16, FP32, GiB, Job, Model, canonical, layout, padded_vocab
 from .parameters import params, static_memory
 from .vocab import token_chunk
@@ -97,10 +98,13 @@ def capacity_bytes(job: Job) -> float:
 def longest_seq(model: Model, job: Job, mode: str, capacity: Optional[float] = None,
                 limit: int = 1 << 28) -> int:
     """Largest ``s`` (a multiple of :func:`seq_step`) whose planned per-rank total fits in
-    ``capacity`` bytes (default: the hardware's memory minus ``reserve_gib``); 0 if none."""
+    ``capacity`` bytes (default: the hardware's memory minus ``reserve_gib``) and, with host
+    offload, whose pinned host bytes fit the node's host memory (:mod:`.host`); 0 if none."""
     cap = capacity_bytes(job) if capacity is None else capacity
     q = seq_step(job, mode)
-    fits = lambda s: worst_total(model, job, mode, s) <= cap  # noqa: E731
+    def fits(s):  # the device total per GPU, and the pinned host bytes per node (.host)
+        return worst_total(model, job, mode, s) <= cap and (
+            not job.offload or host_fits(job, memory(model, job, mode, s).act.host))
     if not fits(q):
         return 0
     lo, hi = 1, 2

@@ -91,8 +91,10 @@ def recompute_and_offload(S: Dict[str, float], job: Job, layers: int, input_byte
                               dev_full_share(job, layers))
         host = sum(dev.values()) - kept_small
         dev = {"per-row statistics (not offloaded)": kept_small}
+        back = 2 if job.offload_prefetch else 1  # without prefetch: this chunk's input only
         if chunk:  # this chunk's input brought back, the previous one's prefetched
-            shifts = {key: v + (2 * x if key != "forward" else 0.0) for key, v in shifts.items()}
+            shifts = {key: v + (back * x if key != "forward" else 0.0)
+                      for key, v in shifts.items()}
         else:  # the last layer keeps everything: its tensors come back as its backward asks
             prev = full - small if layers - (job.recompute_num_layers
                                              if job.recompute == "full" else 0) > 1 else x

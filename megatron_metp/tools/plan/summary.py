@@ -13,8 +13,7 @@ from .rank_memory import capacity_bytes, head_memory, longest_seq, memory
 from .traffic import crossover_seq, traffic_per_layer
 from .cost import step_cost
 
-#: GPUs per node, for the host memory a node must hold (one HGX node)
-GPUS_PER_NODE = 8
+from .host import GPUS_PER_NODE, host_capacity_bytes, host_fits  # noqa: F401 (GPUS_PER_NODE)
 
 
 def fmt_bytes(x: float) -> str:
@@ -56,6 +55,9 @@ def plan(model: Model, job: Job, modes: Sequence[str] = MODES) -> Dict:
             "host": a.host, "cost": step_cost(model, job, mode),
             "optimizer_host": mem.static["optimizer_host"],
             "internode": internode_hop(model, job, mode),
+            "host_per_node": GPUS_PER_NODE * a.host,
+            "host_capacity_per_node": host_capacity_bytes(job),
+            "fits_host": (not job.offload) or host_fits(job, a.host),
         }
     out["overlap"] = overlap_thresholds(model, job, hw)
     if hw.measured_tflops:
@@ -132,11 +134,17 @@ def report(model: Model, job: Job, modes: Sequence[str] = MODES) -> str:
     if any(r["internode"] and r["internode"]["crosses"] for r in res["modes"].values()):
         row("K/V bytes over the inter-node hop / layer",
             lambda r: fmt_bytes(r["internode"]["bytes_per_layer"]) if r["internode"] else "")
+        cap = host_capacity_bytes(job)
+        if cap is not None:
+            row("  host memory per node", lambda r: fmt_bytes(cap))
+            row("fits host memory", lambda r: "yes" if host_fits(job, r["host"]) else "NO")
     if job.recompute == "full" or job.offload:
         row("recompute: extra FLOPs", lambda r: f"+{100 * r['cost']['recompute_flops_share']:.1f} %")
         row("  extra bytes sent / micro-batch", lambda r: fmt_bytes(r["cost"]["sent_by_recompute"]))
         row("host↔device / micro-batch", lambda r: fmt_bytes(r["cost"]["host_device_bytes"]))
-        row("  copies hidden by compute", lambda r: "yes" if r["cost"]["offload_hidden"] else "NO")
+        row("  copies hidden by compute", lambda r: "yes" if r["cost"]["offload_hidden"] else
+            (f"NO ({r['cost']['host_copy_exposed_s']:.1f} s exposed: no prefetch)"
+             if r["cost"].get("host_copy_exposed_s") else "NO"))
     row("est. time / micro-batch", lambda r: f"{r['cost']['step_s']:.2f} s")
     row("longest sequence that fits", lambda r: fmt_tokens(r["longest_seq"]))
     w0 = max(len(r[0]) for r in rows)

@@ -7,6 +7,7 @@ import math
 from typing import Dict, Optional
 
 from .model import BF16, FP32, Job, Model, canonical, layout
+from .tiles import mlp_tile_count
 
 
 def traffic_per_layer(model: Model, job: Job, mode: str, seq: Optional[int] = None) -> Dict[str, float]:
@@ -41,7 +42,10 @@ def traffic_per_layer(model: Model, job: Job, mode: str, seq: Optional[int] = No
         kv = 2 * n * (hk // sh) * BF16
         out["attention weights: bcast fwd+bwd, fp32 reduce"] = 4 * (p - 1) * wa
         out["attention K/V ring (every head group)"] = 4 * p * (c - 1) * kv
-        out["MLP weight ring fwd+bwd, fp32 gradient ring"] = (p - 1) * (2 * wm * BF16 + wm * FP32)
+        # token tiles (.tiles): the MLP's ring goes round once per tile
+        tiles = mlp_tile_count(n, h, F // sh, k, job.keep_intermediate)
+        out["MLP weight ring fwd+bwd, fp32 gradient ring"] = \
+            tiles * (p - 1) * (2 * wm * BF16 + wm * FP32)
     return out
 
 

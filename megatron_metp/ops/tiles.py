@@ -1,0 +1,139 @@
+"""Token tiles of the METP layers: how many of a rank's token rows one pass of a weight ring takes.
+
+A METP layer op (today :func:`~megatron_metp.ops.metp_mlp`) normally runs its weight ring once
+over all ``N = s/p·b`` token rows of the rank, so every transient of a ring step (the fp32 output
+or ``dx`` accumulator ``[N, h]``, one shard's ``z``, ``f(z)``, ``dz`` ``[N, k·F/p]``) grows with
+``s/p``. With token tiles the op runs the whole ring once per tile of ``R`` rows (*tile-outer*):
+the accumulators and the shard's intermediates are ``[R, ·]``, the weight shards (and, in
+backward, the travelling gradient sums) go round once per tile, so the ring bytes of the op are
+multiplied by the tile count ``T = ceil(N/R)``. Each step of a tile still computes on ``R`` rows,
+so the transfers stay hidden while ``R`` is above the overlap threshold (``metp plan``: ~2.2K
+tokens per rank on H100); the auto tile is far above it (~24K rows for Llama-3-8B at METP 8).
+
+Why tile-outer and not tile-inner (the ring once, each step over the tiles, full-size fp32
+accumulators): measured with ``benchmarks/mlp_memory.py --methods metp-outer-gpumm
+metp-inner-gpumm --token-tile 23831`` (CUDA-faithful fake tensors, Llama-3-8B MLP, METP 8,
+512K tokens per rank: tile-outer 17,742 MiB, tile-inner 24,702, whole 35,110;
+``docs/tiles.md``), tile-inner keeps the
+``[N, h]`` fp32 accumulator of the forward and of ``dx`` (8 GiB at 512K rows, 12 GiB at 768K),
+which alone is more than the 15 % of a 76 GiB rank the 6M-token job allows a layer's transient.
+
+Tile size, first that applies:
+
+* the op's ``token_tile`` argument (rows per tile, a positive integer; ``0`` = whole);
+* the environment variable ``METP_MLP_TOKEN_TILE`` (same meaning), e.g. from Megatron-LM's
+  ``--metp-mlp-token-tile``;
+* auto: the most rows whose token-proportional transient stays within
+  ``METP_TILE_BUDGET_MIB`` (default 1024 MiB); a rank with fewer rows runs whole (one tile:
+  exactly the untiled kernels and launches).
+
+Tiles are balanced (``T`` tiles of ``ceil(N/T)`` rows, the last shorter). Every rank of a group
+must run the same number of tiles (each tile is one pass of the ring): the agreement check
+compares it (``token_tiles``), and a rank whose tile count differs is refused before any transfer.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import os
+from typing import List, Optional
+
+#: rows per MLP tile (0 = whole); overridden by the op's ``token_tile`` argument
+MLP_TOKEN_TILE_ENV = "METP_MLP_TOKEN_TILE"
+#: the byte budget of one tile's token-proportional transient, MiB
+TILE_BUDGET_ENV = "METP_TILE_BUDGET_MIB"
+DEFAULT_TILE_BUDGET_MIB = 1024
+
+
+def _nonneg_int(value, what: str) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"{what} must be a non-negative integer (token rows per tile, 0 = "
+                         f"whole), got {value!r}")
+    try:
+        n = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{what} must be a non-negative integer (token rows per tile, 0 = "
+                         f"whole), got {value!r}") from None
+    if n < 0:
+        raise ValueError(f"{what} must be a non-negative integer (token rows per tile, 0 = "
+                         f"whole), got {value!r}")
+    return n
+
+
+def _env_int(env: str) -> Optional[int]:
+    raw = os.environ.get(env, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = raw
+    return _nonneg_int(value, f"the environment variable {env}")
+
+
+def tile_budget_bytes() -> int:
+    """The auto tile's budget: ``METP_TILE_BUDGET_MIB`` (a positive integer) or 1024 MiB."""
+    mib = _env_int(TILE_BUDGET_ENV)
+    if mib is None:
+        mib = DEFAULT_TILE_BUDGET_MIB
+    if mib < 1:
+        raise ValueError(f"the environment variable {TILE_BUDGET_ENV} must be a positive "
+                         f"number of MiB, got {mib}")
+    return mib << 20
+
+
+def mlp_row_bytes(h: int, ffn_shard: int, k: int, elem: int, acc_elem: int = 4,
+                  keep_intermediate: bool = False) -> int:
+    """Token-proportional bytes of one MLP ring step per token row (its largest, the backward):
+    the ``dx`` accumulator (``acc_elem·h``), one shard's ``z`` (unless kept), ``f(z)``,
+    ``g·W2_j``, ``dz`` and, for SwiGLU, its two halves (``elem`` bytes each)."""
+    f = ffn_shard
+    z = 0 if keep_intermediate else k * f
+    halves = 2 * f if k == 2 else 0
+    return acc_elem * h + elem * (z + f + f + halves + k * f)
+
+
+def resolve_rows(token_tile, n_rows: int, row_bytes: int, env: str = MLP_TOKEN_TILE_ENV,
+                 arg: str = "token_tile") -> int:
+    """Rows per tile for ``n_rows`` token rows (``n_rows`` itself = whole, one tile)."""
+    n_rows = int(n_rows)
+    if token_tile is not None:
+        rows = _nonneg_int(token_tile, arg)
+    else:
+        rows = _env_int(env)
+        if rows is None:
+            rows = max(1, tile_budget_bytes() // max(1, int(row_bytes)))
+    if rows == 0 or rows >= n_rows:
+        return max(n_rows, 1)
+    return rows
+
+
+def tile_slices(n_rows: int, rows: int) -> List[slice]:
+    """Balanced tiles covering ``n_rows``: ``ceil(n/rows)`` slices of ``ceil(n/T)`` rows (one
+    slice of everything when ``rows >= n_rows``; one empty slice for ``n_rows = 0``)."""
+    if n_rows <= 0:
+        return [slice(0, 0)]
+    count = math.ceil(n_rows / max(1, rows))
+    size = math.ceil(n_rows / count)
+    return [slice(a, min(a + size, n_rows)) for a in range(0, n_rows, size)]
+
+
+#: ``outer`` (default) or ``inner``: see the module docstring
+TILE_ORDER_ENV = "METP_MLP_TILE_ORDER"
+TILE_ORDERS = ("outer", "inner")
+
+
+def tile_order() -> str:
+    """``METP_MLP_TILE_ORDER`` (``outer``, the default, or ``inner``)."""
+    raw = os.environ.get(TILE_ORDER_ENV, "").strip().lower() or "outer"
+    if raw not in TILE_ORDERS:
+        raise ValueError(f"the environment variable {TILE_ORDER_ENV} must be one of "
+                         f"{TILE_ORDERS}, got {raw!r}")
+    return raw
+
+
+def agreement_fields(count: int, order: str) -> dict:
+    """What the agreement check compares about tiling: nothing for one tile (the untiled op's
+    record is unchanged), else the tile count and order (each tile is one pass of the ring)."""
+    return {} if count <= 1 else {"token_tiles": int(count), "tile_order": order}
