@@ -127,6 +127,10 @@ def report(model: Model, job: Job, modes: Sequence[str] = MODES) -> str:
     if job.offload:
         row("host memory (offloaded) / rank", lambda r: fmt_bytes(r["host"]))
         row(f"  per node of {GPUS_PER_NODE}", lambda r: fmt_bytes(GPUS_PER_NODE * r["host"]))
+        cap = host_capacity_bytes(job)
+        if cap is not None:
+            row("  host memory per node", lambda r: fmt_bytes(cap))
+            row("fits host memory", lambda r: "yes" if host_fits(job, r["host"]) else "NO")
     if job.optimizer_offload:
         row("optimizer on host (CPU Adam) / rank", lambda r: fmt_bytes(r["optimizer_host"]))
         row(f"  host in all, per node of {GPUS_PER_NODE}",
@@ -134,10 +138,6 @@ def report(model: Model, job: Job, modes: Sequence[str] = MODES) -> str:
     if any(r["internode"] and r["internode"]["crosses"] for r in res["modes"].values()):
         row("K/V bytes over the inter-node hop / layer",
             lambda r: fmt_bytes(r["internode"]["bytes_per_layer"]) if r["internode"] else "")
-        cap = host_capacity_bytes(job)
-        if cap is not None:
-            row("  host memory per node", lambda r: fmt_bytes(cap))
-            row("fits host memory", lambda r: "yes" if host_fits(job, r["host"]) else "NO")
     if job.recompute == "full" or job.offload:
         row("recompute: extra FLOPs", lambda r: f"+{100 * r['cost']['recompute_flops_share']:.1f} %")
         row("  extra bytes sent / micro-batch", lambda r: fmt_bytes(r["cost"]["sent_by_recompute"]))
