@@ -74,12 +74,15 @@ CASES = [  # (world, layout, normalization, K/V groups): each feature with each 
     (4, Layout(tp=2, metp=2, extra=QWEN), "RMSNorm", 12),  # q/k norm grads summed over TP
     (3, Layout(metp=3, vocab_parallel=True, recompute="full", extra=QWEN), "RMSNorm", 6),
     (2, Layout(metp=2, mode="ring", extra=QWEN), "RMSNorm", 6),  # ring baseline: stock attention
+    (2, Layout(metp=2, offload_activations=True, recompute="full", extra=QWEN), "RMSNorm", 6),
 ]
 
 
 @pytest.mark.parametrize("world,layout,norm,groups", CASES,
                          ids=[f"{c[1].mode}-tp{c[1].tp}-metp{c[1].metp}-{c[2]}"
-                              f"{'-vocab-recompute' if c[1].vocab_parallel else ''}" for c in CASES])
+                              f"{'-vocab' if c[1].vocab_parallel else ''}"
+                              f"{'-offload' if c[1].offload_activations else ''}"
+                              f"{'-recompute' if c[1].recompute else ''}" for c in CASES])
 def test_qwen_features_match_single_rank_stock(world, layout, norm, groups, stock):
     size = _geometry(norm, groups)
     out = run_ranks(one_step_grads, world, size, layout)
@@ -116,6 +119,7 @@ def test_negative_controls_norms_swapped_or_unweighted(how, stock):
     size = _size()
     out = run_ranks(_swapped_norms, 2, size, Layout(metp=2, extra=QWEN), how)
     loss_err, errs = _errors(out, stock("RMSNorm"), size)
+    print(f"q/k norms {how}: loss {loss_err:.1e}, worst grad {max(errs.values()):.1e}")
     assert max(errs.values()) > 1e-3, max(errs.values())
 
 
