@@ -179,3 +179,15 @@ def test_three_adam_steps_through_megatrons_ddp_and_finalize():
     for (l0, g0), (l1, g1) in zip(ref, out):
         assert abs(l1 - l0) <= 1e-5 * abs(l0) and abs(g1 - g0) <= 1e-5 * abs(g0), (ref, out)
     assert ref[0][0] != ref[-1][0]  # the steps moved the weights
+
+
+def test_sliding_window_is_refused_by_the_metp_layer():
+    from types import SimpleNamespace
+
+    from megatron_metp.megatron.modules import check_config
+
+    cfg = SimpleNamespace(sequence_parallel=False, attention_dropout=0.0, window_size=(16, 0),
+                          recompute_granularity=None)
+    with pytest.raises(ValueError, match=r"--window-size \(16, 0\)"):
+        check_config(cfg)
+    check_config(SimpleNamespace(**{**cfg.__dict__, "window_size": None}))

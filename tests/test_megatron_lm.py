@@ -175,6 +175,7 @@ def test_sequence_parallel_with_tp1_is_left_to_megatron():
     (dict(spec=["my.module", "layer_spec"]), ["--spec"]),
     (dict(mtp_num_layers=1), ["--mtp-num-layers"]),
     (dict(qk_l2_norm=True), ["--qk-l2-norm", "--qk-layernorm"]),
+    (dict(window_size=(4096, 0)), ["--window-size (4096, 0)", "sliding-window"]),
     (dict(squared_relu=True), ["--squared-relu"]),
     (dict(num_attention_heads=36), ["--num-attention-heads 36", "TP x METP = 8"]),
     (dict(group_query_attention=True, num_query_groups=4), ["--num-query-groups 4"]),
