@@ -31,6 +31,8 @@
 #                                           layers per virtual pipeline stage
 #   NUM_LAYERS HIDDEN_SIZE FFN_HIDDEN_SIZE NUM_ATTENTION_HEADS NUM_QUERY_GROUPS SEQ_LENGTH
 #   SWIGLU [0] NORMALIZATION [LayerNorm] UNTIE_EMBEDDINGS [0] DISABLE_BIAS_LINEAR [0]
+#   KV_CHANNELS [hidden/heads] QK_LAYERNORM [0] ADD_QKV_BIAS [0]   head width, per-head q/k norms
+#                                           (Qwen3), bias on q/k/v only (Qwen2.5)
 #   MICRO_BATCH_SIZE [1] GLOBAL_BATCH_SIZE [8] TRAIN_ITERS [100] LR [3e-4] PRECISION [bf16; or fp16, fp32]
 #   DISTRIBUTED_OPTIMIZER [1]               Megatron's distributed optimizer (0: the plain one)
 #   DATA_PATH [unset: --mock-data]          Megatron indexed data prefix(es), e.g. "1.0 /d/x_text_document"
@@ -127,6 +129,7 @@ fi
 : "${FFN_HIDDEN_SIZE:=$((4 * HIDDEN_SIZE))}" "${NUM_QUERY_GROUPS:=}"
 : "${MAX_POSITION_EMBEDDINGS:=$SEQ_LENGTH}" "${POSITION_EMBEDDING_TYPE:=rope}" "${ROTARY_BASE:=10000}"
 : "${SWIGLU:=0}" "${NORMALIZATION:=LayerNorm}" "${UNTIE_EMBEDDINGS:=0}" "${DISABLE_BIAS_LINEAR:=0}"
+: "${KV_CHANNELS:=}" "${QK_LAYERNORM:=0}" "${ADD_QKV_BIAS:=0}"
 : "${ATTENTION_DROPOUT:=0}" "${HIDDEN_DROPOUT:=0}"
 : "${MICRO_BATCH_SIZE:=1}" "${GLOBAL_BATCH_SIZE:=8}" "${TRAIN_ITERS:=100}" "${LR:=3e-4}"
 : "${MIN_LR:=3e-5}" "${LR_WARMUP_ITERS:=$((TRAIN_ITERS / 10))}" "${WEIGHT_DECAY:=0.1}" "${CLIP_GRAD:=1.0}"
@@ -178,6 +181,9 @@ GPT_MODEL_ARGS=(
 [[ "$SWIGLU" == 1 ]] && GPT_MODEL_ARGS+=(--swiglu)
 [[ "$UNTIE_EMBEDDINGS" == 1 ]] && GPT_MODEL_ARGS+=(--untie-embeddings-and-output-weights)
 [[ "$DISABLE_BIAS_LINEAR" == 1 ]] && GPT_MODEL_ARGS+=(--disable-bias-linear)
+[[ -n "$KV_CHANNELS" ]] && GPT_MODEL_ARGS+=(--kv-channels "$KV_CHANNELS")
+[[ "$QK_LAYERNORM" == 1 ]] && GPT_MODEL_ARGS+=(--qk-layernorm)
+[[ "$ADD_QKV_BIAS" == 1 ]] && GPT_MODEL_ARGS+=(--add-qkv-bias)
 
 MODEL_PARALLEL_ARGS=(
     --tensor-model-parallel-size "$TP"

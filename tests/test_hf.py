@@ -418,7 +418,7 @@ def _cfg(**change):
 def test_bad_configs_are_refused_naming_the_field():
     llama3 = dict(LLAMA3["rope_scaling"])
     msgs = value_errors({
-        "model_type": lambda: geometry_from_hf(_cfg(model_type="mistral")),
+        "model_type": lambda: geometry_from_hf(_cfg(model_type="gemma2")),
         "rope_linear": lambda: geometry_from_hf(_cfg(rope_scaling={"rope_type": "linear",
                                                                    "factor": 2.0})),
         "rope_yarn": lambda: geometry_from_hf(_cfg(rope_scaling={"type": "yarn", "factor": 4.0})),
@@ -432,20 +432,20 @@ def test_bad_configs_are_refused_naming_the_field():
         "gqa": lambda: geometry_from_hf(_cfg(num_key_value_heads=5)),
         "metp": lambda: geometry_from_hf(_cfg(), metp_parallel_size=5),
         "theta": lambda: geometry_from_hf(_cfg(rope_theta=10000.5)),
-        "head_dim": lambda: geometry_from_hf(_cfg(head_dim=16)),
+        "head_dim": lambda: geometry_from_hf(_cfg(head_dim=15)),
         "missing": lambda: geometry_from_hf({k: v for k, v in _cfg().items()
                                              if k != "num_hidden_layers"}),
     })
     assert_messages(msgs, {
-        "model_type": "model_type 'mistral'", "rope_linear": "rope_scaling type 'linear'",
+        "model_type": "model_type 'gemma2'", "rope_linear": "rope_scaling type 'linear'",
         "rope_yarn": "rope_scaling type 'yarn'", "llama3_low": "rope_scaling.low_freq_factor",
         "llama3_orig": "rope_scaling.original_max_position_embeddings",
         "attention_bias": "attention_bias = true", "mlp_bias": "mlp_bias = true",
         "act": "hidden_act 'gelu'", "gqa": "not divisible by num_key_value_heads 5",
         "metp": "num_attention_heads 12 is not divisible by TP x METP = 1 x 5",
-        "theta": "rope_theta = 10000.5", "head_dim": "head_dim = 16",
+        "theta": "rope_theta = 10000.5", "head_dim": "head_dim = 15",
         "missing": "'num_hidden_layers'"})
-    assert "--disable-bias-linear" in msgs["attention_bias"]
+    assert "--add-qkv-bias" in msgs["attention_bias"]
     assert "implements only the 'llama3'" in msgs["rope_linear"]
     g = geometry_from_hf(_cfg(), metp_parallel_size=3, tensor_model_parallel_size=1,
                          make_vocab_size_divisible_by=8)

@@ -193,7 +193,8 @@ def test_sequence_parallel_with_tp1_is_left_to_megatron():
     (dict(use_legacy_models=True), ["--use-legacy-models"]),
     (dict(spec=["my.module", "layer_spec"]), ["--spec"]),
     (dict(mtp_num_layers=1), ["--mtp-num-layers"]),
-    (dict(qk_layernorm=True), ["--qk-layernorm"]),
+    (dict(qk_l2_norm=True), ["--qk-l2-norm", "--qk-layernorm"]),
+    (dict(window_size=(4096, 0)), ["--window-size (4096, 0)", "sliding-window"]),
     (dict(squared_relu=True), ["--squared-relu"]),
     (dict(num_attention_heads=36), ["--num-attention-heads 36", "TP x METP = 8"]),
     (dict(group_query_attention=True, num_query_groups=4), ["--num-query-groups 4"]),
@@ -213,8 +214,8 @@ def test_bad_metp_arguments_name_the_flag(kw, needles):
 
 
 def test_several_problems_are_reported_together():
-    args = _args(metp_parallel_size=8, attention_dropout=0.1, qk_layernorm=True)
-    with pytest.raises(ValueError, match="--attention-dropout.*; --qk-layernorm"):
+    args = _args(metp_parallel_size=8, attention_dropout=0.1, qk_l2_norm=True)
+    with pytest.raises(ValueError, match="--attention-dropout.*; --qk-l2-norm"):
         megatron_lm.validate_metp_args(args)
 
 

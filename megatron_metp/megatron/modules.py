@@ -51,6 +51,7 @@ from megatron.core.transformer.module import MegatronModule
 from ..ops import metp_attention, metp_mlp, ring_attention
 from ..ops._grads import wire_dtype
 from .groups import METPGroups
+from .head_norm import head_norm_kwargs
 from .packing import METPDocuments
 
 
@@ -136,10 +137,12 @@ def check_config(config) -> None:
     problems = recompute_problems(config)
     if config.sequence_parallel:
         problems.append("--sequence-parallel (METP already shards the sequence)")
-    if getattr(config, "qk_layernorm", False):
-        problems.append("--qk-layernorm")
     if config.attention_dropout:
         problems.append("--attention-dropout > 0 (set --attention-dropout 0)")
+    if getattr(config, "window_size", None) is not None:
+        problems.append(f"--window-size {config.window_size} (sliding-window attention: the METP "
+                        f"K/V ring attends causally over the whole sequence; drop it, which "
+                        f"equals a window >= the sequence length)")
     if getattr(config, "rotary_interleaved", False):
         problems.append("--rotary-interleaved")
     if getattr(config, "num_moe_experts", None):
@@ -188,6 +191,7 @@ class METPSelfAttention(SelfAttention):
                 raise ValueError(f"{flag} ({count}) is not divisible by TP×METP = {groups.shards}")
         self.heads_tp = config.num_attention_heads // t
         self.groups_tp = config.num_query_groups // t
+        self._head_norm = head_norm_kwargs(self)  # checks the q/k norm modules now
 
     def forward(self, hidden_states, attention_mask=None, key_value_states=None,
                 inference_context=None, rotary_pos_emb=None, rotary_pos_cos=None,
@@ -215,6 +219,7 @@ class METPSelfAttention(SelfAttention):
                              qkv_bias=self.linear_qkv.bias, proj_bias=None,
                              softmax_scale=self.config.softmax_scale, kernel=self.kernel,
                              label=f"layer {self.layer_number} self_attention",
+                             **head_norm_kwargs(self),
                              grad_reduce_dtype=wire_dtype(self.linear_qkv.weight,
                                                           self.linear_proj.weight))
         if tp:

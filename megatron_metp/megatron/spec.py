@@ -30,7 +30,8 @@ logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(_Drop
 def get_gpt_layer_metp_spec(groups: METPGroups, *, weight_ring: bool = True,
                             normalization: Optional[str] = None, kernel: Optional[str] = None,
                             keep_intermediate: bool = False,
-                            norm: Optional[type] = None) -> ModuleSpec:
+                            norm: Optional[type] = None,
+                            qk_layernorm: bool = False) -> ModuleSpec:
     """A ``TransformerLayer`` spec for megatron-core's ``GPTModel`` running METP.
 
     Starts from ``get_gpt_layer_local_spec(normalization=...)`` and keeps ``TransformerLayer``,
@@ -48,8 +49,12 @@ def get_gpt_layer_metp_spec(groups: METPGroups, *, weight_ring: bool = True,
         norm: the module for ``input_layernorm`` and ``pre_mlp_layernorm`` instead of the local
             spec's (e.g. Transformer Engine's ``TENorm``:
             :func:`megatron_metp.megatron.gpu_stack.select_norm`).
+        qk_layernorm: Megatron's ``--qk-layernorm`` (``config.qk_layernorm``): the local spec's
+            per-head ``q_layernorm``/``k_layernorm``, which the METP attention applies inside its
+            head-group loop (:mod:`.head_norm`) and the ring baseline's stock attention itself.
     """
-    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization=normalization))
+    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization=normalization,
+                                                  qk_layernorm=qk_layernorm))
     layer = spec.submodules
     if norm is not None:
         layer.input_layernorm = norm

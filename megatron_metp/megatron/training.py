@@ -207,12 +207,13 @@ def build_model(size: GPTSize, layout: Layout, groups: METPGroups):
     if layout.vocab_parallel and layout.mode != "metp":
         raise ValueError(f"vocab_parallel needs mode='metp', got mode={layout.mode!r}")
     if layout.mode == "tp":
-        spec = get_gpt_layer_local_spec(normalization=size.normalization)
+        spec = get_gpt_layer_local_spec(normalization=size.normalization,
+                                        qk_layernorm=cfg.qk_layernorm)
     else:
         norm = select_norm(layout.transformer_impl, size.normalization).module
         spec = get_gpt_layer_metp_spec(groups, weight_ring=layout.mode == "metp",
                                        normalization=size.normalization, kernel=layout.kernel,
-                                       norm=norm)
+                                       norm=norm, qk_layernorm=cfg.qk_layernorm)
     cls, extra = (METPGPTModel, {"metp_groups": groups}) if layout.vocab_parallel else (GPTModel, {})
     model = cls(config=cfg, transformer_layer_spec=spec, vocab_size=size.vocab_size,
                 max_sequence_length=size.seq_length,
@@ -248,6 +249,9 @@ def _global_name(model, name: str) -> str:
 
 def full_weight(name: str, shape, seed: int = 1234) -> torch.Tensor:
     """The full (unsharded) initial value of parameter ``name``: deterministic, rank-independent."""
+    if "q_layernorm." in name or "k_layernorm." in name:  # --qk-layernorm: not all ones, so
+        gen = torch.Generator().manual_seed(seed + zlib.crc32(name.encode()))  # q/k mix-ups show
+        return 1.0 + torch.randn(shape, generator=gen) * 0.2
     if name.endswith("layer_norm_weight") or name.endswith("layernorm.weight") or \
             name.endswith("final_layernorm.weight"):
         return torch.ones(shape)

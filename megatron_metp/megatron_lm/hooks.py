@@ -264,6 +264,10 @@ def _metp_problems(args, p: int, tp: int) -> List[str]:
     if flag("attention_dropout"):
         out.append(f"--attention-dropout {flag('attention_dropout')} (the METP K/V ring has no "
                    f"attention dropout; pass --attention-dropout 0)")
+    if flag("window_size") is not None:
+        out.append(f"--window-size {flag('window_size')} (sliding-window attention; the METP K/V "
+                   f"ring attends causally over the whole sequence: drop it, which equals a "
+                   f"window >= --seq-length)")
     if flag("spec") is not None:
         out.append("--spec (METP builds its own layer spec)")
     for name, opt in (("experimental_attention_variant", "--experimental-attention-variant"),
@@ -272,7 +276,7 @@ def _metp_problems(args, p: int, tp: int) -> List[str]:
         if flag(name) is not None:
             out.append(opt)
     for name, opt in (("multi_latent_attention", "--multi-latent-attention"),
-                      ("qk_layernorm", "--qk-layernorm"),
+                      ("qk_l2_norm", "--qk-l2-norm (METP's attention takes --qk-layernorm)"),
                       ("rotary_interleaved", "--rotary-interleaved"),
                       ("squared_relu", "--squared-relu (METP supports GeLU and --swiglu)")):
         if flag(name):
@@ -542,7 +546,8 @@ def build_metp_gpt_model(args, pre_process, post_process, vp_stage=None, config=
         groups, weight_ring=weight_ring, normalization=args.normalization,
         kernel=None if kernel in (None, "auto") else kernel,
         keep_intermediate=bool(getattr(args, "metp_keep_intermediate", False)),
-        norm=select_norm(getattr(args, "transformer_impl", "local"), args.normalization).module)
+        norm=select_norm(getattr(args, "transformer_impl", "local"), args.normalization).module,
+        qk_layernorm=bool(getattr(args, "qk_layernorm", False)))
     if not dist.is_initialized() or dist.get_rank() == 0:
         mode = "METP (weight ring + K/V ring)" if weight_ring else "ring self-attention"
         cp_note = (f", context-parallel (outer) {groups.metp.sequence_ring.size // groups.metp.size}"

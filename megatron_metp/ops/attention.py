@@ -73,6 +73,7 @@ from ._flat import FlatLayout
 from ._grads import weight_grad
 from .attention_kernels import select_kernel
 from .documents import cu_seqlens_digest, document_positions
+from .head_norm import check_head_norm, head_norm_grads
 from .ring_attention import (check_packed, post_first_kv_packed, ring_attention_backward,
                              ring_attention_forward, shape_layout)
 from .rope import apply_rope, rope_tables
@@ -272,25 +273,33 @@ def _group_weights(ring: RingExchanger, group: METPGroup, own):
         yield g, (own if g == r else tuple(layout.unpack(buf)))
 
 
-def _qkv_block(x2, WQ, BQ, freqs, geo: "_Geometry", n, b, kb, tables):
+def _qkv_block(x2, WQ, BQ, freqs, geo: "_Geometry", n, b, kb, tables, head_norm=None,
+               keep_pre=None):
     """Heads-first ``q [b, H, n, d]``, ``k, v [b, Gb, n, d]`` of a block of ``kb`` head groups
-    for this rank's tokens (one GEMM, RoPE applied), with ``k`` and ``v`` packed back to back in
-    ``kv`` (the K/V ring's own block): ``H``/``Gb`` query/key heads of the block."""
+    for this rank's tokens (one GEMM, the per-head q/k norm if any (:mod:`.head_norm`), RoPE
+    applied), with ``k`` and ``v`` packed back to back in ``kv`` (the K/V ring's own block):
+    ``H``/``Gb`` query/key heads of the block. ``keep_pre``: a list that receives the block's
+    pre-norm projection ``[n, b, Gb, A/G+2, d]`` (backward of the norm)."""
     d, qpg = geo.d, geo.q_per_group
     qkv = torch.addmm(BQ, x2, WQ.t()) if BQ is not None else torch.mm(x2, WQ.t())
     G = kb * geo.groups_local
     t = qkv.view(n, b, G, qpg + 2, d)
+    q_src, k_src = t[:, :, :, :qpg], t[:, :, :, qpg]
+    if head_norm is not None:
+        q_src, k_src = head_norm.forward(q_src, k_src)
+        if keep_pre is not None:
+            keep_pre.append(t)
     q = torch.empty(b, G * qpg, n, d, dtype=x2.dtype, device=x2.device)
     kv = torch.empty(2 * b * G * n * d, dtype=x2.dtype, device=x2.device)
     k, v = kv[:b * G * n * d].view(b, G, n, d), kv[b * G * n * d:].view(b, G, n, d)
     q_dst = q.view(b, G, qpg, n, d).permute(3, 0, 1, 2, 4)  # [n, b, G, qpg, d]
     k_dst = k.permute(2, 0, 1, 3)
     if freqs is not None:
-        apply_rope(t[:, :, :, :qpg], freqs, out=q_dst, tables=tables)
-        apply_rope(t[:, :, :, qpg], freqs, out=k_dst, tables=tables)
+        apply_rope(q_src, freqs, out=q_dst, tables=tables)
+        apply_rope(k_src, freqs, out=k_dst, tables=tables)
     else:
-        q_dst.copy_(t[:, :, :, :qpg])
-        k_dst.copy_(t[:, :, :, qpg])
+        q_dst.copy_(q_src)
+        k_dst.copy_(k_src)
     v.permute(2, 0, 1, 3).copy_(t[:, :, :, qpg + 1])
     return q, k, v, kv
 
@@ -335,7 +344,8 @@ def _keep_owned(in_flight, rank, acc):
 class _METPAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, wqkv, bqkv, wo, bo, freqs, group: METPGroup, geo: _Geometry, causal, layout,
-                scale, kernel, label, kb, grad_dtype, cu, seq: METPGroup):
+                scale, kernel, label, kb, grad_dtype, cu, seq: METPGroup, head_norm, qn_w, qn_b,
+                kn_w, kn_b):
         check_finite(f"{label} (forward)", group, x=x, qkv_weight=wqkv, proj_weight=wo,
                      qkv_bias=bqkv, proj_bias=bo)
         ctx.label = label
@@ -349,7 +359,7 @@ class _METPAttentionFunction(torch.autograd.Function):
         outs, lses = [], []
         tables = rope_tables(freqs, x.dtype) if freqs is not None else None
         for _, (WQ, BQ, WOT) in _block_weights(group, wqkv, bqkv, wo, "fwd", kb):
-            q, k, v, kv = _qkv_block(x2, WQ, BQ, freqs, geo, n, b, kb, tables)
+            q, k, v, kv = _qkv_block(x2, WQ, BQ, freqs, geo, n, b, kb, tables, head_norm)
             o = torch.empty(n, b, H * geo.d, dtype=x.dtype, device=x.device)
             _, lse = ring_attention_forward(q, k, v, seq, causal, layout, scale, kernel,
                                             kv_packed=kv, defer_merge=kb > 1,
@@ -367,8 +377,7 @@ class _METPAttentionFunction(torch.autograd.Function):
             y.add_(bo)
         ctx.save_for_backward(x, wqkv, bqkv, wo, freqs, *outs, *lses)
         ctx.args = (group, geo, causal, layout, scale, kernel, kb, grad_dtype)
-        ctx.cu = cu
-        ctx.seq = seq
+        ctx.cu, ctx.seq, ctx.head_norm = cu, seq, head_norm
         ctx.has = (bqkv is not None, bo is not None, freqs is not None)
         return y.to(x.dtype).view(n, b, h)
 
@@ -403,8 +412,9 @@ class _METPAttentionFunction(torch.autograd.Function):
         acc, in_flight = [None, None, None], []
         tables = rope_tables(freqs, x.dtype) if freqs is not None else None
         gw = dict(dtype=grad_dtype or acc_dtype, device=x.device)
+        head_norm, norm_acc, pre = ctx.head_norm, [None] * 4, []
         for i, (WQ, BQ, WOT) in _block_weights(group, wqkv, bqkv, wo, "bwd", kb):
-            q, k, v, kv = _qkv_block(x2, WQ, BQ, freqs, geo, n, b, kb, tables)
+            q, k, v, kv = _qkv_block(x2, WQ, BQ, freqs, geo, n, b, kb, tables, head_norm, pre)
             first = post_first_kv_packed(kv, ctx.seq)  # hidden behind the dO / dWo GEMMs
             o2 = outs[i].view(N, -1)
             d_o = torch.mm(gy, WOT.t())
@@ -439,6 +449,11 @@ class _METPAttentionFunction(torch.autograd.Function):
                 t[:, :, :, :qpg].copy_(dq_sf)
                 t[:, :, :, qpg].copy_(dk_sf)
             del dq, dk, dq_sf, dk_sf
+            if head_norm is not None:  # through the per-head norm, in place; weight grads summed
+                raw = pre.pop()
+                head_norm.backward(raw[:, :, :, :qpg], raw[:, :, :, qpg], t[:, :, :, :qpg],
+                                   t[:, :, :, qpg], norm_acc)
+                del raw
             dWQ = mm_into(g_wq, dqkv.t(), x2)
             dBQ = torch.sum(dqkv, 0, dtype=g_bq.dtype, out=g_bq) if has_bq else None
             if nb == 1:
@@ -463,7 +478,8 @@ class _METPAttentionFunction(torch.autograd.Function):
         dwq, dbq, dwot = acc
         return (dx.to(x.dtype).view(n, b, h), weight_grad(wqkv, dwq), weight_grad(bqkv, dbq),
                 weight_grad(wo, dwot.t()), dbo,
-                None, None, None, None, None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None, None, None, None,
+                None, *head_norm_grads(head_norm, norm_acc))
 
 
 def metp_attention(x: torch.Tensor, qkv_weight: torch.Tensor, proj_weight: torch.Tensor, *, group,
@@ -476,7 +492,12 @@ def metp_attention(x: torch.Tensor, qkv_weight: torch.Tensor, proj_weight: torch
                    head_block=None,
                    grad_reduce_dtype: Optional[torch.dtype] = torch.float32,
                    cu_seqlens=None, rope_per_document: bool = False,
-                   context_group=None) -> torch.Tensor:
+                   context_group=None,
+                   qk_norm: Optional[str] = None, qk_norm_eps: float = 1e-5,
+                   q_norm_weight: Optional[torch.Tensor] = None,
+                   k_norm_weight: Optional[torch.Tensor] = None,
+                   q_norm_bias: Optional[torch.Tensor] = None,
+                   k_norm_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The METP self-attention block (before the residual): ``y = Attn(x)·Woᵀ + bo``.
 
     Args:
@@ -515,6 +536,12 @@ def metp_attention(x: torch.Tensor, qkv_weight: torch.Tensor, proj_weight: torch
             per micro-batch and shared by every layer (Megatron's METP modules: what
             :mod:`megatron_metp.megatron.packing` computes), instead of a per-layer selection
             from the whole-sequence table.
+        qk_norm: ``"RMSNorm"`` or ``"LayerNorm"``: normalise every query and key head over its
+            ``d`` channels after the projection and before RoPE (Megatron's
+            ``--qk-layernorm``, :mod:`.head_norm`), with ``qk_norm_eps`` and the replicated
+            ``q_norm_weight``/``k_norm_weight`` ``[d]`` (``q_norm_bias``/``k_norm_bias`` ``[d]``
+            with ``LayerNorm``); their gradients are this rank's token partials, like
+            ``proj_bias``'s. ``None`` (default): no norm.
         label: names this call in NaN/Inf reports (:mod:`megatron_metp.runtime.finite`) and in the
             cross-rank agreement check (:mod:`megatron_metp.runtime.agree`, on by default), which also requires
             it, every shape/dtype and every option to be equal on all ranks of the group.
@@ -568,6 +595,8 @@ def metp_attention(x: torch.Tensor, qkv_weight: torch.Tensor, proj_weight: torch
         elif freqs is not None and freqs.shape[0] != n:
             pos = local_positions(seq.rank, p, n, layout=layout, device=x.device)
             freqs = freqs.index_select(0, pos)
+        head_norm = check_head_norm(qk_norm, qk_norm_eps, q_norm_weight, k_norm_weight,
+                                    q_norm_bias, k_norm_bias, d, x)
     except ValueError as exc:
         refuse_together(seq, op_label("metp_attention", label), exc)
         raise
@@ -581,8 +610,13 @@ def metp_attention(x: torch.Tensor, qkv_weight: torch.Tensor, proj_weight: torch
                            kernel=kern.name, head_block=kb, grad_reduce_dtype=grad_reduce_dtype,
                            cu_seqlens=None if cu is None else cu_seqlens_digest(cu),
                            rope_per_document=bool(rope_per_document),
-                           needs_grad=needs_grad(x, qkv_weight, proj_weight, qkv_bias, proj_bias))
+                           qk_norm=qk_norm, qk_norm_eps=float(qk_norm_eps) if qk_norm else None,
+                           q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight,
+                           q_norm_bias=q_norm_bias, k_norm_bias=k_norm_bias,
+                           needs_grad=needs_grad(x, qkv_weight, proj_weight, qkv_bias, proj_bias,
+                                                 q_norm_weight, k_norm_weight))
     geo = _Geometry(num_heads, num_query_groups, d, group.size)
     return _METPAttentionFunction.apply(x, qkv_weight, qkv_bias, proj_weight, proj_bias, freqs,
                                         group, geo, bool(causal), layout, float(scale), kern,
-                                        label, kb, grad_reduce_dtype, cu, seq)
+                                        label, kb, grad_reduce_dtype, cu, seq, head_norm,
+                                        q_norm_weight, q_norm_bias, k_norm_weight, k_norm_bias)

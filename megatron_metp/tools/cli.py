@@ -48,6 +48,12 @@ def _add_common(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--vocab", type=int)
     g.add_argument("--seq", type=int, help="sequence length")
     g.add_argument("--swiglu", action="store_true", default=None)
+    g.add_argument("--kv-channels", type=int, default=None,
+                   help="head width (Megatron's --kv-channels; default hidden / heads)")
+    g.add_argument("--qk-layernorm", action="store_true", default=None,
+                   help="per-head q/k norms (Megatron's --qk-layernorm; Qwen3)")
+    g.add_argument("--add-qkv-bias", action="store_true", default=None,
+                   help="bias on q, k, v only (Megatron's --add-qkv-bias; Qwen2.5)")
     g.add_argument("--untie", action="store_true", default=None,
                    help="untied embedding and output layer (GPT ties them)")
     j = ap.add_argument_group("job")
@@ -121,7 +127,8 @@ def build_model(args) -> tuple:
             fields["name"] = args.config.rsplit("/", 1)[-1]
     for flag, key in (("hidden", "hidden"), ("layers", "layers"), ("heads", "heads"),
                       ("query_groups", "query_groups"), ("ffn", "ffn"), ("vocab", "vocab"),
-                      ("seq", "seq"), ("swiglu", "swiglu")):
+                      ("seq", "seq"), ("swiglu", "swiglu"), ("kv_channels", "kv_channels"),
+                      ("qk_layernorm", "qk_layernorm"), ("add_qkv_bias", "add_qkv_bias")):
         v = getattr(args, flag)
         if v is not None:
             fields[key] = v

@@ -121,12 +121,12 @@ def build_model(g: LlamaGeometry, *, groups=None, vocab_parallel: bool = False):
     if groups is None:
         if vocab_parallel:
             raise ValueError("vocab_parallel needs the METP groups")
-        return GPTModel(transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-                        **kwargs)
+        return GPTModel(transformer_layer_spec=get_gpt_layer_local_spec(
+            normalization="RMSNorm", qk_layernorm=g.qk_layernorm), **kwargs)
     from ..megatron.spec import get_gpt_layer_metp_spec
     from ..megatron.vocab import METPGPTModel
 
-    spec = get_gpt_layer_metp_spec(groups, normalization="RMSNorm")
+    spec = get_gpt_layer_metp_spec(groups, normalization="RMSNorm", qk_layernorm=g.qk_layernorm)
     if vocab_parallel:
         return METPGPTModel(transformer_layer_spec=spec, metp_groups=groups, **kwargs)
     return GPTModel(transformer_layer_spec=spec, **kwargs)
@@ -211,14 +211,14 @@ def _check_out(out_dir: str, force: bool, keep) -> None:
 
 def import_hf(hf_dir: str, out_dir: str, *, make_vocab_size_divisible_by: int = 128,
               tensor_model_parallel_size: int = 1, metp_parallel_size: int = 1,
-              force: bool = False,
+              force: bool = False, seq_length: Optional[int] = None,
               log=print) -> LlamaGeometry:
     """Convert ``hf_dir`` into the Megatron ``torch_dist`` checkpoint ``out_dir`` (layout in the
     module docstring). Every check runs before anything is written."""
     cfg = read_hf_config(hf_dir)
     g = geometry_from_hf(cfg, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
                          tensor_model_parallel_size=tensor_model_parallel_size,
-                         metp_parallel_size=metp_parallel_size)
+                         metp_parallel_size=metp_parallel_size, seq_length=seq_length)
     _check_out(out_dir, force, keep=(hf_dir,))
     hf = read_safetensors(hf_dir)
     params = hf_to_megatron(hf, g)  # checks names, shapes and dtypes first
@@ -302,6 +302,9 @@ _LAYER_KEYS = {
     "self_attention.linear_proj.weight": "self_attention.linear_proj.weight",
     "mlp.linear_fc1.weight": "mlp.linear_fc1.weight",
     "mlp.linear_fc2.weight": "mlp.linear_fc2.weight",
+    "self_attention.linear_qkv.bias": "self_attention.linear_qkv.bias",          # Qwen2
+    "self_attention.q_layernorm.weight": "self_attention.q_layernorm.weight",    # Qwen3
+    "self_attention.k_layernorm.weight": "self_attention.k_layernorm.weight",
 }
 _TOP_KEYS = ("embedding.word_embeddings.weight", "decoder.final_layernorm.weight",
              "output_layer.weight")
@@ -404,7 +407,8 @@ def export_hf(load: str, out_dir: str, *, hf_config: Optional[str] = None,
     save_file = _safetensors().save_file
     cfg_dir = _find_hf_config(load, hf_config)
     cfg = read_hf_config(cfg_dir)
-    g = geometry_from_hf(cfg, make_vocab_size_divisible_by=1)
+    # seq_length=1: export only re-lays tensors (a sliding window cannot bind; the config is copied)
+    g = geometry_from_hf(cfg, make_vocab_size_divisible_by=1, seq_length=1)
     path = checkpoint_dir(load, iteration)
     _check_out(out_dir, force, keep=(load, cfg_dir))
     mg = megatron_params_from_checkpoint(path, g.num_layers)
@@ -457,6 +461,10 @@ def _add_padding_args(ap: argparse.ArgumentParser) -> None:
                     help="METP size of the run (default 1). Megatron pads the vocabulary to a "
                          "multiple of divisible-by x TP x METP; heads, K/V groups and FFN must "
                          "divide by TP x METP")
+    ap.add_argument("--seq-length", type=int, default=None,
+                    help="the longest sequence the run trains on; needed only for a model with "
+                         "a sliding window shorter than max_position_embeddings (then at most "
+                         "the window; the run's --max-position-embeddings becomes the window)")
 
 
 def main(argv: Optional[List[str]] = None, prog: str = "python -m megatron_metp.tools.hf") -> int:
@@ -485,7 +493,8 @@ def main(argv: Optional[List[str]] = None, prog: str = "python -m megatron_metp.
             import_hf(args.hf_dir, args.out,
                       make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                       tensor_model_parallel_size=args.tensor_model_parallel_size,
-                      metp_parallel_size=args.metp_parallel_size, force=args.force)
+                      metp_parallel_size=args.metp_parallel_size, force=args.force,
+                      seq_length=args.seq_length)
         elif args.cmd == "export":
             export_hf(args.load, args.out, hf_config=args.hf_config, iteration=args.iteration,
                       dtype=args.dtype, force=args.force)
@@ -493,7 +502,8 @@ def main(argv: Optional[List[str]] = None, prog: str = "python -m megatron_metp.
             g = geometry_from_hf(read_hf_config(args.hf_dir),
                                  make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                                  tensor_model_parallel_size=args.tensor_model_parallel_size,
-                                 metp_parallel_size=args.metp_parallel_size)
+                                 metp_parallel_size=args.metp_parallel_size,
+                                 seq_length=args.seq_length)
             print(" ".join(megatron_args(g)))
     except ValueError as exc:
         print(f"{prog} {args.cmd}: error: {exc}", file=sys.stderr)

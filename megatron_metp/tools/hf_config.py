@@ -1,4 +1,5 @@
-"""A Hugging Face Llama ``config.json`` as the Megatron GPT it converts to (:class:`LlamaGeometry`).
+"""A Hugging Face ``config.json`` (Llama, Mistral, Qwen2, Qwen3) as the Megatron GPT it converts
+to (:class:`LlamaGeometry`).
 
 :func:`geometry_from_hf` checks every field the conversion depends on and raises
 :class:`HFConfigError` (a ``ValueError``) naming the field, its value and what to do, before any
@@ -7,11 +8,13 @@ tensor is read. From a geometry come Megatron-LM's ``pretrain_gpt.py`` flags
 (:func:`transformer_config_kwargs`, :func:`gpt_model_kwargs`) and a ``pretrain_gpt.sh`` model
 file (:func:`pretrain_gpt_sh_model`).
 
-Supported: ``model_type: llama`` (``LlamaForCausalLM``) with SiLU-gated MLP (SwiGLU), RMSNorm,
-RoPE (any integer ``rope_theta``; ``rope_scaling`` none/default, or ``llama3`` with Llama 3.1's
+Supported: ``model_type`` ``llama``, ``mistral``, ``qwen2``, ``qwen3`` (their ``*ForCausalLM``;
+what differs between them: :mod:`.hf_families`) with SiLU-gated MLP (SwiGLU), RMSNorm, RoPE (any
+integer ``rope_theta``; ``rope_scaling`` none/default, or ``llama3`` with Llama 3.1's
 ``low_freq_factor`` 1, ``high_freq_factor`` 4 and ``original_max_position_embeddings`` 8192,
 which is what megatron-core 0.16.1's ``--use-rope-scaling`` implements), grouped-query attention,
-no linear biases, tied or untied embeddings.
+any ``head_dim`` (``--kv-channels``), Qwen2's q/k/v bias (``--add-qkv-bias``), Qwen3's q/k norms
+(``--qk-layernorm``), tied or untied embeddings.
 """
 
 from __future__ import annotations
@@ -41,7 +44,9 @@ class LlamaGeometry:
     ``vocab_size`` is the Hugging Face vocabulary ``V``; the Megatron tables have
     ``padded_vocab_size`` rows (Megatron's padding to a multiple of ``vocab_multiple``; rows
     ``[V, padded)`` are zeros after import and dropped on export). ``kv_channels`` is the head
-    dimension ``d = hidden_size / num_attention_heads``.
+    dimension ``d``: ``head_dim``, by default ``hidden_size / num_attention_heads``. ``family``
+    is the ``model_type``; ``qk_layernorm`` (Qwen3's ``q_norm``/``k_norm``) and ``qkv_bias``
+    (Qwen2's q/k/v biases) the two layer features beyond Llama's.
     """
 
     num_layers: int
@@ -59,10 +64,15 @@ class LlamaGeometry:
     max_position_embeddings: int
     tie_embeddings: bool
     dtype: str
+    family: str = "llama"
+    head_dim: Optional[int] = None
+    qk_layernorm: bool = False
+    qkv_bias: bool = False
+    sliding_window: Optional[int] = None
 
     @property
     def kv_channels(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.head_dim or self.hidden_size // self.num_attention_heads
 
     @property
     def qkv_rows(self) -> int:
@@ -110,6 +120,14 @@ def _rope_scaling_factor(cfg: dict) -> Optional[float]:
     kind = rs.get("rope_type", rs.get("type"))
     if kind in (None, "default"):
         return None
+    if kind == "yarn":
+        raise HFConfigError(
+            "config.json: rope_scaling type 'yarn' is not supported: megatron-core 0.16.1 has a "
+            "YarnRotaryEmbedding, but its GPTModel discards YaRN's attention factor (mscale, "
+            "which Hugging Face multiplies into cos and sin) and Megatron-LM's "
+            "--position-embedding-type offers no 'yarn' for GPT (--rope-type yarn is for "
+            "multi-latent attention only), so the model's RoPE cannot be reproduced; remove "
+            "rope_scaling (the model's native context) or convert a model without it")
     if kind != "llama3":
         raise HFConfigError(
             f"config.json: rope_scaling type {kind!r} is not supported: megatron-core 0.16.1 "
@@ -130,8 +148,12 @@ def _rope_scaling_factor(cfg: dict) -> Optional[float]:
 
 def geometry_from_hf(cfg: dict, *, make_vocab_size_divisible_by: int = 128,
                      tensor_model_parallel_size: int = 1,
-                     metp_parallel_size: int = 1) -> LlamaGeometry:
-    """Check a Llama ``config.json`` and return its Megatron geometry.
+                     metp_parallel_size: int = 1,
+                     seq_length: Optional[int] = None) -> LlamaGeometry:
+    """Check a ``config.json`` of a supported family and return its Megatron geometry.
+
+    ``seq_length``: the longest sequence the run will train on (only needed for a model with a
+    sliding window shorter than ``max_position_embeddings``, :mod:`.hf_families`).
 
     The vocabulary is padded as Megatron-LM (patched for METP) pads it for the run that will load
     the checkpoint: to a multiple of ``make_vocab_size_divisible_by × TP × METP`` (a METP run pads
@@ -143,23 +165,16 @@ def geometry_from_hf(cfg: dict, *, make_vocab_size_divisible_by: int = 128,
                     ("metp_parallel_size", metp_parallel_size)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise HFConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
-    model_type = cfg.get("model_type")
-    if model_type != "llama":
-        raise HFConfigError(f"config.json: model_type {model_type!r} is not supported: only "
-                            f"'llama' (LlamaForCausalLM: RMSNorm, SwiGLU, RoPE, GQA) converts")
-    archs = cfg.get("architectures")
-    if archs and "LlamaForCausalLM" not in archs:
-        raise HFConfigError(f"config.json: architectures {archs!r} has no 'LlamaForCausalLM'; "
-                            f"only the causal-LM head converts")
+    if seq_length is not None and (isinstance(seq_length, bool) or
+                                   not isinstance(seq_length, int) or seq_length < 1):
+        raise HFConfigError(f"--seq-length must be an integer >= 1, got {seq_length!r}")
+    from .hf_families import check_family, family_fields
+
+    family = check_family(cfg)
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise HFConfigError(f"config.json: hidden_act {act!r} is not supported: Megatron's "
                             f"--swiglu is SiLU(gate)·up; only 'silu' converts")
-    for name in ("attention_bias", "mlp_bias"):
-        if cfg.get(name, False):
-            raise HFConfigError(f"config.json: {name} = true is not supported: the converted run "
-                                f"uses --disable-bias-linear (no linear biases); convert a model "
-                                f"without biases")
     if float(cfg.get("attention_dropout", 0.0) or 0.0) != 0.0:
         raise HFConfigError(f"config.json: attention_dropout = {cfg['attention_dropout']!r}: METP "
                             f"has no attention dropout; set it to 0.0")
@@ -175,14 +190,6 @@ def geometry_from_hf(cfg: dict, *, make_vocab_size_divisible_by: int = 128,
     if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
         raise HFConfigError(f"config.json: num_key_value_heads = {groups!r} must be an integer >= 1")
     vocab = _int_field(cfg, "vocab_size")
-    if hidden % heads:
-        raise HFConfigError(f"config.json: hidden_size {hidden} is not divisible by "
-                            f"num_attention_heads {heads}")
-    head_dim = cfg.get("head_dim")
-    if head_dim not in (None, hidden // heads):
-        raise HFConfigError(f"config.json: head_dim = {head_dim!r} differs from hidden_size / "
-                            f"num_attention_heads = {hidden // heads}: not supported by this "
-                            f"converter")
     if heads % groups:
         raise HFConfigError(f"config.json: num_attention_heads {heads} is not divisible by "
                             f"num_key_value_heads {groups} (grouped-query attention needs whole "
@@ -208,6 +215,9 @@ def geometry_from_hf(cfg: dict, *, make_vocab_size_divisible_by: int = 128,
     if isinstance(max_pos, bool) or not isinstance(max_pos, int) or max_pos < 1:
         raise HFConfigError(f"config.json: max_position_embeddings = {max_pos!r} must be an "
                             f"integer >= 1")
+    fam = family_fields(cfg, family, hidden=hidden, heads=heads, max_pos=max_pos,
+                        seq_length=seq_length)
+    max_pos = fam["max_position_embeddings"]
     dtype = cfg.get("torch_dtype", cfg.get("dtype")) or "float32"
     if dtype not in _DTYPES:
         raise HFConfigError(f"config.json: torch_dtype {dtype!r} is not one of "
@@ -220,7 +230,10 @@ def geometry_from_hf(cfg: dict, *, make_vocab_size_divisible_by: int = 128,
         vocab_multiple=multiple, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
         norm_epsilon=float(eps), rotary_base=int(theta), rope_scaling_factor=scaling,
         max_position_embeddings=max_pos, tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        dtype=_DTYPES[dtype])
+        dtype=_DTYPES[dtype], family=family,
+        head_dim=None if fam["head_dim"] * heads == hidden else fam["head_dim"],
+        qk_layernorm=fam["qk_layernorm"], qkv_bias=fam["qkv_bias"],
+        sliding_window=fam["sliding_window"])
 
 
 def megatron_args(g: LlamaGeometry) -> List[str]:
@@ -230,6 +243,12 @@ def megatron_args(g: LlamaGeometry) -> List[str]:
            "--num-attention-heads", str(g.num_attention_heads)]
     if g.num_query_groups != g.num_attention_heads:
         out += ["--group-query-attention", "--num-query-groups", str(g.num_query_groups)]
+    if g.head_dim is not None:
+        out += ["--kv-channels", str(g.head_dim)]
+    if g.qk_layernorm:
+        out.append("--qk-layernorm")
+    if g.qkv_bias:
+        out.append("--add-qkv-bias")
     out += ["--normalization", "RMSNorm", "--norm-epsilon", repr(g.norm_epsilon), "--swiglu",
             "--disable-bias-linear", "--position-embedding-type", "rope",
             "--rotary-base", str(g.rotary_base),
@@ -255,6 +274,7 @@ def transformer_config_kwargs(g: LlamaGeometry, *, tp: int = 1, metp: int = 1) -
         num_attention_heads=g.num_attention_heads, num_query_groups=g.num_query_groups,
         kv_channels=g.kv_channels, normalization="RMSNorm", layernorm_epsilon=g.norm_epsilon,
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        add_qkv_bias=g.qkv_bias, qk_layernorm=g.qk_layernorm,
         tensor_model_parallel_size=tp, context_parallel_size=metp,
         attention_dropout=0.0, hidden_dropout=0.0,
         use_cpu_initialization=True, perform_initialization=False,
@@ -286,7 +306,8 @@ def pretrain_gpt_sh_model(g: LlamaGeometry, load_dir: str, *, tp: int = 1, metp:
         extra += ["--use-rope-scaling", "--rope-scaling-factor", repr(g.rope_scaling_factor)]
     lines = [
         "# shellcheck shell=bash disable=SC2034  # sourced by scripts/pretrain_gpt.sh",
-        "# Written by `python -m megatron_metp.tools.hf import`: the converted Llama checkpoint's",
+        f"# Written by `python -m megatron_metp.tools.hf import`: the converted {g.family} "
+        f"checkpoint's",
         "# geometry. Set SEQ_LENGTH, GPUS_PER_NODE, ... in the environment (they win).",
         "# The first run starts from the converted weights (--pretrained-checkpoint: Megatron",
         "# fine-tunes from it while CHECKPOINT_PATH holds no checkpoint), later runs resume from",
@@ -304,6 +325,8 @@ def pretrain_gpt_sh_model(g: LlamaGeometry, load_dir: str, *, tp: int = 1, metp:
         f'"${{NUM_QUERY_GROUPS:={g.num_query_groups}}}" "${{ROTARY_BASE:={g.rotary_base}}}"',
         ': "${SWIGLU:=1}" "${NORMALIZATION:=RMSNorm}" "${POSITION_EMBEDDING_TYPE:=rope}" '
         '"${DISABLE_BIAS_LINEAR:=1}"',
+        f': "${{KV_CHANNELS:={g.head_dim or ""}}}" "${{QK_LAYERNORM:={int(g.qk_layernorm)}}}" '
+        f'"${{ADD_QKV_BIAS:={int(g.qkv_bias)}}}"',
         f': "${{UNTIE_EMBEDDINGS:={0 if g.tie_embeddings else 1}}}" '
         f'"${{VOCAB_SIZE:={g.vocab_size - 1}}}" '
         f'"${{MAX_POSITION_EMBEDDINGS:={g.max_position_embeddings}}}"',

@@ -19,6 +19,10 @@ Hugging Face (``LlamaForCausalLM.state_dict()``)       Megatron ``GPTModel.named
 ``lm_head.weight`` ``[V, h]`` (untied only)            ``output_layer.weight`` ``[Vp, h]`` (untied only)
 =====================================================  ======================================================
 
+Qwen2 (``qkv_bias``): ``…self_attn.{q,k,v}_proj.bias`` ↔ ``…self_attention.linear_qkv.bias``
+``[(n+2g)·d]``, fused like the weight. Qwen3 (``qk_layernorm``): ``…self_attn.q_norm.weight`` /
+``k_norm.weight`` ``[d]`` ↔ ``…self_attention.q_layernorm.weight`` / ``k_layernorm.weight``.
+
 Megatron's fused QKV is grouped per query group, as ``SelfAttention.get_query_key_value_tensors``
 splits it: rows ``[q heads of group 0 (n/g·d); k_0 (d); v_0 (d); q heads of group 1; …]``, where
 query head ``j`` belongs to group ``j // (n/g)`` (the Hugging Face GQA convention, which repeats
@@ -38,7 +42,10 @@ Tensor = torch.Tensor
 
 
 def fuse_qkv(q: Tensor, k: Tensor, v: Tensor, num_heads: int, num_groups: int) -> Tensor:
-    """``q [n·d, h]``, ``k``/``v`` ``[g·d, h]`` → Megatron's ``linear_qkv`` ``[(n+2g)·d, h]``."""
+    """``q [n·d, h]``, ``k``/``v`` ``[g·d, h]`` → Megatron's ``linear_qkv`` ``[(n+2g)·d, h]``
+    (biases: ``[n·d]``, ``[g·d]`` → ``[(n+2g)·d]``)."""
+    if q.dim() == 1:
+        return fuse_qkv(q[:, None], k[:, None], v[:, None], num_heads, num_groups)[:, 0]
     d = q.shape[0] // num_heads
     h = q.shape[1]
     per = num_heads // num_groups
@@ -50,6 +57,9 @@ def fuse_qkv(q: Tensor, k: Tensor, v: Tensor, num_heads: int, num_groups: int) -
 
 def split_qkv(qkv: Tensor, num_heads: int, num_groups: int) -> Tuple[Tensor, Tensor, Tensor]:
     """Inverse of :func:`fuse_qkv`: ``[(n+2g)·d, h]`` → ``q [n·d, h]``, ``k [g·d, h]``, ``v``."""
+    if qkv.dim() == 1:
+        return tuple(t[:, 0].contiguous() for t in split_qkv(qkv[:, None], num_heads,
+                                                             num_groups))
     d = qkv.shape[0] // (num_heads + 2 * num_groups)
     h = qkv.shape[1]
     per = num_heads // num_groups
@@ -97,6 +107,11 @@ def _hf_names(g: LlamaGeometry) -> Dict[str, tuple]:
             p + "self_attn.v_proj.weight": (k * d, h), p + "self_attn.o_proj.weight": (h, n * d),
             p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
             p + "mlp.down_proj.weight": (h, f)})
+        if g.qkv_bias:
+            out.update({p + "self_attn.q_proj.bias": (n * d,), p + "self_attn.k_proj.bias": (k * d,),
+                        p + "self_attn.v_proj.bias": (k * d,)})
+        if g.qk_layernorm:
+            out.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
     if not g.tie_embeddings:
         out["lm_head.weight"] = (g.vocab_size, h)
     return out
@@ -114,6 +129,11 @@ def megatron_shapes(g: LlamaGeometry) -> Dict[str, tuple]:
             p + "self_attention.linear_qkv.weight": (g.qkv_rows, h),
             p + "self_attention.linear_proj.weight": (h, g.num_attention_heads * d),
             p + "mlp.linear_fc1.weight": (2 * f, h), p + "mlp.linear_fc2.weight": (h, f)})
+        if g.qkv_bias:
+            out[p + "self_attention.linear_qkv.bias"] = (g.qkv_rows,)
+        if g.qk_layernorm:
+            out[p + "self_attention.q_layernorm.weight"] = (d,)
+            out[p + "self_attention.k_layernorm.weight"] = (d,)
     if not g.tie_embeddings:
         out["output_layer.weight"] = (g.padded_vocab_size, h)
     return out
@@ -146,10 +166,11 @@ def check_hf_tensors(hf: Dict[str, Tensor], g: LlamaGeometry) -> None:
                             f"{missing[:6]}{hint}")
     if unexpected:
         biases = [k for k in unexpected if k.endswith(".bias")]
-        hint = (" (linear biases: the converted run has --disable-bias-linear; convert a model "
-                "without biases)" if biases else "")
-        raise HFConfigError(f"the safetensors hold {len(unexpected)} tensor(s) a Llama of this "
-                            f"config.json does not have: {unexpected[:6]}{hint}")
+        hint = (" (linear biases: the converted run has --disable-bias-linear, with "
+                "--add-qkv-bias for Qwen2's q/k/v biases only; convert a model without other "
+                "biases)" if biases else "")
+        raise HFConfigError(f"the safetensors hold {len(unexpected)} tensor(s) a {g.family} of "
+                            f"this config.json does not have: {unexpected[:6]}{hint}")
     bad = [(k, tuple(hf[k].shape), s) for k, s in want.items() if tuple(hf[k].shape) != s]
     if bad:
         k, got, exp = bad[0]
@@ -168,6 +189,15 @@ _LAYER_RENAMES = (
     ("self_attn.o_proj.weight", "self_attention.linear_proj.weight"),
     ("mlp.down_proj.weight", "mlp.linear_fc2.weight"),
 )
+#: Qwen3's per-head q/k norms (``qk_layernorm``)
+_QK_NORM_RENAMES = (
+    ("self_attn.q_norm.weight", "self_attention.q_layernorm.weight"),
+    ("self_attn.k_norm.weight", "self_attention.k_layernorm.weight"),
+)
+
+
+def _renames(g: LlamaGeometry):
+    return _LAYER_RENAMES + (_QK_NORM_RENAMES if g.qk_layernorm else ())
 
 
 def hf_to_megatron(hf: Dict[str, Tensor], g: LlamaGeometry) -> Dict[str, Tensor]:
@@ -180,11 +210,15 @@ def hf_to_megatron(hf: Dict[str, Tensor], g: LlamaGeometry) -> Dict[str, Tensor]
            "decoder.final_layernorm.weight": hf["model.norm.weight"].clone()}
     for i in range(g.num_layers):
         s, t = f"model.layers.{i}.", f"decoder.layers.{i}."
-        for hf_name, mg_name in _LAYER_RENAMES:
+        for hf_name, mg_name in _renames(g):
             out[t + mg_name] = hf[s + hf_name].clone()
         out[t + "self_attention.linear_qkv.weight"] = fuse_qkv(
             hf[s + "self_attn.q_proj.weight"], hf[s + "self_attn.k_proj.weight"],
             hf[s + "self_attn.v_proj.weight"], n, k)
+        if g.qkv_bias:
+            out[t + "self_attention.linear_qkv.bias"] = fuse_qkv(
+                hf[s + "self_attn.q_proj.bias"], hf[s + "self_attn.k_proj.bias"],
+                hf[s + "self_attn.v_proj.bias"], n, k)
         out[t + "mlp.linear_fc1.weight"] = fuse_gate_up(hf[s + "mlp.gate_proj.weight"],
                                                         hf[s + "mlp.up_proj.weight"])
     if not g.tie_embeddings:
@@ -213,12 +247,17 @@ def megatron_to_hf(mg: Dict[str, Tensor], g: LlamaGeometry) -> Dict[str, Tensor]
            "model.norm.weight": mg["decoder.final_layernorm.weight"].clone()}
     for i in range(g.num_layers):
         s, t = f"decoder.layers.{i}.", f"model.layers.{i}."
-        for hf_name, mg_name in _LAYER_RENAMES:
+        for hf_name, mg_name in _renames(g):
             out[t + hf_name] = mg[s + mg_name].clone()
         q, kk, v = split_qkv(mg[s + "self_attention.linear_qkv.weight"], n, k)
         out[t + "self_attn.q_proj.weight"] = q
         out[t + "self_attn.k_proj.weight"] = kk
         out[t + "self_attn.v_proj.weight"] = v
+        if g.qkv_bias:
+            q, kk, v = split_qkv(mg[s + "self_attention.linear_qkv.bias"], n, k)
+            out[t + "self_attn.q_proj.bias"] = q
+            out[t + "self_attn.k_proj.bias"] = kk
+            out[t + "self_attn.v_proj.bias"] = v
         gate, up = split_gate_up(mg[s + "mlp.linear_fc1.weight"])
         out[t + "mlp.gate_proj.weight"] = gate
         out[t + "mlp.up_proj.weight"] = up

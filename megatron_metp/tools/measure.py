@@ -102,7 +102,8 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
     vocab = P.padded_vocab(model.vocab, lay.vocab_pad)
     cfg = TransformerConfig(
         num_layers=model.layers, hidden_size=model.hidden, num_attention_heads=model.heads,
-        num_query_groups=model.groups, kv_channels=model.hidden // model.heads,
+        num_query_groups=model.groups, kv_channels=model.head_dim,
+        qk_layernorm=model.qk_layernorm, add_qkv_bias=model.add_qkv_bias,
         ffn_hidden_size=model.ffn, tensor_model_parallel_size=lay.t,
         pipeline_model_parallel_size=job.pp, context_parallel_size=lay.c,
         sequence_parallel=lay.sp, use_cpu_initialization=True, perform_initialization=False,
@@ -120,17 +121,21 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
 
     CpuSPNorm, SDPAFlash = sp_norm_class(), flash_core_attention_class()
     if mode in ("tp", "tp-sp"):
-        spec = get_gpt_layer_local_spec()
+        spec = get_gpt_layer_local_spec(qk_layernorm=model.qk_layernorm)
         if job.kernel == "flash":
             spec.submodules.self_attention.submodules.core_attention = SDPAFlash
     else:
         spec = get_gpt_layer_metp_spec(groups, weight_ring=mode == "metp",
                                        kernel="torch_flash" if job.kernel == "flash" else "reference",
-                                       keep_intermediate=job.keep_intermediate)
+                                       keep_intermediate=job.keep_intermediate,
+                                       qk_layernorm=model.qk_layernorm)
     block = spec
     if lay.sp:
         spec.submodules.input_layernorm = CpuSPNorm
         spec.submodules.pre_mlp_layernorm = CpuSPNorm
+        if model.qk_layernorm:  # the local spec's torch norms refuse SP (GPU runs use TE's)
+            spec.submodules.self_attention.submodules.q_layernorm = CpuSPNorm
+            spec.submodules.self_attention.submodules.k_layernorm = CpuSPNorm
         block = TransformerBlockSubmodules(layer_specs=[spec] * layers_here, layer_norm=CpuSPNorm)
 
     n = model.seq // lay.c  # this rank's tokens (METP × CP: s/(p·c))

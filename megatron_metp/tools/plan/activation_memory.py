@@ -135,6 +135,15 @@ def activations(model: Model, job: Job, mode: str, seq: Optional[int] = None,
             S["proj input, seq-first copy (bf16)"] = BF16 * n * hqt
             if lay.sp:
                 persistent = BF16 * n * h
+        if model.qk_layernorm:
+            # stock SelfAttention's q/k norms keep their inputs: q is a reshaped copy of its
+            # split, k a view of the QKV projection output, which it keeps alive (counted above
+            # where v's view keeps it anyway)
+            S["q norm input: q's reshaped copy (bf16)"] = BF16 * n * hqt
+            if not stock_core or (gqa and not flash):
+                S["QKV projection output, kept by k's norm (bf16)"] = \
+                    BF16 * n * (hq + 2 * hk) // t
+            S["q/k norm statistics (fp32)"] = 2 * FP32 * n * (At + G // t)
         if model.swiglu:
             # Megatron-LM's default --bias-swiglu-fusion: the fused SwiGLU keeps only its input
             # (fc1's output) and recomputes silu(gate) in backward; fc2 keeps its input

@@ -19,6 +19,8 @@ _MODEL_KEYS = {
     "seq": "seq", "seq_length": "seq", "seq_len": "seq",
     "swiglu": "swiglu", "untie": "untie", "untie_embeddings": "untie",
     "untie_embeddings_and_output_weights": "untie", "tied": "tied",
+    "kv_channels": "kv_channels", "qk_layernorm": "qk_layernorm",
+    "add_qkv_bias": "add_qkv_bias",
 }
 _JOB_KEYS = {
     "tp": "tp", "tensor_model_parallel_size": "tp",
@@ -108,8 +110,11 @@ def from_config(path: str) -> Tuple[Dict[str, object], Dict[str, object]]:
         model["tied"] = not bool(model.pop("untie"))
     if "tied" in model:
         model["tied"] = bool(model["tied"])
-    if model.get("swiglu") is not None:
-        model["swiglu"] = bool(model["swiglu"])
+    for key in ("swiglu", "qk_layernorm", "add_qkv_bias"):
+        if model.get(key) is not None:
+            model[key] = bool(model[key])
+    if model.get("kv_channels") in (False, "", 0):  # KV_CHANNELS= (unset in a configs/*.sh)
+        model.pop("kv_channels")
     if "vocab_parallel" in job:
         job["vocab_parallel"] = bool(job["vocab_parallel"])
     if path.endswith(".sh"):

@@ -63,6 +63,9 @@ def _metp_phases(model, job, lay, n, S) -> Dict[str, Dict[str, float]]:
     common["head-group weight gradients: filling, in flight, kept (fp32)"] = \
         min(p, 3) * FP32 * Wa
     common["recomputed q, k, v heads-first (bf16)"] = BF16 * n * (hqg + 2 * hkg)
+    if model.qk_layernorm:  # ops/head_norm.py: the block's pre-norm projection is kept
+        common["pre-norm q, k, v of the head group (bf16, --qk-layernorm)"] = \
+            BF16 * n * (hqg + 2 * hkg)
     common["o_g seq-first copy, d(o_g) (bf16)"] = 2 * BF16 * n * hqg
     ring_step = dict(common, **{"d(o_g) heads-first (bf16)": BF16 * n * hqg},
                      **ring_backward_buffers(n, hqg, hkg, Ag, R, job))
@@ -75,7 +78,13 @@ def _metp_phases(model, job, lay, n, S) -> Dict[str, Dict[str, float]]:
                                 "joined d(qkv) (fp32)": grads32})
     dx_step = dict(common, **{"RoPE-transposed dq, dk and dv (fp32)": grads32,
                               "d(qkv) (bf16)": BF16 * n * (hqg + 2 * hkg)})
-    step = max([ring_step, rope_step, join_step, dx_step], key=lambda d_: sum(d_.values()))
+    steps = [ring_step, rope_step, join_step, dx_step]
+    if model.qk_layernorm:  # the per-head norm's backward, into d(qkv) in place
+        steps.append(dict(common, **{"d(qkv) (bf16)": BF16 * n * (hqg + 2 * hkg),
+                                     "q-norm output and input gradient (bf16)":
+                                         2 * BF16 * n * hqg,
+                                     "q-norm statistics (fp32)": 2 * FP32 * n * Ag}))
+    step = max(steps, key=lambda d_: sum(d_.values()))
     ph["attention backward (last layer)"] = dict(base, **step)
 
     # forward of the last layer: fp32 output accumulator, weight buffers, one head group's

@@ -42,6 +42,9 @@ class Model:
     swiglu: bool = False
     tied: bool = True
     name: str = "custom"
+    kv_channels: Optional[int] = None  # head width (--kv-channels); None: hidden / heads
+    qk_layernorm: bool = False         # per-head q/k norms (--qk-layernorm, Qwen3)
+    add_qkv_bias: bool = False         # bias on q, k, v only (--add-qkv-bias, Qwen2.5)
 
     @property
     def groups(self) -> int:
@@ -49,7 +52,7 @@ class Model:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.kv_channels or self.hidden // self.heads
 
     def with_seq(self, seq: int) -> "Model":
         return replace(self, seq=int(seq))
@@ -212,7 +215,10 @@ def validate(model: Model, job: Job, modes: Sequence[str] = MODES) -> None:
             raise ValueError("--host-memory-gib bounds the pinned host buffers of "
                              "--offload-activations; add --offload-activations or drop "
                              "--host-memory-gib")
-    if model.hidden % model.heads:
+    if model.kv_channels is not None and (not isinstance(model.kv_channels, int) or
+                                          model.kv_channels < 1):
+        raise ValueError(f"--kv-channels must be a positive integer, got {model.kv_channels!r}")
+    if model.kv_channels is None and model.hidden % model.heads:
         raise ValueError(f"--hidden {model.hidden} is not divisible by --heads {model.heads}")
     if model.heads % model.groups:
         raise ValueError(f"--heads {model.heads} is not divisible by --query-groups "

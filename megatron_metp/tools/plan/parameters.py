@@ -10,13 +10,17 @@ from .model import BF16, FP32, Job, Model, canonical, layout, padded_vocab
 
 
 def _layer_weights(model: Model) -> Tuple[int, int, int]:
-    """``(attention matrices, MLP matrices, norms)`` elements of one layer (no biases)."""
+    """``(attention matrices, MLP matrices, norms)`` elements of one layer (no linear biases but
+    ``--add-qkv-bias``'s, sharded with ``linear_qkv``; ``--qk-layernorm``'s two ``[d]`` norms are
+    replicated like the layer norms)."""
     h, d = model.hidden, model.head_dim
     hq, hk = model.heads * d, model.groups * d
     k = 2 if model.swiglu else 1
-    attn = h * (hq + 2 * hk) + hq * h
+    attn = h * (hq + 2 * hk) + hq * h + ((hq + 2 * hk) if model.add_qkv_bias else 0)
     mlp = k * model.ffn * h + model.ffn * h
     norms = 2 * 2 * h  # two LayerNorms, weight and bias
+    if model.qk_layernorm:
+        norms += 2 * 2 * d  # q and k LayerNorms of the head width
     return attn, mlp, norms
 
 

@@ -73,6 +73,10 @@ def report(model: Model, job: Job, modes: Sequence[str] = MODES) -> str:
     hw = HARDWARE[job.hardware]
     lines = []
     g = f", {model.groups} query groups" if model.groups != model.heads else ""
+    if model.kv_channels is not None and model.kv_channels * model.heads != model.hidden:
+        g += f" of width {model.kv_channels}"
+    g += "".join(f", {flag}" for flag, on in (("qk-layernorm", model.qk_layernorm),
+                                               ("qkv bias", model.add_qkv_bias)) if on)
     lines.append(f"# plan: {model.name} h={model.hidden} L={model.layers} a={model.heads}{g} "
                  f"ffn={model.ffn}{' (SwiGLU)' if model.swiglu else ''} vocab={model.vocab} "
                  f"s={model.seq:,} b={job.micro_batch}, bf16, {job.kernel} attention, "

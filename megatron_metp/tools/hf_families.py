@@ -1,0 +1,125 @@
+"""The Hugging Face model families the converter takes, and the fields that differ between them.
+
+=========  ======================  ==========================================================
+family     architecture            what differs from ``llama`` (and the Megatron flag)
+=========  ======================  ==========================================================
+llama      ``LlamaForCausalLM``    —
+mistral    ``MistralForCausalLM``  ``sliding_window``: null, or at least the sequence (see below)
+qwen2      ``Qwen2ForCausalLM``    bias on q, k and v (``--add-qkv-bias``), none elsewhere
+qwen3      ``Qwen3ForCausalLM``    per-head RMSNorm of q and k before RoPE (``--qk-layernorm``)
+=========  ======================  ==========================================================
+
+All four: ``head_dim`` may differ from ``hidden_size / num_attention_heads`` (``--kv-channels``;
+Qwen3 sets it, e.g. 64 heads of 128 at hidden 5120 for Qwen3-32B).
+
+Sliding windows: Megatron's METP layers attend causally over the whole sequence. A window ``W``
+changes nothing while every sequence is at most ``W`` tokens, so a model with one converts when
+``W >= max_position_embeddings``, or when the run's sequence length is given
+(``--seq-length S`` with ``S <= W``): the converted run's ``--max-position-embeddings`` is then
+``min(max_position_embeddings, W)``, and Megatron-LM refuses any ``--seq-length`` above it.
+
+:func:`family_fields` checks every family-specific field before anything is read and raises
+:class:`~.hf_config.HFConfigError` naming the field, its value and the reason.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+#: model_type → the causal-LM architecture that converts
+FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+            "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+#: fields of other variants that no METP layer implements, refused whenever set (MoE, soft-capping,
+#: other attention forms): field → why
+UNSUPPORTED_FIELDS = {
+    "num_experts": "mixture-of-experts layers (METP runs dense MLPs only)",
+    "num_local_experts": "mixture-of-experts layers (METP runs dense MLPs only)",
+    "n_routed_experts": "mixture-of-experts layers (METP runs dense MLPs only)",
+    "moe_intermediate_size": "mixture-of-experts layers (METP runs dense MLPs only)",
+    "attn_logit_softcapping": "attention logit soft-capping (Gemma 2): the K/V ring's softmax "
+                              "is not capped",
+    "final_logit_softcapping": "final logit soft-capping (Gemma 2): Megatron's output layer "
+                               "has none",
+    "query_pre_attn_scalar": "a softmax scale other than 1/sqrt(head_dim) (Gemma 2)",
+    "kv_lora_rank": "multi-latent attention (DeepSeek): refused with METP",
+    "q_lora_rank": "multi-latent attention (DeepSeek): refused with METP",
+}
+
+
+def _err(msg: str):
+    from .hf_config import HFConfigError
+
+    return HFConfigError(msg)
+
+
+def check_family(cfg: dict) -> str:
+    """The family of ``cfg`` (its ``model_type``), refusing other types and architectures."""
+    model_type = cfg.get("model_type")
+    if model_type not in FAMILIES:
+        raise _err(f"config.json: model_type {model_type!r} is not supported: the converter takes "
+                   f"{', '.join(repr(f) for f in FAMILIES)} ({', '.join(FAMILIES.values())}); "
+                   f"see docs/huggingface.md for the fields of each")
+    archs = cfg.get("architectures")
+    want = FAMILIES[model_type]
+    if archs and want not in archs:
+        raise _err(f"config.json: architectures {archs!r} has no {want!r}; only the causal-LM "
+                   f"head converts")
+    for name, why in UNSUPPORTED_FIELDS.items():
+        if cfg.get(name) not in (None, 0, False, 0.0):
+            raise _err(f"config.json: {name} = {cfg[name]!r} is not supported: {why}")
+    return model_type
+
+
+def _window(cfg: dict, family: str) -> Optional[int]:
+    """The sliding window that applies to some layer, or ``None``."""
+    if family == "mistral":
+        w = cfg.get("sliding_window")
+    elif family in ("qwen2", "qwen3"):
+        types = cfg.get("layer_types") or []
+        sliding = any(t == "sliding_attention" for t in types)
+        w = cfg.get("sliding_window") if (cfg.get("use_sliding_window") or sliding) else None
+        if cfg.get("use_sliding_window") and not sliding and types:
+            w = None  # every layer is full attention (max_window_layers >= num_hidden_layers)
+    else:
+        w = cfg.get("sliding_window")
+    if w is None:
+        return None
+    if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+        raise _err(f"config.json: sliding_window = {w!r} must be null or an integer >= 1")
+    return w
+
+
+def family_fields(cfg: dict, family: str, *, hidden: int, heads: int, max_pos: int,
+                  seq_length: Optional[int] = None) -> dict:
+    """``{head_dim, qk_layernorm, qkv_bias, sliding_window, max_position_embeddings}`` of a
+    family's ``config.json``, every field that cannot convert refused (naming it)."""
+    head_dim = cfg.get("head_dim")
+    if head_dim is None:
+        if hidden % heads:
+            raise _err(f"config.json: hidden_size {hidden} is not divisible by "
+                       f"num_attention_heads {heads} and no head_dim is given")
+        head_dim = hidden // heads
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2:
+        raise _err(f"config.json: head_dim = {head_dim!r} must be an even integer >= 2 (RoPE "
+                   f"rotates pairs of channels)")
+    qkv_bias = False
+    if family == "qwen2":
+        qkv_bias = True  # Qwen2Attention: bias on q_proj, k_proj, v_proj, none on o_proj
+    for name in ("attention_bias", "mlp_bias"):
+        if cfg.get(name, False):
+            raise _err(f"config.json: {name} = true is not supported: Megatron has no bias on "
+                       f"the attention output without biases on every linear layer "
+                       f"(--add-bias-linear); only Qwen2's q/k/v bias (--add-qkv-bias) converts")
+    window = _window(cfg, family)
+    if window is not None and window < max_pos:
+        if seq_length is None or seq_length > window:
+            got = "" if seq_length is None else f" (--seq-length {seq_length} is longer)"
+            raise _err(f"config.json: sliding_window = {window} is shorter than "
+                       f"max_position_embeddings {max_pos}{got}: METP attends over the whole "
+                       f"sequence; convert for sequences of at most {window} tokens with "
+                       f"--seq-length S (S <= {window}: the window never binds), or use a model "
+                       f"without a window (sliding_window null)")
+        max_pos = min(max_pos, window)
+    return {"head_dim": head_dim, "qk_layernorm": family == "qwen3", "qkv_bias": qkv_bias,
+            "sliding_window": window, "max_position_embeddings": max_pos}
