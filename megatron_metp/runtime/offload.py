@@ -33,6 +33,17 @@ import torch
 #: tensors smaller than this stay on the device (norm statistics, RNG states, ids)
 DEFAULT_MIN_BYTES = 1 << 20
 
+#: the offloader whose :meth:`ActivationOffloader.saving` context is active (one at a time)
+_CURRENT: Optional["ActivationOffloader"] = None
+
+
+def current_offloader() -> Optional["ActivationOffloader"]:
+    """The :class:`ActivationOffloader` whose forward (``saving()`` context) is running now, or
+    ``None``. Ops that keep host copies themselves (the streaming METP layer) ask it whether the
+    layer running now is offloaded (:meth:`ActivationOffloader.offloads_current_group`) and
+    count their host bytes in its statistics (:meth:`ActivationOffloader.count_host`)."""
+    return _CURRENT
+
 
 def _is_fake(t: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import is_fake
@@ -125,22 +136,50 @@ class ActivationOffloader:
     @contextlib.contextmanager
     def saving(self):
         """Inside: saved tensors go to the host (a new forward: a new first group)."""
+        global _CURRENT
         if self._active:  # nested (e.g. a checkpointed chunk inside the block): one context
             yield
             return
         self._active = True
         self._seen = {}
         self.next_group()
+        outer, _CURRENT = _CURRENT, self
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield
         finally:
+            _CURRENT = outer
             self._active = False
             self._seen = {}
 
     def next_group(self) -> None:
         if self._active:
             self._group += 1
+
+    @property
+    def current_group(self) -> int:
+        """The layer group the forward is in now (one per layer, counted from 0 per forward)."""
+        return self._group
+
+    def offloads_group(self, group: int) -> bool:
+        """Whether the saved tensors of layer group ``group`` go to the host."""
+        return True
+
+    def offloads_current_group(self) -> bool:
+        """:meth:`offloads_group` of the group the forward is in now (``False`` outside a
+        forward)."""
+        return self._active and self.offloads_group(self._group)
+
+    def count_host(self, nbytes: int) -> None:
+        """Account ``nbytes`` of host memory taken by an op's own host copies (``host_bytes``,
+        ``host_peak``; give them back with :meth:`release_host`)."""
+        st = self.stats
+        st.host_bytes += int(nbytes)
+        st.host_peak = max(st.host_peak, st.host_bytes)
+
+    def release_host(self, nbytes: int) -> None:
+        """The op's host copies of ``nbytes`` are gone."""
+        self.stats.host_bytes -= int(nbytes)
 
     # ------------------------------------------------------------------ hooks
 
@@ -150,6 +189,8 @@ class ActivationOffloader:
         return self._stream
 
     def _pack(self, t: torch.Tensor):
+        if not self.offloads_group(self._group):
+            return t
         if (t.numel() * t.element_size() < self.min_bytes or isinstance(t, torch.nn.Parameter)
                 or (t.is_leaf and t.requires_grad)):
             return t
