@@ -68,7 +68,7 @@ def test_key_ranges_and_window_pieces_cover_the_block():
     whole = _visible((0, n, 0, n, True))
     got = set()
     for r0, r1 in ((0, 5), (5, 9), (9, 12)):
-        for pc in window_pieces(pieces, slice(r0, r1), n, key_tile=5):
+        for pc in window_pieces(pieces, slice(r0, r1), slice(0, n), key_tile=5):
             assert pc.keys.stop - pc.keys.start <= 5
             got |= {(i + r0, k) for (i, k) in
                     _visible((pc.rows.start, pc.rows.stop, pc.keys.start, pc.keys.stop,
@@ -81,7 +81,7 @@ def test_key_ranges_and_window_pieces_cover_the_block():
             piece_mask(masked)[i, k]}
     got = set()
     for r0, r1 in ((0, 3), (3, 8)):
-        for pc in window_pieces((masked,), slice(r0, r1), 6, key_tile=4):
+        for pc in window_pieces((masked,), slice(r0, r1), slice(0, 6), key_tile=4):
             if pc.masked:
                 m = piece_mask(pc)
                 got |= {(pc.rows.start + i + r0, pc.keys.start + k)
@@ -98,9 +98,10 @@ def test_key_ranges_and_window_pieces_cover_the_block():
 S, B, HQ, HK, D = 48, 1, 4, 2, 8
 
 
-def _windowed_vs_whole(rank, world, layout, causal, kernel, cu, tiles, key_tile, perturb):
-    torch.manual_seed(0)
+def _windowed_vs_whole(rank, world, layout, causal, kernel, cu, tiles, key_tile, perturb,
+                       kv_blocks=1):
     import torch.distributed as dist
+    torch.manual_seed(0)
     g = METPGroup.from_process_group(dist.group.WORLD if world > 1 else None, name="win")
     q, k, v, do = (torch.randn(S, B, h, D, dtype=torch.float64) for h in (HQ, HK, HK, HQ))
     if layout == "balanced":
@@ -119,6 +120,7 @@ def _windowed_vs_whole(rank, world, layout, causal, kernel, cu, tiles, key_tile,
                                          layout, scale, kern, cu_seqlens=cu)
     n = qh.shape[2]
     size = -(-n // tiles)
+    ksize = -(-n // kv_blocks)
     outs, lses, dqs = [], [], []
     dk_sum, dv_sum = torch.zeros_like(dk), torch.zeros_like(dv)
     for r0 in range(0, n, size):
@@ -127,37 +129,49 @@ def _windowed_vs_whole(rank, world, layout, causal, kernel, cu, tiles, key_tile,
             rows_q = slice(rows.start - 1, rows.stop - 1)
         else:
             rows_q = rows
-        o_t, l_t = ring_attention_forward(qh[:, :, rows_q], kh, vh, g, causal, layout, scale,
-                                          kern, cu_seqlens=cu, q_rows=rows, key_tile=key_tile)
-        dq_t, dk_t, dv_t = ring_attention_backward(
-            doh[:, :, rows], qh[:, :, rows], kh, vh, out[:, :, rows].to(q.dtype),
-            lse[:, :, rows], g, causal, layout, scale, kern, cu_seqlens=cu, q_rows=rows,
-            key_tile=key_tile)
-        outs.append(o_t)
-        lses.append(l_t)
+        parts, dq_t = [], 0
+        for k0 in range(0, n, ksize):
+            ks = slice(k0, min(n, k0 + ksize))
+            win = dict(cu_seqlens=cu, q_rows=rows, key_tile=key_tile,
+                       k_rows=ks if kv_blocks > 1 else None, block_rows=n)
+            o_t, l_t = ring_attention_forward(qh[:, :, rows_q], kh[:, :, ks].contiguous(),
+                                              vh[:, :, ks].contiguous(), g, causal, layout,
+                                              scale, kern, **win)
+            parts.append((o_t, l_t))
+            dq_s, dk_t, dv_t = ring_attention_backward(
+                doh[:, :, rows], qh[:, :, rows], kh[:, :, ks].contiguous(),
+                vh[:, :, ks].contiguous(), out[:, :, rows].to(q.dtype), lse[:, :, rows], g,
+                causal, layout, scale, kern, **win)
+            dq_t = dq_t + dq_s
+            dk_sum[:, :, ks] += dk_t
+            dv_sum[:, :, ks] += dv_t
+        l_all = torch.logsumexp(torch.stack([lt for _, lt in parts]), 0)
+        o_all = sum(torch.exp(lt - l_all).nan_to_num().unsqueeze(-1) * ot for ot, lt in parts)
+        outs.append(o_all)
+        lses.append(l_all)
         dqs.append(dq_t)
-        dk_sum += dk_t
-        dv_sum += dv_t
     cat = lambda xs: torch.cat(xs, 2)  # noqa: E731
     return (rel_err(cat(outs), out), rel_err(cat(lses), lse), rel_err(cat(dqs), dq),
             rel_err(dk_sum, dk), rel_err(dv_sum, dv))
 
 
-CASES = [  # (p, layout, causal, kernel, cu_seqlens, query tiles, key tile)
-    (1, "dual_chunk", True, "torch_flash", None, 3, 7),
-    (2, "dual_chunk", True, "torch_flash", None, 3, 5),
-    (3, "dual_chunk", True, "reference", None, 2, 3),
-    (3, "contiguous", True, "torch_flash", None, 4, None),
-    (2, "dual_chunk", False, "reference", None, 3, 4),
-    (2, "dual_chunk", True, "reference", (0, 10, 11, 30, 48), 3, 5),
-    (3, "balanced", True, "torch_flash", (0, 5, 40, 48), 2, 3),
+CASES = [  # (p, layout, causal, kernel, cu_seqlens, query tiles, key tile, K/V sub-blocks)
+    (1, "dual_chunk", True, "torch_flash", None, 3, 7, 1),
+    (2, "dual_chunk", True, "torch_flash", None, 3, 5, 1),
+    (2, "dual_chunk", True, "torch_flash", None, 3, None, 3),
+    (3, "dual_chunk", True, "reference", None, 2, 3, 2),
+    (3, "contiguous", True, "torch_flash", None, 4, None, 1),
+    (2, "dual_chunk", False, "reference", None, 3, 4, 2),
+    (2, "dual_chunk", True, "reference", (0, 10, 11, 30, 48), 3, 5, 2),
+    (3, "balanced", True, "torch_flash", (0, 5, 40, 48), 2, 3, 1),
 ]
 
 
-@pytest.mark.parametrize("p,layout,causal,kernel,cu,tiles,key_tile", CASES)
-def test_windowed_ring_equals_the_whole_ring(p, layout, causal, kernel, cu, tiles, key_tile):
+@pytest.mark.parametrize("p,layout,causal,kernel,cu,tiles,key_tile,kv_blocks", CASES)
+def test_windowed_ring_equals_the_whole_ring(p, layout, causal, kernel, cu, tiles, key_tile,
+                                             kv_blocks):
     for errs in run_ranks(_windowed_vs_whole, p, layout, causal, kernel, cu, tiles, key_tile,
-                          False):
+                          False, kv_blocks):
         assert max(errs) <= 1e-6, errs
 
 
@@ -165,3 +179,10 @@ def test_windowed_ring_negative_control_shifted_rows():
     errs = run_ranks(_windowed_vs_whole, 2, "dual_chunk", True, "torch_flash", None, 3, 5,
                      True)
     assert all(max(e) > 1e-2 for e in errs), errs
+
+
+def test_key_sub_block_needs_the_block_rows():
+    q = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="block_rows"):
+        ring_attention_forward(q, q[:, :1], q[:, :1], METPGroup.single(), True, "dual_chunk",
+                               1.0, select_kernel(q.device, q.dtype), k_rows=slice(0, 4))

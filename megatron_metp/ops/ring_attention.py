@@ -127,12 +127,24 @@ def _pieces(r, j, n, p, causal, layout, cu, kernel, q):
     return () if plan is None else (documents.Piece(plan[0], plan[1], plan[2], False),)
 
 
-def _window(pieces, q_rows: Optional[slice], n: int, key_tile: Optional[int]):
-    """``pieces`` restricted to the query tile ``q_rows`` and cut into key tiles
-    (:func:`windows.window_pieces`); unchanged without either."""
-    if q_rows is None and key_tile is None:
+def _window(pieces, q_rows: Optional[slice], k_rows: Optional[slice], n: int,
+            key_tile: Optional[int]):
+    """``pieces`` restricted to the query tile ``q_rows`` and the key sub-block ``k_rows`` of
+    the ``n`` local rows, cut into key tiles (:func:`windows.window_pieces`); unchanged
+    without any of them."""
+    if q_rows is None and k_rows is None and key_tile is None:
         return pieces
-    return window_pieces(pieces, q_rows if q_rows is not None else slice(0, n), n, key_tile)
+    return window_pieces(pieces, q_rows if q_rows is not None else slice(0, n),
+                         k_rows if k_rows is not None else slice(0, n), key_tile)
+
+
+def _block_rows(q, k, q_rows, k_rows, block_rows) -> int:
+    """The ``n`` local rows of a block (the plan's), from the tensors or ``block_rows``."""
+    if k_rows is None:
+        return k.shape[2]
+    if block_rows is None:
+        raise ValueError("k_rows (a key sub-block) needs block_rows, the local token count")
+    return int(block_rows)
 
 
 def _kv_ring(group: METPGroup) -> METPGroup:
@@ -145,7 +157,8 @@ def _kv_ring(group: METPGroup) -> METPGroup:
 def ring_attention_forward(q, k, v, group: METPGroup, causal: bool, layout: str, scale: float,
                            kernel, kv_packed=None, defer_merge: bool = False, out=None,
                            cu_seqlens=None, q_rows: Optional[slice] = None,
-                           key_tile: Optional[int] = None):
+                           key_tile: Optional[int] = None, k_rows: Optional[slice] = None,
+                           block_rows: Optional[int] = None):
     """Heads-first ``q [b,hq,n,d]``, ``k, v [b,hkv,n,d]`` → ``(out [b,hq,n,d] fp32, lse fp32)``.
 
     Step 0 is this rank's own (diagonal) block, which covers every query row: it initialises
@@ -160,11 +173,15 @@ def ring_attention_forward(q, k, v, group: METPGroup, causal: bool, layout: str,
     last fold writes it directly; returned instead of the fp32 accumulator.
     ``cu_seqlens``: checked document boundaries (tuple): :func:`_packed_forward`.
     ``q_rows``: ``q`` holds only these of the ``n`` local query rows (a query tile of the
-    streaming layer, :mod:`.windows`); ``key_tile``: at most this many keys per kernel call.
-    Either runs the pieces path of :func:`_packed_forward`."""
-    if cu_seqlens is not None or q_rows is not None or key_tile is not None:
+    streaming layer, :mod:`.windows`); ``k_rows``: ``k``/``v`` (every rank's, on the ring) hold
+    only these key rows of each block (``block_rows`` = ``n`` must then be given);
+    ``key_tile``: at most this many keys per kernel call. Any of them runs the pieces path of
+    :func:`_packed_forward`."""
+    if cu_seqlens is not None or q_rows is not None or key_tile is not None or \
+            k_rows is not None:
         return _packed_forward(q, k, v, group, layout, scale, kernel, cu_seqlens, kv_packed, out,
-                               causal=causal, q_rows=q_rows, key_tile=key_tile)
+                               causal=causal, q_rows=q_rows, key_tile=key_tile, k_rows=k_rows,
+                               block_rows=block_rows)
     p, r, n = group.size, group.rank, q.shape[2]
     dest, out, lse = out, None, None
     kept = []
@@ -198,7 +215,8 @@ def ring_attention_forward(q, k, v, group: METPGroup, causal: bool, layout: str,
 
 def _packed_forward(q, k, v, group: METPGroup, layout: str, scale: float, kernel, cu, kv_packed,
                     dest, causal: bool = True, q_rows: Optional[slice] = None,
-                    key_tile: Optional[int] = None):
+                    key_tile: Optional[int] = None, k_rows: Optional[slice] = None,
+                    block_rows: Optional[int] = None):
     """:func:`ring_attention_forward` of a packed sequence (document boundaries ``cu``) or of a
     window (``q_rows``, ``key_tile``: :func:`windows.window_pieces`).
 
@@ -207,7 +225,8 @@ def _packed_forward(q, k, v, group: METPGroup, layout: str, scale: float, kernel
     nothing); blocks without a visible pair launch no kernel. The ring runs only
     :func:`documents.forward_steps` steps: the K/V blocks no rank needs at later steps are not
     sent (the same count on every rank, computed from ``cu``)."""
-    p, r, n = group.size, group.rank, k.shape[2]
+    p, r = group.size, group.rank
+    n = _block_rows(q, k, q_rows, k_rows, block_rows)
     layout_kv = FlatLayout.of([k, v])
     steps = (documents.forward_steps(cu, n, p, layout) if cu is not None else p) if p > 1 else 1
     ring = RingExchanger(_kv_ring(group), "attention K/V (fwd)")
@@ -220,8 +239,8 @@ def _packed_forward(q, k, v, group: METPGroup, layout: str, scale: float, kernel
     for t, flat in blocks:
         j = (r - t) % p
         kj, vj = (k, v) if flat is None else layout_kv.unpack(flat)
-        for pc in _window(_pieces(r, j, n, p, causal, layout, cu, kernel, q), q_rows, n,
-                          key_tile):
+        for pc in _window(_pieces(r, j, n, p, causal, layout, cu, kernel, q), q_rows, k_rows,
+                          n, key_tile):
             mask = documents.piece_mask(pc, q.device) if pc.masked else None
             o_b, l_b = kernel.forward(q[:, :, pc.rows], kj[:, :, pc.keys], vj[:, :, pc.keys],
                                       pc.causal, scale, mask=mask)
@@ -254,7 +273,8 @@ def post_first_kv_packed(kv_packed, group: METPGroup, *, aliases_kv: bool = True
 
 def ring_attention_backward(dout, q, k, v, out, lse, group: METPGroup, causal: bool, layout: str,
                             scale: float, kernel, first=None, dv_out=None, cu_seqlens=None,
-                            q_rows: Optional[slice] = None, key_tile: Optional[int] = None):
+                            q_rows: Optional[slice] = None, key_tile: Optional[int] = None,
+                            k_rows: Optional[slice] = None, block_rows: Optional[int] = None):
     """Grads of :func:`ring_attention_forward`: ``(dq fp32, dk fp32, dv fp32)``, heads-first.
 
     ``dk, dv`` are complete (every rank's queries) for this rank's own K/V block. Rank ``r``
@@ -275,10 +295,12 @@ def ring_attention_backward(dout, q, k, v, out, lse, group: METPGroup, causal: b
     theirs; ``dk``/``dv`` are this tile's contribution to the whole own block, summed over every
     rank's same tile), and each kernel call spans at most ``key_tile`` keys; every piece's
     ``dK/dV`` is added into the travelling sum as soon as it is computed (no block-sized
-    temporary). ``dv_out`` is not taken then.
+    temporary); ``k_rows``/``block_rows`` as in :func:`ring_attention_forward` (``dk``/``dv``
+    are then the sub-block's). ``dv_out`` is not taken then.
     """
-    p, r, nq, n = group.size, group.rank, q.shape[2], k.shape[2]
-    windowed = q_rows is not None or key_tile is not None
+    p, r, nq, nk = group.size, group.rank, q.shape[2], k.shape[2]
+    n = _block_rows(q, k, q_rows, k_rows, block_rows)
+    windowed = q_rows is not None or key_tile is not None or k_rows is not None
     if windowed and dv_out is not None:
         raise ValueError("ring_attention_backward: dv_out is not taken with q_rows/key_tile")
     dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
@@ -292,8 +314,8 @@ def ring_attention_backward(dout, q, k, v, out, lse, group: METPGroup, causal: b
     workspace = {}
 
     def pieces_of(j):
-        return _window(_pieces(r, j, n, p, causal, layout, cu_seqlens, kernel, q), q_rows, n,
-                       key_tile)
+        return _window(_pieces(r, j, n, p, causal, layout, cu_seqlens, kernel, q), q_rows,
+                       k_rows, n, key_tile)
 
     def block_grads(kj, vj, j):
         """dq += this block's; returns ``(ks, dk_b, dv_b)`` or ``None`` (fully masked)."""
@@ -327,8 +349,8 @@ def ring_attention_backward(dout, q, k, v, out, lse, group: METPGroup, causal: b
         ks, dk_b, dv_b = got
         dk_acc, dv_acc = kv_layout.unpack(acc)
         if start:
-            _write_rows(dk_acc, ks, dk_b, n)
-            _write_rows(dv_acc, ks, dv_b, n)
+            _write_rows(dk_acc, ks, dk_b, nk)
+            _write_rows(dv_acc, ks, dv_b, nk)
         else:
             dk_acc[:, :, ks].add_(dk_b)
             dv_acc[:, :, ks].add_(dv_b)

@@ -19,7 +19,9 @@ most three, each a kernel's own mask kind (``i0 = r0' − a``, ``i1 = r1' − a`
     keys [u, min(i1, k1')), u = max(k0', i0 + 1), rows [u, min(i1, k1'))   causal (square)
     keys [u, k1'), rows [k1', i1)         below the diagonal          full
 
-so a window costs exactly its visible pairs, like the whole block.
+so a window costs exactly its visible pairs, like the whole block. The ring itself may also
+carry only a window of every rank's keys (``k_rows``: a sub-block of each K/V block, so that the
+travelling K/V and ``dK/dV`` buffers are that size too).
 
 :func:`window_pieces` applies this to a block's pieces: the result's ``rows`` are relative to the
 window (``q[:, :, piece.rows]`` indexes the tile's own tensor), ``keys`` stay block-local. A
@@ -71,9 +73,9 @@ def key_ranges(lo: int, hi: int, key_tile: Optional[int]) -> List[Tuple[int, int
     return [(k, min(k + key_tile, hi)) for k in range(lo, hi, key_tile)]
 
 
-def _shift(rect: Rect, dr: int) -> Rect:
+def _shift(rect: Rect, dr: int, dk: int = 0) -> Rect:
     a, b, c, d, causal = rect
-    return (a - dr, b - dr, c, d, causal)
+    return (a - dr, b - dr, c - dk, d - dk, causal)
 
 
 def _piece(rect: Rect) -> Piece:
@@ -81,21 +83,23 @@ def _piece(rect: Rect) -> Piece:
     return Piece(slice(a, b), slice(c, d), causal, False)
 
 
-def window_pieces(pieces: Sequence[Piece], rows: slice, n_keys: int,
+def window_pieces(pieces: Sequence[Piece], rows: slice, keys: slice,
                   key_tile: Optional[int] = None) -> Tuple[Piece, ...]:
     """The kernel calls of ``pieces`` (one block's plan, block-local rows and keys) restricted to
-    the query rows ``rows`` and cut into key tiles of at most ``key_tile`` keys; rows relative
-    to ``rows.start``. ``n_keys``: the K/V block's rows (the key tiles' grid starts at 0, the
-    same on every rank and step)."""
+    the query rows ``rows`` and the key rows ``keys``, cut into key tiles of at most
+    ``key_tile`` keys (a grid starting at ``keys.start``, the same on every rank and step);
+    rows relative to ``rows.start``, keys to ``keys.start`` (they index the window's own
+    ``q`` and K/V tensors)."""
     r0, r1 = rows.start or 0, rows.stop
-    tiles = key_ranges(0, n_keys, key_tile)
+    tiles = key_ranges(keys.start or 0, keys.stop, key_tile)
+    kshift = keys.start or 0
     out: List[Piece] = []
     for pc in pieces:
         for k0, k1 in tiles:
             if pc.keys.stop <= k0 or pc.keys.start >= k1:
                 continue
             if pc.masked:
-                parts = [_shift(x, r0) for rect in pc.parts
+                parts = [_shift(x, r0, kshift) for rect in pc.parts
                          for x in clip_rect(rect, r0, r1, k0, k1)]
                 if not parts:
                     continue
@@ -107,5 +111,5 @@ def window_pieces(pieces: Sequence[Piece], rows: slice, n_keys: int,
                 out.append(Piece(slice(a, b), slice(c, d), False, True, tuple(parts)))
                 continue
             rect = (pc.rows.start, pc.rows.stop, pc.keys.start, pc.keys.stop, pc.causal)
-            out.extend(_piece(_shift(x, r0)) for x in clip_rect(rect, r0, r1, k0, k1))
+            out.extend(_piece(_shift(x, r0, kshift)) for x in clip_rect(rect, r0, r1, k0, k1))
     return tuple(out)
