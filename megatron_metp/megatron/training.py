@@ -221,9 +221,9 @@ def build_model(size: GPTSize, layout: Layout, groups: METPGroups):
                 share_embeddings_and_output_weights=size.tie_embeddings,
                 position_embedding_type=size.position_embedding_type, **extra)
     if layout.mode == "metp":
-        from .recompute_output import free_recomputed_outputs
+        from .streaming import prepare_recompute
 
-        free_recomputed_outputs(model.decoder)
+        prepare_recompute(model.decoder)
     if layout.offload_activations:
         from ..runtime.offload import ActivationOffloader
 

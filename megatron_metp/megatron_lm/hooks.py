@@ -491,9 +491,9 @@ def wrap_gpt_builder(gpt_builder: Callable) -> Callable:
         else:
             model = build_metp_gpt_model(args, pre_process, post_process, vp_stage,
                                          config=config, pg_collection=pg_collection)
-            from ..megatron.recompute_output import free_recomputed_outputs
+            from ..megatron.streaming import prepare_recompute
 
-            free_recomputed_outputs(model.decoder)
+            prepare_recompute(model.decoder)
         if getattr(args, "metp_offload_activations", False):
             from ..runtime.offload import ActivationOffloader
 

@@ -323,11 +323,14 @@ def metp_layer(x: torch.Tensor, *, group, num_heads: int, num_query_groups: int,
                            kernel=kern.name, qk_norm=qk_norm, host=bool(host),
                            needs_grad=needs_grad(x, qkv_weight, proj_weight, fc1_weight,
                                                  fc2_weight), **tiles.fields())
+    # writing y over x: never over a view (autograd's view + in-place rules) nor a leaf that
+    # requires grad (a pipeline stage's received input)
+    in_place = bool(in_place) and x._base is None and not (x.is_leaf and x.requires_grad)
     n1, n2 = RowNorm(norm1), RowNorm(norm2)
     spec = _Spec(group=group, seq=seq, geo=geo, b=b, n=n, label=label, freqs=freqs,
                  head_norm=head_norm, norm1=n1, norm2=n2, activation=activation,
                  grad_dtype=grad_reduce_dtype, host=bool(host), offloader=offloader,
-                 in_place=bool(in_place), q_tiles=tiles.q_tiles(n),
+                 in_place=in_place, q_tiles=tiles.q_tiles(n),
                  row_tiles=tiles.row_tiles(n), kv_rows=tiles.kv,
                  attn=SimpleNamespace(causal=bool(causal), layout=layout, scale=float(scale),
                                       kernel=kern, cu=cu,

@@ -168,8 +168,10 @@ class LayerTiles:
         K/V ring     b·(4·G·d·e + 16·G·d)            own copy + held; two fp32 dK/dV sums
         kernel keys  b·4·H·d·e                       K/V expanded to H heads and their grads
 
-    A forced ``token_tile`` sets ``rows`` and ``q`` (and leaves ``kv``/``keys`` whole), so the
-    tests can cut tiny sequences."""
+    ``METP_MLP_TOKEN_TILE`` (``--metp-mlp-token-tile``, rows = tokens × micro-batch) sets the
+    row passes' tile, as it sets the separate MLP op's. A forced ``token_tile`` (or
+    ``METP_LAYER_TOKEN_TILE``) sets ``rows`` and ``q`` (and leaves ``kv``/``keys`` whole), so the
+    tests can cut tiny sequences; a dict sets each of the four."""
 
     def __init__(self, n: int, b: int, h: int, heads_dim: int, kv_dim: int, elem: int,
                  mlp_bytes: int, token_tile=None):
@@ -190,7 +192,11 @@ class LayerTiles:
             return
         budget = tile_budget_bytes()
         per = lambda nbytes: max(1, int(nbytes))  # noqa: E731
-        self.rows = min(n, max(1, budget // per(b * (6 * h * elem + mlp_bytes))))
+        mlp_rows = _env_int(MLP_TOKEN_TILE_ENV)  # --metp-mlp-token-tile: rows of tokens × batch
+        if mlp_rows is not None:
+            self.rows = n if mlp_rows == 0 else min(n, max(1, -(-mlp_rows // b)))
+        else:
+            self.rows = min(n, max(1, budget // per(b * (6 * h * elem + mlp_bytes))))
         self.q = min(n, max(1, (budget // 2) // per(b * (2 * h * elem + 5 * heads_dim * elem
                                                         + 8 * heads_dim))))
         self.kv = min(n, max(1, (budget // 4) // per(b * (4 * kv_dim * elem + 16 * kv_dim))))

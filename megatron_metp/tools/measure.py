@@ -152,9 +152,9 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
         offloader = ActivationOffloader(prefetch=job.offload_prefetch).attach(gpt.decoder) \
             if job.offload else None
         if lay.mode in ("metp", "metp+vocab"):
-            from ..megatron.recompute_output import free_recomputed_outputs
+            from ..megatron.streaming import prepare_recompute
 
-            free_recomputed_outputs(gpt.decoder)
+            prepare_recompute(gpt.decoder)
         params = list(gpt.parameters())
         n_params = sum(p.numel() for p in params)
         main_grad = FR.main_grad_buffer(params)
