@@ -111,13 +111,13 @@ class _METPLayerFunction(torch.autograd.Function):
                      fc1_weight=w1, fc2_weight=w2)
         n, b, h = x.shape
         N = n * b
-        x2 = x.view(N, h)
+        x2 = x.detach().view(N, h)  # (modules called on its tiles must not see x's autograd)
         keep = any(ctx.needs_input_grad)
         xs = None
         if keep and spec.host:  # the input goes to the host now, read back tile by tile
             xs = Stash(N, h, x, host=True, offloader=spec.offloader)
             xs.write(slice(0, N), x2)
-        src = Rows(Stash.wrap(x2), spec.norm1, n, b, h, spec.freqs, x.dtype)
+        src = Rows(Stash.wrap(x2), spec.norm1, n, b, h, spec.freqs, x.dtype, spec.row_tokens)
         o_stash = _o_stashes(spec, x, N)
         lse = torch.empty(b, spec.geo.heads_local, n, dtype=torch.float32, device=x.device)
         _attention_outputs(spec, src, wqkv, bqkv, wo, o_stash, [lse] * spec.group.size)
@@ -161,7 +161,7 @@ class _METPLayerFunction(torch.autograd.Function):
                         and grad_y.data_ptr() != 0) else grad_y.to(dtype).contiguous().clone()
         dy2 = dy.view(N, h)
         acc, gdt = _acc(dtype), spec.grad_dtype or _acc(dtype)
-        src = Rows(xs, spec.norm1, n, b, h, spec.freqs, dtype)
+        src = Rows(xs, spec.norm1, n, b, h, spec.freqs, dtype, spec.row_tokens)
         spec.norm1.grads = [None] * len(spec.norm1.params)
         spec.norm2.grads = [None] * len(spec.norm2.params)
 
@@ -331,7 +331,7 @@ def metp_layer(x: torch.Tensor, *, group, num_heads: int, num_query_groups: int,
                  head_norm=head_norm, norm1=n1, norm2=n2, activation=activation,
                  grad_dtype=grad_reduce_dtype, host=bool(host), offloader=offloader,
                  in_place=in_place, q_tiles=tiles.q_tiles(n),
-                 row_tiles=tiles.row_tiles(n), kv_rows=tiles.kv,
+                 row_tiles=tiles.row_tiles(n), kv_rows=tiles.kv, row_tokens=tiles.rows,
                  attn=SimpleNamespace(causal=bool(causal), layout=layout, scale=float(scale),
                                       kernel=kern, cu=cu,
                                       key_tile=None if tiles.keys >= n else tiles.keys))

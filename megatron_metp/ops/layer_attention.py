@@ -40,11 +40,17 @@ from .tiles import tile_slices
 class Rows:
     """Where the streaming layer's attention reads its token rows: ``x`` tiles from a
     :class:`~megatron_metp.runtime.host_stash.Stash` (``[n·b, h]``), through ``norm1``, with this
-    rank's RoPE angles ``freqs`` ``[n, 1, 1, r]`` (or ``None``)."""
+    rank's RoPE angles ``freqs`` ``[n, 1, 1, r]`` (or ``None``). ``chunk``: the most tokens
+    whose ``x`` and ``norm1(x)`` are formed at once (the row tile: a query tile is projected
+    chunk by chunk)."""
 
-    def __init__(self, x_stash, norm1, n: int, b: int, h: int, freqs, dtype):
+    def __init__(self, x_stash, norm1, n: int, b: int, h: int, freqs, dtype, chunk: int):
         self.x, self.norm1, self.n, self.b, self.h = x_stash, norm1, n, b, h
-        self.freqs, self.dtype = freqs, dtype
+        self.freqs, self.dtype, self.chunk = freqs, dtype, max(1, int(chunk))
+
+    def chunks(self, t: slice):
+        """``t`` cut into consecutive token slices of at most :attr:`chunk` tokens."""
+        return [slice(a, min(a + self.chunk, t.stop)) for a in range(t.start, t.stop, self.chunk)]
 
     def x_tile(self, t: slice) -> torch.Tensor:
         """``x`` of tokens ``t``: ``[|t|, b, h]``."""
@@ -82,39 +88,45 @@ def _proj(rows, w, bias):
     return torch.addmm(bias, rows, w.t()) if bias is not None else torch.mm(rows, w.t())
 
 
-def q_tile(src: Rows, t: slice, WQq, BQq, geo: _Geometry, head_norm, n1=None, keep_pre=None):
-    """Heads-first ``q`` ``[b, H, |t|, d]`` of tokens ``t`` (q norm, RoPE); ``n1``: the tile's
-    ``norm1(x)`` if the caller has it; ``keep_pre``: a list receiving the pre-norm
-    ``[|t|, b, G_g, qpg, d]`` (the q norm's backward)."""
+def q_tile(src: Rows, t: slice, WQq, BQq, geo: _Geometry, head_norm, keep_pre=None):
+    """Heads-first ``q`` ``[b, H, |t|, d]`` of tokens ``t`` (q norm, RoPE), projected chunk by
+    chunk (:meth:`Rows.chunks`); ``keep_pre``: receives the pre-norm ``[|t|, b, G_g, qpg, d]``
+    (the q norm's backward)."""
     nt, b, d, Gl, qpg = t.stop - t.start, src.b, geo.d, geo.groups_local, geo.q_per_group
-    n1 = src.normed(t) if n1 is None else n1
-    pre = _proj(n1, WQq, BQq).view(nt, b, Gl, qpg, d)
-    q_src = pre
-    if head_norm is not None:
-        q_src = head_norm._norm(pre, head_norm.q_weight, head_norm.q_bias)
-        if keep_pre is not None:
-            keep_pre.append(pre)
-    q = torch.empty(b, Gl * qpg, nt, d, dtype=n1.dtype, device=n1.device)
-    dst = q.view(b, Gl, qpg, nt, d).permute(3, 0, 1, 2, 4)
-    freqs, tables = src.rope(t)
-    if freqs is not None:
-        apply_rope(q_src, freqs, out=dst, tables=tables)
-    else:
-        dst.copy_(q_src)
+    q = torch.empty(b, Gl * qpg, nt, d, dtype=WQq.dtype, device=WQq.device)
+    dst_all = q.view(b, Gl, qpg, nt, d).permute(3, 0, 1, 2, 4)
+    pre_all = None
+    if head_norm is not None and keep_pre is not None:
+        pre_all = torch.empty(nt, b, Gl, qpg, d, dtype=WQq.dtype, device=WQq.device)
+        keep_pre.append(pre_all)
+    for c in src.chunks(t):
+        nc, rel = c.stop - c.start, slice(c.start - t.start, c.stop - t.start)
+        pre = _proj(src.normed(c), WQq, BQq).view(nc, b, Gl, qpg, d)
+        q_src = pre
+        if head_norm is not None:
+            if pre_all is not None:
+                pre_all[rel].copy_(pre)
+            q_src = head_norm._norm(pre, head_norm.q_weight, head_norm.q_bias)
+        freqs, tables = src.rope(c)
+        if freqs is not None:
+            apply_rope(q_src, freqs, out=dst_all[rel], tables=tables)
+        else:
+            dst_all[rel].copy_(q_src)
+        del pre, q_src
     return q
 
 
-def group_kv(src: Rows, tiles, WQkv, BQkv, geo: _Geometry, head_norm, keep_pre: bool = False):
+def group_kv(src: Rows, WQkv, BQkv, geo: _Geometry, head_norm, keep_pre: bool = False):
     """``(k, v, k_pre)``: heads-first ``K_g``, ``V_g`` ``[b, G_g, n, d]`` of every local token
-    (k norm and RoPE applied), formed tile by tile; ``k_pre`` ``[n, b, G_g, d]``: the pre-norm
-    keys (``keep_pre`` and a q/k norm), else ``None``."""
+    (k norm and RoPE applied), formed chunk by chunk; ``k_pre`` ``[n, b, G_g, d]``: the
+    pre-norm keys (``keep_pre`` and a q/k norm), else ``None``."""
     n, b, d, Gl = src.n, src.b, geo.d, geo.groups_local
     like = WQkv
     k = torch.empty(b, Gl, n, d, dtype=like.dtype, device=like.device)
     v = torch.empty_like(k)
     k_pre = (torch.empty(n, b, Gl, d, dtype=like.dtype, device=like.device)
              if keep_pre and head_norm is not None else None)
-    for t in tiles:
+    for t in src.chunks(slice(0, n)):
         nt = t.stop - t.start
         kv = _proj(src.normed(t), WQkv, BQkv).view(nt, b, Gl, 2, d)
         k_src = kv[:, :, :, 0]
@@ -139,7 +151,7 @@ def forward_group(src: Rows, q_tiles, WQ, BQ, geo: _Geometry, seq: METPGroup, at
     ``O_t`` ``[|t|·b, H·d]`` (seq-first), and ``lse[:, :, t]`` (fp32 ``[b, H, n]``) filled."""
     WQq, WQkv = _split(WQ, geo)
     BQq, BQkv = _split_bias(BQ, geo)
-    k, v, _ = group_kv(src, q_tiles, WQkv, BQkv, geo, head_norm)
+    k, v, _ = group_kv(src, WQkv, BQkv, geo, head_norm)
     H, d, b = geo.heads_local, geo.d, src.b
     for t in q_tiles:
         nt = t.stop - t.start
@@ -209,14 +221,13 @@ def backward_group(src: Rows, q_tiles, kv_blocks, WQ, BQ, WOT, geo: _Geometry, s
     (:meth:`HeadNorm.backward`)."""
     WQq, WQkv = _split(WQ, geo)
     BQq, BQkv = _split_bias(BQ, geo)
-    k, v, k_pre = group_kv(src, q_tiles, WQkv, BQkv, geo, head_norm, keep_pre=True)
+    k, v, k_pre = group_kv(src, WQkv, BQkv, geo, head_norm, keep_pre=True)
     H, Gl, qpg, d, b, n = geo.heads_local, geo.groups_local, geo.q_per_group, geo.d, src.b, src.n
     dk = dv = None  # fp32 [b, G_g, n, d]: the own keys' gradients, summed over the tiles
     for t in q_tiles:
         nt, rows = t.stop - t.start, slice(t.start * b, t.stop * b)
-        n1 = src.normed(t)
         pre: List[torch.Tensor] = []
-        q = q_tile(src, t, WQq, BQq, geo, head_norm, n1=n1, keep_pre=pre)
+        q = q_tile(src, t, WQq, BQq, geo, head_norm, keep_pre=pre)
         o = read_o(t)
         g = dh1[rows]
         grads.add_proj(o, g)
@@ -242,7 +253,7 @@ def backward_group(src: Rows, q_tiles, kv_blocks, WQ, BQ, WOT, geo: _Geometry, s
             del dq_s, dk_s, dv_s
         del q, o, d_o, o_hf, do_hf
         # dq: RoPE transposed, through the q norm, into d(qkv)'s q columns
-        d_rows = torch.empty(nt, b, Gl, qpg, d, dtype=n1.dtype, device=n1.device)
+        d_rows = torch.empty(nt, b, Gl, qpg, d, dtype=WQ.dtype, device=WQ.device)
         dq_sf = dq.view(b, Gl, qpg, nt, d).permute(3, 0, 1, 2, 4)
         freqs, tables = src.rope(t)
         if freqs is not None:
@@ -253,11 +264,13 @@ def backward_group(src: Rows, q_tiles, kv_blocks, WQ, BQ, WOT, geo: _Geometry, s
         if head_norm is not None:
             head_norm.backward_one("q", pre.pop(), d_rows, norm_acc)
         d_rows = d_rows.view(nt * b, Gl, qpg, d)
-        grads.add_qkv("q", d_rows, n1)
+        for c in src.chunks(t):
+            rel = slice((c.start - t.start) * b, (c.stop - t.start) * b)
+            grads.add_qkv("q", d_rows[rel], src.normed(c))
         write_dq(t, d_rows.view(nt * b, -1))
-        del d_rows, n1
+        del d_rows
     # the own keys' dK/dV are complete: RoPE transposed (k), through the k norm, into d(qkv)
-    for t in q_tiles:
+    for t in src.chunks(slice(0, n)):
         nt = t.stop - t.start
         d_rows = torch.empty(nt, b, Gl, 2, d, dtype=k.dtype, device=k.device)
         dk_sf = dk[:, :, t].permute(2, 0, 1, 3)

@@ -153,20 +153,21 @@ class LayerTiles:
     * ``q``: tokens per query tile of the attention (one K/V ring per tile);
     * ``kv``: key rows of every rank's K/V block on the ring at once in backward (the
       travelling K/V and fp32 ``dK/dV`` buffers' size; ``n`` = whole blocks);
-    * ``keys``: keys per kernel call (the kernel's K/V expanded to the query heads and its
-      ``dK/dV`` outputs).
+    * ``keys``: keys per kernel call (whole by default: a full block takes GQA by folding the
+      query heads into rows, :mod:`.attention_kernels`, so no call expands K/V; the causal
+      pieces of a query tile are that tile's square).
 
     Auto (first that applies: the op's ``token_tile``, ``METP_LAYER_TOKEN_TILE``, else the
     budget ``METP_TILE_BUDGET_MIB``, 1 GiB): the row passes take the whole budget, the query
-    tile half of it, the K/V ring and the kernel's keys a quarter each, from the bytes per token
-    below (``e`` the element size, ``b`` the micro-batch, ``H·d`` one head group's query width,
-    ``G·d`` its key width; the MLP's from :func:`mlp_row_bytes`)::
+    tile and the K/V ring half of it each, from the bytes per token below (``e`` the element
+    size, ``b`` the micro-batch, ``H·d`` one head group's query width, ``G·d`` its key width;
+    the MLP's from :func:`mlp_row_bytes`; a query tile forms ``x`` and ``norm1(x)`` a row tile at
+    a time)::
 
         row pass     b·(6·h·e + mlp_row_bytes)       x, O, h1, norm2(h1), d norm2, its input grad
-        query tile   b·(2·h·e + 5·H·d·e + 8·H·d)     x, norm1(x); q, O, dO, pre-norm q, d(qkv);
-                                                     dq and its sub-block part (fp32)
+        query tile   b·(7·H·d·e + 8·H·d)             q, O, dO, pre-norm q, d(qkv), the kernel's
+                                                     q/O/dO copies; dq and a sub-block's (fp32)
         K/V ring     b·(4·G·d·e + 16·G·d)            own copy + held; two fp32 dK/dV sums
-        kernel keys  b·4·H·d·e                       K/V expanded to H heads and their grads
 
     ``METP_MLP_TOKEN_TILE`` (``--metp-mlp-token-tile``, rows = tokens × micro-batch) sets the
     row passes' tile, as it sets the separate MLP op's. A forced ``token_tile`` (or
@@ -197,10 +198,10 @@ class LayerTiles:
             self.rows = n if mlp_rows == 0 else min(n, max(1, -(-mlp_rows // b)))
         else:
             self.rows = min(n, max(1, budget // per(b * (6 * h * elem + mlp_bytes))))
-        self.q = min(n, max(1, (budget // 2) // per(b * (2 * h * elem + 5 * heads_dim * elem
+        self.q = min(n, max(1, (budget // 2) // per(b * (7 * heads_dim * elem
                                                         + 8 * heads_dim))))
-        self.kv = min(n, max(1, (budget // 4) // per(b * (4 * kv_dim * elem + 16 * kv_dim))))
-        self.keys = min(n, max(1, (budget // 4) // per(b * 4 * heads_dim * elem)))
+        self.kv = min(n, max(1, (budget // 2) // per(b * (4 * kv_dim * elem + 16 * kv_dim))))
+        self.keys = n
 
     def row_tiles(self, n: int) -> List[slice]:
         return tile_slices(n, self.rows)

@@ -75,6 +75,7 @@ class Stash:
         """A device stash over the existing ``[rows, width]`` tensor ``t`` (no copy: reads are
         its views)."""
         self = cls.__new__(cls)
+        t = t.detach()
         self.rows, self.width = t.shape
         self.dtype, self.device, self.host, self.fake = t.dtype, t.device, False, _is_fake(t)
         self.nbytes = t.numel() * t.element_size()

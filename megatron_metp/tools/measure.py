@@ -189,7 +189,8 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
         if gpt.decoder.layers:
             lastl = gpt.decoder.layers[-1]
             for name, mod in (("mlp backward", lastl.mlp),
-                              ("attention backward", lastl.self_attention)):
+                              ("attention backward", lastl.self_attention),
+                              ("last layer", lastl)):
                 st = tracker.memory_tracking.get(mod)
                 if st is not None and st.local_peak:
                     phases[name] = max(st.local_peak.values())

@@ -1,0 +1,136 @@
+"""The streaming METP layer in the plan (``ops/layer.py``, ``megatron/streaming.py``): which jobs
+run it, what it keeps per layer, and the transients of its phases.
+
+Megatron's full recompute of one layer per checkpoint with a METP layer of TP 1 (no dropout, no
+``keep_intermediate``) runs as one op that saves only the layer input (on the host with
+``--offload-activations``) and, in its backward, re-forms one head group and one tile of tokens
+at a time. So a layer keeps its input ``x`` (as with Megatron's checkpoint), nothing of it is
+re-formed whole, and the last layer's phases hold (besides the incoming gradient, overwritten in
+place, and the head's stored tensors, freed by then):
+
+===================  =======================================================================
+forward              one group's K/V (and the ring's copy and received block), one query tile's
+                     q, output and fp32 accumulators, the key tile's expanded K/V; then one
+                     row tile's ``O``, ``h1``, ``norm2(h1)``, MLP pass; every group's ``O`` on
+                     the device unless offloaded; ``y`` beside ``x`` unless written over it
+attention recompute  the same, plus every group's fp32 log-sum-exp ``[b, A, n]``
+MLP backward         one row tile: ``x``, ``O``, ``h1``, ``norm2(h1)``, ``d norm2`` (fp32 and
+                     16-bit), the norm's input gradient, one MLP shard's ``z, f(z), dz``
+attention backward   one group's K/V, its fp32 ``dK/dV`` summed over the query tiles, one K/V
+                     sub-block's ring buffers (copy, held, two fp32 sums), one query tile's
+                     ``x``, ``norm1(x)``, ``q``, ``O``, ``dO``, fp32 ``dq``, the kernel's
+                     copies and expanded K/V; every group's ``d(qkv)`` on the device unless
+                     offloaded
+dx                   one row tile of every group's ``d(qkv)``, ``d norm1``, ``x``, ``norm1``
+                     and its input gradient; the gathered ``Wqkv``
+===================  =======================================================================
+
+Tile sizes: :class:`megatron_metp.ops.tiles.LayerTiles`, as the op resolves them.
+"""
+
+from __future__ import annotations
+
+from typing import Dict
+
+from ...ops import tiles as tiling
+from .model import BF16, FP32
+
+
+def streaming_applies(job, lay, mode: str) -> bool:
+    """Whether ``mode`` of ``job`` runs the streaming layer op (``prepare_recompute``'s rule:
+    ``megatron/streaming.py``; the plan has no dropout and ``METP_STREAMING_LAYER`` is read
+    here too)."""
+    from ...megatron.streaming import streaming_enabled
+
+    return (mode == "metp" and job.recompute == "full" and job.recompute_method == "uniform"
+            and job.recompute_num_layers == 1 and lay.t == 1 and not job.keep_intermediate
+            and streaming_enabled())
+
+
+def layer_tiles(model, job, lay, n: int):
+    """The op's :class:`~megatron_metp.ops.tiles.LayerTiles` for ``n`` rows (tokens × ``b``)."""
+    b = job.micro_batch
+    h, d = model.hidden, model.head_dim
+    sh = lay.t * lay.p
+    k = 2 if model.swiglu else 1
+    f = model.ffn // sh
+    hqg, hkg = model.heads * d // sh, model.groups * d // sh
+    return tiling.LayerTiles(n // b, b, h, hqg, hkg, BF16,
+                             tiling.mlp_row_bytes(h, f, k, BF16, FP32, False))
+
+
+def streaming_phases(model, job, lay, n: int, host: bool) -> Dict[str, Dict[str, float]]:
+    """The streaming layer's phase transients for ``n`` rows per rank (see the module
+    docstring), relative to what is stored (the incoming gradient and the freed head are
+    added by the caller, as for every layer)."""
+    b = job.micro_batch
+    h, d, A = model.hidden, model.head_dim, model.heads
+    p = lay.p
+    sh = lay.t * p
+    k = 2 if model.swiglu else 1
+    f = model.ffn // sh
+    hq, hk = A * d // lay.t, model.groups * d // lay.t      # every group's widths
+    hqg, hkg, Ag = hq // p, hk // p, A // sh                # one head group's
+    qkv = hq + 2 * hk
+    tl = layer_tiles(model, job, lay, n)
+    R, Q = tl.rows * b, tl.q * b                            # rows of a row / query tile
+    KV, KEYS = min(n, tl.kv * b), min(n, tl.keys * b)       # ring sub-block, kernel keys
+    e = BF16
+    o_all = {} if host else {"every group's attention output O (bf16, not offloaded)":
+                             e * n * hq}
+    lse_all = {"every group's log-sum-exp [b, A, n] (fp32)": FP32 * n * A // lay.t}
+    w = {"MLP weight ring: own packed + held shard (bf16)": 2 * e * (k * f * h + h * f),
+         "head-group weights: own packed + 2 receive buffers (bf16)":
+             3 * e * ((hqg + 2 * hkg) * h + h * hqg)}
+
+    def kernel(nq, nk):
+        """One kernel call's extra buffers (flash): contiguous q/out/dout rows, K/V expanded to
+        the query heads (GQA) and the dq/dk/dv it returns."""
+        out = {"kernel: dq, dk, dv of one call (bf16)": e * (nq * hqg + 2 * nk * hqg)}
+        if hkg < hqg:
+            out["kernel: K/V expanded to the query heads, dK/dV folded (bf16)"] = \
+                e * (2 * nk * hqg + 2 * nk * hkg)
+        return out
+
+    group_kv = {"one group's K and V (bf16)": e * 2 * n * hkg}
+    if model.qk_layernorm:
+        group_kv["one group's pre-norm keys (bf16, --qk-layernorm)"] = e * n * hkg
+    q_fwd = {"query tile: norm1(x), q, output (bf16)": e * Q * (h + 2 * hqg),
+             "query tile: output and log-sum-exp accumulators, the merge's copies (fp32)":
+                 FP32 * Q * (3 * hqg + 2 * Ag)}
+    attn_fwd = dict(group_kv, **q_fwd, **{
+        "K/V ring: payload copy + received block (bf16)": 2 * e * 2 * n * hkg,
+        "kernel: block output (bf16)": e * Q * hqg})
+    if hkg < hqg:
+        attn_fwd["kernel: K/V expanded to the query heads (bf16)"] = 2 * e * KEYS * hqg
+    rows_fwd = {"row tile: O, projection + residual h1, norm2(h1), y (bf16)": e * R * (hq + 3 * h),
+                "row tile: MLP output accumulator (fp32)": FP32 * R * h,
+                "row tile: one MLP shard's z, f(z) (bf16)": e * R * (k * f + f),
+                "the gathered output projection Woᵀ (bf16)": e * hq * h}
+    ph: Dict[str, Dict[str, float]] = {}
+    ph["streaming layer forward: attention (last layer)"] = dict(o_all, **w, **attn_fwd)
+    ph["streaming layer forward: rows (last layer)"] = dict(o_all, **w, **rows_fwd)
+    ph["streaming layer recompute: attention (last layer)"] = dict(o_all, **lse_all, **w,
+                                                                   **attn_fwd)
+    mlp_tile = tiling.mlp_row_bytes(h, f, k, e, FP32, False) * R
+    ph["streaming layer MLP backward (last layer)"] = dict(o_all, **lse_all, **w, **{
+        "row tile: x, O, h1, norm2(h1), d norm2, d h1 (bf16)": e * R * (hq + 5 * h),
+        "row tile: the MLP backward pass (fp32 d norm2; one shard's z, f(z), g·W2, dz)":
+            mlp_tile,
+        "the gathered output projection Woᵀ (bf16)": e * hq * h,
+        "MLP gradient sums: travelling + the tiles' (fp32)": 3 * FP32 * (k * f * h + h * f)})
+    d_all = {} if host else {"every group's d(qkv) (bf16, not offloaded)": e * n * qkv}
+    ring = {"K/V sub-block ring: copy + held (bf16)": 2 * e * 2 * KV * hkg,
+            "K/V sub-block ring: travelling dK/dV sums (fp32)": 2 * FP32 * 2 * KV * hkg}
+    ph["streaming layer attention backward (last layer)"] = dict(
+        o_all, **lse_all, **d_all, **w, **group_kv, **ring, **kernel(Q, KEYS), **{
+            "one group's dK/dV summed over the query tiles (fp32)": FP32 * 2 * n * hkg,
+            "query tile: x, norm1(x) (bf16)": e * Q * 2 * h,
+            "query tile: q, O, dO, d(qkv) rows, copies of q/O/dO (bf16)": e * Q * 7 * hqg,
+            "query tile: dq and a sub-block's dq (fp32)": 2 * FP32 * Q * hqg,
+            "one group's weight gradients (fp32)": FP32 * ((hqg + 2 * hkg) * h + h * hqg)})
+    ph["streaming layer dx (last layer)"] = dict(d_all, **{
+        "the gathered Wqkv (bf16)": e * qkv * h,
+        "row tile: d(qkv) of every group (bf16)": e * R * qkv,
+        "row tile: d norm1, x, norm1(x), its input gradient (bf16)": e * R * 4 * h})
+    return ph
