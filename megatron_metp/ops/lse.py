@@ -114,27 +114,29 @@ def _stack(blocks, n: int):
     """The blocks' log-sum-exps stacked ``[k, b, h, n]`` (fp32), ``−inf`` on the rows a block
     does not cover, and each block's index in the stack. Blocks with the same rows go in with
     one ``torch.stack`` (one kernel for all of them; a range short of ``n`` rows is stacked
-    apart and copied into place), so the stack costs a few kernels per distinct row range
-    (dual-chunk causal rings have two: all rows, and the second half), not one per block."""
+    apart, copied into place and its other rows filled), so the stack costs a few kernels per
+    distinct row range (dual-chunk causal rings have two: all rows, and the second half), not
+    one per block."""
     groups = {}
     for i, (rows, _, _) in enumerate(blocks):
         groups.setdefault(_bounds(rows, n), []).append(i)
     l0 = blocks[0][2]
-    shape = (len(blocks),) + tuple(l0.shape)
-    like = dict(dtype=torch.float32, device=l0.device)
-    partial = any(key != (0, n) for key in groups)
-    stacked = torch.full(shape, float("-inf"), **like) if partial else torch.empty(shape, **like)
-    at, k = [0] * len(blocks), 0
+    stacked = torch.empty((len(blocks),) + tuple(l0.shape), dtype=torch.float32,
+                          device=l0.device)
+    k = 0
     for (lo, hi), members in groups.items():
         dst = stacked[k:k + len(members)]
+        k += len(members)
         ls = [blocks[i][2] for i in members]
         if (lo, hi) == (0, n):
             torch.stack(ls, out=dst)
-        elif len(ls) == 1:
-            dst[0, :, :, lo:hi].copy_(ls[0])
-        else:
-            dst[:, :, :, lo:hi].copy_(torch.stack(ls))
-        for j, i in enumerate(members):
-            at[i] = k + j
-        k += len(members)
+            continue
+        dst[:, :, :, lo:hi].copy_(torch.stack(ls) if len(ls) > 1 else ls[0])
+        if lo > 0:
+            dst[:, :, :, :lo].fill_(float("-inf"))
+        if hi < n:
+            dst[:, :, :, hi:].fill_(float("-inf"))
+    at = [0] * len(blocks)
+    for pos, i in enumerate(i for members in groups.values() for i in members):
+        at[i] = pos
     return stacked, at
