@@ -72,8 +72,8 @@ def combine(blocks, out=None):
     dtype and strides: one rounding, no separate cast) or into the fp32 sum.
 
     Kernels for ``k`` blocks: one per block (its ``addcmul_``), plus a handful for the
-    log-sum-exps (a stack per distinct row range, a fill, ``softmax``, two ``amax``, ``log_``,
-    ``sub_``) — against four per block when each block's weight and the running log-sum-exp
+    log-sum-exps (per distinct row range a stack, and for a partial range a copy and a fill;
+    ``softmax``, two ``amax``, ``log_``, ``sub_``) — against four per block when each block's weight and the running log-sum-exp
     are formed on their own (``logaddexp``, ``sub``, ``exp_``, ``addcmul_``). The extra memory
     is two ``[k, b, h, n]`` fp32 tensors, ``4/d`` of the ``k`` 16-bit block outputs kept."""
     rows0, o0, l0 = blocks[0]
