@@ -154,8 +154,22 @@ def _check_inputs(x, wqkv, wo, bqkv, bo, group: METPGroup, A, G, layout, causal,
 
 
 #: Query-head rows (heads × local tokens × batch) a head-group block aims for on a GPU: enough
-#: for the flash kernels to fill the device (2¹⁷ rows ≈ 1,024 tiles of 128 rows, several waves
-#: on an H100/H200's 132 SMs); beyond it larger blocks only cost memory.
+#: for the flash kernels to fill the device (2¹⁷ rows ≈ 1,024 tiles of 128 rows, ≈ 7.8 waves of
+#: one tile per SM on an H100/H200's 132 SMs, so the partial last wave costs at most ~1/8 of a
+#: ring step; 2¹⁶ would be 3.9 waves, up to 1/4); beyond it larger blocks only cost memory.
+#:
+#: Why not larger (re-examined for issue 21, where Llama-7B at s = 128K, p = 8 runs 4 blocks of
+#: kb = 2 and counted 8.7× TP+SP's launches): at s/p = 16K one head group already has 64K rows,
+#: and a forward ring step of a kb = 2 block is ≈ 5.5·10¹¹ FLOP (~1 ms on an H100; backward
+#: 2.5×), against the one to three elementwise kernels per step around it (the output's
+#: ``addcmul_``; the ``dQ``, ``dK``, ``dV`` sums) and a few dozen per block, which a GPU queues
+#: behind the steps' flash kernels. A larger block would save only those launches, and costs
+#: memory in proportion to kb: ``benchmarks/attention_memory.py --seq 131072 --p 8 --methods
+#: metp-gpumm --part attention`` peaks at 1,298 / 1,782 / 3,863 MiB per rank with
+#: ``METP_HEAD_BLOCK`` = 1 / 2 / 8 (Q/K/V, the ``p`` 16-bit block outputs kept for
+#: :func:`lse.combine`, the fp32 ``dQ`` and ``dK/dV`` sums all grow with the block). The launch
+#: count was cut per block instead (:func:`lse.combine`, :func:`rope.apply_rope`: 550 → 462
+#: launches at 128K, 7.3× TP+SP's).
 HEAD_BLOCK_ROWS = 2 ** 17
 
 

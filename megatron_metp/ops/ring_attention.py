@@ -167,8 +167,10 @@ def ring_attention_forward(q, k, v, group: METPGroup, causal: bool, layout: str,
     ``kv_packed``: ``k`` and ``v`` already packed back to back in one buffer (``k, v`` views of
     it, as :class:`FlatLayout` lays them out), which the ring then consumes instead of a copy.
     ``defer_merge``: keep every block's output (16-bit) and fold them in once the final
-    log-sum-exp is known (:func:`lse.combine`: one ``addcmul_`` per block into the fp32 output
-    instead of a rescale of it: less than half the traffic, ``p`` block outputs alive).
+    log-sum-exp is known (:func:`lse.combine`: every block's weight from one ``softmax`` over
+    the stacked log-sum-exps, then one ``addcmul_`` per block into the fp32 output instead of a
+    rescale of it: less than half the traffic, one kernel per block instead of
+    :func:`lse.merge_`'s five, ``p`` block outputs alive).
     ``out``: where to write the output (``q``'s shape, any strides, e.g. ``q``'s dtype): the
     last fold writes it directly; returned instead of the fp32 accumulator.
     ``cu_seqlens``: checked document boundaries (tuple): :func:`_packed_forward`.
