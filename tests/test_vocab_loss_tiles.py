@@ -1,0 +1,317 @@
+"""Token tiles of the ring loss's backward (``token_tile`` of ``metp_output_cross_entropy`` and of
+``metp_output_logits``) and its ``grad_into_hidden``: tiled equals untiled.
+
+Each configuration runs on the same forked gloo ranks (fp32), on the embedding → mixing →
+output layer → cross-entropy model of ``tests/vocab_cases.py`` with a loss mask, at METP 1, 2 and
+3 (and TP 2 × METP 2), with and without label smoothing, untied and tied tables. ``S = 42, B = 1``
+gives 42, 21 and 14 rows per rank, so tiles of 5 rows are uneven everywhere (9 tiles of 5 and 2;
+5, 5, 5, 5, 1; 5, 5, 4) and token chunks of 2 cut every tile unevenly again. Loss, per-token
+loss and every gradient must equal the untiled run within 1e-6, and the single-device reference
+within 1e-5. The counters show the structure: one backward pass of the ring per tile (bytes sent:
+forward once, backward ``T`` times; two ``mm_acc`` per chunk, tile and ring step), and the
+gradient of ``hidden`` written into ``hidden`` itself with ``grad_into_hidden``. Negative
+controls: an overlapping tile (one row counted twice in ``dW``) and a perturbed weight shard are
+caught by the same comparison; another autograd node that saved ``hidden`` fails loudly instead
+of reading the overwritten values.
+"""
+
+import math
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_metp import METPGroup
+from megatron_metp.ops import metp_embedding, metp_output_cross_entropy, metp_output_logits
+from megatron_metp.ops import tiles as tiling
+from megatron_metp.ops import vocab as V
+from tests.harness import assert_messages, run_ranks, value_errors
+from tests.numerics import rel_err
+from tests.test_vocab import _errors, _gather, rank_inputs
+from tests.vocab_cases import full_vocab_case, reference
+
+S, B, H = 42, 1, 8
+TOL = 1e-6
+#: (token_tile, token_chunk, grad_into_hidden); the first is the untiled baseline
+CONFIGS = [(0, None, False), (5, None, False), (5, 2, False), (1, None, False), (5, 2, True),
+           (0, None, True)]
+
+
+def _count_mm_acc(counts):
+    from megatron_metp.ops import cross_entropy
+
+    real = cross_entropy.mm_acc
+
+    def counted(*args):
+        counts["mm_acc"] += 1
+        return real(*args)
+
+    cross_entropy.mm_acc = counted
+
+
+def _sabotage(where):
+    """Negative controls: ``overlap`` makes the second tile start one row early (that row's
+    ``dZᵀ·X`` counted twice in ``dW``); ``weight`` (in :func:`_ranks`) perturbs the output shards by 1e-2·N(0, 1)."""
+    from megatron_metp.ops import cross_entropy
+
+    if where == "overlap":
+        real = cross_entropy._backward_tiles
+
+        def overlapping(hidden, token_tile):
+            tiles = real(hidden, token_tile)
+            if len(tiles) > 1:
+                tiles[1] = slice(tiles[1].start - 1, tiles[1].stop)
+            return tiles
+
+        cross_entropy._backward_tiles = overlapping
+
+
+def _ranks(rank, world, p, configs, tied=False, smoothing=0.0, tp=1, sabotage=None):
+    """Rank ``rank`` of TP×METP (TP-major): one forward+backward per config of ``configs``."""
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    case = full_vocab_case(S, B, H, p, tied=tied, tp=tp)
+    tp_rank, r = divmod(rank, p)
+    metp_groups = [dist.new_group(list(range(t * p, (t + 1) * p))) for t in range(tp)]
+    tp_groups = [dist.new_group([t * p + i for t in range(tp)]) for i in range(p)]
+    tpg = tp_groups[r] if tp > 1 else None
+    counts = {"mm_acc": 0}
+    _count_mm_acc(counts)
+    if sabotage == "overlap":
+        _sabotage(sabotage)
+    out = []
+    for tile, chunk, into in configs:
+        g = METPGroup.from_process_group(metp_groups[tp_rank] if p > 1 else None,
+                                         name="loss-tiles")
+        emb, w_out, mix, tokens, labels, mask, vstart = rank_inputs(case, p, r, tp, tp_rank, tied)
+        if sabotage == "weight" and into:  # the perturbed run: the in-place configs
+            with torch.no_grad():  # (a constant shift of all of W would not change the softmax)
+                w_out.add_(1e-2 * torch.randn(w_out.shape, generator=torch.Generator()
+                                              .manual_seed(rank)))
+        x = metp_embedding(tokens, emb, group=g, vocab_start=vstart, vocab_size=case["V"])
+        if tpg is not None:
+            x = reduce_from_tensor_model_parallel_region(x, group=tpg)
+        hidden = x.transpose(0, 1) @ mix
+        hidden.retain_grad()
+        before = hidden.detach().clone()
+        version = hidden._version
+        loss = metp_output_cross_entropy(hidden, w_out, labels, group=g, tp_group=tpg,
+                                         vocab_start=vstart, vocab_size=case["V"],
+                                         label_smoothing=smoothing, token_chunk=chunk,
+                                         token_tile=tile, grad_into_hidden=into)
+        fwd_sent = g.stats.snapshot()["bytes_sent"]
+        total = (loss * mask).sum() / case["mask"].sum()
+        counts["mm_acc"] = 0
+        total.backward()
+        out.append({"loss": total.detach(), "per_token": loss.detach(), "demb": emb.grad,
+                    "dout": None if tied else w_out.grad, "dmix": mix.grad,
+                    "dhidden": hidden.grad.clone(), "mm_acc": counts["mm_acc"],
+                    "fwd_sent": fwd_sent, "sent": g.stats.snapshot()["bytes_sent"],
+                    "rows": hidden.shape[0] * hidden.shape[1], "v": w_out.shape[0],
+                    # grad_into_hidden: hidden's own storage now holds its gradient
+                    "overwritten": torch.equal(hidden.detach(), hidden.grad)
+                    and not torch.equal(hidden.detach(), before),
+                    "version_bumped": hidden._version > version})
+    return out
+
+
+def _config(out, i):
+    return [o[i] for o in out]
+
+
+def _check(out, p, tp, configs, ref):
+    base = _gather(_config(out, 0), p, tp)
+    for i, (tile, chunk, into) in enumerate(configs):
+        ranks = _config(out, i)
+        got = _gather(ranks, p, tp)
+        errs = _errors(got, base)
+        assert max(errs.values()) <= TOL, (tile, chunk, into, errs)
+        assert max(_errors(got, ref).values()) <= 1e-5, (tile, chunk, into)
+        for o, o0 in zip(ranks, _config(out, 0)):
+            N, v = o["rows"], o["v"]
+            tiles = tiling.tile_slices(N, tile or N)
+            T = len(tiles)
+            # the forward is untouched; the backward's ring runs once per tile
+            assert o["fwd_sent"] == o0["fwd_sent"], (tile, chunk)
+            ring = (p - 1) * v * H * 4  # one pass: fp32 shards (fp32 test) or fp32 sums
+            assert o["sent"] - o0["sent"] == (T - 1) * 2 * ring, (tile, chunk, o["sent"])
+            # two mm_acc (dX, dW) per chunk of each tile at each of the p ring steps
+            per_tile = [math.ceil((sl.stop - sl.start) / (chunk or N)) for sl in tiles]
+            assert o["mm_acc"] == 2 * p * sum(per_tile), (tile, chunk, o["mm_acc"])
+            assert o["overwritten"] == into and o["version_bumped"] == into, (tile, into)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3])
+@pytest.mark.parametrize("tied,smoothing", [(False, 0.0), (True, 0.1)])
+def test_tiled_backward_equals_untiled(p, tied, smoothing):
+    out = run_ranks(_ranks, p, p, CONFIGS, tied, smoothing)
+    _check(out, p, 1, CONFIGS, reference(full_vocab_case(S, B, H, p, tied=tied),
+                                         smoothing=smoothing))
+    assert _config(out, 1)[0]["sent"] > _config(out, 0)[0]["sent"] or p == 1
+
+
+def test_tiled_backward_composes_with_tp():
+    tp, p = 2, 2
+    configs = CONFIGS[:3] + CONFIGS[4:5]
+    out = run_ranks(_ranks, tp * p, p, configs, False, 0.1, tp)
+    _check(out, p, tp, configs, reference(full_vocab_case(S, B, H, p, tp=tp), smoothing=0.1))
+
+
+# ---------------------------------------------------------------- negative controls
+
+def test_negative_control_an_overlapping_tile_is_caught():
+    p = 2
+    configs = [(0, None, False), (5, None, False)]
+    out = run_ranks(_ranks, p, p, configs, False, 0.0, sabotage="overlap")
+    errs = _errors(_gather(_config(out, 1), p), _gather(_config(out, 0), p))
+    assert errs["dout"] > 1e-3, errs  # one row's dZᵀ·X added twice
+    assert errs["loss"] <= TOL, errs
+    with pytest.raises(AssertionError):
+        _check(out, p, 1, configs, reference(full_vocab_case(S, B, H, p)))
+
+
+def test_negative_control_a_perturbed_weight_is_caught():
+    p = 2
+    configs = [(0, None, False), (5, 2, True)]
+    out = run_ranks(_ranks, p, p, configs, False, 0.0, sabotage="weight")
+    errs = _errors(_gather(_config(out, 1), p), _gather(_config(out, 0), p))
+    assert errs["loss"] > 1e-4 and errs["dhidden"] > 1e-3, errs
+    with pytest.raises(AssertionError):
+        _check(out, p, 1, configs, reference(full_vocab_case(S, B, H, p)))
+
+
+def _saved_elsewhere(rank, world):
+    """``hidden`` also saved by another autograd node (``hidden * hidden`` saves both operands):
+    writing the gradient into it must fail loudly, not feed the gradient to that node."""
+    case = full_vocab_case(S, B, H, 1)
+    emb, w_out, mix, tokens, labels, mask, vstart = rank_inputs(case, 1, 0, 1, 0, False)
+    hidden = emb[tokens].transpose(0, 1) @ mix
+    # made before the loss, so autograd runs its backward after the loss's (higher sequence
+    # numbers first): it then finds hidden overwritten
+    other = (hidden * hidden).sum()
+    loss = metp_output_cross_entropy(hidden, w_out, labels, group=None, token_tile=5,
+                                     grad_into_hidden=True)
+    try:
+        (loss.sum() + other).backward()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def test_another_node_that_saved_hidden_fails_loudly():
+    (msg,) = run_ranks(_saved_elsewhere, 1)
+    assert msg and "modified by an inplace operation" in msg, msg
+
+
+# ---------------------------------------------------------------- the logits op
+
+def _logits(rank, world, p, tile):
+    case = full_vocab_case(S, B, H, p)
+    emb, w_out, mix, tokens, labels, mask, vstart = rank_inputs(case, p, rank, 1, 0, False)
+    g = METPGroup.from_process_group(dist.group.WORLD if p > 1 else None, name="logits-tiles")
+    hidden = (case["emb"][tokens].transpose(0, 1) @ case["mix"]).requires_grad_()
+    logits = metp_output_logits(hidden, w_out, group=g, token_tile=tile)
+    gy = torch.randn(logits.shape, generator=torch.Generator().manual_seed(rank))
+    logits.backward(gy)
+    return {"logits": logits.detach(), "dx": hidden.grad, "dw": w_out.grad,
+            "sent": g.stats.snapshot()["bytes_sent"]}
+
+
+@pytest.mark.parametrize("p", [1, 3])
+def test_logits_backward_in_tiles_equals_untiled(p):
+    whole, tiled = (run_ranks(_logits, p, p, tile) for tile in (0, 5))
+    for a, b in zip(whole, tiled):
+        assert torch.equal(a["logits"], b["logits"])
+        assert rel_err(b["dx"], a["dx"]) <= TOL and rel_err(b["dw"], a["dw"]) <= TOL
+        T = len(tiling.tile_slices(S // p * B, 5))
+        v = a["dw"].shape[0]
+        assert b["sent"] - a["sent"] == (T - 1) * 2 * (p - 1) * v * H * 4
+
+
+# ---------------------------------------------------------------- tile policy, refusals
+
+def test_loss_tile_policy(monkeypatch):
+    monkeypatch.delenv(V.LOSS_TOKEN_TILE_ENV, raising=False)
+    monkeypatch.delenv(tiling.TILE_BUDGET_ENV, raising=False)
+    # auto: 1 GiB of fp32 dX per tile = 65,536 rows at h = 4096
+    assert V.loss_row_bytes(4096) == 16384
+    assert V.loss_tiles(None, 65536, 4096) == [slice(0, 65536)]  # fits: one tile (untiled)
+    assert len(V.loss_tiles(None, 786432, 4096)) == 12  # 768K rows per rank (6M at METP 8)
+    monkeypatch.setenv(tiling.TILE_BUDGET_ENV, "256")
+    assert len(V.loss_tiles(None, 786432, 4096)) == 48
+    monkeypatch.setenv(V.LOSS_TOKEN_TILE_ENV, "100000")
+    assert V.loss_tiles(None, 786432, 4096)[0] == slice(0, 98304)  # 8 balanced tiles
+    assert V.loss_tiles(0, 786432, 4096) == [slice(0, 786432)]  # the argument wins; 0 = whole
+    monkeypatch.setenv(V.LOSS_TOKEN_TILE_ENV, "0")
+    assert V.loss_tiles(None, 786432, 4096) == [slice(0, 786432)]
+    assert V.loss_tiles(None, 0, 4096) == [slice(0, 0)]
+
+
+def _bad(rank, world):
+    g = METPGroup.from_process_group(dist.group.WORLD, name="bad-tiles")
+    w = torch.randn(4, 8)
+    lab = torch.zeros(1, 3, dtype=torch.long)
+    leaf = torch.randn(3, 1, 8, requires_grad=True)
+    inter = leaf * 1.0
+
+    def call(hidden=inter, **kw):
+        def run():
+            env = kw.pop("env", None)
+            os.environ.pop(V.LOSS_TOKEN_TILE_ENV, None)
+            if env is not None:
+                os.environ[V.LOSS_TOKEN_TILE_ENV] = env
+            try:
+                metp_output_cross_entropy(hidden, w, lab, group=g, **kw)
+            finally:
+                os.environ.pop(V.LOSS_TOKEN_TILE_ENV, None)
+        return run
+
+    # an intermediate of its own with permuted strides (elementwise ops keep dense strides)
+    strided = torch.randn(8, 1, 3, requires_grad=True).permute(2, 1, 0) * 1.0
+    assert strided._base is None and not strided.is_contiguous()
+    cases = {
+        "negative": call(token_tile=-1), "float": call(token_tile=2.5),
+        "env": call(env="abc"), "env_negative": call(env="-3"),
+        "leaf": call(leaf, grad_into_hidden=True),
+        "view": call(torch.cat([inter, inter])[:3], grad_into_hidden=True),
+        "strided": call(strided, grad_into_hidden=True),
+        "not_bool": call(grad_into_hidden=1),
+        "logits_tile": lambda: metp_output_logits(inter, w, group=g, token_tile=-2),
+    }
+    msgs = value_errors(cases)
+    steps = g.stats.steps  # refused before any transfer
+    ok = value_errors({"no_grad_leaf": call(leaf.detach(), grad_into_hidden=True),
+                       "env_blank": call(env=" ")})
+    return msgs, steps, ok
+
+
+def test_bad_tiles_and_grad_into_hidden_refused_naming_them():
+    tile = "token_tile must be a non-negative integer"
+    env = "METP_LOSS_TOKEN_TILE must be a non-negative integer"
+    expect = {"negative": tile, "float": tile, "env": env, "env_negative": env,
+              "leaf": "grad_into_hidden=True but hidden is a leaf tensor",
+              "view": "grad_into_hidden=True but hidden is a view",
+              "strided": "grad_into_hidden=True needs a contiguous hidden",
+              "not_bool": "grad_into_hidden must be True or False", "logits_tile": tile}
+    for msgs, steps, ok in run_ranks(_bad, 2):
+        assert steps == 0
+        assert_messages(msgs, expect)
+        assert ok == {"no_grad_leaf": None, "env_blank": None}
+
+
+def _disagree(rank, world):
+    case = full_vocab_case(S, B, H, 2)
+    emb, w_out, mix, tokens, labels, mask, vstart = rank_inputs(case, 2, rank, 1, 0, False)
+    g = METPGroup.from_process_group(dist.group.WORLD, name="loss-tiles")
+    hidden = (case["emb"][tokens].transpose(0, 1) @ case["mix"]).requires_grad_()
+    try:
+        metp_output_cross_entropy(hidden, w_out, labels, group=g, token_tile=5 if rank else 0)
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def test_ranks_with_different_tile_counts_are_refused():
+    out = run_ranks(_disagree, 2)
+    assert all(o and "GroupDisagreementError" in o and "token_tiles" in o for o in out), out
