@@ -315,3 +315,103 @@ def _disagree(rank, world):
 def test_ranks_with_different_tile_counts_are_refused():
     out = run_ranks(_disagree, 2)
     assert all(o and "GroupDisagreementError" in o and "token_tiles" in o for o in out), out
+
+
+# ---------------------------------------------------------------- memory of the op
+
+def _loss_peak(tile, into, n=4096, h=512, v=64):
+    """Peak bytes (CUDA-faithful fake tensors, MemTracker) of ``hidden = x·M`` (``x`` without
+    gradient, so its backward holds no ``[n, h]`` temporary) → the ring loss (p = 1, chunks of
+    256 rows) → backward; the caller's ``x`` stays alive throughout, as the model's final-norm
+    input does."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from megatron_metp.runtime import finite
+    from megatron_metp.tools import fakerank as FR
+
+    was = finite.finite_checks_enabled()
+    finite.enable_finite_checks(False)  # they read values; fake tensors have none
+    try:
+        with FakeTensorMode():
+            x = torch.empty(n, 1, h, dtype=torch.bfloat16)
+            m = torch.empty(h, h, dtype=torch.bfloat16, requires_grad=True)
+            w = torch.empty(v, h, dtype=torch.bfloat16, requires_grad=True)
+            labels = torch.zeros(1, n, dtype=torch.long)
+            trk = FR.tracker()
+            trk.track_external(x, m, w, labels)
+            with FR.measuring(trk):
+                hidden = x @ m
+                loss = metp_output_cross_entropy(hidden, w, labels, group=None,
+                                                 check_labels=False, token_chunk=256,
+                                                 token_tile=tile, grad_into_hidden=into)
+                del hidden
+                loss.float().sum().backward()
+            return FR.snap(trk, "peak")["total"]
+    finally:
+        finite.enable_finite_checks(was)
+
+
+def test_the_tiles_and_grad_into_hidden_free_what_they_claim():
+    """At the end of the untiled backward the rank holds ``X``, the fp32 ``dX`` and its bf16
+    copy; ``grad_into_hidden`` removes the copy (``2·n·h`` bytes), the tiles (16 of 256 rows)
+    the fp32 ``dX`` but one tile's (``4·n·h·15/16``, less the ``[v, h]`` fp32 total of the tiles'
+    ``dW`` sums they add); with tiles and a new ``dX`` tensor the
+    bf16 output is back (``2·n·h``). Everything else is ``[v, h]`` or ``[chunk, v]`` (a ring
+    step's logits chunk, 6·256·64 bytes, moves the peak between the end and a ring step: at most
+    ``0.05·n·h``)."""
+    n, h = 4096, 512
+    u = n * h
+    small = 0.05 * u
+    new, into = _loss_peak(0, False), _loss_peak(0, True)
+    tiled_new, tiled_into = _loss_peak(256, False), _loss_peak(256, True)
+    assert new - into == pytest.approx(2 * u, abs=small), (new, into)
+    # (less the owner's fp32 total of the tiles' dW sums, [v, h])
+    assert into - tiled_into == pytest.approx(4 * u * 15 / 16 - 4 * 64 * h, abs=small), \
+        (into, tiled_into)
+    assert tiled_new - tiled_into == pytest.approx(2 * u, abs=small), (tiled_new, tiled_into)
+    # x and hidden / dX (bf16), one fp32 tile, M and the small rest
+    assert tiled_into < 5 * u < into, (tiled_into, into)
+
+
+# ---------------------------------------------------------------- the plan against metp measure
+
+def test_plan_matches_measurement_of_the_loss_tiles(monkeypatch):
+    """``metp plan`` models the loss backward as the op and the METP GPT model run it: planned =
+    measured (``metp measure``, the real model under fake tensors) within 5 % untiled with a new
+    ``dX`` tensor, untiled with ``dX`` in the hidden states, and in 8 tiles of 256 rows; at this
+    size the loss's backward is the peak untiled (planned), and the tiles lower the measured
+    peak; the measured bytes sent grow by the planned extra passes of the loss's backward ring
+    exactly."""
+    from megatron_metp.tools import measure as M
+    from megatron_metp.tools import plan as P
+    from megatron_metp.tools.plan.cost import vocab_traffic
+
+    model = P.Model(hidden=512, layers=1, heads=8, query_groups=2, ffn=256, vocab=2048,
+                    seq=4096, tied=False)
+    job = P.Job(tp=1, metp=2)
+    runs = {}
+    for tile, into in (("0", "0"), ("0", "1"), ("256", "1")):
+        monkeypatch.setenv(V.LOSS_TOKEN_TILE_ENV, tile)
+        monkeypatch.setenv(V.LOSS_GRAD_INTO_HIDDEN_ENV, into)
+        (res,) = M.measure(model, job, ["metp+vocab"], jobs=1, timeout=300)
+        assert "error" not in res, res["error"]
+        mem = P.memory(model, job, "metp+vocab")
+        assert abs(mem.measured_part / res["peak"] - 1) <= 0.05, (tile, into,
+                                                                  mem.measured_part, res["peak"])
+        runs[tile, into] = (res, mem, sum(vocab_traffic(model, job, "metp+vocab").values()))
+    (new, m_new, s_new), (into, m_into, s_into), (tiled, m_tiled, s_tiled) = runs.values()
+    assert m_new.act.peak_phase.startswith("output layer + loss")
+    h = model.hidden
+    # dX in the hidden states: measured and planned move together (here the peak of the loss's
+    # backward is a ring step, where the dX copy does not exist yet: both 0; the benchmark's
+    # test in tests/test_vocab_memory.py sees the copy go)
+    assert new["peak"] - into["peak"] == pytest.approx(
+        m_new.measured_part - m_into.measured_part, abs=0.01 * new["peak"])
+    # the tiles: the loss is no longer the peak; the peak falls
+    assert tiled["peak"] < 0.95 * into["peak"]
+    assert not m_tiled.act.peak_phase.startswith("output layer + loss")
+    # ring bytes: 7 more passes of the backward ring (p - 1 = 1 bf16 shard + 1 fp32 sum each)
+    v = 2048 // 2
+    assert s_tiled - s_into == 7 * v * h * (2 + 4)
+    assert tiled["sent"] - into["sent"] == s_tiled - s_into
+    assert into["sent"] == new["sent"]
