@@ -301,20 +301,28 @@ def test_bad_tiles_and_grad_into_hidden_refused_naming_them():
 
 
 def _disagree(rank, world):
+    """Rank 1 asks for tiles of 5 rows, rank 0 for none; then both without a gradient."""
     case = full_vocab_case(S, B, H, 2)
     emb, w_out, mix, tokens, labels, mask, vstart = rank_inputs(case, 2, rank, 1, 0, False)
     g = METPGroup.from_process_group(dist.group.WORLD, name="loss-tiles")
     hidden = (case["emb"][tokens].transpose(0, 1) @ case["mix"]).requires_grad_()
-    try:
-        metp_output_cross_entropy(hidden, w_out, labels, group=g, token_tile=5 if rank else 0)
-    except Exception as exc:  # noqa: BLE001
-        return f"{type(exc).__name__}: {exc}"
-    return None
+    tile = 5 if rank else 0
+    return value_errors({
+        "grad": lambda: metp_output_cross_entropy(hidden, w_out, labels, group=g,
+                                                  token_tile=tile),
+        # no gradient wanted: the backward's tiles do not matter (ranks may hold different
+        # token counts in evaluation)
+        "eval": lambda: metp_output_cross_entropy(hidden.detach(), w_out.detach(), labels,
+                                                  group=g, token_tile=tile)})
 
 
 def test_ranks_with_different_tile_counts_are_refused():
-    out = run_ranks(_disagree, 2)
-    assert all(o and "GroupDisagreementError" in o and "token_tiles" in o for o in out), out
+    from megatron_metp.runtime.agree import GroupDisagreementError
+
+    for msgs in run_ranks(_disagree, 2):
+        assert "token_tiles" in msgs["grad"] and "differ" in msgs["grad"], msgs
+        assert msgs["eval"] is None, msgs
+    assert issubclass(GroupDisagreementError, ValueError)
 
 
 # ---------------------------------------------------------------- memory of the op

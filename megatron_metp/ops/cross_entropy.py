@@ -281,6 +281,13 @@ def _backward_tiles(hidden, token_tile):
     return loss_tiles(token_tile, hidden.shape[0] * hidden.shape[1], hidden.shape[-1], acc_elem)
 
 
+def _gradient_fields(hidden, weight, tiles) -> dict:
+    """What the agreement check compares about the backward: whether a gradient is needed and,
+    if so, the token tile count (each tile is one pass of the ring; the forward is per token)."""
+    grad = needs_grad(hidden, weight)
+    return dict(needs_grad=grad, **(tiling.agreement_fields(len(tiles), "outer") if grad else {}))
+
+
 def _check_grad_into_hidden(hidden, grad_into_hidden) -> bool:
     """Whether the backward may write ``dX`` into ``hidden`` (see ``grad_into_hidden``)."""
     if not isinstance(grad_into_hidden, bool):
@@ -401,16 +408,12 @@ def metp_output_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels
     except ValueError as exc:
         refuse_together(group, name, exc)
         raise
-    if agreement_checks_enabled():
-        # token counts (and token chunks) may differ: per token; the backward's tile count may
-        # not (each tile is one pass of the ring)
-        grad = needs_grad(hidden, weight)
+    if agreement_checks_enabled():  # token counts (and token chunks) may differ: per token
         check_group_agrees(group, name, label=label, hidden_size=hidden.shape[-1],
                            hidden_dtype=hidden.dtype, weight=weight, vocab_start=int(vocab_start),
                            vocab_size=hi, label_smoothing=float(label_smoothing),
                            check_labels=bool(check_labels), grad_reduce_dtype=grad_reduce_dtype,
-                           needs_grad=grad,
-                           **(tiling.agreement_fields(len(tiles), "outer") if grad else {}))
+                           **_gradient_fields(hidden, weight, tiles))
     if check_labels:
         check_ids(labels, lo, hi, group, "labels",
                   "check the data's token ids against the vocabulary size")
@@ -479,9 +482,8 @@ def metp_output_logits(hidden: torch.Tensor, weight: torch.Tensor, *, group,
         refuse_together(group, name, exc)
         raise
     if agreement_checks_enabled():
-        grad = needs_grad(hidden, weight)
         check_group_agrees(group, name, label=label, hidden_size=hidden.shape[-1],
                            hidden_dtype=hidden.dtype, weight=weight,
-                           grad_reduce_dtype=grad_reduce_dtype, needs_grad=grad,
-                           **(tiling.agreement_fields(len(tiles), "outer") if grad else {}))
+                           grad_reduce_dtype=grad_reduce_dtype,
+                           **_gradient_fields(hidden, weight, tiles))
     return _METPLogitsFunction.apply(hidden, weight, group, grad_reduce_dtype, label, tiles)
