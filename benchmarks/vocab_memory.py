@@ -78,7 +78,8 @@ Columns (MiB, rank 0):
 * ``tables``: the two bf16 tables this rank holds (word embedding + output layer).
 * ``grad buf``: the fp32 ``main_grad`` buffer of those tables (Megatron DDP).
 * ``peak``: the largest total of tracked bytes during fwd+bwd (tables, grad buffer, tokens and
-  labels, every forward and backward allocation); ``in``: fwd or bwd.
+  labels, every forward and backward allocation); ``in``: fwd or bwd; ``bwd peak``: the largest
+  total during the backward alone (the tracker is entered again for it).
 * ``largest tensor``: the largest single tensor the rank ever holds (the tables included, the flat
   DDP buffer excluded): shape, dtype, MiB.
 * ``vocab width``: the widest vocabulary axis of any tensor the rank holds: ``V/p`` or ``V``.
@@ -276,6 +277,7 @@ def _build_metp(case, V, group, token_chunk, token_tile=None, grad_into_hidden=T
             # [b, s/p, h] -> [s/p, b, h], a tensor of its own (for b = 1 the transpose alone
             # would be a view), as the final norm's output the model's loss gets
             hidden = _stand_in(x.transpose(0, 1).clone(memory_format=torch.contiguous_format))
+            del x  # the embedding's output is not kept (nothing saved it)
             return metp_output_cross_entropy(hidden, self.output, labels, group=group,
                                              vocab_size=V, check_labels=False,
                                              label="output layer", token_chunk=token_chunk,
@@ -383,11 +385,17 @@ def _run_once(case, V, measure_memory):
                     for m in modes:
                         stack.enter_context(m)
                     loss = model(tokens, labels)
-                    fwd_peak = FR.snap(tracker, "peak")
-                    if live is not None:
-                        live.phase = "bwd"
+                fwd_peak = FR.snap(tracker, "peak")
+                if live is not None:
+                    live.phase = "bwd"
+                # entered again: MemTracker's peak restarts from what is alive now, so the
+                # second peak is the backward's own
+                with contextlib.ExitStack() as stack:
+                    for m in modes:
+                        stack.enter_context(m)
                     loss.sum().backward()
-                peak = FR.snap(tracker, "peak")
+                bwd_peak = FR.snap(tracker, "peak")
+                peak = max(fwd_peak, bwd_peak, key=lambda snap: snap["total"])
             else:
                 with rec:
                     loss = model(tokens, labels)
@@ -398,7 +406,7 @@ def _run_once(case, V, measure_memory):
             u()
     out = {"allocs": rec.allocs, "n_params": n_params, "loss_shape": loss_shape}
     if measure_memory:
-        out.update(peak=peak, fwd_peak=fwd_peak, work_peak=tracker.work_peak)
+        out.update(peak=peak, fwd_peak=fwd_peak, bwd_peak=bwd_peak, work_peak=tracker.work_peak)
         if live is not None:
             out["top_at_peak"] = [[nb / MiB, c, what, shape, dt, ph]
                                   for nb, c, what, shape, dt, ph in live.top(case["top"])]
@@ -460,6 +468,7 @@ def _measure(case):
         "peak_mib": peak["total"] / MiB,
         "peak_phase": "bwd" if peak["total"] > fwd_peak["total"] else "fwd",
         "fwd_peak_mib": fwd_peak["total"] / MiB,
+        "bwd_peak_mib": main["bwd_peak"]["total"] / MiB,
         "peak_by_category_mib": {k: v / MiB for k, v in cat.items()},
         "work_peak_mib": main["work_peak"] / MiB,
         "largest": _desc(largest),
@@ -549,10 +558,13 @@ def _shape(d):
 
 def _tiles(rows, args):
     """The loss backward's token tiles of the metp-vocab rows, for the table header."""
-    got = sorted({(_k(r["s"] // r["p"] * r["b"]), r["loss_tiles"]) for r in rows
+    got = sorted({(r["s"] // r["p"] * r["b"], r["loss_tiles"]) for r in rows
                   if r.get("loss_tiles")})
+    whole = [_k(n) for n, t in got if t == 1]
+    tiled = [f"{t} at {_k(n)}" for n, t in got if t > 1]
+    out = ([f"untiled at {', '.join(whole)}"] if whole else []) + tiled
     where = "dX into the hidden states" if not args.no_grad_into_hidden else "dX a new tensor"
-    return ", ".join(f"{t} at {n} tokens per rank" for n, t in got) + f" ({where})"
+    return "; ".join(out) + f" tokens per rank ({where})"
 
 
 def _chunks(rows):
@@ -577,18 +589,20 @@ def print_tables(rows, args):
           f"{'CPU' if args.cpu_matmul else 'CUDA (emulated)'} fp32-accumulation matmul branch, "
           f"loss token chunk {_chunks(rows)}, loss backward tiles {_tiles(rows, args)}. "
           f"Memory in MiB. Columns are explained in the module docstring.\n")
-    cols = ["V", "s", "p", "path", "V pad", "tables", "grad buf", "peak", "in", "largest tensor",
-            "largest MiB", "vocab width", "full-V"]
+    cols = ["V", "s", "p", "path", "V pad", "tables", "grad buf", "peak", "in", "bwd peak",
+            "largest tensor", "largest MiB", "vocab width", "full-V"]
     print("| " + " | ".join(cols) + " |")
-    print("|" + "|".join("---:" if c in ("V pad", "tables", "grad buf", "peak", "largest MiB",
-                                          "full-V") else "---" for c in cols) + "|")
+    print("|" + "|".join("---:" if c in ("V pad", "tables", "grad buf", "peak", "bwd peak",
+                                          "largest MiB", "full-V") else "---" for c in cols)
+          + "|")
     for r in rows:
         if "error" in r:
             print(f"| {r['vocab']} | {_k(r['s'])} | {r['p']} | {r['path']} | error: "
                   f"{r['error'][:200]} |" + " |" * (len(cols) - 5))
             continue
         vals = [r["vocab"], _k(r["s"]), r["p"], r["path"], r["V_padded"], r["tables_mib"],
-                r["grad_buf_mib"], r["peak_mib"], r["peak_phase"], _shape(r["largest"]),
+                r["grad_buf_mib"], r["peak_mib"], r["peak_phase"], r["bwd_peak_mib"],
+                _shape(r["largest"]),
                 r["largest"]["mib"], f"{r['vocab_width_is']} = {r['vocab_width']}",
                 r["full_vocab_tensors"]]
         print("| " + " | ".join(fmt(v) for v in vals) + " |")

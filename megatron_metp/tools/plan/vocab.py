@@ -52,9 +52,10 @@ def vocab_loss_phases(n: int, h: int, v: int, p: int, b: int = 1,
     travelling the ring (one with ``p = 1``), with ``T > 1`` the owner's fp32 total of the
     previous tiles' sums, and per shard the largest of: bf16 logits + their fp32 softmax; fp32
     ``dZ`` + its bf16 copy (``dX_c += dZ·W_j`` and ``dW_j += dZᵀ·X_c`` accumulate in place in
-    fp32: ``mm_acc``'s CUDA branch has no product temporary). At the end the ``dX`` output
-    (untiled and not into the hidden states: the fp32 ``dX`` and its bf16 copy) and ``dW``'s fp32
-    sum with its bf16 copy (the ring buffers and the second sum are gone by then)."""
+    fp32: ``mm_acc``'s CUDA branch has no product temporary). At the end (the ring buffers and
+    the second sum are gone by then): untiled, the fp32 ``dX`` with its cast (a bf16 copy, or
+    none into the hidden states) next to ``dW``'s fp32 sum; then the ``dX`` output with ``dW``'s
+    fp32 sum and its bf16 copy."""
     into = loss_grad_into_hidden_env() if grad_into_hidden is None else grad_into_hidden
     ring = p > 1
     R = loss_tile_rows(n, h)
@@ -81,14 +82,14 @@ def vocab_loss_phases(n: int, h: int, v: int, p: int, b: int = 1,
         common["weight-gradient total of the previous tiles (fp32)"] = FP32 * v * h
     step = logits
     bwd = dict(common, **{"one shard's logits / dZ (fp32 + bf16)": step})
-    end = {"dW (fp32 sum) and its bf16 copy": (FP32 + BF16) * v * h}
-    if not tiled:  # the whole fp32 dX, cast once (into a new tensor or the hidden states)
-        end["dX (fp32)" + ("" if into else " and its bf16 copy")] = \
-            (FP32 + (0 if into else BF16)) * n * h
-    elif not into:
-        end["dX output [tokens, h] (bf16)"] = BF16 * n * h
-    if sum(end.values()) > sum(bwd.values()):
-        bwd = end
+    out = {} if into else {"dX output [tokens, h] (bf16)": BF16 * n * h}
+    # at the end: untiled, the whole fp32 dX is cast once (into a new tensor or the hidden
+    # states) next to dW's fp32 sum, and freed; then dW's bf16 copy is made
+    cast = dict(out, **{"dX (fp32), cast once": FP32 * n * h, "dW (fp32 sum)": FP32 * v * h})
+    end = dict(out, **{"dW (fp32 sum) and its bf16 copy": (FP32 + BF16) * v * h})
+    for phase in ([cast] if not tiled else []) + [end]:
+        if sum(phase.values()) > sum(bwd.values()):
+            bwd = phase
     return {"loss (forward): one vocab shard's logits": fwd,
             "output layer + loss (backward): vocab ring": bwd}
 
