@@ -52,7 +52,8 @@ def _count_mm_acc(counts):
 
 def _sabotage(where):
     """Negative controls: ``overlap`` makes the second tile start one row early (that row's
-    ``dZᵀ·X`` counted twice in ``dW``); ``weight`` (in :func:`_ranks`) perturbs the output shards by 1e-2·N(0, 1)."""
+    ``dZᵀ·X`` counted twice in ``dW``); ``weight`` (in :func:`_ranks`) perturbs the output
+    shards by 1e-2·N(0, 1)."""
     from megatron_metp.ops import cross_entropy
 
     if where == "overlap":
