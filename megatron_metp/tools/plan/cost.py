@@ -20,9 +20,10 @@ from __future__ import annotations
 from typing import Dict
 
 from .hardware import HARDWARE
-from .model import Job, Model, canonical, layout
+from .model import Job, Model, canonical, layout, padded_vocab
 from .rank_memory import memory
 from .traffic import forward_traffic_per_layer, traffic_per_layer
+from .vocab import vocab_ring_traffic
 
 
 def layer_flops(model: Model, job: Job, mode: str) -> Dict[str, float]:
@@ -43,9 +44,24 @@ def layer_flops(model: Model, job: Job, mode: str) -> Dict[str, float]:
     return out
 
 
+def vocab_traffic(model: Model, job: Job, mode: str) -> Dict[str, float]:
+    """Bytes rank 0 sends per micro-batch in the vocabulary rings (mode ``metp+vocab`` or
+    ``--vocab-parallel``; nothing otherwise): the embedding's, and with PP = 1 (rank 0 is then
+    the last stage too) the loss's, whose backward ring runs once per token tile
+    (:func:`.vocab.vocab_ring_traffic`)."""
+    mode, job = canonical(mode, job)
+    lay = layout(mode, job)
+    if not lay.vocab:
+        return {}
+    n = model.seq * job.micro_batch // lay.c
+    rows = padded_vocab(model.vocab, lay.vocab_pad) // lay.vocab_shards
+    return vocab_ring_traffic(n, model.hidden, rows, lay.p, embedding=True, loss=job.pp == 1)
+
+
 def step_cost(model: Model, job: Job, mode: str) -> Dict[str, float]:
-    """One micro-batch on rank 0: FLOPs (with and without recompute), bytes sent, host↔device
-    bytes, and the estimated times (seconds)."""
+    """One micro-batch on rank 0: FLOPs (with and without recompute), bytes sent (the layers'
+    rings, again by recompute, and the vocabulary rings), host↔device bytes, and the estimated
+    times (seconds)."""
     hw = HARDWARE[job.hardware]
     L = model.layers // job.pp
     f = layer_flops(model, job, mode)
@@ -56,6 +72,7 @@ def step_cost(model: Model, job: Job, mode: str) -> Dict[str, float]:
     extra = recomputed * f["forward"]
     sent = L * sum(traffic_per_layer(model, job, mode).values())
     sent_extra = recomputed * forward_traffic_per_layer(model, job, mode)
+    sent_vocab = sum(vocab_traffic(model, job, mode).values())
     host = memory(model, job, mode).act.host
     rate = (hw.measured_tflops or 0.7 * hw.bf16_tflops) * 1e12
     compute_s = (base + extra) / rate
@@ -66,7 +83,8 @@ def step_cost(model: Model, job: Job, mode: str) -> Dict[str, float]:
     exposed_s = 0.0 if (not job.offload or job.offload_prefetch) else (host / (hw.host_gbps * 1e9))
     return {"flops": base + extra, "flops_without_recompute": base,
             "recompute_flops_share": extra / base if base else 0.0,
-            "sent": sent + sent_extra, "sent_by_recompute": sent_extra,
+            "sent": sent + sent_extra + sent_vocab, "sent_by_recompute": sent_extra,
+            "sent_by_vocab_rings": sent_vocab,
             "host_device_bytes": 2 * host, "compute_s": compute_s, "host_copy_s": copy_s,
             "offload_hidden": per_layer_copy <= per_layer_compute and not exposed_s,
             "host_copy_exposed_s": exposed_s,

@@ -128,6 +128,12 @@ def report(model: Model, job: Job, modes: Sequence[str] = MODES) -> str:
     row("fits " + hw.name, lambda r: "yes" if max(r["total"], r["last_stage_total"] or 0)
         <= capacity_bytes(job) else "NO")
     row("bytes sent / layer (fwd+bwd)", lambda r: fmt_bytes(sum(r["traffic_per_layer"].values())))
+    if any(r["cost"]["sent_by_vocab_rings"] for r in res["modes"].values()):
+        row("vocabulary rings sent / micro-batch",
+            lambda r: fmt_bytes(r["cost"]["sent_by_vocab_rings"]))
+        row("  loss backward: token tiles",
+            lambda r: f"{r['vocab']['loss_tiles']} × {r['vocab']['loss_tile_rows']:,} rows"
+            if r["cost"]["sent_by_vocab_rings"] else "")
     if job.offload:
         row("host memory (offloaded) / rank", lambda r: fmt_bytes(r["host"]))
         row(f"  per node of {GPUS_PER_NODE}", lambda r: fmt_bytes(GPUS_PER_NODE * r["host"]))
