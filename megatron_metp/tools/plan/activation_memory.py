@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Dict, Optional
 
 from .metp import _metp_phases
+from .streaming import streaming_applies, streaming_phases
 from .model import BF16, FP32, Job, Model, canonical, layout, padded_vocab
 from .recompute import recompute_and_offload
 from .stock import _stock_phases
@@ -158,7 +159,18 @@ def activations(model: Model, job: Job, mode: str, seq: Optional[int] = None,
                 (5 * A * s * s * b / t if not flash else 0)
         X = _stock_phases(model, job, lay, n, nl, S, stock_core)
 
+    streaming = mode == "metp" and streaming_applies(job, lay, mode)
     S, host_layer, shifts = recompute_and_offload(S, job, L, BF16 * nl * h)
+    host_stash = 0.0
+    if streaming:  # the layer op saves its input only and re-forms nothing whole (.streaming)
+        X = streaming_phases(model, job, lay, n, host=job.offload)
+        shifts = {"forward": 0.0, "mlp": 0.0, "backward": 0.0}
+        for name, items in X.items():
+            if "forward" in name:  # the layer's input and output (written over it offloaded)
+                items["the layer's input x and output y (one [tokens, h], bf16)"] = \
+                    BF16 * nl * h
+        if job.offload:  # one layer's attention outputs and d(qkv) on the host at a time
+            host_stash = BF16 * n * (hq + hq + 2 * hk) // t
     head: Dict[str, float] = {}
     head["RoPE angle table (fp32)"] = FP32 * (s // c) * d
     host_head = 0.0
@@ -244,6 +256,6 @@ def activations(model: Model, job: Job, mode: str, seq: Optional[int] = None,
             "(this micro-batch's activations not formed yet)":
                 emb["(this micro-batch's activations freed)"] + BF16 * n * h,
             **vocab_embedding_forward(n, h, Vr, lay.p)}
-    host = inflight * (L * host_layer + host_head)
+    host = inflight * (L * host_layer + host_head) + host_stash
     return Activations(stored_layer=S, head=head, phases=phases, persistent=persistent,
                        layers=L, inflight=inflight, korthikanti_layer=kor, host=host)
