@@ -26,6 +26,7 @@ class Activations:
     inflight: int                      # micro-batches in flight on the rank
     korthikanti_layer: Optional[float] = None  # the paper's formula, for stock modes
     host: float = 0.0                  # offloaded to host memory (all layers, all in flight)
+    offloaded_layers: int = 0          # layers per stage offloaded (--offload-activations [N])
 
     @property
     def stored_per_layer(self) -> float:
@@ -158,15 +159,17 @@ def activations(model: Model, job: Job, mode: str, seq: Optional[int] = None,
                 (5 * A * s * s * b / t if not flash else 0)
         X = _stock_phases(model, job, lay, n, nl, S, stock_core)
 
-    S, host_layer, shifts = recompute_and_offload(S, job, L, BF16 * nl * h)
+    off = offloaded_layers(job, L)
+    S, host_layer, shifts = recompute_and_offload(S, job, L, BF16 * nl * h, offloaded=off,
+                                                  frees_output=mode == "metp")
     head: Dict[str, float] = {}
     head["RoPE angle table (fp32)"] = FP32 * (s // c) * d
     host_head = 0.0
     rope = head["RoPE angle table (fp32)"]
-    if job.offload and job.recompute == "full" and rope >= 2 ** 20:
+    if off and job.recompute == "full" and rope >= 2 ** 20:
         host_head += rope  # a checkpoint argument: its first save goes to the host
     if last:
-        if job.offload:  # the final norm runs in the block: its input goes to the host
+        if off == L:  # the final norm runs in the last layer's group: its input to the host
             head["final norm output (bf16)"] = BF16 * nl * h
             host_head += BF16 * nl * h
         else:
@@ -246,4 +249,14 @@ def activations(model: Model, job: Job, mode: str, seq: Optional[int] = None,
             **vocab_embedding_forward(n, h, Vr, lay.p)}
     host = inflight * (L * host_layer + host_head)
     return Activations(stored_layer=S, head=head, phases=phases, persistent=persistent,
-                       layers=L, inflight=inflight, korthikanti_layer=kor, host=host)
+                       layers=L, inflight=inflight, korthikanti_layer=kor, host=host,
+                       offloaded_layers=off)
+
+
+def offloaded_layers(job: Job, layers: int) -> int:
+    """Layers of a stage whose saved tensors go to the host: 0 without ``--offload-activations``,
+    ``job.offload_layers`` when set (``metp plan --offload-activations N``, or the split
+    :mod:`.partial` chose), else all ``layers``."""
+    if not job.offload:
+        return 0
+    return layers if job.offload_layers is None else min(int(job.offload_layers), layers)
