@@ -103,6 +103,8 @@ class _Entry:
     on_device: Optional[torch.Tensor] = None  # after prefetch
     ready: Optional[object] = None           # CUDA event of the prefetch copy
     fake: bool = False
+    original: Optional[weakref.ref] = None   # the device tensor saved (alive if shared)
+    stamp: tuple = ()                        # its storage and version when saved
 
 
 @dataclass(eq=False)
@@ -261,7 +263,8 @@ class ActivationOffloader:
             return t  # shared by several layers: stays on the device from now on
         self._seen[id(t)] = weakref.ref(t)
         nbytes = t.numel() * t.element_size()
-        e = _Entry(self._group, t.shape, t.dtype, t.device, nbytes, fake=_is_fake(t))
+        e = _Entry(self._group, t.shape, t.dtype, t.device, nbytes, fake=_is_fake(t),
+                   original=weakref.ref(t), stamp=_stamp(t))
         if not e.fake:
             if t.is_cuda:
                 e.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
@@ -284,7 +287,12 @@ class ActivationOffloader:
     def _bring_back(self, e: _Entry, async_: bool) -> None:
         if e.on_device is not None:
             return
-        if e.fake:
+        alive = e.original() if e.original is not None else None
+        if alive is not None and _stamp(alive) == e.stamp:
+            # still on the device, unchanged (a tensor later layers saved again, the RoPE
+            # table): use it rather than a second copy
+            e.on_device = alive
+        elif e.fake:
             e.on_device = torch.empty(e.shape, dtype=e.dtype, device=e.device)
         elif e.device.type == "cuda":
             dev = torch.empty(e.shape, dtype=e.dtype, device=e.device)
@@ -345,6 +353,13 @@ class ActivationOffloader:
     def pending(self) -> int:
         """Saved tensors still held for a backward that has not run."""
         return sum(len(v) for v in self._groups.values())
+
+
+def _stamp(t: torch.Tensor) -> tuple:
+    """What must not have changed for a saved tensor to stand for its host copy: its storage,
+    shape, strides, offset and version (an in-place write bumps it)."""
+    return (t.untyped_storage()._cdata, tuple(t.shape), t.stride(), t.storage_offset(),
+            t._version)
 
 
 def check_offload_layers(n: int, layers: int, config=None, what: str = "layers") -> None:
