@@ -182,3 +182,19 @@ def test_partial_offload_trains_as_no_offload_and_sends_only_its_layers(p):
         for res in per_rank:
             layers = {layer for layer, *_ in res["partial-plain"]["sent"]}
             assert layers == {0, 1}, res["partial-plain"]["sent"]
+
+
+def test_partial_offload_with_pipeline_stages_counts_layers_per_stage():
+    """METP 2 × PP 2, 2 layers per stage, one offloaded: each stage sends its own first layer
+    (layer groups count from 0 in each stage's block and in each micro-batch's forward, two
+    micro-batches in flight on the first stage under 1F1B), and training is bit-identical."""
+    variants = [("recompute", {"layout": FULL1}),
+                ("partial", {"layout": dict(FULL1, offload_activations=1)}),
+                ("everything", {"layout": dict(FULL1, offload_activations=1)})]
+    per_rank = run_ranks(_partial_variants, 4, SWIGLU4, Layout(metp=2, pp=2), variants,
+                         everything=("everything",), timeout=300)
+    _assert_identical(per_rank, "recompute", ["partial", "everything"])
+    for res in per_rank:
+        assert {layer for layer, *_ in res["partial"]["sent"]} == {0}, res["partial"]["sent"]
+        assert {layer for layer, *_ in res["everything"]["sent"]} == {0, 1}  # negative control
+        assert res["partial"]["left"] == (0, 0)
