@@ -123,6 +123,7 @@ class _Stats:
     offloaded_bytes: int = 0
     fetched_bytes: int = 0     # bytes brought back
     prefetched_groups: int = 0
+    reused: int = 0            # brought back as the device tensor still alive (no copy)
     by_group: Dict[int, int] = field(default_factory=dict)
 
 
@@ -292,6 +293,7 @@ class ActivationOffloader:
             # still on the device, unchanged (a tensor later layers saved again, the RoPE
             # table): use it rather than a second copy
             e.on_device = alive
+            self.stats.reused += 1
         elif e.fake:
             e.on_device = torch.empty(e.shape, dtype=e.dtype, device=e.device)
         elif e.device.type == "cuda":
@@ -356,10 +358,11 @@ class ActivationOffloader:
 
 
 def _stamp(t: torch.Tensor) -> tuple:
-    """What must not have changed for a saved tensor to stand for its host copy: its storage,
-    shape, strides, offset and version (an in-place write bumps it)."""
-    return (t.untyped_storage()._cdata, tuple(t.shape), t.stride(), t.storage_offset(),
-            t._version)
+    """What must not have changed for a saved tensor to stand for its host copy: its storage
+    (the same one, not resized: ``.data`` swaps and freed storages change it), shape, strides,
+    offset and version (an in-place write bumps it)."""
+    st = t.untyped_storage()
+    return (st._cdata, st.nbytes(), tuple(t.shape), t.stride(), t.storage_offset(), t._version)
 
 
 def check_offload_layers(n: int, layers: int, config=None, what: str = "layers") -> None:
