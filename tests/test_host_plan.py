@@ -29,7 +29,8 @@ def test_host_binds_the_longest_sequence():
     assert 8 * at_4m / 2 ** 30 == pytest.approx(1058.0, abs=0.5)  # 132.25 GiB per rank
     plan = P.plan(LLAMA, JOB, ["metp"])["modes"]["metp"]
     assert plan["fits_host"] and plan["host_per_node"] == pytest.approx(8 * at_4m)
-    small = dataclasses.replace(JOB, host_memory_gib=1000)
+    # every layer offloaded (--offload-activations 32): the host binds
+    small = dataclasses.replace(JOB, host_memory_gib=1000, offload_layers=32)
     assert not P.plan(LLAMA, small, ["metp"])["modes"]["metp"]["fits_host"]
     free = P.longest_seq(LLAMA, JOB, "metp")
     bound = P.longest_seq(LLAMA, small, "metp")
@@ -49,8 +50,10 @@ def test_host_memory_flag_refused_without_offload_and_when_not_positive():
 
 
 def test_report_shows_both_sides():
-    text = P.report(LLAMA, dataclasses.replace(JOB, host_memory_gib=1000), ["metp"])
+    text = P.report(LLAMA, dataclasses.replace(JOB, host_memory_gib=1000, offload_layers=32),
+                    ["metp"])
     assert "host memory per node" in text and "fits host memory" in text and " NO" in text
+    assert "32 of 32" in text and "(auto)" not in text
     line = H.host_report(JOB, 132.25 * 2 ** 30, 132.25 * 2 ** 30)
     assert "1,058 GiB per node" in line and "1,863 GiB per node: fits" in line
 

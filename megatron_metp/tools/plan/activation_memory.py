@@ -27,6 +27,7 @@ class Activations:
     inflight: int                      # micro-batches in flight on the rank
     korthikanti_layer: Optional[float] = None  # the paper's formula, for stock modes
     host: float = 0.0                  # offloaded to host memory (all layers, all in flight)
+    offloaded_layers: int = 0          # layers per stage offloaded (--offload-activations [N])
 
     @property
     def stored_per_layer(self) -> float:
@@ -159,26 +160,30 @@ def activations(model: Model, job: Job, mode: str, seq: Optional[int] = None,
                 (5 * A * s * s * b / t if not flash else 0)
         X = _stock_phases(model, job, lay, n, nl, S, stock_core)
 
+    off = offloaded_layers(job, L)
     streaming = mode == "metp" and streaming_applies(job, lay, mode)
-    S, host_layer, shifts = recompute_and_offload(S, job, L, BF16 * nl * h)
+    S, host_layer, shifts = recompute_and_offload(S, job, L, BF16 * nl * h, offloaded=off,
+                                                  frees_output=mode == "metp")
     host_stash = 0.0
     if streaming:  # the layer op saves its input only and re-forms nothing whole (.streaming)
-        X = streaming_phases(model, job, lay, n, host=job.offload)
+        # the last layer's phases: on the host only when every layer is offloaded (a partial
+        # offload keeps the last layers on the device)
+        X = streaming_phases(model, job, lay, n, host=off == L and off > 0)
         shifts = {"forward": 0.0, "mlp": 0.0, "backward": 0.0}
         for name, items in X.items():
             if "forward" in name:  # the layer's input and output (written over it offloaded)
                 items["the layer's input x and output y (one [tokens, h], bf16)"] = \
                     BF16 * nl * h
-        if job.offload:  # one layer's attention outputs and d(qkv) on the host at a time
+        if off:  # an offloaded layer's attention outputs and d(qkv) on the host, one at a time
             host_stash = BF16 * n * (hq + hq + 2 * hk) // t
     head: Dict[str, float] = {}
     head["RoPE angle table (fp32)"] = FP32 * (s // c) * d
     host_head = 0.0
     rope = head["RoPE angle table (fp32)"]
-    if job.offload and job.recompute == "full" and rope >= 2 ** 20:
+    if off and job.recompute == "full" and rope >= 2 ** 20:
         host_head += rope  # a checkpoint argument: its first save goes to the host
     if last:
-        if job.offload:  # the final norm runs in the block: its input goes to the host
+        if off == L:  # the final norm runs in the last layer's group: its input to the host
             head["final norm output (bf16)"] = BF16 * nl * h
             host_head += BF16 * nl * h
         else:
@@ -258,4 +263,14 @@ def activations(model: Model, job: Job, mode: str, seq: Optional[int] = None,
             **vocab_embedding_forward(n, h, Vr, lay.p)}
     host = inflight * (L * host_layer + host_head) + host_stash
     return Activations(stored_layer=S, head=head, phases=phases, persistent=persistent,
-                       layers=L, inflight=inflight, korthikanti_layer=kor, host=host)
+                       layers=L, inflight=inflight, korthikanti_layer=kor, host=host,
+                       offloaded_layers=off)
+
+
+def offloaded_layers(job: Job, layers: int) -> int:
+    """Layers of a stage whose saved tensors go to the host: 0 without ``--offload-activations``,
+    ``job.offload_layers`` when set (``metp plan --offload-activations N``, or the split
+    :mod:`.partial` chose), else all ``layers``."""
+    if not job.offload:
+        return 0
+    return layers if job.offload_layers is None else min(int(job.offload_layers), layers)

@@ -12,6 +12,7 @@ from .hardware import HARDWARE
 from .host import host_fits
 from .model import BF16, FP32, GiB, Job, Model, canonical, layout, padded_vocab
 from .parameters import params, static_memory
+from .partial import resolve_offload
 from .vocab import loss_tile_count, loss_tile_rows, token_chunk
 
 
@@ -22,6 +23,7 @@ class Memory:
     seq: int
     static: Dict[str, float]
     act: Activations
+    job: Optional[Job] = None  # the job planned: with the offload split of .partial resolved
 
     @property
     def activation_peak(self) -> float:
@@ -39,11 +41,14 @@ class Memory:
 
 def memory(model: Model, job: Job, mode: str, seq: Optional[int] = None,
            stage: str = "first") -> Memory:
-    """Per-rank memory of rank 0 (the first pipeline stage), or of the last stage."""
+    """Per-rank memory of rank 0 (the first pipeline stage), or of the last stage; with
+    ``--offload-activations`` and no count, as many layers offloaded as the node's host memory
+    holds (:func:`.partial.resolve_offload`)."""
     m = model if seq is None else model.with_seq(seq)
     lay = layout(mode, job)
+    job = resolve_offload(m, job, mode)
     return Memory(mode, lay.describe(), m.seq, static_memory(m, job, mode, stage),
-                  activations(m, job, mode, stage=stage))
+                  activations(m, job, mode, stage=stage), job)
 
 
 def worst_total(model: Model, job: Job, mode: str, seq: Optional[int] = None) -> float:
