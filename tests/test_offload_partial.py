@@ -134,10 +134,17 @@ SWIGLU4 = GPTSize(**{**SIZE.__dict__, "swiglu": True, "num_layers": 4})
 FULL1 = RECOMPUTE["uniform1"]
 
 
-def _partial_variants(rank, world, size, base, variants, everything=()):
+def _partial_variants(rank, world, size, base, variants, everything=(), streaming=False):
     """``_variants`` (3 steps each) recording, per variant that offloads, the tensors its
     offloader sent to the host in the first forward: ``(layer, shape, bytes)``. The variants
-    named in ``everything`` get a policy that offloads every layer whatever it was asked."""
+    named in ``everything`` get a policy that offloads every layer whatever it was asked.
+    ``streaming``: full recompute of one layer per chunk runs as the streaming layer op
+    (megatron/streaming.py), which keeps its input on the host itself; then the host bytes
+    each layer's forward counted (``stashed``: ``(layer, bytes)``) are recorded too. Without
+    it (``METP_STREAMING_LAYER=0``) Megatron's checkpoint saves the layer inputs."""
+    import os
+
+    os.environ["METP_STREAMING_LAYER"] = "1" if streaming else "0"
     O.DEFAULT_MIN_BYTES = 0  # the tiny model's tensors are far below 1 MiB
     names = [n for n, opts in variants if opts.get("layout", {}).get("offload_activations")]
     attached = []
@@ -146,7 +153,14 @@ def _partial_variants(rank, world, size, base, variants, everything=()):
     def recording_attach(self, block):  # setup() builds one model per variant, in order
         name = names[len(attached)]
         attached.append((name, self))
-        self.sent = []
+        self.sent, self.stashed = [], []
+        count = self.count_host
+
+        def counting(nbytes, self=self):
+            if self._active:  # a forward: the layer running now
+                self.stashed.append((self.current_group, nbytes))
+            count(nbytes)
+        self.count_host = counting
         if name in everything:
             self.offloads_group = lambda group: True
         return attach(self, block)
@@ -161,8 +175,9 @@ def _partial_variants(rank, world, size, base, variants, everything=()):
     O.ActivationOffloader.attach, O.ActivationOffloader._pack = recording_attach, recording_pack
     out = _variants(rank, world, size, base, variants)
     for name, off in attached:
-        first = min(f for f, *_ in off.sent)
+        first = min((f for f, *_ in off.sent), default=None)
         out[name]["sent"] = [rec[1:] for rec in off.sent if rec[0] == first]
+        out[name]["stashed"] = off.stashed
         out[name]["host_peak"] = off.stats.host_peak
         out[name]["left"] = (off.stats.host_bytes, off.pending())
     return out
@@ -238,3 +253,27 @@ def test_partial_offload_with_pipeline_stages_counts_layers_per_stage():
         assert {layer for layer, *_ in res["partial"]["sent"]} == {0}, res["partial"]["sent"]
         assert {layer for layer, *_ in res["everything"]["sent"]} == {0, 1}  # negative control
         assert res["partial"]["left"] == (0, 0)
+
+
+def test_partial_offload_through_the_streaming_layer():
+    """With the streaming layer op (full recompute, one layer per chunk) the offloaded layers
+    keep their inputs on the host themselves: the first N layers of the forward stash an input
+    ``[s/p, b, h]`` (plus their attention outputs, released after the forward), the others
+    none; training is bit-identical to no offload and to the full offload; a policy that
+    offloads every layer is caught."""
+    p = 2
+    variants = [("recompute", {"layout": FULL1}),
+                ("full", {"layout": dict(FULL1, offload_activations=True)}),
+                ("partial", {"layout": dict(FULL1, offload_activations=2)}),
+                ("everything", {"layout": dict(FULL1, offload_activations=2)})]
+    per_rank = run_ranks(_partial_variants, p, SWIGLU4, Layout(metp=p), variants,
+                         everything=("everything",), streaming=True, timeout=300)
+    _assert_identical(per_rank, "recompute", ["full", "partial", "everything"])
+    x_bytes = 4 * (SWIGLU4.seq_length // p) * SWIGLU4.hidden_size  # fp32, micro-batch 1
+    for res in per_rank:
+        for name, layers in (("partial", {0, 1}), ("full", {0, 1, 2, 3}),
+                             ("everything", {0, 1, 2, 3})):
+            inputs = {layer for layer, nb in res[name]["stashed"] if nb == x_bytes}
+            assert inputs == layers, (name, res[name]["stashed"])
+            assert res[name]["left"] == (0, 0)
+        assert {layer for layer, _ in res["partial"]["stashed"]} == {0, 1}
