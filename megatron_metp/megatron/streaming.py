@@ -19,7 +19,11 @@ re-forms, in its backward, one head group and one tile of tokens at a time
 * with ``--metp-offload-activations`` (an :class:`~megatron_metp.runtime.offload.
   ActivationOffloader` whose forward is running and which offloads this layer) the op keeps the
   layer input, the attention outputs and ``d(qkv)`` on the host and writes each layer's output
-  over its input.
+  over its input;
+* the block's final norm runs as :func:`~megatron_metp.ops.layer_rows.streaming_norm` (in row
+  tiles, its input on the host with the last layer's group, its output over its input, its
+  input gradient over its output gradient), so that its backward holds no ``[s/p, h]`` tensor
+  beyond the gradient.
 
 Where the layer op does not apply, the block keeps Megatron's checkpoint and the separate METP
 ops (with :mod:`.recompute_output`'s freed chunk outputs); :func:`streaming_problems` says why:
@@ -37,6 +41,7 @@ from typing import List
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from ..ops.layer import metp_layer
+from ..ops.layer_rows import streaming_norm
 from ..runtime.offload import current_offloader
 from .modules import METPMLP, METPSelfAttention
 
@@ -137,4 +142,16 @@ def prepare_recompute(block) -> bool:
     block.config = cfg
     for layer in block.layers:
         layer.stream = True
+    final = getattr(block, "final_layernorm", None)
+    if final is not None:  # the final norm in tiles too: its input on the host, in place
+        # the op calls a shallow copy (the same parameters and hooks) of the module, whose
+        # forward is left as it was
+        inner = copy.copy(final)
+
+        def final_norm(hidden_states, norm=inner):
+            off = current_offloader()
+            host = off is not None and off.offloads_current_group()
+            return streaming_norm(hidden_states, norm, host=host,
+                                  offloader=off if host else None, in_place=True)
+        final.forward = final_norm
     return True

@@ -157,8 +157,8 @@ class _METPLayerFunction(torch.autograd.Function):
         N = n * b
         xs = ctx.x_stash if ctx.x_stash is not None else Stash.wrap(x.view(N, h))
         # dy becomes dh1, then dx, in place (a private copy when it cannot be written)
-        dy = grad_y if (grad_y.dtype == dtype and grad_y.is_contiguous()
-                        and grad_y.data_ptr() != 0) else grad_y.to(dtype).contiguous().clone()
+        dy = grad_y if (grad_y.dtype == dtype and grad_y.is_contiguous()) else \
+            grad_y.to(dtype).contiguous().clone()
         dy2 = dy.view(N, h)
         acc, gdt = _acc(dtype), spec.grad_dtype or _acc(dtype)
         src = Rows(xs, spec.norm1, n, b, h, spec.freqs, dtype, spec.row_tokens)

@@ -153,3 +153,78 @@ def dx_rows(dqkv_t: torch.Tensor, wqkv_all: torch.Tensor, acc_dtype) -> torch.Te
     """``d n1 = d(qkv)·Wqkv`` for rows ``dqkv_t [R, Σ rows]`` and the gathered ``Wqkv``
     ``[Σ rows, h]``: one GEMM over every head group, rounded once (into ``acc_dtype``)."""
     return mm_new(dqkv_t, wqkv_all, acc_dtype)
+
+
+class _StreamingNormFunction(torch.autograd.Function):
+    """:func:`streaming_norm`: the forward writes ``norm(x)`` row tile by row tile (over ``x``'s
+    storage once ``x`` is on the host); the backward re-forms each tile's norm from ``x`` and
+    writes the input gradient over the output gradient."""
+
+    @staticmethod
+    def forward(ctx, spec, x, *params):
+        n, b, h = x.shape
+        N = n * b
+        x2 = x.detach().view(N, h)
+        keep = any(ctx.needs_input_grad)
+        xs = None
+        if keep and spec.host:
+            from ..runtime.host_stash import Stash
+
+            xs = Stash(N, h, x, host=True, offloader=spec.offloader)
+            xs.write(slice(0, N), x2)
+            xs.fence()
+        in_place = spec.in_place and (xs is not None or not keep)
+        y = x2 if in_place else torch.empty_like(x2)
+        for t in spec.tiles:
+            rows = slice(t.start * b, t.stop * b)
+            y[rows].copy_(spec.norm.forward(x2[rows].view(-1, b, h)).reshape(-1, h))
+        ctx.spec, ctx.x_stash, ctx.shape = spec, xs, (n, b, h)
+        ctx.save_for_backward(x if keep and xs is None else None)
+        if in_place:
+            ctx.mark_dirty(x)
+            return x
+        return y.view(n, b, h)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        from ..runtime.host_stash import Stash
+
+        spec = ctx.spec
+        n, b, h = ctx.shape
+        N = n * b
+        (x,) = ctx.saved_tensors
+        xs = ctx.x_stash if ctx.x_stash is not None else Stash.wrap(x.view(N, h))
+        dtype = xs.dtype
+        dy = grad_y if (grad_y.dtype == dtype and grad_y.is_contiguous()) else \
+            grad_y.to(dtype).contiguous().clone()
+        dy2 = dy.view(N, h)
+        spec.norm.grads = [None] * len(spec.norm.params)
+        for t in spec.tiles:
+            rows = slice(t.start * b, t.stop * b)
+            graph = spec.norm.with_grad(xs.read(rows).view(-1, b, h))
+            dy2[rows].copy_(spec.norm.backward(graph, dy2[rows]).reshape(-1, h))
+            del graph
+        if ctx.x_stash is not None:
+            ctx.x_stash.release()
+            ctx.x_stash = None
+        return (None, dy.view(n, b, h), *spec.norm.param_grads())
+
+
+def streaming_norm(x: torch.Tensor, norm: torch.nn.Module, *, host: bool = False,
+                   offloader=None, in_place: bool = False, tile_rows: Optional[int] = None):
+    """``norm(x)`` for ``x`` ``[n, b, h]`` (the streaming block's final norm): saves only ``x``
+    (on the host with ``host``, read back tile by tile), runs in tiles of ``tile_rows`` tokens
+    (default: a quarter GiB of ``[·, h]`` rows), writes its output over ``x`` where safe
+    (``in_place``, as :func:`~megatron_metp.ops.layer.metp_layer`) and its input gradient over
+    the output gradient: no ``[n, h]`` tensor beyond its input (or output) and their gradient."""
+    from .tiles import tile_slices
+
+    n, b, h = x.shape
+    if not x.is_contiguous():
+        raise ValueError("streaming_norm takes a contiguous x [s/p, b, h]")
+    rows = tile_rows or max(1, (1 << 28) // max(1, b * h * x.element_size()))
+    in_place = bool(in_place) and x._base is None and not (x.is_leaf and x.requires_grad)
+    rn = RowNorm(norm)
+    spec = SimpleNamespace(norm=rn, tiles=tile_slices(n, rows), host=bool(host),
+                           offloader=offloader, in_place=in_place)
+    return _StreamingNormFunction.apply(spec, x, *rn.params)

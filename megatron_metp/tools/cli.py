@@ -257,7 +257,8 @@ def measure_table(model, job, modes, results) -> str:
                  "micro-batch fwd+bwd (×PP in flight) of megatron-core GPTModel, params + fp32 "
                  "main_grad + activations; optimizer states are planned (not measured)")
     head = ["mode", "layout", "measured peak", "planned", "diff", "+ optimizer (plan)",
-            "= total", "stored meas/plan", "sent/rank", "peak at (meas)"]
+            "= total", "stored meas/plan", "layer transient meas/plan (% of total)",
+            "sent/rank", "peak at (meas)"]
     rows = []
     for mode, r in zip(modes, results):
         lay = P.layout(mode, job).describe()
@@ -270,9 +271,13 @@ def measure_table(model, job, modes, results) -> str:
         diff = 100 * (plan_b / r["peak"] - 1)
         opt = mem.static["optimizer"]
         stored_p = mem.act.stored + mem.act.persistent
+        lt = r.get("layer_transient")
+        lt_txt = "—" if lt is None else \
+            (f"{P.fmt_bytes(lt)} / {P.fmt_bytes(mem.act.layer_transient)} "
+             f"({100 * lt / (r['peak'] + opt):.1f} %)")
         rows.append([mode, lay, P.fmt_bytes(r["peak"]), P.fmt_bytes(plan_b), f"{diff:+.2f} %",
                      P.fmt_bytes(opt), P.fmt_bytes(r["peak"] + opt),
-                     f"{P.fmt_bytes(r['stored'])} / {P.fmt_bytes(stored_p)}",
+                     f"{P.fmt_bytes(r['stored'])} / {P.fmt_bytes(stored_p)}", lt_txt,
                      P.fmt_bytes(r["sent"]), r["peak_phase"]])
     ws = [max(len(str(x[i])) for x in rows + [head]) for i in range(len(head))]
     lines.append(" | ".join(h.ljust(w) for h, w in zip(head, ws)))

@@ -203,6 +203,12 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
     seconds = time.perf_counter() - t0
     params_b = 2 * n_params
     grad_b = 4 * n_params
+    stored_b = after_fwd["cat"].get("ACT", 0)
+    # the last layer's own working set: the most it held (forward or backward) beyond the
+    # parameters, the gradient buffer and what the forward stored (the plan's "transient"
+    # convention: the incoming gradient counts, the freed head does not)
+    layer_transient = (phases["last layer"] - params_b - grad_b - stored_b
+                       if "last layer" in phases else None)
     return {
         "mode": asked, "vocab_parallel": lay.vocab, "seq": model.seq, "tokens_per_rank": n,
         "layers_on_rank": layers_here,
@@ -211,7 +217,7 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
         "peak_by_category": peak["cat"],
         "params": params_b, "grad_buffer": grad_b,
         "activation_peak": peak["total"] - params_b - grad_b,
-        "stored": after_fwd["cat"].get("ACT", 0),
+        "stored": stored_b, "layer_transient": layer_transient,
         "phases": phases,
         "sent": counter.sent, "comm_ops": counter.ops,
         "comm_bytes": counter.bytes_by_op,

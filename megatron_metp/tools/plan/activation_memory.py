@@ -49,6 +49,13 @@ class Activations:
         return max(self.phase_totals().values())
 
     @property
+    def layer_transient(self) -> float:
+        """The largest transient of a single layer's phase (forward, recompute or backward of
+        the last layer; not the loss's or the embedding's)."""
+        return max((v for k, v in self.phase_totals().items() if "(last layer)" in k),
+                   default=0.0)
+
+    @property
     def peak_phase(self) -> str:
         tot = self.phase_totals()
         return max(tot, key=tot.get)
@@ -180,7 +187,7 @@ def activations(model: Model, job: Job, mode: str, seq: Optional[int] = None,
     head["RoPE angle table (fp32)"] = FP32 * (s // c) * d
     host_head = 0.0
     rope = head["RoPE angle table (fp32)"]
-    if off and job.recompute == "full" and rope >= 2 ** 20:
+    if off and job.recompute == "full" and rope >= 2 ** 20 and not streaming:
         host_head += rope  # a checkpoint argument: its first save goes to the host
     if last:
         if off == L:  # the final norm runs in the last layer's group: its input to the host
@@ -261,7 +268,9 @@ def activations(model: Model, job: Job, mode: str, seq: Optional[int] = None,
             "(this micro-batch's activations not formed yet)":
                 emb["(this micro-batch's activations freed)"] + BF16 * n * h,
             **vocab_embedding_forward(n, h, Vr, lay.p)}
-    host = inflight * (L * host_layer + host_head) + host_stash
+    # the streaming layer's stashes live in one layer's forward or backward: the final norm's
+    # input (the head's host copy) is back on the device before the first layer backward
+    host = inflight * L * host_layer + max(inflight * host_head, host_stash)
     return Activations(stored_layer=S, head=head, phases=phases, persistent=persistent,
                        layers=L, inflight=inflight, korthikanti_layer=kor, host=host,
                        offloaded_layers=off)

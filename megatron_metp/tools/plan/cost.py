@@ -22,6 +22,7 @@ from typing import Dict
 from .hardware import HARDWARE
 from .model import Job, Model, canonical, layout, padded_vocab
 from .rank_memory import memory
+from .streaming import streaming_applies
 from .traffic import forward_traffic_per_layer, traffic_per_layer
 from .vocab import vocab_ring_traffic
 
@@ -38,7 +39,8 @@ def layer_flops(model: Model, job: Job, mode: str) -> Dict[str, float]:
     n = s * b // c
     w_attn, w_mlp = h * (q + 2 * kv) + q * h, k * h * F + F * h
     fwd = 2 * n * (w_attn + w_mlp) / t + 2 * n * s * q / t
-    out = {"forward": fwd, "backward": 2 * fwd, "METP per-shard recompute": 0.0}
+    out = {"forward": fwd, "backward": 2 * fwd, "METP per-shard recompute": 0.0,
+           "attention forward": 2 * n * w_attn / t + 2 * n * s * q / t}
     if mode == "metp" and not job.keep_intermediate:
         out["METP per-shard recompute"] = 2 * n * (h * (q + 2 * kv) + k * h * F) / t
     return out
@@ -70,6 +72,11 @@ def step_cost(model: Model, job: Job, mode: str) -> Dict[str, float]:
         recomputed = L if job.recompute_method == "uniform" else min(job.recompute_num_layers, L)
     base = L * (f["forward"] + f["backward"] + f["METP per-shard recompute"])
     extra = recomputed * f["forward"]
+    m_, j_ = canonical(mode, job)
+    if m_ == "metp" and streaming_applies(j_, layout(m_, j_), m_):
+        # the streaming layer re-runs the attention (projections and core) but not the MLP's
+        # forward (its backward pass re-forms each shard's intermediate, as always)
+        extra = recomputed * f["attention forward"]
     sent = L * sum(traffic_per_layer(model, job, mode).values())
     sent_extra = recomputed * forward_traffic_per_layer(model, job, mode)
     sent_vocab = sum(vocab_traffic(model, job, mode).values())

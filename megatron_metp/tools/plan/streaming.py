@@ -114,11 +114,12 @@ def streaming_phases(model, job, lay, n: int, host: bool) -> Dict[str, Dict[str,
                                                                    **attn_fwd)
     mlp_tile = tiling.mlp_row_bytes(h, f, k, e, FP32, False) * R
     ph["streaming layer MLP backward (last layer)"] = dict(o_all, **lse_all, **w, **{
-        "row tile: x, O, h1, norm2(h1), d norm2, d h1 (bf16)": e * R * (hq + 5 * h),
+        "row tile: h1 and norm2(h1) (bf16; x and O freed once h1 is formed)": e * R * 2 * h,
         "row tile: the MLP backward pass (fp32 d norm2; one shard's z, f(z), g·W2, dz)":
             mlp_tile,
         "the gathered output projection Woᵀ (bf16)": e * hq * h,
-        "MLP gradient sums: travelling + the tiles' (fp32)": 3 * FP32 * (k * f * h + h * f)})
+        "MLP gradient sums: two travelling, and the tiles' total (fp32)":
+            (2 + (tl.rows < n // b)) * FP32 * (k * f * h + h * f)})
     d_all = {} if host else {"every group's d(qkv) (bf16, not offloaded)": e * n * qkv}
     ring = {"K/V sub-block ring: copy + held (bf16)": 2 * e * 2 * KV * hkg,
             "K/V sub-block ring: travelling dK/dV sums (fp32)": 2 * FP32 * 2 * KV * hkg}
@@ -134,3 +135,42 @@ def streaming_phases(model, job, lay, n: int, host: bool) -> Dict[str, Dict[str,
         "row tile: d(qkv) of every group (bf16)": e * R * qkv,
         "row tile: d norm1, x, norm1(x), its input gradient (bf16)": e * R * 4 * h})
     return ph
+
+
+def streaming_traffic(model, job, lay, n: int) -> Dict[str, Dict[str, float]]:
+    """Bytes one rank sends per streaming layer (ring convention, as
+    :func:`.traffic.traffic_per_layer`): ``{"layer": {...}, "recompute": {...}}``, the recompute
+    part being what its backward sends to re-form the attention outputs (the weight broadcasts
+    and the K/V rings of every head group and query tile once more).
+
+    Per query tile the K/V ring of each head group goes round once (forward and recompute: the
+    K/V blocks; backward: the K/V blocks and their fp32 ``dK/dV`` sums, in sub-blocks that add
+    up to the same bytes), so the K/V bytes are the untiled layer's times the query tiles
+    ``T_q``; the MLP's weight ring goes round once per row tile ``T_rows`` (forward: the bf16
+    shards; backward: the shards and the fp32 gradient sums; the MLP's forward is not run
+    again); the row passes all-gather ``Wo`` (forward, and backward) and ``Wqkv`` (the ``dx``
+    pass)."""
+    from .model import BF16, FP32
+
+    b = job.micro_batch
+    h, A, G, d, F = model.hidden, model.heads, model.groups, model.head_dim, model.ffn
+    p, c, t = lay.p, lay.c, lay.t
+    sh = t * p
+    k = 2 if model.swiglu else 1
+    hq, hk = A * d, G * d
+    wa = ((hq + 2 * hk) * h + h * hq) // sh * BF16
+    wm = (k * F * h + F * h) // sh
+    kv = 2 * n * (hk // sh) * BF16
+    tl = layer_tiles(model, job, lay, n)
+    Tq = len(tl.q_tiles(n // b))
+    Tr = len(tl.row_tiles(n // b))
+    layer = {
+        "attention weights: bcast fwd+bwd, fp32 reduce": 4 * (p - 1) * wa,
+        f"attention K/V ring (every head group, {Tq} query tile(s))": 4 * Tq * p * (c - 1) * kv,
+        f"MLP weight ring fwd+bwd, fp32 gradient ring ({Tr} row tile(s))":
+            Tr * (p - 1) * (2 * wm * BF16 + wm * FP32),
+        "row passes: all-gather Wo (fwd, bwd) and Wqkv": (p - 1) * (2 * h * hq + (hq + 2 * hk)
+                                                                    * h) // sh * BF16}
+    recompute = {"attention weights: bcast (recompute)": (p - 1) * wa,
+                 "attention K/V ring (recompute)": Tq * p * (c - 1) * kv}
+    return {"layer": layer, "recompute": recompute}

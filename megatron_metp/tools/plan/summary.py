@@ -46,6 +46,7 @@ def plan(model: Model, job: Job, modes: Sequence[str] = MODES) -> Dict:
             "layers": a.layers, "inflight": a.inflight, "head": a.head,
             "persistent": a.persistent, "phases": a.phase_totals(),
             "peak_phase": a.peak_phase, "transient": a.transient,
+            "layer_transient": a.layer_transient,
             "activation_peak": a.peak, "measured_part": mem.measured_part, "total": mem.total,
             "last_stage_total": memory(model, job, mode, stage="last").total
             if job.pp > 1 else None,
@@ -123,6 +124,8 @@ def report(model: Model, job: Job, modes: Sequence[str] = MODES) -> str:
     row("persistent Megatron buffer", lambda r: fmt_bytes(r["persistent"]))
     row("transient (one layer / loss)", lambda r: fmt_bytes(r["transient"]))
     row("  at", lambda r: r["peak_phase"].split(" (")[0])
+    row("largest single-layer transient", lambda r: f"{fmt_bytes(r['layer_transient'])} "
+        f"({100 * r['layer_transient'] / r['total']:.1f} % of the total)")
     row("activation peak", lambda r: fmt_bytes(r["activation_peak"]))
     row("TOTAL per rank" + (" (first stage)" if job.pp > 1 else ""),
         lambda r: fmt_bytes(r["total"]))
