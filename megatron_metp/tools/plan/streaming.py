@@ -61,8 +61,13 @@ def layer_tiles(model, job, lay, n: int):
 
 def streaming_phases(model, job, lay, n: int, host: bool) -> Dict[str, Dict[str, float]]:
     """The streaming layer's phase transients for ``n`` rows per rank (see the module
-    docstring), relative to what is stored (the incoming gradient and the freed head are
-    added by the caller, as for every layer)."""
+    docstring), at each phase's largest moment (inside a ring step's kernel call), relative to
+    what is stored (the incoming gradient and the freed head are added by the caller, as for
+    every layer; the forward phases' layer input/output by :func:`.activations`).
+
+    GQA: a full block's kernel folds the query heads into rows (no K/V copy); the causal pieces
+    of a query tile (its square of the diagonal block) expand K/V to the query heads
+    (:mod:`megatron_metp.ops.attention_kernels`)."""
     b = job.micro_batch
     h, d, A = model.hidden, model.head_dim, model.heads
     p = lay.p
@@ -74,35 +79,27 @@ def streaming_phases(model, job, lay, n: int, host: bool) -> Dict[str, Dict[str,
     qkv = hq + 2 * hk
     tl = layer_tiles(model, job, lay, n)
     R, Q = tl.rows * b, tl.q * b                            # rows of a row / query tile
-    KV, KEYS = min(n, tl.kv * b), min(n, tl.keys * b)       # ring sub-block, kernel keys
+    KV = min(n, tl.kv * b)                                  # the ring's K/V sub-block
+    sub_blocks = -(-n // KV)
     e = BF16
+    wa = (hqg + 2 * hkg) * h + h * hqg                      # one head group's weights
+    wm = k * f * h + h * f                                  # one MLP shard
     o_all = {} if host else {"every group's attention output O (bf16, not offloaded)":
                              e * n * hq}
     lse_all = {"every group's log-sum-exp [b, A, n] (fp32)": FP32 * n * A // lay.t}
-    w = {"MLP weight ring: own packed + held shard (bf16)": 2 * e * (k * f * h + h * f),
-         "head-group weights: own packed + 2 receive buffers (bf16)":
-             3 * e * ((hqg + 2 * hkg) * h + h * hqg)}
-
-    def kernel(nq, nk):
-        """One kernel call's extra buffers (flash): contiguous q/out/dout rows, K/V expanded to
-        the query heads (GQA) and the dq/dk/dv it returns."""
-        out = {"kernel: dq, dk, dv of one call (bf16)": e * (nq * hqg + 2 * nk * hqg)}
-        if hkg < hqg:
-            out["kernel: K/V expanded to the query heads, dK/dV folded (bf16)"] = \
-                e * (2 * nk * hqg + 2 * nk * hkg)
-        return out
-
+    w = {"MLP weight ring: own packed + held shard (bf16)": 2 * e * wm,
+         "head-group weights: own packed + 2 receive buffers (bf16)": 3 * e * wa}
+    gqa = hkg < hqg
     group_kv = {"one group's K and V (bf16)": e * 2 * n * hkg}
     if model.qk_layernorm:
         group_kv["one group's pre-norm keys (bf16, --qk-layernorm)"] = e * n * hkg
-    q_fwd = {"query tile: norm1(x), q, output (bf16)": e * Q * (h + 2 * hqg),
-             "query tile: output and log-sum-exp accumulators, the merge's copies (fp32)":
-                 FP32 * Q * (3 * hqg + 2 * Ag)}
-    attn_fwd = dict(group_kv, **q_fwd, **{
+    attn_fwd = dict(group_kv, **{
         "K/V ring: payload copy + received block (bf16)": 2 * e * 2 * n * hkg,
-        "kernel: block output (bf16)": e * Q * hqg})
-    if hkg < hqg:
-        attn_fwd["kernel: K/V expanded to the query heads (bf16)"] = 2 * e * KEYS * hqg
+        "query tile: q and its output (bf16), RoPE tables": e * Q * (2 * hqg + 2 * d),
+        "query tile: output and log-sum-exp accumulators, the merge's copies (fp32)":
+            FP32 * Q * (3 * hqg + 2 * Ag),
+        "kernel: a block's output; the causal square's K/V at the query heads (bf16)":
+            e * Q * (hqg + (2 * hqg if gqa else 0))})
     rows_fwd = {"row tile: O, projection + residual h1, norm2(h1), y (bf16)": e * R * (hq + 3 * h),
                 "row tile: MLP output accumulator (fp32)": FP32 * R * h,
                 "row tile: one MLP shard's z, f(z) (bf16)": e * R * (k * f + f),
@@ -113,24 +110,29 @@ def streaming_phases(model, job, lay, n: int, host: bool) -> Dict[str, Dict[str,
     ph["streaming layer recompute: attention (last layer)"] = dict(o_all, **lse_all, **w,
                                                                    **attn_fwd)
     mlp_tile = tiling.mlp_row_bytes(h, f, k, e, FP32, False) * R
+    mlp_grads = {"the MLP's weight gradients, summed over the row tiles (fp32)": FP32 * wm}
     ph["streaming layer MLP backward (last layer)"] = dict(o_all, **lse_all, **w, **{
         "row tile: h1 and norm2(h1) (bf16; x and O freed once h1 is formed)": e * R * 2 * h,
         "row tile: the MLP backward pass (fp32 d norm2; one shard's z, f(z), g·W2, dz)":
             mlp_tile,
         "the gathered output projection Woᵀ (bf16)": e * hq * h,
-        "MLP gradient sums: two travelling, and the tiles' total (fp32)":
-            (2 + (tl.rows < n // b)) * FP32 * (k * f * h + h * f)})
+        "MLP gradient sums: two travelling (fp32)": 2 * FP32 * wm}, **mlp_grads)
     d_all = {} if host else {"every group's d(qkv) (bf16, not offloaded)": e * n * qkv}
-    ring = {"K/V sub-block ring: copy + held (bf16)": 2 * e * 2 * KV * hkg,
-            "K/V sub-block ring: travelling dK/dV sums (fp32)": 2 * FP32 * 2 * KV * hkg}
+    causal_kernel = e * Q * (3 * hqg + (2 * hqg + 2 * hkg if gqa else 2 * hkg))
+    full_kernel = e * (Q * hqg + 2 * KV * hkg)
     ph["streaming layer attention backward (last layer)"] = dict(
-        o_all, **lse_all, **d_all, **w, **group_kv, **ring, **kernel(Q, KEYS), **{
+        o_all, **lse_all, **d_all, **w, **group_kv, **mlp_grads, **{
             "one group's dK/dV summed over the query tiles (fp32)": FP32 * 2 * n * hkg,
-            "query tile: x, norm1(x) (bf16)": e * Q * 2 * h,
-            "query tile: q, O, dO, d(qkv) rows, copies of q/O/dO (bf16)": e * Q * 7 * hqg,
-            "query tile: dq and a sub-block's dq (fp32)": 2 * FP32 * Q * hqg,
-            "one group's weight gradients (fp32)": FP32 * ((hqg + 2 * hkg) * h + h * hqg)})
-    ph["streaming layer dx (last layer)"] = dict(d_all, **{
+            "K/V sub-block ring: copy + held (bf16)": 2 * e * 2 * KV * hkg,
+            "K/V sub-block ring: travelling dK/dV sums (fp32)": 2 * FP32 * 2 * KV * hkg,
+            "query tile: q, O, dO and the kernel's contiguous copies (bf16), RoPE tables":
+                e * Q * (6 * hqg + 2 * d + (hqg if model.qk_layernorm else 0)),
+            "query tile: dq (fp32; and a sub-block's)": (1 + (sub_blocks > 1)) * FP32 * Q * hqg,
+            "kernel: dq, dK/dV of a call (the causal square's at the query heads) (bf16)":
+                max(causal_kernel, full_kernel),
+            "head-group weight gradients: filling, in flight, owned (fp32)": 3 * FP32 * wa})
+    ph["streaming layer dx (last layer)"] = dict(d_all, **mlp_grads, **{
+        "the owned head group's weight gradients (fp32)": FP32 * wa,
         "the gathered Wqkv (bf16)": e * qkv * h,
         "row tile: d(qkv) of every group (bf16)": e * R * qkv,
         "row tile: d norm1, x, norm1(x), its input gradient (bf16)": e * R * 4 * h})
