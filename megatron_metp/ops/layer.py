@@ -98,6 +98,14 @@ def _attention_outputs(spec, src: Rows, wqkv, bqkv, wo, o_stash, lses) -> None:
                       lambda t, o, s=stash: s.write(_token_rows(t, b), o), lses[g])
 
 
+def _prefetch(tiles, i: int, b: int, stashes) -> None:
+    """Start the host copies of row tile ``i`` (if any) while tile ``i − 1`` computes."""
+    if i < len(tiles):
+        rows = _token_rows(tiles[i], b)
+        for s in stashes:
+            s.prefetch(rows)
+
+
 def _read_o(o_stash, rows: slice) -> torch.Tensor:
     parts = [s.read(rows) for s in o_stash]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
@@ -175,9 +183,9 @@ class _METPLayerFunction(torch.autograd.Function):
         wo_all_t = gather_rows(group, wo.t(), "attention proj (gather)")
         mlp = MLPBackward(group, w1, b1, w2, spec.activation, acc, gdt)
         db2 = dbo = None
-        for t in spec.row_tiles:
+        for i, t in enumerate(spec.row_tiles):
             rows = _token_rows(t, b)
-            xs.prefetch(rows)
+            _prefetch(spec.row_tiles, i + 1, b, [xs] + o_stash)
             h1 = attention_residual(xs.read(rows), _read_o(o_stash, rows), wo_all_t, bo)
             graph = spec.norm2.with_grad(h1.view(-1, b, h))
             del h1
@@ -222,8 +230,9 @@ class _METPLayerFunction(torch.autograd.Function):
         # 4. dx = dh1 + norm1ᵀ(d(qkv)·Wqkv), row tile by row tile
         w_all = _qkv_rows_by_part(gather_rows(group, wqkv, "attention qkv (gather)"), geo,
                                   group.size)
-        for t in spec.row_tiles:
+        for i, t in enumerate(spec.row_tiles):
             rows = _token_rows(t, b)
+            _prefetch(spec.row_tiles, i + 1, b, [xs] + dq_st + dkv_st)
             d_t = torch.cat([s.read(rows) for s in dq_st] + [s.read(rows) for s in dkv_st],
                             dim=1)
             dn1 = dx_rows(d_t, w_all, dtype)

@@ -53,8 +53,13 @@ class Rows:
         return [slice(a, min(a + self.chunk, t.stop)) for a in range(t.start, t.stop, self.chunk)]
 
     def x_tile(self, t: slice) -> torch.Tensor:
-        """``x`` of tokens ``t``: ``[|t|, b, h]``."""
-        return self.x.read(slice(t.start * self.b, t.stop * self.b)).view(-1, self.b, self.h)
+        """``x`` of tokens ``t``: ``[|t|, b, h]``; the next chunk's copy from the host is
+        started (the passes read their chunks in order)."""
+        out = self.x.read(slice(t.start * self.b, t.stop * self.b)).view(-1, self.b, self.h)
+        if t.stop < self.n:
+            nxt = min(self.n, t.stop + self.chunk)
+            self.x.prefetch(slice(t.stop * self.b, nxt * self.b))
+        return out
 
     def normed(self, t: slice) -> torch.Tensor:
         """``norm1(x)`` of tokens ``t``: ``[|t|·b, h]``."""

@@ -113,11 +113,17 @@ class Stash:
 
     def prefetch(self, rows: slice) -> None:
         """Start copying rows ``rows`` to the device (a later :meth:`read` of the same rows
-        takes them); nothing to do for a device stash or on the CPU."""
-        if not (self.host and self._cuda) or self._data is None:
+        takes them, so the copy overlaps what the compute stream runs in between); nothing to
+        do for a device stash or on the CPU. Under fake tensors the tile is allocated now, as
+        on a GPU."""
+        if not self.host or not (self._cuda or self._data is None):
             return
         key = (rows.start, rows.stop)
         if key in self._ready:
+            return
+        if self._data is None:  # fake: the device tile exists from now on
+            self._ready[key] = (torch.empty(rows.stop - rows.start, self.width,
+                                            dtype=self.dtype, device=self.device), None)
             return
         side = _side_stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
@@ -138,7 +144,9 @@ class Stash:
         if not self.host:
             return self._data[rows]
         if self._data is None:  # fake host stash: the tile is allocated on the device
-            return torch.empty(n, self.width, dtype=self.dtype, device=self.device)
+            got = self._ready.pop((rows.start, rows.stop), None)
+            return got[0] if got is not None else \
+                torch.empty(n, self.width, dtype=self.dtype, device=self.device)
         if self._cuda:
             self.prefetch(rows)
             dev, ev = self._ready.pop((rows.start, rows.stop))

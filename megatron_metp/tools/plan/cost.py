@@ -22,7 +22,7 @@ from typing import Dict
 from .hardware import HARDWARE
 from .model import Job, Model, canonical, layout, padded_vocab
 from .rank_memory import memory
-from .streaming import streaming_applies
+from .streaming import streaming_applies, streaming_host_bytes
 from .traffic import forward_traffic_per_layer, traffic_per_layer
 from .vocab import vocab_ring_traffic
 
@@ -80,19 +80,29 @@ def step_cost(model: Model, job: Job, mode: str) -> Dict[str, float]:
     sent = L * sum(traffic_per_layer(model, job, mode).values())
     sent_extra = recomputed * forward_traffic_per_layer(model, job, mode)
     sent_vocab = sum(vocab_traffic(model, job, mode).values())
-    host = memory(model, job, mode).act.host
+    act = memory(model, job, mode).act
+    host = act.host
+    moved = 2 * host
+    if m_ == "metp" and streaming_applies(j_, layout(m_, j_), m_) and act.offloaded_layers:
+        lay = layout(m_, j_)  # the streaming layers read their host copies tile by tile
+        moved = act.offloaded_layers * streaming_host_bytes(
+            model, j_, lay, model.seq * job.micro_batch // lay.c) + 2 * sum(
+            v for k, v in act.head.items() if "final norm" in k and "output" in k)
     rate = (hw.measured_tflops or 0.7 * hw.bf16_tflops) * 1e12
     compute_s = (base + extra) / rate
-    copy_s = 2 * host / (hw.host_gbps * 1e9)
+    copy_s = moved / (hw.host_gbps * 1e9)
     per_layer_compute = compute_s / max(1, L)
     per_layer_copy = copy_s / max(1, L)
-    # without prefetch every layer's copy back to the device waits in its backward's path
-    exposed_s = 0.0 if (not job.offload or job.offload_prefetch) else (host / (hw.host_gbps * 1e9))
+    streaming = m_ == "metp" and streaming_applies(j_, layout(m_, j_), m_)
+    # without prefetch every layer's copy back to the device waits in its backward's path (the
+    # streaming layer reads its host copies chunk by chunk, each started a chunk ahead)
+    exposed_s = 0.0 if (not job.offload or job.offload_prefetch or streaming) else \
+        (host / (hw.host_gbps * 1e9))
     return {"flops": base + extra, "flops_without_recompute": base,
             "recompute_flops_share": extra / base if base else 0.0,
             "sent": sent + sent_extra + sent_vocab, "sent_by_recompute": sent_extra,
             "sent_by_vocab_rings": sent_vocab,
-            "host_device_bytes": 2 * host, "compute_s": compute_s, "host_copy_s": copy_s,
+            "host_device_bytes": moved, "compute_s": compute_s, "host_copy_s": copy_s,
             "offload_hidden": per_layer_copy <= per_layer_compute and not exposed_s,
             "host_copy_exposed_s": exposed_s,
             "step_s": compute_s + max(0.0, copy_s - compute_s) + exposed_s,

@@ -176,3 +176,20 @@ def streaming_traffic(model, job, lay, n: int) -> Dict[str, Dict[str, float]]:
     recompute = {"attention weights: bcast (recompute)": (p - 1) * wa,
                  "attention K/V ring (recompute)": Tq * p * (c - 1) * kv}
     return {"layer": layer, "recompute": recompute}
+
+
+def streaming_host_bytes(model, job, lay, n: int) -> float:
+    """Bytes one offloaded streaming layer moves between host and device per micro-batch: its
+    input written once and read ``6p + 3`` times (per head group: the K/V pass and the query
+    tiles in the recompute; the K/V pass, the query tiles, and their two weight-gradient passes
+    in the backward; once each in the forward's and the backward's row passes and the ``dx``
+    pass), every head group's attention output five times (written and read in the forward,
+    written in the recompute, read in the MLP and in the attention backward), ``d(qkv)`` twice.
+    Each read of a chunk is started while the previous chunk computes."""
+    from .model import BF16
+
+    p, t = lay.p, lay.t
+    d = model.head_dim
+    hq, hk = model.heads * d // t, model.groups * d // t
+    x = BF16 * n * model.hidden
+    return x * (6 * p + 3) + 5 * BF16 * n * hq + 2 * BF16 * n * (hq + 2 * hk)
