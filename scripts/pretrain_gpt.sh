@@ -54,6 +54,12 @@
 #   METP_OFFLOAD_PREFETCH [1]               0: bring each layer back when its backward starts
 #                                           (one layer input on the GPU instead of two)
 #   METP_MLP_TOKEN_TILE [unset: auto]       --metp-mlp-token-tile (token rows per MLP ring pass)
+#   METP_STREAMING_LAYER [1]                full recompute of one layer per checkpoint runs each
+#                                           METP layer as the streaming layer op (keeps only its
+#                                           input; docs/tiles.md); 0: Megatron's checkpoint
+#   METP_TILE_BUDGET_MIB [1024]             the auto token tiles' budget (streaming layer, MLP,
+#                                           loss); METP_LAYER_TOKEN_TILE [auto] forces the
+#                                           streaming layer's row and query tiles (tokens)
 #   PACKED_SEQUENCES [0]                    1: documents packed into each sample, separated by EOD
 #                                           tokens: --reset-position-ids --reset-attention-mask
 #                                           --eod-mask-loss (METP derives the document boundaries

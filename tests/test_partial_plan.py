@@ -41,9 +41,25 @@ def test_auto_split_offloads_the_most_layers_the_host_holds():
     assert _mem(JOB).job.offload_layers is None and _mem(JOB).act.offloaded_layers == 32
 
 
-def test_device_bytes_of_a_split():
-    """Full recompute: each kept layer keeps its input on the device; with one layer kept the
-    lowest kept layer's backward also holds the prefetched last offloaded one (as two kept)."""
+def test_device_bytes_of_a_split_streaming():
+    """The streaming layer (full recompute, one layer per checkpoint): each kept layer keeps its
+    input on the device, and nothing is prefetched (offloaded layers read their input from the
+    host tile by tile), so every kept layer costs one input; the last layer kept also keeps the
+    final norm's input and its head-group outputs and d(qkv) on the device in its backward."""
+    dev = lambda k: _mem(dataclasses.replace(JOB, offload_layers=k))  # noqa: E731
+    assert dev(24).total - dev(28).total == pytest.approx(4 * X)
+    assert dev(30).total - dev(31).total == pytest.approx(X)
+    assert dev(31).act.layer_transient > dev(32).act.layer_transient
+    assert dev(31).total - dev(32).total > 2 * X  # its input and the final norm's
+    # host: one layer input per offloaded layer, and while one runs its backward its stashes
+    assert dev(32).act.host - dev(31).act.host == pytest.approx(X)
+
+
+def test_device_bytes_of_a_split(monkeypatch):
+    """Megatron's checkpoint path (``METP_STREAMING_LAYER=0``): each kept layer keeps its input
+    on the device; with one layer kept the lowest kept layer's backward also holds the
+    prefetched last offloaded one (as two kept)."""
+    monkeypatch.setenv("METP_STREAMING_LAYER", "0")
     dev = lambda k, **kw: _mem(dataclasses.replace(JOB, offload_layers=k, **kw)).total  # noqa
     assert dev(24) - dev(28) == pytest.approx(4 * X)
     assert dev(31) == pytest.approx(dev(30))
@@ -106,10 +122,12 @@ SMALL = ["--hidden", "256", "--layers", "4", "--heads", "4", "--query-groups", "
          "--measure-layers", "full"]
 
 
-def test_measure_of_the_split_agrees_with_the_plan(tmp_path, capsys):
+def test_measure_of_the_split_agrees_with_the_plan(tmp_path, capsys, monkeypatch):
     """``metp measure`` with a host of 0.1 GiB per node: 2 of 4 layers offloaded (80 MiB per
     node of 8), measured on the real model under the fake group: host bytes exactly the plan's,
-    the device peak within 1 %."""
+    the device peak within 1 %. Megatron's checkpoint path (``METP_STREAMING_LAYER=0``; the
+    streaming layer's split: tests/test_offload_partial.py)."""
+    monkeypatch.setenv("METP_STREAMING_LAYER", "0")
     out = tmp_path / "m.json"
     rc = cli.main(["measure", *SMALL, "--offload-activations", "--host-memory-gib", "0.1",
                    "--json", str(out)])
