@@ -76,23 +76,37 @@ def streaming_phases(model, job, lay, n: int, host: bool) -> Dict[str, Dict[str,
     f = model.ffn // sh
     hq, hk = A * d // lay.t, model.groups * d // lay.t      # every group's widths
     hqg, hkg, Ag = hq // p, hk // p, A // sh                # one head group's
+    Gl = model.groups // sh                                 # K/V heads of one head group
     qkv = hq + 2 * hk
     tl = layer_tiles(model, job, lay, n)
     R, Q = tl.rows * b, tl.q * b                            # rows of a row / query tile
     KV = min(n, tl.kv * b)                                  # the ring's K/V sub-block
     sub_blocks = -(-n // KV)
+    q_tiles = -(-n // Q)
+    row_tiles = -(-n // R)
     e = BF16
     wa = (hqg + 2 * hkg) * h + h * hqg                      # one head group's weights
     wm = k * f * h + h * f                                  # one MLP shard
+    # per head group: its attention output O (a device stash unless offloaded) and its fp32
+    # log-sum-exp (kept from the recompute to the group's backward)
+    o_g = 0 if host else e * n * hqg
+    lse_g = FP32 * n * Ag
     o_all = {} if host else {"every group's attention output O (bf16, not offloaded)":
-                             e * n * hq}
-    lse_all = {"every group's log-sum-exp [b, A, n] (fp32)": FP32 * n * A // lay.t}
-    w = {"MLP weight ring: own packed + held shard (bf16)": 2 * e * wm,
-         "head-group weights: own packed + 2 receive buffers (bf16)": 3 * e * wa}
+                             p * o_g}
+    lse_all = {"every group's log-sum-exp [b, A, n] (fp32)": p * lse_g}
+    # the weight rings live in their own passes: the head groups' broadcast (own packed copy,
+    # a receive buffer per other group, two at most, used alternately; none at p = 1) in the
+    # attention passes, the MLP's (own packed + held shard) in the row passes
+    w_attn = {"head-group weights: own packed + receive buffers (bf16)":
+              (1 + min(2, p - 1)) * e * wa if p > 1 else 0}
+    w_mlp = {"MLP weight ring: own packed + held shard (bf16)": 2 * e * wm}
     gqa = hkg < hqg
     group_kv = {"one group's K and V (bf16)": e * 2 * n * hkg}
     if model.qk_layernorm:
         group_kv["one group's pre-norm keys (bf16, --qk-layernorm)"] = e * n * hkg
+    if Gl > 1:  # _split: the q rows and the k/v rows of interleaved groups are copies
+        group_kv["one group's q and k/v weight rows, copied apart (bf16, G_g > 1)"] = \
+            e * (hqg + 2 * hkg) * h
     attn_fwd = dict(group_kv, **{
         "K/V ring: payload copy + received block (bf16)": 2 * e * 2 * n * hkg,
         "query tile: q and its output (bf16), RoPE tables": e * Q * (2 * hqg + 2 * d),
@@ -105,32 +119,49 @@ def streaming_phases(model, job, lay, n: int, host: bool) -> Dict[str, Dict[str,
                 "row tile: one MLP shard's z, f(z) (bf16)": e * R * (k * f + f),
                 "the gathered output projection Woᵀ (bf16)": e * hq * h}
     ph: Dict[str, Dict[str, float]] = {}
-    ph["streaming layer forward: attention (last layer)"] = dict(o_all, **w, **attn_fwd)
-    ph["streaming layer forward: rows (last layer)"] = dict(o_all, **w, **rows_fwd)
-    ph["streaming layer recompute: attention (last layer)"] = dict(o_all, **lse_all, **w,
+    ph["streaming layer forward: attention (last layer)"] = dict(o_all, **w_attn, **attn_fwd)
+    ph["streaming layer forward: rows (last layer)"] = dict(o_all, **w_mlp, **rows_fwd)
+    ph["streaming layer recompute: attention (last layer)"] = dict(o_all, **lse_all, **w_attn,
                                                                    **attn_fwd)
     mlp_tile = tiling.mlp_row_bytes(h, f, k, e, FP32, False) * R
     mlp_grads = {"the MLP's weight gradients, summed over the row tiles (fp32)": FP32 * wm}
-    ph["streaming layer MLP backward (last layer)"] = dict(o_all, **lse_all, **w, **{
+    ph["streaming layer MLP backward (last layer)"] = dict(o_all, **lse_all, **w_mlp, **{
         "row tile: h1 and norm2(h1) (bf16; x and O freed once h1 is formed)": e * R * 2 * h,
         "row tile: the MLP backward pass (fp32 d norm2; one shard's z, f(z), g·W2, dz)":
             mlp_tile,
         "the gathered output projection Woᵀ (bf16)": e * hq * h,
-        "MLP gradient sums: two travelling (fp32)": 2 * FP32 * wm}, **mlp_grads)
+        "MLP gradient sums: two travelling (fp32)": 2 * FP32 * wm,
+        # the first tile's arriving sum becomes the total: a separate one from the second on
+        "the MLP's weight gradients, summed over the row tiles (fp32; > 1 row tile)":
+            FP32 * wm if row_tiles > 1 else 0})
     d_all = {} if host else {"every group's d(qkv) (bf16, not offloaded)": e * n * qkv}
     causal_kernel = e * Q * (3 * hqg + (2 * hqg + 2 * hkg if gqa else 2 * hkg))
     full_kernel = e * (Q * hqg + 2 * KV * hkg)
+    # head group g (the loop's g-th; rank 0): the O stashes and log-sum-exps of groups < g are
+    # freed, its weight gradients fill while group g − 1's are reduced to their owner and this
+    # rank's own arrived (g ≥ 2): the largest of these moments
+    o_lse, wgrads = max([((p - g) * (o_g + lse_g), min(g + 1, 3) * FP32 * wa)
+                         for g in range(p)], key=sum)
     ph["streaming layer attention backward (last layer)"] = dict(
-        o_all, **lse_all, **d_all, **w, **group_kv, **mlp_grads, **{
-            "one group's dK/dV summed over the query tiles (fp32)": FP32 * 2 * n * hkg,
+        d_all, **w_attn, **group_kv, **mlp_grads, **{
+            "the O stashes (bf16, not offloaded) and log-sum-exps (fp32) of the groups left":
+                o_lse,
+            # allocated after the first ring call returns: alive in a kernel only from the
+            # second query tile or key sub-block on
+            "one group's dK/dV summed over the query tiles (fp32; > 1 query tile or sub-block)":
+                FP32 * 2 * n * hkg if q_tiles > 1 or sub_blocks > 1 else 0,
             "K/V sub-block ring: copy + held (bf16)": 2 * e * 2 * KV * hkg,
             "K/V sub-block ring: travelling dK/dV sums (fp32)": 2 * FP32 * 2 * KV * hkg,
-            "query tile: q, O, dO and the kernel's contiguous copies (bf16), RoPE tables":
-                e * Q * (6 * hqg + 2 * d + (hqg if model.qk_layernorm else 0)),
+            # O read back from a device stash is a view; the previous tile's RoPE tables are
+            # still bound while the next tile's ring runs
+            "query tile: q, dO, O (read back from the host) and the kernel's contiguous copies "
+            "(bf16), the previous tile's RoPE tables (> 1 query tile)":
+                e * Q * ((6 if host else 5) * hqg + (2 * d if q_tiles > 1 else 0)
+                         + (hqg if model.qk_layernorm else 0)),
             "query tile: dq (fp32; and a sub-block's)": (1 + (sub_blocks > 1)) * FP32 * Q * hqg,
             "kernel: dq, dK/dV of a call (the causal square's at the query heads) (bf16)":
                 max(causal_kernel, full_kernel),
-            "head-group weight gradients: filling, in flight, owned (fp32)": 3 * FP32 * wa})
+            "head-group weight gradients: filling, in flight, owned (fp32)": wgrads})
     ph["streaming layer dx (last layer)"] = dict(d_all, **mlp_grads, **{
         "the owned head group's weight gradients (fp32)": FP32 * wa,
         "the gathered Wqkv (bf16)": e * qkv * h,
