@@ -47,17 +47,24 @@ class Rows:
     def __init__(self, x_stash, norm1, n: int, b: int, h: int, freqs, dtype, chunk: int):
         self.x, self.norm1, self.n, self.b, self.h = x_stash, norm1, n, b, h
         self.freqs, self.dtype, self.chunk = freqs, dtype, max(1, int(chunk))
+        self._end = n  # where the current pass (:meth:`chunks`) stops
 
     def chunks(self, t: slice):
-        """``t`` cut into consecutive token slices of at most :attr:`chunk` tokens."""
+        """``t`` cut into consecutive token slices of at most :attr:`chunk` tokens (a pass:
+        its chunks are read in order by :meth:`x_tile`)."""
+        self._end = t.stop
         return [slice(a, min(a + self.chunk, t.stop)) for a in range(t.start, t.stop, self.chunk)]
 
     def x_tile(self, t: slice) -> torch.Tensor:
-        """``x`` of tokens ``t``: ``[|t|, b, h]``; the next chunk's copy from the host is
-        started (the passes read their chunks in order)."""
+        """``x`` of tokens ``t``: ``[|t|, b, h]``; the copy from the host of the chunk read next
+        is started (the passes read their chunks in order): the pass's next chunk, cut at the
+        pass's end, or after its last chunk the first chunk of the tile that follows (a
+        prefetch that no read asks for would hold its device tile until the stash is
+        released)."""
         out = self.x.read(slice(t.start * self.b, t.stop * self.b)).view(-1, self.b, self.h)
         if t.stop < self.n:
-            nxt = min(self.n, t.stop + self.chunk)
+            end = self._end if t.stop < self._end else self.n
+            nxt = min(end, t.stop + self.chunk)
             self.x.prefetch(slice(t.stop * self.b, nxt * self.b))
         return out
 
