@@ -178,7 +178,9 @@ def activations(model: Model, job: Job, mode: str, seq: Optional[int] = None,
         X = streaming_phases(model, job, lay, n, host=off == L and off > 0)
         shifts = {"forward": 0.0, "mlp": 0.0, "backward": 0.0}
         for name, items in X.items():
-            if "forward" in name:  # the layer's input and output (written over it offloaded)
+            # the layer's output y: written over x's storage when offloaded (x's device copy,
+            # not stored, lives on as y), else allocated once the attention outputs are formed
+            if "forward: rows" in name or ("forward" in name and off == L and off > 0):
                 items["the layer's input x and output y (one [tokens, h], bf16)"] = \
                     BF16 * nl * h
         if off:  # an offloaded layer's attention outputs and d(qkv) on the host, one at a time
