@@ -564,9 +564,11 @@ def part_reach(out, meas):
                "(`configs/llama3-8b-6m-metp8.sh`; planned) | ALST (published) | UPipe "
                "(published) |")
     out.append("|---|---|---:|---:|")
-    out.append(f"| {P.fmt_tokens(one)} (beyond it the node's 2 TB of host memory no longer holds "
-               f"every layer's input, and a layer kept on the GPU holds its head groups' outputs "
-               f"there) | {six.total / GiB:.2f} GiB per rank, "
+    best8 = done[("llama3-8b", 8)][0]
+    out.append(f"| {P.fmt_tokens(one)} with every layer offloaded (beyond it the node's 2 TB of "
+               f"host memory no longer holds every layer's input); {_mtok(best8.seq)} with "
+               f"{best8.offload_layers or 32} of 32 layers offloaded and the rest kept on the GPU (the "
+               f"search above) | {six.total / GiB:.2f} GiB per rank, "
                f"{8 * six.act.host / GiB:,.0f} GiB pinned per node, largest single-layer "
                f"transient {six.act.layer_transient / GiB:.2f} GiB | 3.7M | 5M |\n")
     job = P.Job(tp=1, metp=8, vocab_parallel=True, distributed_optimizer=True,
