@@ -2,8 +2,8 @@
 # Llama-3-8B at 6M tokens (6,291,456) on one node of 8 GPUs: METP 8 with the vocabulary on the ring,
 # full activation recompute of one layer per checkpoint, which METP runs as its streaming layer op
 # (megatron_metp/megatron/streaming.py): each layer keeps only its input, on pinned host memory,
-# and re-forms one head group and one tile of tokens at a time (auto tiles: 47K-token query
-# tiles, 11K-token row tiles, K/V sub-blocks of 175K keys). Each rank: 1/8 of every weight, 768K
+# and re-forms one head group and one tile of tokens at a time (auto tiles: 17 query tiles of
+# 46K tokens, 70 row tiles of 11K, K/V sub-blocks of 157K keys). Each rank: 1/8 of every weight, 768K
 # tokens; 207 GiB of pinned host memory per rank, 1,656 GiB per node.
 # Twin for scripts/compare_tp.sh: llama3-8b-6m-cp8.sh (stock Megatron context parallelism).
 # Values here are defaults: anything already set in the environment wins.
