@@ -11,7 +11,11 @@ paths:
                        the shards go round the METP ring, the loss is an online log-sum-exp over
                        the shards and over chunks of ``token_chunk`` tokens, so no logits block
                        is larger than ``[token_chunk, V/p]`` fp32 (``--token-chunk``; default the
-                       op's auto chunk, ``2**28 // (V/p)`` tokens, 1 GiB of fp32).
+                       op's auto chunk, ``2**28 // (V/p)`` tokens, 1 GiB of fp32); its backward
+                       runs the ring once per token tile (``--token-tile``; default the op's
+                       auto tile, ``METP_TILE_BUDGET_MIB`` of fp32 ``dX``: 65,536 tokens at
+                       h = 4096) and writes ``dX`` into the hidden states as the METP GPT model
+                       does (``grad_into_hidden``; ``--no-grad-into-hidden``: a new tensor).
                        ``V`` is padded to a multiple of ``128·p``
                        (``padded_vocab_size(V, 128, 1, p)``).
 * ``tp-sp``            stock Megatron, TP = ``p`` with sequence parallelism, as ``GPTModel`` runs:
@@ -35,7 +39,8 @@ over ``METPGroup.from_process_group(WORLD)``. The transformer stand-in is the id
 hidden states entering the output layer are the embeddings; the layers themselves are measured by
 ``mlp_memory.py`` / ``attention_memory.py``). Megatron's embedding dropout has p = 0 (a no-op).
 The METP path repeats by hand what ``LanguageModelEmbedding`` does around its word embedding
-without SP: ``transpose(0, 1).contiguous()`` to ``[s/p, b, h]``.
+without SP, ``transpose(0, 1)`` to ``[s/p, b, h]``, into a tensor of its own (a copy, as the final
+norm's output the loss gets in the model; the embedding's output is then freed).
 
 How (no cluster, no real allocation), as ``mlp_memory.py`` (``megatron_metp/tools/fakerank.py``): one
 subprocess per ``p`` with ``init_process_group("fake", rank=0, world_size=p, store=FakeStore())``
@@ -73,7 +78,8 @@ Columns (MiB, rank 0):
 * ``tables``: the two bf16 tables this rank holds (word embedding + output layer).
 * ``grad buf``: the fp32 ``main_grad`` buffer of those tables (Megatron DDP).
 * ``peak``: the largest total of tracked bytes during fwd+bwd (tables, grad buffer, tokens and
-  labels, every forward and backward allocation); ``in``: fwd or bwd.
+  labels, every forward and backward allocation); ``in``: fwd or bwd; ``bwd peak``: the largest
+  total during the backward alone (the tracker is entered again for it).
 * ``largest tensor``: the largest single tensor the rank ever holds (the tables included, the flat
   DDP buffer excluded): shape, dtype, MiB.
 * ``vocab width``: the widest vocabulary axis of any tensor the rank holds: ``V/p`` or ``V``.
@@ -102,6 +108,8 @@ Usage::
     python benchmarks/vocab_memory.py --out vocab.csv  # also CSV (or .json)
     python benchmarks/vocab_memory.py --vocab 128256 --seq 4194304 --paths metp-vocab \
         --token-chunk all                              # the loss untiled, for comparison
+    python benchmarks/vocab_memory.py --vocab 128256 --seq 6291456 --paths metp-vocab \
+        --token-tile 0 --no-grad-into-hidden           # the loss backward as before its tiles
 """
 
 from __future__ import annotations
@@ -176,6 +184,15 @@ def loss_token_chunk(case):
     return min(chunk, tokens)
 
 
+def loss_tile_count(case):
+    """Token tiles of the loss's backward in a case (``case["token_tile"]``: rows, 0 = whole;
+    else ``METP_LOSS_TOKEN_TILE`` or the op's auto tile)."""
+    from megatron_metp.ops.vocab import loss_tiles
+
+    tokens = (case["s"] // case["p"]) * case["b"]
+    return len(loss_tiles(case.get("token_tile"), tokens, case["h"], FP32))
+
+
 def chunk_bound(case):
     """Bytes of one ``[token_chunk, V/p]`` fp32 logits chunk: no METP tensor with a vocabulary
     axis may be larger."""
@@ -241,7 +258,7 @@ def _stand_in(hidden):
     return hidden
 
 
-def _build_metp(case, V, group, token_chunk):
+def _build_metp(case, V, group, token_chunk, token_tile=None, grad_into_hidden=True):
     import torch
 
     from megatron_metp.ops import metp_embedding, metp_output_cross_entropy
@@ -257,10 +274,15 @@ def _build_metp(case, V, group, token_chunk):
         def forward(self, tokens, labels):
             x = metp_embedding(tokens, self.embedding, group=group, vocab_size=V,
                                check_token_ids=False, label="word embeddings")
-            hidden = _stand_in(x.transpose(0, 1).contiguous())  # [b, s/p, h] -> [s/p, b, h]
+            # [b, s/p, h] -> [s/p, b, h], a tensor of its own (for b = 1 the transpose alone
+            # would be a view), as the final norm's output the model's loss gets
+            hidden = _stand_in(x.transpose(0, 1).clone(memory_format=torch.contiguous_format))
+            del x  # the embedding's output is not kept (nothing saved it)
             return metp_output_cross_entropy(hidden, self.output, labels, group=group,
                                              vocab_size=V, check_labels=False,
-                                             label="output layer", token_chunk=token_chunk)
+                                             label="output layer", token_chunk=token_chunk,
+                                             token_tile=token_tile,
+                                             grad_into_hidden=grad_into_hidden)
 
     return _METPVocab()
 
@@ -332,7 +354,8 @@ def _run_once(case, V, measure_memory):
         with FakeTensorMode():
             if path == "metp-vocab":
                 group = METPGroup.from_process_group(dist.group.WORLD, name="bench-vocab")
-                model = _build_metp(case, V, group, loss_token_chunk(case))
+                model = _build_metp(case, V, group, loss_token_chunk(case),
+                                    case.get("token_tile"), case.get("grad_into_hidden", True))
             else:
                 model = _build_megatron(case, V, p if path == "tp-sp" else 1)
             params = [prm for prm in model.parameters()]
@@ -362,11 +385,17 @@ def _run_once(case, V, measure_memory):
                     for m in modes:
                         stack.enter_context(m)
                     loss = model(tokens, labels)
-                    fwd_peak = FR.snap(tracker, "peak")
-                    if live is not None:
-                        live.phase = "bwd"
+                fwd_peak = FR.snap(tracker, "peak")
+                if live is not None:
+                    live.phase = "bwd"
+                # entered again: MemTracker's peak restarts from what is alive now, so the
+                # second peak is the backward's own
+                with contextlib.ExitStack() as stack:
+                    for m in modes:
+                        stack.enter_context(m)
                     loss.sum().backward()
-                peak = FR.snap(tracker, "peak")
+                bwd_peak = FR.snap(tracker, "peak")
+                peak = max(fwd_peak, bwd_peak, key=lambda snap: snap["total"])
             else:
                 with rec:
                     loss = model(tokens, labels)
@@ -377,7 +406,7 @@ def _run_once(case, V, measure_memory):
             u()
     out = {"allocs": rec.allocs, "n_params": n_params, "loss_shape": loss_shape}
     if measure_memory:
-        out.update(peak=peak, fwd_peak=fwd_peak, work_peak=tracker.work_peak)
+        out.update(peak=peak, fwd_peak=fwd_peak, bwd_peak=bwd_peak, work_peak=tracker.work_peak)
         if live is not None:
             out["top_at_peak"] = [[nb / MiB, c, what, shape, dt, ph]
                                   for nb, c, what, shape, dt, ph in live.top(case["top"])]
@@ -439,6 +468,7 @@ def _measure(case):
         "peak_mib": peak["total"] / MiB,
         "peak_phase": "bwd" if peak["total"] > fwd_peak["total"] else "fwd",
         "fwd_peak_mib": fwd_peak["total"] / MiB,
+        "bwd_peak_mib": main["bwd_peak"]["total"] / MiB,
         "peak_by_category_mib": {k: v / MiB for k, v in cat.items()},
         "work_peak_mib": main["work_peak"] / MiB,
         "largest": _desc(largest),
@@ -452,6 +482,7 @@ def _measure(case):
         "live_peak_op": main.get("live_peak_op"),
         "logits_bound_mib": logits_bound(case) / MiB,
         "loss_token_chunk": loss_token_chunk(case) if path == "metp-vocab" else None,
+        "loss_tiles": loss_tile_count(case) if path == "metp-vocab" else None,
         "chunk_bound_mib": chunk_bound(case) / MiB,
         "loss_shape": main["loss_shape"],
         "measure_seconds": round(seconds, 3),
@@ -462,7 +493,7 @@ def _measure(case):
 
 def make_cases(vocabs=DEFAULT_VOCAB, seqs=DEFAULT_SEQ, ps_=DEFAULT_P, hidden=DEFAULT_HIDDEN,
                batch=1, paths=DEFAULT_PATHS, main_grad=True, cpu_matmul=False, top=0,
-               token_chunk=None):
+               token_chunk=None, token_tile=None, grad_into_hidden=True):
     cases = []
     for p in ps_:
         for V in vocabs:
@@ -475,7 +506,8 @@ def make_cases(vocabs=DEFAULT_VOCAB, seqs=DEFAULT_SEQ, ps_=DEFAULT_P, hidden=DEF
                     cases.append({"vocab": V, "s": s, "b": batch, "h": hidden, "p": p,
                                   "path": path, "main_grad": main_grad,
                                   "cpu_matmul": cpu_matmul, "top": top,
-                                  "token_chunk": token_chunk})
+                                  "token_chunk": token_chunk, "token_tile": token_tile,
+                                  "grad_into_hidden": grad_into_hidden})
     return cases
 
 
@@ -524,6 +556,17 @@ def _shape(d):
     return "[" + ", ".join(str(x) for x in d["shape"]) + f"] {d['dtype']}"
 
 
+def _tiles(rows, args):
+    """The loss backward's token tiles of the metp-vocab rows, for the table header."""
+    got = sorted({(r["s"] // r["p"] * r["b"], r["loss_tiles"]) for r in rows
+                  if r.get("loss_tiles")})
+    whole = [_k(n) for n, t in got if t == 1]
+    tiled = [f"{t} at {_k(n)}" for n, t in got if t > 1]
+    out = ([f"untiled at {', '.join(whole)}"] if whole else []) + tiled
+    where = "dX into the hidden states" if not args.no_grad_into_hidden else "dX a new tensor"
+    return "; ".join(out) + f" tokens per rank ({where})"
+
+
 def _chunks(rows):
     """The loss token chunks of the metp-vocab rows, for the table header."""
     got = sorted({(r["s"] // r["p"] * r["b"], r["loss_token_chunk"]) for r in rows
@@ -544,20 +587,22 @@ def print_tables(rows, args):
           f"{'fp32 DDP grad buffer included' if not args.no_main_grad else 'no DDP grad buffer'}, "
           f"transformer stand-in = identity, "
           f"{'CPU' if args.cpu_matmul else 'CUDA (emulated)'} fp32-accumulation matmul branch, "
-          f"loss token chunk {_chunks(rows)}. "
+          f"loss token chunk {_chunks(rows)}, loss backward tiles {_tiles(rows, args)}. "
           f"Memory in MiB. Columns are explained in the module docstring.\n")
-    cols = ["V", "s", "p", "path", "V pad", "tables", "grad buf", "peak", "in", "largest tensor",
-            "largest MiB", "vocab width", "full-V"]
+    cols = ["V", "s", "p", "path", "V pad", "tables", "grad buf", "peak", "in", "bwd peak",
+            "largest tensor", "largest MiB", "vocab width", "full-V"]
     print("| " + " | ".join(cols) + " |")
-    print("|" + "|".join("---:" if c in ("V pad", "tables", "grad buf", "peak", "largest MiB",
-                                          "full-V") else "---" for c in cols) + "|")
+    print("|" + "|".join("---:" if c in ("V pad", "tables", "grad buf", "peak", "bwd peak",
+                                          "largest MiB", "full-V") else "---" for c in cols)
+          + "|")
     for r in rows:
         if "error" in r:
             print(f"| {r['vocab']} | {_k(r['s'])} | {r['p']} | {r['path']} | error: "
                   f"{r['error'][:200]} |" + " |" * (len(cols) - 5))
             continue
         vals = [r["vocab"], _k(r["s"]), r["p"], r["path"], r["V_padded"], r["tables_mib"],
-                r["grad_buf_mib"], r["peak_mib"], r["peak_phase"], _shape(r["largest"]),
+                r["grad_buf_mib"], r["peak_mib"], r["peak_phase"], r["bwd_peak_mib"],
+                _shape(r["largest"]),
                 r["largest"]["mib"], f"{r['vocab_width_is']} = {r['vocab_width']}",
                 r["full_vocab_tensors"]]
         print("| " + " | ".join(fmt(v) for v in vals) + " |")
@@ -623,6 +668,17 @@ def _token_chunk_arg(text):
     return value
 
 
+def _token_tile_arg(text):
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer (0 = whole), got "
+                                         f"{text!r}")
+    return value
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -647,11 +703,19 @@ def main(argv=None):
                     help="tokens per chunk of the METP loss (metp_output_cross_entropy's "
                          "token_chunk): a positive integer, or 'all' (untiled). Default: "
                          "$METP_LOSS_TOKEN_CHUNK or the op's auto chunk (2**28 // (V/p))")
+    ap.add_argument("--token-tile", default=None, type=_token_tile_arg,
+                    help="token rows per tile of the METP loss's backward (token_tile; one pass "
+                         "of the ring each): a non-negative integer, 0 = whole (untiled). "
+                         "Default: $METP_LOSS_TOKEN_TILE or the op's auto tile")
+    ap.add_argument("--no-grad-into-hidden", action="store_true",
+                    help="the METP loss's dX as a new tensor instead of in the hidden states' "
+                         "storage (grad_into_hidden=False; the METP GPT model writes it there)")
     _bench.add_run_args(ap)
     args = ap.parse_args(argv)
 
     cases = make_cases(args.vocab, args.seq, args.p, args.hidden, args.batch, args.paths,
-                       not args.no_main_grad, args.cpu_matmul, args.top, args.token_chunk)
+                       not args.no_main_grad, args.cpu_matmul, args.top, args.token_chunk,
+                       args.token_tile, not args.no_grad_into_hidden)
     t0 = time.perf_counter()
     results = run(cases, jobs=args.jobs, timeout=args.timeout)
     notes = print_tables(results, args)

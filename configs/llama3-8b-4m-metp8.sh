@@ -1,7 +1,9 @@
 # shellcheck shell=bash disable=SC2034  # sourced by scripts/pretrain_gpt.sh, which reads these
 # Llama-3-8B at 4M tokens (4,194,304) on one node of 8 GPUs: METP 8 with the vocabulary on the ring,
-# full activation recompute (every layer keeps only its input) and those inputs offloaded to
-# pinned host memory (the GPU holds two of them). Each rank: 1/8 of every weight, 512K tokens.
+# full activation recompute of one layer per checkpoint, which METP runs as its streaming layer op
+# (megatron_metp/megatron/streaming.py: every layer keeps only its input, on pinned host memory,
+# and re-forms one head group and one tile of tokens at a time). Each rank: 1/8 of every weight,
+# 512K tokens.
 # Twin for scripts/compare_tp.sh: llama3-8b-4m-cp8.sh (stock Megatron context parallelism).
 # Values here are defaults: anything already set in the environment wins.
 # shellcheck source=/dev/null

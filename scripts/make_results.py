@@ -553,14 +553,24 @@ def part_reach(out, meas):
                f"{1e3 * hop['step_compute_s']:.0f} ms attention per step, datasheet rates): a "
                f"flat ring suffices, no hierarchical schedule is needed at these lengths.\n")
     one_job = P.Job(tp=1, metp=8, vocab_parallel=True, distributed_optimizer=True,
-                    hardware="H100-80GB", recompute="full", offload=True, offload_prefetch=False)
+                    hardware="H100-80GB", recompute="full", offload=True)
     one = P.longest_seq(LLAMA3_8B, one_job, "metp")
-    out.append("One node, Llama-3-8B on 8 × H100-80GB, the longest sequence that fits with the "
-               "layer inputs offloaded without prefetch (one on the device; MLP token tiles):\n")
-    out.append("| METP 8 (full recompute, offload without prefetch, MLP token tiles; planned) | "
-               "ALST (published) | UPipe (published) |")
-    out.append("|---|---:|---:|")
-    out.append(f"| {P.fmt_tokens(one)} (`configs/llama3-8b-6m-metp8.sh`: 6,291,456) | 3.7M | 5M |\n")
+    six = P.memory(LLAMA3_8B.with_seq(6291456), one_job, "metp")
+    out.append("One node, Llama-3-8B on 8 × H100-80GB, the longest sequence that fits with full "
+               "recompute run as the streaming METP layer (each layer keeps only its input, on "
+               "the host, and re-forms one head group and one token tile at a time; "
+               "docs/tiles.md) and the vocabulary ring's loss in token tiles:\n")
+    out.append("| METP 8 (streaming layer, offload; planned) | 6,291,456 tokens "
+               "(`configs/llama3-8b-6m-metp8.sh`; planned) | ALST (published) | UPipe "
+               "(published) |")
+    out.append("|---|---|---:|---:|")
+    best8 = done[("llama3-8b", 8)][0]
+    out.append(f"| {P.fmt_tokens(one)} with every layer offloaded (beyond it the node's 2 TB of "
+               f"host memory no longer holds every layer's input); {_mtok(best8.seq)} with "
+               f"{best8.offload_layers or 32} of 32 layers offloaded and the rest kept on the GPU (the "
+               f"search above) | {six.total / GiB:.2f} GiB per rank, "
+               f"{8 * six.act.host / GiB:,.0f} GiB pinned per node, largest single-layer "
+               f"transient {six.act.layer_transient / GiB:.2f} GiB | 3.7M | 5M |\n")
     job = P.Job(tp=1, metp=8, vocab_parallel=True, distributed_optimizer=True,
                 hardware="H100-80GB", recompute="full", offload=True)
     model = LLAMA3_8B.with_seq(4194304)

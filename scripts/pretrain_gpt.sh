@@ -46,10 +46,20 @@
 #   METP_RING_TIMEOUT [unset]               METP flags
 #   RECOMPUTE_GRANULARITY [unset; full] RECOMPUTE_METHOD [uniform] RECOMPUTE_NUM_LAYERS [1]
 #                                           Megatron's activation recompute
-#   METP_OFFLOAD_ACTIVATIONS [0]            saved activations to host memory (also without METP)
+#   METP_OFFLOAD_ACTIVATIONS [0]            1: saved activations to host memory (also without METP)
+#   METP_OFFLOAD_LAYERS [unset: every layer] with METP_OFFLOAD_ACTIVATIONS=1: offload only the first
+#                                           N layers of each pipeline stage, keep the rest on the
+#                                           GPU (--metp-offload-activations N; metp plan says how
+#                                           many the node's host memory holds)
 #   METP_OFFLOAD_PREFETCH [1]               0: bring each layer back when its backward starts
 #                                           (one layer input on the GPU instead of two)
 #   METP_MLP_TOKEN_TILE [unset: auto]       --metp-mlp-token-tile (token rows per MLP ring pass)
+#   METP_STREAMING_LAYER [1]                full recompute of one layer per checkpoint runs each
+#                                           METP layer as the streaming layer op (keeps only its
+#                                           input; docs/tiles.md); 0: Megatron's checkpoint
+#   METP_TILE_BUDGET_MIB [1024]             the auto token tiles' budget (streaming layer, MLP,
+#                                           loss); METP_LAYER_TOKEN_TILE [auto] forces the
+#                                           streaming layer's row and query tiles (tokens)
 #   PACKED_SEQUENCES [0]                    1: documents packed into each sample, separated by EOD
 #                                           tokens: --reset-position-ids --reset-attention-mask
 #                                           --eod-mask-loss (METP derives the document boundaries
@@ -208,7 +218,12 @@ if [[ -n "${RECOMPUTE_GRANULARITY:-}" ]]; then
                               --recompute-num-layers "${RECOMPUTE_NUM_LAYERS:-1}")
     fi
 fi
-[[ "${METP_OFFLOAD_ACTIVATIONS:-0}" == 1 ]] && MODEL_PARALLEL_ARGS+=(--metp-offload-activations)
+case "${METP_OFFLOAD_ACTIVATIONS:-0}" in
+    0) [[ -z "${METP_OFFLOAD_LAYERS:-}" ]] ||
+           die "METP_OFFLOAD_LAYERS=$METP_OFFLOAD_LAYERS needs METP_OFFLOAD_ACTIVATIONS=1 (or drop it)" ;;
+    1) MODEL_PARALLEL_ARGS+=(--metp-offload-activations ${METP_OFFLOAD_LAYERS:+"$METP_OFFLOAD_LAYERS"}) ;;
+    *) die "METP_OFFLOAD_ACTIVATIONS=$METP_OFFLOAD_ACTIVATIONS: use 0 or 1 (every layer); to offload N layers per pipeline stage set METP_OFFLOAD_ACTIVATIONS=1 METP_OFFLOAD_LAYERS=N" ;;
+esac
 [[ -n "${METP_OFFLOAD_PREFETCH:-}" ]] && export METP_OFFLOAD_PREFETCH
 [[ -n "${METP_MLP_TOKEN_TILE:-}" ]] && MODEL_PARALLEL_ARGS+=(--metp-mlp-token-tile "$METP_MLP_TOKEN_TILE")
 

@@ -1,6 +1,8 @@
 """The launch/traffic work of issue 14: head-group blocks, the K/V ring's own process group, one
 batched exchange per ring step, in-place fp32 GEMMs, the fused LSE merge, cached RoPE tables,
-and the launch-counting benchmark (counts asserted, never timings)."""
+and the launch-counting benchmark (counts asserted, never timings); and issue 21's bounds on
+that benchmark (METP's launches ≤ 8× and elementwise bytes ≤ 2× TP+SP's at both block
+structures of its 32K and 128K runs), with negative controls."""
 
 import os
 import sys
@@ -252,6 +254,69 @@ def test_launch_benchmark_counts_one_batch_per_ring_step():
     assert m["flops"] <= 1.3 * t["flops"]
     assert "mm" in m["by_op"] and not any(k.startswith("zeros") for k in m["by_op"]
                                            if m["by_op"][k] > 2)
+
+
+def _tiny_p8(mode, **env):
+    """``benchmarks/launches.py``'s per-layer counts at its ``--tiny`` widths (h=64, 8 heads, ffn
+    128, s=256) on p = 8 ranks, with the head-block / tile environment exactly ``env`` (the
+    forked children inherit it)."""
+    import launches
+
+    from megatron_metp.ops.tiles import MLP_TOKEN_TILE_ENV, TILE_BUDGET_ENV
+
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("METP_HEAD_BLOCK", MLP_TOKEN_TILE_ENV, TILE_BUDGET_ENV):
+            mp.delenv(name, raising=False)
+        for name, value in env.items():
+            mp.setenv(name, value)
+        return launches.per_layer(mode, 256, 8, hidden=64, heads=8, ffn=128)
+
+
+@pytest.fixture(scope="module")
+def tp_sp_p8():
+    return _tiny_p8("tp-sp")
+
+
+@pytest.mark.parametrize("head_block,blocks", [("8", 1), ("2", 4)])
+def test_launches_and_bytes_within_issue_21_bounds(tp_sp_p8, head_block, blocks):
+    """``benchmarks/launches.py --seq 32768 131072`` (p = 8) runs the attention as one head-group
+    block (kb = 8) at 32K and as four blocks of kb = 2 at 128K (:func:`head_block_size`). Launch
+    counts depend on p, the blocks and the layer's options, not on the widths or the length, so
+    the ``--tiny`` widths with ``METP_HEAD_BLOCK`` = 8 / 2 count the benchmark's launches
+    (192 / 462 against TP+SP's 63). Bounds of issue 21: launches ≤ 8×, elementwise bytes
+    ≤ 2× TP+SP's. Each block's forward weighs its p outputs with one softmax
+    (:func:`lse.combine`), no ``logaddexp`` per ring step."""
+    m, t = _tiny_p8("metp", METP_HEAD_BLOCK=head_block), tp_sp_p8
+    assert m["attention_calls"] == 2 * 8 * blocks  # p kernel calls per block, each way
+    assert m["by_op"].get("_softmax") == blocks and "logaddexp" not in m["by_op"], m["by_op"]
+    assert m["launches"] <= 8 * t["launches"], (m["launches"], t["launches"])
+    assert m["elementwise_bytes"] <= 2 * t["elementwise_bytes"], (
+        m["elementwise_bytes"], t["elementwise_bytes"])
+
+
+def test_issue_21_bounds_catch_per_step_merges_and_forced_tiles(tp_sp_p8, monkeypatch):
+    """Negative controls of the bounds above, at the 128K block structure (kb = 2): (a) each
+    block's ring folding its outputs in as they arrive (:func:`lse.merge_`, five kernels per
+    ring step, as kb = 1 does) instead of :func:`lse.combine` exceeds 8× TP+SP's launches;
+    (b) MLP token tiles forced where the auto tile is whole (``METP_MLP_TOKEN_TILE=4``, 8 tiles
+    of 4 rows: the weight ring and its per-tile reads and writes 8 times) exceed 2× its
+    elementwise bytes (docs/tiles.md's forced-tile row)."""
+    from megatron_metp.ops import attention
+
+    t = tp_sp_p8
+    ring_forward = attention.ring_attention_forward
+
+    def fold_on_arrival(*args, **kwargs):
+        return ring_forward(*args, **dict(kwargs, defer_merge=False))
+
+    monkeypatch.setattr(attention, "ring_attention_forward", fold_on_arrival)
+    merged = _tiny_p8("metp", METP_HEAD_BLOCK="2")
+    assert "logaddexp" in merged["by_op"]  # the control ran the per-step merge
+    assert merged["launches"] > 8 * t["launches"], (merged["launches"], t["launches"])
+    monkeypatch.undo()
+    tiled = _tiny_p8("metp", METP_HEAD_BLOCK="2", METP_MLP_TOKEN_TILE="4")
+    assert tiled["elementwise_bytes"] > 2 * t["elementwise_bytes"], (
+        tiled["elementwise_bytes"], t["elementwise_bytes"])
 
 
 def test_gpu_check_dry_runs_its_code_paths_on_cpu(tmp_path):

@@ -26,10 +26,16 @@ def test_presets_have_host_memory_with_sources():
 def test_host_binds_the_longest_sequence():
     host = lambda job, s: P.memory(dataclasses.replace(LLAMA, seq=s), job, "metp").act.host  # noqa: E731
     at_4m = host(JOB, LLAMA.seq)
-    assert 8 * at_4m / 2 ** 30 == pytest.approx(1058.0, abs=0.5)  # 132.25 GiB per rank
+    # per rank: the 32 layer inputs [s/8, h] (bf16, 4 GiB each) and, while one layer runs its
+    # backward, the streaming layer's host stashes of that layer (every head group's output
+    # [s/8, A·d] and d(qkv) [s/8, (A + 2G)·d]: 10 GiB): 1,104 GiB per node of 8
+    n, h, d = LLAMA.seq // 8, LLAMA.hidden, LLAMA.hidden // LLAMA.heads
+    per_rank = 32 * n * h * 2 + n * (2 * LLAMA.heads + 2 * LLAMA.groups) * d * 2
+    assert 8 * at_4m == per_rank * 8 and 8 * at_4m / 2 ** 30 == pytest.approx(1104.0, abs=0.5)
     plan = P.plan(LLAMA, JOB, ["metp"])["modes"]["metp"]
     assert plan["fits_host"] and plan["host_per_node"] == pytest.approx(8 * at_4m)
-    small = dataclasses.replace(JOB, host_memory_gib=1000)
+    # every layer offloaded (--offload-activations 32): the host binds
+    small = dataclasses.replace(JOB, host_memory_gib=1000, offload_layers=32)
     assert not P.plan(LLAMA, small, ["metp"])["modes"]["metp"]["fits_host"]
     free = P.longest_seq(LLAMA, JOB, "metp")
     bound = P.longest_seq(LLAMA, small, "metp")
@@ -49,8 +55,10 @@ def test_host_memory_flag_refused_without_offload_and_when_not_positive():
 
 
 def test_report_shows_both_sides():
-    text = P.report(LLAMA, dataclasses.replace(JOB, host_memory_gib=1000), ["metp"])
+    text = P.report(LLAMA, dataclasses.replace(JOB, host_memory_gib=1000, offload_layers=32),
+                    ["metp"])
     assert "host memory per node" in text and "fits host memory" in text and " NO" in text
+    assert "32 of 32" in text and "(auto)" not in text
     line = H.host_report(JOB, 132.25 * 2 ** 30, 132.25 * 2 ** 30)
     assert "1,058 GiB per node" in line and "1,863 GiB per node: fits" in line
 
@@ -68,8 +76,15 @@ def test_dry_run_report_shows_host_memory_per_node_against_the_node():
         dry_run.format_report(r, gpu_memory_gib=80, host_memory_gib=1000)
 
 
-def test_no_prefetch_plans_one_layer_input_less_and_its_exposed_copies():
+def test_no_prefetch_plans_one_layer_input_less_and_its_exposed_copies(monkeypatch):
+    """Megatron's checkpoint path (METP_STREAMING_LAYER=0): the prefetched layer input. The
+    streaming layer reads its input from the host tile by tile and has none to prefetch."""
     from megatron_metp.tools.plan.cost import step_cost
+
+    streaming = P.memory(dataclasses.replace(LLAMA, seq=6291456), JOB, "metp").total
+    assert streaming == P.memory(dataclasses.replace(LLAMA, seq=6291456),
+                                 dataclasses.replace(JOB, offload_prefetch=False), "metp").total
+    monkeypatch.setenv("METP_STREAMING_LAYER", "0")
 
     six = dataclasses.replace(LLAMA, seq=6291456)
     nop = dataclasses.replace(JOB, offload_prefetch=False)

@@ -62,6 +62,34 @@ def test_metp_flags_parse():
         _parser().parse_args(["--metp-attention-kernel", "cudnn"])
 
 
+def test_offload_activations_flag_takes_an_optional_layer_count():
+    """--metp-offload-activations [N]: no N = every layer (as before), N = the first N layers of
+    each pipeline stage; N is refused before any work when it does not fit the stage or splits
+    a uniform recompute chunk, naming the flag and the fix."""
+    assert _parser().parse_args([]).metp_offload_activations is False
+    assert _parser().parse_args(["--metp-offload-activations"]).metp_offload_activations is True
+    assert _parser().parse_args(["--metp-offload-activations", "3"]).metp_offload_activations == 3
+    for bad in ("0", "-1", "all"):
+        with pytest.raises(SystemExit):
+            _parser().parse_args(["--metp-offload-activations", bad])
+    ok = _args(metp_parallel_size=4, num_layers=8, pipeline_model_parallel_size=2,
+               metp_offload_activations=4)
+    megatron_lm.validate_metp_args(ok)
+    for kw, needle in ((dict(metp_offload_activations=5),
+                        "--metp-offload-activations 5: 5 layers offloaded, but a pipeline stage "
+                        "has 4 layers; offload 1 to 4"),
+                       (dict(metp_offload_activations=3, recompute_granularity="full",
+                             recompute_method="uniform", recompute_num_layers=2),
+                        "offload a multiple of 2 (2, 4)"),
+                       (dict(metp_offload_activations=2, num_layers_per_virtual_pipeline_stage=2),
+                        "with a virtual pipeline")):
+        args = _args(metp_parallel_size=4, num_layers=8, pipeline_model_parallel_size=2, **kw)
+        with pytest.raises(ValueError) as err:
+            megatron_lm.validate_metp_args(args)
+        assert needle in str(err.value)
+        assert args.context_parallel_size == 1  # refused before anything was mapped
+
+
 def test_compose_extra_args_providers_keeps_other_providers():
     calls = []
 

@@ -1,7 +1,9 @@
 """Full recompute frees the re-formed output of each checkpointed chunk before its backward
 (megatron/recompute_output.py): 3 Megatron optimizer steps give the same losses, grad norms and
 gradients bit for bit as with the hook removed, and the hook freed exactly one output per chunk
-per micro-batch (none in the first forward, none without recompute)."""
+per micro-batch (none in the first forward, none without recompute). The hook serves Megatron's
+checkpoint; these runs switch the streaming layer op off (``METP_STREAMING_LAYER=0``), which
+otherwise takes full recompute of one layer per chunk (megatron/streaming.py)."""
 
 import dataclasses
 
@@ -20,7 +22,10 @@ def _run(rank, world, variants):
 
     from megatron_metp.megatron import cpu
 
+    import os
+
     cpu.enable()
+    os.environ["METP_STREAMING_LAYER"] = "0"
     init_parallel(Layout(metp=world), SWIGLU.seq_length)
     real = RO._free_output
     out = {}

@@ -190,6 +190,26 @@ def test_unknown_option_and_missing_config_are_explained():
     assert proc.returncode == 1 and "config file 'nope.sh' not found" in proc.stderr
 
 
+def test_offload_layers_map_to_the_flag_and_bad_values_are_refused():
+    """METP_OFFLOAD_ACTIVATIONS=1 is --metp-offload-activations (every layer), with
+    METP_OFFLOAD_LAYERS=N it is --metp-offload-activations N, which Megatron-LM's parser (the
+    METP arguments) reads back; any other value is refused before anything starts."""
+    _, every = _print_cmd("configs/tiny-cpu-metp2.sh", METP_OFFLOAD_ACTIVATIONS=1)
+    _, some = _print_cmd("configs/tiny-cpu-metp2.sh", METP_OFFLOAD_ACTIVATIONS=1,
+                         METP_OFFLOAD_LAYERS=1)
+    parser = megatron_lm.add_metp_args(argparse.ArgumentParser(allow_abbrev=False))
+    known, _ = parser.parse_known_args(some)
+    assert known.metp_offload_activations == 1 and known.metp_offload_activations is not True
+    known, _ = parser.parse_known_args(every)
+    assert known.metp_offload_activations is True
+    for env, needle in (({"METP_OFFLOAD_ACTIVATIONS": 2}, "METP_OFFLOAD_LAYERS=N"),
+                        ({"METP_OFFLOAD_LAYERS": 1}, "needs METP_OFFLOAD_ACTIVATIONS=1")):
+        proc = _run(["bash", "scripts/pretrain_gpt.sh", "--config", "configs/tiny-cpu-metp2.sh",
+                     "--print-cmd"], env=_env(MEGATRON_LM_DIR="/opt/Megatron-LM", **env),
+                    check=False)
+        assert proc.returncode == 1 and needle in proc.stderr, proc.stderr
+
+
 def test_run_mode_refuses_an_unpatched_checkout(tmp_path):
     (tmp_path / "pretrain_gpt.py").write_text("print('stock')\n")
     proc = _run(["bash", "scripts/pretrain_gpt.sh"], env=_env(MEGATRON_LM_DIR=tmp_path),

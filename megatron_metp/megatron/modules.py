@@ -193,6 +193,26 @@ class METPSelfAttention(SelfAttention):
         self.groups_tp = config.num_query_groups // t
         self._head_norm = head_norm_kwargs(self)  # checks the q/k norm modules now
 
+    def op_kwargs(self, rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None,
+                  packed_seq_params=None) -> dict:
+        """The keyword arguments :func:`megatron_metp.ops.metp_attention` (and the streaming
+        layer, :func:`megatron_metp.ops.layer.metp_layer`) take from this module and the
+        layer's RoPE / packed-document inputs: group, heads, mask, RoPE (per document when
+        packed), kernel, softmax scale, q/k norm, gradient wire dtype."""
+        packed = _document_kwargs(packed_seq_params, "METP attention")
+        if rotary_pos_cos is not None or rotary_pos_sin is not None:
+            raise ValueError("METP attention takes RoPE as rotary_pos_emb, not cos/sin tables")
+        rope = getattr(packed_seq_params, "rope", None)
+        if rope is not None and rotary_pos_emb is not None:
+            # the micro-batch's per-document angles (packing.py), one tensor for every layer
+            rotary_pos_emb, packed["rope_per_document"] = rope, True
+        return dict(packed, group=self.groups.metp, num_heads=self.heads_tp,
+                    num_query_groups=self.groups_tp, causal=self.causal,
+                    rotary_pos_emb=_single_rope(rotary_pos_emb),
+                    softmax_scale=self.config.softmax_scale, kernel=self.kernel,
+                    grad_reduce_dtype=wire_dtype(self.linear_qkv.weight, self.linear_proj.weight),
+                    **head_norm_kwargs(self))
+
     def forward(self, hidden_states, attention_mask=None, key_value_states=None,
                 inference_context=None, rotary_pos_emb=None, rotary_pos_cos=None,
                 rotary_pos_sin=None, rotary_pos_cos_sin=None, attention_bias=None,
@@ -203,25 +223,13 @@ class METPSelfAttention(SelfAttention):
                              "cross-attention or inference KV cache)")
         if attention_bias is not None:
             raise ValueError("METP attention does not support attention_bias")
-        packed = _document_kwargs(packed_seq_params, "METP attention")
-        if rotary_pos_cos is not None or rotary_pos_sin is not None:
-            raise ValueError("METP attention takes RoPE as rotary_pos_emb, not cos/sin tables")
-        rope = getattr(packed_seq_params, "rope", None)
-        if rope is not None and rotary_pos_emb is not None:
-            # the micro-batch's per-document angles (packing.py), one tensor for every layer
-            rotary_pos_emb, packed["rope_per_document"] = rope, True
         tp = self.groups.tp if self.groups.tp_size > 1 else None
         x = copy_to_tensor_model_parallel_region(hidden_states, group=tp) if tp else hidden_states
-        out = metp_attention(x, self.linear_qkv.weight, self.linear_proj.weight, **packed,
-                             group=self.groups.metp, num_heads=self.heads_tp,
-                             num_query_groups=self.groups_tp, causal=self.causal,
-                             rotary_pos_emb=_single_rope(rotary_pos_emb),
+        out = metp_attention(x, self.linear_qkv.weight, self.linear_proj.weight,
+                             **self.op_kwargs(rotary_pos_emb, rotary_pos_cos, rotary_pos_sin,
+                                              packed_seq_params),
                              qkv_bias=self.linear_qkv.bias, proj_bias=None,
-                             softmax_scale=self.config.softmax_scale, kernel=self.kernel,
-                             label=f"layer {self.layer_number} self_attention",
-                             **head_norm_kwargs(self),
-                             grad_reduce_dtype=wire_dtype(self.linear_qkv.weight,
-                                                          self.linear_proj.weight))
+                             label=f"layer {self.layer_number} self_attention")
         if tp:
             out = reduce_from_tensor_model_parallel_region(out, group=tp)
         return out, self.linear_proj.bias

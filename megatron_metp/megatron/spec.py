@@ -14,6 +14,7 @@ from . import compat
 from .groups import METPGroups
 from .linear import METPLinear
 from .modules import METPMLP, METPRingCoreAttention, METPSelfAttention
+from .streaming import METPTransformerLayer
 
 
 class _DropUnknownMLPWarning(logging.Filter):
@@ -64,6 +65,7 @@ def get_gpt_layer_metp_spec(groups: METPGroups, *, weight_ring: bool = True,
     attn.submodules.core_attention = core
     if not weight_ring:
         return spec
+    spec.module = METPTransformerLayer  # Megatron's layer; the streaming op under full recompute
     attn.module = METPSelfAttention
     attn.params = {**attn.params, "groups": groups, "kernel": kernel}
     # SelfAttention calls its linear_qkv builder directly, and build_module()s the others.

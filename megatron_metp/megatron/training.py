@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 import zlib
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -57,8 +57,9 @@ class Layout:
     ``recompute_method`` ``"uniform"``/``"block"``, ``recompute_num_layers``) on the
     TransformerConfig: whole layers, rings included, re-run in backward.
     ``offload_activations`` attaches :class:`megatron_metp.runtime.offload.ActivationOffloader` to the
-    model's transformer block (Megatron-LM: ``--metp-offload-activations``): what the layers keep
-    for backward waits in host memory. ``transformer_impl`` (``--transformer-impl``) picks the
+    model's transformer block (Megatron-LM: ``--metp-offload-activations [N]``): what the layers keep
+    for backward waits in host memory; ``True``: every layer's, an int ``N``: the first ``N``
+    layers' of each pipeline stage (the last ones keep theirs on the device). ``transformer_impl`` (``--transformer-impl``) picks the
     METP layers' norms (:func:`megatron_metp.megatron.gpu_stack.select_norm`: Transformer
     Engine's where installed, else the local ones). ``packed_eod``: the token id that ends each
     packed document (Megatron-LM's ``--reset-position-ids --reset-attention-mask
@@ -85,7 +86,7 @@ class Layout:
     recompute: Optional[str] = None
     recompute_method: str = "uniform"
     recompute_num_layers: int = 1
-    offload_activations: bool = False
+    offload_activations: Union[bool, int] = False
     transformer_impl: str = "local"
     packed_eod: Optional[int] = None
     extra: Dict = field(default_factory=dict)
@@ -111,6 +112,11 @@ class Layout:
                                             self.packed_eod < 0):
             raise ValueError(f"Layout.packed_eod must be a token id (an int >= 0) or None, got "
                              f"{self.packed_eod!r}")
+        if not isinstance(self.offload_activations, (bool, int)) or \
+                (not isinstance(self.offload_activations, bool) and self.offload_activations < 1):
+            raise ValueError(f"Layout.offload_activations must be True (every layer), False or "
+                             f"the layers per pipeline stage to offload (an int >= 1), got "
+                             f"{self.offload_activations!r}")
         if isinstance(self.recompute_num_layers, bool) or \
                 not isinstance(self.recompute_num_layers, int) or self.recompute_num_layers < 1:
             raise ValueError(f"Layout.recompute_num_layers must be an int >= 1, got "
@@ -138,6 +144,23 @@ class Layout:
         return {"recompute_granularity": self.recompute, "recompute_method": self.recompute_method,
                 "recompute_num_layers": n}
 
+    def offload_layers(self, num_layers: int) -> Optional[int]:
+        """The layers per stage :attr:`offload_activations` offloads (``None``: every layer, or
+        no offload); ``ValueError`` when ``N`` exceeds the ``num_layers / pp`` layers of a stage
+        or splits a uniform recompute chunk (``runtime.offload.check_offload_layers``)."""
+        n = self.offload_activations
+        if n is False or n is True:
+            return None
+        from types import SimpleNamespace
+
+        from ..runtime.offload import check_offload_layers
+
+        cfg = SimpleNamespace(recompute_granularity=self.recompute,
+                              recompute_method=self.recompute_method,
+                              recompute_num_layers=self.recompute_num_layers)
+        check_offload_layers(n, num_layers // self.pp, cfg, what="Layout.offload_activations")
+        return n
+
     def describe(self) -> str:
         name = {"metp": f"METP={self.metp}", "tp": "stock", "ring": f"ring-SA={self.metp}"}[self.mode]
         if self.vocab_parallel:
@@ -146,7 +169,8 @@ class Layout:
             name += (f"+recompute={self.recompute}/{self.recompute_method}/"
                      f"{self.recompute_num_layers}")
         if self.offload_activations:
-            name += "+offload"
+            name += "+offload" + ("" if self.offload_activations is True
+                                  else f"={self.offload_activations}")
         parts = [name] + [f"{k}={v}" for k, v in (("CP", self.cp), ("TP", self.tp), ("PP", self.pp))
                           if v > 1]
         dp = dist.get_world_size() // self.model_ranks if dist.is_initialized() else 1
@@ -173,6 +197,7 @@ def transformer_config(size: GPTSize, layout: Layout):
         apply_rope_fusion=False, gradient_accumulation_fusion=False,
         params_dtype=torch.float32, pipeline_dtype=torch.float32, batch_p2p_sync=False)
     kwargs.update(layout.recompute_config(size.num_layers))
+    layout.offload_layers(size.num_layers)  # refused here, before any model is built
     if layout.packed_eod is not None:
         # the loss mask leaves EOD tokens out, so the ranks of a METP ring hold different token
         # counts: gradients are scaled by the global count (Megatron-LM's
@@ -221,13 +246,13 @@ def build_model(size: GPTSize, layout: Layout, groups: METPGroups):
                 share_embeddings_and_output_weights=size.tie_embeddings,
                 position_embedding_type=size.position_embedding_type, **extra)
     if layout.mode == "metp":
-        from .recompute_output import free_recomputed_outputs
+        from .streaming import prepare_recompute
 
-        free_recomputed_outputs(model.decoder)
+        prepare_recompute(model.decoder)
     if layout.offload_activations:
         from ..runtime.offload import ActivationOffloader
 
-        ActivationOffloader().attach(model.decoder)
+        ActivationOffloader(layers=layout.offload_layers(size.num_layers)).attach(model.decoder)
     if layout.packed_eod is not None and layout.mode != "tp":
         from .packing import DocumentBoundaries
 

@@ -27,6 +27,7 @@ from megatron.core.tensor_parallel.mappings import (gather_from_tensor_model_par
 from torch.nn import Parameter
 
 from ..ops import metp_embedding, metp_output_cross_entropy, metp_output_logits
+from ..ops.vocab import loss_grad_into_hidden_env
 from .groups import METPGroups
 from .init import init_cpu_shard
 from .linear import _divide, _init_shard, _mark_sharded
@@ -187,13 +188,38 @@ class METPGPTModel(GPTModel):
 
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor):
         """``logits`` is the final hidden state ``[s/p, b, h]`` here (the output layer deferred
-        to the loss); returns the per-token loss ``[b, s/p]`` in fp32."""
+        to the loss); returns the per-token loss ``[b, s/p]`` in fp32. The loss's backward
+        writes the hidden states' gradient into their own storage where
+        :meth:`_loss_grad_into_hidden` allows it."""
         g = self._metp_groups
         layer = self.output_layer
         return metp_output_cross_entropy(
             logits, layer.take_pending_weight(), labels, group=g.metp,
             tp_group=g.tp if g.tp_size > 1 else None, vocab_start=layer.vocab_start,
-            vocab_size=self.vocab_size, label="output layer + cross-entropy")
+            vocab_size=self.vocab_size, label="output layer + cross-entropy",
+            grad_into_hidden=self._loss_grad_into_hidden(logits))
+
+    def _loss_grad_into_hidden(self, hidden: torch.Tensor) -> bool:
+        """Whether the loss may overwrite ``hidden`` (the final norm's output) with its gradient
+        in backward (``grad_into_hidden`` of :func:`metp_output_cross_entropy`: saves
+        ``[s/p·b, h]`` at the loss's backward).
+
+        Safe because nothing reads ``hidden`` after the loss's backward: ``GPTModel`` keeps it
+        in locals of ``forward`` only (MTP, which would reuse it, is refused above; the output
+        layer returns it unchanged); the final norm's autograd node saves its *input* (torch's
+        and Transformer Engine's LayerNorm/RMSNorm, apex's unless ``memory_efficient``); the
+        loss itself saves it and reads each tile's rows for the last time in that tile's pass.
+        Any other autograd node that saved it would fail loudly on its version counter. Off
+        with ``METP_LOSS_GRAD_INTO_HIDDEN=0`` (e.g. a forward hook that keeps the final hidden
+        states), with ``--memory-efficient-layer-norm`` (apex's norm then saves its output),
+        without a final norm on this stage, or for a leaf / view / non-contiguous ``hidden``."""
+        if not loss_grad_into_hidden_env() or not hidden.requires_grad:
+            return False
+        if getattr(self.config, "memory_efficient_layer_norm", False):
+            return False
+        if getattr(self.decoder, "final_layernorm", None) is None:
+            return False
+        return hidden.grad_fn is not None and hidden._base is None and hidden.is_contiguous()
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: Optional[dict] = None) -> dict:

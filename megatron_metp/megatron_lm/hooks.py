@@ -89,13 +89,16 @@ def add_metp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "log-sum-exp): no rank holds a whole table or full-vocabulary logits. Megatron "
              "pads the vocabulary to a multiple of --make-vocab-size-divisible-by x TP x METP.")
     group.add_argument(
-        "--metp-offload-activations", action="store_true",
+        "--metp-offload-activations", nargs="?", const=True, default=False, metavar="N",
+        type=_offload_layers_arg,
         help="Copy what the transformer layers keep for backward to pinned host memory as each "
              "layer finishes its forward (side CUDA stream) and bring layer l-1's back while "
              "layer l runs its backward: the GPU holds two layers' saved tensors (with "
-             "--recompute-granularity full: two layer inputs), the host the rest. Works with "
-             "and without METP; replaces Megatron's --cpu-offloading, which cannot be combined "
-             "with recompute.")
+             "--recompute-granularity full: two layer inputs), the host the rest. N: offload "
+             "only the first N layers of each pipeline stage and keep the last ones on the GPU "
+             "(when the node's host memory cannot hold every layer; metp plan says how many it "
+             "holds); no N: every layer. Works with and without METP; replaces Megatron's "
+             "--cpu-offloading, which cannot be combined with recompute.")
     group.add_argument(
         "--metp-packed-layout", choices=("dual_chunk", "balanced"), default="dual_chunk",
         help="With --reset-attention-mask: how the packed documents' tokens are spread over the "
@@ -120,6 +123,40 @@ def add_metp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
     add_tile_args(group)
     return parser
+
+
+def _offload_layers_arg(raw: str) -> int:
+    """``--metp-offload-activations N``: a positive count (checked against the layers of a
+    pipeline stage in :func:`validate_metp_args`)."""
+    if not raw.isdigit() or int(raw) < 1:
+        raise argparse.ArgumentTypeError(
+            f"N must be a positive number of layers per pipeline stage, got {raw!r}; give no N "
+            f"to offload every layer")
+    return int(raw)
+
+
+def check_offload_layers_args(args) -> None:
+    """``ValueError`` naming ``--metp-offload-activations N`` when ``N`` does not fit the job's
+    pipeline stages or recompute chunks (before any model is built)."""
+    n = getattr(args, "metp_offload_activations", False)
+    if n is True or not n:
+        return
+    if getattr(args, "num_layers_per_virtual_pipeline_stage", None) or \
+            getattr(args, "num_virtual_stages_per_pipeline_rank", None):
+        raise ValueError(f"--metp-offload-activations {n} with a virtual pipeline: every model "
+                         f"chunk of a stage has its own layers and offloader; give no N (every "
+                         f"layer) or drop the virtual pipeline")
+    pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
+    layers = args.num_layers // pp
+    for flag in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
+        if getattr(args, flag, None):
+            layers = min(layers, getattr(args, flag))
+    from ..runtime.offload import check_offload_layers
+
+    cfg = argparse.Namespace(recompute_granularity=getattr(args, "recompute_granularity", None),
+                             recompute_method=getattr(args, "recompute_method", None),
+                             recompute_num_layers=getattr(args, "recompute_num_layers", None))
+    check_offload_layers(n, layers, cfg, what=f"--metp-offload-activations {n}")
 
 
 def compose_extra_args_providers(*providers: Optional[Callable]) -> Callable:
@@ -167,6 +204,7 @@ def validate_metp_args(args):
     from .resume import check_resume_layout
 
     check_resume_layout(args)
+    check_offload_layers_args(args)
     if getattr(args, "metp_offload_activations", False) and (
             getattr(args, "cpu_offloading", False) or
             (getattr(args, "cpu_offloading_num_layers", 0) or 0) > 0):
@@ -491,13 +529,14 @@ def wrap_gpt_builder(gpt_builder: Callable) -> Callable:
         else:
             model = build_metp_gpt_model(args, pre_process, post_process, vp_stage,
                                          config=config, pg_collection=pg_collection)
-            from ..megatron.recompute_output import free_recomputed_outputs
+            from ..megatron.streaming import prepare_recompute
 
-            free_recomputed_outputs(model.decoder)
-        if getattr(args, "metp_offload_activations", False):
+            prepare_recompute(model.decoder)
+        n_off = getattr(args, "metp_offload_activations", False)
+        if n_off:
             from ..runtime.offload import ActivationOffloader
 
-            ActivationOffloader().attach(model.decoder)
+            ActivationOffloader(layers=None if n_off is True else n_off).attach(model.decoder)
         return model
 
     builder.metp_wrapped_builder = gpt_builder

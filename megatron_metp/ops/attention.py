@@ -154,8 +154,22 @@ def _check_inputs(x, wqkv, wo, bqkv, bo, group: METPGroup, A, G, layout, causal,
 
 
 #: Query-head rows (heads × local tokens × batch) a head-group block aims for on a GPU: enough
-#: for the flash kernels to fill the device (2¹⁷ rows ≈ 1,024 tiles of 128 rows, several waves
-#: on an H100/H200's 132 SMs); beyond it larger blocks only cost memory.
+#: for the flash kernels to fill the device (2¹⁷ rows ≈ 1,024 tiles of 128 rows, ≈ 7.8 waves of
+#: one tile per SM on an H100/H200's 132 SMs, so the partial last wave costs at most ~1/8 of a
+#: ring step; 2¹⁶ would be 3.9 waves, up to 1/4); beyond it larger blocks only cost memory.
+#:
+#: Why not larger (re-examined for issue 21, where Llama-7B at s = 128K, p = 8 runs 4 blocks of
+#: kb = 2 and counted 8.7× TP+SP's launches): at s/p = 16K one head group already has 64K rows,
+#: and a forward ring step of a kb = 2 block is ≈ 5.5·10¹¹ FLOP (~1 ms on an H100; backward
+#: 2.5×), against the one to three elementwise kernels per step around it (the output's
+#: ``addcmul_``; the ``dQ``, ``dK``, ``dV`` sums) and a few dozen per block, which a GPU queues
+#: behind the steps' flash kernels. A larger block would save only those launches, and costs
+#: memory in proportion to kb: ``benchmarks/attention_memory.py --seq 131072 --p 8 --methods
+#: metp-gpumm --part attention`` peaks at 1,298 / 1,782 / 3,863 MiB per rank with
+#: ``METP_HEAD_BLOCK`` = 1 / 2 / 8 (Q/K/V, the ``p`` 16-bit block outputs kept for
+#: :func:`lse.combine`, the fp32 ``dQ`` and ``dK/dV`` sums all grow with the block). The launch
+#: count was cut per block instead (:func:`lse.combine`, :func:`rope.apply_rope`: 550 → 462
+#: launches at 128K, 7.3× TP+SP's).
 HEAD_BLOCK_ROWS = 2 ** 17
 
 
@@ -482,6 +496,61 @@ class _METPAttentionFunction(torch.autograd.Function):
                 None, *head_norm_grads(head_norm, norm_acc))
 
 
+def prepare_attention(x, qkv_weight, proj_weight, *, group: METPGroup, num_heads: int,
+                      num_query_groups: int, causal: bool, layout: str, rotary_pos_emb,
+                      qkv_bias, proj_bias, kernel, head_block, cu_seqlens, rope_per_document,
+                      context_group, qk_norm, qk_norm_eps, q_norm_weight, k_norm_weight,
+                      q_norm_bias, k_norm_bias, label: str,
+                      op: str = "metp_attention"):
+    """The checks and set-up :func:`metp_attention` and the streaming layer
+    (:func:`~megatron_metp.ops.layer.metp_layer`) share: ``(seq, d, kernel, kb, cu, freqs,
+    head_norm)``: the sequence ring (the METP group, or the context group under CP), the head
+    dim, the block kernel, the head-group block size, the checked document boundaries, this
+    rank's RoPE angles ``[s/p, 1, 1, r]`` (or ``None``) and the q/k norm (or ``None``). A
+    ``ValueError`` is raised on every rank of the sequence ring together, naming ``op``."""
+    seq = group.sequence_ring if context_group is None else as_metp_group(context_group)
+    try:
+        if seq is not group and (seq.size % group.size
+                                 or any(g not in seq.ranks for g in group.ranks)):
+            raise ValueError(f"context_group {seq.name!r} (global ranks {list(seq.ranks)}) must "
+                             f"contain every rank of the METP group {group.name!r} "
+                             f"({list(group.ranks)}) and have a multiple of {group.size} ranks")
+        d = _check_inputs(x, qkv_weight, proj_weight, qkv_bias, proj_bias, group, num_heads,
+                          num_query_groups, shape_layout(layout), causal, rotary_pos_emb,
+                          seq.size)
+        kern = select_kernel(x.device, x.dtype, kernel)
+        kb = head_block_size(group.size, num_heads // group.size, x.shape[0] * x.shape[1],
+                             x.device, head_block)
+        n, p = x.shape[0], seq.size  # the sequence's split (p·c ranks under CP)
+        cu = check_packed(cu_seqlens, n * p, causal, layout, p)
+        freqs = rotary_pos_emb
+        if rope_per_document and cu is None:
+            raise ValueError("rope_per_document=True needs cu_seqlens (the angles are positions "
+                             "within packed documents); pass cu_seqlens or drop it")
+        if rope_per_document and freqs is not None:
+            if freqs.shape[0] != n:
+                raise ValueError(f"rotary_pos_emb with rope_per_document=True must be this "
+                                 f"rank's per-document angles [s/p={n}, 1, 1, r], got "
+                                 f"{tuple(freqs.shape)}")
+        elif freqs is not None and cu is not None:
+            if freqs.shape[0] != n * p:
+                raise ValueError(f"rotary_pos_emb with cu_seqlens must be the whole-sequence "
+                                 f"table [s={n * p}, 1, 1, r] (positions restart at each "
+                                 f"document start), got {tuple(freqs.shape)}: a per-rank "
+                                 f"[s/p, 1, 1, r] slice cannot be re-indexed per document")
+            freqs = freqs.index_select(0, document_positions(cu, seq.rank, p, n, layout,
+                                                             device=x.device))
+        elif freqs is not None and freqs.shape[0] != n:
+            pos = local_positions(seq.rank, p, n, layout=layout, device=x.device)
+            freqs = freqs.index_select(0, pos)
+        head_norm = check_head_norm(qk_norm, qk_norm_eps, q_norm_weight, k_norm_weight,
+                                    q_norm_bias, k_norm_bias, d, x)
+    except ValueError as exc:
+        refuse_together(seq, op_label(op, label), exc)
+        raise
+    return seq, d, kern, kb, cu, freqs, head_norm
+
+
 def metp_attention(x: torch.Tensor, qkv_weight: torch.Tensor, proj_weight: torch.Tensor, *, group,
                    num_heads: int, num_query_groups: int, causal: bool = True,
                    layout: str = "dual_chunk", rotary_pos_emb: Optional[torch.Tensor] = None,
@@ -560,46 +629,14 @@ def metp_attention(x: torch.Tensor, qkv_weight: torch.Tensor, proj_weight: torch
     rank's token partial (replicated parameter, reduced over the group by the caller's DDP).
     """
     group = as_metp_group(group)
-    seq = group.sequence_ring if context_group is None else as_metp_group(context_group)
-    try:
-        if seq is not group and (seq.size % group.size
-                                 or any(g not in seq.ranks for g in group.ranks)):
-            raise ValueError(f"context_group {seq.name!r} (global ranks {list(seq.ranks)}) must "
-                             f"contain every rank of the METP group {group.name!r} "
-                             f"({list(group.ranks)}) and have a multiple of {group.size} ranks")
-        d = _check_inputs(x, qkv_weight, proj_weight, qkv_bias, proj_bias, group, num_heads,
-                          num_query_groups, shape_layout(layout), causal, rotary_pos_emb,
-                          seq.size)
-        kern = select_kernel(x.device, x.dtype, kernel)
-        kb = head_block_size(group.size, num_heads // group.size, x.shape[0] * x.shape[1],
-                             x.device, head_block)
-        n, p = x.shape[0], seq.size  # the sequence's split (p·c ranks under CP)
-        cu = check_packed(cu_seqlens, n * p, causal, layout, p)
-        freqs = rotary_pos_emb
-        if rope_per_document and cu is None:
-            raise ValueError("rope_per_document=True needs cu_seqlens (the angles are positions "
-                             "within packed documents); pass cu_seqlens or drop it")
-        if rope_per_document and freqs is not None:
-            if freqs.shape[0] != n:
-                raise ValueError(f"rotary_pos_emb with rope_per_document=True must be this "
-                                 f"rank's per-document angles [s/p={n}, 1, 1, r], got "
-                                 f"{tuple(freqs.shape)}")
-        elif freqs is not None and cu is not None:
-            if freqs.shape[0] != n * p:
-                raise ValueError(f"rotary_pos_emb with cu_seqlens must be the whole-sequence "
-                                 f"table [s={n * p}, 1, 1, r] (positions restart at each "
-                                 f"document start), got {tuple(freqs.shape)}: a per-rank "
-                                 f"[s/p, 1, 1, r] slice cannot be re-indexed per document")
-            freqs = freqs.index_select(0, document_positions(cu, seq.rank, p, n, layout,
-                                                             device=x.device))
-        elif freqs is not None and freqs.shape[0] != n:
-            pos = local_positions(seq.rank, p, n, layout=layout, device=x.device)
-            freqs = freqs.index_select(0, pos)
-        head_norm = check_head_norm(qk_norm, qk_norm_eps, q_norm_weight, k_norm_weight,
-                                    q_norm_bias, k_norm_bias, d, x)
-    except ValueError as exc:
-        refuse_together(seq, op_label("metp_attention", label), exc)
-        raise
+    seq, d, kern, kb, cu, freqs, head_norm = prepare_attention(
+        x, qkv_weight, proj_weight, group=group, num_heads=num_heads,
+        num_query_groups=num_query_groups, causal=causal, layout=layout,
+        rotary_pos_emb=rotary_pos_emb, qkv_bias=qkv_bias, proj_bias=proj_bias, kernel=kernel,
+        head_block=head_block, cu_seqlens=cu_seqlens, rope_per_document=rope_per_document,
+        context_group=context_group, qk_norm=qk_norm, qk_norm_eps=qk_norm_eps,
+        q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, q_norm_bias=q_norm_bias,
+        k_norm_bias=k_norm_bias, label=label)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     if agreement_checks_enabled():  # over the sequence ring: every rank of every METP group
         check_group_agrees(seq, op_label("metp_attention", label), label=label, x=x,

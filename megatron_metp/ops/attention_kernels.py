@@ -88,6 +88,29 @@ def _fold_kv(t: torch.Tensor, hkv: int) -> torch.Tensor:
     return t if hkv == hq else t.view(b, hkv, hq // hkv, m, d).sum(2)
 
 
+def _fold_heads(t: torch.Tensor, hkv: int) -> torch.Tensor:
+    """``[b, hq, n(, d)]`` → ``[b, hkv, (hq/hkv)·n(, d)]``: the query heads of each K/V head laid
+    end to end as rows (query head ``i`` uses K/V head ``i // (hq/hkv)``, so a contiguous
+    ``t`` folds as a view)."""
+    b, hq, n = t.shape[:3]
+    return t.contiguous().view(b, hkv, (hq // hkv) * n, *t.shape[3:])
+
+
+def _unfold_heads(t: torch.Tensor, hq: int) -> torch.Tensor:
+    """Inverse of :func:`_fold_heads` (a view where the layout allows, else a copy)."""
+    b, hkv, rows = t.shape[:3]
+    return t.reshape(b, hq, rows * hkv // hq, *t.shape[3:])
+
+
+def _gqa_fold(q, k, causal: bool, mask) -> bool:
+    """Whether a call takes GQA by folding query heads into rows instead of expanding K/V: a
+    full (non-causal, unmasked) block, where every row attends every key on its own, so the
+    ``hq/hkv`` query heads of one K/V head are just more rows of it (no K/V copy per query head,
+    ``dK/dV`` come out per K/V head). A causal block's mask is aligned to its rows, so it keeps
+    the expansion (the streaming layer's causal pieces are one query tile's square)."""
+    return not causal and mask is None and k.shape[1] < q.shape[1]
+
+
 def _causal_mask(n: int, m: int, device) -> torch.Tensor:
     return torch.ones(n, m, dtype=torch.bool, device=device).tril()
 
@@ -151,7 +174,9 @@ class TorchFlashKernel:
     """PyTorch's fused flash-attention kernels (they return the log-sum-exp).
 
     CPU: ``_scaled_dot_product_flash_attention_for_cpu``; CUDA: ``_scaled_dot_product_flash_attention``.
-    GQA is handled by expanding K/V locally for the kernel (never before sending).
+    GQA: a full block folds the query heads of each K/V head into rows (:func:`_gqa_fold`: no
+    K/V copy); a causal or masked block expands K/V locally for the kernel (never before
+    sending).
     """
 
     name = "torch_flash"
@@ -167,6 +192,9 @@ class TorchFlashKernel:
         cuda = _cuda_path(q)
         if mask is not None and cuda:
             _refuse_mask_on_cuda()
+        if _gqa_fold(q, k, causal, mask):
+            out, lse = TorchFlashKernel.forward(_fold_heads(q, k.shape[1]), k, v, False, scale)
+            return _unfold_heads(out, hq), _unfold_heads(lse, hq)
         q = _last_dim_dense(q) if cuda else q.contiguous()
         k, v = _expand_kv(k, hq), _expand_kv(v, hq)
         k, v = (_last_dim_dense(k), _last_dim_dense(v)) if cuda else (k.contiguous(), v.contiguous())
@@ -187,6 +215,12 @@ class TorchFlashKernel:
         RNG-state arguments are made once there, not per block). ``out``/``dout`` in ``q``'s
         dtype and ``lse`` contiguous are used as given (no copies); others are converted."""
         hq, hkv = q.shape[1], k.shape[1]
+        if _gqa_fold(q, k, causal, mask):
+            f = lambda t: _fold_heads(t if t.dtype == q.dtype else t.to(q.dtype), hkv)  # noqa: E731
+            dq, dk, dv = TorchFlashKernel.backward(f(dout), f(q), k, v, f(out),
+                                                   _fold_heads(lse, hkv), False, scale,
+                                                   workspace)
+            return _unfold_heads(dq, hq), dk, dv
         cuda = _cuda_path(q)
         dense = _last_dim_dense if cuda else (lambda t: t.contiguous())
         q = dense(q)

@@ -29,22 +29,41 @@ shard ``j`` passes::
     dX_C += dZ_{C,j}·W_j   (local, fp32 accumulator for 16-bit inputs)
     dW_j += dZ_{C,j}ᵀ·X_C  (into the fp32 sum travelling to the owner, chunk after chunk)
 
-With TP, dX is summed over TP at the end. Saved for backward: ``X``, ``labels`` and ``lse``
-(``[n·b]`` fp32); nothing of size ``V``.
+With TP, dX is summed over TP (per token tile, below). Saved for backward: ``X``, ``labels`` and
+``lse`` (``[n·b]`` fp32); nothing of size ``V``.
 
-Tiling and memory. ``token_chunk`` (keyword argument; else the environment variable
+Token tiles of the backward (tile-outer, as :mod:`.mlp`'s). The ``N`` token rows are cut into
+``T`` balanced tiles of at most ``token_tile`` rows (:func:`.vocab.loss_tiles`: the argument, else
+``METP_LOSS_TOKEN_TILE``, else auto from ``METP_TILE_BUDGET_MIB``, 1 GiB of fp32 ``dX`` per
+tile: 65,536 rows at ``h = 4096``). For each tile ``T_i`` the whole backward ring above runs once
+over the tile's rows only (its chunks ``C ⊂ T_i``)::
+
+    dX_{T_i} = Σ_j Σ_{C ⊂ T_i} dZ_{C,j}·W_j     (fp32 [|T_i|, h], summed over TP, then written
+                                                 into the dX output in the input dtype)
+    dW_r    = Σ_i (Σ_ranks Σ_{C ⊂ T_i} dZ_{C,r}ᵀ·X_C)   (each tile's sum arrives complete at the
+                                                         owner r, which adds up the tiles)
+
+so the fp32 ``dX`` accumulator is one tile's, never ``[N, h]``. The backward's weight shards
+and gradient sums go round ``T`` times (``T·(p-1)`` shards of ``[v, h]`` in the input dtype and
+``T·(p-1)`` fp32 sums per rank). Each ring step of a tile still computes on ``|T_i|`` rows (3
+GEMMs of ``|T_i|·v·h``), far above the ring's overlap threshold at the auto tile. One tile is
+exactly the untiled backward (one fp32 ``dX`` cast once). With ``grad_into_hidden`` the ``dX``
+output is ``X``'s own storage: tile ``T_i``'s rows of ``X`` are read for the last time in its
+pass (``dW_j`` needs ``X_C``), so its ``dX`` rows overwrite them right after.
+
+Chunks and memory. ``token_chunk`` (keyword argument; else the environment variable
 ``METP_LOSS_TOKEN_CHUNK``; else auto: the most rows with ``token_chunk·v <= 2**28``, i.e. one
 fp32 logits chunk of at most 1 GiB — 16,644 tokens for Llama-3's vocabulary at ``p = 8``,
 ``V = 129024`` padded, ``v = 16128``) bounds every temporary with a vocabulary axis: the largest
 is one ``[token_chunk, v]`` fp32 logits / ``dZ`` chunk (with its 16-bit twin), whatever the
-number of tokens per rank. What still grows with the tokens is ``[n·b, h]`` (``X``, the fp32
-``dX`` accumulator and its copy in the input dtype) and ``[n·b]`` (``m``, ``l``, ``z_y``,
-``lse``, labels); per chunk the backward adds ``[token_chunk, h]`` and ``[v, h]`` fp32 products
-(``mm_acc``'s CUDA branch). The ring is untouched by the tiling: the same shards in the same
-order, the same messages and sizes (``group.stats``), one chunk loop per ring step; ranks may use
-different chunks. The loss and ``dX`` are per token; ``dW_j`` is summed chunk after chunk
-(``Σ_C dZ_{C,j}ᵀ·X_C`` instead of one matmul), so results equal the untiled op's up to the fp32
-rounding of that order.
+number of tokens per rank; the token tiles bound the fp32 ``dX`` accumulator to
+``[token_tile, h]``. What still grows with the tokens is ``[n·b, h]`` (``X``, and the ``dX``
+output in the input dtype unless it is written into ``X``) and ``[n·b]`` (``m``, ``l``, ``z_y``,
+``lse``, labels). The ring is untouched by the chunks (unlike the tiles): the same shards in the
+same order, the same messages and sizes (``group.stats``), one chunk loop per ring step; ranks
+may use different chunks. The loss and ``dX`` are per token; ``dW_j`` is summed chunk after
+chunk and tile after tile (``Σ_C dZ_{C,j}ᵀ·X_C`` instead of one matmul), so results equal the
+untiled op's up to the fp32 rounding of that order.
 
 :func:`metp_output_logits` is the same ring without the loss (``[n, b, p·v]`` logits of this
 group's vocabulary range, Megatron's ``parallel_output`` logits): for evaluation and generation.
@@ -64,8 +83,9 @@ from ..runtime.groups import METPGroup, as_metp_group
 from ..runtime.ring import RingExchanger, TravellingSum
 from ._first_order import first_order_only
 from ._accum import mm_acc
-from .vocab import (LOSS_TOKEN_CHUNK_ENV, check_ids, check_table, local_rows, resolve_token_chunk,
-                    shard_rows, token_chunks, vocab_bounds)
+from . import tiles as tiling
+from .vocab import (LOSS_TOKEN_CHUNK_ENV, check_ids, check_table, local_rows, loss_tiles,
+                    resolve_token_chunk, shard_rows, token_chunks, vocab_bounds)
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -84,35 +104,36 @@ def _tp_size(tp_group) -> int:
     return 1 if tp_group is None else dist.get_world_size(tp_group)
 
 
-def _weight_ring_backward(x2, weight, group: METPGroup, grad_dtype, vocab_start, shard_dz, what,
-                          token_chunk=None):
-    """The backward ring shared by the loss and the logits path.
+def _ring_pass(x2, rows: slice, weight, group: METPGroup, grad_dtype, vocab_start, shard_dz,
+               what, token_chunk=None):
+    """One backward pass of the weight ring over the token rows ``rows`` of ``x2`` (a tile).
 
     For every shard ``j`` (visited ``r-1, r-2, …, r``: the owner's last) and every chunk ``C`` of
-    ``token_chunk`` token rows (all ``N`` rows at once if ``None``), ``shard_dz(w_j, lo, hi, C)``
-    returns ``dZ_{C,j}`` ``[|C|, v]`` in the input dtype for the shard's rows ``[lo, hi)``
-    (counted from ``vocab_start``); ``dX_C += dZ_{C,j}·W_j`` locally and ``dZ_{C,j}ᵀ·X_C`` is
-    added into the gradient sum travelling with shard ``j``. Returns ``(dX, dW)`` (``dW``
-    complete for this rank's shard). The chunks change only the compute between ring steps.
+    ``token_chunk`` rows of the tile (the whole tile at once if ``None``), ``shard_dz(w_j, lo,
+    hi, C)`` returns ``dZ_{C,j}`` ``[|C|, v]`` in the input dtype for the shard's rows ``[lo, hi)``
+    (counted from ``vocab_start``; ``C`` indexes ``x2``'s rows); ``dX_C += dZ_{C,j}·W_j`` into the
+    tile's accumulator and ``dZ_{C,j}ᵀ·X_C`` into the gradient sum travelling with shard ``j``.
+    Returns ``(dX_tile [|rows|, h] in the accumulation dtype, dW_tile [v, h])``, ``dW_tile`` the
+    complete sum of this rank's shard over every rank's rows of this tile.
     """
     p = group.size
     v, h = weight.shape
     acc = _acc_dtype(x2.dtype)
-    dx = torch.zeros(x2.shape[0], h, dtype=acc, device=x2.device)
+    a, b = rows.start, rows.stop
+    dx = torch.zeros(b - a, h, dtype=acc, device=x2.device)
     sums = TravellingSum(RingExchanger(group, f"{what} grads (bwd)"), v * h, grad_dtype or acc,
                          x2.device)
     w_ring = RingExchanger(group, f"{what} weights (bwd)")
-
-    N = x2.shape[0]
-    chunks = token_chunks(N, token_chunk or max(1, N)) or [slice(0, 0)]
+    chunks = token_chunks(b - a, token_chunk or max(1, b - a)) or [slice(0, 0)]  # tile rows
 
     def visit(w_j, j):
         lo, hi = shard_rows(vocab_start, v, j)
         dw = sums.buffer().view(v, h)
         for c in chunks:
-            dz = shard_dz(w_j, lo, hi, c)
+            rows_c = slice(a + c.start, a + c.stop)  # the chunk's rows of x2
+            dz = shard_dz(w_j, lo, hi, rows_c)
             mm_acc(dx[c], dz, w_j)
-            mm_acc(dw, dz.t(), x2[c])
+            mm_acc(dw, dz.t(), x2[rows_c])
             del dz  # one chunk's dZ alive at a time
 
     if p > 1:
@@ -125,12 +146,56 @@ def _weight_ring_backward(x2, weight, group: METPGroup, grad_dtype, vocab_start,
     return dx, sums.buffer().view(v, h)
 
 
+def _weight_ring_backward(x2, weight, group: METPGroup, grad_dtype, vocab_start, shard_dz, what,
+                          token_chunk=None, tiles=None, tp_group=None, into=None):
+    """The backward ring shared by the loss and the logits path, tile-outer.
+
+    ``tiles``: row slices of ``x2`` ``[N, h]`` (:func:`.vocab.loss_tiles`; ``None`` = one tile
+    of every row). For each tile the whole weight ring runs once (:func:`_ring_pass`): the
+    tile's ``dX`` is accumulated in fp32 (for 16-bit inputs) over the ``p`` shards, summed over
+    TP (``tp_group``), and written into the ``dX`` output in ``x2``'s dtype; the tile's ``dW``
+    sum arrives complete at its owner and the owner adds up the tiles' sums::
+
+        dX_T = Σ_j Σ_{C ⊂ T} dZ_{C,j}·W_j          dW_r = Σ_T Σ_ranks Σ_{C ⊂ T} dZ_{C,r}ᵀ·X_C
+
+    so no ``[N, h]`` fp32 tensor exists when ``T > 1``. ``into``: where the ``dX`` output goes
+    (``x2`` itself when the caller lets the gradient overwrite the saved hidden states: each
+    tile's rows are written only after that tile's pass, the last read of them), else a new
+    tensor. One tile and no ``into`` is the untiled op exactly (the fp32 ``dX`` cast once).
+    Returns ``(dX [N, h] in x2's dtype, dW [v, h])``.
+    """
+    N, h = x2.shape
+    tiles = list(tiles) if tiles else [slice(0, N)]
+    acc = _acc_dtype(x2.dtype)
+    total_dtype = torch.promote_types(grad_dtype or acc, acc)
+    dx, dw = into, None
+    for tile in tiles:
+        dx_t, dw_t = _ring_pass(x2, tile, weight, group, grad_dtype, vocab_start, shard_dz, what,
+                                token_chunk)
+        if _tp_size(tp_group) > 1:
+            _all_reduce(dx_t, dist.ReduceOp.SUM, tp_group, group.timeout)
+        if dx is None and len(tiles) == 1:
+            dx = dx_t.to(x2.dtype)  # untiled: today's single cast
+        else:
+            if dx is None:
+                dx = torch.empty(N, h, dtype=x2.dtype, device=x2.device)
+            dx[tile].copy_(dx_t)  # the tile's rows of X are not read again
+        del dx_t
+        if dw is None:  # the owner adds up the tiles' complete sums
+            dw = dw_t if len(tiles) == 1 or dw_t.dtype == total_dtype else dw_t.to(total_dtype)
+        else:
+            dw.add_(dw_t)
+        del dw_t
+    return dx, dw
+
+
 class _METPCrossEntropyFunction(torch.autograd.Function):
     """Autograd function of :func:`metp_output_cross_entropy` (see the module docstring)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, group: METPGroup, tp_group, vocab_start: int,
-                vocab_size: int, smoothing: float, grad_dtype, label: str, token_chunk: int):
+                vocab_size: int, smoothing: float, grad_dtype, label: str, token_chunk: int,
+                tiles, into_hidden: bool):
         check_finite(f"{label} (forward)", group, hidden=hidden, weight=weight)
         n, b, h = hidden.shape
         v = weight.shape[0]
@@ -177,6 +242,7 @@ class _METPCrossEntropyFunction(torch.autograd.Function):
         ctx.group, ctx.tp_group, ctx.vocab_start, ctx.vocab_size = group, tp_group, vocab_start, \
             vocab_size
         ctx.eps, ctx.grad_dtype, ctx.label, ctx.token_chunk = eps, grad_dtype, label, token_chunk
+        ctx.tiles, ctx.into_hidden = tiles, into_hidden
         return loss.view(n, b).t().contiguous()  # [b, n], contiguous like Megatron's loss
 
     @staticmethod
@@ -201,12 +267,44 @@ class _METPCrossEntropyFunction(torch.autograd.Function):
             dz.mul_(g[c, None])
             return dz.to(x2.dtype)
 
+        into = x2 if ctx.into_hidden and ctx.needs_input_grad[0] else None
         dx, dw = _weight_ring_backward(x2, weight, group, ctx.grad_dtype, ctx.vocab_start,
-                                       shard_dz, "output layer", ctx.token_chunk)
-        if _tp_size(ctx.tp_group) > 1:
-            _all_reduce(dx, dist.ReduceOp.SUM, ctx.tp_group, group.timeout)
-        return (dx.to(hidden.dtype).view(n, b, h), dw.to(weight.dtype), None, None, None, None,
-                None, None, None, None, None)
+                                       shard_dz, "output layer", ctx.token_chunk, ctx.tiles,
+                                       ctx.tp_group, into)
+        return (dx.view(n, b, h), dw.to(weight.dtype), None, None, None, None, None, None, None,
+                None, None, None, None)
+
+
+def _backward_tiles(hidden, token_tile):
+    """The backward's token tiles for ``hidden`` ``[s/p, b, h]`` (:func:`.vocab.loss_tiles`)."""
+    acc_elem = _acc_dtype(hidden.dtype).itemsize
+    return loss_tiles(token_tile, hidden.shape[0] * hidden.shape[1], hidden.shape[-1], acc_elem)
+
+
+def _gradient_fields(hidden, weight, tiles) -> dict:
+    """What the agreement check compares about the backward: whether a gradient is needed and,
+    if so, the token tile count (each tile is one pass of the ring; the forward is per token)."""
+    grad = needs_grad(hidden, weight)
+    return dict(needs_grad=grad, **(tiling.agreement_fields(len(tiles), "outer") if grad else {}))
+
+
+def _check_grad_into_hidden(hidden, grad_into_hidden) -> bool:
+    """Whether the backward may write ``dX`` into ``hidden`` (see ``grad_into_hidden``)."""
+    if not isinstance(grad_into_hidden, bool):
+        raise ValueError(f"grad_into_hidden must be True or False, got {grad_into_hidden!r}")
+    if not (grad_into_hidden and hidden.requires_grad):
+        return False  # no gradient of hidden: nothing to write
+    if hidden.grad_fn is None:
+        raise ValueError("grad_into_hidden=True but hidden is a leaf tensor: its gradient would "
+                         "overwrite the caller's values; pass it only for an intermediate that "
+                         "nothing reads after this op's backward")
+    if hidden._base is not None:
+        raise ValueError("grad_into_hidden=True but hidden is a view of a larger tensor (other "
+                         "views of it could read the overwritten rows); pass a tensor of its own")
+    if not hidden.is_contiguous():
+        raise ValueError(f"grad_into_hidden=True needs a contiguous hidden [s/p, b, h], got "
+                         f"strides {hidden.stride()}")
+    return True
 
 
 def _check_hidden(hidden, weight, group, grad_reduce_dtype):
@@ -232,7 +330,9 @@ def metp_output_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels
                               check_labels: bool = True,
                               grad_reduce_dtype: Optional[torch.dtype] = torch.float32,
                               label: str = "metp_output_cross_entropy",
-                              token_chunk: Optional[int] = None) -> torch.Tensor:
+                              token_chunk: Optional[int] = None,
+                              token_tile: Optional[int] = None,
+                              grad_into_hidden: bool = False) -> torch.Tensor:
     """Per-token cross-entropy of ``softmax(hidden·Wᵀ)`` with the vocabulary shards on a ring.
 
     Args:
@@ -254,14 +354,33 @@ def metp_output_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels
             ``[token_chunk, v]`` logits chunk is at most 1 GiB). A positive integer, else
             ``ValueError`` (naming the argument or the variable) before any transfer. Changes
             neither the ring's messages nor the result beyond fp32 summation order.
+        token_tile: token rows per tile of the backward (tile-outer: the weight ring runs once
+            per tile, the tile's ``dX`` accumulated in fp32 and written into the ``dX`` output,
+            the tiles' ``dW`` sums added up at the owner). ``None`` (default): the environment
+            variable ``METP_LOSS_TOKEN_TILE`` if set, else auto (the most rows whose fp32 ``dX``
+            accumulator fits ``METP_TILE_BUDGET_MIB``, 1 GiB: 65,536 rows at ``h = 4096``);
+            ``0`` = whole. One tile is the untiled op; ``T`` tiles send the backward's weight
+            shards and gradient sums ``T`` times. Every rank of the group must get the same
+            tile count (the agreement check compares it when a gradient is needed).
+        grad_into_hidden: write the gradient of ``hidden`` into ``hidden``'s own storage, tile by
+            tile once the tile's ring pass is done (its last read), instead of a new tensor:
+            saves ``[s/p·b, h]`` in ``hidden``'s dtype at the end of the backward. Only for a
+            ``hidden`` that nothing reads after this op's backward (Megatron's final-norm output:
+            :class:`megatron_metp.megatron.vocab.METPGPTModel` passes it); ``hidden`` must then
+            be an intermediate (not a leaf: its values would be lost), contiguous and not a view
+            (other views could read the rows), else ``ValueError``. The in-place write bumps
+            ``hidden``'s version counter, so any other autograd node that saved ``hidden`` fails
+            loudly ("modified by an inplace operation") instead of reading the gradient.
 
     Returns:
         ``[b, s/p]`` fp32 losses (unreduced; apply the loss mask and average as Megatron does).
         The weight shard's gradient is complete (summed over the group's tokens).
 
     Memory: the largest temporary is one ``[token_chunk, v]`` fp32 logits (or ``dZ``) chunk with
-    its 16-bit twin; besides the weight shards in flight and the fp32 weight-gradient sums
-    ``[v, h]``, the rest is ``[s/p·b, h]`` (``dX``) or ``[s/p·b]``.
+    its 16-bit twin, or one tile's fp32 ``dX`` accumulator ``[token_tile, h]``; besides the
+    weight shards in flight and the fp32 weight-gradient sums ``[v, h]`` (one more with tiles:
+    the owner's running total), the rest is the ``dX`` output ``[s/p·b, h]`` in the input dtype
+    (none with ``grad_into_hidden``) or ``[s/p·b]``.
     """
     group = as_metp_group(group)
     name = op_label("metp_output_cross_entropy", label)
@@ -284,6 +403,8 @@ def metp_output_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels
         if not 0.0 <= label_smoothing < 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
         chunk = resolve_token_chunk(token_chunk, weight.shape[0], LOSS_TOKEN_CHUNK_ENV)
+        tiles = _backward_tiles(hidden, token_tile)
+        into = _check_grad_into_hidden(hidden, grad_into_hidden)
     except ValueError as exc:
         refuse_together(group, name, exc)
         raise
@@ -292,20 +413,20 @@ def metp_output_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels
                            hidden_dtype=hidden.dtype, weight=weight, vocab_start=int(vocab_start),
                            vocab_size=hi, label_smoothing=float(label_smoothing),
                            check_labels=bool(check_labels), grad_reduce_dtype=grad_reduce_dtype,
-                           needs_grad=needs_grad(hidden, weight))
+                           **_gradient_fields(hidden, weight, tiles))
     if check_labels:
         check_ids(labels, lo, hi, group, "labels",
                   "check the data's token ids against the vocabulary size")
     return _METPCrossEntropyFunction.apply(hidden, weight, labels.long(), group, tp_group,
                                            int(vocab_start), int(hi), float(label_smoothing),
-                                           grad_reduce_dtype, label, chunk)
+                                           grad_reduce_dtype, label, chunk, tiles, into)
 
 
 class _METPLogitsFunction(torch.autograd.Function):
     """Autograd function of :func:`metp_output_logits`."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, group: METPGroup, grad_dtype, label: str):
+    def forward(ctx, hidden, weight, group: METPGroup, grad_dtype, label: str, tiles):
         check_finite(f"{label} (forward)", group, hidden=hidden, weight=weight)
         n, b, h = hidden.shape
         v = weight.shape[0]
@@ -317,7 +438,7 @@ class _METPLogitsFunction(torch.autograd.Function):
             j = group.owner_at_step(t)
             torch.mm(x2, w.t(), out=out[:, j * v:(j + 1) * v])
         ctx.save_for_backward(hidden, weight)
-        ctx.group, ctx.grad_dtype, ctx.label = group, grad_dtype, label
+        ctx.group, ctx.grad_dtype, ctx.label, ctx.tiles = group, grad_dtype, label, tiles
         return out.view(n, b, group.size * v)
 
     @staticmethod
@@ -334,20 +455,35 @@ class _METPLogitsFunction(torch.autograd.Function):
             return g[c, lo:hi]
 
         dx, dw = _weight_ring_backward(x2, weight, ctx.group, ctx.grad_dtype, 0, shard_dz,
-                                       "output logits")
-        return dx.to(hidden.dtype).view(n, b, h), dw.to(weight.dtype), None, None, None
+                                       "output logits", tiles=ctx.tiles)
+        return dx.view(n, b, h), dw.to(weight.dtype), None, None, None, None
 
 
 def metp_output_logits(hidden: torch.Tensor, weight: torch.Tensor, *, group,
                        grad_reduce_dtype: Optional[torch.dtype] = torch.float32,
-                       label: str = "metp_output_logits") -> torch.Tensor:
+                       label: str = "metp_output_logits",
+                       token_tile: Optional[int] = None) -> torch.Tensor:
     """Logits of this rank's tokens over the METP group's vocabulary range, ``[s/p, b, p·v]``.
 
     The weight shards pass around the ring; the result equals Megatron's ``parallel_output``
     logits of TP rank ``τ`` (columns ``[τ·p·v, (τ+1)·p·v)``). For evaluation/generation: training
     uses :func:`metp_output_cross_entropy`, which never holds more than ``[token_chunk, v]``
-    logits. Not tiled (its output is ``[s/p·b, p·v]`` anyway).
+    logits. Its forward is not tiled (its output is ``[s/p·b, p·v]`` anyway); its backward runs
+    in token tiles as the loss's does (``token_tile``: see :func:`metp_output_cross_entropy`),
+    so the fp32 ``dX`` accumulator is one tile's. Every rank of the group must get the same tile
+    count (agreement check).
     """
     group = as_metp_group(group)
-    _check_hidden(hidden, weight, group, grad_reduce_dtype)
-    return _METPLogitsFunction.apply(hidden, weight, group, grad_reduce_dtype, label)
+    name = op_label("metp_output_logits", label)
+    try:
+        _check_hidden(hidden, weight, group, grad_reduce_dtype)
+        tiles = _backward_tiles(hidden, token_tile)
+    except ValueError as exc:
+        refuse_together(group, name, exc)
+        raise
+    if agreement_checks_enabled():
+        check_group_agrees(group, name, label=label, hidden_size=hidden.shape[-1],
+                           hidden_dtype=hidden.dtype, weight=weight,
+                           grad_reduce_dtype=grad_reduce_dtype,
+                           **_gradient_fields(hidden, weight, tiles))
+    return _METPLogitsFunction.apply(hidden, weight, group, grad_reduce_dtype, label, tiles)

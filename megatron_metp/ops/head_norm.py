@@ -67,19 +67,24 @@ class HeadNorm:
         """Overwrite ``dq``/``dk`` (gradients of the normalised q/k, any strides) with the
         gradients of ``q_pre``/``k_pre``, and add the weight (and bias) gradients into ``acc``
         (``[dq_w, dq_b, dk_w, dk_b]``, entries ``None`` until the first block)."""
-        for j, (pre, grad, w, b) in enumerate(((q_pre, dq, self.q_weight, self.q_bias),
-                                               (k_pre, dk, self.k_weight, self.k_bias))):
-            with torch.enable_grad():
-                leaf = pre.detach().requires_grad_()
-                wl = w.detach().requires_grad_()
-                bl = None if b is None else b.detach().requires_grad_()
-                out = self._norm(leaf, wl, bl)
-                ins = (leaf, wl) if bl is None else (leaf, wl, bl)
-                grads = torch.autograd.grad(out, ins, grad)
-            grad.copy_(grads[0])
-            for k, g in enumerate(grads[1:]):
-                slot = 2 * j + k
-                acc[slot] = g if acc[slot] is None else acc[slot].add_(g)
+        self.backward_one("q", q_pre, dq, acc)
+        self.backward_one("k", k_pre, dk, acc)
+
+    def backward_one(self, which: str, pre, grad, acc: list) -> None:
+        """:meth:`backward` of the queries (``which="q"``) or of the keys (``"k"``) alone."""
+        j = 0 if which == "q" else 1
+        w, b = (self.q_weight, self.q_bias) if j == 0 else (self.k_weight, self.k_bias)
+        with torch.enable_grad():
+            leaf = pre.detach().requires_grad_()
+            wl = w.detach().requires_grad_()
+            bl = None if b is None else b.detach().requires_grad_()
+            out = self._norm(leaf, wl, bl)
+            ins = (leaf, wl) if bl is None else (leaf, wl, bl)
+            grads = torch.autograd.grad(out, ins, grad)
+        grad.copy_(grads[0])
+        for k, g in enumerate(grads[1:]):
+            slot = 2 * j + k
+            acc[slot] = g if acc[slot] is None else acc[slot].add_(g)
 
 
 def check_head_norm(kind, eps, q_weight, k_weight, q_bias, k_bias, d: int, x) -> Optional[HeadNorm]:

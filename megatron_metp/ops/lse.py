@@ -10,8 +10,10 @@ passes ~11 and fp32 past ~88.)
 
 The first block of a ring step initialises the accumulators (:func:`start`), so rows no key has
 reached yet never occur (every ring schedule here starts with a block that covers all rows); each
-further block is folded in by :func:`merge_` in four kernels (``sub`` + ``sigmoid`` of the
-log-sum-exps, ``sub`` + ``addcmul_`` of the outputs, one ``logaddexp``).
+further block is folded in by :func:`merge_` in five kernels (``sub`` + ``sigmoid_`` of the
+log-sum-exps, ``sub`` + ``addcmul_`` of the outputs, one ``logaddexp``). When every block's
+output is kept until the ring ends (:func:`combine`, head-group blocks on a GPU), all weights come
+from one ``softmax`` over the stacked log-sum-exps and each block costs one ``addcmul_``.
 """
 
 from __future__ import annotations
@@ -59,36 +61,82 @@ def merge_masked_(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_b: torch.Ten
 
 def combine(blocks, out=None):
     """``(out, lse)`` of blocks ``[(rows, out_b [b,h,n_b,d], lse_b [b,h,n_b]), ...]`` for
-    query-row slices ``rows`` of ``n`` rows, the first covering every row: the final
-    log-sum-exp first (``logaddexp`` per block on its rows), then ``out = Σ_b e^{lse_b − lse}·out_b``
-    summed in fp32: the other blocks first (one product, then one ``addcmul_`` each), the
-    all-rows block last, written straight into ``out`` when given (any dtype and strides: one
-    rounding, no separate cast) or into the fp32 sum."""
+    query-row slices ``rows`` of ``n`` rows, the first covering every row.
+
+    The log-sum-exps first, for every block at once: stacked ``[k, b, h, n]`` (:func:`_stack`,
+    ``−inf`` where a block has no rows), one ``softmax`` over the blocks gives every weight
+    ``w_b = e^{lse_b − lse}``, and ``lse = max_b lse_b − log max_b w_b`` (the largest weight is
+    ``1/Σ_b e^{lse_b − max}``, within ``[1/k, 1]``: no under- or overflow). Then
+    ``out = Σ_b w_b·out_b`` summed in fp32: the other blocks first (one product, then one
+    ``addcmul_`` each), the all-rows block last, written straight into ``out`` when given (any
+    dtype and strides: one rounding, no separate cast) or into the fp32 sum.
+
+    Kernels for ``k`` blocks: one per block (its ``addcmul_``), plus a handful for the
+    log-sum-exps (per distinct row range a stack, and for a partial range a copy and a fill;
+    ``softmax``, two ``amax``, ``log_``, ``sub_``) — against four per block when each block's weight and the running log-sum-exp
+    are formed on their own (``logaddexp``, ``sub``, ``exp_``, ``addcmul_``). The extra memory
+    is two ``[k, b, h, n]`` fp32 tensors, ``4/d`` of the ``k`` 16-bit block outputs kept."""
     rows0, o0, l0 = blocks[0]
-    lse = l0 if l0.dtype == torch.float32 else l0.to(torch.float32)
     if len(blocks) == 1:
+        lse = l0 if l0.dtype == torch.float32 else l0.to(torch.float32)
         if out is not None:
             out.copy_(o0)
             return out, lse
         return start(o0, lse)
-    lse = lse.clone()
-    for rows, _, l_b in blocks[1:]:
-        torch.logaddexp(lse[:, :, rows], l_b, out=lse[:, :, rows])
-    n = lse.shape[-1]
+    n = l0.shape[-1]
+    stacked, at = _stack(blocks, n)
+    w = torch.softmax(stacked, 0)  # e^{lse_b − lse}, 0 on rows a block does not cover
+    lse = stacked.amax(0).sub_(w.amax(0).log_())
     acc = torch.empty(o0.shape, dtype=torch.float32, device=o0.device)
-    for i, (rows, o_b, l_b) in enumerate(blocks[1:]):
-        w = torch.sub(l_b, lse[:, :, rows]).exp_().unsqueeze(-1)
+    for i, (rows, o_b, _) in enumerate(blocks[1:]):
+        w_b = w[at[i + 1], :, :, rows].unsqueeze(-1)
         if i == 0:
-            lo, hi = rows.start or 0, n if rows.stop is None else rows.stop
+            lo, hi = _bounds(rows, n)
             if lo > 0:
                 acc[:, :, :lo].zero_()
             if hi < n:
                 acc[:, :, hi:].zero_()
-            torch.mul(o_b, w, out=acc[:, :, rows])
+            torch.mul(o_b, w_b, out=acc[:, :, rows])
         else:
-            acc[:, :, rows].addcmul_(o_b, w)
-    w0 = torch.sub(l0, lse).exp_().unsqueeze(-1)
+            acc[:, :, rows].addcmul_(o_b, w_b)
+    w0 = w[at[0]].unsqueeze(-1)
     if out is None:
         return acc.addcmul_(o0, w0), lse
     torch.addcmul(acc, o0, w0, out=out)
     return out, lse
+
+
+def _bounds(rows: slice, n: int):
+    return rows.start or 0, n if rows.stop is None else rows.stop
+
+
+def _stack(blocks, n: int):
+    """The blocks' log-sum-exps stacked ``[k, b, h, n]`` (fp32), ``−inf`` on the rows a block
+    does not cover, and each block's index in the stack. Blocks with the same rows go in with
+    one ``torch.stack`` (one kernel for all of them; a range short of ``n`` rows is stacked
+    apart, copied into place and its other rows filled), so the stack costs a few kernels per
+    distinct row range (dual-chunk causal rings have two: all rows, and the second half), not
+    one per block."""
+    groups = {}
+    for i, (rows, _, _) in enumerate(blocks):
+        groups.setdefault(_bounds(rows, n), []).append(i)
+    l0 = blocks[0][2]
+    stacked = torch.empty((len(blocks),) + tuple(l0.shape), dtype=torch.float32,
+                          device=l0.device)
+    k = 0
+    for (lo, hi), members in groups.items():
+        dst = stacked[k:k + len(members)]
+        k += len(members)
+        ls = [blocks[i][2] for i in members]
+        if (lo, hi) == (0, n):
+            torch.stack(ls, out=dst)
+            continue
+        dst[:, :, :, lo:hi].copy_(torch.stack(ls) if len(ls) > 1 else ls[0])
+        if lo > 0:
+            dst[:, :, :, :lo].fill_(float("-inf"))
+        if hi < n:
+            dst[:, :, :, hi:].fill_(float("-inf"))
+    at = [0] * len(blocks)
+    for pos, i in enumerate(i for members in groups.values() for i in members):
+        at[i] = pos
+    return stacked, at

@@ -140,11 +140,7 @@ class _METPMLPFunction(torch.autograd.Function):
         out = None if T == 1 else torch.empty(n_tok, h, dtype=x.dtype, device=x.device)
         for tile in passes:
             y = None
-            payload = layout.pack([w1, b1, w2]) if group.size > 1 else None
-            shards = ring.circulate(payload) if group.size > 1 else [(0, None)]
-            for t, flat in shards:
-                j = group.owner_at_step(t)
-                w1j, b1j, w2j = (w1, b1, w2) if flat is None else layout.unpack(flat)
+            for t, j, (w1j, b1j, w2j) in weight_shards(group, ring, layout, (w1, b1, w2)):
                 if tile is None and inner:  # tile-inner: every tile at each step
                     if y is None:
                         y = torch.empty(n_tok, h, dtype=acc_dtype, device=x.device)
@@ -226,6 +222,35 @@ class _METPMLPFunction(torch.autograd.Function):
 def _z(rows, w1j, b1j):
     """``rows·W1_jᵀ + b1_j``."""
     return torch.addmm(b1j, rows, w1j.t()) if b1j is not None else torch.mm(rows, w1j.t())
+
+
+def weight_shards(group: METPGroup, ring: RingExchanger, layout: FlatLayout, own):
+    """Yield ``(t, j, (W1_j, b1_j, W2_j))`` for the ``p`` steps of one forward pass of the weight
+    ring (shard ``j = (r − t) mod p`` at step ``t``, the next one in flight); ``own`` is this
+    rank's ``(W1, b1, W2)``."""
+    if group.size == 1:
+        yield 0, 0, tuple(own)
+        return
+    for t, flat in ring.circulate(layout.pack(list(own))):
+        yield t, group.owner_at_step(t), (tuple(own) if t == 0 else tuple(layout.unpack(flat)))
+
+
+def forward_rows(rows: torch.Tensor, w1, b1, w2, group: METPGroup, activation: str,
+                 acc_dtype: torch.dtype) -> torch.Tensor:
+    """One pass of the weight ring over token ``rows`` ``[R, h]``: ``Σ_j f(rows·W1_jᵀ + b1_j)·W2_jᵀ``
+    in ``acc_dtype`` (``[R, h]``, no ``b2``), each shard's product added with one rounding. The
+    streaming layer's MLP forward of one token tile (:mod:`.layer_rows`)."""
+    layout = FlatLayout.of([w1, b1, w2])
+    ring = RingExchanger(group, "mlp weights (fwd)")
+    y = None
+    for _, _, (w1j, b1j, w2j) in weight_shards(group, ring, layout, (w1, b1, w2)):
+        a = act.forward(activation, _z(rows, w1j, b1j))
+        if y is None:
+            y = mm_new(a, w2j.t(), acc_dtype)
+        else:
+            _mm_acc(y, a, w2j.t())
+        del a
+    return y
 
 
 def _backward_pass(ctx, group: METPGroup, ring: RingExchanger, w_layout: FlatLayout, x2, g,

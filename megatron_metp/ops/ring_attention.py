@@ -60,6 +60,7 @@ from ._first_order import first_order_only
 from ._flat import FlatLayout
 from .attention_kernels import select_kernel
 from .sequence import LAYOUTS
+from .windows import window_pieces
 
 
 def block_plan(r: int, j: int, n: int, causal: bool, layout: str):
@@ -126,6 +127,26 @@ def _pieces(r, j, n, p, causal, layout, cu, kernel, q):
     return () if plan is None else (documents.Piece(plan[0], plan[1], plan[2], False),)
 
 
+def _window(pieces, q_rows: Optional[slice], k_rows: Optional[slice], n: int,
+            key_tile: Optional[int]):
+    """``pieces`` restricted to the query tile ``q_rows`` and the key sub-block ``k_rows`` of
+    the ``n`` local rows, cut into key tiles (:func:`windows.window_pieces`); unchanged
+    without any of them."""
+    if q_rows is None and k_rows is None and key_tile is None:
+        return pieces
+    return window_pieces(pieces, q_rows if q_rows is not None else slice(0, n),
+                         k_rows if k_rows is not None else slice(0, n), key_tile)
+
+
+def _block_rows(q, k, q_rows, k_rows, block_rows) -> int:
+    """The ``n`` local rows of a block (the plan's), from the tensors or ``block_rows``."""
+    if k_rows is None:
+        return k.shape[2]
+    if block_rows is None:
+        raise ValueError("k_rows (a key sub-block) needs block_rows, the local token count")
+    return int(block_rows)
+
+
 def _kv_ring(group: METPGroup) -> METPGroup:
     """The group K/V blocks travel on: the METP group's own K/V communicator where it has one
     (:attr:`METPGroup.kv`, a second process group of the same ranks, so the K/V ring never
@@ -135,7 +156,9 @@ def _kv_ring(group: METPGroup) -> METPGroup:
 
 def ring_attention_forward(q, k, v, group: METPGroup, causal: bool, layout: str, scale: float,
                            kernel, kv_packed=None, defer_merge: bool = False, out=None,
-                           cu_seqlens=None):
+                           cu_seqlens=None, q_rows: Optional[slice] = None,
+                           key_tile: Optional[int] = None, k_rows: Optional[slice] = None,
+                           block_rows: Optional[int] = None):
     """Heads-first ``q [b,hq,n,d]``, ``k, v [b,hkv,n,d]`` → ``(out [b,hq,n,d] fp32, lse fp32)``.
 
     Step 0 is this rank's own (diagonal) block, which covers every query row: it initialises
@@ -144,13 +167,23 @@ def ring_attention_forward(q, k, v, group: METPGroup, causal: bool, layout: str,
     ``kv_packed``: ``k`` and ``v`` already packed back to back in one buffer (``k, v`` views of
     it, as :class:`FlatLayout` lays them out), which the ring then consumes instead of a copy.
     ``defer_merge``: keep every block's output (16-bit) and fold them in once the final
-    log-sum-exp is known (:func:`lse.combine`: one ``addcmul_`` per block into the fp32 output
-    instead of a rescale of it: less than half the traffic, ``p`` block outputs alive).
+    log-sum-exp is known (:func:`lse.combine`: every block's weight from one ``softmax`` over
+    the stacked log-sum-exps, then one ``addcmul_`` per block into the fp32 output instead of a
+    rescale of it: less than half the traffic, one kernel per block instead of
+    :func:`lse.merge_`'s five, ``p`` block outputs alive).
     ``out``: where to write the output (``q``'s shape, any strides, e.g. ``q``'s dtype): the
     last fold writes it directly; returned instead of the fp32 accumulator.
-    ``cu_seqlens``: checked document boundaries (tuple): :func:`_packed_forward`."""
-    if cu_seqlens is not None:
-        return _packed_forward(q, k, v, group, layout, scale, kernel, cu_seqlens, kv_packed, out)
+    ``cu_seqlens``: checked document boundaries (tuple): :func:`_packed_forward`.
+    ``q_rows``: ``q`` holds only these of the ``n`` local query rows (a query tile of the
+    streaming layer, :mod:`.windows`); ``k_rows``: ``k``/``v`` (every rank's, on the ring) hold
+    only these key rows of each block (``block_rows`` = ``n`` must then be given);
+    ``key_tile``: at most this many keys per kernel call. Any of them runs the pieces path of
+    :func:`_packed_forward`."""
+    if cu_seqlens is not None or q_rows is not None or key_tile is not None or \
+            k_rows is not None:
+        return _packed_forward(q, k, v, group, layout, scale, kernel, cu_seqlens, kv_packed, out,
+                               causal=causal, q_rows=q_rows, key_tile=key_tile, k_rows=k_rows,
+                               block_rows=block_rows)
     p, r, n = group.size, group.rank, q.shape[2]
     dest, out, lse = out, None, None
     kept = []
@@ -183,17 +216,21 @@ def ring_attention_forward(q, k, v, group: METPGroup, causal: bool, layout: str,
 
 
 def _packed_forward(q, k, v, group: METPGroup, layout: str, scale: float, kernel, cu, kv_packed,
-                    dest):
-    """:func:`ring_attention_forward` of a packed sequence (document boundaries ``cu``).
+                    dest, causal: bool = True, q_rows: Optional[slice] = None,
+                    key_tile: Optional[int] = None, k_rows: Optional[slice] = None,
+                    block_rows: Optional[int] = None):
+    """:func:`ring_attention_forward` of a packed sequence (document boundaries ``cu``) or of a
+    window (``q_rows``, ``key_tile``: :func:`windows.window_pieces`).
 
     Each block's pieces (:func:`documents.block_pieces`) fold into zero/``−inf`` accumulators by
     :func:`lse.merge_masked_` (a piece's rows without a visible key carry ``lse = −inf`` and add
     nothing); blocks without a visible pair launch no kernel. The ring runs only
     :func:`documents.forward_steps` steps: the K/V blocks no rank needs at later steps are not
     sent (the same count on every rank, computed from ``cu``)."""
-    p, r, n = group.size, group.rank, q.shape[2]
+    p, r = group.size, group.rank
+    n = _block_rows(q, k, q_rows, k_rows, block_rows)
     layout_kv = FlatLayout.of([k, v])
-    steps = documents.forward_steps(cu, n, p, layout) if p > 1 else 1
+    steps = (documents.forward_steps(cu, n, p, layout) if cu is not None else p) if p > 1 else 1
     ring = RingExchanger(_kv_ring(group), "attention K/V (fwd)")
     if steps > 1:
         payload = kv_packed if kv_packed is not None else layout_kv.pack([k, v])
@@ -204,7 +241,8 @@ def _packed_forward(q, k, v, group: METPGroup, layout: str, scale: float, kernel
     for t, flat in blocks:
         j = (r - t) % p
         kj, vj = (k, v) if flat is None else layout_kv.unpack(flat)
-        for pc in _pieces(r, j, n, p, True, layout, cu, kernel, q):
+        for pc in _window(_pieces(r, j, n, p, causal, layout, cu, kernel, q), q_rows, k_rows,
+                          n, key_tile):
             mask = documents.piece_mask(pc, q.device) if pc.masked else None
             o_b, l_b = kernel.forward(q[:, :, pc.rows], kj[:, :, pc.keys], vj[:, :, pc.keys],
                                       pc.causal, scale, mask=mask)
@@ -236,7 +274,9 @@ def post_first_kv_packed(kv_packed, group: METPGroup, *, aliases_kv: bool = True
 
 
 def ring_attention_backward(dout, q, k, v, out, lse, group: METPGroup, causal: bool, layout: str,
-                            scale: float, kernel, first=None, dv_out=None, cu_seqlens=None):
+                            scale: float, kernel, first=None, dv_out=None, cu_seqlens=None,
+                            q_rows: Optional[slice] = None, key_tile: Optional[int] = None,
+                            k_rows: Optional[slice] = None, block_rows: Optional[int] = None):
     """Grads of :func:`ring_attention_forward`: ``(dq fp32, dk fp32, dv fp32)``, heads-first.
 
     ``dk, dv`` are complete (every rank's queries) for this rank's own K/V block. Rank ``r``
@@ -251,8 +291,20 @@ def ring_attention_backward(dout, q, k, v, out, lse, group: METPGroup, causal: b
     boundaries (tuple): each block's pieces as in :func:`_packed_forward` (masked pieces with
     their mask); a block's pieces' ``dK/dV`` are summed over their key rows. The K/V and
     ``dK/dV`` ring itself is unchanged (every sum must travel home).
+
+    ``q_rows``/``key_tile`` (the streaming layer's windows, :mod:`.windows`): ``q``, ``dout``,
+    ``out``, ``lse`` hold only the query rows ``q_rows`` of the ``n`` local rows (``dq`` is
+    theirs; ``dk``/``dv`` are this tile's contribution to the whole own block, summed over every
+    rank's same tile), and each kernel call spans at most ``key_tile`` keys; every piece's
+    ``dK/dV`` is added into the travelling sum as soon as it is computed (no block-sized
+    temporary); ``k_rows``/``block_rows`` as in :func:`ring_attention_forward` (``dk``/``dv``
+    are then the sub-block's). ``dv_out`` is not taken then.
     """
-    p, r, n = group.size, group.rank, q.shape[2]
+    p, r, nq, nk = group.size, group.rank, q.shape[2], k.shape[2]
+    n = _block_rows(q, k, q_rows, k_rows, block_rows)
+    windowed = q_rows is not None or key_tile is not None or k_rows is not None
+    if windowed and dv_out is not None:
+        raise ValueError("ring_attention_backward: dv_out is not taken with q_rows/key_tile")
     dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     dq_started = [False]
     kv_layout = FlatLayout.of([k, v])
@@ -263,9 +315,13 @@ def ring_attention_backward(dout, q, k, v, out, lse, group: METPGroup, causal: b
     lse_rows = {}
     workspace = {}
 
+    def pieces_of(j):
+        return _window(_pieces(r, j, n, p, causal, layout, cu_seqlens, kernel, q), q_rows,
+                       k_rows, n, key_tile)
+
     def block_grads(kj, vj, j):
         """dq += this block's; returns ``(ks, dk_b, dv_b)`` or ``None`` (fully masked)."""
-        pieces = _pieces(r, j, n, p, causal, layout, cu_seqlens, kernel, q)
+        pieces = pieces_of(j)
         if not pieces:
             return None
         got = [piece_grads(kj, vj, j, pc) for pc in pieces]
@@ -285,9 +341,21 @@ def ring_attention_backward(dout, q, k, v, out, lse, group: METPGroup, causal: b
         if dq_started[0]:
             dq[:, :, qs].add_(dq_b)
         else:
-            _write_rows(dq, qs, dq_b, n)
+            _write_rows(dq, qs, dq_b, nq)
             dq_started[0] = True
         return ks, dk_b, dv_b
+
+    def add_piece(acc, got, start):
+        """Add one piece's ``(ks, dk_b, dv_b)`` into the sum ``acc`` (window mode); ``start``:
+        ``acc`` is uninitialised (the piece's rows written, the others zeroed)."""
+        ks, dk_b, dv_b = got
+        dk_acc, dv_acc = kv_layout.unpack(acc)
+        if start:
+            _write_rows(dk_acc, ks, dk_b, nk)
+            _write_rows(dv_acc, ks, dv_b, nk)
+        else:
+            dk_acc[:, :, ks].add_(dk_b)
+            dv_acc[:, :, ks].add_(dv_b)
 
     def add_into(acc, grads, start=False, last=False):
         """Add a block's dK/dV into the sum ``acc``; ``start``: ``acc`` is uninitialised (the
@@ -320,14 +388,30 @@ def ring_attention_backward(dout, q, k, v, out, lse, group: METPGroup, causal: b
         if fused_dv:
             dv_out.copy_(dv_acc)
 
+    def windowed_block(kj, vj, j, acc_of, start):
+        """Window mode: each piece's grads added into ``acc_of()`` (which waits for the arriving
+        sum on its first call) right after its kernel."""
+        began = False
+        for pc in pieces_of(j):
+            got = piece_grads(kj, vj, j, pc)
+            add_piece(acc_of(), got, start and not began)
+            began = True
+            got = None
+        acc = acc_of()
+        if start and not began:
+            acc.zero_()
+
     def dq_done():
-        if not dq_started[0]:  # every block masked (cannot happen: the own block is causal)
+        if not dq_started[0]:  # every block masked (a window above the diagonal, say)
             dq.zero_()
         return dq
 
     if p == 1:
         acc = torch.empty(kv_layout.numel, dtype=torch.float32, device=q.device)
-        add_into(acc, block_grads(k, v, r), start=True, last=True)
+        if windowed:
+            windowed_block(k, v, r, lambda: acc, True)
+        else:
+            add_into(acc, block_grads(k, v, r), start=True, last=True)
         dk, dv = kv_layout.unpack(acc)
         return dq_done(), dk, dv if dv_out is None else dv_out
 
@@ -351,16 +435,31 @@ def ring_attention_backward(dout, q, k, v, out, lse, group: METPGroup, causal: b
             sends.append(sums[cur])
             recvs.append(sums[1 - cur])
         step = ring.exchange(sends, recvs, step=t + 1) if sends else None
-        grads = block_grads(*((k, v) if last else kv_layout.unpack(held)), j)
-        if step is not None:
-            step.wait()
-        if t >= 1:
-            cur = 1 - cur
-        if last:  # free what the ring no longer needs before the last sums (and dv_out)
-            sums[1 - cur] = None
-            held = spare = step = None
-        add_into(sums[cur], grads, start=t == 0, last=last)
-        grads = None  # this block's dk/dv: not alive during the next kernel
+        arrived = [False]
+
+        def arrive(step=step, t=t, last=last):
+            """The sum of this step's block (waits for it once: it travels during the first
+            kernel of the step)."""
+            nonlocal cur, held, spare
+            if not arrived[0]:
+                arrived[0] = True
+                if step is not None:
+                    step.wait()
+                if t >= 1:
+                    cur = 1 - cur
+                if last:  # free what the ring no longer needs before the last sums (and dv_out)
+                    sums[1 - cur] = None
+                    held = spare = None
+            return sums[cur]
+
+        kv_j = (k, v) if last else kv_layout.unpack(held)
+        if windowed:
+            windowed_block(*kv_j, j, arrive, t == 0)
+        else:
+            grads = block_grads(*kv_j, j)
+            add_into(arrive(), grads, start=t == 0, last=last)
+            grads = None  # this block's dk/dv: not alive during the next kernel
+        kv_j = step = None
         if prefetch:
             held, spare = spare, held
     dk, dv = kv_layout.unpack(sums[cur])

@@ -8,9 +8,13 @@ the map is a rotation, and its transpose (for backward) is the same map with ``�
 
 The ``cos``/``sin`` tables (:func:`rope_tables`) are computed once per op call and shared by
 its rotations (METP attention: once per forward and once per backward, not twice per head group;
-they are not kept between calls, so nothing is stored across layers). Four kernels per rotation
-(a product and an ``addcmul_`` per half, written into the output), plus one copy of the
-unrotated channels if ``r < d``.
+they are not kept between calls, so nothing is stored across layers): one kernel per table, the
+angle's cosine rounded straight into the table's dtype. Three kernels per rotation: one product
+``t·cos`` over all ``r`` rotated channels (both halves at once: ``cos`` is ``[cos₁ | cos₂]``),
+then one ``addcmul_`` per half for the ``sin`` terms (the halves swap sources, which no strided
+view can express), all written into the output; plus one copy of the unrotated channels if
+``r < d``. Every element sees the same operations in the same order as with a product per half
+(bit-identical results).
 """
 
 from __future__ import annotations
@@ -21,8 +25,13 @@ import torch
 
 def rope_tables(freqs: torch.Tensor, dtype: torch.dtype):
     """``(cos, sin)`` of ``freqs`` in ``dtype``: compute them once per op call and pass them to
-    every :func:`apply_rope` of that call (``tables=``)."""
-    return torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype)
+    every :func:`apply_rope` of that call (``tables=``). Each is one kernel: computed at
+    ``freqs``' precision and rounded once into ``dtype`` (no ``freqs``-sized fp32 temporary
+    and separate cast)."""
+    if freqs.dtype == dtype:
+        return torch.cos(freqs), torch.sin(freqs)
+    out = [torch.empty(freqs.shape, dtype=dtype, device=freqs.device) for _ in range(2)]
+    return torch.cos(freqs, out=out[0]), torch.sin(freqs, out=out[1])
 
 
 def apply_rope(t: torch.Tensor, freqs: torch.Tensor, *, transpose: bool = False,
@@ -44,9 +53,8 @@ def apply_rope(t: torch.Tensor, freqs: torch.Tensor, *, transpose: bool = False,
     x1, x2 = t[..., :h], t[..., h:r]
     o1, o2 = out[..., :h], out[..., h:r]
     s1, s2 = (-1.0, 1.0) if not transpose else (1.0, -1.0)
-    torch.mul(x1, cos[..., :h], out=o1)
+    torch.mul(t[..., :r], cos, out=out[..., :r])  # both halves' cos terms in one kernel
     o1.addcmul_(x2, sin[..., :h], value=s1)
-    torch.mul(x2, cos[..., h:], out=o2)
     o2.addcmul_(x1, sin[..., h:], value=s2)
     if r < t.shape[-1]:
         out[..., r:].copy_(t[..., r:])

@@ -137,3 +137,78 @@ def agreement_fields(count: int, order: str) -> dict:
     """What the agreement check compares about tiling: nothing for one tile (the untiled op's
     record is unchanged), else the tile count and order (each tile is one pass of the ring)."""
     return {} if count <= 1 else {"token_tiles": int(count), "tile_order": order}
+
+
+# ---------------------------------------------------------------- the streaming layer's tiles
+
+#: ``METP_LAYER_TOKEN_TILE``: tokens per tile of the streaming layer's row passes and query
+#: tiles (``0`` = whole; else auto from the budget)
+LAYER_TOKEN_TILE_ENV = "METP_LAYER_TOKEN_TILE"
+
+
+class LayerTiles:
+    """The tile sizes of one streaming METP layer (:mod:`.layer`) for ``n`` local tokens:
+
+    * ``rows``: tokens per tile of the row passes (projection + residual + MLP, ``dx``);
+    * ``q``: tokens per query tile of the attention (one K/V ring per tile);
+    * ``kv``: key rows of every rank's K/V block on the ring at once in backward (the
+      travelling K/V and fp32 ``dK/dV`` buffers' size; ``n`` = whole blocks);
+    * ``keys``: keys per kernel call (whole by default: a full block takes GQA by folding the
+      query heads into rows, :mod:`.attention_kernels`, so no call expands K/V; the causal
+      pieces of a query tile are that tile's square).
+
+    Auto (first that applies: the op's ``token_tile``, ``METP_LAYER_TOKEN_TILE``, else the
+    budget ``METP_TILE_BUDGET_MIB``, 1 GiB): the row passes take the whole budget, the query
+    tile and the K/V ring half of it each, from the bytes per token below (``e`` the element
+    size, ``b`` the micro-batch, ``H·d`` one head group's query width, ``G·d`` its key width;
+    the MLP's from :func:`mlp_row_bytes`; a query tile forms ``x`` and ``norm1(x)`` a row tile at
+    a time)::
+
+        row pass     b·(6·h·e + mlp_row_bytes)       x, O, h1, norm2(h1), d norm2, its input grad
+        query tile   b·(7·H·d·e + 8·H·d)             q, O, dO, pre-norm q, d(qkv), the kernel's
+                                                     q/O/dO copies; dq and a sub-block's (fp32)
+        K/V ring     b·(4·G·d·e + 16·G·d)            own copy + held; two fp32 dK/dV sums
+
+    ``METP_MLP_TOKEN_TILE`` (``--metp-mlp-token-tile``, rows = tokens × micro-batch) sets the
+    row passes' tile, as it sets the separate MLP op's. A forced ``token_tile`` (or
+    ``METP_LAYER_TOKEN_TILE``) sets ``rows`` and ``q`` (and leaves ``kv``/``keys`` whole), so the
+    tests can cut tiny sequences; a dict sets each of the four."""
+
+    def __init__(self, n: int, b: int, h: int, heads_dim: int, kv_dim: int, elem: int,
+                 mlp_bytes: int, token_tile=None):
+        if isinstance(token_tile, dict):  # every size given (tests): rows, q, kv, keys
+            unknown = set(token_tile) - {"rows", "q", "kv", "keys"}
+            if unknown:
+                raise ValueError(f"token_tile as a dict takes rows, q, kv, keys; got {unknown}")
+            for name in ("rows", "q", "kv", "keys"):
+                v = _nonneg_int(token_tile.get(name, 0), f"token_tile[{name!r}]")
+                setattr(self, name, n if v == 0 or v >= n else v)
+            return
+        forced = token_tile if token_tile is not None else _env_int(LAYER_TOKEN_TILE_ENV)
+        if forced is not None:
+            forced = _nonneg_int(forced, "token_tile")
+            whole = forced == 0 or forced >= n
+            self.rows = self.q = n if whole else forced
+            self.kv = self.keys = n
+            return
+        budget = tile_budget_bytes()
+        per = lambda nbytes: max(1, int(nbytes))  # noqa: E731
+        mlp_rows = _env_int(MLP_TOKEN_TILE_ENV)  # --metp-mlp-token-tile: rows of tokens × batch
+        if mlp_rows is not None:
+            self.rows = n if mlp_rows == 0 else min(n, max(1, -(-mlp_rows // b)))
+        else:
+            self.rows = min(n, max(1, budget // per(b * (6 * h * elem + mlp_bytes))))
+        self.q = min(n, max(1, (budget // 2) // per(b * (7 * heads_dim * elem
+                                                        + 8 * heads_dim))))
+        self.kv = min(n, max(1, (budget // 2) // per(b * (4 * kv_dim * elem + 16 * kv_dim))))
+        self.keys = n
+
+    def row_tiles(self, n: int) -> List[slice]:
+        return tile_slices(n, self.rows)
+
+    def q_tiles(self, n: int) -> List[slice]:
+        return tile_slices(n, self.q)
+
+    def fields(self) -> dict:
+        """What the agreement check compares (every rank must run the same passes)."""
+        return {"layer_tiles": (int(self.rows), int(self.q), int(self.kv), int(self.keys))}

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..runtime.groups import METPGroup
+from . import tiles as tiling
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int = 128, tensor_model_parallel_size: int = 1,
@@ -148,3 +149,42 @@ def resolve_token_chunk(token_chunk, width: int, env: Optional[str] = None,
 def token_chunks(n: int, chunk: int):
     """The row slices ``[a, min(a + chunk, n))`` covering ``n`` rows in order (none for 0)."""
     return [slice(a, min(a + chunk, n)) for a in range(0, n, chunk)]
+
+
+#: Environment variable that sets the rows per token tile of the loss's backward (0 = whole)
+#: when ``token_tile`` is not passed (:func:`loss_tiles`).
+LOSS_TOKEN_TILE_ENV = "METP_LOSS_TOKEN_TILE"
+
+
+def loss_row_bytes(h: int, acc_elem: int = 4) -> int:
+    """Token-proportional bytes of one tile of the ring loss's backward per token row: the
+    ``dX`` accumulator ``[rows, h]`` (``acc_elem`` bytes, fp32 for 16-bit inputs). The logits
+    and ``dZ`` are bounded by the token chunk, not by the tile."""
+    return acc_elem * h
+
+
+def loss_tiles(token_tile, n_rows: int, h: int, acc_elem: int = 4, arg: str = "token_tile"):
+    """Token tiles of the ring loss's (and the ring logits') backward, one pass of the weight
+    ring each (:mod:`.tiles`): ``token_tile`` rows (``0`` = whole), else the environment variable
+    ``METP_LOSS_TOKEN_TILE``, else auto: the most rows whose ``dX`` accumulator fits
+    ``METP_TILE_BUDGET_MIB`` (1 GiB: 65,536 rows at ``h = 4096``). Balanced slices; one slice of
+    every row when the rank's rows fit (the untiled op)."""
+    rows = tiling.resolve_rows(token_tile, n_rows, loss_row_bytes(h, acc_elem),
+                               LOSS_TOKEN_TILE_ENV, arg)
+    return tiling.tile_slices(n_rows, rows)
+
+
+#: ``0`` keeps the ring loss's input gradient out of the final hidden states' storage in
+#: Megatron (:class:`megatron_metp.megatron.vocab.METPGPTModel`); ``1`` or unset: written there
+LOSS_GRAD_INTO_HIDDEN_ENV = "METP_LOSS_GRAD_INTO_HIDDEN"
+
+
+def loss_grad_into_hidden_env() -> bool:
+    """``METP_LOSS_GRAD_INTO_HIDDEN``: ``1`` (or unset, the default) lets the METP GPT model's
+    loss write its input gradient into the final hidden states (``grad_into_hidden``), ``0``
+    does not; anything else is refused naming the variable."""
+    raw = os.environ.get(LOSS_GRAD_INTO_HIDDEN_ENV, "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"the environment variable {LOSS_GRAD_INTO_HIDDEN_ENV} must be 0 or 1, "
+                         f"got {raw!r}")
+    return raw != "0"

@@ -18,6 +18,31 @@ memory), so results are exact and the code path is the one a GPU runs; under ``F
 (the fake-rank instruments) nothing is copied: the host side is counted (``host_bytes``,
 ``host_peak``) and the device side is re-allocated at prefetch time, so a memory tracker sees
 exactly what stays on and returns to the device.
+
+**Partial offload** (``ActivationOffloader(layers=N)``, Megatron-LM ``--metp-offload-activations
+N``): only the first ``N`` layers of the block (a pipeline stage's) send their saved tensors to
+the host; the last ``L − N`` keep theirs on the device, as without the offload. The last layers
+stay because the backward runs them first: their tensors are needed the moment the backward
+starts, when no compute is running yet that a copy from the host could hide behind, whereas layer
+``N − 1``'s tensors come back on the side stream while the lowest kept layer ``N`` runs its
+backward (it is prefetched there), so every copy of an offloaded layer stays hidden, as with the
+full offload. Keeping the first layers instead would start the backward with ``L − N`` layers'
+worth of host copies to wait for or to prefetch in the forward's tail. The kept layers also keep
+the final norm's tensors (it runs in the last layer's group), and the host holds exactly ``N``
+layers' worth (with full recompute ``N`` layer inputs, plus the RoPE table that the first chunk
+saves): what the plan counts (``tools/plan/recompute.py``).
+
+**Layer groups.** A group is one layer of one forward: :attr:`ActivationOffloader.current_group`
+counts the block's layers from 0 in each forward (``-1`` before the first layer starts; those
+tensors go with layer 0). With pipeline parallelism every stage has its own block and offloader,
+so layer groups are counted per stage, and the micro-batches a stage runs forward before their
+backward (1F1B) each count from 0 again; internally each group of each forward has its own key,
+so they never mix. With Megatron's full recompute (``--recompute-granularity full``) a chunk's
+forward runs without saving anything, and ``CheckpointFunction`` saves the chunk's input *after*
+the chunk has run: in the group of the chunk's **last** layer. With ``--recompute-method uniform``
+and chunks of ``k`` layers an offloaded count ``N`` must therefore be a multiple of ``k`` (a chunk
+is either offloaded or kept; :meth:`attach` refuses the rest); with ``block`` every checkpointed
+layer is its own chunk.
 """
 
 from __future__ import annotations
@@ -78,6 +103,16 @@ class _Entry:
     on_device: Optional[torch.Tensor] = None  # after prefetch
     ready: Optional[object] = None           # CUDA event of the prefetch copy
     fake: bool = False
+    original: Optional[weakref.ref] = None   # the device tensor saved (alive if shared)
+    stamp: tuple = ()                        # its storage and version when saved
+
+
+@dataclass(eq=False)
+class _Kept:
+    """A saved tensor of the first kept group of a forward (partial offload), with its group."""
+
+    group: int
+    tensor: torch.Tensor
 
 
 @dataclass
@@ -88,6 +123,7 @@ class _Stats:
     offloaded_bytes: int = 0
     fetched_bytes: int = 0     # bytes brought back
     prefetched_groups: int = 0
+    reused: int = 0            # brought back as the device tensor still alive (no copy)
     by_group: Dict[int, int] = field(default_factory=dict)
 
 
@@ -97,20 +133,30 @@ class ActivationOffloader:
 
     ``attach(block)`` wraps ``block.forward`` (inside: the saving hooks) and registers a forward
     pre-hook on each ``block.layers[i]`` that starts a new group. ``min_bytes``: smaller tensors
-    stay on the device (default :data:`DEFAULT_MIN_BYTES`). ``stats``: host bytes now and at
-    peak, tensors and bytes moved.
+    stay on the device (default :data:`DEFAULT_MIN_BYTES`). ``layers``: offload only the first
+    ``layers`` layer groups of each forward and keep the others' saved tensors on the device
+    (``None``: every layer; see the module docstring for why the last layers stay). ``stats``:
+    host bytes now and at peak, tensors and bytes moved.
     """
 
-    def __init__(self, min_bytes: Optional[int] = None, prefetch: Optional[bool] = None):
+    def __init__(self, min_bytes: Optional[int] = None, prefetch: Optional[bool] = None,
+                 layers: Optional[int] = None):
         if min_bytes is None:
             min_bytes = DEFAULT_MIN_BYTES
         if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
             raise ValueError(f"min_bytes must be a non-negative int, got {min_bytes!r}")
+        if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int)
+                                   or layers < 1):
+            raise ValueError(f"layers (the layer groups offloaded per forward) must be an int "
+                             f">= 1 or None (every layer), got {layers!r}")
         self.min_bytes = min_bytes
+        self.layers = layers
         self.prefetch = offload_prefetch() if prefetch is None else bool(prefetch)
         self.stats = _Stats()
         self._groups: Dict[int, List[_Entry]] = {}
-        self._group = -1
+        self._group = -1      # internal key of the running group: unique over all forwards
+        self._layer = -1      # the running layer of this forward (current_group)
+        self._trigger = -1    # key of this forward's first kept group that saved something
         self._seen: Dict[int, weakref.ref] = {}
         self._active = False
         self._stream = None
@@ -118,9 +164,15 @@ class ActivationOffloader:
     # ------------------------------------------------------------------ wiring
 
     def attach(self, block: torch.nn.Module) -> "ActivationOffloader":
-        """Hook ``block`` (a Megatron ``TransformerBlock``: ``forward`` and ``layers``)."""
+        """Hook ``block`` (a Megatron ``TransformerBlock``: ``forward`` and ``layers``).
+        ``ValueError`` when ``layers`` exceeds the block's layers or splits a uniform recompute
+        chunk (see the module docstring: a chunk's input is saved in its last layer's group)."""
         if getattr(block, "_metp_offloader", None) is not None:
             raise ValueError("this block already has an ActivationOffloader attached")
+        n_layers = len(getattr(block, "layers", []))
+        if self.layers is not None:
+            check_offload_layers(self.layers, n_layers, getattr(block, "config", None),
+                                 what="ActivationOffloader(layers=...)")
         forward = block.forward
 
         def offloaded_forward(*args, **kwargs):
@@ -142,6 +194,8 @@ class ActivationOffloader:
             return
         self._active = True
         self._seen = {}
+        self._layer = -2  # next_group() makes it -1: before the first layer
+        self._trigger = -1
         self.next_group()
         outer, _CURRENT = _CURRENT, self
         try:
@@ -155,20 +209,25 @@ class ActivationOffloader:
     def next_group(self) -> None:
         if self._active:
             self._group += 1
+            self._layer += 1
 
     @property
     def current_group(self) -> int:
-        """The layer group the forward is in now (one per layer, counted from 0 per forward)."""
-        return self._group
+        """The layer group the forward is in now: the index of the block's layer running now,
+        counted from 0 in each forward (``-1`` before the first layer: those tensors go with
+        layer 0)."""
+        return self._layer
 
     def offloads_group(self, group: int) -> bool:
-        """Whether the saved tensors of layer group ``group`` go to the host."""
-        return True
+        """Whether the saved tensors of layer group ``group`` (a layer index of the block,
+        :attr:`current_group`) go to the host: every group, or with ``layers=N`` the first
+        ``N`` (``-1``, before the first layer, counts as layer 0)."""
+        return self.layers is None or max(group, 0) < self.layers
 
     def offloads_current_group(self) -> bool:
         """:meth:`offloads_group` of the group the forward is in now (``False`` outside a
         forward)."""
-        return self._active and self.offloads_group(self._group)
+        return self._active and self.offloads_group(self._layer)
 
     def count_host(self, nbytes: int) -> None:
         """Account ``nbytes`` of host memory taken by an op's own host copies (``host_bytes``,
@@ -189,7 +248,13 @@ class ActivationOffloader:
         return self._stream
 
     def _pack(self, t: torch.Tensor):
-        if not self.offloads_group(self._group):
+        if not self.offloads_group(self._layer):
+            if self._trigger < 0 or self._trigger == self._group:
+                # the first kept group of this forward that saves anything: the backward
+                # reaches the offloaded groups right after it, so its tensors carry the key
+                # that starts their prefetch (_unpack)
+                self._trigger = self._group
+                return _Kept(self._group, t)
             return t
         if (t.numel() * t.element_size() < self.min_bytes or isinstance(t, torch.nn.Parameter)
                 or (t.is_leaf and t.requires_grad)):
@@ -199,7 +264,8 @@ class ActivationOffloader:
             return t  # shared by several layers: stays on the device from now on
         self._seen[id(t)] = weakref.ref(t)
         nbytes = t.numel() * t.element_size()
-        e = _Entry(self._group, t.shape, t.dtype, t.device, nbytes, fake=_is_fake(t))
+        e = _Entry(self._group, t.shape, t.dtype, t.device, nbytes, fake=_is_fake(t),
+                   original=weakref.ref(t), stamp=_stamp(t))
         if not e.fake:
             if t.is_cuda:
                 e.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
@@ -222,7 +288,13 @@ class ActivationOffloader:
     def _bring_back(self, e: _Entry, async_: bool) -> None:
         if e.on_device is not None:
             return
-        if e.fake:
+        alive = e.original() if e.original is not None else None
+        if alive is not None and _stamp(alive) == e.stamp:
+            # still on the device, unchanged (a tensor later layers saved again, the RoPE
+            # table): use it rather than a second copy
+            e.on_device = alive
+            self.stats.reused += 1
+        elif e.fake:
             e.on_device = torch.empty(e.shape, dtype=e.dtype, device=e.device)
         elif e.device.type == "cuda":
             dev = torch.empty(e.shape, dtype=e.dtype, device=e.device)
@@ -255,6 +327,10 @@ class ActivationOffloader:
             self.stats.prefetched_groups += 1
 
     def _unpack(self, e):
+        if isinstance(e, _Kept):
+            if self.prefetch:  # the last kept group's backward: bring the last offloaded back
+                self._prefetch_before(e.group)
+            return e.tensor
         if not isinstance(e, _Entry):
             return e
         self._bring_back(e, async_=False)
@@ -279,3 +355,29 @@ class ActivationOffloader:
     def pending(self) -> int:
         """Saved tensors still held for a backward that has not run."""
         return sum(len(v) for v in self._groups.values())
+
+
+def _stamp(t: torch.Tensor) -> tuple:
+    """What must not have changed for a saved tensor to stand for its host copy: its storage
+    (the same one, not resized: ``.data`` swaps and freed storages change it), shape, strides,
+    offset and version (an in-place write bumps it)."""
+    st = t.untyped_storage()
+    return (st._cdata, st.nbytes(), tuple(t.shape), t.stride(), t.storage_offset(), t._version)
+
+
+def check_offload_layers(n: int, layers: int, config=None, what: str = "layers") -> None:
+    """``ValueError`` naming ``what`` unless ``n`` layer groups can be offloaded from a block
+    of ``layers`` layers with Megatron config ``config``: ``1 <= n <= layers``, and with full
+    recompute, ``uniform`` chunks of ``k`` layers, a multiple of ``k`` (a chunk's input is saved
+    in its last layer's group, so a chunk is offloaded or kept as a whole)."""
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= layers:
+        raise ValueError(f"{what}: {n!r} layers offloaded, but a pipeline stage has {layers} "
+                         f"layers; offload 1 to {layers} of them (or every layer)")
+    if config is not None and getattr(config, "recompute_granularity", None) == "full" and \
+            getattr(config, "recompute_method", None) == "uniform":
+        k = int(getattr(config, "recompute_num_layers", None) or 1)
+        if n % k:
+            raise ValueError(f"{what}: {n} layers offloaded with full recompute in chunks of {k} "
+                             f"layers (--recompute-method uniform --recompute-num-layers {k}): a "
+                             f"chunk keeps one input, offloaded or not; offload a multiple of {k} "
+                             f"({', '.join(str(m) for m in range(k, layers + 1, k))})")

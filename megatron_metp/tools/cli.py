@@ -33,6 +33,15 @@ GiB = P.GiB
 MiB = P.MiB
 
 
+def _offload_count(raw: str) -> int:
+    """``--offload-activations N``: a positive layer count (checked against the stage's layers
+    by :func:`.plan.validate`)."""
+    if not raw.isdigit() or int(raw) < 1:
+        raise argparse.ArgumentTypeError(f"N must be a positive number of layers per pipeline "
+                                         f"stage, got {raw!r}; or give no N for every layer")
+    return int(raw)
+
+
 def _add_common(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("model (preset, then --config, then these flags)")
     g.add_argument("--preset", choices=sorted(P.PRESETS), default=None,
@@ -84,9 +93,13 @@ def _add_common(ap: argparse.ArgumentParser) -> None:
                         "layers of a stage (block), as Megatron's --recompute-method")
     j.add_argument("--recompute-num-layers", type=int, default=None,
                    help="N of --recompute-method (default 1)")
-    j.add_argument("--offload-activations", action="store_true", default=None,
+    j.add_argument("--offload-activations", nargs="?", const=True, default=None,
+                   type=_offload_count, metavar="N",
                    help="what the layers keep for backward goes to host memory, layer by layer, "
-                        "prefetched one layer ahead (Megatron-LM: --metp-offload-activations)")
+                        "prefetched one layer ahead (Megatron-LM: --metp-offload-activations "
+                        "[N]); N: only the first N layers of each pipeline stage, the rest kept "
+                        "on the device; without N every layer, or as many as the node's host "
+                        "memory holds (--host-memory-gib) when it cannot hold them all")
     j.add_argument("--vocab-parallel", action="store_true", default=None,
                    help="METP only (Megatron-LM's --metp-vocab-parallel): split the word "
                         "embedding and output layer over TP×METP, loss on the vocabulary ring; "
@@ -149,6 +162,10 @@ def build(args) -> tuple:
             job_fields[flag] = v
     if args.offload_activations:
         job_fields["offload"] = True
+        if args.offload_activations is not True:
+            job_fields["offload_layers"] = args.offload_activations
+        else:  # no N here: every layer (or the split the host holds), whatever --config says
+            job_fields.pop("offload_layers", None)
     if args.optimizer_cpu_offload:
         job_fields["optimizer_offload"] = True
     if args.no_offload_prefetch:
@@ -240,7 +257,8 @@ def measure_table(model, job, modes, results) -> str:
                  "micro-batch fwd+bwd (×PP in flight) of megatron-core GPTModel, params + fp32 "
                  "main_grad + activations; optimizer states are planned (not measured)")
     head = ["mode", "layout", "measured peak", "planned", "diff", "+ optimizer (plan)",
-            "= total", "stored meas/plan", "sent/rank", "peak at (meas)"]
+            "= total", "stored meas/plan", "layer transient meas/plan (% of total)",
+            "sent/rank", "peak at (meas)"]
     rows = []
     for mode, r in zip(modes, results):
         lay = P.layout(mode, job).describe()
@@ -253,9 +271,13 @@ def measure_table(model, job, modes, results) -> str:
         diff = 100 * (plan_b / r["peak"] - 1)
         opt = mem.static["optimizer"]
         stored_p = mem.act.stored + mem.act.persistent
+        lt = r.get("layer_transient")
+        lt_txt = "—" if lt is None else \
+            (f"{P.fmt_bytes(lt)} / {P.fmt_bytes(mem.act.layer_transient)} "
+             f"({100 * lt / (r['peak'] + opt):.1f} %)")
         rows.append([mode, lay, P.fmt_bytes(r["peak"]), P.fmt_bytes(plan_b), f"{diff:+.2f} %",
                      P.fmt_bytes(opt), P.fmt_bytes(r["peak"] + opt),
-                     f"{P.fmt_bytes(r['stored'])} / {P.fmt_bytes(stored_p)}",
+                     f"{P.fmt_bytes(r['stored'])} / {P.fmt_bytes(stored_p)}", lt_txt,
                      P.fmt_bytes(r["sent"]), r["peak_phase"]])
     ws = [max(len(str(x[i])) for x in rows + [head]) for i in range(len(head))]
     lines.append(" | ".join(h.ljust(w) for h, w in zip(head, ws)))
@@ -279,8 +301,12 @@ def cmd_measure(args) -> int:
         if job.offload and "error" not in r:
             from .plan.host import host_report
 
-            print(f"# {mode}: " + host_report(job, r.get("host_peak"),
-                                              P.memory(model, job, mode).act.host))
+            act = P.memory(model, job, mode).act
+            print(f"# {mode}: {act.offloaded_layers} of {act.layers} layers per stage offloaded, "
+                  f"{act.layers - act.offloaded_layers} kept on the device"
+                  + (" (as many as the node's host memory holds)"
+                     if job.offload_layers is None and act.offloaded_layers < act.layers else ""))
+            print(f"# {mode}: " + host_report(job, r.get("host_peak"), act.host))
     print(f"\n{len(results)} measurements in {time.perf_counter() - t0:.1f} s")
     if args.json:
         out = []

@@ -447,21 +447,35 @@ def _build_and_measure(args, pretrain_gpt, ps, te_absent: bool, notes: List[str]
                     raise DryRunError(f"--measure-layers {measure_layers}: nothing to "
                                       f"extrapolate on {n_layers} layers; use full") from None
                 full_layers = args.num_layers
-                points = {}
+                n_off = getattr(args, "metp_offload_activations", False)
+                partial = n_off is not True and bool(n_off)  # --metp-offload-activations N
+                if partial:  # each measured stage keeps the full stage's kept layers
+                    pts, coef = FR.partial_offload_points(n_layers, n_off, (a, k), step=step)
+                else:
+                    t_ = (n_layers - k) / (k - a)
+                    pts, coef = [(a, n_off), (k, n_off)], [-t_, 1 + t_]
+                points = []
                 try:
-                    for depth in (a, k):
+                    for depth, off in pts:
                         args.num_layers = depth * pp_size
-                        points[depth] = measure(build())
+                        if partial:
+                            args.metp_offload_activations = off
+                        points.append(measure(build()))
                 finally:
                     args.num_layers = full_layers
+                    if partial:
+                        args.metp_offload_activations = n_off
                 keys = ("stored", "work_peak", "host")
-                per_layer = {key: (points[k][key] - points[a][key]) / (k - a) for key in keys}
-                act = {key: points[k][key] + (n_layers - k) * per_layer[key] for key in keys}
-                act["tracker_peak"] = points[k]["tracker_peak"]
+                act = {key: FR.combine([pt[key] for pt in points], coef) for key in keys}
+                per_layer = {key: (points[1][key] - points[0][key]) / (pts[1][0] - pts[0][0])
+                             for key in keys}
+                act["tracker_peak"] = points[-1]["tracker_peak"]
                 act["per_layer"] = per_layer
-                act["method"] = (f"measured on {a} and {k} layers, extrapolated linearly to "
-                                 f"{n_layers} (+{per_layer['stored'] / MiB:,.0f} MiB stored per "
-                                 f"layer)")
+                act["method"] = (
+                    f"measured on {', '.join(f'{d} layers ({o} offloaded)' for d, o in pts)}, "
+                    f"combined linearly to {n_layers} layers with {n_off} offloaded" if partial
+                    else f"measured on {a} and {k} layers, extrapolated linearly to {n_layers} "
+                         f"(+{per_layer['stored'] / MiB:,.0f} MiB stored per layer)")
             run_s = time.perf_counter() - t_run
     finally:
         torch.set_default_dtype(prev_dtype)

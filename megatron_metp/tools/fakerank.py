@@ -27,7 +27,7 @@ import os
 import pickle
 import time
 import traceback
-from typing import Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 MiB = 2 ** 20
 GiB = 2 ** 30
@@ -321,6 +321,47 @@ def layer_depths(per_stage: int, measure_layers="auto", *, step: int = 1,
         raise ValueError(f"--measure-layers {b}: need {step} < N < {per_stage} (layers on the "
                          f"stage), a multiple of {step} (the recompute chunk)")
     return a, b
+
+
+def partial_offload_points(per_stage: int, offloaded: int, depths: tuple, *, step: int = 1
+                           ) -> Tuple[List[Tuple[int, int]], List[float]]:
+    """What to measure for a stage of ``per_stage`` layers whose first ``offloaded`` go to the
+    host and whose last ``K = per_stage − offloaded`` stay on the device (partial offload), when
+    ``depths`` (:func:`layer_depths`) say to extrapolate: ``([(layers, offloaded), ...],
+    coefficients)``; the stage's figure is ``Σ coefficient × measurement``.
+
+    Each measured stage keeps ``K`` layers (as the full one does) when ``K`` is at most two
+    chunks (or the depths hold ``K`` and an offloaded chunk): two depths, deeper than ``depths``
+    if need be, extrapolated linearly in the offloaded layers. Otherwise three points, ``(a, K₀)``, ``(b, K₀)``, ``(b, K₀ + step)`` with ``K₀ = 2·step``
+    kept (two kept chunks: from there on a kept chunk adds its input and the backward of the
+    lowest kept one no longer sets the peak, ``plan/recompute.py``), extrapolated linearly in the
+    layers and in the kept layers. ``ValueError`` when the depths are too shallow for that."""
+    a, b = depths
+    kept = per_stage - offloaded
+    k0 = 2 * step
+    if kept <= max(k0, a - step):
+        if a - kept < step:  # deeper, so that each measured stage offloads a chunk too
+            a, b = kept + step, kept + 2 * step
+        t = (per_stage - b) / (b - a)
+        return [(a, a - kept), (b, b - kept)], [-t, 1 + t]
+    a, b = max(a, k0 + step), max(b, k0 + 2 * step)
+    if b - a != step:
+        a = b - step
+    t, u = (per_stage - b) / step, (kept - k0) / step
+    return [(a, a - k0), (b, b - k0), (b, b - k0 - step)], [-t, 1 + t - u, u]
+
+
+def combine(values: List, coefficients: List[float]):
+    """``Σ coefficient × value`` for numbers, key by key for dicts of them (other values: the
+    last one's), as :func:`extrapolate` for more than two points."""
+    last = values[-1]
+    if isinstance(last, bool) or not isinstance(last, (int, float, dict)):
+        return last
+    if isinstance(last, dict):
+        return {k: combine([v.get(k, 0) if isinstance(v, dict) else 0 for v in values],
+                           coefficients) for k in last}
+    out = sum(c * (v or 0) for c, v in zip(coefficients, values))
+    return int(round(out)) if isinstance(last, int) else out
 
 
 def extrapolate(a, b, times: float):

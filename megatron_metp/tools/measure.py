@@ -149,12 +149,13 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
                   max_sequence_length=model.seq, pre_process=first, post_process=last,
                   share_embeddings_and_output_weights=model.tied and job.pp == 1,
                   position_embedding_type="rope", **extra)
-        offloader = ActivationOffloader(prefetch=job.offload_prefetch).attach(gpt.decoder) \
+        offloader = ActivationOffloader(prefetch=job.offload_prefetch,
+                                        layers=job.offload_layers).attach(gpt.decoder) \
             if job.offload else None
         if lay.mode in ("metp", "metp+vocab"):
-            from ..megatron.recompute_output import free_recomputed_outputs
+            from ..megatron.streaming import prepare_recompute
 
-            free_recomputed_outputs(gpt.decoder)
+            prepare_recompute(gpt.decoder)
         params = list(gpt.parameters())
         n_params = sum(p.numel() for p in params)
         main_grad = FR.main_grad_buffer(params)
@@ -189,7 +190,8 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
         if gpt.decoder.layers:
             lastl = gpt.decoder.layers[-1]
             for name, mod in (("mlp backward", lastl.mlp),
-                              ("attention backward", lastl.self_attention)):
+                              ("attention backward", lastl.self_attention),
+                              ("last layer", lastl)):
                 st = tracker.memory_tracking.get(mod)
                 if st is not None and st.local_peak:
                     phases[name] = max(st.local_peak.values())
@@ -201,6 +203,12 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
     seconds = time.perf_counter() - t0
     params_b = 2 * n_params
     grad_b = 4 * n_params
+    stored_b = after_fwd["cat"].get("ACT", 0)
+    # the last layer's own working set: the most it held (forward or backward) beyond the
+    # parameters, the gradient buffer and what the forward stored (the plan's "transient"
+    # convention: the incoming gradient counts, the freed head does not)
+    layer_transient = (phases["last layer"] - params_b - grad_b - stored_b
+                       if "last layer" in phases else None)
     return {
         "mode": asked, "vocab_parallel": lay.vocab, "seq": model.seq, "tokens_per_rank": n,
         "layers_on_rank": layers_here,
@@ -209,7 +217,7 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
         "peak_by_category": peak["cat"],
         "params": params_b, "grad_buffer": grad_b,
         "activation_peak": peak["total"] - params_b - grad_b,
-        "stored": after_fwd["cat"].get("ACT", 0),
+        "stored": stored_b, "layer_transient": layer_transient,
         "phases": phases,
         "sent": counter.sent, "comm_ops": counter.ops,
         "comm_bytes": counter.bytes_by_op,
@@ -231,6 +239,36 @@ def _depths(model: "P.Model", job: "P.Job", measure_layers: str):
                            offload=job.offload)
 
 
+def _runs(model: "P.Model", job: "P.Job", mode: str, measure_layers: str):
+    """``([(model, job), ...], coefficients, method)``: the stages to measure for ``mode`` and
+    how their figures combine (:func:`fakerank.combine`). The offload split is the plan's
+    (:func:`plan.memory`: every layer, ``--offload-activations N``, or as many as the node's host
+    memory holds), each measured stage offloading all but the kept layers of the full one
+    (:func:`fakerank.partial_offload_points`)."""
+    L = model.layers // job.pp
+    off = P.memory(model, job, mode).act.offloaded_layers
+    if job.offload:  # the split the plan made, explicit (0: nothing to offload)
+        job = replace(job, offload_layers=off if 0 < off < L else None) if off else \
+            replace(job, offload=False, offload_layers=None, host_memory_gib=None,
+                    offload_prefetch=True)
+    depths = _depths(model, job, measure_layers)
+    if depths is None:
+        return [(model, job)], [1.0], None
+    step = job.recompute_num_layers if job.recompute == "full" and \
+        job.recompute_method == "uniform" else 1
+    if job.offload_layers is not None:
+        points, coef = FR.partial_offload_points(L, job.offload_layers, depths, step=step)
+        runs = [(replace(model, layers=d * job.pp), replace(job, offload_layers=n))
+                for d, n in points]
+        method = (f"measured on {', '.join(f'{d} layers ({n} offloaded)' for d, n in points)}, "
+                  f"combined linearly to {L} layers with {job.offload_layers} offloaded")
+        return runs, coef, method
+    a, b = depths
+    times = (L - b) / (b - a)
+    return ([(replace(model, layers=d * job.pp), job) for d in depths], [-times, 1 + times],
+            f"measured on {a} and {b} layers, extrapolated linearly to {L}")
+
+
 def measure(model: "P.Model", job: "P.Job", modes, *, jobs: int = 1, timeout: float = 600.0,
             cpu_matmul: bool = False, measure_layers: str = "full") -> List[Dict]:
     """Measure each mode (a list, or one name) in its own forked child; ``jobs`` at a time.
@@ -238,40 +276,38 @@ def measure(model: "P.Model", job: "P.Job", modes, *, jobs: int = 1, timeout: fl
     ``measure_layers``: ``"full"`` builds every layer of the stage; ``N`` (or ``"auto"``: 2 when
     a stage has more than 4 layers) measures ``N-1`` and ``N`` layers per stage and extrapolates
     every byte and message count linearly to the stage's layers (as the Megatron-LM dry run
-    does; exact where each layer adds the same, which the fake-tensor measurements show).
+    does; exact where each layer adds the same, which the fake-tensor measurements show); with
+    a partial offload the measured stages keep as many layers as the full one, or three stages
+    give the slopes in layers and in kept layers (:func:`_runs`).
     A failed measurement comes back as ``{"mode": ..., "error": traceback}``.
     """
     if isinstance(modes, str):
         modes = [modes]
     P.validate(model, job, modes=modes)
-    depths = _depths(model, job, measure_layers)
+    plans = [_runs(model, job, m, measure_layers) for m in modes]
     FR.preload_megatron()
-    runs = [(m, model) for m in modes] if depths is None else \
-        [(m, replace(model, layers=d * job.pp)) for m in modes for d in depths]
-    got = FR.map_isolated(lambda mode, mdl: measure_here(mdl, job, mode, cpu_matmul=cpu_matmul),
+    runs = [(m, mdl, jb) for m, (rs, _, _) in zip(modes, plans) for mdl, jb in rs]
+    got = FR.map_isolated(lambda mode, mdl, jb: measure_here(mdl, jb, mode, cpu_matmul=cpu_matmul),
                           runs, jobs=jobs, timeout=timeout, what=lambda a: a[0])
     out = []
-    for i, mode in enumerate(modes):
-        if depths is None:
-            g = got[i]
-            res = g["ok"] if "ok" in g else {"mode": mode, "error": g["error"]}
-            if "error" not in res:
-                res["method"] = f"measured on all {res['layers_on_rank']} layers"
-            out.append(res)
-            continue
-        ga, gb = got[2 * i], got[2 * i + 1]
-        err = ga.get("error") or gb.get("error")
+    i = 0
+    for mode, (rs, coef, method) in zip(modes, plans):
+        parts, i = got[i:i + len(rs)], i + len(rs)
+        err = next((g["error"] for g in parts if "error" in g), None)
         if err:
             out.append({"mode": mode, "error": err})
             continue
-        a, b = ga["ok"], gb["ok"]
-        per_stage = model.layers // job.pp
-        times = (per_stage - depths[1]) / (depths[1] - depths[0])
+        if method is None:
+            res = parts[0]["ok"]
+            res["method"] = f"measured on all {res['layers_on_rank']} layers"
+            out.append(res)
+            continue
+        vals = [g["ok"] for g in parts]
         skip = ("seq", "tokens_per_rank", "inflight_microbatches", "max_4d", "seconds")
-        res = {k: (v if k in skip else FR.extrapolate(a.get(k), v, times)) for k, v in b.items()}
-        res["layers_on_rank"] = per_stage
-        res["seconds"] = round(a["seconds"] + b["seconds"], 3)
-        res["method"] = (f"measured on {depths[0]} and {depths[1]} layers, extrapolated linearly "
-                         f"to {per_stage}")
+        res = {k: (v if k in skip else FR.combine([r.get(k) for r in vals], coef))
+               for k, v in vals[-1].items()}
+        res["layers_on_rank"] = model.layers // job.pp
+        res["seconds"] = round(sum(r["seconds"] for r in vals), 3)
+        res["method"] = method
         out.append(res)
     return out

@@ -88,6 +88,8 @@ as when the plan was one module:
 ``recompute``            full recompute and host offload: device / host bytes per layer, and
                          what the last layer's phases re-form or bring back
 ``activation_memory``    ``Activations`` / ``activations()``: stored per layer, head, phases
+``partial``              ``resolve_offload()``: how many layers to offload when the node's host
+                         memory cannot hold them all (partial offload)
 ``rank_memory``          ``Memory`` / ``memory()``, ``worst_total()``, ``head_memory()``,
                          ``longest_seq()``
 ``traffic``              ``traffic_per_layer()``, ``forward_traffic_per_layer()``,
@@ -133,7 +135,7 @@ from .summary import fmt_bytes, fmt_tokens, plan, report
 from .search import reach, reach_report
 from .figures import COLORS, charts
 from . import (activation_memory, config, cost, figures, hardware, internode, metp, model,
-               overlap, search,
+               overlap, partial, search,
                parameters, rank_memory, recompute, ring, stock, summary, traffic, vocab)
 
 __all__ = [
@@ -152,7 +154,7 @@ __all__ = [
 
 #: the modules whose names :class:`_Package` rebinds
 _MODULES = (hardware, model, config, parameters, ring, stock, metp, vocab, recompute,
-            activation_memory, rank_memory, traffic, cost, overlap, internode, summary, figures,
+            activation_memory, partial, rank_memory, traffic, cost, overlap, internode, summary, figures,
             search)
 _UNSET = object()
 

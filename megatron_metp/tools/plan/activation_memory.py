@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Dict, Optional
 
 from .metp import _metp_phases
+from .streaming import streaming_applies, streaming_phases
 from .model import BF16, FP32, Job, Model, canonical, layout, padded_vocab
 from .recompute import recompute_and_offload
 from .stock import _stock_phases
@@ -26,6 +27,7 @@ class Activations:
     inflight: int                      # micro-batches in flight on the rank
     korthikanti_layer: Optional[float] = None  # the paper's formula, for stock modes
     host: float = 0.0                  # offloaded to host memory (all layers, all in flight)
+    offloaded_layers: int = 0          # layers per stage offloaded (--offload-activations [N])
 
     @property
     def stored_per_layer(self) -> float:
@@ -45,6 +47,13 @@ class Activations:
     @property
     def transient(self) -> float:
         return max(self.phase_totals().values())
+
+    @property
+    def layer_transient(self) -> float:
+        """The largest transient of a single layer's phase (forward, recompute or backward of
+        the last layer; not the loss's or the embedding's)."""
+        return max((v for k, v in self.phase_totals().items() if "(last layer)" in k),
+                   default=0.0)
 
     @property
     def peak_phase(self) -> str:
@@ -158,15 +167,32 @@ def activations(model: Model, job: Job, mode: str, seq: Optional[int] = None,
                 (5 * A * s * s * b / t if not flash else 0)
         X = _stock_phases(model, job, lay, n, nl, S, stock_core)
 
-    S, host_layer, shifts = recompute_and_offload(S, job, L, BF16 * nl * h)
+    off = offloaded_layers(job, L)
+    streaming = mode == "metp" and streaming_applies(job, lay, mode)
+    S, host_layer, shifts = recompute_and_offload(S, job, L, BF16 * nl * h, offloaded=off,
+                                                  frees_output=mode == "metp")
+    host_stash = 0.0
+    if streaming:  # the layer op saves its input only and re-forms nothing whole (.streaming)
+        # the last layer's phases: on the host only when every layer is offloaded (a partial
+        # offload keeps the last layers on the device)
+        X = streaming_phases(model, job, lay, n, host=off == L and off > 0)
+        shifts = {"forward": 0.0, "mlp": 0.0, "backward": 0.0}
+        for name, items in X.items():
+            # the layer's output y: written over x's storage when offloaded (x's device copy,
+            # not stored, lives on as y), else allocated once the attention outputs are formed
+            if "forward: rows" in name or ("forward" in name and off == L and off > 0):
+                items["the layer's input x and output y (one [tokens, h], bf16)"] = \
+                    BF16 * nl * h
+        if off:  # an offloaded layer's attention outputs and d(qkv) on the host, one at a time
+            host_stash = BF16 * n * (hq + hq + 2 * hk) // t
     head: Dict[str, float] = {}
     head["RoPE angle table (fp32)"] = FP32 * (s // c) * d
     host_head = 0.0
     rope = head["RoPE angle table (fp32)"]
-    if job.offload and job.recompute == "full" and rope >= 2 ** 20:
+    if off and job.recompute == "full" and rope >= 2 ** 20 and not streaming:
         host_head += rope  # a checkpoint argument: its first save goes to the host
     if last:
-        if job.offload:  # the final norm runs in the block: its input goes to the host
+        if off == L:  # the final norm runs in the last layer's group: its input to the host
             head["final norm output (bf16)"] = BF16 * nl * h
             host_head += BF16 * nl * h
         else:
@@ -244,6 +270,18 @@ def activations(model: Model, job: Job, mode: str, seq: Optional[int] = None,
             "(this micro-batch's activations not formed yet)":
                 emb["(this micro-batch's activations freed)"] + BF16 * n * h,
             **vocab_embedding_forward(n, h, Vr, lay.p)}
-    host = inflight * (L * host_layer + host_head)
+    # the streaming layer's stashes live in one layer's forward or backward: the final norm's
+    # input (the head's host copy) is back on the device before the first layer backward
+    host = inflight * L * host_layer + max(inflight * host_head, host_stash)
     return Activations(stored_layer=S, head=head, phases=phases, persistent=persistent,
-                       layers=L, inflight=inflight, korthikanti_layer=kor, host=host)
+                       layers=L, inflight=inflight, korthikanti_layer=kor, host=host,
+                       offloaded_layers=off)
+
+
+def offloaded_layers(job: Job, layers: int) -> int:
+    """Layers of a stage whose saved tensors go to the host: 0 without ``--offload-activations``,
+    ``job.offload_layers`` when set (``metp plan --offload-activations N``, or the split
+    :mod:`.partial` chose), else all ``layers``."""
+    if not job.offload:
+        return 0
+    return layers if job.offload_layers is None else min(int(job.offload_layers), layers)

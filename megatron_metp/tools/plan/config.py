@@ -127,7 +127,8 @@ def _launcher_settings(kv: Dict[str, object], model: Dict[str, object],
     """What ``scripts/pretrain_gpt.sh`` adds when it launches a ``configs/*.sh`` of this repo, so
     that the plan is the plan of the job it starts: its defaults (tied embeddings, no SwiGLU,
     FFN 4·hidden), the distributed optimizer (unless ``DISTRIBUTED_OPTIMIZER=0``), ``RECOMPUTE_GRANULARITY`` /
-    ``RECOMPUTE_METHOD`` / ``RECOMPUTE_NUM_LAYERS`` and ``METP_OFFLOAD_ACTIVATIONS``, the attention kernel
+    ``RECOMPUTE_METHOD`` / ``RECOMPUTE_NUM_LAYERS``, ``METP_OFFLOAD_ACTIVATIONS`` and
+    ``METP_OFFLOAD_LAYERS``, the attention kernel
     (``TRANSFORMER_IMPL=local`` stock layers run Megatron's unfused ``DotProductAttention``;
     METP layers the flash block kernel unless ``METP_ATTENTION_KERNEL=reference``),
     ``METP_KEEP_INTERMEDIATE``, a stock ``CP`` as the ring size (plan it with ``--modes ring``),
@@ -159,10 +160,20 @@ def _launcher_settings(kv: Dict[str, object], model: Dict[str, object],
         if job["recompute"] == "full":
             job["recompute_method"] = str(kv.get("recompute_method") or "uniform")
             job["recompute_num_layers"] = int(kv.get("recompute_num_layers") or 1)
+    if kv.get("metp_offload_activations") not in (None, False, 0, 1, True):
+        raise ValueError(f"METP_OFFLOAD_ACTIVATIONS={kv['metp_offload_activations']} in the "
+                         f"config: use 0 or 1 (every layer); to offload N layers per pipeline "
+                         f"stage set METP_OFFLOAD_ACTIVATIONS=1 METP_OFFLOAD_LAYERS=N")
     if kv.get("metp_offload_activations"):
         job["offload"] = True
         if str(kv.get("metp_offload_prefetch", "1")) == "0":
             job["offload_prefetch"] = False
+        if kv.get("metp_offload_layers"):  # --metp-offload-activations N
+            job["offload_layers"] = int(kv["metp_offload_layers"])
+    elif kv.get("metp_offload_layers"):
+        raise ValueError(f"METP_OFFLOAD_LAYERS={kv['metp_offload_layers']} in the config without "
+                         f"METP_OFFLOAD_ACTIVATIONS=1: the layers to offload need the offload; "
+                         f"set METP_OFFLOAD_ACTIVATIONS=1 or drop METP_OFFLOAD_LAYERS")
     cp = int(kv.get("cp") or 1)
     if cp > 1 and int(job.get("metp") or 1) == 1:  # a stock context-parallel twin: plan it as
         job["metp"] = cp                           # mode ring (K/V ring over CP, weights whole)

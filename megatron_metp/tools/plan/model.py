@@ -105,6 +105,9 @@ class Job:
     optimizer_offload: bool = False  # Megatron's --optimizer-cpu-offload (fraction 1.0)
     host_memory_gib: Optional[float] = None  # host RAM per node (None: the preset's; plan.host)
     offload_prefetch: bool = True  # offload: prefetch layer l-1 in l's backward (2 groups on device)
+    offload_layers: Optional[int] = None  # offload: layers per stage offloaded (--offload-activations
+    #                                       N); None: every layer, or as many as the node's host
+    #                                       memory holds when it cannot hold them all (.partial)
 
     @property
     def width(self) -> int:
@@ -243,6 +246,21 @@ def validate(model: Model, job: Job, modes: Sequence[str] = MODES) -> None:
         raise ValueError(f"--recompute-num-layers {job.recompute_num_layers} does not divide the "
                          f"{model.layers // job.pp} layers of a pipeline stage (uniform recompute "
                          f"checkpoints chunks of that many layers; Megatron fails otherwise)")
+    if job.offload_layers is not None:
+        if not job.offload:
+            raise ValueError(f"offload_layers={job.offload_layers!r} without offload: pass "
+                             f"--offload-activations {job.offload_layers} (it sets both)")
+        from ...runtime.offload import check_offload_layers
+
+        cfg = None
+        if job.recompute == "full":
+            from types import SimpleNamespace
+
+            cfg = SimpleNamespace(recompute_granularity="full",
+                                  recompute_method=job.recompute_method,
+                                  recompute_num_layers=job.recompute_num_layers)
+        check_offload_layers(job.offload_layers, model.layers // job.pp, cfg,
+                             what="--offload-activations N")
     if job.recompute == "selective" and any(canonical(m, job)[0] in ("metp", "ring", "cp")
                                             for m in modes):
         raise ValueError("--recompute selective: the METP and ring layers already recompute "

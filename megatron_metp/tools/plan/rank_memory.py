@@ -12,7 +12,8 @@ from .hardware import HARDWARE
 from .host import host_fits
 from .model import BF16, FP32, GiB, Job, Model, canonical, layout, padded_vocab
 from .parameters import params, static_memory
-from .vocab import token_chunk
+from .partial import resolve_offload
+from .vocab import loss_tile_count, loss_tile_rows, token_chunk
 
 
 @dataclass
@@ -22,6 +23,7 @@ class Memory:
     seq: int
     static: Dict[str, float]
     act: Activations
+    job: Optional[Job] = None  # the job planned: with the offload split of .partial resolved
 
     @property
     def activation_peak(self) -> float:
@@ -39,11 +41,14 @@ class Memory:
 
 def memory(model: Model, job: Job, mode: str, seq: Optional[int] = None,
            stage: str = "first") -> Memory:
-    """Per-rank memory of rank 0 (the first pipeline stage), or of the last stage."""
+    """Per-rank memory of rank 0 (the first pipeline stage), or of the last stage; with
+    ``--offload-activations`` and no count, as many layers offloaded as the node's host memory
+    holds (:func:`.partial.resolve_offload`)."""
     m = model if seq is None else model.with_seq(seq)
     lay = layout(mode, job)
+    job = resolve_offload(m, job, mode)
     return Memory(mode, lay.describe(), m.seq, static_memory(m, job, mode, stage),
-                  activations(m, job, mode, stage=stage))
+                  activations(m, job, mode, stage=stage), job)
 
 
 def worst_total(model: Model, job: Job, mode: str, seq: Optional[int] = None) -> float:
@@ -63,7 +68,8 @@ def head_memory(model: Model, job: Job, mode: str, seq: Optional[int] = None) ->
     ``[chunk, V/(t·p)]`` with the split, whose ring loss tiles the tokens: ``loss_token_chunk``),
     ``logits_stored`` (kept for backward: Megatron keeps
     the fp32 softmax ``[tokens, V/t]``; the split keeps none) and ``logits_at_once`` (the most
-    logits bytes alive at one time: the bf16 product and its fp32 copy)."""
+    logits bytes alive at one time: the bf16 product and its fp32 copy); with the split also the
+    token tiles of the loss's backward (``loss_tiles`` passes of ``loss_tile_rows`` rows)."""
     mode, job = canonical(mode, job)
     s = model.seq if seq is None else int(seq)
     lay = layout(mode, job)
@@ -78,7 +84,9 @@ def head_memory(model: Model, job: Job, mode: str, seq: Optional[int] = None) ->
     return {"rows": rows, "tables": BF16 * emb, "table_grads": FP32 * emb,
             "table_optimizer": 12 * emb / (dp if job.distributed_optimizer else 1),
             "logits_block": block, "logits_stored": 0 if lay.vocab else block,
-            "logits_at_once": BF16 * chunk * rows + block, "loss_token_chunk": chunk}
+            "logits_at_once": BF16 * chunk * rows + block, "loss_token_chunk": chunk,
+            "loss_tiles": loss_tile_count(n, model.hidden) if lay.vocab else 1,
+            "loss_tile_rows": loss_tile_rows(n, model.hidden) if lay.vocab else n}
 
 
 # ----------------------------------------------------------------------------- longest sequence

@@ -13,8 +13,9 @@ Families (``world = gpus``, micro-batch 1, the distributed optimizer on, bf16):
 
 Options, for every layout: recompute none / full (uniform, one layer a chunk) / full + host
 offload of the layer inputs (``--metp-offload-activations``, the project's offload, planned for
-the stock layers the same way), each with and without Megatron's ``--optimizer-cpu-offload``.
-A layout fits at ``s`` when its planned per-rank total (the larger of the first and the last
+the stock layers the same way; as many layers per stage as ``host_gib`` per node holds, the rest
+kept on the device: :mod:`.partial`), each with and without Megatron's
+``--optimizer-cpu-offload``. A layout fits at ``s`` when its planned per-rank total (the larger of the first and the last
 pipeline stage) fits the device minus the reserve and the host bytes of a node (offloaded
 activations + offloaded optimizer, eight ranks of the larger stage) fit ``host_gib`` per node.
 ``s`` is searched in multiples of the layout's step (:func:`.rank_memory.seq_step`), doubling
@@ -59,6 +60,7 @@ class Candidate:
     seq: int = 0             # the longest sequence that fits (0: none)
     total: float = 0.0       # planned per-rank total at ``seq`` (bytes, the larger stage)
     host_per_node: float = 0.0  # host bytes of a node at ``seq``
+    offload_layers: Optional[int] = None  # layers per stage offloaded at ``seq`` (.partial)
     internode: Optional[Dict[str, float]] = field(default=None, repr=False)
 
     @property
@@ -76,6 +78,8 @@ class Candidate:
                      f"CP {j.metp if self.mode == 'cp' else 1}"]
         parts += [f"PP {j.pp}", f"DP {j.dp}"]
         opts = [f"recompute {self.recompute}"]
+        if self.offload_layers is not None:
+            opts[0] += f" ({self.offload_layers} layers per stage offloaded, the rest kept)"
         if j.optimizer_offload:
             opts.append("optimizer on host")
         return " × ".join(parts) + ", " + ", ".join(opts)
@@ -170,8 +174,10 @@ def candidates(model: Model, gpus: int, family: str, hardware: str = "H100-80GB"
     for mode, fields in layouts(model, gpus, family):
         for name in recompute:
             for off in optimizer_offload:
+                # with the offload, the node's host memory sets how many layers go there
+                host = {"host_memory_gib": host_gib} if opts[name].get("offload") else {}
                 job = Job(distributed_optimizer=True, hardware=hardware, reserve_gib=reserve_gib,
-                          optimizer_offload=off, **fields, **opts[name])
+                          optimizer_offload=off, **fields, **opts[name], **host)
                 q = seq_step(job, mode)
                 try:
                     validate(model.with_seq(q), job, [mode])
@@ -183,6 +189,7 @@ def candidates(model: Model, gpus: int, family: str, hardware: str = "H100-80GB"
                     cand.total = _total(model, job, mode, cand.seq)
                     cand.host_per_node = _host_per_node(model, job, mode, cand.seq)
                     cand.internode = internode_hop(model, job, mode, cand.seq)
+                    cand.offload_layers = memory(model, job, mode, cand.seq).job.offload_layers
                 out.append(cand)
     out.sort(key=lambda c: (-c.seq, c.options, c.total))
     return out

@@ -46,6 +46,7 @@ def plan(model: Model, job: Job, modes: Sequence[str] = MODES) -> Dict:
             "layers": a.layers, "inflight": a.inflight, "head": a.head,
             "persistent": a.persistent, "phases": a.phase_totals(),
             "peak_phase": a.peak_phase, "transient": a.transient,
+            "layer_transient": a.layer_transient,
             "activation_peak": a.peak, "measured_part": mem.measured_part, "total": mem.total,
             "last_stage_total": memory(model, job, mode, stage="last").total
             if job.pp > 1 else None,
@@ -58,6 +59,9 @@ def plan(model: Model, job: Job, modes: Sequence[str] = MODES) -> Dict:
             "host_per_node": GPUS_PER_NODE * a.host,
             "host_capacity_per_node": host_capacity_bytes(job),
             "fits_host": (not job.offload) or host_fits(job, a.host),
+            "offloaded_layers": a.offloaded_layers,
+            "offload_auto": job.offload and job.offload_layers is None and
+            mem.job.offload_layers is not None,
         }
     out["overlap"] = overlap_thresholds(model, job, hw)
     if hw.measured_tflops:
@@ -120,6 +124,8 @@ def report(model: Model, job: Job, modes: Sequence[str] = MODES) -> str:
     row("persistent Megatron buffer", lambda r: fmt_bytes(r["persistent"]))
     row("transient (one layer / loss)", lambda r: fmt_bytes(r["transient"]))
     row("  at", lambda r: r["peak_phase"].split(" (")[0])
+    row("largest single-layer transient", lambda r: f"{fmt_bytes(r['layer_transient'])} "
+        f"({100 * r['layer_transient'] / r['total']:.1f} % of the total)")
     row("activation peak", lambda r: fmt_bytes(r["activation_peak"]))
     row("TOTAL per rank" + (" (first stage)" if job.pp > 1 else ""),
         lambda r: fmt_bytes(r["total"]))
@@ -128,7 +134,16 @@ def report(model: Model, job: Job, modes: Sequence[str] = MODES) -> str:
     row("fits " + hw.name, lambda r: "yes" if max(r["total"], r["last_stage_total"] or 0)
         <= capacity_bytes(job) else "NO")
     row("bytes sent / layer (fwd+bwd)", lambda r: fmt_bytes(sum(r["traffic_per_layer"].values())))
+    if any(r["cost"]["sent_by_vocab_rings"] for r in res["modes"].values()):
+        row("vocabulary rings sent / micro-batch",
+            lambda r: fmt_bytes(r["cost"]["sent_by_vocab_rings"]))
+        row("  loss backward: token tiles",
+            lambda r: f"{r['vocab']['loss_tiles']} × {r['vocab']['loss_tile_rows']:,} rows"
+            if r["cost"]["sent_by_vocab_rings"] else "")
     if job.offload:
+        row("offloaded layers / stage", lambda r: f"{r['offloaded_layers']} of {r['layers']}"
+            + (" (auto)" if r["offload_auto"] else ""))
+        row("  kept on the device", lambda r: f"{r['layers'] - r['offloaded_layers']}")
         row("host memory (offloaded) / rank", lambda r: fmt_bytes(r["host"]))
         row(f"  per node of {GPUS_PER_NODE}", lambda r: fmt_bytes(GPUS_PER_NODE * r["host"]))
         cap = host_capacity_bytes(job)
@@ -158,6 +173,19 @@ def report(model: Model, job: Job, modes: Sequence[str] = MODES) -> str:
     for r in rows:
         lines.append(r[0].ljust(w0) + " | " + " | ".join(str(v).rjust(w) for v, w in zip(r[1:], ws)))
     lines.append("")
+    for mode, r in res["modes"].items():
+        if r["offload_auto"]:
+            n, L = r["offloaded_layers"], r["layers"]
+            lines.append(f"# {mode}: the node's host memory "
+                         f"({fmt_bytes(r['host_capacity_per_node'])}) does not hold every layer "
+                         f"of the offload: planned with {n} of {L} layers per stage offloaded "
+                         f"and {L - n} kept on the device (Megatron-LM: --metp-offload-activations"
+                         f" {n}; pretrain_gpt.sh: METP_OFFLOAD_LAYERS={n})"
+                         if n else
+                         f"# {mode}: the node's host memory "
+                         f"({fmt_bytes(r['host_capacity_per_node'])}) does not hold one layer "
+                         f"(or recompute chunk) of the offload: planned without it (drop "
+                         f"--metp-offload-activations)")
     ov = res["overlap"]
     lines.append(f"# full-overlap thresholds on {hw.name} (F/B = {ov['F/B (FLOP per byte)']:,.0f} "
                  f"FLOP/byte, datasheet rates): tokens per rank s·b/p")

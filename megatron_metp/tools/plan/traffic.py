@@ -7,6 +7,7 @@ import math
 from typing import Dict, Optional
 
 from .model import BF16, FP32, Job, Model, canonical, layout
+from .streaming import streaming_applies, streaming_traffic
 from .tiles import mlp_tile_count
 
 
@@ -34,6 +35,9 @@ def traffic_per_layer(model: Model, job: Job, mode: str, seq: Optional[int] = No
     if mode in ("ring", "cp"):
         kva = 2 * n * (hk // t) * BF16
         out["K/V ring: fwd K/V, bwd K/V + fp32 dK/dV"] = 4 * (c - 1) * kva
+    if mode == "metp" and streaming_applies(job, lay, mode):  # the streaming layer op
+        out.update(streaming_traffic(model, job, lay, n)["layer"])
+        return out
     if mode == "metp":
         p = lay.p  # METP group: weights; the K/V ring of each head group runs over c = p·cp
         sh = t * p
@@ -55,6 +59,11 @@ def forward_traffic_per_layer(model: Model, job: Job, mode: str,
     forward shares of :func:`traffic_per_layer`'s terms (TP / TP+SP: half; the K/V ring: the K/V
     blocks; METP: one weight broadcast, one K/V pass per head group, one bf16 weight ring)."""
     mode, job = canonical(mode, job)
+    lay = layout(mode, job)
+    if mode == "metp" and streaming_applies(job, lay, mode):  # its recompute: the attention's
+        s = model.seq if seq is None else seq
+        return sum(streaming_traffic(model, job, lay, s * job.micro_batch // lay.c)[
+            "recompute"].values())
     out = traffic_per_layer(model, job, mode, seq)
     total = 0.0
     for key, v in out.items():

@@ -1,0 +1,350 @@
+"""The streaming METP layer: a whole transformer layer as one op that keeps only its input.
+
+``metp_layer`` is Megatron's pre-norm GPT layer ::
+
+    h1 = x + Attn(norm1(x))·Woᵀ + bo          (METP attention: head-group loop, K/V ring)
+    y  = h1 + MLP(norm2(h1)) + b2             (METP MLP: weight ring)
+
+computed so that nothing the size of this rank's tokens is held whole on the device beyond the
+layer's input/output and its gradient, whatever ``s/p``. It is what Megatron's full recompute
+of one layer per checkpoint (``--recompute-granularity full --recompute-method uniform
+--recompute-num-layers 1``) computes, organised for memory:
+
+* **Saved for backward: the layer input ``x`` only** — on the host when the layer is offloaded
+  (``host=True``, :mod:`megatron_metp.runtime.host_stash`: the layer then reads it back tile by
+  tile and never holds it whole on the device), else on the device. The forward writes ``y``
+  over ``x``'s storage (``in_place``) once ``x`` is safely on the host.
+* **Forward**, per head group ``g``: ``K_g``, ``V_g`` of every local token, then per *query
+  tile* (``q`` tokens) the K/V ring (:mod:`.layer_attention`): ``O_g`` of the tile goes to a
+  stash (host when offloading). Then per *row tile* (``rows`` tokens,
+  :mod:`.layer_rows`): ``h1 = x + O·Woᵀ + bo`` and ``y = h1 + MLP(norm2(h1)) + b2`` (one MLP
+  weight-ring pass per tile, as :mod:`.mlp`'s token tiles).
+* **Backward**, given ``dy`` (overwritten in place: it becomes ``dh1``, then ``dx``):
+
+  1. the attention forward again, per group and query tile: ``O_g`` to the stash, ``lse_g``
+     kept (``[b, H, n]`` fp32 per group) — the recompute;
+  2. per row tile: ``h1`` recomputed from ``x`` and ``O``, ``dn2 = MLPᵀ(dy)`` (one backward
+     pass of the MLP ring: its weight gradients travel home), ``dh1 = dy + norm2ᵀ(dn2)``;
+  3. per group and query tile: ``dO_g = dh1·Wo_g``, the K/V ring backward (``dq`` of the tile
+     complete; ``dK/dV`` of every rank's keys travel home and are summed over the tiles),
+     ``d(qkv)_g`` to a stash, ``dWqkv_g``, ``dWo_g`` reduced to their owner;
+  4. per row tile: ``dx = dh1 + norm1ᵀ(d(qkv)·Wqkv)`` (every group's ``d(qkv)``, one GEMM).
+
+What the device holds, besides ``dy``: one head group's ``K_g, V_g`` and their fp32 gradients
+(``n·G·d·(2+8)`` bytes per K/V head: 1.1 GiB for Llama-3-8B at 768K tokens per rank, against
+6 GiB for one ``[n, h]`` activation), the ring buffers of one K/V sub-block, and one tile's
+working set (:class:`~megatron_metp.ops.tiles.LayerTiles`: a budget, 1 GiB by default). The
+attention runs ``T_q`` rings per group instead of one (K/V traffic ×``T_q``, hidden while a
+tile's step outlasts its transfer: ``metp plan`` reports it), the MLP ``T_rows`` ring passes.
+
+Exactness: the same arithmetic as the METP layer of :mod:`.attention` and :mod:`.mlp` plus
+Megatron's norms and bias-dropout-add, up to the order of fp32 sums (one GEMM over every head
+for the projection and for ``dx``, like stock TP's single matmuls); ``tests/test_layer.py``.
+Not covered (the caller uses the separate ops instead): TP > 1 inside the layer, dropout,
+``keep_intermediate``.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+from typing import Optional
+
+import torch
+
+from ..runtime.agree import (agreement_checks_enabled, check_group_agrees, needs_grad, op_label,
+                             refuse_together)
+from ..runtime.finite import check_finite
+from ..runtime.groups import METPGroup, as_metp_group
+from ..runtime.host_stash import Stash
+from . import activations as act
+from ._first_order import first_order_only
+from ._grads import weight_grad
+from .attention import _block_weights, _Geometry, _keep_owned, prepare_attention
+from .head_norm import head_norm_grads
+from .layer_attention import (GroupGrads, Rows, backward_group, deliver, forward_group,
+                              kv_sub_blocks)
+from .layer_rows import (MLPBackward, RowNorm, attention_residual, dx_rows, gather_rows,
+                         mlp_forward)
+from .tiles import LayerTiles, mlp_row_bytes
+
+
+def _acc(dtype):
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _token_rows(t: slice, b: int) -> slice:
+    return slice(t.start * b, t.stop * b)
+
+
+class _Spec:
+    """What :class:`_METPLayerFunction` needs besides tensors (the same on every rank)."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def _o_stashes(spec, like, N):
+    return [Stash(N, spec.geo.heads_local * spec.geo.d, like, host=spec.host,
+                  offloader=spec.offloader) for _ in range(spec.group.size)]
+
+
+def _attention_outputs(spec, src: Rows, wqkv, bqkv, wo, o_stash, lses) -> None:
+    """Every head group's ``O_g`` into ``o_stash[g]`` (and ``lse_g`` into ``lses[g]``)."""
+    b = src.b
+    for g, (WQ, BQ, _) in _block_weights(spec.group, wqkv, bqkv, wo, "fwd", 1):
+        stash = o_stash[g]
+        forward_group(src, spec.q_tiles, WQ, BQ, spec.geo, spec.seq, spec.attn, spec.head_norm,
+                      lambda t, o, s=stash: s.write(_token_rows(t, b), o), lses[g])
+
+
+def _prefetch(tiles, i: int, b: int, stashes) -> None:
+    """Start the host copies of row tile ``i`` (if any) while tile ``i − 1`` computes."""
+    if i < len(tiles):
+        rows = _token_rows(tiles[i], b)
+        for s in stashes:
+            s.prefetch(rows)
+
+
+def _read_o(o_stash, rows: slice) -> torch.Tensor:
+    parts = [s.read(rows) for s in o_stash]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+class _METPLayerFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, spec, x, wqkv, bqkv, wo, bo, w1, b1, w2, b2, qn_w, qn_b, kn_w, kn_b,
+                *norm_params):
+        check_finite(f"{spec.label} (forward)", spec.group, x=x, qkv_weight=wqkv, proj_weight=wo,
+                     fc1_weight=w1, fc2_weight=w2)
+        n, b, h = x.shape
+        N = n * b
+        x2 = x.detach().view(N, h)  # (modules called on its tiles must not see x's autograd)
+        keep = any(ctx.needs_input_grad)
+        xs = None
+        if keep and spec.host:  # the input goes to the host now, read back tile by tile
+            xs = Stash(N, h, x, host=True, offloader=spec.offloader)
+            xs.write(slice(0, N), x2)
+        src = Rows(Stash.wrap(x2), spec.norm1, n, b, h, spec.freqs, x.dtype, spec.row_tokens)
+        o_stash = _o_stashes(spec, x, N)
+        lse = torch.empty(b, spec.geo.heads_local, n, dtype=torch.float32, device=x.device)
+        _attention_outputs(spec, src, wqkv, bqkv, wo, o_stash, [lse] * spec.group.size)
+        del lse
+        wo_all_t = gather_rows(spec.group, wo.t(), "attention proj (gather)")
+        in_place = spec.in_place and (xs is not None or not keep)
+        if xs is not None:
+            xs.fence()  # x is on the host before y overwrites it
+        y = x2 if in_place else torch.empty_like(x2)
+        acc = _acc(x.dtype)
+        for t in spec.row_tiles:
+            rows = _token_rows(t, b)
+            h1 = attention_residual(x2[rows], _read_o(o_stash, rows), wo_all_t, bo)
+            y[rows].copy_(mlp_forward(h1.view(-1, b, h), spec.norm2, w1, b1, w2, b2, spec.group,
+                                      spec.activation, acc).view(-1, h))
+            del h1
+        for s in o_stash:
+            s.release()
+        del wo_all_t, o_stash
+        ctx.spec, ctx.x_stash = spec, xs
+        ctx.save_for_backward(x if keep and xs is None else None, wqkv, bqkv, wo, bo, w1, b1,
+                              w2, b2)
+        if in_place:
+            ctx.mark_dirty(x)
+            return x
+        return y.view(n, b, h)
+
+    @staticmethod
+    @first_order_only("metp_layer")
+    def backward(ctx, grad_y):
+        spec = ctx.spec
+        check_finite(f"{spec.label} (backward)", spec.group, grad_output=grad_y)
+        x, wqkv, bqkv, wo, bo, w1, b1, w2, b2 = ctx.saved_tensors
+        group, geo, b = spec.group, spec.geo, spec.b
+        dtype = wqkv.dtype
+        n, h = spec.n, wqkv.shape[1]
+        N = n * b
+        xs = ctx.x_stash if ctx.x_stash is not None else Stash.wrap(x.view(N, h))
+        # dy becomes dh1, then dx, in place (a private copy when it cannot be written)
+        dy = grad_y if (grad_y.dtype == dtype and grad_y.is_contiguous()) else \
+            grad_y.to(dtype).contiguous().clone()
+        dy2 = dy.view(N, h)
+        acc, gdt = _acc(dtype), spec.grad_dtype or _acc(dtype)
+        src = Rows(xs, spec.norm1, n, b, h, spec.freqs, dtype, spec.row_tokens)
+        spec.norm1.grads = [None] * len(spec.norm1.params)
+        spec.norm2.grads = [None] * len(spec.norm2.params)
+
+        # 1. the attention forward again: O_g to the stashes, lse_g kept
+        o_stash = _o_stashes(spec, dy, N)
+        lses = [torch.empty(b, geo.heads_local, n, dtype=torch.float32, device=dy.device)
+                for _ in range(group.size)]
+        _attention_outputs(spec, src, wqkv, bqkv, wo, o_stash, lses)
+
+        # 2. MLP and projection backward, row tile by row tile: dy -> dh1
+        wo_all_t = gather_rows(group, wo.t(), "attention proj (gather)")
+        mlp = MLPBackward(group, w1, b1, w2, spec.activation, acc, gdt)
+        db2 = dbo = None
+        for i, t in enumerate(spec.row_tiles):
+            rows = _token_rows(t, b)
+            _prefetch(spec.row_tiles, i + 1, b, [xs] + o_stash)
+            h1 = attention_residual(xs.read(rows), _read_o(o_stash, rows), wo_all_t, bo)
+            graph = spec.norm2.with_grad(h1.view(-1, b, h))
+            del h1
+            g = dy2[rows]
+            if b2 is not None:
+                s = g.sum(0, dtype=torch.float32)
+                db2 = s if db2 is None else db2.add_(s)
+            dn2 = mlp.tile(graph[1].detach().reshape(-1, h), g)
+            g.add_(spec.norm2.backward(graph, dn2.to(dtype)).reshape(-1, h))
+            del graph, dn2
+            if bo is not None:
+                s = g.sum(0, dtype=torch.float32)
+                dbo = s if dbo is None else dbo.add_(s)
+        del wo_all_t
+        dw1, db1, dw2 = mlp.grads()
+
+        # 3. attention backward, head group by head group
+        widths = (geo.groups_local * geo.q_per_group * geo.d, geo.groups_local * 2 * geo.d)
+        dq_st = [Stash(N, widths[0], dy, host=spec.host, offloader=spec.offloader)
+                 for _ in range(group.size)]
+        dkv_st = [Stash(N, widths[1], dy, host=spec.host, offloader=spec.offloader)
+                  for _ in range(group.size)]
+        norm_acc = [None] * 4
+        in_flight, owned, grad_layout = [], [None, None, None], None
+        kv_blocks = kv_sub_blocks(n, spec.kv_rows)
+        for g, (WQ, BQ, WOT) in _block_weights(group, wqkv, bqkv, wo, "bwd", 1):
+            grads = GroupGrads(wqkv, bqkv, wo, geo, gdt, dy.device)
+            stash = o_stash[g]
+            backward_group(src, spec.q_tiles, kv_blocks, WQ, BQ, WOT, geo, spec.seq, spec.attn,
+                           spec.head_norm, norm_acc,
+                           lambda t, s=stash: s.read(_token_rows(t, b)), dy2, lses[g],
+                           lambda t, r, s=dq_st[g]: s.write(_token_rows(t, b), r),
+                           lambda t, r, s=dkv_st[g]: s.write(_token_rows(t, b), r), grads)
+            stash.release()
+            lses[g] = None
+            in_flight, owned = deliver(group, g, grads, in_flight, owned)
+            grad_layout = grads.layout
+            del grads
+        owned = _keep_owned(in_flight, group.rank, owned)
+        dwq, dbq, dwot = grad_layout.unpack(owned[0])
+
+        # 4. dx = dh1 + norm1ᵀ(d(qkv)·Wqkv), row tile by row tile
+        w_all = _qkv_rows_by_part(gather_rows(group, wqkv, "attention qkv (gather)"), geo,
+                                  group.size)
+        for i, t in enumerate(spec.row_tiles):
+            rows = _token_rows(t, b)
+            _prefetch(spec.row_tiles, i + 1, b, [xs] + dq_st + dkv_st)
+            d_t = torch.cat([s.read(rows) for s in dq_st] + [s.read(rows) for s in dkv_st],
+                            dim=1)
+            dn1 = dx_rows(d_t, w_all, dtype)
+            del d_t
+            graph = spec.norm1.with_grad(xs.read(rows).view(-1, b, h))
+            dy2[rows].add_(spec.norm1.backward(graph, dn1).reshape(-1, h))
+            del graph, dn1
+        for s in dq_st + dkv_st:
+            s.release()
+        if ctx.x_stash is not None:
+            ctx.x_stash.release()
+            ctx.x_stash = None
+        qn = head_norm_grads(spec.head_norm, norm_acc)
+        return (None, dy.view(n, b, h), weight_grad(wqkv, dwq), weight_grad(bqkv, dbq),
+                weight_grad(wo, dwot.t()), None if dbo is None else dbo.to(dtype),
+                weight_grad(w1, dw1), weight_grad(b1, db1), weight_grad(w2, dw2),
+                None if db2 is None else db2.to(dtype), *qn,
+                *spec.norm1.param_grads(), *spec.norm2.param_grads())
+
+
+def _qkv_rows_by_part(w_all: torch.Tensor, geo: _Geometry, p: int) -> torch.Tensor:
+    """The gathered ``linear_qkv`` rows (``p`` shards, each in Megatron's interleaved per-group
+    layout) reordered as every shard's q rows, then every shard's k/v rows: the column order of
+    the d(qkv) tile the ``dx`` pass assembles from the stashes."""
+    Gl, qpg, d = geo.groups_local, geo.q_per_group, geo.d
+    w = w_all.view(p, Gl, qpg + 2, d, -1)
+    h = w.shape[-1]
+    return torch.cat([w[:, :, :qpg].reshape(-1, h), w[:, :, qpg:].reshape(-1, h)], dim=0)
+
+
+def metp_layer(x: torch.Tensor, *, group, num_heads: int, num_query_groups: int,
+               qkv_weight: torch.Tensor, proj_weight: torch.Tensor, fc1_weight: torch.Tensor,
+               fc2_weight: torch.Tensor, activation: str,
+               norm1: Optional[torch.nn.Module], norm2: Optional[torch.nn.Module],
+               qkv_bias=None, proj_bias=None, fc1_bias=None, fc2_bias=None,
+               causal: bool = True, layout: str = "dual_chunk", rotary_pos_emb=None,
+               softmax_scale: Optional[float] = None, kernel: Optional[str] = None,
+               cu_seqlens=None, rope_per_document: bool = False, context_group=None,
+               qk_norm: Optional[str] = None, qk_norm_eps: float = 1e-5, q_norm_weight=None,
+               k_norm_weight=None, q_norm_bias=None, k_norm_bias=None,
+               grad_reduce_dtype: Optional[torch.dtype] = torch.float32,
+               host: bool = False, offloader=None, in_place: bool = False,
+               token_tile: Optional[int] = None, label: str = "metp_layer") -> torch.Tensor:
+    """One pre-norm transformer layer ``y = h1 + MLP(norm2(h1)) + b2``,
+    ``h1 = x + Attn(norm1(x))·Woᵀ + bo``, streamed (see the module docstring).
+
+    Args (as :func:`~megatron_metp.ops.metp_attention` and :func:`~megatron_metp.ops.metp_mlp`
+    for the weights, RoPE, documents, CP and q/k norm):
+        x: ``[s/p, b, h]`` this rank's tokens (contiguous).
+        norm1, norm2: the norm modules (``input_layernorm``, ``pre_mlp_layernorm``; ``None``:
+            identity); their parameters' gradients are returned like any input's.
+        proj_bias, fc2_bias: ``[h]`` replicated, added inside (Megatron's bias-dropout-add
+            without dropout).
+        host: keep the layer input (saved for backward), the attention outputs and ``d(qkv)``
+            on the host (pinned; ``--metp-offload-activations``) and read them back tile by
+            tile; ``offloader``: whose statistics count those host bytes.
+        in_place: write ``y`` over ``x``'s storage (``x`` must not be needed by anyone else:
+            the streaming block's layers hand their outputs on only to the next layer); done
+            only where safe (``x`` on the host first, or no backward).
+        token_tile: tokens per row/query tile (``0``: whole); default
+            :class:`~megatron_metp.ops.tiles.LayerTiles` from the budget.
+    """
+    group = as_metp_group(group)
+    seq, d, kern, _, cu, freqs, head_norm = prepare_attention(
+        x, qkv_weight, proj_weight, group=group, num_heads=num_heads,
+        num_query_groups=num_query_groups, causal=causal, layout=layout,
+        rotary_pos_emb=rotary_pos_emb, qkv_bias=qkv_bias, proj_bias=proj_bias, kernel=kernel,
+        head_block=1, cu_seqlens=cu_seqlens, rope_per_document=rope_per_document,
+        context_group=context_group, qk_norm=qk_norm, qk_norm_eps=qk_norm_eps,
+        q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, q_norm_bias=q_norm_bias,
+        k_norm_bias=k_norm_bias, label=label, op="metp_layer")
+    geo = _Geometry(num_heads, num_query_groups, d, group.size)
+    n, b, h = x.shape
+    try:
+        if activation not in act.ACTIVATIONS:
+            raise ValueError(f"activation must be one of {act.ACTIVATIONS}, got {activation!r}")
+        k = act.fc1_rows_per_ffn(activation)
+        f = fc1_weight.shape[0] // k
+        if fc1_weight.shape != (k * f, h) or fc2_weight.shape != (h, f):
+            raise ValueError(f"fc1_weight must be [{k}·ffn/p, h={h}] and fc2_weight [h, ffn/p], "
+                             f"got {tuple(fc1_weight.shape)} and {tuple(fc2_weight.shape)}")
+        if not x.is_contiguous():
+            raise ValueError("metp_layer takes a contiguous x [s/p, b, h]")
+        elem = x.element_size()
+        tiles = LayerTiles(n, b, h, geo.heads_local * d, geo.groups_local * d, elem,
+                           mlp_row_bytes(h, f, k, elem, 4 if elem < 4 else elem), token_tile)
+    except ValueError as exc:
+        refuse_together(seq, op_label("metp_layer", label), exc)
+        raise
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    if agreement_checks_enabled():
+        check_group_agrees(seq, op_label("metp_layer", label), label=label, x=x,
+                           qkv_weight=qkv_weight, proj_weight=proj_weight, fc1_weight=fc1_weight,
+                           fc2_weight=fc2_weight, qkv_bias=qkv_bias, proj_bias=proj_bias,
+                           fc1_bias=fc1_bias, fc2_bias=fc2_bias, activation=activation,
+                           causal=bool(causal), layout=layout, softmax_scale=float(scale),
+                           kernel=kern.name, qk_norm=qk_norm, host=bool(host),
+                           needs_grad=needs_grad(x, qkv_weight, proj_weight, fc1_weight,
+                                                 fc2_weight), **tiles.fields())
+    # writing y over x: never over a view (autograd's view + in-place rules) nor a leaf that
+    # requires grad (a pipeline stage's received input)
+    in_place = bool(in_place) and x._base is None and not (x.is_leaf and x.requires_grad)
+    n1, n2 = RowNorm(norm1), RowNorm(norm2)
+    spec = _Spec(group=group, seq=seq, geo=geo, b=b, n=n, label=label, freqs=freqs,
+                 head_norm=head_norm, norm1=n1, norm2=n2, activation=activation,
+                 grad_dtype=grad_reduce_dtype, host=bool(host), offloader=offloader,
+                 in_place=in_place, q_tiles=tiles.q_tiles(n),
+                 row_tiles=tiles.row_tiles(n), kv_rows=tiles.kv, row_tokens=tiles.rows,
+                 attn=SimpleNamespace(causal=bool(causal), layout=layout, scale=float(scale),
+                                      kernel=kern, cu=cu,
+                                      key_tile=None if tiles.keys >= n else tiles.keys))
+    hn = (q_norm_weight, q_norm_bias, k_norm_weight, k_norm_bias)
+    return _METPLayerFunction.apply(spec, x, qkv_weight, qkv_bias, proj_weight, proj_bias,
+                                    fc1_weight, fc1_bias, fc2_weight, fc2_bias, *hn,
+                                    *n1.params, *n2.params)

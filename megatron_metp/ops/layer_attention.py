@@ -1,0 +1,319 @@
+"""The attention parts of the streaming METP layer (:mod:`.layer`): one head group at a time,
+one tile of query rows at a time.
+
+For head group ``g`` (its weights broadcast by their owner, as in :mod:`.attention`):
+
+* :func:`group_kv` forms ``K_g``, ``V_g`` of every local token (``[b, G_g, n, d]`` heads-first,
+  the per-head k norm and RoPE applied) tile by tile from ``norm1(x)``: the only ``n``-sized
+  tensors of the group (``2·n·d`` per K/V head, against ``n·h`` for one activation).
+* :func:`forward_group` then runs, per query tile ``T``, ``q_T`` (from ``norm1(x_T)``) against
+  every rank's ``K_g/V_g`` on the K/V ring (:func:`ring_attention_forward` with ``q_rows=T``):
+  ``O_g[T]`` goes to the caller's stash, ``lse_g[T]`` is kept (``[b, H, n]`` fp32).
+* :func:`backward_group` runs the same tiles backward, with ``dO_g[T] = dh1_T·Wo_g`` and
+  ``O_g[T]`` back from the stash: ``dq_T`` is complete after the tile's ring (RoPE-transposed,
+  through the q norm, into ``d(qkv)``'s q columns), each tile's ``dK/dV`` comes home on the ring
+  and is summed over the tiles (fp32 ``[b, G_g, n, d]`` each), and only then turned into
+  ``d(qkv)``'s k/v columns. The group's weight gradients (``dWqkv_g = Σ_T d(qkv)_Tᵀ·norm1(x_T)``,
+  ``dWo_g = Σ_T O_g[T]ᵀ·dh1_T``) are reduced to their owner while the next group computes.
+
+With ``kv_rows`` the ring carries only that many of every rank's key rows at a time (a tile's
+ring runs once per key sub-block), so the travelling K/V and ``dK/dV`` buffers are that size;
+``key_tile`` bounds the keys of one kernel call (:mod:`.windows`).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from ..runtime.groups import METPGroup
+from ..runtime.ring import RingExchanger
+from ._accum import mm_acc, mm_into
+from ._flat import FlatLayout
+from .attention import _Geometry, _heads_first_view, _keep_owned
+from .ring_attention import ring_attention_backward, ring_attention_forward
+from .rope import apply_rope, rope_tables
+from .tiles import tile_slices
+
+
+class Rows:
+    """Where the streaming layer's attention reads its token rows: ``x`` tiles from a
+    :class:`~megatron_metp.runtime.host_stash.Stash` (``[n·b, h]``), through ``norm1``, with this
+    rank's RoPE angles ``freqs`` ``[n, 1, 1, r]`` (or ``None``). ``chunk``: the most tokens
+    whose ``x`` and ``norm1(x)`` are formed at once (the row tile: a query tile is projected
+    chunk by chunk)."""
+
+    def __init__(self, x_stash, norm1, n: int, b: int, h: int, freqs, dtype, chunk: int):
+        self.x, self.norm1, self.n, self.b, self.h = x_stash, norm1, n, b, h
+        self.freqs, self.dtype, self.chunk = freqs, dtype, max(1, int(chunk))
+        self._end = n  # where the current pass (:meth:`chunks`) stops
+
+    def chunks(self, t: slice):
+        """``t`` cut into consecutive token slices of at most :attr:`chunk` tokens (a pass:
+        its chunks are read in order by :meth:`x_tile`)."""
+        self._end = t.stop
+        return [slice(a, min(a + self.chunk, t.stop)) for a in range(t.start, t.stop, self.chunk)]
+
+    def x_tile(self, t: slice) -> torch.Tensor:
+        """``x`` of tokens ``t``: ``[|t|, b, h]``; the copy from the host of the chunk read next
+        is started (the passes read their chunks in order): the pass's next chunk, cut at the
+        pass's end, or after its last chunk the first chunk of the tile that follows (a
+        prefetch that no read asks for would hold its device tile until the stash is
+        released)."""
+        out = self.x.read(slice(t.start * self.b, t.stop * self.b)).view(-1, self.b, self.h)
+        if t.stop < self.n:
+            end = self._end if t.stop < self._end else self.n
+            nxt = min(end, t.stop + self.chunk)
+            self.x.prefetch(slice(t.stop * self.b, nxt * self.b))
+        return out
+
+    def normed(self, t: slice) -> torch.Tensor:
+        """``norm1(x)`` of tokens ``t``: ``[|t|·b, h]``."""
+        return self.norm1.forward(self.x_tile(t)).reshape(-1, self.h)
+
+    def rope(self, t: slice):
+        """``(freqs, tables)`` of tokens ``t`` (``None``s without RoPE)."""
+        if self.freqs is None:
+            return None, None
+        f = self.freqs[t]
+        return f, rope_tables(f, self.dtype)
+
+
+def _split(WQ: torch.Tensor, geo: _Geometry):
+    """A head group's ``linear_qkv`` rows ``[G_g·(A/G+2)·d, h]`` as ``(q rows, k/v rows)``:
+    ``[G_g·qpg·d, h]`` and ``[G_g·2·d, h]`` (copies when ``G_g > 1``: interleaved)."""
+    Gl, qpg, d = geo.groups_local, geo.q_per_group, geo.d
+    w = WQ.view(Gl, qpg + 2, d, -1)
+    return w[:, :qpg].reshape(Gl * qpg * d, -1), w[:, qpg:].reshape(Gl * 2 * d, -1)
+
+
+def _split_bias(BQ, geo: _Geometry):
+    if BQ is None:
+        return None, None
+    Gl, qpg, d = geo.groups_local, geo.q_per_group, geo.d
+    b = BQ.view(Gl, qpg + 2, d)
+    return b[:, :qpg].reshape(-1), b[:, qpg:].reshape(-1)
+
+
+def _proj(rows, w, bias):
+    return torch.addmm(bias, rows, w.t()) if bias is not None else torch.mm(rows, w.t())
+
+
+def q_tile(src: Rows, t: slice, WQq, BQq, geo: _Geometry, head_norm, keep_pre=None):
+    """Heads-first ``q`` ``[b, H, |t|, d]`` of tokens ``t`` (q norm, RoPE), projected chunk by
+    chunk (:meth:`Rows.chunks`); ``keep_pre``: receives the pre-norm ``[|t|, b, G_g, qpg, d]``
+    (the q norm's backward)."""
+    nt, b, d, Gl, qpg = t.stop - t.start, src.b, geo.d, geo.groups_local, geo.q_per_group
+    q = torch.empty(b, Gl * qpg, nt, d, dtype=WQq.dtype, device=WQq.device)
+    dst_all = q.view(b, Gl, qpg, nt, d).permute(3, 0, 1, 2, 4)
+    pre_all = None
+    if head_norm is not None and keep_pre is not None:
+        pre_all = torch.empty(nt, b, Gl, qpg, d, dtype=WQq.dtype, device=WQq.device)
+        keep_pre.append(pre_all)
+    for c in src.chunks(t):
+        nc, rel = c.stop - c.start, slice(c.start - t.start, c.stop - t.start)
+        pre = _proj(src.normed(c), WQq, BQq).view(nc, b, Gl, qpg, d)
+        q_src = pre
+        if head_norm is not None:
+            if pre_all is not None:
+                pre_all[rel].copy_(pre)
+            q_src = head_norm._norm(pre, head_norm.q_weight, head_norm.q_bias)
+        freqs, tables = src.rope(c)
+        if freqs is not None:
+            apply_rope(q_src, freqs, out=dst_all[rel], tables=tables)
+        else:
+            dst_all[rel].copy_(q_src)
+        del pre, q_src
+    return q
+
+
+def group_kv(src: Rows, WQkv, BQkv, geo: _Geometry, head_norm, keep_pre: bool = False):
+    """``(k, v, k_pre)``: heads-first ``K_g``, ``V_g`` ``[b, G_g, n, d]`` of every local token
+    (k norm and RoPE applied), formed chunk by chunk; ``k_pre`` ``[n, b, G_g, d]``: the
+    pre-norm keys (``keep_pre`` and a q/k norm), else ``None``."""
+    n, b, d, Gl = src.n, src.b, geo.d, geo.groups_local
+    like = WQkv
+    k = torch.empty(b, Gl, n, d, dtype=like.dtype, device=like.device)
+    v = torch.empty_like(k)
+    k_pre = (torch.empty(n, b, Gl, d, dtype=like.dtype, device=like.device)
+             if keep_pre and head_norm is not None else None)
+    for t in src.chunks(slice(0, n)):
+        nt = t.stop - t.start
+        kv = _proj(src.normed(t), WQkv, BQkv).view(nt, b, Gl, 2, d)
+        k_src = kv[:, :, :, 0]
+        if head_norm is not None:
+            if k_pre is not None:
+                k_pre[t].copy_(k_src)
+            k_src = head_norm._norm(k_src, head_norm.k_weight, head_norm.k_bias)
+        freqs, tables = src.rope(t)
+        k_dst = k[:, :, t].permute(2, 0, 1, 3)
+        if freqs is not None:
+            apply_rope(k_src, freqs, out=k_dst, tables=tables)
+        else:
+            k_dst.copy_(k_src)
+        v[:, :, t].permute(2, 0, 1, 3).copy_(kv[:, :, :, 1])
+        del kv, k_src
+    return k, v, k_pre
+
+
+def forward_group(src: Rows, q_tiles, WQ, BQ, geo: _Geometry, seq: METPGroup, attn, head_norm,
+                  write_o, lse: torch.Tensor) -> None:
+    """Head group ``g``'s attention output for every query tile: ``write_o(t, O_t)`` with
+    ``O_t`` ``[|t|·b, H·d]`` (seq-first), and ``lse[:, :, t]`` (fp32 ``[b, H, n]``) filled."""
+    WQq, WQkv = _split(WQ, geo)
+    BQq, BQkv = _split_bias(BQ, geo)
+    k, v, _ = group_kv(src, WQkv, BQkv, geo, head_norm)
+    H, d, b = geo.heads_local, geo.d, src.b
+    for t in q_tiles:
+        nt = t.stop - t.start
+        q = q_tile(src, t, WQq, BQq, geo, head_norm)
+        o = torch.empty(nt, b, H * d, dtype=q.dtype, device=q.device)
+        _, lse_t = ring_attention_forward(q, k, v, seq, attn.causal, attn.layout, attn.scale,
+                                          attn.kernel, out=_heads_first_view(o, H, d),
+                                          cu_seqlens=attn.cu, q_rows=t,
+                                          key_tile=attn.key_tile)
+        lse[:, :, t].copy_(lse_t)
+        del q, lse_t
+        write_o(t, o.view(nt * b, H * d))
+        del o
+
+
+class GroupGrads:
+    """One head group's weight gradients (``d linear_qkv`` rows, bias, ``d linear_projᵀ``) in one
+    flat buffer (the layout :mod:`.attention` reduces to the owner), filled tile by tile."""
+
+    def __init__(self, wqkv, bqkv, wo, geo: _Geometry, dtype, device):
+        self.layout = FlatLayout([wqkv.shape, None if bqkv is None else bqkv.shape,
+                                  (wo.shape[1], wo.shape[0])])
+        self.flat = torch.empty(self.layout.numel, dtype=dtype, device=device)
+        self.wq, self.bq, self.wot = self.layout.unpack(self.flat)
+        self.geo = geo
+        self.started = set()
+
+    def _add(self, key, out, a, b_):
+        if key in self.started:
+            mm_acc(out, a, b_)
+        else:
+            mm_into(out, a, b_)
+            self.started.add(key)
+
+    def add_qkv(self, part: str, d_rows: torch.Tensor, n1: torch.Tensor) -> None:
+        """``part`` ``"q"`` or ``"kv"``: rows ``d_rows`` ``[R, G_g, parts, d]`` of d(qkv) against
+        the tile's ``norm1(x)`` ``[R, h]``: ``dW[part rows] += d_rowsᵀ·n1`` (and the bias)."""
+        geo = self.geo
+        Gl, qpg, d = geo.groups_local, geo.q_per_group, geo.d
+        sel = slice(0, qpg) if part == "q" else slice(qpg, qpg + 2)
+        wq = self.wq.view(Gl, qpg + 2, d, -1)
+        R = d_rows.shape[0]
+        for gl in range(Gl):
+            rows = d_rows[:, gl].reshape(R, -1)
+            self._add((part, gl), wq[gl, sel].reshape(-1, wq.shape[-1]), rows.t(), n1)
+            if self.bq is not None:
+                bq = self.bq.view(Gl, qpg + 2, d)[gl, sel].reshape(-1)
+                s = rows.sum(0, dtype=torch.float32)
+                if (part, gl, "b") in self.started:
+                    bq.add_(s)
+                else:
+                    bq.copy_(s)
+                    self.started.add((part, gl, "b"))
+
+    def add_proj(self, o_t: torch.Tensor, dh1_t: torch.Tensor) -> None:
+        """``d linear_projᵀ += O_tᵀ·dh1_t``."""
+        self._add("o", self.wot, o_t.t(), dh1_t)
+
+
+def backward_group(src: Rows, q_tiles, kv_blocks, WQ, BQ, WOT, geo: _Geometry, seq: METPGroup,
+                   attn, head_norm, norm_acc: list, read_o, dh1, lse: torch.Tensor,
+                   write_dq, write_dkv, grads: GroupGrads) -> None:
+    """Head group ``g``'s backward. ``read_o(t)``: ``O_g`` of tokens ``t`` ``[|t|·b, H·d]``;
+    ``dh1`` ``[n·b, h]``: the gradient of the attention block's output (after the residual);
+    ``write_dq(t, rows)``/``write_dkv(t, rows)``: d(qkv)'s q ``[|t|·b, G_g·qpg·d]`` and k/v
+    ``[|t|·b, G_g·2·d]`` columns; ``norm_acc``: the q/k norm weights' gradient sums
+    (:meth:`HeadNorm.backward`)."""
+    WQq, WQkv = _split(WQ, geo)
+    BQq, BQkv = _split_bias(BQ, geo)
+    k, v, k_pre = group_kv(src, WQkv, BQkv, geo, head_norm, keep_pre=True)
+    H, Gl, qpg, d, b, n = geo.heads_local, geo.groups_local, geo.q_per_group, geo.d, src.b, src.n
+    dk = dv = None  # fp32 [b, G_g, n, d]: the own keys' gradients, summed over the tiles
+    for t in q_tiles:
+        nt, rows = t.stop - t.start, slice(t.start * b, t.stop * b)
+        pre: List[torch.Tensor] = []
+        q = q_tile(src, t, WQq, BQq, geo, head_norm, keep_pre=pre)
+        o = read_o(t)
+        g = dh1[rows]
+        grads.add_proj(o, g)
+        d_o = torch.mm(g, WOT.t())
+        o_hf, do_hf = _heads_first_view(o.view(nt, b, -1), H, d), \
+            _heads_first_view(d_o.view(nt, b, -1), H, d)
+        dq = None
+        for ks in kv_blocks:
+            sub = ks.stop - ks.start < n
+            kk = k[:, :, ks].contiguous() if sub else k
+            vv = v[:, :, ks].contiguous() if sub else v
+            dq_s, dk_s, dv_s = ring_attention_backward(
+                do_hf, q, kk, vv, o_hf, lse[:, :, t], seq, attn.causal, attn.layout,
+                attn.scale, attn.kernel, cu_seqlens=attn.cu, q_rows=t, key_tile=attn.key_tile,
+                k_rows=ks if sub else None, block_rows=n)
+            del kk, vv
+            dq = dq_s if dq is None else dq.add_(dq_s)
+            if dk is None:
+                dk = torch.zeros(b, Gl, n, d, dtype=torch.float32, device=q.device)
+                dv = torch.zeros_like(dk)
+            dk[:, :, ks].add_(dk_s)
+            dv[:, :, ks].add_(dv_s)
+            del dq_s, dk_s, dv_s
+        del q, o, d_o, o_hf, do_hf
+        # dq: RoPE transposed, through the q norm, into d(qkv)'s q columns
+        d_rows = torch.empty(nt, b, Gl, qpg, d, dtype=WQ.dtype, device=WQ.device)
+        dq_sf = dq.view(b, Gl, qpg, nt, d).permute(3, 0, 1, 2, 4)
+        freqs, tables = src.rope(t)
+        if freqs is not None:
+            apply_rope(dq_sf, freqs, transpose=True, out=d_rows, tables=tables)
+        else:
+            d_rows.copy_(dq_sf)
+        del dq, dq_sf
+        if head_norm is not None:
+            head_norm.backward_one("q", pre.pop(), d_rows, norm_acc)
+        d_rows = d_rows.view(nt * b, Gl, qpg, d)
+        for c in src.chunks(t):
+            rel = slice((c.start - t.start) * b, (c.stop - t.start) * b)
+            grads.add_qkv("q", d_rows[rel], src.normed(c))
+        write_dq(t, d_rows.view(nt * b, -1))
+        del d_rows
+    # the own keys' dK/dV are complete: RoPE transposed (k), through the k norm, into d(qkv)
+    for t in src.chunks(slice(0, n)):
+        nt = t.stop - t.start
+        d_rows = torch.empty(nt, b, Gl, 2, d, dtype=k.dtype, device=k.device)
+        dk_sf = dk[:, :, t].permute(2, 0, 1, 3)
+        freqs, tables = src.rope(t)
+        if freqs is not None:
+            apply_rope(dk_sf, freqs, transpose=True, out=d_rows[:, :, :, 0], tables=tables)
+        else:
+            d_rows[:, :, :, 0].copy_(dk_sf)
+        d_rows[:, :, :, 1].copy_(dv[:, :, t].permute(2, 0, 1, 3))
+        if head_norm is not None:
+            head_norm.backward_one("k", k_pre[t], d_rows[:, :, :, 0], norm_acc)
+        d_rows = d_rows.view(nt * b, Gl, 2, d)
+        grads.add_qkv("kv", d_rows, src.normed(t))
+        write_dkv(t, d_rows.view(nt * b, -1))
+        del d_rows
+    del k, v, k_pre, dk, dv
+
+
+def deliver(group: METPGroup, i: int, grads: GroupGrads, in_flight, acc):
+    """Post the reduce of group ``i``'s flat gradients to owner ``i`` (waiting for the previous
+    one first: at most one in flight); returns ``(in_flight, acc)`` as :mod:`.attention` keeps
+    them (``acc[0]``: the owned flat gradient once it arrived)."""
+    acc = _keep_owned(in_flight, group.rank, acc)
+    if group.size == 1:
+        return [], [grads.flat, None, None]
+    ring = RingExchanger(group, "attention weight grads (bwd)")
+    return [(0, i, ring.reduce(grads.flat, i, step=i), grads.flat)], acc
+
+
+def kv_sub_blocks(n: int, rows: Optional[int]):
+    """Key sub-blocks ``[slice]`` of the ``n`` local keys (one: the whole block)."""
+    if rows is None or rows >= n:
+        return [slice(0, n)]
+    return tile_slices(n, rows)
