@@ -83,8 +83,9 @@ def step_cost(model: Model, job: Job, mode: str) -> Dict[str, float]:
     act = memory(model, job, mode).act
     host = act.host
     moved = 2 * host
-    if m_ == "metp" and streaming_applies(j_, layout(m_, j_), m_) and act.offloaded_layers:
-        lay = layout(m_, j_)  # the streaming layers read their host copies tile by tile
+    lay = layout(m_, j_)
+    streaming = m_ == "metp" and streaming_applies(j_, lay, m_)
+    if streaming and act.offloaded_layers:  # they read their host copies tile by tile
         moved = act.offloaded_layers * streaming_host_bytes(
             model, j_, lay, model.seq * job.micro_batch // lay.c) + 2 * sum(
             v for k, v in act.head.items() if "final norm" in k and "output" in k)
@@ -93,7 +94,6 @@ def step_cost(model: Model, job: Job, mode: str) -> Dict[str, float]:
     copy_s = moved / (hw.host_gbps * 1e9)
     per_layer_compute = compute_s / max(1, L)
     per_layer_copy = copy_s / max(1, L)
-    streaming = m_ == "metp" and streaming_applies(j_, layout(m_, j_), m_)
     # without prefetch every layer's copy back to the device waits in its backward's path (the
     # streaming layer reads its host copies chunk by chunk, each started a chunk ahead)
     exposed_s = 0.0 if (not job.offload or job.offload_prefetch or streaming) else \
