@@ -87,9 +87,15 @@ def _write_tile(stash, t, b: int, rows: torch.Tensor) -> None:
 
 
 def _read_tile(stash, t, b: int) -> torch.Tensor:
-    """The tile's rows of ``stash`` ``[|t|·b, ·]`` (its ranges concatenated)."""
-    parts = [stash.read(dst) for dst, _ in token_rows(t, b)]
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    """The tile's rows of ``stash`` ``[|t|·b, ·]`` (its ranges concatenated, read one range at
+    a time into the tile's tensor)."""
+    parts = token_rows(t, b)
+    if len(parts) == 1:
+        return stash.read(parts[0][0])
+    out = torch.empty(parts[-1][1].stop, stash.width, dtype=stash.dtype, device=stash.device)
+    for dst, rel in parts:
+        out[rel].copy_(stash.read(dst))
+    return out
 
 
 class _Spec:
