@@ -12,6 +12,7 @@ from .internode import internode_hop
 from .rank_memory import capacity_bytes, head_memory, longest_seq, memory
 from .traffic import crossover_seq, traffic_per_layer
 from .cost import step_cost
+from .alst import alst_head, alst_traffic
 
 from .host import GPUS_PER_NODE, host_capacity_bytes, host_fits  # noqa: F401 (GPUS_PER_NODE)
 
@@ -50,8 +51,9 @@ def plan(model: Model, job: Job, modes: Sequence[str] = MODES) -> Dict:
             "activation_peak": a.peak, "measured_part": mem.measured_part, "total": mem.total,
             "last_stage_total": memory(model, job, mode, stage="last").total
             if job.pp > 1 else None,
-            "traffic_per_layer": traffic_per_layer(model, job, mode),
-            "vocab": head_memory(model, job, mode),
+            "traffic_per_layer": alst_traffic(model, job) if mode == "alst" else
+            traffic_per_layer(model, job, mode),
+            "vocab": alst_head(model, job) if mode == "alst" else head_memory(model, job, mode),
             "longest_seq": longest_seq(model, job, mode),
             "host": a.host, "cost": step_cost(model, job, mode),
             "optimizer_host": mem.static["optimizer_host"],
