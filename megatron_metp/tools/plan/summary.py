@@ -167,6 +167,8 @@ def report(model: Model, job: Job, modes: Sequence[str] = MODES) -> str:
             (f"NO ({r['cost']['host_copy_exposed_s']:.1f} s exposed: no prefetch)"
              if r["cost"].get("host_copy_exposed_s") else "NO"))
     row("est. time / micro-batch", lambda r: f"{r['cost']['step_s']:.2f} s")
+    row("est. time / iteration", lambda r: f"{r['cost']['iteration_s']:.2f} s "
+        f"({r['cost']['microbatches']} micro-batch{'es' if r['cost']['microbatches'] > 1 else ''})")
     row("longest sequence that fits", lambda r: fmt_tokens(r["longest_seq"]))
     w0 = max(len(r[0]) for r in rows)
     ws = [max(len(str(r[i + 1])) for r in rows + [[""] + cols]) for i in range(len(cols))]
@@ -225,13 +227,21 @@ def report(model: Model, job: Job, modes: Sequence[str] = MODES) -> str:
         lines.append(f"  this job: s·b/p = {n:,} tokens per METP rank "
                      f"({'above' if n >= ov['MLP weight ring, forward: tokens/rank'] else 'below'} "
                      f"the MLP threshold)")
-    rate = next(iter(res["modes"].values()))["cost"]["rate_tflops"]
-    lines.append(f"# time estimates: FLOPs (causal attention counted as half; METP's per-shard "
-                 f"recompute and full recompute included) at {rate:,.0f} TFLOP/s"
-                 + (" (measured matmul rate)" if hw.measured_tflops else
-                    " (70 % of the datasheet's dense bf16 rate)")
-                 + f"; offload copies at {hw.host_gbps:g} GB/s per direction (nominal PCIe); "
-                   f"communication assumed hidden (see the thresholds)")
+    for mode, r in res["modes"].items():
+        c = r["cost"]
+        rt = c["rates"]
+        comp = ", ".join(f"{k} {v:,.1f}" for k, v in c["components"].items() if v)
+        lines.append(f"# {mode} time: kernel {rt['kernel']} (attention {rt['attention_fwd_tflops']:,.0f} "
+                     f"forward / {rt['attention_bwd_tflops']:,.0f} backward TFLOP/s, backward "
+                     f"2.5× the forward's FLOPs), GEMM {rt['gemm_tflops']:,.0f} TFLOP/s, host link "
+                     f"{rt['host_gbs']:,.1f} GB/s per GPU"
+                     + (f" (measured {rt['measured_at']}: --rates)" if rt["measured_at"] else
+                        " (published figures: tools/plan/rates.py)")
+                     + f"; ring imbalance {c['ring_imbalance']:.3f}; seconds: {comp}")
+    lines.append("# time estimates: attention causal (half the square), at the kernel's published "
+                 "rates × the ring's busiest-rank imbalance; copies and ring hops counted where "
+                 "nothing hides them; per iteration: (micro-batches + PP − 1) × micro-batch + "
+                 "optimizer step")
     if res.get("crossover_vs_tp_sp") is not None:
         lines.append(f"# METP sends fewer bytes per layer than TP+SP from s ≈ "
                      f"{res['crossover_vs_tp_sp']:,} tokens on")
