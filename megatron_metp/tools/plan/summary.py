@@ -164,7 +164,8 @@ def report(model: Model, job: Job, modes: Sequence[str] = MODES) -> str:
         row("  extra bytes sent / micro-batch", lambda r: fmt_bytes(r["cost"]["sent_by_recompute"]))
         row("host↔device / micro-batch", lambda r: fmt_bytes(r["cost"]["host_device_bytes"]))
         row("  copies hidden by compute", lambda r: "yes" if r["cost"]["offload_hidden"] else
-            (f"NO ({r['cost']['host_copy_exposed_s']:.1f} s exposed: no prefetch)"
+            (f"NO ({r['cost']['host_copy_exposed_s']:.1f} s exposed"
+             + (": no prefetch)" if not job.offload_prefetch else ": copy-bound passes)")
              if r["cost"].get("host_copy_exposed_s") else "NO"))
     row("est. time / micro-batch", lambda r: f"{r['cost']['step_s']:.2f} s")
     row("est. time / iteration", lambda r: f"{r['cost']['iteration_s']:.2f} s "
