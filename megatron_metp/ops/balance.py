@@ -59,28 +59,75 @@ def _contiguous(n: int, q: int) -> List[Tile]:
     return [(s,) for s in tile_slices(n, q)]
 
 
+def balances(n: int, layout: str = "dual_chunk", causal: bool = True,
+             packed: bool = False) -> bool:
+    """Whether the balanced (mirrored) cut applies: causal ``dual_chunk`` attention of one
+    document (``packed``: documents set the work, and their pieces are cut contiguously),
+    an even ``n``. Elsewhere every off-diagonal block is whole or absent for every rank alike
+    (non-causal: all full; ``contiguous``: ranks ``r > t`` full, the others nothing, whatever
+    the cut), so the contiguous cut is kept."""
+    return bool(causal) and layout == "dual_chunk" and not packed and n >= 2 and n % 2 == 0
+
+
+def _mirrored(n: int, half_rows: int) -> List[Tile]:
+    """Tiles taking rows ``[a, b)`` of the first chunk and their mirror ``[n − b, n − a)`` of
+    the second (one range ``[a, n − a)`` where the two meet at ``c = n/2``)."""
+    from .tiles import tile_slices
+
+    c = n // 2
+    out: List[Tile] = []
+    for s in tile_slices(c, half_rows):
+        a, b = s.start, s.stop
+        out.append((slice(a, n - a),) if b == c else (slice(a, b), slice(n - b, n - a)))
+    return out
+
+
 def query_tiles(n: int, q: int, layout: str = "dual_chunk", causal: bool = True,
                 packed: bool = False) -> List[Tile]:
-    """The query tiles of ``n`` local tokens at most ``q`` tokens each (``q ≥ n``: one tile of
-    everything): a list of tiles, each a tuple of row ranges (slices of ``[0, n)``)."""
+    """The query tiles of ``n`` local tokens, at most ``q`` tokens each (``q ≥ n``: one tile of
+    everything): a list of tiles, each a tuple of row ranges (slices of ``[0, n)``).
+
+    Causal ``dual_chunk`` (:func:`balances`): ``ceil(c/⌊q/2⌋)`` tiles, each rows ``[a, b)`` of
+    the first chunk and the mirrored ``[n − b, n − a)`` of the second (``⌊q/2⌋`` rows of each
+    at most, balanced as :func:`~megatron_metp.ops.tiles.tile_slices`; the last first-chunk
+    range ends at ``c`` and its mirror starts there: that tile is one range). Every tile then
+    has as many second-chunk rows as first-chunk rows, so every rank does the same work at
+    every ring step, and every tile the same work in all (``|T|·n/2`` pairs on the diagonal
+    block, up to its own causal squares). Else (packed documents, ``contiguous``, non-causal,
+    odd ``n``) contiguous ranges of ``ceil(n/T)`` rows, ``T = ceil(n/q)``."""
     n = int(n)
     q = _count(q, "q (tokens per query tile)")
+    if q >= n:
+        return [(slice(0, max(n, 0)),)]
+    if balances(n, layout, causal, packed):
+        return _mirrored(n, max(1, q // 2))
     return _contiguous(n, q)
 
 
 def kv_blocks(n: int, kv: Optional[int], layout: str = "dual_chunk", causal: bool = True,
               packed: bool = False) -> List[Tile]:
     """The key sub-blocks the backward's K/V ring carries one at a time (``kv`` keys each at
-    most; ``None`` or ``kv ≥ n``: the whole block), as tiles (tuples of row ranges)."""
-    n = int(n)
-    if kv is None or kv >= n:
-        return [(slice(0, n),)]
-    return _contiguous(n, _count(kv, "kv (keys per K/V sub-block)"))
+    most; ``None`` or ``kv ≥ n``: the whole block), as tiles (tuples of row ranges), cut as
+    :func:`query_tiles` cuts queries: a sub-block of one chunk would load the ranks unevenly
+    (``j < r`` sees only first-chunk keys), a mirrored one holds ``|K|/2`` keys of each."""
+    if kv is None:
+        return [(slice(0, int(n)),)]
+    return query_tiles(n, _count(kv, "kv (keys per K/V sub-block)"), layout, causal, packed)
 
 
 def tile_rows(tile: Union[slice, Tile]) -> int:
     """The number of rows of a tile (a slice or a tuple of slices)."""
     return sum(s.stop - s.start for s in as_tile(tile))
+
+
+def tile_parts(tile: Union[slice, Tile]) -> List[Tuple[slice, int]]:
+    """``[(range, offset)]``: each row range of a tile and where its rows start in the tile's
+    own (concatenated) tensor."""
+    out, off = [], 0
+    for s in as_tile(tile):
+        out.append((s, off))
+        off += s.stop - s.start
+    return out
 
 
 def as_tile(tile: Union[slice, Tile]) -> Tile:
@@ -113,8 +160,7 @@ def _block_work(r: int, j: int, n: int, tile: Tile, keys: Tile, causal: bool,
     if plan is None:
         return 0
     pieces = (Piece(plan[0], plan[1], plan[2], False),)
-    return sum(_area(pc) for rs in tile for ks in keys
-               for pc in window_pieces(pieces, rs, ks))
+    return sum(_area(pc) for pc in window_pieces(pieces, tile, keys))
 
 
 def tile_step_work(n: int, ring: int, tiles, causal: bool = True, layout: str = "dual_chunk",

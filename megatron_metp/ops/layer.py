@@ -15,7 +15,9 @@ of one layer per checkpoint (``--recompute-granularity full --recompute-method u
   tile and never holds it whole on the device), else on the device. The forward writes ``y``
   over ``x``'s storage (``in_place``) once ``x`` is safely on the host.
 * **Forward**, per head group ``g``: ``K_g``, ``V_g`` of every local token, then per *query
-  tile* (``q`` tokens) the K/V ring (:mod:`.layer_attention`): ``O_g`` of the tile goes to a
+  tile* (``q`` tokens; causal ``dual_chunk``: mirrored rows of both chunks, so the ring's ranks
+  are evenly loaded at every step, :mod:`.balance`) the K/V ring (:mod:`.layer_attention`):
+  ``O_g`` of the tile goes to a
   stash (host when offloading). Then per *row tile* (``rows`` tokens,
   :mod:`.layer_rows`): ``h1 = x + O·Woᵀ + bo`` and ``y = h1 + MLP(norm2(h1)) + b2`` (one MLP
   weight-ring pass per tile, as :mod:`.mlp`'s token tiles).
@@ -62,8 +64,9 @@ from ._first_order import first_order_only
 from ._grads import weight_grad
 from .attention import _block_weights, _Geometry, _keep_owned, prepare_attention
 from .head_norm import head_norm_grads
+from .balance import kv_blocks as balanced_kv_blocks, query_tiles
 from .layer_attention import (GroupGrads, Rows, backward_group, deliver, forward_group,
-                              kv_sub_blocks)
+                              token_rows)
 from .layer_rows import (MLPBackward, RowNorm, attention_residual, dx_rows, gather_rows,
                          mlp_forward)
 from .tiles import LayerTiles, mlp_row_bytes
@@ -75,6 +78,24 @@ def _acc(dtype):
 
 def _token_rows(t: slice, b: int) -> slice:
     return slice(t.start * b, t.stop * b)
+
+
+def _write_tile(stash, t, b: int, rows: torch.Tensor) -> None:
+    """``rows`` (``[|t|·b, ·]``, the tile's ranges in order) into ``stash`` at the tile's rows."""
+    for dst, rel in token_rows(t, b):
+        stash.write(dst, rows[rel])
+
+
+def _read_tile(stash, t, b: int) -> torch.Tensor:
+    """The tile's rows of ``stash`` ``[|t|·b, ·]`` (its ranges concatenated, read one range at
+    a time into the tile's tensor)."""
+    parts = token_rows(t, b)
+    if len(parts) == 1:
+        return stash.read(parts[0][0])
+    out = torch.empty(parts[-1][1].stop, stash.width, dtype=stash.dtype, device=stash.device)
+    for dst, rel in parts:
+        out[rel].copy_(stash.read(dst))
+    return out
 
 
 class _Spec:
@@ -95,7 +116,7 @@ def _attention_outputs(spec, src: Rows, wqkv, bqkv, wo, o_stash, lses) -> None:
     for g, (WQ, BQ, _) in _block_weights(spec.group, wqkv, bqkv, wo, "fwd", 1):
         stash = o_stash[g]
         forward_group(src, spec.q_tiles, WQ, BQ, spec.geo, spec.seq, spec.attn, spec.head_norm,
-                      lambda t, o, s=stash: s.write(_token_rows(t, b), o), lses[g])
+                      lambda t, o, s=stash: _write_tile(s, t, b, o), lses[g])
 
 
 def _prefetch(tiles, i: int, b: int, stashes) -> None:
@@ -210,15 +231,15 @@ class _METPLayerFunction(torch.autograd.Function):
                   for _ in range(group.size)]
         norm_acc = [None] * 4
         in_flight, owned, grad_layout = [], [None, None, None], None
-        kv_blocks = kv_sub_blocks(n, spec.kv_rows)
+        kv_blocks = spec.kv_blocks
         for g, (WQ, BQ, WOT) in _block_weights(group, wqkv, bqkv, wo, "bwd", 1):
             grads = GroupGrads(wqkv, bqkv, wo, geo, gdt, dy.device)
             stash = o_stash[g]
             backward_group(src, spec.q_tiles, kv_blocks, WQ, BQ, WOT, geo, spec.seq, spec.attn,
                            spec.head_norm, norm_acc,
-                           lambda t, s=stash: s.read(_token_rows(t, b)), dy2, lses[g],
-                           lambda t, r, s=dq_st[g]: s.write(_token_rows(t, b), r),
-                           lambda t, r, s=dkv_st[g]: s.write(_token_rows(t, b), r), grads)
+                           lambda t, s=stash: _read_tile(s, t, b), dy2, lses[g],
+                           lambda t, r, s=dq_st[g]: _write_tile(s, t, b, r),
+                           lambda t, r, s=dkv_st[g]: _write_tile(s, t, b, r), grads)
             stash.release()
             lses[g] = None
             in_flight, owned = deliver(group, g, grads, in_flight, owned)
@@ -339,7 +360,10 @@ def metp_layer(x: torch.Tensor, *, group, num_heads: int, num_query_groups: int,
     spec = _Spec(group=group, seq=seq, geo=geo, b=b, n=n, label=label, freqs=freqs,
                  head_norm=head_norm, norm1=n1, norm2=n2, activation=activation,
                  grad_dtype=grad_reduce_dtype, host=bool(host), offloader=offloader,
-                 in_place=in_place, q_tiles=tiles.q_tiles(n),
+                 in_place=in_place,
+                 q_tiles=query_tiles(n, tiles.q, layout, causal, packed=cu is not None),
+                 kv_blocks=balanced_kv_blocks(n, tiles.kv, layout, causal,
+                                              packed=cu is not None),
                  row_tiles=tiles.row_tiles(n), kv_rows=tiles.kv, row_tokens=tiles.rows,
                  attn=SimpleNamespace(causal=bool(causal), layout=layout, scale=float(scale),
                                       kernel=kern, cu=cu,

@@ -19,6 +19,12 @@ For head group ``g`` (its weights broadcast by their owner, as in :mod:`.attenti
 With ``kv_rows`` the ring carries only that many of every rank's key rows at a time (a tile's
 ring runs once per key sub-block), so the travelling K/V and ``dK/dV`` buffers are that size;
 ``key_tile`` bounds the keys of one kernel call (:mod:`.windows`).
+
+Query tiles and key sub-blocks are cut by :mod:`.balance`: under the causal ``dual_chunk``
+layout each is two mirrored row ranges, ``[a, b)`` of the first chunk and ``[n − b, n − a)`` of
+the second, so that every rank does the same work at every ring step; a tile's tensors (``q``,
+``O``, ``dO``, ``lse``, ``dq``, ``d(qkv)`` rows) hold its ranges' rows concatenated, and are
+read from / written to the stashes range by range (:func:`token_rows`).
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from ._flat import FlatLayout
 from .attention import _Geometry, _heads_first_view, _keep_owned
 from .ring_attention import ring_attention_backward, ring_attention_forward
 from .rope import apply_rope, rope_tables
-from .tiles import tile_slices
+from .balance import as_tile, kv_blocks, tile_parts, tile_rows
 
 
 class Rows:
@@ -47,36 +53,49 @@ class Rows:
     def __init__(self, x_stash, norm1, n: int, b: int, h: int, freqs, dtype, chunk: int):
         self.x, self.norm1, self.n, self.b, self.h = x_stash, norm1, n, b, h
         self.freqs, self.dtype, self.chunk = freqs, dtype, max(1, int(chunk))
-        self._end = n  # where the current pass (:meth:`chunks`) stops
+        self._next = {}  # chunk -> the chunk read after it in the current pass
 
-    def chunks(self, t: slice):
-        """``t`` cut into consecutive token slices of at most :attr:`chunk` tokens (a pass:
-        its chunks are read in order by :meth:`x_tile`)."""
-        self._end = t.stop
-        return [slice(a, min(a + self.chunk, t.stop)) for a in range(t.start, t.stop, self.chunk)]
+    def chunks(self, t, then=None):
+        """``[(chunk, offset)]``: the tile ``t`` (a slice or a tuple of row ranges,
+        :mod:`.balance`) cut into consecutive token slices of at most :attr:`chunk` tokens
+        within each range, and where each chunk's rows start in the tile's own tensor. A pass:
+        its chunks are read in order by :meth:`x_tile`, each read starting the host copy of the
+        next; after the last, of the first chunk of ``then`` (the tile the next pass reads;
+        ``None``: nothing, a prefetch that no read asks for would hold its device tile until
+        the stash is released)."""
+        out = self._cut(t)
+        seq = [c for c, _ in out] + ([self._cut(then)[0][0]] if then is not None else [])
+        self._next = {(a.start, a.stop): nxt for a, nxt in zip(seq, seq[1:])}
+        return out
+
+    def _cut(self, t):
+        out = []
+        for r, off in tile_parts(t):
+            out.extend((slice(a, min(a + self.chunk, r.stop)), off + a - r.start)
+                       for a in range(r.start, r.stop, self.chunk))
+        return out
 
     def x_tile(self, t: slice) -> torch.Tensor:
-        """``x`` of tokens ``t``: ``[|t|, b, h]``; the copy from the host of the chunk read next
-        is started (the passes read their chunks in order): the pass's next chunk, cut at the
-        pass's end, or after its last chunk the first chunk of the tile that follows (a
-        prefetch that no read asks for would hold its device tile until the stash is
-        released)."""
+        """``x`` of tokens ``t``: ``[|t|, b, h]``; the copy from the host of the chunk the pass
+        (:meth:`chunks`) reads next is started."""
         out = self.x.read(slice(t.start * self.b, t.stop * self.b)).view(-1, self.b, self.h)
-        if t.stop < self.n:
-            end = self._end if t.stop < self._end else self.n
-            nxt = min(end, t.stop + self.chunk)
-            self.x.prefetch(slice(t.stop * self.b, nxt * self.b))
+        nxt = self._next.get((t.start, t.stop))
+        if nxt is not None:
+            self.x.prefetch(slice(nxt.start * self.b, nxt.stop * self.b))
         return out
 
     def normed(self, t: slice) -> torch.Tensor:
         """``norm1(x)`` of tokens ``t``: ``[|t|·b, h]``."""
         return self.norm1.forward(self.x_tile(t)).reshape(-1, self.h)
 
-    def rope(self, t: slice):
-        """``(freqs, tables)`` of tokens ``t`` (``None``s without RoPE)."""
+    def rope(self, t):
+        """``(freqs, tables)`` of tokens ``t`` (a slice or a tile's ranges, concatenated;
+        ``None``s without RoPE)."""
         if self.freqs is None:
             return None, None
-        f = self.freqs[t]
+        parts = as_tile(t)
+        f = self.freqs[parts[0]] if len(parts) == 1 else \
+            torch.cat([self.freqs[r] for r in parts])
         return f, rope_tables(f, self.dtype)
 
 
@@ -100,19 +119,20 @@ def _proj(rows, w, bias):
     return torch.addmm(bias, rows, w.t()) if bias is not None else torch.mm(rows, w.t())
 
 
-def q_tile(src: Rows, t: slice, WQq, BQq, geo: _Geometry, head_norm, keep_pre=None):
-    """Heads-first ``q`` ``[b, H, |t|, d]`` of tokens ``t`` (q norm, RoPE), projected chunk by
-    chunk (:meth:`Rows.chunks`); ``keep_pre``: receives the pre-norm ``[|t|, b, G_g, qpg, d]``
-    (the q norm's backward)."""
-    nt, b, d, Gl, qpg = t.stop - t.start, src.b, geo.d, geo.groups_local, geo.q_per_group
+def q_tile(src: Rows, t, WQq, BQq, geo: _Geometry, head_norm, keep_pre=None, then=None):
+    """Heads-first ``q`` ``[b, H, |t|, d]`` of the tile ``t`` (its ranges' tokens in order; q
+    norm, RoPE), projected chunk by chunk (:meth:`Rows.chunks`; ``then``: the tile read next);
+    ``keep_pre``: receives the pre-norm ``[|t|, b, G_g, qpg, d]`` (the q norm's backward)."""
+    nt, b, d, Gl, qpg = tile_rows(t), src.b, geo.d, geo.groups_local, geo.q_per_group
     q = torch.empty(b, Gl * qpg, nt, d, dtype=WQq.dtype, device=WQq.device)
     dst_all = q.view(b, Gl, qpg, nt, d).permute(3, 0, 1, 2, 4)
     pre_all = None
     if head_norm is not None and keep_pre is not None:
         pre_all = torch.empty(nt, b, Gl, qpg, d, dtype=WQq.dtype, device=WQq.device)
         keep_pre.append(pre_all)
-    for c in src.chunks(t):
-        nc, rel = c.stop - c.start, slice(c.start - t.start, c.stop - t.start)
+    for c, off in src.chunks(t, then):
+        nc = c.stop - c.start
+        rel = slice(off, off + nc)
         pre = _proj(src.normed(c), WQq, BQq).view(nc, b, Gl, qpg, d)
         q_src = pre
         if head_norm is not None:
@@ -138,7 +158,7 @@ def group_kv(src: Rows, WQkv, BQkv, geo: _Geometry, head_norm, keep_pre: bool = 
     v = torch.empty_like(k)
     k_pre = (torch.empty(n, b, Gl, d, dtype=like.dtype, device=like.device)
              if keep_pre and head_norm is not None else None)
-    for t in src.chunks(slice(0, n)):
+    for t, _ in src.chunks(slice(0, n)):
         nt = t.stop - t.start
         kv = _proj(src.normed(t), WQkv, BQkv).view(nt, b, Gl, 2, d)
         k_src = kv[:, :, :, 0]
@@ -159,21 +179,23 @@ def group_kv(src: Rows, WQkv, BQkv, geo: _Geometry, head_norm, keep_pre: bool = 
 
 def forward_group(src: Rows, q_tiles, WQ, BQ, geo: _Geometry, seq: METPGroup, attn, head_norm,
                   write_o, lse: torch.Tensor) -> None:
-    """Head group ``g``'s attention output for every query tile: ``write_o(t, O_t)`` with
-    ``O_t`` ``[|t|·b, H·d]`` (seq-first), and ``lse[:, :, t]`` (fp32 ``[b, H, n]``) filled."""
+    """Head group ``g``'s attention output for every query tile (:func:`.balance.query_tiles`:
+    each a tuple of row ranges): ``write_o(t, O_t)`` with ``O_t`` ``[|t|·b, H·d]`` (seq-first,
+    the ranges' rows in order), and ``lse`` (fp32 ``[b, H, n]``) filled at the tile's rows."""
     WQq, WQkv = _split(WQ, geo)
     BQq, BQkv = _split_bias(BQ, geo)
     k, v, _ = group_kv(src, WQkv, BQkv, geo, head_norm)
     H, d, b = geo.heads_local, geo.d, src.b
-    for t in q_tiles:
-        nt = t.stop - t.start
-        q = q_tile(src, t, WQq, BQq, geo, head_norm)
+    for i, t in enumerate(q_tiles):
+        nt = tile_rows(t)
+        q = q_tile(src, t, WQq, BQq, geo, head_norm, then=_after(q_tiles, i))
         o = torch.empty(nt, b, H * d, dtype=q.dtype, device=q.device)
         _, lse_t = ring_attention_forward(q, k, v, seq, attn.causal, attn.layout, attn.scale,
                                           attn.kernel, out=_heads_first_view(o, H, d),
                                           cu_seqlens=attn.cu, q_rows=t,
                                           key_tile=attn.key_tile)
-        lse[:, :, t].copy_(lse_t)
+        for r, off in tile_parts(t):
+            lse[:, :, r].copy_(lse_t[:, :, off:off + r.stop - r.start])
         del q, lse_t
         write_o(t, o.view(nt * b, H * d))
         del o
@@ -226,7 +248,8 @@ class GroupGrads:
 def backward_group(src: Rows, q_tiles, kv_blocks, WQ, BQ, WOT, geo: _Geometry, seq: METPGroup,
                    attn, head_norm, norm_acc: list, read_o, dh1, lse: torch.Tensor,
                    write_dq, write_dkv, grads: GroupGrads) -> None:
-    """Head group ``g``'s backward. ``read_o(t)``: ``O_g`` of tokens ``t`` ``[|t|·b, H·d]``;
+    """Head group ``g``'s backward (``q_tiles``, ``kv_blocks``: tiles of row ranges,
+    :mod:`.balance`). ``read_o(t)``: ``O_g`` of the tile ``t`` ``[|t|·b, H·d]``;
     ``dh1`` ``[n·b, h]``: the gradient of the attention block's output (after the residual);
     ``write_dq(t, rows)``/``write_dkv(t, rows)``: d(qkv)'s q ``[|t|·b, G_g·qpg·d]`` and k/v
     ``[|t|·b, G_g·2·d]`` columns; ``norm_acc``: the q/k norm weights' gradient sums
@@ -236,23 +259,22 @@ def backward_group(src: Rows, q_tiles, kv_blocks, WQ, BQ, WOT, geo: _Geometry, s
     k, v, k_pre = group_kv(src, WQkv, BQkv, geo, head_norm, keep_pre=True)
     H, Gl, qpg, d, b, n = geo.heads_local, geo.groups_local, geo.q_per_group, geo.d, src.b, src.n
     dk = dv = None  # fp32 [b, G_g, n, d]: the own keys' gradients, summed over the tiles
-    for t in q_tiles:
-        nt, rows = t.stop - t.start, slice(t.start * b, t.stop * b)
+    for i, t in enumerate(q_tiles):
+        nt, then = tile_rows(t), _after(q_tiles, i)
         pre: List[torch.Tensor] = []
-        q = q_tile(src, t, WQq, BQq, geo, head_norm, keep_pre=pre)
+        q = q_tile(src, t, WQq, BQq, geo, head_norm, keep_pre=pre, then=then)
         o = read_o(t)
-        g = dh1[rows]
-        grads.add_proj(o, g)
-        d_o = torch.mm(g, WOT.t())
+        d_o = _proj_grads(grads, o, dh1, t, b, WOT)
         o_hf, do_hf = _heads_first_view(o.view(nt, b, -1), H, d), \
             _heads_first_view(d_o.view(nt, b, -1), H, d)
         dq = None
+        lse_t = take_rows(lse, t)
         for ks in kv_blocks:
-            sub = ks.stop - ks.start < n
-            kk = k[:, :, ks].contiguous() if sub else k
-            vv = v[:, :, ks].contiguous() if sub else v
+            sub = tile_rows(ks) < n
+            kk = take_rows(k, ks, copy=True) if sub else k
+            vv = take_rows(v, ks, copy=True) if sub else v
             dq_s, dk_s, dv_s = ring_attention_backward(
-                do_hf, q, kk, vv, o_hf, lse[:, :, t], seq, attn.causal, attn.layout,
+                do_hf, q, kk, vv, o_hf, lse_t, seq, attn.causal, attn.layout,
                 attn.scale, attn.kernel, cu_seqlens=attn.cu, q_rows=t, key_tile=attn.key_tile,
                 k_rows=ks if sub else None, block_rows=n)
             del kk, vv
@@ -260,10 +282,12 @@ def backward_group(src: Rows, q_tiles, kv_blocks, WQ, BQ, WOT, geo: _Geometry, s
             if dk is None:
                 dk = torch.zeros(b, Gl, n, d, dtype=torch.float32, device=q.device)
                 dv = torch.zeros_like(dk)
-            dk[:, :, ks].add_(dk_s)
-            dv[:, :, ks].add_(dv_s)
+            for r, off in tile_parts(ks):
+                rel = slice(off, off + r.stop - r.start)
+                dk[:, :, r].add_(dk_s[:, :, rel])
+                dv[:, :, r].add_(dv_s[:, :, rel])
             del dq_s, dk_s, dv_s
-        del q, o, d_o, o_hf, do_hf
+        del q, o, d_o, o_hf, do_hf, lse_t
         # dq: RoPE transposed, through the q norm, into d(qkv)'s q columns
         d_rows = torch.empty(nt, b, Gl, qpg, d, dtype=WQ.dtype, device=WQ.device)
         dq_sf = dq.view(b, Gl, qpg, nt, d).permute(3, 0, 1, 2, 4)
@@ -276,13 +300,13 @@ def backward_group(src: Rows, q_tiles, kv_blocks, WQ, BQ, WOT, geo: _Geometry, s
         if head_norm is not None:
             head_norm.backward_one("q", pre.pop(), d_rows, norm_acc)
         d_rows = d_rows.view(nt * b, Gl, qpg, d)
-        for c in src.chunks(t):
-            rel = slice((c.start - t.start) * b, (c.stop - t.start) * b)
+        for c, off in src.chunks(t, then):
+            rel = slice(off * b, (off + c.stop - c.start) * b)
             grads.add_qkv("q", d_rows[rel], src.normed(c))
         write_dq(t, d_rows.view(nt * b, -1))
         del d_rows
     # the own keys' dK/dV are complete: RoPE transposed (k), through the k norm, into d(qkv)
-    for t in src.chunks(slice(0, n)):
+    for t, _ in src.chunks(slice(0, n)):
         nt = t.stop - t.start
         d_rows = torch.empty(nt, b, Gl, 2, d, dtype=k.dtype, device=k.device)
         dk_sf = dk[:, :, t].permute(2, 0, 1, 3)
@@ -312,8 +336,46 @@ def deliver(group: METPGroup, i: int, grads: GroupGrads, in_flight, acc):
     return [(0, i, ring.reduce(grads.flat, i, step=i), grads.flat)], acc
 
 
-def kv_sub_blocks(n: int, rows: Optional[int]):
-    """Key sub-blocks ``[slice]`` of the ``n`` local keys (one: the whole block)."""
-    if rows is None or rows >= n:
-        return [slice(0, n)]
-    return tile_slices(n, rows)
+def kv_sub_blocks(n: int, rows: Optional[int], layout: str = "dual_chunk",
+                  causal: bool = True, packed: bool = False):
+    """Key sub-blocks of the ``n`` local keys, each a tuple of row ranges
+    (:func:`.balance.kv_blocks`; one: the whole block)."""
+    return kv_blocks(n, rows, layout, causal, packed)
+
+
+def _after(tiles, i: int):
+    """The tile after ``tiles[i]`` (``None`` after the last)."""
+    return tiles[i + 1] if i + 1 < len(tiles) else None
+
+
+def take_rows(t: torch.Tensor, tile, copy: bool = False) -> torch.Tensor:
+    """``t[:, :, tile]`` of a heads-first ``[b, heads, n, ·]`` tensor (or ``[b, heads, n]``):
+    a view for one range (a contiguous copy with ``copy``), the ranges concatenated else."""
+    parts = as_tile(tile)
+    if len(parts) == 1:
+        got = t[:, :, parts[0]]
+        return got.contiguous() if copy else got
+    return torch.cat([t[:, :, r] for r in parts], dim=2)
+
+
+def token_rows(tile, b: int):
+    """``[(rows, rel)]``: each range of ``tile`` as rows of a ``[n·b, ·]`` tensor and as rows of
+    the tile's own ``[|tile|·b, ·]`` tensor."""
+    return [(slice(r.start * b, r.stop * b), slice(off * b, (off + r.stop - r.start) * b))
+            for r, off in tile_parts(tile)]
+
+
+def _proj_grads(grads: GroupGrads, o: torch.Tensor, dh1: torch.Tensor, t, b: int, WOT):
+    """``dWo_gᵀ += O_tᵀ·dh1_t`` and ``dO_t = dh1_t·Wo_g`` ``[|t|·b, H·d]``, range by range of
+    the tile (no copy of ``dh1``'s rows)."""
+    parts = token_rows(t, b)
+    if len(parts) == 1:
+        g = dh1[parts[0][0]]
+        grads.add_proj(o, g)
+        return torch.mm(g, WOT.t())
+    d_o = torch.empty(o.shape[0], WOT.shape[0], dtype=o.dtype, device=o.device)
+    for rows, rel in parts:
+        g = dh1[rows]
+        grads.add_proj(o[rel], g)
+        torch.mm(g, WOT.t(), out=d_o[rel])
+    return d_o

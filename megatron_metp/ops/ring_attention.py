@@ -175,8 +175,10 @@ def ring_attention_forward(q, k, v, group: METPGroup, causal: bool, layout: str,
     last fold writes it directly; returned instead of the fp32 accumulator.
     ``cu_seqlens``: checked document boundaries (tuple): :func:`_packed_forward`.
     ``q_rows``: ``q`` holds only these of the ``n`` local query rows (a query tile of the
-    streaming layer, :mod:`.windows`); ``k_rows``: ``k``/``v`` (every rank's, on the ring) hold
-    only these key rows of each block (``block_rows`` = ``n`` must then be given);
+    streaming layer, :mod:`.windows`: a slice, or a tuple of row ranges whose rows ``q`` holds
+    concatenated, :mod:`.balance`); ``k_rows``: ``k``/``v`` (every rank's, on the ring) hold
+    only these key rows of each block (a slice or a tuple of ranges; ``block_rows`` = ``n``
+    must then be given);
     ``key_tile``: at most this many keys per kernel call. Any of them runs the pieces path of
     :func:`_packed_forward`."""
     if cu_seqlens is not None or q_rows is not None or key_tile is not None or \

@@ -206,8 +206,20 @@ class LayerTiles:
     def row_tiles(self, n: int) -> List[slice]:
         return tile_slices(n, self.rows)
 
-    def q_tiles(self, n: int) -> List[slice]:
-        return tile_slices(n, self.q)
+    def q_tiles(self, n: int, layout: str = "dual_chunk", causal: bool = True,
+                packed: bool = False):
+        """The op's query tiles (:func:`~megatron_metp.ops.balance.query_tiles`: each a tuple
+        of row ranges; causal ``dual_chunk`` tiles take mirrored ranges of both chunks)."""
+        from .balance import query_tiles
+
+        return query_tiles(n, self.q, layout, causal, packed)
+
+    def kv_blocks(self, n: int, layout: str = "dual_chunk", causal: bool = True,
+                  packed: bool = False):
+        """The backward's key sub-blocks (:func:`~megatron_metp.ops.balance.kv_blocks`)."""
+        from .balance import kv_blocks
+
+        return kv_blocks(n, self.kv, layout, causal, packed)
 
     def fields(self) -> dict:
         """What the agreement check compares (every rank must run the same passes)."""

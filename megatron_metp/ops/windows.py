@@ -83,33 +83,79 @@ def _piece(rect: Rect) -> Piece:
     return Piece(slice(a, b), slice(c, d), causal, False)
 
 
-def window_pieces(pieces: Sequence[Piece], rows: slice, keys: slice,
+def _ranges(window) -> List[Tuple[int, int, int]]:
+    """``[(start, stop, offset)]`` of a window (a slice or a tuple of disjoint slices): each
+    range and where its rows start in the window's own (concatenated) tensor."""
+    parts = (window,) if isinstance(window, slice) else tuple(window)
+    out, off = [], 0
+    for w in parts:
+        a = w.start or 0
+        out.append((a, w.stop, off))
+        off += w.stop - a
+    return out
+
+
+def _merge_rows(pieces: List[Piece]) -> List[Piece]:
+    """Full pieces with the same keys whose rows follow each other in the window's tensor as
+    one piece (the ranges of a multi-range window meet there: one kernel call, not two)."""
+    out: List[Piece] = []
+    for pc in pieces:
+        if not pc.causal and not pc.masked:
+            for i, prev in enumerate(out):
+                if not prev.causal and not prev.masked and prev.keys == pc.keys and \
+                        prev.rows.stop == pc.rows.start:
+                    out[i] = Piece(slice(prev.rows.start, pc.rows.stop), pc.keys, False, False)
+                    break
+            else:
+                out.append(pc)
+        else:
+            out.append(pc)
+    return out
+
+
+def window_pieces(pieces: Sequence[Piece], rows, keys,
                   key_tile: Optional[int] = None) -> Tuple[Piece, ...]:
     """The kernel calls of ``pieces`` (one block's plan, block-local rows and keys) restricted to
     the query rows ``rows`` and the key rows ``keys``, cut into key tiles of at most
-    ``key_tile`` keys (a grid starting at ``keys.start``, the same on every rank and step);
-    rows relative to ``rows.start``, keys to ``keys.start`` (they index the window's own
-    ``q`` and K/V tensors)."""
-    r0, r1 = rows.start or 0, rows.stop
-    tiles = key_ranges(keys.start or 0, keys.stop, key_tile)
-    kshift = keys.start or 0
+    ``key_tile`` keys (a grid starting at each key range's start, the same on every rank and
+    step); rows and keys relative to the window's own ``q`` and K/V tensors.
+
+    ``rows`` and ``keys`` are each a slice or a tuple of disjoint slices (a balanced query tile
+    or key sub-block, :mod:`.balance`: its tensor holds the ranges' rows concatenated in that
+    order); every piece then lies inside one row range and one key range, and full pieces with
+    the same keys on consecutive row ranges are one call."""
+    row_ranges, key_ranges_ = _ranges(rows), _ranges(keys)
     out: List[Piece] = []
     for pc in pieces:
-        for k0, k1 in tiles:
-            if pc.keys.stop <= k0 or pc.keys.start >= k1:
-                continue
-            if pc.masked:
-                parts = [_shift(x, r0, kshift) for rect in pc.parts
-                         for x in clip_rect(rect, r0, r1, k0, k1)]
-                if not parts:
-                    continue
-                if len(parts) == 1:
-                    out.append(_piece(parts[0]))
-                    continue
-                a, b = min(x[0] for x in parts), max(x[1] for x in parts)
-                c, d = min(x[2] for x in parts), max(x[3] for x in parts)
-                out.append(Piece(slice(a, b), slice(c, d), False, True, tuple(parts)))
-                continue
-            rect = (pc.rows.start, pc.rows.stop, pc.keys.start, pc.keys.stop, pc.causal)
-            out.extend(_piece(_shift(x, r0, kshift)) for x in clip_rect(rect, r0, r1, k0, k1))
+        for r0, r1, roff in row_ranges:
+            for kr0, kr1, koff in key_ranges_:
+                out.extend(_window_one(pc, r0, r1, kr0, kr1, key_tile, r0 - roff,
+                                       kr0 - koff))
+    if len(row_ranges) > 1 or len(key_ranges_) > 1:
+        out = _merge_rows(out)
     return tuple(out)
+
+
+def _window_one(pc: Piece, r0: int, r1: int, kr0: int, kr1: int, key_tile: Optional[int],
+                rshift: int, kshift: int) -> List[Piece]:
+    """One piece clipped to rows ``[r0, r1)`` × keys ``[kr0, kr1)`` in key tiles, shifted by
+    ``rshift`` rows and ``kshift`` keys into the window's tensors."""
+    out: List[Piece] = []
+    for k0, k1 in key_ranges(kr0, kr1, key_tile):
+        if pc.keys.stop <= k0 or pc.keys.start >= k1:
+            continue
+        if pc.masked:
+            parts = [_shift(x, rshift, kshift) for rect in pc.parts
+                     for x in clip_rect(rect, r0, r1, k0, k1)]
+            if not parts:
+                continue
+            if len(parts) == 1:
+                out.append(_piece(parts[0]))
+                continue
+            a, b = min(x[0] for x in parts), max(x[1] for x in parts)
+            c, d = min(x[2] for x in parts), max(x[3] for x in parts)
+            out.append(Piece(slice(a, b), slice(c, d), False, True, tuple(parts)))
+            continue
+        rect = (pc.rows.start, pc.rows.stop, pc.keys.start, pc.keys.stop, pc.causal)
+        out.extend(_piece(_shift(x, rshift, kshift)) for x in clip_rect(rect, r0, r1, k0, k1))
+    return out
