@@ -91,14 +91,17 @@ def test_json_keys_and_the_footer(tmp_path, capsys):
         assert c["iteration_s"] >= c["step_s"]
 
 
-@pytest.mark.parametrize("gpus,seq", [(1, 500_000), (8, 3_700_000)])
+@pytest.mark.parametrize("gpus,seq", [(1, 500_000), (8, 3_700_000), (32, 15_000_000)])
 def test_alst_reproduces_its_measured_iteration_times(gpus, seq):
-    """arXiv 2506.13996: Llama-8B, 500K on 1 H100 in 16:50 and 3.7M on 8 in 1:47:35."""
+    """arXiv 2506.13996: Llama-8B, 500K on 1 H100 in 16:50, 3.7M on 8 in 1:47:35 and 15M on 32
+    in 7:25:09; each fits the plan's memory too."""
     measured = alst.PUBLISHED[("llama3-8b", gpus, seq)]
     seq = seq - seq % (2 * gpus)
     c = P.step_cost(LLAMA.with_seq(seq), P.Job(metp=gpus, hardware="H100-80GB"), "alst")
     assert c["rates"]["kernel"] == "fa2"
     assert abs(c["iteration_s"] / measured - 1) <= 0.15, c["iteration_s"]
+    job = P.Job(metp=gpus, hardware="H100-80GB")
+    assert P.memory(LLAMA.with_seq(seq), job, "alst").total <= P.capacity_bytes(job)
     # with a Hopper kernel instead the same recipe is much faster: the kernel is the step
     fast = P.step_cost(LLAMA.with_seq(seq), P.Job(metp=gpus, attention_kernel="fa3"), "alst")
     assert fast["iteration_s"] < 0.7 * c["iteration_s"]
@@ -137,8 +140,6 @@ def test_done_when_metp_vs_alst_on_alsts_job(tmp_path):
     assert abs(d["alst"]["cost"]["iteration_s"] / 6455 - 1) <= 0.15
     m = d["metp"]["cost"]
     assert m["rates"]["attention_fwd_tflops"] <= 539 and m["rates"]["kernel"] == "cudnn"
-    if m["ring_imbalance"] > 1.05:
-        pytest.xfail(f"the streaming layer's query tiles are not balanced yet "
-                     f"(imbalance {m['ring_imbalance']:.3f}): issue 28 Deliver 1")
+    assert m["ring_imbalance"] <= 1.05
     assert m["step_s"] <= 0.7 * 6455
 
