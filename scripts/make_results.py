@@ -719,8 +719,8 @@ def part_gpu(out):
 
 # ----------------------------------------------------------------------------- main
 
-def _splice_part(args, t0, tag, fn):
-    """Regenerate one planned-only part (``fn(body)``) and put it in place of the section headed
+def _splice_part(args, t0, tag, fn, flags="", note="planned only"):
+    """Regenerate one part (``fn(body)``) and put it in place of the section headed
     ``## {tag}`` of ``args.out`` (inserted before the GPU reference section when absent)."""
     with open(args.out, encoding="utf-8") as fh:
         text = fh.read()
@@ -736,8 +736,8 @@ def _splice_part(args, t0, tag, fn):
     commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"],
                             capture_output=True, text=True).stdout.strip() or "?"
     body.append(f"(Part {tag} regenerated alone by `python scripts/make_results.py --part "
-                f"{tag.strip('()')}` on {datetime.date.today().isoformat()}, commit {commit}, in "
-                f"{wall:.0f} s; planned only.)\n")
+                f"{tag.strip('()')}{flags}` on {datetime.date.today().isoformat()}, commit "
+                f"{commit}, in {wall:.0f} s; {note}.)\n")
     section = "\n".join(body).rstrip() + "\n"
     with open(args.out, "w", encoding="utf-8") as fh:
         fh.write(text[:i + 1] + section + text[j:])
@@ -747,25 +747,10 @@ def _splice_part(args, t0, tag, fn):
 
 def _splice_part_f(args, meas, t0):
     """Regenerate part (f) alone and replace the ``## (f)`` section of ``args.out``."""
-    with open(args.out, encoding="utf-8") as fh:
-        text = fh.read()
-    i = text.index("\n## (f) ")
-    j = text.index("\n## ", i + 1)
-    body = []
-    part_reach(body, meas)
-    wall = time.perf_counter() - t0
-    commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"],
-                            capture_output=True, text=True).stdout.strip() or "?"
-    body.append(f"(Part (f) regenerated alone by `python scripts/make_results.py --part f"
-                f"{' --no-measure' if args.no_measure else ''}` on "
-                f"{datetime.date.today().isoformat()}, commit {commit}, in {wall:.0f} s, "
-                f"{meas.count} measurements; the other parts are from the generation named at "
-                f"the top.)\n")
-    section = "\n".join(body).rstrip() + "\n"
-    with open(args.out, "w", encoding="utf-8") as fh:
-        fh.write(text[:i + 1] + section + text[j:])
-    print(f"wrote part (f) of {args.out} in {wall:.0f} s ({meas.count} measurements)")
-    return 0
+    return _splice_part(args, t0, "(f)", lambda body: part_reach(body, meas),
+                        " --no-measure" if args.no_measure else "",
+                        f"{meas.count} measurements; the other parts are from the generation "
+                        f"named at the top")
 
 
 def main(argv=None):

@@ -239,6 +239,14 @@ def report(model: Model, job: Job, modes: Sequence[str] = MODES) -> str:
                      + (f" (measured {rt['measured_at']}: --rates)" if rt["measured_at"] else
                         " (published figures: tools/plan/rates.py)")
                      + f"; ring imbalance {c['ring_imbalance']:.3f}; seconds: {comp}")
+        if c["host_passes"]:
+            lines.append(f"# {mode}: host copies per offloaded layer, pass by pass, at "
+                         f"{rt['host_gbs']:,.1f} GB/s per GPU (8 GPUs sharing the node's host "
+                         f"memory: tools/plan/host_link.py): copy vs compute, ms each")
+            for x in c["host_passes"]:
+                bound = "COPY-BOUND" if x["exposed_s"] else "hidden"
+                lines.append(f"  {x['pass']:<52s} ×{x['count']:<2d} {fmt_bytes(x['bytes']):>12} "
+                             f"{1e3 * x['copy_s']:9,.1f} vs {1e3 * x['compute_s']:10,.1f}  {bound}")
     lines.append("# time estimates: attention causal (half the square), at the kernel's published "
                  "rates × the ring's busiest-rank imbalance; copies and ring hops counted where "
                  "nothing hides them; per iteration: (micro-batches + PP − 1) × micro-batch + "
