@@ -118,6 +118,9 @@ def test_imbalance_feeds_the_time(monkeypatch):
                         lambda n, q: [(s,) for s in tile_slices(n, q)])
     cont = P.step_cost(model, METP8, "metp")
     assert cont["ring_imbalance"] > 1.3
+    # ring steps where no rank has work (pure transfer): some with contiguous tiles, none balanced
+    assert cont["empty_ring_steps"] > 0 == base["empty_ring_steps"]
+    assert cont["components"]["ring_exposed"] > base["components"]["ring_exposed"]
     assert cont["ring_imbalance"] >= base["ring_imbalance"]
     a = cont["components"]["attention_bwd"] / base["components"]["attention_bwd"]
     assert a == pytest.approx(cont["ring_imbalance_backward"] /

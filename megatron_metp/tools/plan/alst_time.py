@@ -71,4 +71,5 @@ def alst_time(model: Model, job: Job) -> Dict:
                       "measured_at": rates.measured_at},
             "ring_imbalance": 1.0, "ring_imbalance_forward": 1.0,
             "ring_imbalance_backward": 1.0, "query_tiles": 1, "kv_blocks": 1,
+            "empty_ring_steps": 0,
             "host_passes": []}

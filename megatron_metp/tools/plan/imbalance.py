@@ -23,15 +23,24 @@ def query_tile_plan(n: int, q: int):
 
 
 def ring_imbalance(n: int, ring: int, q: int, kv: int) -> Dict[str, float]:
-    """``{"forward", "backward", "q_tiles", "kv_blocks"}`` for ``n`` local tokens on a causal
+    """``{"forward", "backward", "q_tiles", "kv_blocks", "empty_steps_forward",
+    "empty_steps_backward"}`` (the last two: ring steps of all tiles where no rank has work) for ``n`` local tokens on a causal
     dual-chunk ring of ``ring`` ranks with query tiles of ``q`` and backward K/V sub-blocks of
     ``kv`` tokens (:func:`megatron_metp.ops.balance.ring_imbalance`)."""
     from ...ops import balance
 
     if ring <= 1:
-        return {"forward": 1.0, "backward": 1.0, "q_tiles": 1, "kv_blocks": 1}
+        return {"forward": 1.0, "backward": 1.0, "q_tiles": 1, "kv_blocks": 1,
+                "empty_steps_forward": 0, "empty_steps_backward": 0}
     tiles = query_tile_plan(n, q)
     blocks = balance.kv_blocks(n, kv)
+
+    def empty(work):  # ring steps where no rank has work: the block only travels
+        return sum(1 for steps in work for row in steps if max(row) == 0)
+
     return {"forward": balance.ring_imbalance(n, ring, tiles),
             "backward": balance.ring_imbalance(n, ring, tiles, kv_blocks=blocks),
-            "q_tiles": len(tiles), "kv_blocks": len(blocks)}
+            "q_tiles": len(tiles), "kv_blocks": len(blocks),
+            "empty_steps_forward": empty(balance.tile_step_work(n, ring, tiles)),
+            "empty_steps_backward": empty(balance.tile_step_work(n, ring, tiles,
+                                                                 kv_blocks=blocks))}

@@ -17,7 +17,8 @@ Per layer and rank (``n`` tokens through the rank, ``s`` the sequence, ``t`` TP,
   exposed; Megatron's checkpoint offload: its copies hidden while a layer's copy takes less than
   its compute, all exposed without prefetch;
 * ring: the backward's last hop (the travelling fp32 ``dK/dV`` sums going home with no block left
-  to compute: pure transfer) per head group, query tile; a ring that crosses nodes: the excess of
+  to compute: pure transfer) per head group, query tile; the steps of the op's plan where no
+  rank has work (pure transfer); a ring that crosses nodes: the excess of
   each step's inter-node transfer over its compute (:func:`.internode.internode_hop`);
 * the optimizer step (:func:`optimizer_s`), once per iteration.
 
@@ -136,7 +137,8 @@ def step_time(model: Model, job: Job, mode: str) -> Dict:
     # the ring and its imbalance: METP's query tiles (whole blocks without the streaming
     # layer); stock CP / ring: whole dual-chunk blocks (balanced)
     groups, tl = 1, None
-    imb = {"forward": 1.0, "backward": 1.0, "q_tiles": 1, "kv_blocks": 1}
+    imb = {"forward": 1.0, "backward": 1.0, "q_tiles": 1, "kv_blocks": 1,
+           "empty_steps_forward": 0, "empty_steps_backward": 0}
     if mode == "metp":
         groups = lay.p
         if streaming:
@@ -195,6 +197,11 @@ def step_time(model: Model, job: Job, mode: str) -> Dict:
         crosses = bool(hop and hop["crosses"])
         link = (hw.internode_gbps if crosses else hw.link_gbps) * 1e9
         ring_s = L * groups * imb["q_tiles"] * 2 * n * (hk // groups) * FP32 / link
+        # steps of the op's plan where no rank has work: the block travels with nothing to hide
+        # it (forward and recompute: the K/V block; backward: a sub-block and its fp32 sums)
+        kv_blk = 2 * n * (hk // groups) * BF16 / link
+        ring_s += groups * ((L + attn_recomputed) * imb["empty_steps_forward"] * kv_blk +
+                            L * imb["empty_steps_backward"] * 3 * kv_blk / imb["kv_blocks"])
         if crosses:
             # per ring step: one head group's K/V block on the inter-node hop against the step's
             # attention (forward ×2 with the recompute; backward 3× the bytes, 2.5× the FLOPs)
@@ -224,4 +231,5 @@ def step_time(model: Model, job: Job, mode: str) -> Dict:
             "ring_imbalance": max(imb["forward"], imb["backward"]),
             "ring_imbalance_forward": imb["forward"], "ring_imbalance_backward": imb["backward"],
             "query_tiles": imb["q_tiles"], "kv_blocks": imb["kv_blocks"],
+            "empty_ring_steps": imb["empty_steps_forward"] + imb["empty_steps_backward"],
             "host_passes": passes}
