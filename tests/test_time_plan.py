@@ -55,10 +55,15 @@ def test_rates_file_overrides_the_table_and_its_errors_name_the_flag(tmp_path):
     for kw, msg in ((dict(gemm_tflops=-1), "'gemm_tflops' must be a positive number"),
                     (dict(kernel=None), "missing kernel"),
                     (dict(extra=1), "unknown key"),
-                    (dict(hardware="A100-80GB"), "measured on 'A100-80GB'")):
+                    (dict(hardware="A100-80GB"), "measured on 'A100-80GB'"),
+                    (dict(hardware="cpu (--dry)"), "not a GPU of a hardware preset")):
         with pytest.raises(ValueError, match="--rates") as e:
             rates.load_rates(_write(tmp_path, **kw), "H100-80GB")
         assert msg in str(e.value)
+    # the GPU check's own names: the device's name and the run-time kernel registry's
+    r = rates.load_rates(_write(tmp_path, hardware="NVIDIA H100 80GB HBM3",
+                                kernel="flash_attn_3"), "H100-80GB")
+    assert (r.hardware, r.kernel) == ("H100-80GB", "fa3")
     bad = tmp_path / "bad.json"
     bad.write_text("{")
     with pytest.raises(ValueError, match="--rates .*not JSON"):

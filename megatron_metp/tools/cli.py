@@ -79,10 +79,12 @@ def _add_common(ap: argparse.ArgumentParser) -> None:
     j.add_argument("--microbatches", type=int, default=0,
                    help="micro-batches per step (PP in-flight count; default: fill the pipe)")
     j.add_argument("--kernel", choices=["flash", "unfused", "cudnn", "fa3", "fa2",
-                                        "torch_flash"], default=None,
+                                        "torch_flash", "flash_attn_3", "flash_attn"],
+                   default=None,
                    help="attention kernel (default flash; a configs/*.sh with "
                         "TRANSFORMER_IMPL=local plans stock layers unfused, as Megatron's local "
                         "spec runs them). A flash kernel's name (cudnn, fa3, fa2, torch_flash) "
+                        "(flash_attn_3 = fa3, flash_attn = fa2: the run-time names) "
                         "plans flash memory and that kernel's published rates (default: the "
                         "hardware's first, cudnn on Hopper; mode alst: fa2, ALST's)")
     j.add_argument("--rates", default=None, metavar="FILE",

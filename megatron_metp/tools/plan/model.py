@@ -242,10 +242,11 @@ def validate(model: Model, job: Job, modes: Sequence[str] = MODES) -> None:
         raise ValueError(f"--layers {model.layers} is not divisible by --pp {job.pp}")
     if job.kernel not in ("flash", "unfused"):
         raise ValueError(f"--kernel must be 'flash' or 'unfused', got {job.kernel!r}")
-    from .rates import KERNELS, resolve_rates
-    if job.attention_kernel is not None and job.attention_kernel not in KERNELS:
+    from .rates import KERNEL_ALIASES, KERNELS, resolve_rates
+    if job.attention_kernel is not None and job.attention_kernel not in KERNELS + tuple(
+            KERNEL_ALIASES):
         raise ValueError(f"--kernel {job.attention_kernel!r}: choose from flash, "
-                         f"{', '.join(KERNELS)}")
+                         f"{', '.join(KERNELS + tuple(KERNEL_ALIASES))}")
     if job.rates_file is not None or job.attention_kernel is not None:
         resolve_rates(job.hardware, job.attention_kernel, job.rates_file)
     if "alst" in modes and (job.pp > 1 or job.dp > 1):

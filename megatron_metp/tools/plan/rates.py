@@ -69,6 +69,23 @@ from .host_link import host_copy_gbps
 ATTENTION_BWD_FLOP_RATIO = 2.5
 #: the kernel names, in the run-time choice's order of preference (then the CPU reference)
 KERNELS = ("cudnn", "fa3", "fa2", "torch_flash", "unfused")
+#: the run-time kernel registry's names (``METP_ATTENTION_KERNEL``, ``benchmarks/gpu_rates.py``)
+#: for the same kernels
+KERNEL_ALIASES = {"flash_attn_3": "fa3", "flash_attn": "fa2", "reference": "unfused"}
+
+
+def kernel_name(kernel: str) -> str:
+    """The table's name of ``kernel`` (a registry alias resolved)."""
+    return KERNEL_ALIASES.get(kernel, kernel)
+
+
+def preset_of(device: str) -> Optional[str]:
+    """The hardware preset a device name (``torch.cuda.get_device_name()``, e.g. "NVIDIA H100
+    80GB HBM3") or preset name denotes, or None."""
+    for preset in ("A100-80GB", "H100-80GB", "H200-141GB"):
+        if device == preset or preset.split("-")[0].lower() in device.lower():
+            return preset
+    return None
 
 
 @dataclass(frozen=True)
@@ -178,12 +195,17 @@ def load_rates(path: str, hardware: Optional[str] = None) -> Rates:
     for k in ("hardware", "kernel", "source", "measured_at"):
         if not isinstance(d[k], str) or not d[k]:
             raise ValueError(f"--rates {path}: {k!r} must be a non-empty string, got {d[k]!r}")
-    if hardware is not None and d["hardware"] != hardware:
+    preset = preset_of(d["hardware"])
+    if preset is None:
+        raise ValueError(f"--rates {path}: measured on {d['hardware']!r}, not a GPU of a "
+                         f"hardware preset (a --dry file holds no rates for a plan): measure "
+                         f"on an A100, H100 or H200")
+    if hardware is not None and preset != hardware:
         raise ValueError(f"--rates {path}: measured on {d['hardware']!r}, the plan is for "
-                         f"--hardware {hardware}: plan --hardware {d['hardware']} or measure "
+                         f"--hardware {hardware}: plan --hardware {preset} or measure "
                          f"{hardware}")
-    return Rates(d["hardware"], d["kernel"], *(_positive(d, k, path) for k in keys[2:6]),
-                 d["source"], d["measured_at"])
+    return Rates(preset, kernel_name(d["kernel"]),
+                 *(_positive(d, k, path) for k in keys[2:6]), d["source"], d["measured_at"])
 
 
 def resolve_rates(hardware: str, kernel: Optional[str] = None,
@@ -192,7 +214,7 @@ def resolve_rates(hardware: str, kernel: Optional[str] = None,
     ``kernel`` (``--kernel``; default :func:`default_kernel`) on ``hardware``."""
     if rates_file:
         return load_rates(rates_file, hardware)
-    k = kernel or default_kernel(hardware)
+    k = kernel_name(kernel) if kernel else default_kernel(hardware)
     if (hardware, k) not in RATES:
         have = sorted(kk for hw, kk in RATES if hw == hardware)
         raise ValueError(f"--kernel {k}: no published rates for {hardware} (it has: "
