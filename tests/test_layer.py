@@ -234,3 +234,56 @@ def test_streaming_norm_equals_the_module(kind, host, in_place):
     finally:
         host_stash.Stash.read = read
     assert rel_err(xl2.grad, xr.grad) > 1e-2
+
+
+def _host_reads_rank(rank, p, case, tiles):
+    """The rows of the layer input's host stash read and prefetched by one rank (forward and
+    backward of one layer with ``host=True``), in order."""
+    reads, fetched = [], []
+    read, prefetch = host_stash.Stash.read, host_stash.Stash.prefetch
+
+    def is_x(stash):
+        return stash.host and stash.width == H  # the only host stash [·, h] of the layer
+
+    def counting_read(self, rows):
+        if is_x(self):
+            reads.append((rows.start, rows.stop))
+        return read(self, rows)
+
+    def counting_prefetch(self, rows):
+        if is_x(self):
+            fetched.append((len(reads), (rows.start, rows.stop)))
+        return prefetch(self, rows)
+    host_stash.Stash.read, host_stash.Stash.prefetch = counting_read, counting_prefetch
+    try:
+        out = _layer_rank(rank, p, case, "stream", True, False, tiles)
+    finally:
+        host_stash.Stash.read, host_stash.Stash.prefetch = read, prefetch
+    return out, reads, fetched
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_host_reads_of_the_layer_input_per_backward(p):
+    """With the input on the host, one layer's backward reads it ``4p + 2`` times
+    (``layer_reads.host_reads``: the recompute's K/V and q passes, the MLP's, the attention
+    backward's two weight-gradient passes, ``dx``; the backward's K/V and q come from the
+    recompute's kept projections), every host copy started ahead is read (none is left
+    holding a device tile), and passes run two chunks ahead; the results are the same as the
+    separate ops'."""
+    from megatron_metp.ops.layer_reads import host_reads
+
+    case = dict(BASE, A=6, G=3, d=2) if p == 3 else dict(BASE)
+    tiles = {"rows": 3, "q": 4, "kv": 5, "keys": 3}
+    ops = run_ranks(_layer_rank, p, case, "ops")
+    for r, (out, reads, fetched) in enumerate(run_ranks(_host_reads_rank, p, case, tiles)):
+        assert max(_compare(out, ops[r]).values()) <= 1e-5
+        N = S // p * B
+        passes = sum(b - a for a, b in reads) / N
+        assert passes == sum(host_reads(p).values()) == 4 * p + 2, passes
+        assert passes < 6 * p + 2  # negative control: what the backward read before
+        ahead = 0
+        for i, (at, rows) in enumerate(fetched):
+            assert rows in reads[at:], (i, at, rows)  # read after it was started
+            waiting = {x for a, x in fetched[:i + 1] if a == at} - set(reads[:at])
+            ahead = max(ahead, len(waiting))
+        assert ahead >= 2

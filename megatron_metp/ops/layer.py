@@ -110,13 +110,25 @@ def _o_stashes(spec, like, N):
                   offloader=spec.offloader) for _ in range(spec.group.size)]
 
 
-def _attention_outputs(spec, src: Rows, wqkv, bqkv, wo, o_stash, lses) -> None:
-    """Every head group's ``O_g`` into ``o_stash[g]`` (and ``lse_g`` into ``lses[g]``)."""
+def _attention_outputs(spec, src: Rows, wqkv, bqkv, wo, o_stash, lses, keep=None) -> None:
+    """Every head group's ``O_g`` into ``o_stash[g]`` (and ``lse_g`` into ``lses[g]``);
+    ``keep``: per group ``(q stash, k/v stash)`` the projections also go to
+    (:mod:`.layer_reads`)."""
     b = src.b
     for g, (WQ, BQ, _) in _block_weights(spec.group, wqkv, bqkv, wo, "fwd", 1):
         stash = o_stash[g]
         forward_group(src, spec.q_tiles, WQ, BQ, spec.geo, spec.seq, spec.attn, spec.head_norm,
-                      lambda t, o, s=stash: _write_tile(s, t, b, o), lses[g])
+                      lambda t, o, s=stash: _write_tile(s, t, b, o), lses[g],
+                      proj_out=None if keep is None else keep[g])
+
+
+def _dqkv_stashes(spec, like, N):
+    """Every head group's ``d(qkv)`` stashes: q columns ``[N, G_g·qpg·d]`` and k/v columns
+    ``[N, G_g·2·d]``."""
+    geo = spec.geo
+    widths = (geo.groups_local * geo.q_per_group * geo.d, geo.groups_local * 2 * geo.d)
+    return tuple([Stash(N, w, like, host=spec.host, offloader=spec.offloader)
+                  for _ in range(spec.group.size)] for w in widths)
 
 
 def _prefetch(tiles, i: int, b: int, stashes) -> None:
@@ -194,11 +206,17 @@ class _METPLayerFunction(torch.autograd.Function):
         spec.norm1.grads = [None] * len(spec.norm1.params)
         spec.norm2.grads = [None] * len(spec.norm2.params)
 
-        # 1. the attention forward again: O_g to the stashes, lse_g kept
+        # 1. the attention forward again: O_g to the stashes, lse_g kept; with x on the host,
+        # every group's q and k/v projections kept in its d(qkv) stashes (.layer_reads)
         o_stash = _o_stashes(spec, dy, N)
         lses = [torch.empty(b, geo.heads_local, n, dtype=torch.float32, device=dy.device)
                 for _ in range(group.size)]
-        _attention_outputs(spec, src, wqkv, bqkv, wo, o_stash, lses)
+        reuse = ctx.x_stash is not None
+        dq_st = dkv_st = None
+        if reuse:
+            dq_st, dkv_st = _dqkv_stashes(spec, dy, N)
+        _attention_outputs(spec, src, wqkv, bqkv, wo, o_stash, lses,
+                           keep=list(zip(dq_st, dkv_st)) if reuse else None)
 
         # 2. MLP and projection backward, row tile by row tile: dy -> dh1
         wo_all_t = gather_rows(group, wo.t(), "attention proj (gather)")
@@ -224,11 +242,8 @@ class _METPLayerFunction(torch.autograd.Function):
         dw1, db1, dw2 = mlp.grads()
 
         # 3. attention backward, head group by head group
-        widths = (geo.groups_local * geo.q_per_group * geo.d, geo.groups_local * 2 * geo.d)
-        dq_st = [Stash(N, widths[0], dy, host=spec.host, offloader=spec.offloader)
-                 for _ in range(group.size)]
-        dkv_st = [Stash(N, widths[1], dy, host=spec.host, offloader=spec.offloader)
-                  for _ in range(group.size)]
+        if not reuse:
+            dq_st, dkv_st = _dqkv_stashes(spec, dy, N)
         norm_acc = [None] * 4
         in_flight, owned, grad_layout = [], [None, None, None], None
         kv_blocks = spec.kv_blocks
@@ -239,7 +254,8 @@ class _METPLayerFunction(torch.autograd.Function):
                            spec.head_norm, norm_acc,
                            lambda t, s=stash: _read_tile(s, t, b), dy2, lses[g],
                            lambda t, r, s=dq_st[g]: _write_tile(s, t, b, r),
-                           lambda t, r, s=dkv_st[g]: _write_tile(s, t, b, r), grads)
+                           lambda t, r, s=dkv_st[g]: _write_tile(s, t, b, r), grads,
+                           proj=(dq_st[g], dkv_st[g]) if reuse else None)
             stash.release()
             lses[g] = None
             in_flight, owned = deliver(group, g, grads, in_flight, owned)

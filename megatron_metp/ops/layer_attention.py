@@ -34,6 +34,7 @@ from typing import List, Optional
 import torch
 
 from ..runtime.groups import METPGroup
+from ..runtime.host_stash import PREFETCH_DEPTH
 from ..runtime.ring import RingExchanger
 from ._accum import mm_acc, mm_into
 from ._flat import FlatLayout
@@ -50,22 +51,28 @@ class Rows:
     whose ``x`` and ``norm1(x)`` are formed at once (the row tile: a query tile is projected
     chunk by chunk)."""
 
-    def __init__(self, x_stash, norm1, n: int, b: int, h: int, freqs, dtype, chunk: int):
+    def __init__(self, x_stash, norm1, n: int, b: int, h: int, freqs, dtype, chunk: int,
+                 depth: int = PREFETCH_DEPTH):
         self.x, self.norm1, self.n, self.b, self.h = x_stash, norm1, n, b, h
         self.freqs, self.dtype, self.chunk = freqs, dtype, max(1, int(chunk))
-        self._next = {}  # chunk -> the chunk read after it in the current pass
+        self.depth = max(1, int(depth))
+        self._seq, self._pos = [], {}  # the current pass's chunks (and what follows it)
 
     def chunks(self, t, then=None):
         """``[(chunk, offset)]``: the tile ``t`` (a slice or a tuple of row ranges,
         :mod:`.balance`) cut into consecutive token slices of at most :attr:`chunk` tokens
         within each range, and where each chunk's rows start in the tile's own tensor. A pass:
-        its chunks are read in order by :meth:`x_tile`, each read starting the host copy of the
-        next; after the last, of the first chunk of ``then`` (the tile the next pass reads;
-        ``None``: nothing, a prefetch that no read asks for would hold its device tile until
-        the stash is released)."""
+        its chunks are read in order (:meth:`read`, :meth:`x_tile`), each read starting the
+        host copies of the :attr:`depth` chunks read next; after the pass's last chunks, of the
+        first chunks of ``then`` (the tile the next pass reads from the same stash; ``None``:
+        nothing, a prefetch that no read asks for would hold its device tile until the stash
+        is released)."""
         out = self._cut(t)
-        seq = [c for c, _ in out] + ([self._cut(then)[0][0]] if then is not None else [])
-        self._next = {(a.start, a.stop): nxt for a, nxt in zip(seq, seq[1:])}
+        seq = [c for c, _ in out]
+        if then is not None:
+            seq += [c for c, _ in self._cut(then)[:self.depth]]
+        self._seq = seq
+        self._pos = {(c.start, c.stop): i for i, (c, _) in enumerate(out)}
         return out
 
     def _cut(self, t):
@@ -75,14 +82,26 @@ class Rows:
                        for a in range(r.start, r.stop, self.chunk))
         return out
 
-    def x_tile(self, t: slice) -> torch.Tensor:
-        """``x`` of tokens ``t``: ``[|t|, b, h]``; the copy from the host of the chunk the pass
-        (:meth:`chunks`) reads next is started."""
-        out = self.x.read(slice(t.start * self.b, t.stop * self.b)).view(-1, self.b, self.h)
-        nxt = self._next.get((t.start, t.stop))
-        if nxt is not None:
-            self.x.prefetch(slice(nxt.start * self.b, nxt.stop * self.b))
+    def _rows(self, t: slice) -> slice:
+        return slice(t.start * self.b, t.stop * self.b)
+
+    def read(self, stash, t: slice) -> torch.Tensor:
+        """Rows of tokens ``t`` of ``stash`` (``[|t|·b, width]``); the host copies of the
+        pass's next :attr:`depth` chunks of the same stash are started."""
+        out = stash.read(self._rows(t))
+        i = self._pos.get((t.start, t.stop))
+        if i is not None:
+            for c in self._seq[i + 1:i + 1 + self.depth]:
+                stash.prefetch(self._rows(c))
         return out
+
+    def warm(self, stash, t) -> None:
+        """Start the host copy of the first chunk of tile ``t`` (read by a later pass)."""
+        stash.prefetch(self._rows(self._cut(t)[0][0]))
+
+    def x_tile(self, t: slice) -> torch.Tensor:
+        """``x`` of tokens ``t``: ``[|t|, b, h]`` (:meth:`read`)."""
+        return self.read(self.x, t).view(-1, self.b, self.h)
 
     def normed(self, t: slice) -> torch.Tensor:
         """``norm1(x)`` of tokens ``t``: ``[|t|·b, h]``."""
@@ -119,10 +138,13 @@ def _proj(rows, w, bias):
     return torch.addmm(bias, rows, w.t()) if bias is not None else torch.mm(rows, w.t())
 
 
-def q_tile(src: Rows, t, WQq, BQq, geo: _Geometry, head_norm, keep_pre=None, then=None):
+def q_tile(src: Rows, t, WQq, BQq, geo: _Geometry, head_norm, keep_pre=None, then=None,
+           proj=None, proj_out=None):
     """Heads-first ``q`` ``[b, H, |t|, d]`` of the tile ``t`` (its ranges' tokens in order; q
     norm, RoPE), projected chunk by chunk (:meth:`Rows.chunks`; ``then``: the tile read next);
-    ``keep_pre``: receives the pre-norm ``[|t|, b, G_g, qpg, d]`` (the q norm's backward)."""
+    ``keep_pre``: receives the pre-norm ``[|t|, b, G_g, qpg, d]`` (the q norm's backward).
+    ``proj_out``: a stash ``[n·b, H·d]`` the chunks' projections are also written to;
+    ``proj``: such a stash, read instead of projecting (:mod:`.layer_reads`)."""
     nt, b, d, Gl, qpg = tile_rows(t), src.b, geo.d, geo.groups_local, geo.q_per_group
     q = torch.empty(b, Gl * qpg, nt, d, dtype=WQq.dtype, device=WQq.device)
     dst_all = q.view(b, Gl, qpg, nt, d).permute(3, 0, 1, 2, 4)
@@ -133,7 +155,12 @@ def q_tile(src: Rows, t, WQq, BQq, geo: _Geometry, head_norm, keep_pre=None, the
     for c, off in src.chunks(t, then):
         nc = c.stop - c.start
         rel = slice(off, off + nc)
-        pre = _proj(src.normed(c), WQq, BQq).view(nc, b, Gl, qpg, d)
+        if proj is not None:
+            pre = src.read(proj, c).view(nc, b, Gl, qpg, d)
+        else:
+            pre = _proj(src.normed(c), WQq, BQq).view(nc, b, Gl, qpg, d)
+            if proj_out is not None:
+                proj_out.write(src._rows(c), pre)
         q_src = pre
         if head_norm is not None:
             if pre_all is not None:
@@ -148,19 +175,27 @@ def q_tile(src: Rows, t, WQq, BQq, geo: _Geometry, head_norm, keep_pre=None, the
     return q
 
 
-def group_kv(src: Rows, WQkv, BQkv, geo: _Geometry, head_norm, keep_pre: bool = False):
+def group_kv(src: Rows, WQkv, BQkv, geo: _Geometry, head_norm, keep_pre: bool = False,
+             then=None, proj=None, proj_out=None):
     """``(k, v, k_pre)``: heads-first ``K_g``, ``V_g`` ``[b, G_g, n, d]`` of every local token
-    (k norm and RoPE applied), formed chunk by chunk; ``k_pre`` ``[n, b, G_g, d]``: the
-    pre-norm keys (``keep_pre`` and a q/k norm), else ``None``."""
+    (k norm and RoPE applied), formed chunk by chunk (``then``: the tile read next); ``k_pre``
+    ``[n, b, G_g, d]``: the pre-norm keys (``keep_pre`` and a q/k norm), else ``None``.
+    ``proj_out``/``proj``: a stash ``[n·b, G_g·2·d]`` of the k/v projections, written / read
+    instead of projecting, as :func:`q_tile`'s."""
     n, b, d, Gl = src.n, src.b, geo.d, geo.groups_local
     like = WQkv
     k = torch.empty(b, Gl, n, d, dtype=like.dtype, device=like.device)
     v = torch.empty_like(k)
     k_pre = (torch.empty(n, b, Gl, d, dtype=like.dtype, device=like.device)
              if keep_pre and head_norm is not None else None)
-    for t, _ in src.chunks(slice(0, n)):
+    for t, _ in src.chunks(slice(0, n), then):
         nt = t.stop - t.start
-        kv = _proj(src.normed(t), WQkv, BQkv).view(nt, b, Gl, 2, d)
+        if proj is not None:
+            kv = src.read(proj, t).view(nt, b, Gl, 2, d)
+        else:
+            kv = _proj(src.normed(t), WQkv, BQkv).view(nt, b, Gl, 2, d)
+            if proj_out is not None:
+                proj_out.write(src._rows(t), kv)
         k_src = kv[:, :, :, 0]
         if head_norm is not None:
             if k_pre is not None:
@@ -178,17 +213,20 @@ def group_kv(src: Rows, WQkv, BQkv, geo: _Geometry, head_norm, keep_pre: bool = 
 
 
 def forward_group(src: Rows, q_tiles, WQ, BQ, geo: _Geometry, seq: METPGroup, attn, head_norm,
-                  write_o, lse: torch.Tensor) -> None:
+                  write_o, lse: torch.Tensor, proj_out=None) -> None:
     """Head group ``g``'s attention output for every query tile (:func:`.balance.query_tiles`:
     each a tuple of row ranges): ``write_o(t, O_t)`` with ``O_t`` ``[|t|·b, H·d]`` (seq-first,
-    the ranges' rows in order), and ``lse`` (fp32 ``[b, H, n]``) filled at the tile's rows."""
+    the ranges' rows in order), and ``lse`` (fp32 ``[b, H, n]``) filled at the tile's rows.
+    ``proj_out``: ``(q stash, k/v stash)`` the projections are also written to
+    (:mod:`.layer_reads`: the group's backward reads them instead of ``x``)."""
     WQq, WQkv = _split(WQ, geo)
     BQq, BQkv = _split_bias(BQ, geo)
-    k, v, _ = group_kv(src, WQkv, BQkv, geo, head_norm)
+    q_out, kv_out = proj_out if proj_out is not None else (None, None)
+    k, v, _ = group_kv(src, WQkv, BQkv, geo, head_norm, then=q_tiles[0], proj_out=kv_out)
     H, d, b = geo.heads_local, geo.d, src.b
     for i, t in enumerate(q_tiles):
         nt = tile_rows(t)
-        q = q_tile(src, t, WQq, BQq, geo, head_norm, then=_after(q_tiles, i))
+        q = q_tile(src, t, WQq, BQq, geo, head_norm, then=_after(q_tiles, i), proj_out=q_out)
         o = torch.empty(nt, b, H * d, dtype=q.dtype, device=q.device)
         _, lse_t = ring_attention_forward(q, k, v, seq, attn.causal, attn.layout, attn.scale,
                                           attn.kernel, out=_heads_first_view(o, H, d),
@@ -247,22 +285,30 @@ class GroupGrads:
 
 def backward_group(src: Rows, q_tiles, kv_blocks, WQ, BQ, WOT, geo: _Geometry, seq: METPGroup,
                    attn, head_norm, norm_acc: list, read_o, dh1, lse: torch.Tensor,
-                   write_dq, write_dkv, grads: GroupGrads) -> None:
+                   write_dq, write_dkv, grads: GroupGrads, proj=None) -> None:
     """Head group ``g``'s backward (``q_tiles``, ``kv_blocks``: tiles of row ranges,
     :mod:`.balance`). ``read_o(t)``: ``O_g`` of the tile ``t`` ``[|t|·b, H·d]``;
     ``dh1`` ``[n·b, h]``: the gradient of the attention block's output (after the residual);
     ``write_dq(t, rows)``/``write_dkv(t, rows)``: d(qkv)'s q ``[|t|·b, G_g·qpg·d]`` and k/v
     ``[|t|·b, G_g·2·d]`` columns; ``norm_acc``: the q/k norm weights' gradient sums
-    (:meth:`HeadNorm.backward`)."""
+    (:meth:`HeadNorm.backward`). ``proj``: ``(q stash, k/v stash)`` holding the recompute's
+    projections (:func:`forward_group`'s ``proj_out``; ``write_dq``/``write_dkv`` write over
+    them after reading them), read instead of ``x``."""
     WQq, WQkv = _split(WQ, geo)
     BQq, BQkv = _split_bias(BQ, geo)
-    k, v, k_pre = group_kv(src, WQkv, BQkv, geo, head_norm, keep_pre=True)
+    q_in, kv_in = proj if proj is not None else (None, None)
+    k, v, k_pre = group_kv(src, WQkv, BQkv, geo, head_norm, keep_pre=True, proj=kv_in,
+                           then=q_tiles[0] if q_in is None else None)
+    if q_in is not None:
+        src.warm(q_in, q_tiles[0])
     H, Gl, qpg, d, b, n = geo.heads_local, geo.groups_local, geo.q_per_group, geo.d, src.b, src.n
     dk = dv = None  # fp32 [b, G_g, n, d]: the own keys' gradients, summed over the tiles
     for i, t in enumerate(q_tiles):
         nt, then = tile_rows(t), _after(q_tiles, i)
         pre: List[torch.Tensor] = []
-        q = q_tile(src, t, WQq, BQq, geo, head_norm, keep_pre=pre, then=then)
+        q = q_tile(src, t, WQq, BQq, geo, head_norm, keep_pre=pre, then=then, proj=q_in)
+        if q_in is not None:  # the dWq pass reads x next: its first chunk during the ring
+            src.warm(src.x, t)
         o = read_o(t)
         d_o = _proj_grads(grads, o, dh1, t, b, WOT)
         o_hf, do_hf = _heads_first_view(o.view(nt, b, -1), H, d), \
@@ -300,7 +346,7 @@ def backward_group(src: Rows, q_tiles, kv_blocks, WQ, BQ, WOT, geo: _Geometry, s
         if head_norm is not None:
             head_norm.backward_one("q", pre.pop(), d_rows, norm_acc)
         d_rows = d_rows.view(nt * b, Gl, qpg, d)
-        for c, off in src.chunks(t, then):
+        for c, off in src.chunks(t, then if then is not None else slice(0, n)):
             rel = slice(off * b, (off + c.stop - c.start) * b)
             grads.add_qkv("q", d_rows[rel], src.normed(c))
         write_dq(t, d_rows.view(nt * b, -1))

@@ -31,6 +31,12 @@ def _is_fake(t: torch.Tensor) -> bool:
     return is_fake(t)
 
 
+#: how many chunks ahead a pass over a stash starts its host copies (the streaming layer's
+#: readers, :class:`~megatron_metp.ops.layer_attention.Rows`): two, so that a chunk whose
+#: compute is short (a projection of ``x`` to one head group's columns) does not leave the copy
+#: engine idle while the next read waits
+PREFETCH_DEPTH = 2
+
 _SIDE_STREAMS: Dict[int, "torch.cuda.Stream"] = {}
 
 
