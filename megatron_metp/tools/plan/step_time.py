@@ -68,8 +68,11 @@ def streaming_passes(model: Model, job: Job, lay, n: int, rates: Rates,
                      attn_fwd: float, attn_bwd: float) -> List[Dict[str, float]]:
     """The streaming layer's passes of one offloaded layer (rank 0), each ``{"pass", "count",
     "bytes", "copy_s", "compute_s", "exposed_s"}`` per occurrence (``count`` occurrences per
-    layer): host bytes (:func:`.streaming.streaming_host_bytes`' accounting, pass by pass) at the
-    host link's rate against the pass's compute; ``attn_fwd`` / ``attn_bwd`` the layer's attention
+    layer): host bytes (:func:`.streaming.streaming_host_bytes`' accounting, pass by pass: the
+    input ``x`` read by the passes :func:`megatron_metp.ops.layer_reads.host_reads` counts, the
+    kept projections instead of ``x`` where the backward forms K/V and q) at the host link's rate
+    against the pass's compute (GEMMs at the GEMM rate; the backward's dWq and dWk/dWv and the
+    input-gradient products ``2×`` a projection); ``attn_fwd`` / ``attn_bwd`` the layer's attention
     seconds (forward, backward), split evenly over the head groups. A pass is copy-bound when its
     copies take longer than its compute (the next chunk's copy starts while one computes)."""
     p = lay.p
@@ -81,21 +84,22 @@ def streaming_passes(model: Model, job: Job, lay, n: int, rates: Rates,
     g = rates.gemm_tflops * 1e12
     gb = host_link(job.hardware)["gbs"] * 1e9
     mlp = 2 * n * (k * h * F + F * h)
+    kq, kkv = BF16 * n * hq, BF16 * n * 2 * hk  # the kept projections (ops/layer_reads.py)
     rows = [
         ("forward: attention (per head group)", p, O / p,
          attn_fwd / p + 2 * n * h * (hq + 2 * hk) / p / g),
-        ("forward: rows (Wo, MLP)", 1, x + O, (2 * n * hq * h + mlp) / g),
-        ("recompute: K/V formation (per head group)", p, x, 2 * n * h * 2 * hk / p / g),
-        ("recompute: query tiles (per head group)", p, x + O / p,
+        ("forward: rows (Wo, MLP; x to the host)", 1, x + O, (2 * n * hq * h + mlp) / g),
+        ("recompute: K/V formation, k/v kept (per head group)", p, x + kkv / p,
+         2 * n * h * 2 * hk / p / g),
+        ("recompute: query tiles, q kept (per head group)", p, x + O / p + kq / p,
          attn_fwd / p + 2 * n * h * hq / p / g),
         ("backward: MLP rows (re-form h1, MLP backward)", 1, x + O,
          (3 * 2 * n * hq * h + 2 * mlp + 2 * n * k * h * F) / g),
-        ("backward: K/V formation (per head group)", p, x, 2 * n * h * 2 * hk / p / g),
-        ("backward: query tiles (per head group)", p, x + O / p + dqkv / p,
-         attn_bwd / p + 2 * n * h * hq / p / g),
-        ("backward: weight gradient dWq (per head group)", p, x, 2 * n * h * hq / p / g),
-        ("backward: weight gradient dWk/dWv (per head group)", p, x,
-         2 * n * h * 2 * hk / p / g),
+        ("backward: kept k/v read back (per head group)", p, kkv / p, 0.0),
+        ("backward: query tiles, dWq (per head group)", p, x + kq / p + O / p + kq / p,
+         attn_bwd / p + 2 * 2 * n * h * hq / p / g),
+        ("backward: d(kv), dWk/dWv (per head group)", p, x + kkv / p,
+         2 * 2 * n * h * 2 * hk / p / g),
         ("backward: dx (d(qkv)·Wqkv, norm1)", 1, x + dqkv, 2 * n * (hq + 2 * hk) * h / g),
     ]
     out = []
