@@ -529,8 +529,8 @@ def part_reach(out, meas):
                f"{done[('llama3-8b', 32)][0].seq / 15e6:.2f}× ALST's 15M. What binds: stock "
                f"Megatron keeps the loss's fp32 logits `[s/CP, V/TP]` of every token (not tiled) "
                f"and the whole layer's activations in the re-formed chunk (34·sbh/t); METP tiles "
-               f"the loss on the vocabulary ring and re-forms 12·sbh/p. The optimizer CPU offload "
-               f"step (Adam on the host's cores) is not in the step-time estimate.\n")
+               f"the loss on the vocabulary ring and re-forms 12·sbh/p. Time per sequence: part "
+               f"(g).\n")
     job16 = P.Job(tp=1, metp=8, cp=4, vocab_parallel=True, distributed_optimizer=True,
                   hardware="H100-80GB", recompute="full", offload=True)
     m16 = LLAMA3_8B.with_seq(16777216)
@@ -596,10 +596,76 @@ def part_reach(out, meas):
                f"{100 * cost['recompute_flops_share']:.1f} % FLOPs and "
                f"{cost['sent_by_recompute'] / P.GiB:,.0f} GiB of ring traffic per micro-batch; "
                f"{cost['host_device_bytes'] / P.GiB:,.0f} GiB cross PCIe per micro-batch "
-               f"({'hidden behind' if cost['offload_hidden'] else 'longer than'} each layer's "
-               f"compute); estimated {cost['step_s'] / 60:.0f} min per 4M-token micro-batch at "
-               f"{cost['rate_tflops']:.0f} TFLOP/s (causal attention is {100 * _attn_share(model, job):.0f} "
-               f"% of the FLOPs at this length).\n")
+               f"({cost['host_copy_exposed_s']:.0f} s of it exposed, in the passes that read "
+               f"the host-resident input with little compute); estimated {cost['step_s'] / 60:.0f} min per 4M-token "
+               f"micro-batch with {cost['rates']['kernel']} at its published rates (causal "
+               f"attention is {100 * _attn_share(model, job):.0f} % of the FLOPs at this length; "
+               f"part (g)).\n")
+
+
+def part_time(out):
+    """Part (g): METP, stock Megatron and ALST best vs best on the same GPUs."""
+    from megatron_metp.tools.plan import alst as A
+    from megatron_metp.tools.plan import search as S
+
+    out.append("## (g) Time per sequence: METP, stock Megatron and ALST, best vs best\n")
+    out.append("Llama-3-8B on H100-80GB, **planned** by the step-time model "
+               "(`megatron_metp/tools/plan/step_time.py`): attention at the published rates of "
+               "the kernel a GPU runs (METP and stock Megatron: cuDNN fused attention, 539 "
+               "forward / 516 backward TFLOP/s; ALST: FlashAttention-2, 335 / 322, the kernel it "
+               "ran; FlashAttention-3 paper, arXiv 2407.08608, head dim 128), a flash backward "
+               "2.5× its forward's FLOPs, GEMMs at 708 TFLOP/s, the ring's per-step imbalance "
+               "from the op's own tile plan, the host copies pass by pass at 54.4 GB/s per GPU, "
+               "exposed ring hops and all-to-alls, the optimizer step "
+               "(`tools/plan/rates.py`, `host_link.py`). Each family's best layout is its "
+               "longest sequence (part (f)'s search; ALST = mode `alst`: Ulysses over all GPUs + "
+               "ZeRO-3, optimizer and checkpointed layer inputs on the host, tiled MLP and loss), "
+               "timed at that length and at ALST's published length on the same GPUs "
+               "(`metp plan --config ... --modes metp alst`). ALST's measured times (arXiv "
+               "2506.13996, one sequence per iteration) are in the last column: the `alst` mode "
+               "plans them within 15 % (`tests/test_time_plan.py`).\n")
+    out.append("| GPUs | family | best layout | longest (planned) | time per sequence at it "
+               "(planned) | at ALST's length: time (planned) | ALST measured |")
+    out.append("|---:|---|---|---:|---:|---:|---:|")
+    for gpus, seq in ((8, 3_700_000), (32, 15_000_000)):
+        measured = A.PUBLISHED[("llama3-8b", gpus, seq)]
+        seq = seq - seq % (2 * gpus)
+        for fam in ("metp", "stock", "alst"):
+            b = S.best(LLAMA3_8B, gpus, fam)
+            if b is None:
+                out.append(f"| {gpus} | {S.FAMILY_NAMES[fam]} | nothing fits | — | — | — | — |")
+                continue
+            t_best = S.sequence_time(LLAMA3_8B, b)
+            if b.seq >= seq:
+                at = P.step_cost(LLAMA3_8B.with_seq(seq), b.job, b.mode)["step_s"]
+                at = f"{at:,.0f} s ({at / measured:.2f}× ALST measured)"
+            else:
+                at = f"does not fit ({_mtok(b.seq)} max)"
+            out.append(f"| {gpus} | {fam} | {b.describe()} | {_mtok(b.seq)} | "
+                       f"{t_best:,.0f} s | {at} | "
+                       f"{_mtok(seq)}: {measured:,.0f} s |")
+    out.append("")
+    job = P.Job(tp=1, metp=8, vocab_parallel=True, distributed_optimizer=True,
+                hardware="H100-80GB", recompute="full", offload=True)
+    model = LLAMA3_8B.with_seq(3_700_000)
+    m = P.step_cost(model, job, "metp")
+    a = P.step_cost(model, P.Job(metp=8, hardware="H100-80GB"), "alst")
+    fa2 = P.step_cost(model, P.Job(**{**job.__dict__, "attention_kernel": "fa2"}), "metp")
+
+    def comp(c):
+        return ", ".join(f"{k.replace('_', ' ')} {v:,.0f}" for k, v in c["components"].items()
+                         if v >= 0.5)
+
+    out.append(f"ALST's own job, 3.7M tokens on 8 × H100 (`configs/llama3-8b-4m-metp8.sh "
+               f"--seq 3700000`): METP {m['step_s']:,.0f} s per sequence = "
+               f"**{m['step_s'] / 6455:.2f}× ALST's measured 6,455 s** (ring imbalance "
+               f"{m['ring_imbalance']:.3f}, {m['query_tiles']} query tiles; seconds: {comp(m)}); "
+               f"the `alst` mode {a['iteration_s']:,.0f} s ({a['iteration_s'] / 6455 - 1:+.1%} "
+               f"of the measurement; {comp(a)}). Like for like with FlashAttention-2 "
+               f"(`--kernel fa2`), METP takes {fa2['step_s']:,.0f} s "
+               f"({fa2['step_s'] / a['iteration_s']:.2f}× the `alst` mode): the same attention "
+               f"FLOPs at the same rates, so the kernel, not the parallel scheme, sets the time "
+               f"at millions of tokens; METP's gain is the sequence it reaches (part (f)).\n")
 
 
 def _attn_share(model, job):
@@ -653,27 +719,38 @@ def part_gpu(out):
 
 # ----------------------------------------------------------------------------- main
 
-def _splice_part_f(args, meas, t0):
-    """Regenerate part (f) alone and replace the ``## (f)`` section of ``args.out``."""
+def _splice_part(args, t0, tag, fn, flags="", note="planned only"):
+    """Regenerate one part (``fn(body)``) and put it in place of the section headed
+    ``## {tag}`` of ``args.out`` (inserted before the GPU reference section when absent)."""
     with open(args.out, encoding="utf-8") as fh:
         text = fh.read()
-    i = text.index("\n## (f) ")
-    j = text.index("\n## ", i + 1)
+    head = f"\n## {tag} "
+    if head in text:
+        i = text.index(head)
+        j = text.index("\n## ", i + 1)
+    else:
+        i = j = text.index("\n## Reference: GPU figures")
     body = []
-    part_reach(body, meas)
+    fn(body)
     wall = time.perf_counter() - t0
     commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"],
                             capture_output=True, text=True).stdout.strip() or "?"
-    body.append(f"(Part (f) regenerated alone by `python scripts/make_results.py --part f"
-                f"{' --no-measure' if args.no_measure else ''}` on "
-                f"{datetime.date.today().isoformat()}, commit {commit}, in {wall:.0f} s, "
-                f"{meas.count} measurements; the other parts are from the generation named at "
-                f"the top.)\n")
+    body.append(f"(Part {tag} regenerated alone by `python scripts/make_results.py --part "
+                f"{tag.strip('()')}{flags}` on {datetime.date.today().isoformat()}, commit "
+                f"{commit}, in {wall:.0f} s; {note}.)\n")
     section = "\n".join(body).rstrip() + "\n"
     with open(args.out, "w", encoding="utf-8") as fh:
         fh.write(text[:i + 1] + section + text[j:])
-    print(f"wrote part (f) of {args.out} in {wall:.0f} s ({meas.count} measurements)")
+    print(f"wrote part {tag} of {args.out} in {wall:.0f} s")
     return 0
+
+
+def _splice_part_f(args, meas, t0):
+    """Regenerate part (f) alone and replace the ``## (f)`` section of ``args.out``."""
+    return _splice_part(args, t0, "(f)", lambda body: part_reach(body, meas),
+                        " --no-measure" if args.no_measure else "",
+                        f"{meas.count} measurements; the other parts are from the generation "
+                        f"named at the top")
 
 
 def main(argv=None):
@@ -683,7 +760,7 @@ def main(argv=None):
     ap.add_argument("--full", action="store_true",
                     help="also measure full-depth 7B models (each METP one takes minutes)")
     ap.add_argument("--jobs", type=int, default=2, help="measurements at once (default 2)")
-    ap.add_argument("--part", choices=["f"], default=None,
+    ap.add_argument("--part", choices=["f", "g"], default=None,
                     help="regenerate only this part and put it in place of the same part of "
                          "the existing --out file (the other parts stay as they were)")
     args = ap.parse_args(argv)
@@ -691,6 +768,8 @@ def main(argv=None):
     meas = Measurer(not args.no_measure, args.jobs)
     if args.part == "f":
         return _splice_part_f(args, meas, t0)
+    if args.part == "g":
+        return _splice_part(args, t0, "(g)", part_time)
     out = []
     try:
         commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"],
@@ -706,6 +785,7 @@ def main(argv=None):
     part_d_measured(body, meas)
     part_e(body)
     part_reach(body, meas)
+    part_time(body)
     part_gpu(body)
     wall = time.perf_counter() - t0
     argl = list(argv if argv is not None else sys.argv[1:])

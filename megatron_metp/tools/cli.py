@@ -78,10 +78,20 @@ def _add_common(ap: argparse.ArgumentParser) -> None:
     j.add_argument("--micro-batch", type=int, help="micro-batch size (default 1)")
     j.add_argument("--microbatches", type=int, default=0,
                    help="micro-batches per step (PP in-flight count; default: fill the pipe)")
-    j.add_argument("--kernel", choices=["flash", "unfused"], default=None,
+    j.add_argument("--kernel", choices=["flash", "unfused", "cudnn", "fa3", "fa2",
+                                        "torch_flash", "flash_attn_3", "flash_attn"],
+                   default=None,
                    help="attention kernel (default flash; a configs/*.sh with "
                         "TRANSFORMER_IMPL=local plans stock layers unfused, as Megatron's local "
-                        "spec runs them)")
+                        "spec runs them). A flash kernel's name (cudnn, fa3, fa2, torch_flash) "
+                        "(flash_attn_3 = fa3, flash_attn = fa2: the run-time names) "
+                        "plans flash memory and that kernel's published rates (default: the "
+                        "hardware's first, cudnn on Hopper; mode alst: fa2, ALST's)")
+    j.add_argument("--rates", default=None, metavar="FILE",
+                   help="measured rates (JSON: hardware, kernel, gemm_tflops, "
+                        "attention_fwd_tflops, attention_bwd_tflops, pcie_gbs, source, "
+                        "measured_at; benchmarks/gpu_check.py writes it) overriding the "
+                        "published table")
     j.add_argument("--keep-intermediate", action="store_true",
                    help="METP MLP keeps x·W1ᵀ instead of recomputing it in backward")
     j.add_argument("--distributed-optimizer", action="store_true")
@@ -123,6 +133,7 @@ def _add_common(ap: argparse.ArgumentParser) -> None:
                    help="GiB held back for CUDA context, NCCL, fragmentation (default 2)")
     ap.add_argument("--modes", nargs="+", default=None, metavar="MODE",
                     help=f"modes to show (default all: {' '.join(P.MODES)}; cp only with tp>1; "
+                         f"alst (ALST's published recipe on the same GPUs) on request; "
                          f"metp only with --vocab-parallel)")
     ap.add_argument("--json", help="also write the results as JSON")
 
@@ -170,8 +181,10 @@ def build(args) -> tuple:
         job_fields["optimizer_offload"] = True
     if args.no_offload_prefetch:
         job_fields["offload_prefetch"] = False
+    named = args.kernel not in (None, "flash", "unfused")  # a flash kernel by name
     job = P.Job(microbatches=args.microbatches,
-                kernel=args.kernel or job_fields.pop("kernel", "flash"),
+                kernel="flash" if named else (args.kernel or job_fields.pop("kernel", "flash")),
+                attention_kernel=args.kernel if named else None, rates_file=args.rates,
                 keep_intermediate=args.keep_intermediate or job_fields.pop("keep_intermediate",
                                                                           False),
                 distributed_optimizer=args.distributed_optimizer or
@@ -185,8 +198,9 @@ def build(args) -> tuple:
     else:
         modes = [m for m in P.MODES if not (m == "cp" and (job.tp == 1 or job.metp == 1))]
     for m in modes:
-        if m not in P.MODES:
-            raise ValueError(f"--modes: unknown mode {m!r}; choose from {', '.join(P.MODES)}")
+        if m not in P.MODES + P.PEER_MODES:
+            raise ValueError(f"--modes: unknown mode {m!r}; choose from "
+                             f"{', '.join(P.MODES + P.PEER_MODES)}")
     P.validate(model, job, modes)
     return model, job, modes
 

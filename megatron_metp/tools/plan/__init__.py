@@ -95,7 +95,16 @@ as when the plan was one module:
 ``traffic``              ``traffic_per_layer()``, ``forward_traffic_per_layer()``,
                          ``crossover_seq()``
 ``cost``                 ``step_cost()``: FLOPs, traffic and host bytes with recompute/offload,
-                         a step-time estimate
+                         and the step time (``step_time``)
+``host_link``            the host link one GPU gets (PCIe sustained, the node's host memory
+                         shared by 8 GPUs), with sources
+``rates``                published kernel rates (GEMM, attention forward/backward) by hardware
+                         and kernel, with sources; ``--rates FILE``
+``imbalance``            the K/V ring's per-step imbalance from the op's tile plan
+                         (``ops/balance.py``)
+``step_time``            ``step_time()``: one micro-batch's time by component, the iteration's
+``alst``, ``alst_time``  mode ``alst``: ALST's published recipe (Ulysses + ZeRO-3 + CPU Adam +
+                         host-offloaded checkpoints, FA2), memory and time
 ``overlap``              ``overlap_thresholds()``
 ``internode``            ``internode_hop()``: the K/V ring's hop that crosses nodes (bytes,
                          overlap threshold on the inter-node link)
@@ -115,7 +124,7 @@ import sys
 import types
 
 from .hardware import HARDWARE, Hardware
-from .model import (BF16, FP32, GiB, MiB, MODE_NAMES, MODES, PRESETS, VOCAB_MODES, Job, Layout,
+from .model import (BF16, FP32, GiB, MiB, MODE_NAMES, MODES, PEER_MODES, PRESETS, VOCAB_MODES, Job, Layout,
                     Model, canonical, layout, padded_vocab, validate)
 from .config import _JOB_KEYS, _MODEL_KEYS, _coerce, from_config, read_config  # noqa: F401
 from .parameters import Params, _layer_weights, params, static_memory  # noqa: F401
@@ -129,17 +138,19 @@ from .rank_memory import (Memory, capacity_bytes, head_memory, longest_seq, memo
 from .traffic import crossover_seq, forward_traffic_per_layer, traffic_per_layer
 from .recompute import recompute_and_offload
 from .cost import layer_flops, step_cost
+from .rates import RATES, Rates, default_kernel, load_rates, resolve_rates
+from .step_time import step_time
 from .overlap import overlap_thresholds
 from .internode import internode_hop
 from .summary import fmt_bytes, fmt_tokens, plan, report
 from .search import reach, reach_report
 from .figures import COLORS, charts
-from . import (activation_memory, config, cost, figures, hardware, internode, metp, model,
-               overlap, partial, search,
+from . import (activation_memory, alst, alst_time, config, cost, figures, hardware, host_link,
+               imbalance, internode, metp, model, overlap, partial, rates, search,
                parameters, rank_memory, recompute, ring, stock, summary, traffic, vocab)
 
 __all__ = [
-    "GiB", "MiB", "BF16", "FP32", "MODES", "MODE_NAMES", "VOCAB_MODES",
+    "GiB", "MiB", "BF16", "FP32", "MODES", "MODE_NAMES", "VOCAB_MODES", "PEER_MODES",
     "Model", "PRESETS", "Job", "Layout", "layout", "canonical", "padded_vocab", "validate",
     "read_config", "from_config", "Hardware", "HARDWARE",
     "Params", "params", "static_memory",
@@ -148,14 +159,16 @@ __all__ = [
     "Activations", "activations",
     "Memory", "memory", "worst_total", "head_memory", "seq_step", "capacity_bytes", "longest_seq",
     "traffic_per_layer", "forward_traffic_per_layer", "crossover_seq", "overlap_thresholds",
-    "recompute_and_offload", "layer_flops", "step_cost", "internode_hop",
+    "recompute_and_offload", "layer_flops", "step_cost", "internode_hop", "step_time",
+    "RATES", "Rates", "default_kernel", "load_rates", "resolve_rates",
     "fmt_bytes", "fmt_tokens", "plan", "report", "COLORS", "charts", "reach", "reach_report",
 ]
 
 #: the modules whose names :class:`_Package` rebinds
+_step_time_module = sys.modules[__name__ + ".step_time"]  # (the name is the function's)
 _MODULES = (hardware, model, config, parameters, ring, stock, metp, vocab, recompute,
             activation_memory, partial, rank_memory, traffic, cost, overlap, internode, summary, figures,
-            search)
+            search, rates, host_link, imbalance, alst, alst_time, _step_time_module)
 _UNSET = object()
 
 

@@ -5,21 +5,21 @@ FLOPs per layer and rank (``n`` tokens through the rank's attention/MLP, ``t`` t
 the layer's linear weights ``h·(q+2kv) + q·h + k·h·F + F·h``, ``q = a·d``):
 * forward GEMMs ``2·n·W/t``; causal attention counted as half the score matrix:
   ``2·n·s·q/t`` (QKᵀ and P·V, each ``2·n·s·q/t`` over two);
-* backward twice the forward; METP re-forms each shard's Q/K/V and MLP intermediate in its
+* backward twice the forward's GEMMs and 2.5× its attention (a flash backward, :mod:`.rates`);
+  METP re-forms each shard's Q/K/V and MLP intermediate in its
   backward (``2·n·(h·(q+2kv) + k·h·F)/t`` more; not with ``--keep-intermediate``);
 * full recompute: one more forward of every recomputed layer (rings included: the forward share
   of the layer's traffic is sent again).
 
-Time (estimates, labelled so): compute at the device's measured bf16 matmul rate where the project
-measured one (H200: 708 TFLOP/s), else 70 % of the datasheet's dense rate; the offload copies at
-the host link's nominal rate, hidden behind a layer's compute when a layer's copy takes less.
+Time (estimates, labelled so): :mod:`.step_time`, by component, from published kernel rates
+(:mod:`.rates`), the ring's imbalance from the op's tile plan and the host link's documented
+rate (:mod:`.host_link`).
 """
 
 from __future__ import annotations
 
 from typing import Dict
 
-from .hardware import HARDWARE
 from .model import Job, Model, canonical, layout, padded_vocab
 from .rank_memory import memory
 from .streaming import streaming_applies, streaming_host_bytes
@@ -38,8 +38,10 @@ def layer_flops(model: Model, job: Job, mode: str) -> Dict[str, float]:
     k = 2 if model.swiglu else 1
     n = s * b // c
     w_attn, w_mlp = h * (q + 2 * kv) + q * h, k * h * F + F * h
-    fwd = 2 * n * (w_attn + w_mlp) / t + 2 * n * s * q / t
-    out = {"forward": fwd, "backward": 2 * fwd, "METP per-shard recompute": 0.0,
+    attn = 2 * n * s * q / t
+    gemm = 2 * n * (w_attn + w_mlp) / t
+    fwd = gemm + attn
+    out = {"forward": fwd, "backward": 2 * gemm + 2.5 * attn, "METP per-shard recompute": 0.0,
            "attention forward": 2 * n * w_attn / t + 2 * n * s * q / t}
     if mode == "metp" and not job.keep_intermediate:
         out["METP per-shard recompute"] = 2 * n * (h * (q + 2 * kv) + k * h * F) / t
@@ -60,11 +62,16 @@ def vocab_traffic(model: Model, job: Job, mode: str) -> Dict[str, float]:
     return vocab_ring_traffic(n, model.hidden, rows, lay.p, embedding=True, loss=job.pp == 1)
 
 
-def step_cost(model: Model, job: Job, mode: str) -> Dict[str, float]:
+def step_cost(model: Model, job: Job, mode: str) -> Dict:
     """One micro-batch on rank 0: FLOPs (with and without recompute), bytes sent (the layers'
-    rings, again by recompute, and the vocabulary rings), host↔device bytes, and the estimated
-    times (seconds)."""
-    hw = HARDWARE[job.hardware]
+    rings, again by recompute, and the vocabulary rings), host↔device bytes, and the time
+    (seconds) by component from :func:`.step_time.step_time` (``step_s`` one micro-batch,
+    ``iteration_s`` the iteration; ``rates``, ``ring_imbalance``, ``components``,
+    ``host_passes``)."""
+    from .step_time import step_time
+
+    if canonical(mode, job)[0] == "alst":
+        return _alst_cost(model, job)
     L = model.layers // job.pp
     f = layer_flops(model, job, mode)
     recomputed = 0
@@ -73,7 +80,9 @@ def step_cost(model: Model, job: Job, mode: str) -> Dict[str, float]:
     base = L * (f["forward"] + f["backward"] + f["METP per-shard recompute"])
     extra = recomputed * f["forward"]
     m_, j_ = canonical(mode, job)
-    if m_ == "metp" and streaming_applies(j_, layout(m_, j_), m_):
+    lay = layout(m_, j_)
+    streaming = m_ == "metp" and streaming_applies(j_, lay, m_)
+    if streaming:
         # the streaming layer re-runs the attention (projections and core) but not the MLP's
         # forward (its backward pass re-forms each shard's intermediate, as always)
         extra = recomputed * f["attention forward"]
@@ -83,27 +92,44 @@ def step_cost(model: Model, job: Job, mode: str) -> Dict[str, float]:
     act = memory(model, job, mode).act
     host = act.host
     moved = 2 * host
-    lay = layout(m_, j_)
-    streaming = m_ == "metp" and streaming_applies(j_, lay, m_)
     if streaming and act.offloaded_layers:  # they read their host copies tile by tile
         moved = act.offloaded_layers * streaming_host_bytes(
             model, j_, lay, model.seq * job.micro_batch // lay.c) + 2 * sum(
             v for k, v in act.head.items() if "final norm" in k and "output" in k)
-    rate = (hw.measured_tflops or 0.7 * hw.bf16_tflops) * 1e12
-    compute_s = (base + extra) / rate
-    copy_s = moved / (hw.host_gbps * 1e9)
-    per_layer_compute = compute_s / max(1, L)
-    per_layer_copy = copy_s / max(1, L)
-    # without prefetch every layer's copy back to the device waits in its backward's path (the
-    # streaming layer reads its host copies chunk by chunk, each started a chunk ahead)
-    exposed_s = 0.0 if (not job.offload or job.offload_prefetch or streaming) else \
-        (host / (hw.host_gbps * 1e9))
-    return {"flops": base + extra, "flops_without_recompute": base,
-            "recompute_flops_share": extra / base if base else 0.0,
-            "sent": sent + sent_extra + sent_vocab, "sent_by_recompute": sent_extra,
-            "sent_by_vocab_rings": sent_vocab,
-            "host_device_bytes": moved, "compute_s": compute_s, "host_copy_s": copy_s,
-            "offload_hidden": per_layer_copy <= per_layer_compute and not exposed_s,
-            "host_copy_exposed_s": exposed_s,
-            "step_s": compute_s + max(0.0, copy_s - compute_s) + exposed_s,
-            "rate_tflops": rate / 1e12}
+    t = step_time(model, job, mode)
+    c = t["components"]
+    compute_s = sum(v for k, v in c.items() if not k.endswith("_exposed") and k != "optimizer")
+    return dict(t, **{
+        "flops": base + extra, "flops_without_recompute": base,
+        "recompute_flops_share": extra / base if base else 0.0,
+        "sent": sent + sent_extra + sent_vocab, "sent_by_recompute": sent_extra,
+        "sent_by_vocab_rings": sent_vocab,
+        "host_device_bytes": moved, "compute_s": compute_s,
+        "host_copy_s": moved / (t["rates"]["host_gbs"] * 1e9),
+        "offload_hidden": c["host_copies_exposed"] == 0,
+        "host_copy_exposed_s": c["host_copies_exposed"]})
+
+
+def _alst_cost(model: Model, job: Job) -> Dict:
+    """:func:`step_cost` of mode ``alst`` (:mod:`.alst`, :mod:`.alst_time`)."""
+    from .alst import alst_traffic
+    from .alst_time import alst_time
+
+    t = alst_time(model, job)
+    c = t["components"]
+    act = memory(model, job, "alst").act
+    sent = model.layers * sum(alst_traffic(model, job).values())
+    rates = t["rates"]
+    flops = sum(c[k] * rates["attention_fwd_tflops"] * 1e12
+                for k in ("attention_fwd", "attention_recompute")) + \
+        c["attention_bwd"] * rates["attention_bwd_tflops"] * 1e12 + \
+        (c["gemm"] + c["loss"]) * rates["gemm_tflops"] * 1e12
+    compute_s = sum(v for k, v in c.items() if not k.endswith("_exposed") and k != "optimizer")
+    return dict(t, **{
+        "flops": flops, "flops_without_recompute": flops - c["attention_recompute"] *
+        rates["attention_fwd_tflops"] * 1e12, "recompute_flops_share": 0.0,
+        "sent": sent, "sent_by_recompute": 0.0, "sent_by_vocab_rings": 0.0,
+        "host_device_bytes": 2 * act.host, "compute_s": compute_s,
+        "host_copy_s": 2 * act.host / (rates["host_gbs"] * 1e9),
+        "offload_hidden": c["host_copies_exposed"] == 0,
+        "host_copy_exposed_s": c["host_copies_exposed"]})

@@ -23,7 +23,10 @@ MODE_NAMES = {
     "ring": "ring self-attention",
     "metp": "METP",
     "metp+vocab": "METP + vocabulary split",
+    "alst": "ALST (Ulysses + ZeRO-3, published recipe)",
 }
+#: modes planned on request only (``--modes``), not by default: the peers' recipes
+PEER_MODES = ("alst",)
 #: the modes that the METP vocabulary split applies to (``--vocab-parallel``)
 VOCAB_MODES = ("metp", "metp+vocab")
 
@@ -108,6 +111,9 @@ class Job:
     offload_layers: Optional[int] = None  # offload: layers per stage offloaded (--offload-activations
     #                                       N); None: every layer, or as many as the node's host
     #                                       memory holds when it cannot hold them all (.partial)
+    attention_kernel: Optional[str] = None  # the kernel the time model assumes (--kernel NAME;
+    #                                         None: the hardware's default, .rates)
+    rates_file: Optional[str] = None  # --rates FILE: measured rates overriding the table
 
     @property
     def width(self) -> int:
@@ -163,6 +169,8 @@ class Layout:
                 (f"×TP={self.t}" if self.t > 1 else "") + ("+vocab" if self.vocab else "")
         if self.mode == "ring":
             return f"ring={self.c}"
+        if self.mode == "alst":
+            return f"Ulysses={self.c}+ZeRO-3"
         return f"TP={self.t}{'+SP' if self.sp else ''}×CP={self.c}"
 
 
@@ -179,7 +187,11 @@ def layout(mode: str, job: Job) -> Layout:
     if mode in VOCAB_MODES:
         return Layout(mode, job.tp, job.metp * job.cp, False, W,
                       vocab=mode == "metp+vocab" or job.vocab_parallel, cp=job.cp)
-    raise ValueError(f"--modes: unknown mode {mode!r}; choose from {', '.join(MODES)}")
+    if mode == "alst":
+        from .alst import alst_layout
+        return alst_layout(job)
+    raise ValueError(f"--modes: unknown mode {mode!r}; choose from "
+                     f"{', '.join(MODES + PEER_MODES)}")
 
 
 def canonical(mode: str, job: Job) -> Tuple[str, Job]:
@@ -230,6 +242,16 @@ def validate(model: Model, job: Job, modes: Sequence[str] = MODES) -> None:
         raise ValueError(f"--layers {model.layers} is not divisible by --pp {job.pp}")
     if job.kernel not in ("flash", "unfused"):
         raise ValueError(f"--kernel must be 'flash' or 'unfused', got {job.kernel!r}")
+    from .rates import KERNEL_ALIASES, KERNELS, resolve_rates
+    if job.attention_kernel is not None and job.attention_kernel not in KERNELS + tuple(
+            KERNEL_ALIASES):
+        raise ValueError(f"--kernel {job.attention_kernel!r}: choose from flash, "
+                         f"{', '.join(KERNELS + tuple(KERNEL_ALIASES))}")
+    if job.rates_file is not None or job.attention_kernel is not None:
+        resolve_rates(job.hardware, job.attention_kernel, job.rates_file)
+    if "alst" in modes and (job.pp > 1 or job.dp > 1):
+        raise ValueError("--modes alst plans ALST's recipe over the job's TP × METP × CP GPUs "
+                         "(Ulysses over all of them, ZeRO-3): drop --pp/--dp or mode alst")
     if job.recompute not in ("none", "selective", "full"):
         raise ValueError(f"--recompute must be none, selective or full, got {job.recompute!r}")
     if job.recompute_method not in ("uniform", "block"):
@@ -278,7 +300,7 @@ def validate(model: Model, job: Job, modes: Sequence[str] = MODES) -> None:
     if job.hardware not in HARDWARE:
         raise ValueError(f"--hardware {job.hardware!r}: choose from {', '.join(HARDWARE)}")
     if job.cp > 1:
-        other = [m for m in modes if m not in VOCAB_MODES]
+        other = [m for m in modes if m not in VOCAB_MODES + PEER_MODES]
         if other:
             raise ValueError(f"--cp {job.cp} is METP × CP's outer context-parallel factor "
                              f"(Megatron-LM: --metp-parallel-size p --context-parallel-size c): "
@@ -290,7 +312,7 @@ def validate(model: Model, job: Job, modes: Sequence[str] = MODES) -> None:
                          "asserts --use-precision-aware-optimizer, which needs "
                          "--use-distributed-optimizer); add --distributed-optimizer")
     if job.vocab_parallel:
-        other = [m for m in modes if m not in VOCAB_MODES]
+        other = [m for m in modes if m not in VOCAB_MODES + PEER_MODES]
         if other:
             raise ValueError(f"--vocab-parallel splits METP's word embedding and output layer "
                              f"over TP×METP: it applies to mode metp only, not to "
@@ -312,6 +334,8 @@ def validate(model: Model, job: Job, modes: Sequence[str] = MODES) -> None:
                              "(it is the CP size); drop cp from --modes")
         for flag, count in (("--heads", model.heads), ("--query-groups", model.groups),
                             ("--ffn", model.ffn)):
+            if mode == "alst" and flag != "--heads":
+                continue  # Ulysses splits the heads (K/V heads replicated up to one per rank)
             if count % lay.weight_shards:
                 raise ValueError(f"{flag} {count} is not divisible by {shards_flag} = "
                                  f"{lay.weight_shards} (mode {mode}: {lay.describe()})")

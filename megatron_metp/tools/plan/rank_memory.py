@@ -46,6 +46,10 @@ def memory(model: Model, job: Job, mode: str, seq: Optional[int] = None,
     holds (:func:`.partial.resolve_offload`)."""
     m = model if seq is None else model.with_seq(seq)
     lay = layout(mode, job)
+    if mode == "alst":
+        from .alst import alst_activations, alst_static
+        return Memory(mode, lay.describe(), m.seq, alst_static(m, job),
+                      alst_activations(m, job), job)
     job = resolve_offload(m, job, mode)
     return Memory(mode, lay.describe(), m.seq, static_memory(m, job, mode, stage),
                   activations(m, job, mode, stage=stage), job)

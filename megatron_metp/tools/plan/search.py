@@ -42,9 +42,11 @@ RECOMPUTE_OPTIONS: Tuple[Tuple[str, Dict], ...] = (
     ("full", {"recompute": "full"}),
     ("full + offload", {"recompute": "full", "offload": True}),
 )
-FAMILIES = ("metp", "stock")
+FAMILIES = ("metp", "stock", "alst")
 FAMILY_NAMES = {"metp": "METP (TP × METP × CP × PP × DP)",
-                "stock": "stock Megatron (TP+SP × CP × PP × DP)"}
+                "stock": "stock Megatron (TP+SP × CP × PP × DP)",
+                "alst": "ALST (Ulysses over all GPUs + ZeRO-3, optimizer and checkpoints on the "
+                        "host; its published recipe)"}
 
 
 def _divisors(n: int) -> List[int]:
@@ -62,6 +64,7 @@ class Candidate:
     host_per_node: float = 0.0  # host bytes of a node at ``seq``
     offload_layers: Optional[int] = None  # layers per stage offloaded at ``seq`` (.partial)
     internode: Optional[Dict[str, float]] = field(default=None, repr=False)
+    time_s: Optional[float] = None  # planned time of one sequence at ``seq`` (step_cost)
 
     @property
     def options(self) -> int:
@@ -71,6 +74,8 @@ class Candidate:
 
     def describe(self) -> str:
         j = self.job
+        if self.family == "alst":
+            return f"Ulysses {j.metp} + ZeRO-3, checkpoints and optimizer on the host"
         if self.family == "metp":
             parts = [f"TP {j.tp}", f"METP {j.metp}", f"CP {j.cp}"]
         else:
@@ -102,6 +107,9 @@ def layouts(model: Model, gpus: int, family: str,
                     for c in _divisors(rest // p):
                         yield "metp", dict(tp=t, metp=p, cp=c, pp=pp, dp=rest // (p * c),
                                            vocab_parallel=True)
+            elif family == "alst":
+                if t == 1 and pp == 1:  # one layout: Ulysses over every GPU
+                    yield "alst", dict(tp=1, metp=gpus, pp=1, dp=1)
             elif family == "stock":
                 for c in _divisors(rest):
                     if c == 1:
@@ -174,6 +182,8 @@ def candidates(model: Model, gpus: int, family: str, hardware: str = "H100-80GB"
     for mode, fields in layouts(model, gpus, family):
         for name in recompute:
             for off in optimizer_offload:
+                if mode == "alst" and (name != "full + offload" or not off):
+                    continue  # ALST's recipe: checkpoints and optimizer on the host
                 # with the offload, the node's host memory sets how many layers go there
                 host = {"host_memory_gib": host_gib} if opts[name].get("offload") else {}
                 job = Job(distributed_optimizer=True, hardware=hardware, reserve_gib=reserve_gib,
@@ -189,7 +199,8 @@ def candidates(model: Model, gpus: int, family: str, hardware: str = "H100-80GB"
                     cand.total = _total(model, job, mode, cand.seq)
                     cand.host_per_node = _host_per_node(model, job, mode, cand.seq)
                     cand.internode = internode_hop(model, job, mode, cand.seq)
-                    cand.offload_layers = memory(model, job, mode, cand.seq).job.offload_layers
+                    cand.offload_layers = None if mode == "alst" else \
+                        memory(model, job, mode, cand.seq).job.offload_layers
                 out.append(cand)
     out.sort(key=lambda c: (-c.seq, c.options, c.total))
     return out
@@ -236,15 +247,25 @@ def reach_report(model: Model, gpus: int, hardware: str = "H100-80GB", reserve_g
                 kv = (f"; K/V ring crosses {hop['nodes']} nodes, {hop['tokens_per_rank']:,} "
                       f"tokens/rank vs inter-node threshold {hop['threshold_forward']:,.0f} "
                       f"({'hidden' if hop['hidden'] else 'NOT hidden'})")
+            c.time_s = sequence_time(model, c)
             lines.append(f"  {'best' if i == 0 else f'#{i + 1}  '} {fmt_tokens(c.seq):>10} "
                          f"tokens  {c.describe()}: {fmt_bytes(c.total)} per rank, host "
-                         f"{fmt_bytes(c.host_per_node)} per node{kv}")
-    if len(best) == 2:
+                         f"{fmt_bytes(c.host_per_node)} per node, {c.time_s:,.0f} s per "
+                         f"sequence{kv}")
+    if "metp" in best and "stock" in best:
         m, s = best["metp"].seq, best["stock"].seq
         lines.append("")
         lines.append(f"# best METP ÷ best stock Megatron: {fmt_tokens(m)} / {fmt_tokens(s)} = "
                      f"{m / s:.2f}×" if s else f"# best METP {fmt_tokens(m)}; stock: nothing fits")
     return "\n".join(lines)
+
+
+def sequence_time(model: Model, cand: Candidate) -> float:
+    """Planned time of one sequence of ``cand.seq`` tokens (one micro-batch, the step-time model
+    :func:`.step_time.step_time`, the default kernel of the hardware; ALST: FlashAttention-2)."""
+    from .cost import step_cost
+
+    return step_cost(model.with_seq(cand.seq), cand.job, cand.mode)["step_s"]
 
 
 def best(model: Model, gpus: int, family: str, **kw) -> Optional[Candidate]:
@@ -256,4 +277,5 @@ def best(model: Model, gpus: int, family: str, **kw) -> Optional[Candidate]:
 
 
 __all__ = ["Candidate", "DEFAULT_HOST_GIB_PER_NODE", "FAMILIES", "RECOMPUTE_OPTIONS", "best",
+           "sequence_time",
            "candidates", "layouts", "longest", "reach", "reach_report"]

@@ -239,16 +239,20 @@ def streaming_traffic(model, job, lay, n: int) -> Dict[str, Dict[str, float]]:
 
 def streaming_host_bytes(model, job, lay, n: int) -> float:
     """Bytes one offloaded streaming layer moves between host and device per micro-batch: its
-    input written once and read ``6p + 3`` times (per head group: the K/V pass and the query
-    tiles in the recompute; the K/V pass, the query tiles, and their two weight-gradient passes
-    in the backward; once each in the forward's and the backward's row passes and the ``dx``
-    pass), every head group's attention output five times (written and read in the forward,
-    written in the recompute, read in the MLP and in the attention backward), ``d(qkv)`` twice.
-    Each read of a chunk is started while the previous chunk computes."""
+    input written once (the forward) and read back once per backward pass that needs it
+    (:func:`megatron_metp.ops.layer_reads.host_reads`: ``4p + 2``, the recompute's K/V and query
+    tile passes, the MLP backward, the attention backward's dWq (query tiles) and d(kv) passes,
+    ``dx``), every head group's attention output five times (written and read in the forward,
+    written in the recompute, read in the MLP and in the attention backward), ``d(qkv)`` twice
+    (written by the attention backward, read by ``dx``) and the projections the recompute keeps
+    for the backward (:func:`megatron_metp.ops.layer_reads.kept_bytes`, ``d(qkv)``'s size, written
+    and read once). :func:`.step_time.streaming_passes` splits the same bytes pass by pass."""
+    from ...ops.layer_reads import host_reads
     from .model import BF16
 
     p, t = lay.p, lay.t
     d = model.head_dim
     hq, hk = model.heads * d // t, model.groups * d // t
     x = BF16 * n * model.hidden
-    return x * (6 * p + 3) + 5 * BF16 * n * hq + 2 * BF16 * n * (hq + 2 * hk)
+    dqkv = BF16 * n * (hq + 2 * hk)
+    return x * (1 + sum(host_reads(p).values())) + 5 * BF16 * n * hq + 4 * dqkv

@@ -12,6 +12,7 @@ from .internode import internode_hop
 from .rank_memory import capacity_bytes, head_memory, longest_seq, memory
 from .traffic import crossover_seq, traffic_per_layer
 from .cost import step_cost
+from .alst import alst_head, alst_traffic
 
 from .host import GPUS_PER_NODE, host_capacity_bytes, host_fits  # noqa: F401 (GPUS_PER_NODE)
 
@@ -50,8 +51,9 @@ def plan(model: Model, job: Job, modes: Sequence[str] = MODES) -> Dict:
             "activation_peak": a.peak, "measured_part": mem.measured_part, "total": mem.total,
             "last_stage_total": memory(model, job, mode, stage="last").total
             if job.pp > 1 else None,
-            "traffic_per_layer": traffic_per_layer(model, job, mode),
-            "vocab": head_memory(model, job, mode),
+            "traffic_per_layer": alst_traffic(model, job) if mode == "alst" else
+            traffic_per_layer(model, job, mode),
+            "vocab": alst_head(model, job) if mode == "alst" else head_memory(model, job, mode),
             "longest_seq": longest_seq(model, job, mode),
             "host": a.host, "cost": step_cost(model, job, mode),
             "optimizer_host": mem.static["optimizer_host"],
@@ -162,9 +164,12 @@ def report(model: Model, job: Job, modes: Sequence[str] = MODES) -> str:
         row("  extra bytes sent / micro-batch", lambda r: fmt_bytes(r["cost"]["sent_by_recompute"]))
         row("host↔device / micro-batch", lambda r: fmt_bytes(r["cost"]["host_device_bytes"]))
         row("  copies hidden by compute", lambda r: "yes" if r["cost"]["offload_hidden"] else
-            (f"NO ({r['cost']['host_copy_exposed_s']:.1f} s exposed: no prefetch)"
+            (f"NO ({r['cost']['host_copy_exposed_s']:.1f} s exposed"
+             + (": no prefetch)" if not job.offload_prefetch else ": copy-bound passes)")
              if r["cost"].get("host_copy_exposed_s") else "NO"))
     row("est. time / micro-batch", lambda r: f"{r['cost']['step_s']:.2f} s")
+    row("est. time / iteration", lambda r: f"{r['cost']['iteration_s']:.2f} s "
+        f"({r['cost']['microbatches']} micro-batch{'es' if r['cost']['microbatches'] > 1 else ''})")
     row("longest sequence that fits", lambda r: fmt_tokens(r["longest_seq"]))
     w0 = max(len(r[0]) for r in rows)
     ws = [max(len(str(r[i + 1])) for r in rows + [[""] + cols]) for i in range(len(cols))]
@@ -223,13 +228,29 @@ def report(model: Model, job: Job, modes: Sequence[str] = MODES) -> str:
         lines.append(f"  this job: s·b/p = {n:,} tokens per METP rank "
                      f"({'above' if n >= ov['MLP weight ring, forward: tokens/rank'] else 'below'} "
                      f"the MLP threshold)")
-    rate = next(iter(res["modes"].values()))["cost"]["rate_tflops"]
-    lines.append(f"# time estimates: FLOPs (causal attention counted as half; METP's per-shard "
-                 f"recompute and full recompute included) at {rate:,.0f} TFLOP/s"
-                 + (" (measured matmul rate)" if hw.measured_tflops else
-                    " (70 % of the datasheet's dense bf16 rate)")
-                 + f"; offload copies at {hw.host_gbps:g} GB/s per direction (nominal PCIe); "
-                   f"communication assumed hidden (see the thresholds)")
+    for mode, r in res["modes"].items():
+        c = r["cost"]
+        rt = c["rates"]
+        comp = ", ".join(f"{k} {v:,.1f}" for k, v in c["components"].items() if v)
+        lines.append(f"# {mode} time: kernel {rt['kernel']} (attention {rt['attention_fwd_tflops']:,.0f} "
+                     f"forward / {rt['attention_bwd_tflops']:,.0f} backward TFLOP/s, backward "
+                     f"2.5× the forward's FLOPs), GEMM {rt['gemm_tflops']:,.0f} TFLOP/s, host link "
+                     f"{rt['host_gbs']:,.1f} GB/s per GPU"
+                     + (f" (measured {rt['measured_at']}: --rates)" if rt["measured_at"] else
+                        " (published figures: tools/plan/rates.py)")
+                     + f"; ring imbalance {c['ring_imbalance']:.3f}; seconds: {comp}")
+        if c["host_passes"]:
+            lines.append(f"# {mode}: host copies per offloaded layer, pass by pass, at "
+                         f"{rt['host_gbs']:,.1f} GB/s per GPU (8 GPUs sharing the node's host "
+                         f"memory: tools/plan/host_link.py): copy vs compute, ms each")
+            for x in c["host_passes"]:
+                bound = "COPY-BOUND" if x["exposed_s"] else "hidden"
+                lines.append(f"  {x['pass']:<52s} ×{x['count']:<2d} {fmt_bytes(x['bytes']):>12} "
+                             f"{1e3 * x['copy_s']:9,.1f} vs {1e3 * x['compute_s']:10,.1f}  {bound}")
+    lines.append("# time estimates: attention causal (half the square), at the kernel's published "
+                 "rates × the ring's busiest-rank imbalance; copies and ring hops counted where "
+                 "nothing hides them; per iteration: (micro-batches + PP − 1) × micro-batch + "
+                 "optimizer step")
     if res.get("crossover_vs_tp_sp") is not None:
         lines.append(f"# METP sends fewer bytes per layer than TP+SP from s ≈ "
                      f"{res['crossover_vs_tp_sp']:,} tokens on")

@@ -1,0 +1,239 @@
+"""Time of one micro-batch on rank 0, by component, from published kernel rates (:mod:`.rates`),
+the ring's per-step imbalance from the op's own tile plan (:mod:`.imbalance`), the host link
+(:mod:`.host_link`) and the streaming layer's passes (:mod:`.streaming`).
+
+Per layer and rank (``n`` tokens through the rank, ``s`` the sequence, ``t`` TP, ``q = a·d``):
+
+* attention forward ``F_a = 2·n·s·q/t`` FLOPs (causal: half of ``4·n·s·q/t``) at the kernel's
+  forward rate × the ring's forward imbalance; its backward ``2.5·F_a`` at the backward rate ×
+  the backward imbalance; the recompute (full recompute, or the streaming layer's attention
+  re-run, or ``--recompute selective``'s core attention) ``F_a`` again;
+* GEMMs (projections, MLP; METP's per-shard re-forming; recompute's share) at the GEMM rate
+  (:func:`.cost.layer_flops`);
+* output layer and loss ``2·n·h·V/t`` forward, twice that backward, once more where the loss
+  re-forms its logits in the backward (the METP vocabulary ring's loss);
+* host copies: the streaming layer, pass by pass (:func:`streaming_passes`): a pass that reads
+  the host-resident layer input with little compute is copy-bound, its excess over its compute
+  exposed; Megatron's checkpoint offload: its copies hidden while a layer's copy takes less than
+  its compute, all exposed without prefetch;
+* ring: the backward's last hop (the travelling fp32 ``dK/dV`` sums going home with no block left
+  to compute: pure transfer) per head group, query tile; the steps of the op's plan where no
+  rank has work (pure transfer); a ring that crosses nodes: the excess of
+  each step's inter-node transfer over its compute (:func:`.internode.internode_hop`);
+* the optimizer step (:func:`optimizer_s`), once per iteration.
+
+``step_s`` = the sum of the components but the optimizer; ``iteration_s = (m + pp − 1)·step_s
++ optimizer`` for ``m`` micro-batches per iteration under 1F1B.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+from .hardware import HARDWARE
+from .host_link import HOST_MEMORY_EFFICIENCY, host_link
+from .imbalance import ring_imbalance
+from .internode import GPUS_PER_NODE
+from .model import BF16, FP32, Job, Model, canonical, layout, padded_vocab
+from .rates import ATTENTION_BWD_FLOP_RATIO, Rates, resolve_rates
+
+#: HBM bandwidth (TB/s, datasheets: A100 80GB SXM 2.039, H100 SXM 3.35, H200 4.8), for the GPU
+#: Adam step (memory-bound), at 80 % sustained
+HBM_TBS = {"A100-80GB": 2.039, "H100-80GB": 3.35, "H200-141GB": 4.8}
+#: bytes an Adam step moves per parameter: fp32 gradient read, fp32 master / two moments read and
+#: written, bf16 parameter written (4 + 3·8 + 2)
+ADAM_BYTES = 30
+
+
+def job_rates(job: Job) -> Rates:
+    """The rates of ``job``: ``--rates FILE``, else ``--kernel NAME``'s published figures, else
+    the default kernel's (the memory kernel ``unfused`` plans the unfused rates)."""
+    kernel = job.attention_kernel or ("unfused" if job.kernel == "unfused" else None)
+    return resolve_rates(job.hardware, kernel, job.rates_file)
+
+
+def optimizer_s(n_params: float, job: Job, ranks_per_node: int, cpu: bool,
+                hardware: str) -> float:
+    """One Adam step over ``n_params`` parameters of a rank: on the GPU at 80 % of its HBM
+    bandwidth, or on the host (CPU Adam) at the rank's share of the node's host memory bandwidth
+    (:mod:`.host_link`) plus the fp32 gradients down and bf16 parameters up the host link."""
+    if not cpu:
+        return n_params * ADAM_BYTES / (0.8 * HBM_TBS[hardware] * 1e12)
+    link = host_link(hardware)
+    share = HOST_MEMORY_EFFICIENCY * link["host_memory_node_gbs"] / max(1, ranks_per_node)
+    return n_params * ADAM_BYTES / (share * 1e9) + n_params * (FP32 + BF16) / (link["gbs"] * 1e9)
+
+
+def streaming_passes(model: Model, job: Job, lay, n: int, rates: Rates,
+                     attn_fwd: float, attn_bwd: float) -> List[Dict[str, float]]:
+    """The streaming layer's passes of one offloaded layer (rank 0), each ``{"pass", "count",
+    "bytes", "copy_s", "compute_s", "exposed_s"}`` per occurrence (``count`` occurrences per
+    layer): host bytes (:func:`.streaming.streaming_host_bytes`' accounting, pass by pass: the
+    input ``x`` read by the passes :func:`megatron_metp.ops.layer_reads.host_reads` counts, the
+    kept projections instead of ``x`` where the backward forms K/V and q) at the host link's rate
+    against the pass's compute (GEMMs at the GEMM rate; the backward's dWq and dWk/dWv and the
+    input-gradient products ``2×`` a projection); ``attn_fwd`` / ``attn_bwd`` the layer's attention
+    seconds (forward, backward), split evenly over the head groups. A pass is copy-bound when its
+    copies take longer than its compute (the next chunk's copy starts while one computes)."""
+    p = lay.p
+    h, d = model.hidden, model.head_dim
+    hq, hk = model.heads * d // lay.t, model.groups * d // lay.t
+    k = 2 if model.swiglu else 1
+    F = model.ffn // lay.t
+    x, O, dqkv = BF16 * n * h, BF16 * n * hq, BF16 * n * (hq + 2 * hk)
+    g = rates.gemm_tflops * 1e12
+    gb = host_link(job.hardware)["gbs"] * 1e9
+    mlp = 2 * n * (k * h * F + F * h)
+    kq, kkv = BF16 * n * hq, BF16 * n * 2 * hk  # the kept projections (ops/layer_reads.py)
+    rows = [
+        ("forward: attention (per head group)", p, O / p,
+         attn_fwd / p + 2 * n * h * (hq + 2 * hk) / p / g),
+        ("forward: rows (Wo, MLP; x to the host)", 1, x + O, (2 * n * hq * h + mlp) / g),
+        ("recompute: K/V formation, k/v kept (per head group)", p, x + kkv / p,
+         2 * n * h * 2 * hk / p / g),
+        ("recompute: query tiles, q kept (per head group)", p, x + O / p + kq / p,
+         attn_fwd / p + 2 * n * h * hq / p / g),
+        ("backward: MLP rows (re-form h1, MLP backward)", 1, x + O,
+         (3 * 2 * n * hq * h + 2 * mlp + 2 * n * k * h * F) / g),
+        ("backward: kept k/v read back (per head group)", p, kkv / p, 0.0),
+        ("backward: query tiles, dWq (per head group)", p, x + kq / p + O / p + kq / p,
+         attn_bwd / p + 2 * 2 * n * h * hq / p / g),
+        ("backward: d(kv), dWk/dWv (per head group)", p, x + kkv / p,
+         2 * 2 * n * h * 2 * hk / p / g),
+        ("backward: dx (d(qkv)·Wqkv, norm1)", 1, x + dqkv, 2 * n * (hq + 2 * hk) * h / g),
+    ]
+    out = []
+    for name, count, nbytes, comp in rows:
+        copy = nbytes / gb
+        out.append({"pass": name, "count": count, "bytes": nbytes, "copy_s": copy,
+                    "compute_s": comp, "exposed_s": max(0.0, copy - comp)})
+    return out
+
+
+def _attention_flops(model: Model, lay, n: int) -> float:
+    """One layer's causal attention forward on a rank: ``2·n·s·q/t`` (half of ``4·n·s·q/t``)."""
+    return 2 * n * model.seq * model.heads * model.head_dim / lay.t
+
+
+def step_time(model: Model, job: Job, mode: str) -> Dict:
+    """Components (seconds) of one micro-batch on rank 0 and of the iteration's optimizer step;
+    the rates assumed, the ring's imbalance, the streaming layer's passes. See the module
+    docstring. Mode ``alst``: :func:`.alst_time.alst_time`."""
+    from .cost import layer_flops
+    from .internode import internode_hop
+    from .parameters import static_memory
+    from .rank_memory import memory
+    from .streaming import layer_tiles, streaming_applies
+
+    mode, job = canonical(mode, job)
+    if mode == "alst":
+        from .alst_time import alst_time
+        return alst_time(model, job)
+    rates = job_rates(job)
+    hw = HARDWARE[job.hardware]
+    lay = layout(mode, job)
+    L = model.layers // job.pp
+    b = job.micro_batch
+    n = model.seq * b // lay.c
+    h, d = model.hidden, model.head_dim
+    hk = model.groups * d // lay.t
+    streaming = mode == "metp" and streaming_applies(job, lay, mode)
+    # the ring and its imbalance: METP's query tiles (whole blocks without the streaming
+    # layer); stock CP / ring: whole dual-chunk blocks (balanced)
+    groups, tl = 1, None
+    imb = {"forward": 1.0, "backward": 1.0, "q_tiles": 1, "kv_blocks": 1,
+           "empty_steps_forward": 0, "empty_steps_backward": 0}
+    if mode == "metp":
+        groups = lay.p
+        if streaming:
+            tl = layer_tiles(model, job, lay, n)
+            imb = ring_imbalance(n // b, lay.c, tl.q, tl.kv)
+        else:
+            imb = ring_imbalance(n // b, lay.c, n // b, n // b)
+    elif mode in ("cp", "ring"):
+        imb = ring_imbalance(n // b, lay.c, n // b, n // b)
+    fa = _attention_flops(model, lay, n)
+    rf, rb, rg = (rates.attention_fwd_tflops * 1e12, rates.attention_bwd_tflops * 1e12,
+                  rates.gemm_tflops * 1e12)
+    recomputed = 0
+    if job.recompute == "full":
+        recomputed = L if job.recompute_method == "uniform" else min(job.recompute_num_layers, L)
+    attn_recomputed = recomputed if job.recompute == "full" else (
+        L if job.recompute == "selective" and mode in ("tp", "tp-sp", "cp", "ring") else 0)
+    fl = layer_flops(model, job, mode)
+    gemm_layer = fl["forward"] - fa            # projections + MLP, forward
+    gemm = L * (3 * gemm_layer + fl["METP per-shard recompute"])
+    # recompute: the streaming layer re-runs the attention's projections; else the layer
+    gemm += recomputed * ((fl["attention forward"] - fa) if streaming else gemm_layer)
+    V = padded_vocab(model.vocab, lay.vocab_pad)
+    last = job.pp == 1
+    loss_f = 2 * n * h * V / lay.t if last else 0.0
+    loss = loss_f * (3 + (1 if lay.vocab else 0))  # the ring loss re-forms its logits
+    comp = {
+        "attention_fwd": L * fa * imb["forward"] / rf,
+        "attention_recompute": attn_recomputed * fa * imb["forward"] / rf,
+        "attention_bwd": L * ATTENTION_BWD_FLOP_RATIO * fa * imb["backward"] / rb,
+        "gemm": gemm / rg,
+        "loss": loss / rg,
+    }
+    # host copies
+    mem = memory(model, job, mode)
+    act = mem.act
+    passes: List[Dict[str, float]] = []
+    host_exposed = 0.0
+    gb = host_link(job.hardware)["gbs"] * 1e9
+    if streaming and act.offloaded_layers:
+        fa_s = fa * imb["forward"] / rf
+        fb_s = ATTENTION_BWD_FLOP_RATIO * fa * imb["backward"] / rb
+        passes = streaming_passes(model, job, lay, n, rates, fa_s, fb_s)
+        host_exposed = act.offloaded_layers * sum(x["count"] * x["exposed_s"] for x in passes)
+    elif job.offload and act.host:
+        per_layer_compute = sum(comp.values()) / max(1, L)
+        per_layer_copy = 2 * act.host / max(1, act.offloaded_layers) / gb
+        host_exposed = act.offloaded_layers * max(0.0, per_layer_copy - per_layer_compute)
+        if not job.offload_prefetch:  # every layer's copy back waits in its backward's path
+            host_exposed += act.host / gb
+    comp["host_copies_exposed"] = host_exposed
+    # the ring: the backward's last hop carries the fp32 dK/dV sums home with nothing to compute
+    ring_s = inter_s = 0.0
+    if lay.c > 1 and mode in ("metp", "cp", "ring"):
+        hop = internode_hop(model, job, "metp" if mode == "metp" else mode)
+        crosses = bool(hop and hop["crosses"])
+        link = (hw.internode_gbps if crosses else hw.link_gbps) * 1e9
+        ring_s = L * groups * imb["q_tiles"] * 2 * n * (hk // groups) * FP32 / link
+        # steps of the op's plan where no rank has work: the block travels with nothing to hide
+        # it (forward and recompute: the K/V block; backward: a sub-block and its fp32 sums)
+        kv_blk = 2 * n * (hk // groups) * BF16 / link
+        ring_s += groups * ((L + attn_recomputed) * imb["empty_steps_forward"] * kv_blk +
+                            L * imb["empty_steps_backward"] * 3 * kv_blk / imb["kv_blocks"])
+        if crosses:
+            # per ring step: one head group's K/V block on the inter-node hop against the step's
+            # attention (forward ×2 with the recompute; backward 3× the bytes, 2.5× the FLOPs)
+            steps = groups * imb["q_tiles"] * (lay.c - 1)
+            blk = 2 * n * (hk // groups) * BF16 / (hw.internode_gbps * 1e9)
+            f_step = fa / (groups * imb["q_tiles"] * lay.c) / rf
+            b_step = ATTENTION_BWD_FLOP_RATIO * fa / (groups * imb["q_tiles"] * lay.c) / rb
+            inter_s = steps * ((L + attn_recomputed) * max(0.0, blk - f_step)
+                               + L * max(0.0, 3 * blk - b_step))
+    comp["ring_exposed"] = ring_s
+    comp["internode_exposed"] = inter_s
+    st = static_memory(model, job, mode)
+    n_opt = (st["optimizer_host"] / 16) if job.optimizer_offload else (
+        st["optimizer"] / 12)
+    ranks_node = min(GPUS_PER_NODE, job.tp * job.metp * job.cp * job.pp * job.dp)
+    opt = optimizer_s(n_opt, job, ranks_node, job.optimizer_offload, job.hardware)
+    step = sum(comp.values())
+    comp["optimizer"] = opt
+    m = job.microbatches or job.pp
+    return {"components": comp, "step_s": step, "optimizer_s": opt,
+            "iteration_s": (m + job.pp - 1) * step + opt, "microbatches": m,
+            "rates": {"attention_fwd_tflops": rates.attention_fwd_tflops,
+                      "attention_bwd_tflops": rates.attention_bwd_tflops,
+                      "gemm_tflops": rates.gemm_tflops, "kernel": rates.kernel,
+                      "host_gbs": host_link(job.hardware)["gbs"], "source": rates.source,
+                      "measured_at": rates.measured_at},
+            "ring_imbalance": max(imb["forward"], imb["backward"]),
+            "ring_imbalance_forward": imb["forward"], "ring_imbalance_backward": imb["backward"],
+            "query_tiles": imb["q_tiles"], "kv_blocks": imb["kv_blocks"],
+            "empty_ring_steps": imb["empty_steps_forward"] + imb["empty_steps_backward"],
+            "host_passes": passes}
