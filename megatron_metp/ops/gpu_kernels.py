@@ -136,6 +136,26 @@ def _tokens_first(*ts):
     return tuple(t.transpose(1, 2).contiguous() for t in ts)
 
 
+def _flash_forward(name: str, call, q, k, v, mask):
+    """A flash-attn style forward: ``call(qt, kt, vt)`` on tokens-first tensors returns
+    ``(out [b, n, h, d], lse [b, h, n], ...)``; back to heads first."""
+    _refuse_mask(name, mask)
+    res = call(*_tokens_first(q, k, v))
+    b, hq, n, _ = q.shape
+    return res[0].transpose(1, 2), _lse_rows(res[1], b, hq, n, name)
+
+
+def _flash_backward(name: str, call, dout, q, k, v, out, lse, mask):
+    """A flash-attn style backward: ``call(dout, q, k, v, out, lse, dq, dk, dv)`` on
+    tokens-first tensors fills ``dq, dk, dv`` (``dk, dv`` with the ``hkv`` K/V heads)."""
+    _refuse_mask(name, mask)
+    qt, kt, vt = _tokens_first(q, k, v)
+    dot, ot = _tokens_first(_like_q(dout, q), _like_q(out, q))
+    dq, dk, dv = torch.empty_like(qt), torch.empty_like(kt), torch.empty_like(vt)
+    call(dot, qt, kt, vt, ot, lse.float().contiguous(), dq, dk, dv)
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
 class FlashAttn3Kernel:
     """FlashAttention-3 (Hopper, ``flash_attn_interface``): native GQA, ``[b, n, h, d]``."""
 
@@ -147,23 +167,16 @@ class FlashAttn3Kernel:
 
     @staticmethod
     def forward(q, k, v, causal: bool, scale: float, mask=None):
-        _refuse_mask("flash_attn_3", mask)
-        qt, kt, vt = _tokens_first(q, k, v)
-        fwd, _ = fa3_ops()
-        res = fwd(qt, kt, vt, softmax_scale=scale, causal=bool(causal))
-        b, hq, n, _ = q.shape
-        return res[0].transpose(1, 2), _lse_rows(res[1], b, hq, n, "flash_attn_3")
+        fwd = fa3_ops()[0]
+        return _flash_forward("flash_attn_3", lambda qt, kt, vt: fwd(
+            qt, kt, vt, softmax_scale=scale, causal=bool(causal)), q, k, v, mask)
 
     @staticmethod
     def backward(dout, q, k, v, out, lse, causal: bool, scale: float, workspace=None, mask=None):
-        _refuse_mask("flash_attn_3", mask)
-        qt, kt, vt = _tokens_first(q, k, v)
-        dot, ot = _tokens_first(_like_q(dout, q), _like_q(out, q))
-        dq, dk, dv = torch.empty_like(qt), torch.empty_like(kt), torch.empty_like(vt)
-        _, bwd = fa3_ops()
-        bwd(dot, qt, kt, vt, ot, lse.float().contiguous(), dq=dq, dk=dk, dv=dv,
-            softmax_scale=scale, is_causal=bool(causal))
-        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+        bwd = fa3_ops()[1]
+        return _flash_backward("flash_attn_3", lambda do, qt, kt, vt, ot, ls, dq, dk, dv: bwd(
+            do, qt, kt, vt, ot, ls, dq=dq, dk=dk, dv=dv, softmax_scale=scale,
+            is_causal=bool(causal)), dout, q, k, v, out, lse, mask)
 
 
 class FlashAttnKernel:
@@ -178,21 +191,15 @@ class FlashAttnKernel:
 
     @staticmethod
     def forward(q, k, v, causal: bool, scale: float, mask=None):
-        _refuse_mask("flash_attn", mask)
-        qt, kt, vt = _tokens_first(q, k, v)
-        fwd, _ = fa2_ops()
-        res = fwd(qt, kt, vt, 0.0, scale, causal=bool(causal), window_size_left=-1,
-                  window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False)
-        b, hq, n, _ = q.shape
-        return res[0].transpose(1, 2), _lse_rows(res[1], b, hq, n, "flash_attn")
+        fwd = fa2_ops()[0]
+        return _flash_forward("flash_attn", lambda qt, kt, vt: fwd(
+            qt, kt, vt, 0.0, scale, causal=bool(causal), window_size_left=-1,
+            window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False),
+            q, k, v, mask)
 
     @staticmethod
     def backward(dout, q, k, v, out, lse, causal: bool, scale: float, workspace=None, mask=None):
-        _refuse_mask("flash_attn", mask)
-        qt, kt, vt = _tokens_first(q, k, v)
-        dot, ot = _tokens_first(_like_q(dout, q), _like_q(out, q))
-        dq, dk, dv = torch.empty_like(qt), torch.empty_like(kt), torch.empty_like(vt)
-        _, bwd = fa2_ops()
-        bwd(dot, qt, kt, vt, ot, lse.float().contiguous(), dq, dk, dv, 0.0, scale, bool(causal),
-            -1, -1, 0.0, None, False)
-        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+        bwd = fa2_ops()[1]
+        return _flash_backward("flash_attn", lambda do, qt, kt, vt, ot, ls, dq, dk, dv: bwd(
+            do, qt, kt, vt, ot, ls, dq, dk, dv, 0.0, scale, bool(causal), -1, -1, 0.0, None,
+            False), dout, q, k, v, out, lse, mask)
