@@ -267,7 +267,7 @@ def test_adapter_and_merge_match_the_reference(monkeypatch, name, hq, hkv):
     em = _emulate(monkeypatch)
     errs = _run_blocks(_BY_NAME[name], hq, hkv)
     assert max(errs.values()) <= 1e-5, errs
-    native_gqa = name != "cudnn"
+    native_gqa = kernel_choice.kernel_support(name)["gqa_native"]
     for kname, qs, ks, causal in em.calls:
         assert kname == name
         heads_k = ks[2] if native_gqa else ks[1]
@@ -281,6 +281,18 @@ def test_negative_control_base2_lse_is_caught(monkeypatch, name):
     _emulate(monkeypatch, log2=True)
     errs = _run_blocks(_BY_NAME[name], 4, 2)
     assert errs["out"] > 1e-3 and errs["lse"] > 1e-2, errs
+
+
+def test_support_table_matches_the_kernels():
+    assert tuple(kernel_choice.SUPPORTS) == KERNELS
+    q = torch.empty(1, 2, 4, 8)
+    for name in KERNELS:
+        sup = kernel_choice.kernel_support(name)
+        assert sup["causal"] and bool(sup["masks"]) == _BY_NAME[name].takes_mask(q), name
+    assert [n for n in KERNELS if kernel_choice.kernel_support(n)["gqa_native"]] == \
+        ["flash_attn_3", "flash_attn"]
+    with pytest.raises(ValueError, match="unknown attention kernel 'xformers'"):
+        kernel_choice.kernel_support("xformers")
 
 
 def test_cudnn_adapter_matches_torch_schema_on_meta_tensors():

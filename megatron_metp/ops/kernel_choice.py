@@ -55,6 +55,25 @@ ENV = "METP_ATTENTION_KERNEL"
 _HALF = (torch.float16, torch.bfloat16)
 log = logging.getLogger("megatron_metp.attention_kernel")
 
+_16 = ("float16", "bfloat16")
+#: what each kernel supports (nothing about speed: rates belong to the planner). ``gqa_native``:
+#: K/V with ``hkv < hq`` heads go in as they are for every piece (else: full blocks fold the
+#: query heads into rows, causal pieces expand K/V locally); ``masks``: a boolean document mask
+#: is taken (else packed sequences run as full/causal pieces per document).
+SUPPORTS = {
+    "cudnn": dict(devices=("cuda",), dtypes=_16, head_dims="multiple of 8, <= 128",
+                  gqa_native=False, causal=True, masks=False, min_capability=(8, 0)),
+    "flash_attn_3": dict(devices=("cuda",), dtypes=_16, head_dims="multiple of 8, <= 256",
+                         gqa_native=True, causal=True, masks=False, min_capability=(9, 0)),
+    "flash_attn": dict(devices=("cuda",), dtypes=_16, head_dims="multiple of 8, <= 256",
+                       gqa_native=True, causal=True, masks=False, min_capability=(8, 0)),
+    "torch_flash": dict(devices=("cpu", "cuda"), dtypes=("float32",) + _16 + ("float64",),
+                        head_dims="any on CPU; multiple of 8, <= 256 on CUDA",
+                        gqa_native=False, causal=True, masks="CPU only", min_capability=(8, 0)),
+    "reference": dict(devices=("cpu", "cuda"), dtypes="any floating", head_dims="any",
+                      gqa_native=False, causal=True, masks=True, min_capability=None),
+}
+
 
 @dataclass(frozen=True)
 class Platform:
@@ -192,6 +211,13 @@ def available_kernels(device, dtype: torch.dtype = torch.float32,
 def kernel_names() -> Tuple[str, ...]:
     """The kernel names, best first (what the planner and ``--metp-attention-kernel`` list)."""
     return KERNELS
+
+
+def kernel_support(name: str) -> dict:
+    """What kernel ``name`` supports (:data:`SUPPORTS`; a copy)."""
+    if name not in SUPPORTS:
+        raise ValueError(f"unknown attention kernel {name!r}; kernels: {KERNELS}")
+    return dict(SUPPORTS[name])
 
 
 # ------------------------------------------------------------------------------ choice record
