@@ -28,6 +28,7 @@ import math
 from typing import Callable, List, Optional
 
 from ..megatron.parallel import validate_metp_config
+from ..ops.kernel_choice import KERNELS as _KERNELS
 
 __all__ = [
     "ATTENTION_KERNELS",
@@ -42,7 +43,7 @@ __all__ = [
 ]
 
 #: choices of ``--metp-attention-kernel``; ``auto`` picks the best available at run time
-ATTENTION_KERNELS = ("auto", "cudnn", "flash_attn_3", "flash_attn", "torch_flash", "reference")
+ATTENTION_KERNELS = ("auto",) + _KERNELS
 
 #: set on ``args`` once ``validate_metp_args`` has moved METP onto the context-parallel dimension
 _MAPPED = "metp_context_parallel_mapped"
