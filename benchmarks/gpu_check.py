@@ -1,14 +1,24 @@
 #!/usr/bin/env python
-"""One prepared GPU check of METP (≤ 8 min on one H100/H200): block kernels, memory, time, launches.
+"""One prepared GPU check of METP (≤ 8 min on one H100/H200): rates, block kernels, memory, time,
+launches.
 
-Writes ``<out>/gpu_check.json`` and ``<out>/gpu_check.md``. Parts:
+Writes ``<out>/gpu_check.json``, ``<out>/gpu_check.md`` and the rates file ``metp plan --rates``
+reads (``--rates FILE``, default ``<out>/rates.json``). Parts:
 
+0. **Rates first** (:mod:`gpu_rates`, within ~5 minutes of one H100/H200): GEMM TFLOP/s; the
+   chosen block kernel's forward and backward TFLOP/s at the streaming layer's shapes (a query
+   tile × 4 query heads against 262K and 524K keys of one K/V head, head dim 128, full and
+   causal pieces, with the log-sum-exp merges); pinned host↔device GB/s while kernels run; one
+   streaming layer (host stash) as rank 0 of 8 under the fake process group at the 4M geometry,
+   timed with CUDA events, next to the plan's one-layer figure. ``--only-rates`` stops there.
+   The GPU path of this part has not run yet (written without a GPU; the ``--dry`` path is
+   tested): its first GPU run is its test.
 1. **Block kernels** against the plain reference (``ops.attention_kernels``): every kernel this
    machine has (``flash_attn``, ``torch_flash``; ``reference`` itself) on causal and full
    blocks, MHA and GQA, bf16: relative error of the output, of the log-sum-exp and of
    ``dq, dk, dv`` (the backward given the block's own output and lse), next to the error of the
-   reference kernel run in bf16. Transformer Engine's fused attention is listed as present or
-   absent (its log-sum-exp is not a public output; METP does not use it as a block kernel).
+   reference kernel run in bf16. Transformer Engine is listed as present or absent (its fused
+   attention is cuDNN's, which METP calls through torch's cuDNN ops: kernel ``cudnn``).
 2. **Stacks** as rank 0 of ``p`` under torch's fake process group (collectives are no-ops, the
    tensors are real, so memory and compute are one real rank's): a ``--layers``-layer stack of
    the 7B geometry (h=4096, 32 heads, SwiGLU ffn 11008, RMSNorm, bf16) for METP, stock TP and
@@ -51,6 +61,29 @@ GEO_7B = dict(hidden=4096, heads=32, groups=32, ffn=11008)
 GEO_TINY = dict(hidden=64, heads=8, groups=8, ffn=128)
 
 
+# ----------------------------------------------------------------------------- 0. rates
+
+def rates(device: str, dry: bool, path: str, budget: float, t_start: float) -> dict:
+    """Part 0 (:mod:`gpu_rates`): measure, write the rates file at ``path``, return the detail
+    with the streaming layer's time next to the plan's one-layer figure."""
+    import gpu_rates
+
+    got = FR.run_isolated(gpu_rates.measure, device, dry, 1 if dry else 5, timeout=600)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as fh:
+        json.dump(got["rates"], fh, indent=1)
+    geo = gpu_rates.GEO["dry" if dry else "gpu"]
+    left = max(60.0, budget - (time.monotonic() - t_start))
+    try:
+        layer = FR.run_isolated(gpu_rates.layer_time, device, geo, timeout=left)
+    except RuntimeError as exc:  # reported by name, never silently
+        layer = {"error": str(exc)[-2000:]}
+    layer.update(gpu_rates.plan_one_layer())
+    if "fwd_bwd_s" in layer and not dry:  # --dry's tiny layer is not the plan's
+        layer["measured_over_plan"] = layer["fwd_bwd_s"] / layer["plan_one_layer_s"]
+    return {"file": path, **got, "layer": layer}
+
+
 # ----------------------------------------------------------------------------- 1. kernels
 
 def _rel(a, b) -> float:
@@ -70,7 +103,7 @@ def kernels_check(device: str, shapes) -> list:
     names = list(available_kernels(dev, torch.bfloat16))
     import importlib.util
 
-    te = ("present (not a METP block kernel: no public log-sum-exp)"
+    te = ("present (its fused attention is cuDNN's: METP's kernel 'cudnn' calls it through torch)"
           if importlib.util.find_spec("transformer_engine") is not None else "absent")
     ref = _BY_NAME["reference"]
     for b, hq, hkv, n, d, causal in shapes:
@@ -230,9 +263,31 @@ def stacks(seqs, modes, p, layers, geo, device, iters, budget, t_start, cp=1) ->
 
 # ----------------------------------------------------------------------------- report
 
+def rates_table(rt) -> list:
+    r = rt["rates"]
+    out = [f"rates ({r['hardware']}, kernel {r['kernel']}; {rt['file']}): GEMM "
+           f"{r['gemm_tflops']:.4g} TFLOP/s, attention fwd {r['attention_fwd_tflops']:.4g} / bwd "
+           f"{r['attention_bwd_tflops']:.4g} TFLOP/s, pinned copy {r['pcie_gbs']:.4g} GB/s", "",
+           "| piece | q rows × heads | keys | fwd TFLOP/s | bwd TFLOP/s |",
+           "|---|---|---:|---:|---:|"]
+    for c in rt["detail"]["attention"]["cases"]:
+        out.append(f"| {c['piece']} | {c['q_rows']} × {c['q_heads']} | {c['keys']:,} | "
+                   f"{c['fwd_tflops']:.4g} | {c['bwd_tflops']:.4g} |")
+    lay = rt["layer"]
+    got = (f"{lay['fwd_bwd_s']:.4g} s measured ({lay['timed_with']})" if "fwd_bwd_s" in lay
+           else "error (see gpu_check.json)")
+    out += ["", f"one streaming layer, rank 0 of 8, host stash: {got}; plan "
+                f"{lay['plan_one_layer_s']:.4g} s ({lay['config']}, step_s / {lay['layers']})",
+            ""]
+    return out
+
+
 def table(res) -> str:
-    out = ["| kernel | shape (b, hq, hkv, n, d) | causal | out | lse | dq | dk | dv |",
-           "|---|---|---|---:|---:|---:|---:|---:|"]
+    out = rates_table(res["rates"])
+    if "kernels" not in res:
+        return "\n".join(out)
+    out += ["| kernel | shape (b, hq, hkv, n, d) | causal | out | lse | dq | dk | dv |",
+            "|---|---|---|---:|---:|---:|---:|---:|"]
     for r in res["kernels"]:
         out.append(f"| {r['kernel']} | {r['b']}, {r['hq']}, {r['hkv']}, {r['n']}, {r['d']} | "
                    f"{r['causal']} | {r['err_out']:.1e} | {r['err_lse']:.1e} | "
@@ -264,6 +319,11 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--budget", type=float, default=420.0,
                     help="seconds after which no further stack case starts (default 420)")
+    ap.add_argument("--rates", default=None,
+                    help="where to write the rates file for metp plan --rates (default "
+                         "<out>/rates.json)")
+    ap.add_argument("--only-rates", action="store_true",
+                    help="measure the rates (part 0) only, then stop")
     args = ap.parse_args(argv)
     t_start = time.monotonic()
     if args.dry:
@@ -274,26 +334,35 @@ def main(argv=None) -> int:
     else:  # pragma: no cover - GPU only
         device, geo = "cuda", GEO_7B
         shapes = [(1, 4, 4, 4096, 128, True), (1, 4, 4, 4096, 128, False),
-                  (1, 8, 2, 2048, 128, True), (1, 32, 32, 4096, 128, True)]
-    FR.preload_megatron()
-    res = {"device": device, "dry": args.dry, "p": args.p, "layers": args.layers,
-           "geometry": geo, "kernels": FR.run_isolated(kernels_check, device, shapes,
-                                                       timeout=600)}
+                  (1, 8, 2, 2048, 128, True), (1, 8, 2, 2048, 128, False),
+                  (1, 32, 32, 4096, 128, True)]
     bad = [m for m in args.modes if m not in ("metp", "tp-sp", "tp", "metp-cp")]
     if bad or args.cp < 1:
         ap.error(f"--modes takes metp, tp-sp, tp, metp-cp (got {bad}); --cp must be >= 1")
+    FR.preload_megatron()
+    os.makedirs(args.out, exist_ok=True)
+    rates_path = args.rates or os.path.join(args.out, "rates.json")
+    res = {"device": device, "dry": args.dry, "p": args.p, "layers": args.layers,
+           "geometry": geo, "rates": rates(device, args.dry, rates_path, args.budget, t_start)}
+    if args.only_rates:
+        return _write(res, args.out, t_start)
+    res["kernels"] = FR.run_isolated(kernels_check, device, shapes, timeout=600)
     res["cp"] = args.cp
     res["stacks"] = stacks(args.seq, args.modes, args.p, args.layers, geo, device, args.iters,
                            args.budget, t_start, args.cp)
+    return _write(res, args.out, t_start)
+
+
+def _write(res, out: str, t_start: float) -> int:
     res["seconds"] = round(time.monotonic() - t_start, 1)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "gpu_check.json"), "w") as fh:
+    with open(os.path.join(out, "gpu_check.json"), "w") as fh:
         json.dump(res, fh, indent=1)
     md = table(res)
-    with open(os.path.join(args.out, "gpu_check.md"), "w") as fh:
+    with open(os.path.join(out, "gpu_check.md"), "w") as fh:
         fh.write(md + "\n")
     print(md)
-    print(f"\n{res['seconds']} s; wrote {args.out}/gpu_check.json and gpu_check.md")
+    print(f"\n{res['seconds']} s; wrote {out}/gpu_check.json and gpu_check.md, rates "
+          f"{res['rates']['file']}")
     return 0
 
 

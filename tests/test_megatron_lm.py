@@ -46,7 +46,7 @@ def test_add_metp_args_registers_flags_with_defaults_and_help():
                  "--metp-keep-intermediate", "--metp-ring-timeout", "--metp-vocab-parallel"):
         assert flags[flag].help and len(flags[flag].help) > 30, flag
     assert tuple(flags["--metp-attention-kernel"].choices) == \
-        ("auto", "flash_attn", "torch_flash", "reference")
+        ("auto", "cudnn", "flash_attn_3", "flash_attn", "torch_flash", "reference")
     group = [g for g in parser._action_groups if g.title.startswith("METP")]
     assert len(group) == 1 and "context-parallel" in group[0].description
 
@@ -59,7 +59,7 @@ def test_metp_flags_parse():
             args.metp_keep_intermediate, args.metp_ring_timeout) == (8, True, "torch_flash",
                                                                      True, 30.0)
     with pytest.raises(SystemExit):
-        _parser().parse_args(["--metp-attention-kernel", "cudnn"])
+        _parser().parse_args(["--metp-attention-kernel", "xformers"])
 
 
 def test_offload_activations_flag_takes_an_optional_layer_count():

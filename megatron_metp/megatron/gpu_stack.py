@@ -13,8 +13,9 @@ the flag changes inside a METP layer is the two norms and the ring's block kerne
 ======================  ===========================================  ==============================
 
 Block kernel, best available first (:func:`megatron_metp.ops.attention_kernels.available_kernels`):
-flash-attn 2 (``flash_attn_func`` with its log-sum-exp; CUDA, 16-bit, package installed), PyTorch's
-fused flash kernel (``torch_flash``), the plain PyTorch reference. ``--use-flash-attn`` asks for
+cuDNN (torch's SDPA cuDNN ops), FlashAttention-3 (Hopper, installed), FlashAttention-2 (installed),
+PyTorch's fused flash kernel (``torch_flash``), the plain PyTorch reference
+(:mod:`megatron_metp.ops.kernel_choice`). ``--use-flash-attn`` asks for
 the first and is refused where flash-attn is not installed. The final norm and the embedding and
 output layers are Megatron's own and follow the flag as for stock models.
 

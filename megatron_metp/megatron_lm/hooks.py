@@ -28,6 +28,7 @@ import math
 from typing import Callable, List, Optional
 
 from ..megatron.parallel import validate_metp_config
+from ..ops.kernel_choice import KERNELS as _KERNELS
 
 __all__ = [
     "ATTENTION_KERNELS",
@@ -42,7 +43,7 @@ __all__ = [
 ]
 
 #: choices of ``--metp-attention-kernel``; ``auto`` picks the best available at run time
-ATTENTION_KERNELS = ("auto", "flash_attn", "torch_flash", "reference")
+ATTENTION_KERNELS = ("auto",) + _KERNELS
 
 #: set on ``args`` once ``validate_metp_args`` has moved METP onto the context-parallel dimension
 _MAPPED = "metp_context_parallel_mapped"
@@ -75,9 +76,11 @@ def add_metp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "group (sharded by TP only) and ring only K/V blocks in attention.")
     group.add_argument(
         "--metp-attention-kernel", choices=ATTENTION_KERNELS, default="auto",
-        help="Block attention kernel of the K/V ring: flash_attn (GPU, flash-attn installed), "
-             "torch_flash (PyTorch's fused flash kernel), reference (plain PyTorch, stores one "
-             "score block). auto (default) picks the best available, or $METP_ATTENTION_KERNEL.")
+        help="Block attention kernel of the K/V ring: cudnn (torch's SDPA cuDNN ops, GPU), "
+             "flash_attn_3 (FlashAttention-3, Hopper, installed), flash_attn (FlashAttention-2, "
+             "installed), torch_flash (PyTorch's fused flash kernel), reference (plain PyTorch, "
+             "stores one score block). auto (default) picks the best available, or "
+             "$METP_ATTENTION_KERNEL; the choice is logged once ([METP] attention kernel: ...).")
     group.add_argument(
         "--metp-keep-intermediate", action="store_true",
         help="Keep each MLP weight shard's intermediate f(x W1_j) for backward instead of "

@@ -518,7 +518,7 @@ def prepare_attention(x, qkv_weight, proj_weight, *, group: METPGroup, num_heads
         d = _check_inputs(x, qkv_weight, proj_weight, qkv_bias, proj_bias, group, num_heads,
                           num_query_groups, shape_layout(layout), causal, rotary_pos_emb,
                           seq.size)
-        kern = select_kernel(x.device, x.dtype, kernel)
+        kern = select_kernel(x.device, x.dtype, kernel, head_dim=d)
         kb = head_block_size(group.size, num_heads // group.size, x.shape[0] * x.shape[1],
                              x.device, head_block)
         n, p = x.shape[0], seq.size  # the sequence's split (p·c ranks under CP)

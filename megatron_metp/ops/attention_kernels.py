@@ -7,8 +7,8 @@ sees keys ``≤ i``: the diagonal block of a causal ring), and, for packed seque
 (:mod:`.documents`), an optional boolean ``mask [n, m]`` (``True``: visible) on the kernels whose
 ``takes_mask(q)`` is true (``reference``; ``torch_flash`` on CPU, as an additive ``0/−inf`` mask).
 A masked row with no visible key gives ``out = 0``, ``lse = −inf``; in backward its
-probabilities are ``exp(−inf − lse) = 0``. ``flash_attn`` and CUDA ``torch_flash`` take no mask:
-the packed plan gives them full/causal pieces per document instead (exact, more launches).
+probabilities are ``exp(−inf − lse) = 0``. The GPU kernels (``cudnn``, ``flash_attn_3``,
+``flash_attn``) and CUDA ``torch_flash`` take no mask: the packed plan gives them full/causal pieces per document instead (exact, more launches).
 
 * ``forward(q, k, v, causal, scale, mask=None) -> (out, lse)``: ``out = softmax(q·kᵀ·scale)·v`` and
   ``lse = log Σ_keys exp(q·kᵀ·scale)`` (natural log, fp32, ``[b, hq, n]``).
@@ -18,27 +18,26 @@ the packed plan gives them full/causal pieces per document instead (exact, more 
   ``dS = P ⊙ (dout·vᵀ − rowsum(dout ⊙ out))``, ``dq = dS·k·scale``, ``dk = dSᵀ·q·scale``,
   ``dv = Pᵀ·dout``. Grads of ``k, v`` come back with ``hkv`` heads (summed over each group).
 
-Kernels, best first (``select_kernel``): ``flash_attn`` (GPU, package installed) → ``torch_flash``
-(PyTorch's fused flash kernel that returns the log-sum-exp: CUDA, or the CPU variant) →
-``reference`` (plain PyTorch, fp32, materialises the ``n×m`` block scores). Override with the
-``kernel=`` argument of the ops or ``METP_ATTENTION_KERNEL``.
+Kernels, best first (``select_kernel``; :mod:`.kernel_choice` probes, chooses, logs and records
+the choice, :func:`chosen_kernel`): ``cudnn`` (torch's SDPA cuDNN ops), ``flash_attn_3``
+(FlashAttention-3, Hopper), ``flash_attn`` (FlashAttention-2) — the GPU adapters of
+:mod:`.gpu_kernels` — then ``torch_flash`` (PyTorch's fused flash kernel that returns the
+log-sum-exp: CUDA, or the CPU variant) and ``reference`` (plain PyTorch, fp32, materialises the
+``n×m`` block scores). Override with the ``kernel=`` argument of the ops or
+``METP_ATTENTION_KERNEL``.
 """
 
 from __future__ import annotations
 
-import os
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 
-KERNELS = ("flash_attn", "torch_flash", "reference")
-
-try:  # pragma: no cover - GPU only
-    import flash_attn  # noqa: F401
-    from flash_attn.flash_attn_interface import _flash_attn_backward, _flash_attn_forward
-    _HAS_FLASH_ATTN = True
-except Exception:  # noqa: BLE001 - any import failure means "not available"
-    _HAS_FLASH_ATTN = False
+from ._kernel_layout import (_expand_kv, _fold_heads, _fold_kv, _gqa_fold,  # noqa: F401
+                             _last_dim_dense, _unfold_heads)
+from .gpu_kernels import CudnnKernel, FlashAttn3Kernel, FlashAttnKernel
+from .kernel_choice import (ENV, KERNELS, available_kernels, chosen_kernel,  # noqa: F401
+                            kernel_names, select_name)
 
 # Counting on CPU fake tensors: take the CUDA kernels' calling convention (see emulate_cuda_branch).
 _emulate_cuda = False
@@ -68,47 +67,6 @@ def gpu_path(t: torch.Tensor) -> bool:
 
 
 _cuda_path = gpu_path
-
-
-def _last_dim_dense(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself when its last dim is dense (all the CUDA flash kernels need: they take the
-    other strides as given), else a contiguous copy."""
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _expand_kv(t: torch.Tensor, hq: int) -> torch.Tensor:
-    """``[b, hkv, m, d]`` → ``[b, hq, m, d]``: query head ``i`` uses KV head ``i // (hq/hkv)``."""
-    hkv = t.shape[1]
-    return t if hkv == hq else t.repeat_interleave(hq // hkv, dim=1)
-
-
-def _fold_kv(t: torch.Tensor, hkv: int) -> torch.Tensor:
-    """Inverse of :func:`_expand_kv` for gradients: sum the query heads of each KV head."""
-    b, hq, m, d = t.shape
-    return t if hkv == hq else t.view(b, hkv, hq // hkv, m, d).sum(2)
-
-
-def _fold_heads(t: torch.Tensor, hkv: int) -> torch.Tensor:
-    """``[b, hq, n(, d)]`` → ``[b, hkv, (hq/hkv)·n(, d)]``: the query heads of each K/V head laid
-    end to end as rows (query head ``i`` uses K/V head ``i // (hq/hkv)``, so a contiguous
-    ``t`` folds as a view)."""
-    b, hq, n = t.shape[:3]
-    return t.contiguous().view(b, hkv, (hq // hkv) * n, *t.shape[3:])
-
-
-def _unfold_heads(t: torch.Tensor, hq: int) -> torch.Tensor:
-    """Inverse of :func:`_fold_heads` (a view where the layout allows, else a copy)."""
-    b, hkv, rows = t.shape[:3]
-    return t.reshape(b, hq, rows * hkv // hq, *t.shape[3:])
-
-
-def _gqa_fold(q, k, causal: bool, mask) -> bool:
-    """Whether a call takes GQA by folding query heads into rows instead of expanding K/V: a
-    full (non-causal, unmasked) block, where every row attends every key on its own, so the
-    ``hq/hkv`` query heads of one K/V head are just more rows of it (no K/V copy per query head,
-    ``dK/dV`` come out per K/V head). A causal block's mask is aligned to its rows, so it keeps
-    the expansion (the streaming layer's causal pieces are one query tile's square)."""
-    return not causal and mask is None and k.shape[1] < q.shape[1]
 
 
 def _causal_mask(n: int, m: int, device) -> torch.Tensor:
@@ -247,74 +205,15 @@ class TorchFlashKernel:
         return dq, _fold_kv(dk, hkv), _fold_kv(dv, hkv)
 
 
-class FlashAttnKernel:  # pragma: no cover - needs a GPU and the flash-attn package
-    """Dao-AILab flash-attn (native GQA; layout ``[b, n, h, d]``)."""
-
-    name = "flash_attn"
-
-    @staticmethod
-    def takes_mask(q) -> bool:
-        """No mask argument: packed sequences run as full/causal pieces per document."""
-        return False
-
-    @staticmethod
-    def forward(q, k, v, causal: bool, scale: float, mask=None):
-        if mask is not None:
-            raise ValueError("flash_attn takes no attention mask (pieces are full or causal)")
-        qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
-        # flash-attn >= 2.6 interface; other versions fail here with a TypeError naming it.
-        res = _flash_attn_forward(qt, kt, vt, 0.0, scale, causal=causal, window_size_left=-1,
-                                  window_size_right=-1, softcap=0.0, alibi_slopes=None,
-                                  return_softmax=False)
-        out, lse = res[0], res[1]
-        return out.transpose(1, 2), lse
-
-    @staticmethod
-    def backward(dout, q, k, v, out, lse, causal: bool, scale: float, workspace=None, mask=None):
-        if mask is not None:
-            raise ValueError("flash_attn takes no attention mask (pieces are full or causal)")
-        qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
-        dot = dout.to(q.dtype).transpose(1, 2).contiguous()
-        ot = out.to(q.dtype).transpose(1, 2).contiguous()
-        dq, dk, dv = torch.empty_like(qt), torch.empty_like(kt), torch.empty_like(vt)
-        _flash_attn_backward(dot, qt, kt, vt, ot, lse.contiguous(), dq, dk, dv, 0.0, scale,
-                             causal, -1, -1, 0.0, None, False)
-        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
-
-
-_BY_NAME = {"reference": ReferenceKernel, "torch_flash": TorchFlashKernel,
-            "flash_attn": FlashAttnKernel}
-
-
-def available_kernels(device: torch.device, dtype: torch.dtype = torch.float32) -> Tuple[str, ...]:
-    """Kernels usable for ``dtype`` tensors on ``device``, best first.
-
-    The CUDA flash kernels take 16-bit inputs only; fp32 on CUDA uses the reference kernel.
-    """
-    names = []
-    half = dtype in (torch.float16, torch.bfloat16)
-    if device.type == "cuda" and _HAS_FLASH_ATTN and half:
-        names.append("flash_attn")
-    if device.type == "cpu" or (device.type == "cuda" and half):
-        names.append("torch_flash")
-    names.append("reference")
-    return tuple(names)
+_BY_NAME = {"cudnn": CudnnKernel, "flash_attn_3": FlashAttn3Kernel, "flash_attn": FlashAttnKernel,
+            "torch_flash": TorchFlashKernel, "reference": ReferenceKernel}
+assert tuple(_BY_NAME) == KERNELS
 
 
 def select_kernel(device: torch.device, dtype: torch.dtype = torch.float32,
-                  requested: Optional[str] = None):
-    """The kernel for ``dtype`` tensors on ``device``: ``requested`` (or ``METP_ATTENTION_KERNEL``)
-    if given and available, else the best available. Raises ``ValueError`` for an unknown or
-    unavailable request, naming what is available."""
-    requested = requested or os.environ.get("METP_ATTENTION_KERNEL") or None
-    avail = available_kernels(device, dtype)
-    if requested is None:
-        return _BY_NAME[avail[0]]
-    if requested not in KERNELS:
-        raise ValueError(f"attention kernel must be one of {KERNELS} (kernel= or "
-                         f"METP_ATTENTION_KERNEL), got {requested!r}")
-    if requested not in avail:
-        hint = " (pip install flash-attn on a GPU machine)" if requested == "flash_attn" else ""
-        raise ValueError(f"attention kernel {requested!r} is not available for {dtype} on "
-                         f"{device.type}{hint}; available: {avail}")
-    return _BY_NAME[requested]
+                  requested: Optional[str] = None, head_dim: Optional[int] = None):
+    """The kernel class for ``dtype`` tensors on ``device`` (head dim ``head_dim`` when given):
+    ``requested`` (or ``METP_ATTENTION_KERNEL``) if given and available, else the best
+    available; the choice is recorded and logged once (:mod:`.kernel_choice`). Raises
+    ``ValueError`` for an unknown or unavailable request, naming what is available."""
+    return _BY_NAME[select_name(device, dtype, requested, head_dim)]

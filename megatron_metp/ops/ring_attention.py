@@ -540,8 +540,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, 
             also ``"balanced"`` (long documents dual-chunked over the ranks on their own, the
             rest together: balanced work; shard with :func:`documents.shard_documents`).
         softmax_scale: default ``1/sqrt(d)``.
-        kernel: block kernel name (``"flash_attn"``, ``"torch_flash"``, ``"reference"``); default
-            the best available. The one used is counted in ``group.stats.kernels``.
+        kernel: block kernel name (``"cudnn"``, ``"flash_attn_3"``, ``"flash_attn"``,
+            ``"torch_flash"``, ``"reference"``); default ``$METP_ATTENTION_KERNEL`` or the best
+            available (:mod:`.kernel_choice`). The one used is counted in ``group.stats.kernels``.
         label: names this call in NaN/Inf reports (:mod:`megatron_metp.runtime.finite`).
         cu_seqlens: packed documents: cumulative document lengths of the *global* sequence in
             natural token order ``[0, …, s]`` (list/tuple or 1-D integer tensor), identical on
@@ -557,7 +558,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, 
     try:
         check_attention_inputs(q, k, v, group, causal, shape_layout(layout))
         cu = check_packed(cu_seqlens, q.shape[0] * group.size, causal, layout, group.size)
-        kern = select_kernel(q.device, q.dtype, kernel)
+        kern = select_kernel(q.device, q.dtype, kernel, head_dim=q.shape[-1])
     except ValueError as exc:
         refuse_together(group, op_label("ring_attention", label), exc)
         raise
