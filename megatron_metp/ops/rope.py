@@ -19,7 +19,7 @@ view can express), all written into the output; plus one copy of the unrotated c
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -94,6 +94,19 @@ RECIPES = ("exact", "megatron")
 FP32_EXACT_POSITIONS = 1 << 24
 
 
+def fp32_recipe_refusal(seq_length: int, why: str, fix: str) -> Optional[str]:
+    """The refusal of a job whose RoPE positions (``0 … seq_length − 1``) reach 2^24 while its
+    angles come from Megatron's fp32 recipe (``why``: which flag or variant puts it there;
+    ``fix``: what to change), or ``None`` when its positions stay below 2^24."""
+    if seq_length is None or int(seq_length) - 1 < FP32_EXACT_POSITIONS:
+        return None
+    return (f"--seq-length {int(seq_length):,}: positions reach 2^24 = "
+            f"{FP32_EXACT_POSITIONS:,} and the RoPE angles would come from Megatron's fp32 recipe "
+            f"({why}), where neighbouring positions collide (fp32 holds every integer only below "
+            f"2^24) and angles round by up to pi; {fix}, or keep --seq-length <= "
+            f"{FP32_EXACT_POSITIONS:,}")
+
+
 def _mod_2pi(x: torch.Tensor) -> torch.Tensor:
     """``x mod 2π`` for fp64 ``x ≥ 0`` below ~2^53: ``fmod`` by fp64(2π) is exact; the quotient
     ``k`` (exact integer) times the tail ``2π − fp64(2π)`` is then subtracted, and one wrap
@@ -104,14 +117,17 @@ def _mod_2pi(x: torch.Tensor) -> torch.Tensor:
     return torch.where(r < 0, r + _TWO_PI, r)
 
 
-def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor, *,
+                bounds: Optional[Tuple[int, int]] = None) -> torch.Tensor:
     """RoPE angles ``[n, 1, 1, 2r]`` (fp32, Megatron's non-interleaved ``[θ | θ]`` layout) of
     integer ``positions [n]`` (int64, ``0 ≤ pos ≤ 2^31 − 1``) and fp32 ``inv_freq [r]`` (the
     model's own, after any scaling): ``θ[i, j] = positions[i] · inv_freq[j] mod 2π``, computed
     exactly (``pos = hi + lo``, both products exact in fp64, each reduced mod 2π) and rounded
     once to fp32, so ``cos``/``sin`` of the result are within ~3e-7 of the exact values at any
     position. Only the given positions are formed (this rank's tokens, not a whole-sequence
-    table), on ``positions``' device, in chunks of ``2^15`` rows.
+    table), on ``positions``' device, in chunks of ``2^15`` rows. ``bounds``: ``(lowest,
+    highest)`` position when the caller knows them as ints (checked instead of reading
+    ``positions``: no device sync, and it works on fake tensors, e.g. in the dry run).
 
     Below 2^22 positions this agrees with Megatron's fp32 recipe (``arange`` in fp32, fp32
     product) within that recipe's own rounding; above, Megatron's angles drift by up to half an
@@ -126,7 +142,8 @@ def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor
     out = torch.empty((n, 1, 1, 2 * r), dtype=torch.float32, device=positions.device)
     if n == 0:
         return out
-    lo_pos, hi_pos = int(positions.min()), int(positions.max())
+    lo_pos, hi_pos = bounds if bounds is not None else (int(positions.min()),
+                                                        int(positions.max()))
     if lo_pos < 0 or hi_pos > MAX_POSITION:
         raise ValueError(f"positions must lie in [0, 2^31 - 1 = {MAX_POSITION}], got "
                          f"[{lo_pos}, {hi_pos}]")
