@@ -15,6 +15,10 @@ then one ``addcmul_`` per half for the ``sin`` terms (the halves swap sources, w
 view can express), all written into the output; plus one copy of the unrotated channels if
 ``r < d``. Every element sees the same operations in the same order as with a product per half
 (bit-identical results).
+
+The angles themselves: :func:`rope_angles` computes them exactly for int64 positions (up to
+2^31 − 1) and this rank's tokens only; :func:`megatron_angles` is Megatron's fp32 recipe, for
+comparisons (``docs/positions.md``).
 """
 
 from __future__ import annotations
@@ -133,8 +137,9 @@ def _theta(pos: torch.Tensor, tables) -> torch.Tensor:
     theta = t2.index_select(0, pos >> 24)
     theta += t1.index_select(0, (pos >> 12) & (_SPLIT - 1))
     theta += t0.index_select(0, pos & (_SPLIT - 1))
-    k = torch.floor(theta / _TWO_PI)  # 0, 1 or 2 turns (fp64(2π) < 2π: never one short)
-    return theta.sub_(k.mul_(_TWO_PI)).sub_(k.mul_(_TWO_PI_LO / _TWO_PI))
+    turns = torch.floor(theta / _TWO_PI)  # 0, 1 or 2 (each digit's angle is below 2π)
+    theta.sub_(turns * _TWO_PI)
+    return theta.sub_(turns.mul_(_TWO_PI_LO))  # the tail 2π − fp64(2π) of each turn
 
 
 def exact_theta(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
