@@ -189,3 +189,25 @@ def test_exact_angles_under_fake_tensors():
         docs = document_rope(model.rotary_pos_emb, [0, 100, 4096], 1, 2, 2048, "dual_chunk")
     assert isinstance(emb, FakeTensor) and emb.shape == (1 << 20, 1, 1, 128)
     assert isinstance(docs, FakeTensor) and docs.shape == (2048, 1, 1, 128)
+
+
+@pytest.mark.parametrize("config,extra,why", [
+    ("tiny-cpu-tp2.sh", [], "METP is off"),
+    ("tiny-cpu-metp2.sh", ["--metp-rope-fp32-recipe"], "--metp-rope-fp32-recipe")],
+    ids=["stock", "metp-fp32-recipe"])
+def test_pretrain_gpt_dry_run_refuses_fp32_recipe_past_2_24(patched_megatron_lm, config, extra,
+                                                            why):
+    """scripts/pretrain_gpt.sh --dry-run: validate_args refuses the job before any work."""
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/"),
+           "PYTHON": sys.executable, "LC_ALL": "C.UTF-8", "OMP_NUM_THREADS": "1",
+           "MEGATRON_LM_DIR": patched_megatron_lm, "SEQ_LENGTH": str(FP32_EXACT_POSITIONS + 4)}
+    proc = subprocess.run(["bash", "scripts/pretrain_gpt.sh", "--config", config, "--dry-run",
+                           "--", *extra], cwd=repo, capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert proc.returncode == 1, (proc.stdout + proc.stderr)[-3000:]
+    assert "positions reach 2^24" in proc.stderr and why in proc.stderr, proc.stderr[-3000:]
