@@ -186,7 +186,7 @@ GPT_MODEL_ARGS=(
     --no-persist-layer-norm
     --transformer-impl "$TRANSFORMER_IMPL"
 )
-[[ "$POSITION_EMBEDDING_TYPE" == rope ]] && GPT_MODEL_ARGS+=(--rotary-base "$ROTARY_BASE")
+[[ "$POSITION_EMBEDDING_TYPE" == rope || "$POSITION_EMBEDDING_TYPE" == yarn ]] && GPT_MODEL_ARGS+=(--rotary-base "$ROTARY_BASE")
 [[ -n "$NUM_QUERY_GROUPS" ]] && GPT_MODEL_ARGS+=(--group-query-attention --num-query-groups "$NUM_QUERY_GROUPS")
 [[ "$SWIGLU" == 1 ]] && GPT_MODEL_ARGS+=(--swiglu)
 [[ "$UNTIE_EMBEDDINGS" == 1 ]] && GPT_MODEL_ARGS+=(--untie-embeddings-and-output-weights)

@@ -51,7 +51,7 @@ import torch
 
 from .hf_config import (HFConfigError, LlamaGeometry, geometry_from_hf, gpt_model_kwargs,
                         megatron_args, pretrain_gpt_sh_model, read_hf_config,
-                        transformer_config_kwargs)
+                        set_yarn_config, transformer_config_kwargs)
 from .hf_layout import hf_to_megatron, megatron_shapes, megatron_to_hf
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -116,6 +116,7 @@ def build_model(g: LlamaGeometry, *, groups=None, vocab_parallel: bool = False):
     tp = ps.get_tensor_model_parallel_world_size()
     metp = ps.get_context_parallel_world_size()
     cfg = TransformerConfig(**transformer_config_kwargs(g, tp=tp, metp=metp))
+    set_yarn_config(cfg, g)
     kwargs = dict(config=cfg, pre_process=ps.is_pipeline_first_stage(),
                   post_process=ps.is_pipeline_last_stage(), **gpt_model_kwargs(g))
     if groups is None:
