@@ -50,6 +50,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from ..ops.documents import (PACKED_LAYOUTS, check_cu_seqlens, document_position_runs,
                              shard_documents, unshard_documents)
 from ..ops.sequence import unshard_sequence
+from .rope import ExactRotaryEmbedding, angles_of
 
 
 @dataclass
@@ -151,11 +152,16 @@ def document_rope(rotary, cu, rank: int, p: int, n: int, layout: str) -> torch.T
     ``RotaryEmbedding`` ``rotary``: row ``i`` holds the angles of local token ``i``'s position
     within its document (:func:`megatron_metp.ops.documents.document_positions`).
 
-    Built with ``rotary.get_emb(m, offset=a)`` once per run of consecutive positions (a few per
-    document on this rank), so the rows are bit-identical to those of the whole-sequence table
-    (integer positions are exact in fp32) without ever forming it: at 4M tokens that table is
-    2 GiB, and Megatron's ``RotaryEmbedding.forward`` would keep it in its ``lru_cache``."""
+    With exact angles (:class:`~.rope.ExactRotaryEmbedding`, the default for METP) these
+    positions' rows of :func:`~megatron_metp.ops.rope.rope_angles`; with Megatron's recipe
+    ``rotary.get_emb(m, offset=a)`` once per run of consecutive positions (a few per document on
+    this rank), so the rows are bit-identical to those of the whole-sequence table (positions
+    below 2^24 are exact in fp32). Neither forms the whole table: at 4M tokens it is 2 GiB, and
+    Megatron's ``RotaryEmbedding.forward`` would keep it in its ``lru_cache``."""
     runs = document_position_runs(cu, rank, p, n, layout)  # plain ints (fake tensors too)
+    if isinstance(rotary, ExactRotaryEmbedding):  # exact angles (.rope), one call for the rank
+        pos = torch.cat([torch.arange(start, start + length) for _, start, length in runs])
+        return angles_of(rotary, pos, (0, max(start + length - 1 for _, start, length in runs)))
     pieces = [rotary.get_emb(length, offset=start) for _, start, length in runs]
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
 
@@ -166,7 +172,7 @@ def _plain_rotary(module):
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     rotary = getattr(module, "rotary_pos_emb", None)
-    return rotary if type(rotary) is RotaryEmbedding else None
+    return rotary if type(rotary) in (RotaryEmbedding, ExactRotaryEmbedding) else None
 
 
 def _rank_size(group):

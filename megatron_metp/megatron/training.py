@@ -69,7 +69,10 @@ class Layout:
     every sample of a micro-batch must have the same boundaries). ``extra`` adds or overrides any other TransformerConfig
     field. ``cp``: METP × context parallelism, the *outer* factor ``c`` (mode ``"metp"`` only):
     Megatron's CP group has ``metp·cp`` ranks, the sequence is split over all of them, the
-    weights over the METP group only (world = TP × METP × CP × PP × DP).
+    weights over the METP group only (world = TP × METP × CP × PP × DP). ``rope_fp32_recipe``
+    (Megatron-LM: ``--metp-rope-fp32-recipe``): METP and ring models keep Megatron's fp32 RoPE
+    angles instead of exact ones for this rank's tokens (:mod:`.rope`; also
+    ``METP_ROPE_RECIPE=megatron``); stock TP always has Megatron's.
     """
 
     tp: int = 1
@@ -89,6 +92,7 @@ class Layout:
     offload_activations: Union[bool, int] = False
     transformer_impl: str = "local"
     packed_eod: Optional[int] = None
+    rope_fp32_recipe: bool = False
     extra: Dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -245,6 +249,13 @@ def build_model(size: GPTSize, layout: Layout, groups: METPGroups):
                 pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
                 share_embeddings_and_output_weights=size.tie_embeddings,
                 position_embedding_type=size.position_embedding_type, **extra)
+    from .rope import check_reach, rope_recipe, use_exact_angles
+
+    # exact RoPE angles for this rank's tokens (stock TP keeps Megatron's); past 2^24 refused
+    # on Megatron's recipe
+    recipe = "megatron" if layout.mode == "tp" else rope_recipe(layout.rope_fp32_recipe)
+    check_reach(model, use_exact_angles(model, recipe), size.seq_length,
+                "stock TP" if layout.mode == "tp" else "Layout.rope_fp32_recipe")
     if layout.mode == "metp":
         from .streaming import prepare_recompute
 

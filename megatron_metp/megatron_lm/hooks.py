@@ -119,6 +119,13 @@ def add_metp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "group, step and peer (default: $METP_RING_TIMEOUT_S, else "
              "--distributed-timeout-minutes x 60, the one timeout of every process group; a "
              "longer value is refused).")
+    group.add_argument(
+        "--metp-rope-fp32-recipe", action="store_true",
+        help="METP and the ring baseline keep Megatron's fp32 RoPE angles (fp32 positions times "
+             "fp32 inv_freq: bit-compatible with a stock run) instead of exact ones (positions "
+             "as int64, the angle reduced mod 2 pi before one fp32 rounding, for this rank's "
+             "tokens only). Also $METP_ROPE_RECIPE=megatron. Refused when positions reach 2^24 "
+             "(--seq-length > 16,777,216), where fp32 positions collide.")
     from .tiles import add_tile_args
 
     add_tile_args(group)
@@ -219,6 +226,9 @@ def validate_metp_args(args):
     from .tiles import map_tile_args
 
     map_tile_args(args, p is not None and p > 1)
+    from ..megatron.rope import check_args_reach
+
+    check_args_reach(args)
     if p is None or p == 1:
         if getattr(args, "metp_vocab_parallel", False):
             raise ValueError("--metp-vocab-parallel needs --metp-parallel-size > 1 (with METP off "
@@ -615,6 +625,9 @@ def build_metp_gpt_model(args, pre_process, post_process, vp_stage=None, config=
         pg_collection=pg_collection,
         **extra,
     )
+    from ..megatron.rope import use_angles_of_args
+
+    use_angles_of_args(model, args)  # exact RoPE angles, this rank's tokens only
     if weight_ring:  # the same global weights as stock TP of size TP x METP
         initialize_like_tp(model, groups)
     if getattr(args, "reset_attention_mask", False):  # packed documents: boundaries from EOD

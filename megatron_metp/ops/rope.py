@@ -19,7 +19,7 @@ view can express), all written into the output; plus one copy of the unrotated c
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -59,3 +59,113 @@ def apply_rope(t: torch.Tensor, freqs: torch.Tensor, *, transpose: bool = False,
     if r < t.shape[-1]:
         out[..., r:].copy_(t[..., r:])
     return out
+
+
+# --- Exact angles ---------------------------------------------------------------------------
+#
+# Megatron's ``RotaryEmbedding`` forms positions as an fp32 ``arange`` and θ = pos · inv_freq as
+# an fp32 product: past 2^24 neighbouring positions collide, and well before that θ is rounded by
+# half an fp32 ulp of pos·inv_freq (≈ 0.12 rad at 4M positions for inv_freq ≈ 1). Here θ is
+# computed exactly and reduced modulo 2π before its single rounding to fp32:
+#
+#   pos = hi + lo with hi a multiple of 2^12 (≤ 19 significant bits for pos < 2^31) and
+#   lo < 2^12; inv_freq fp32 has 24 significant bits, so hi·f (≤ 43 bits) and lo·f (≤ 36 bits)
+#   are exact in fp64. Each is reduced modulo 2π on its own (``_mod_2pi``: fmod by fp64(2π),
+#   exact, then corrected by k·(2π − fp64(2π))), the two summed and reduced once more, and the
+#   result (in [0, 2π)) rounded once to fp32: |error| ≤ 2^-22 rad (half an ulp of 2π in fp32)
+#   plus ~1e-15 from the fp64 steps, for every position below 2^31 (2^43 with the same split
+#   only loses exactness of hi·f past 2^(53-24+12) = 2^41; refused above 2^31 − 1 to stay
+#   within what is tested).
+
+#: ``hi`` is a multiple of this (the split that keeps both partial products exact in fp64).
+_SPLIT = 1 << 12
+#: The largest position :func:`rope_angles` accepts (tested up to it).
+MAX_POSITION = (1 << 31) - 1
+_TWO_PI = 6.283185307179586  # fp64(2π), just below 2π
+_TWO_PI_LO = 2.4492935982947064e-16  # 2π − fp64(2π)
+#: Positions per chunk: bounds the fp64 temporaries at ~4 × 8 bytes × this × r.
+_CHUNK = 1 << 15
+
+#: Where exact angles are used: every METP and ring-baseline model, unless the environment or
+#: ``--metp-rope-fp32-recipe`` asks for Megatron's fp32 recipe (bit-compatibility with a stock run).
+RECIPES = ("exact", "megatron")
+#: fp32 represents every integer only below this: Megatron's recipe is refused when a job's
+#: positions reach it (:func:`check_recipe_reach`).
+FP32_EXACT_POSITIONS = 1 << 24
+
+
+def fp32_recipe_refusal(seq_length: int, why: str, fix: str) -> Optional[str]:
+    """The refusal of a job whose RoPE positions (``0 … seq_length − 1``) reach 2^24 while its
+    angles come from Megatron's fp32 recipe (``why``: which flag or variant puts it there;
+    ``fix``: what to change), or ``None`` when its positions stay below 2^24."""
+    if seq_length is None or int(seq_length) - 1 < FP32_EXACT_POSITIONS:
+        return None
+    return (f"--seq-length {int(seq_length):,}: positions reach 2^24 = "
+            f"{FP32_EXACT_POSITIONS:,} and the RoPE angles would come from Megatron's fp32 recipe "
+            f"({why}), where neighbouring positions collide (fp32 holds every integer only below "
+            f"2^24) and angles round by up to pi; {fix}, or keep --seq-length <= "
+            f"{FP32_EXACT_POSITIONS:,}")
+
+
+def _mod_2pi(x: torch.Tensor) -> torch.Tensor:
+    """``x mod 2π`` for fp64 ``x ≥ 0`` below ~2^53: ``fmod`` by fp64(2π) is exact; the quotient
+    ``k`` (exact integer) times the tail ``2π − fp64(2π)`` is then subtracted, and one wrap
+    keeps the result in ``[0, 2π)``."""
+    r = torch.fmod(x, _TWO_PI)
+    k = torch.round((x - r) / _TWO_PI)
+    r = r - k * _TWO_PI_LO
+    return torch.where(r < 0, r + _TWO_PI, r)
+
+
+def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor, *,
+                bounds: Optional[Tuple[int, int]] = None) -> torch.Tensor:
+    """RoPE angles ``[n, 1, 1, 2r]`` (fp32, Megatron's non-interleaved ``[θ | θ]`` layout) of
+    integer ``positions [n]`` (int64, ``0 ≤ pos ≤ 2^31 − 1``) and fp32 ``inv_freq [r]`` (the
+    model's own, after any scaling): ``θ[i, j] = positions[i] · inv_freq[j] mod 2π``, computed
+    exactly (``pos = hi + lo``, both products exact in fp64, each reduced mod 2π) and rounded
+    once to fp32, so ``cos``/``sin`` of the result are within ~3e-7 of the exact values at any
+    position. Only the given positions are formed (this rank's tokens, not a whole-sequence
+    table), on ``positions``' device, in chunks of ``2^15`` rows. ``bounds``: ``(lowest,
+    highest)`` position when the caller knows them as ints (checked instead of reading
+    ``positions``: no device sync, and it works on fake tensors, e.g. in the dry run).
+
+    Below 2^22 positions this agrees with Megatron's fp32 recipe (``arange`` in fp32, fp32
+    product) within that recipe's own rounding; above, Megatron's angles drift by up to half an
+    fp32 ulp of ``pos·inv_freq`` (``docs/positions.md``)."""
+    if positions.dim() != 1 or positions.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"positions must be a 1-D int64 tensor [n], got "
+                         f"{positions.dtype} {tuple(positions.shape)}")
+    if inv_freq.dim() != 1 or inv_freq.dtype != torch.float32:
+        raise ValueError(f"inv_freq must be a 1-D fp32 tensor [r], got "
+                         f"{inv_freq.dtype} {tuple(inv_freq.shape)}")
+    n, r = positions.shape[0], inv_freq.shape[0]
+    out = torch.empty((n, 1, 1, 2 * r), dtype=torch.float32, device=positions.device)
+    if n == 0:
+        return out
+    lo_pos, hi_pos = bounds if bounds is not None else (int(positions.min()),
+                                                        int(positions.max()))
+    if lo_pos < 0 or hi_pos > MAX_POSITION:
+        raise ValueError(f"positions must lie in [0, 2^31 - 1 = {MAX_POSITION}], got "
+                         f"[{lo_pos}, {hi_pos}]")
+    f = inv_freq.to(device=positions.device, dtype=torch.float64)
+    for a in range(0, n, _CHUNK):
+        pos = positions[a:a + _CHUNK].to(torch.int64)
+        lo = torch.remainder(pos, _SPLIT)
+        hi = (pos - lo).to(torch.float64)
+        theta = _mod_2pi(torch.outer(hi, f))
+        theta += _mod_2pi(torch.outer(lo.to(torch.float64), f))
+        theta = torch.where(theta >= _TWO_PI, (theta - _TWO_PI) - _TWO_PI_LO, theta)
+        rows = out[a:a + pos.shape[0], 0, 0]
+        rows[:, :r].copy_(theta)
+        rows[:, r:].copy_(rows[:, :r])
+    return out
+
+
+def megatron_angles(length: int, offset: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Megatron's fp32 recipe for positions ``offset … offset + length − 1``, ``[length, 1, 1,
+    2r]``: the arithmetic of ``RotaryEmbedding.get_emb(length, offset)`` (an fp32 ``arange``
+    plus ``offset`` in fp32, times fp32 ``inv_freq``, ``[θ | θ]``), bit for bit, without a
+    Megatron module: for comparisons and the error tables (``docs/positions.md``)."""
+    seq = torch.arange(length, device=inv_freq.device, dtype=torch.float32) + offset
+    theta = torch.outer(seq, inv_freq.to(torch.float32))
+    return torch.cat((theta, theta), dim=-1)[:, None, None, :]

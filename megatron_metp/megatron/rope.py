@@ -1,0 +1,180 @@
+"""RoPE angles of METP and ring-baseline GPT models: exact, for this rank's tokens only.
+
+Megatron's ``RotaryEmbedding.forward(s)`` builds the whole sequence's table ``[s, 1, 1, 2r]``
+with an fp32 ``arange`` and an fp32 product (positions collide past 2^24; angles round by
+~0.12 rad at 4M positions, ``docs/positions.md``), keeps it in an ``lru_cache`` and, under
+context parallelism, slices this rank's two dual-chunk pieces out of it.
+:class:`ExactRotaryEmbedding` is the same module whose ``forward`` returns only this rank's rows,
+``[s/P, 1, 1, 2r]`` for the sequence ring of ``P`` ranks (Megatron's CP group: the METP ring,
+or METP × CP), from :func:`megatron_metp.ops.rope.rope_angles` (exact θ = pos·inv_freq mod 2π,
+one fp32 rounding). Everything downstream is unchanged: the METP attention (plain, METP × CP,
+the streaming layer) takes the ``[s/p]`` rows as they are, Megatron's ``SelfAttention`` of the
+ring baseline applies them, and packed documents build their per-document angles through
+:func:`angles_of` (:func:`megatron_metp.megatron.packing.document_rope`). The last table is kept
+(one entry, this rank's rows only) for the next micro-batch.
+
+:func:`use_exact_angles` switches a built model's plain RoPE module over (its class only: no
+parameters or buffers change, checkpoints are unaffected). Default for METP and the ring
+baseline; ``--metp-rope-fp32-recipe`` (Megatron-LM), ``Layout.rope_fp32_recipe`` or
+``METP_ROPE_RECIPE=megatron`` keep Megatron's recipe (bit-compatible with a stock run). Stock TP
+twins keep Megatron's. Variants not covered (position interpolation
+``seq_len_interpolation_factor``, interleaved RoPE, YaRN, mRoPE) keep Megatron's too, and any
+job whose positions reach 2^24 on Megatron's recipe is refused before work
+(:func:`megatron_metp.ops.rope.fp32_recipe_refusal`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+from ..ops.rope import RECIPES, fp32_recipe_refusal, rope_angles
+from ..ops.sequence import local_positions
+
+#: Environment variable choosing the recipe of METP/ring models (``exact`` or ``megatron``).
+RECIPE_ENV = "METP_ROPE_RECIPE"
+
+
+def rope_recipe(fp32_recipe: bool = False) -> str:
+    """``"megatron"`` when ``fp32_recipe`` (``--metp-rope-fp32-recipe``) or
+    ``$METP_ROPE_RECIPE=megatron``, else ``"exact"``; a bad value of the variable is refused."""
+    env = os.environ.get(RECIPE_ENV, "") or "exact"
+    if env not in RECIPES:
+        raise ValueError(f"{RECIPE_ENV}={env!r}: must be one of {RECIPES} (exact: METP's exact "
+                         f"RoPE angles, the default; megatron: Megatron's fp32 recipe)")
+    return "megatron" if fp32_recipe or env == "megatron" else "exact"
+
+
+def uncovered(rotary) -> Optional[str]:
+    """Why ``rotary`` cannot take exact angles (a variant they do not cover), or ``None``."""
+    if type(rotary) not in (RotaryEmbedding, ExactRotaryEmbedding):
+        return f"{type(rotary).__name__} (only plain RoPE has exact angles)"
+    if rotary.rotary_interleaved:
+        return "interleaved RoPE (--rotary-interleaved)"
+    if rotary.seq_len_interpolation_factor is not None:
+        return ("position interpolation (--rotary-seq-len-interpolation-factor "
+                f"{rotary.seq_len_interpolation_factor})")
+    return None
+
+
+def angles_of(rotary, positions: torch.Tensor, bounds) -> torch.Tensor:
+    """Angles ``[n, 1, 1, 2r]`` of int64 ``positions [n]`` (``bounds``: their lowest and highest
+    value) from ``rotary``'s own ``inv_freq``, on the device Megatron's ``get_emb`` would use."""
+    _move_inv_freq(rotary)
+    return rope_angles(positions.to(rotary.inv_freq.device), rotary.inv_freq, bounds=bounds)
+
+
+def _move_inv_freq(rotary) -> None:
+    # as Megatron's get_emb: inv_freq is built on the CPU and moved once to the current device
+    if rotary.inv_freq.device.type == "cpu" and torch.cuda.is_available():
+        rotary.inv_freq = rotary.inv_freq.to(device=torch.cuda.current_device())
+
+
+class ExactRotaryEmbedding(RotaryEmbedding):
+    """Megatron's ``RotaryEmbedding`` whose ``forward`` returns exact angles for this rank's
+    tokens only (module docstring). Built by :func:`use_exact_angles` from a constructed
+    ``RotaryEmbedding``; same attributes (``inv_freq``, ``cp_group``, ...)."""
+
+    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False,
+                cp_group=None) -> torch.Tensor:
+        """``[max_seq_len / P, 1, 1, 2r]``: the angles of this rank's dual-chunk share of
+        positions ``offset … offset + max_seq_len − 1`` over ``cp_group`` (default: the
+        module's; ``P`` its size), as Megatron's ``forward`` after its CP slice. With
+        ``packed_seq`` (THD) the whole run, as Megatron's (METP's packed documents do not take
+        this path: :mod:`.packing` builds per-document rows)."""
+        group = cp_group if cp_group is not None else self.cp_group
+        size = group.size() if group is not None and not packed_seq else 1
+        rank = group.rank() if size > 1 else 0
+        key = (int(max_seq_len), int(offset), rank, size)
+        cached = getattr(self, "_metp_last", None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        _move_inv_freq(self)
+        dev = self.inv_freq.device
+        pos = (local_positions(rank, size, max_seq_len // size, layout="dual_chunk", device=dev)
+               if size > 1 else torch.arange(max_seq_len, device=dev)) + offset
+        emb = angles_of(self, pos, (offset, offset + max_seq_len - 1))
+        self._metp_last = (key, emb)
+        return emb
+
+
+def use_exact_angles(model: torch.nn.Module, recipe: str = "exact") -> str:
+    """Give ``model`` (a ``GPTModel``) exact angles when ``recipe == "exact"`` and its RoPE is
+    plain; return what its angles are now: ``"exact"``, ``"megatron"`` (asked for, or a variant
+    not covered: :func:`uncovered`) or ``"none"`` (no RoPE module)."""
+    if recipe not in RECIPES:
+        raise ValueError(f"RoPE recipe must be one of {RECIPES}, got {recipe!r}")
+    rotary = getattr(model, "rotary_pos_emb", None)
+    if not isinstance(rotary, RotaryEmbedding):
+        return "none"
+    if recipe == "megatron" or uncovered(rotary) is not None:
+        return "megatron"
+    rotary.__class__ = ExactRotaryEmbedding
+    return "exact"
+
+
+def check_reach(model: torch.nn.Module, state: str, seq_length: int, asked: str) -> None:
+    """Refuse (``ValueError``) a model whose angles are Megatron's (``state``, from
+    :func:`use_exact_angles`) when its positions reach 2^24; ``asked``: what chose Megatron's
+    recipe when the variant is covered (a flag, or stock TP)."""
+    if state != "megatron":
+        return
+    variant = uncovered(model.rotary_pos_emb)
+    why = f"{variant} is not covered by exact angles" if variant else f"{asked}"
+    fix = ("use plain RoPE (exact angles) with METP or the ring baseline" if variant else
+           "run METP or the ring baseline with exact angles (the default: drop "
+           "--metp-rope-fp32-recipe / METP_ROPE_RECIPE=megatron)")
+    refusal = fp32_recipe_refusal(seq_length, why, fix)
+    if refusal:
+        raise ValueError(refusal)
+
+
+# ------------------------------------------------------------------------------ Megatron-LM
+
+def check_args_reach(args) -> None:
+    """Refuse a job whose RoPE positions reach 2^24 while its angles would come from Megatron's
+    fp32 recipe (METP off, ``--metp-rope-fp32-recipe``, a RoPE variant exact angles do not
+    cover), naming the reason and the fix. Run by Megatron-LM's ``validate_args`` (through
+    :func:`megatron_metp.megatron_lm.validate_metp_args`: ``pretrain_gpt.sh`` and the dry run).
+    ``--metp-rope-fp32-recipe`` without METP is refused too (stock angles are Megatron's)."""
+    metp = (getattr(args, "metp_parallel_size", 1) or 1) > 1
+    if getattr(args, "metp_rope_fp32_recipe", False) and not metp:
+        raise ValueError("--metp-rope-fp32-recipe needs --metp-parallel-size > 1 (with METP off "
+                         "the RoPE angles are stock Megatron's already): drop the flag")
+    kind = getattr(args, "position_embedding_type", None)
+    if kind not in ("rope", "yarn", "mrope"):
+        return  # no rotary angles (learned absolute positions are int64 indices)
+    if not metp:
+        why, fix = ("METP is off: stock Megatron's RotaryEmbedding", "run with "
+                    "--metp-parallel-size > 1 (METP or --metp-disable-weight-ring: exact angles)")
+    elif kind != "rope":
+        why, fix = (f"--position-embedding-type {kind} is not covered by exact angles",
+                    "use --position-embedding-type rope")
+    elif getattr(args, "multi_latent_attention", False):
+        return  # refused with METP anyway
+    elif rope_recipe(bool(getattr(args, "metp_rope_fp32_recipe", False))) == "megatron":
+        why, fix = ("--metp-rope-fp32-recipe or METP_ROPE_RECIPE=megatron",
+                    "drop --metp-rope-fp32-recipe and unset METP_ROPE_RECIPE (exact angles)")
+    else:
+        return
+    refusal = fp32_recipe_refusal(getattr(args, "seq_length", None), why, fix)
+    if refusal:
+        raise ValueError(refusal)
+
+
+def use_angles_of_args(model: torch.nn.Module, args) -> str:
+    """:func:`use_exact_angles` on a METP/ring model built from Megatron-LM ``args``
+    (``--metp-rope-fp32-recipe``), refused past 2^24 on Megatron's recipe; rank 0 says which."""
+    import torch.distributed as dist
+
+    angles = use_exact_angles(model, rope_recipe(bool(getattr(args, "metp_rope_fp32_recipe",
+                                                                False))))
+    check_reach(model, angles, args.seq_length, "--metp-rope-fp32-recipe or "
+                "METP_ROPE_RECIPE=megatron")
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"RoPE angles: {angles}" + (" (int64 positions, reduced mod 2 pi, this rank's "
+                                          "tokens only)" if angles == "exact" else ""), flush=True)
+    return angles
