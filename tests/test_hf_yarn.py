@@ -1,8 +1,9 @@
 """YaRN (``rope_scaling`` type ``yarn``) through the converter and METP: a tiny random
 ``transformers`` Qwen3 with YaRN (original context 64, factor 4; no download), imported and run at
 METP = 2 and 3 on sequences of 256 (258 at METP 3, a multiple of 2p), gives transformers' logits
-at every position (fp32, 1e-5), past the original context too; without YaRN's attention factor
-or without its frequency scaling the logits visibly differ. Megatron's YaRN frequencies and
+at every position (fp32, 1e-5), past the original context too, with METP's exact angles of
+YaRN's scaled frequencies (exact past 2^24 positions too); without YaRN's attention factor or
+without its frequency scaling the logits visibly differ. Megatron's YaRN frequencies and
 attention factor equal transformers' for each way ``rope_scaling`` can set them; export writes
 ``rope_scaling`` back unchanged and every tensor bit-exactly; the flags are printed."""
 
@@ -34,6 +35,19 @@ def _ids():
     return torch.randint(0, 102, (1, max(SEQS.values()) + 1), generator=gen)
 
 
+def _exact_forward(rank, world, *args):
+    """:func:`_metp_forward`, checking that the model's YaRN angles are METP's exact ones."""
+    build = H.build_model
+
+    def checked(*a, **k):
+        model = build(*a, **k)
+        assert type(model.rotary_pos_emb).__name__ == "ExactYarnRotaryEmbedding"
+        return model
+
+    H.build_model = checked
+    return _metp_forward(rank, world, *args)
+
+
 def _without_mscale(rank, world, *args):
     """:func:`_metp_forward` with METP's attention ignoring YaRN's attention factor."""
     from megatron_metp.megatron import modules
@@ -42,7 +56,7 @@ def _without_mscale(rank, world, *args):
     return _metp_forward(rank, world, *args)
 
 
-def _run(p, m, geometry=None, fn=_metp_forward):
+def _run(p, m, geometry=None, fn=_exact_forward):
     ids = m.ids[:, :SEQS[p] + 1]
     outs = run_ranks(fn, p, m.ckpt, geometry or m.geometry, ids)
     return _gather(outs, "logits"), _gather(outs, "loss").double().mean().item()
@@ -98,7 +112,7 @@ def test_negative_controls_without_mscale_or_scaling(qwen3_yarn):
     m = qwen3_yarn
     ref = m.logits[:, :SEQS[2]]
     no_mscale, _ = _run(2, m, fn=_without_mscale)
-    no_scaling, _ = _run(2, m, {**m.geometry, "yarn": None})
+    no_scaling, _ = _run(2, m, {**m.geometry, "yarn": None}, fn=_metp_forward)
     e1, e2 = _per_position_err(no_mscale, ref), _per_position_err(no_scaling, ref)
     print(f"\nwithout mscale: largest rel. err {e1.max():.2e}; without the scaling: "
           f"{e2[ORIGINAL:].max():.2e} past position {ORIGINAL}")
@@ -191,3 +205,31 @@ def test_export_writes_rope_scaling_back_and_prints_flags(qwen3_yarn, tmp_path, 
     assert '"${POSITION_EMBEDDING_TYPE:=yarn}"' in sh and "--rotary-scaling-factor 4.0" in sh
     g = geometry_from_hf({**src, "rope_scaling": {**YARN, "truncate": False}})
     assert "--no-yarn-correction-range-round-to-int" in megatron_args(g)
+
+
+def test_exact_yarn_angles_past_2_24():
+    """METP's YaRN module (what ``use_exact_angles`` makes of Megatron's) gives angles whose
+    cos/sin are within 1e-6 of a float64 reference of YaRN's own frequencies at positions past
+    2^24, with Megatron's attention factor; Megatron's fp32 table there does not."""
+    from megatron.core.models.common.embeddings import YarnRotaryEmbedding
+
+    from megatron_metp.megatron import cpu
+    from megatron_metp.megatron.rope import use_exact_angles
+    from megatron_metp.megatron.yarn import yarn_inv_freq
+
+    cpu.enable()
+    model = torch.nn.Module()
+    model.rotary_pos_emb = YarnRotaryEmbedding(
+        kv_channels=16, rotary_base=5000, use_cpu_initialization=True, scaling_factor=4.0,
+        original_max_position_embeddings=ORIGINAL)
+    offset, n = (1 << 24) - 3, 8
+    stock, stock_a = model.rotary_pos_emb.get_emb(n, offset)
+    assert use_exact_angles(model) == "exact"
+    emb, a = model.rotary_pos_emb(n, offset)
+    assert a == stock_a == pytest.approx(1 + 0.1 * math.log(4.0))
+    pos = torch.arange(offset, offset + n, dtype=torch.float64)
+    theta = torch.outer(pos, yarn_inv_freq(model.rotary_pos_emb).double())
+    ref = torch.cat([theta, theta], dim=-1)[:, None, None, :]
+    for f in (torch.cos, torch.sin):
+        assert (f(emb.double()) - f(ref)).abs().max() <= 1e-6
+    assert max((f(stock.double()) - f(ref)).abs().max() for f in (torch.cos, torch.sin)) > 1e-2

@@ -16,8 +16,10 @@ METP's attention takes angles, not cos/sin tables, and folds ``A²`` into its so
 applied ``A`` to q and k: nothing is folded there.
 
 :func:`yarn_inv_freq` is ``inv_freq'`` exactly as ``YarnRotaryEmbedding.get_emb`` forms it (the
-same megatron-core helpers on the module's own settings), for exact angles
-(:func:`megatron_metp.ops.rope.rope_angles`).
+same megatron-core helpers on the module's own settings); :class:`ExactYarnRotaryEmbedding`
+(what :func:`~.rope.use_exact_angles` makes of a ``YarnRotaryEmbedding``, the default for METP
+and the ring baseline) forms this rank's angles from it with
+:func:`megatron_metp.ops.rope.rope_angles`: exact past 2^24 positions like plain RoPE's.
 """
 
 from __future__ import annotations
@@ -26,16 +28,19 @@ import math
 from typing import Optional
 
 import torch
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+    YarnRotaryEmbedding, _yarn_get_concentration_factor)
+
+from .rope import ExactRotaryEmbedding
 
 
 def yarn_attention_factor(config) -> float:
     """YaRN's attention factor ``A`` as megatron-core's attention computes it from ``config``
-    (1.0 when ``config`` has no ``yarn_*`` settings, or megatron-core has no YaRN)."""
-    try:
-        from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import \
-            _yarn_get_concentration_factor_from_config as factor
-    except ImportError:
-        return 1.0
+    (1.0 when ``config`` has no ``yarn_*`` settings)."""
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import \
+        _yarn_get_concentration_factor_from_config as factor
+
     return float(factor(config))
 
 
@@ -51,16 +56,6 @@ def metp_softmax_scale(config) -> Optional[float]:
     return s * a * a
 
 
-def is_yarn(rotary_pos_emb_module) -> bool:
-    """Whether a model's ``rotary_pos_emb`` is megatron-core's ``YarnRotaryEmbedding``."""
-    try:
-        from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import \
-            YarnRotaryEmbedding
-    except ImportError:
-        return False
-    return isinstance(rotary_pos_emb_module, YarnRotaryEmbedding)
-
-
 def yarn_inv_freq(rotary) -> torch.Tensor:
     """YaRN's scaled ``inv_freq' [d/2]`` (fp32) of a ``YarnRotaryEmbedding``, bit-identical to
     the one its ``get_emb`` multiplies the positions by::
@@ -73,7 +68,40 @@ def yarn_inv_freq(rotary) -> torch.Tensor:
     low, high = Y._yarn_find_correction_range(
         rotary.beta_fast, rotary.beta_slow, rotary.dim, rotary.rotary_base,
         rotary.original_max_position_embeddings, rotary.correction_range_round_to_int)
+    if torch.cuda.is_available() and rotary.inv_freq_extra.device.type == "cpu":
+        # as get_emb: built on the CPU, moved once to the current device
+        dev = torch.cuda.current_device()
+        rotary.inv_freq_extra = rotary.inv_freq_extra.to(device=dev)
+        rotary.inv_freq_inter = rotary.inv_freq_inter.to(device=dev)
     extra, inter = rotary.inv_freq_extra, rotary.inv_freq_inter
     mask = 1.0 - Y._yarn_linear_ramp_mask(low, high, rotary.dim // 2,
                                           device=extra.device).to(dtype=torch.float32)
     return inter * (1 - mask) + extra * mask
+
+
+class ExactYarnRotaryEmbedding(ExactRotaryEmbedding, YarnRotaryEmbedding):
+    """megatron-core's ``YarnRotaryEmbedding`` with exact angles for this rank's tokens only
+    (:class:`~.rope.ExactRotaryEmbedding`'s ``forward``) of YaRN's scaled ``inv_freq'``
+    (:func:`yarn_inv_freq`). Like Megatron's, ``forward`` returns ``(angles, A)``; ``GPTModel``
+    drops ``A`` and the attention applies it from the config (module docstring). Built by
+    :func:`~.rope.use_exact_angles` from a constructed ``YarnRotaryEmbedding``."""
+
+    def exact_inv_freq(self) -> torch.Tensor:
+        return yarn_inv_freq(self)
+
+    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False,
+                cp_group=None):
+        emb = ExactRotaryEmbedding.forward(self, max_seq_len, offset, packed_seq, cp_group)
+        return emb, _yarn_get_concentration_factor(self.scaling_factor, self.mscale,
+                                                   self.mscale_all_dim)
+
+
+def exact_class(rotary):
+    """The exact-angle class for a model's RoPE module ``rotary`` (plain RoPE or YaRN, either
+    already switched or not), or None for a kind exact angles do not cover."""
+    kind = type(rotary)
+    if kind in (RotaryEmbedding, ExactRotaryEmbedding):
+        return ExactRotaryEmbedding
+    if kind in (YarnRotaryEmbedding, ExactYarnRotaryEmbedding):
+        return ExactYarnRotaryEmbedding
+    return None

@@ -106,8 +106,10 @@ def read_safetensors(hf_dir: str) -> Dict[str, torch.Tensor]:
 def build_model(g: LlamaGeometry, *, groups=None, vocab_parallel: bool = False):
     """The megatron-core ``GPTModel`` this geometry converts to, on the initialised parallel
     state: the stock local layer spec with ``groups=None``, METP's spec with ``groups``
-    (:class:`megatron_metp.megatron.groups.METPGroups`), ``METPGPTModel`` (vocabulary on the
-    ring) with ``vocab_parallel``. Weights are left uninitialised (load them)."""
+    (:class:`megatron_metp.megatron.groups.METPGroups`; exact RoPE angles unless
+    ``$METP_ROPE_RECIPE=megatron``, :mod:`megatron_metp.megatron.rope`), ``METPGPTModel``
+    (vocabulary on the ring) with ``vocab_parallel``. Weights are left uninitialised (load
+    them)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -127,10 +129,15 @@ def build_model(g: LlamaGeometry, *, groups=None, vocab_parallel: bool = False):
     from ..megatron.spec import get_gpt_layer_metp_spec
     from ..megatron.vocab import METPGPTModel
 
+    from ..megatron.rope import rope_recipe, use_exact_angles
+
     spec = get_gpt_layer_metp_spec(groups, normalization="RMSNorm", qk_layernorm=g.qk_layernorm)
     if vocab_parallel:
-        return METPGPTModel(transformer_layer_spec=spec, metp_groups=groups, **kwargs)
-    return GPTModel(transformer_layer_spec=spec, **kwargs)
+        model = METPGPTModel(transformer_layer_spec=spec, metp_groups=groups, **kwargs)
+    else:
+        model = GPTModel(transformer_layer_spec=spec, **kwargs)
+    use_exact_angles(model, rope_recipe())  # METP's default (plain RoPE and YaRN)
+    return model
 
 
 @contextlib.contextmanager
