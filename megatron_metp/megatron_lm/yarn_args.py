@@ -10,8 +10,11 @@ attention folds the config's attention factor into the softmax scale
 
 core_v0.16.1's ``pretrain_gpt.py`` has no ``yarn`` choice and no ``--yarn-*`` flags (megatron-core
 0.16.1's ``GPTModel`` does have YaRN, but nothing fills its settings). :func:`offer_yarn_choice`
-lets its parser accept ``yarn`` so that :func:`yarn_release_problem` can refuse it naming the
-release instead of argparse's bare "invalid choice".
+lets a parser that takes METP's flags accept ``yarn`` so that :func:`yarn_release_problem`
+refuses it naming the release (the dry run parses that way) instead of argparse's bare "invalid
+choice". core_v0.16.1's ``pretrain_gpt.py`` itself parses once without METP's flags first (for
+its in-process restart), so ``scripts/pretrain_gpt.sh`` refuses ``POSITION_EMBEDDING_TYPE=yarn``
+with a core_v0.16.1 checkout before launching it.
 
 Refused with METP (:func:`yarn_problems`), naming the flag: YaRN's flags without
 ``--position-embedding-type yarn`` (Megatron ignores them there), and with it
