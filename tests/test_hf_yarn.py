@@ -48,6 +48,28 @@ def _exact_forward(rank, world, *args):
     return _metp_forward(rank, world, *args)
 
 
+def _ring_forward(rank, world, *args):
+    """:func:`_exact_forward` of the ring self-attention baseline (replicated weights, Megatron's
+    own ``SelfAttention`` applying YaRN's attention factor to q and k, the K/V ring)."""
+    import functools
+
+    from megatron_metp.megatron import spec
+
+    spec.get_gpt_layer_metp_spec = functools.partial(spec.get_gpt_layer_metp_spec,
+                                                     weight_ring=False)
+    build = H.build_model
+
+    def checked(*a, **k):
+        model = build(*a, **k)
+        attn = model.decoder.layers[0].self_attention
+        assert (type(attn).__name__, type(attn.core_attention).__name__) == \
+            ("SelfAttention", "METPRingCoreAttention")
+        return model
+
+    H.build_model = checked
+    return _exact_forward(rank, world, *args)
+
+
 def _without_mscale(rank, world, *args):
     """:func:`_metp_forward` with METP's attention ignoring YaRN's attention factor."""
     from megatron_metp.megatron import modules
@@ -103,6 +125,16 @@ def test_metp_logits_equal_transformers_at_every_position(qwen3_yarn, p):
           f" loss {loss:.8f} vs transformers {m.loss[p]:.8f}")
     assert err.max() <= TOL, (err.argmax().item(), err.max().item())
     assert abs(loss - m.loss[p]) <= TOL * abs(m.loss[p])
+
+
+def test_ring_baseline_logits_equal_transformers(qwen3_yarn):
+    """The ring self-attention baseline at p = 3 takes the same exact YaRN angles; Megatron's
+    attention applies the attention factor (nothing is folded there)."""
+    m = qwen3_yarn
+    logits, _ = _run(3, m, fn=_ring_forward)
+    err = _per_position_err(logits, m.logits[:, :SEQS[3]])
+    print(f"\nYaRN ring baseline p=3: largest per-position logits rel. err {err.max():.2e}")
+    assert err.max() <= TOL
 
 
 def test_negative_controls_without_mscale_or_scaling(qwen3_yarn):
@@ -233,3 +265,24 @@ def test_exact_yarn_angles_past_2_24():
     for f in (torch.cos, torch.sin):
         assert (f(emb.double()) - f(ref)).abs().max() <= 1e-6
     assert max((f(stock.double()) - f(ref)).abs().max() for f in (torch.cos, torch.sin)) > 1e-2
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_every_family_takes_yarn(family):
+    """``rope_scaling`` type ``yarn`` converts for each family the converter takes: geometry and
+    flags from the same mapping (the numerics are the families' shared RoPE, tested above)."""
+    import transformers
+
+    cls = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
+           "qwen3": "Qwen3Config"}[family]
+    cfg = getattr(transformers, cls)(hidden_size=96, num_attention_heads=12,
+                                     num_key_value_heads=6, intermediate_size=192,
+                                     max_position_embeddings=1024, rope_theta=10000.0,
+                                     sliding_window=None).to_dict()
+    cfg["rope_scaling"] = {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 128,
+                           "beta_fast": 16.0}
+    g = geometry_from_hf(cfg)
+    assert g.family == family and g.yarn["yarn_beta_fast"] == 16.0
+    flags = megatron_args(g)
+    assert flags[flags.index("--position-embedding-type") + 1] == "yarn"
+    assert flags[flags.index("--rotary-scaling-factor") + 1] == "8.0"
