@@ -73,3 +73,17 @@ def test_yarn_flags_metp_cannot_honour_are_refused_naming_them(kind, change, nee
     assert needle in str(err.value)
     assert args.context_parallel_size == 1  # refused before anything was mapped
     assert yarn_problems(_args(position_embedding_type=kind, **YARN_019)) == []
+
+
+def test_yarn_with_metp_passes_the_2_24_guard(monkeypatch):
+    """YaRN has exact angles with METP, so the guard on Megatron's fp32 recipe lets it past 2^24;
+    without METP (stock angles) it is refused there."""
+    from types import SimpleNamespace
+
+    from megatron_metp.megatron.rope import check_args_reach
+
+    monkeypatch.delenv("METP_ROPE_RECIPE", raising=False)
+    args = dict(position_embedding_type="yarn", seq_length=1 << 25, metp_rope_fp32_recipe=False)
+    check_args_reach(SimpleNamespace(metp_parallel_size=4, **args))
+    with pytest.raises(ValueError, match="positions reach 2\\^24"):
+        check_args_reach(SimpleNamespace(metp_parallel_size=1, **args))
