@@ -169,3 +169,23 @@ def test_tiny_builder_refuses_stock_past_2_24_and_builds_metp():
     assert "positions reach 2^24" in stock and "stock TP" in stock
     metp = run_ranks(_build_long, 2, Layout(metp=2))
     assert metp == ["built", "built"]
+
+
+def test_exact_angles_under_fake_tensors():
+    """The dry run builds and runs the model under FakeTensorMode: the exact angles need no
+    data (shapes only), for the plain rows and per-document ones."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from megatron_metp.megatron.packing import document_rope
+    from megatron_metp.megatron.rope import use_exact_angles
+
+    model = torch.nn.Module()
+    with FakeTensorMode():
+        model.rotary_pos_emb = RotaryEmbedding(kv_channels=128, rotary_percent=1.0,
+                                               rotary_base=500000, use_cpu_initialization=True)
+        assert use_exact_angles(model) == "exact"
+        emb = model.rotary_pos_emb(1 << 20)
+        docs = document_rope(model.rotary_pos_emb, [0, 100, 4096], 1, 2, 2048, "dual_chunk")
+    assert isinstance(emb, FakeTensor) and emb.shape == (1 << 20, 1, 1, 128)
+    assert isinstance(docs, FakeTensor) and docs.shape == (2048, 1, 1, 128)

@@ -15,6 +15,10 @@ then one ``addcmul_`` per half for the ``sin`` terms (the halves swap sources, w
 view can express), all written into the output; plus one copy of the unrotated channels if
 ``r < d``. Every element sees the same operations in the same order as with a product per half
 (bit-identical results).
+
+The angles themselves: :func:`rope_angles` computes them exactly for int64 positions (up to
+2^31 − 1) and this rank's tokens only; :func:`megatron_angles` is Megatron's fp32 recipe, for
+comparisons (``docs/positions.md``).
 """
 
 from __future__ import annotations
@@ -68,29 +72,28 @@ def apply_rope(t: torch.Tensor, freqs: torch.Tensor, *, transpose: bool = False,
 # half an fp32 ulp of pos·inv_freq (≈ 0.12 rad at 4M positions for inv_freq ≈ 1). Here θ is
 # computed exactly and reduced modulo 2π before its single rounding to fp32:
 #
-#   pos = hi + lo with hi a multiple of 2^12 (≤ 19 significant bits for pos < 2^31) and
-#   lo < 2^12; inv_freq fp32 has 24 significant bits, so hi·f (≤ 43 bits) and lo·f (≤ 36 bits)
-#   are exact in fp64. Each is reduced modulo 2π on its own (``_mod_2pi``: fmod by fp64(2π),
-#   exact, then corrected by k·(2π − fp64(2π))), the two summed and reduced once more, and the
-#   result (in [0, 2π)) rounded once to fp32: |error| ≤ 2^-22 rad (half an ulp of 2π in fp32)
-#   plus ~1e-15 from the fp64 steps, for every position below 2^31 (2^43 with the same split
-#   only loses exactness of hi·f past 2^(53-24+12) = 2^41; refused above 2^31 − 1 to stay
-#   within what is tested).
+#   pos = d₂·2^24 + d₁·2^12 + d₀ with digits d < 2^12 (d₂ < 2^7 below 2^31); inv_freq fp32 has
+#   24 significant bits, so each digit's product d·2^(12k)·f (≤ 36 bits) is exact in fp64. The
+#   products of every digit value are reduced modulo 2π once per call (``_mod_2pi_``: fmod by
+#   fp64(2π), exact, then corrected by k·(2π − fp64(2π))) into three tables of 8,320 rows in
+#   all; a position's angle is the sum of its three digits' rows, reduced once more and
+#   rounded once to fp32: |error| ≤ 2^-22 rad (half an ulp of 2π in fp32) plus ~1e-15 from the
+#   fp64 steps, for every position below 2^31 (refused above 2^31 − 1: what is tested).
 
-#: ``hi`` is a multiple of this (the split that keeps both partial products exact in fp64).
+#: The digit base of a position (keeps every digit's product with an fp32 inv_freq exact).
 _SPLIT = 1 << 12
 #: The largest position :func:`rope_angles` accepts (tested up to it).
 MAX_POSITION = (1 << 31) - 1
 _TWO_PI = 6.283185307179586  # fp64(2π), just below 2π
 _TWO_PI_LO = 2.4492935982947064e-16  # 2π − fp64(2π)
-#: Positions per chunk: bounds the fp64 temporaries at ~4 × 8 bytes × this × r.
+#: Positions per chunk: bounds the fp64 temporaries at ~3 × 8 bytes × this × r.
 _CHUNK = 1 << 15
 
 #: Where exact angles are used: every METP and ring-baseline model, unless the environment or
 #: ``--metp-rope-fp32-recipe`` asks for Megatron's fp32 recipe (bit-compatibility with a stock run).
 RECIPES = ("exact", "megatron")
 #: fp32 represents every integer only below this: Megatron's recipe is refused when a job's
-#: positions reach it (:func:`check_recipe_reach`).
+#: positions reach it (:func:`fp32_recipe_refusal`).
 FP32_EXACT_POSITIONS = 1 << 24
 
 
@@ -107,14 +110,47 @@ def fp32_recipe_refusal(seq_length: int, why: str, fix: str) -> Optional[str]:
             f"{FP32_EXACT_POSITIONS:,}")
 
 
-def _mod_2pi(x: torch.Tensor) -> torch.Tensor:
-    """``x mod 2π`` for fp64 ``x ≥ 0`` below ~2^53: ``fmod`` by fp64(2π) is exact; the quotient
-    ``k`` (exact integer) times the tail ``2π − fp64(2π)`` is then subtracted, and one wrap
-    keeps the result in ``[0, 2π)``."""
+def _mod_2pi_(x: torch.Tensor) -> torch.Tensor:
+    """``x mod 2π`` for fp64 ``x ≥ 0`` below ~2^53, in ``[0, 2π)``; ``x`` is overwritten.
+    ``fmod`` by fp64(2π) is exact; the quotient ``k`` (an exact integer) times the tail
+    ``2π − fp64(2π)`` is then subtracted, and one wrap keeps the result non-negative."""
     r = torch.fmod(x, _TWO_PI)
-    k = torch.round((x - r) / _TWO_PI)
-    r = r - k * _TWO_PI_LO
-    return torch.where(r < 0, r + _TWO_PI, r)
+    k = x.sub_(r).div_(_TWO_PI).round_()  # exact: x − r is k·fp64(2π) up to one rounding
+    r.sub_(k.mul_(_TWO_PI_LO))
+    return r.add_((r < 0).to(r.dtype).mul_(_TWO_PI))
+
+
+def _tables(inv_freq: torch.Tensor, device) -> Tuple[torch.Tensor, ...]:
+    """``(T₂, T₁, T₀)``: ``T_k[d] = d · 2^(12k) · inv_freq mod 2π`` in fp64 for every digit
+    ``d`` of base 2^12 (``T₂``: 128 rows, positions below 2^31), each product exact in fp64
+    (≤ 12 + 24 significant bits) and reduced by :func:`_mod_2pi_`: 8,320 × r values."""
+    f = inv_freq.to(device=device, dtype=torch.float64)
+    digits = torch.arange(_SPLIT, device=device, dtype=torch.float64)
+    return tuple(_mod_2pi_(torch.outer(digits[:rows] * float(_SPLIT ** k), f))
+                 for k, rows in ((2, (MAX_POSITION >> 24) + 1), (1, _SPLIT), (0, _SPLIT)))
+
+
+def _theta(pos: torch.Tensor, tables) -> torch.Tensor:
+    """fp64 ``[n, r]`` angles of int64 ``pos [n]`` from :func:`_tables`: the three digits'
+    reduced angles summed (in ``[0, 6π)``) and wrapped once into ``[0, 2π)``."""
+    t2, t1, t0 = tables
+    theta = t2.index_select(0, pos >> 24)
+    theta += t1.index_select(0, (pos >> 12) & (_SPLIT - 1))
+    theta += t0.index_select(0, pos & (_SPLIT - 1))
+    turns = torch.floor(theta / _TWO_PI)  # 0, 1 or 2 (each digit's angle is below 2π)
+    theta.sub_(turns * _TWO_PI)
+    return theta.sub_(turns.mul_(_TWO_PI_LO))  # the tail 2π − fp64(2π) of each turn
+
+
+def exact_theta(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """``positions [n] · inv_freq [r] mod 2π`` in fp64, ``[n, r]``, in ``[0, 2π)`` (up to a
+    ~1e-15 rad wrap), within ~1e-15 rad of the exact value: the angles before
+    :func:`rope_angles`' single rounding to fp32. ``pos = d₂·2^24 + d₁·2^12 + d₀``: each
+    digit's product with the fp32 ``inv_freq`` is exact in fp64 and reduced mod 2π on its own
+    (tables of 8,320 rows, built once per call), then the three are summed and reduced once
+    more. No range check (:func:`rope_angles` does it): int64 ``positions`` in ``[0, 2^31)``."""
+    pos = positions.to(torch.int64)
+    return _theta(pos, _tables(inv_freq, pos.device))
 
 
 def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor, *,
@@ -122,12 +158,13 @@ def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor, *,
     """RoPE angles ``[n, 1, 1, 2r]`` (fp32, Megatron's non-interleaved ``[θ | θ]`` layout) of
     integer ``positions [n]`` (int64, ``0 ≤ pos ≤ 2^31 − 1``) and fp32 ``inv_freq [r]`` (the
     model's own, after any scaling): ``θ[i, j] = positions[i] · inv_freq[j] mod 2π``, computed
-    exactly (``pos = hi + lo``, both products exact in fp64, each reduced mod 2π) and rounded
-    once to fp32, so ``cos``/``sin`` of the result are within ~3e-7 of the exact values at any
-    position. Only the given positions are formed (this rank's tokens, not a whole-sequence
-    table), on ``positions``' device, in chunks of ``2^15`` rows. ``bounds``: ``(lowest,
-    highest)`` position when the caller knows them as ints (checked instead of reading
-    ``positions``: no device sync, and it works on fake tensors, e.g. in the dry run).
+    exactly (:func:`exact_theta`) and rounded once to fp32, so ``cos``/``sin`` of the result are
+    within ~3e-7 of the exact values at any position. Only the given positions are formed (this
+    rank's tokens, not a whole-sequence table), on ``positions``' device, in chunks of ``2^15``
+    rows (fp64 working set: the 8,320-row tables plus ~3 × 2^15 × r × 8 bytes, ~52 MiB at
+    r = 64, whatever ``n``). ``bounds``:
+    ``(lowest, highest)`` position when the caller knows them as ints (checked instead of
+    reading ``positions``: no device sync, and it works on fake tensors, e.g. in the dry run).
 
     Below 2^22 positions this agrees with Megatron's fp32 recipe (``arange`` in fp32, fp32
     product) within that recipe's own rounding; above, Megatron's angles drift by up to half an
@@ -147,16 +184,10 @@ def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor, *,
     if lo_pos < 0 or hi_pos > MAX_POSITION:
         raise ValueError(f"positions must lie in [0, 2^31 - 1 = {MAX_POSITION}], got "
                          f"[{lo_pos}, {hi_pos}]")
-    f = inv_freq.to(device=positions.device, dtype=torch.float64)
+    tables = _tables(inv_freq, positions.device)
     for a in range(0, n, _CHUNK):
-        pos = positions[a:a + _CHUNK].to(torch.int64)
-        lo = torch.remainder(pos, _SPLIT)
-        hi = (pos - lo).to(torch.float64)
-        theta = _mod_2pi(torch.outer(hi, f))
-        theta += _mod_2pi(torch.outer(lo.to(torch.float64), f))
-        theta = torch.where(theta >= _TWO_PI, (theta - _TWO_PI) - _TWO_PI_LO, theta)
-        rows = out[a:a + pos.shape[0], 0, 0]
-        rows[:, :r].copy_(theta)
+        rows = out[a:a + _CHUNK, 0, 0]
+        rows[:, :r].copy_(_theta(positions[a:a + _CHUNK].to(torch.int64), tables))
         rows[:, r:].copy_(rows[:, :r])
     return out
 

@@ -19,7 +19,8 @@ kept on the device: :mod:`.partial`), each with and without Megatron's
 pipeline stage) fits the device minus the reserve and the host bytes of a node (offloaded
 activations + offloaded optimizer, eight ranks of the larger stage) fit ``host_gib`` per node.
 ``s`` is searched in multiples of the layout's step (:func:`.rank_memory.seq_step`), doubling
-then bisecting, up to ``limit`` tokens; the best candidate of a family is the longest sequence,
+then bisecting, up to ``limit`` tokens, and for layouts on Megatron's fp32 RoPE recipe (stock)
+up to 2^24 tokens (:mod:`.positions`: their positions collide past it; the report says so); the best candidate of a family is the longest sequence,
 ties going to fewer options (no offload before offload) and then the lower per-rank total.
 """
 
@@ -31,6 +32,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 from .hardware import HARDWARE
 from .internode import GPUS_PER_NODE, internode_hop
 from .model import GiB, Job, Model, validate
+from .positions import FP32_EXACT_POSITIONS, REASON as POSITIONS_REASON, position_cap
 from .rank_memory import capacity_bytes, memory, seq_step
 
 #: host memory of one node by default: DGX H100 / H200 have 2 TB of system memory (NVIDIA DGX
@@ -62,6 +64,7 @@ class Candidate:
     host_per_node: float = 0.0  # host bytes of a node at ``seq``
     offload_layers: Optional[int] = None  # layers per stage offloaded at ``seq`` (.partial)
     internode: Optional[Dict[str, float]] = field(default=None, repr=False)
+    capped: bool = False     # stopped at 2^24 tokens by Megatron's fp32 RoPE recipe (.positions)
 
     @property
     def options(self) -> int:
@@ -184,7 +187,11 @@ def candidates(model: Model, gpus: int, family: str, hardware: str = "H100-80GB"
                 except ValueError:
                     continue  # not a valid layout of this model (divisibility, layers, ...)
                 cand = Candidate(family, mode, job, name)
-                cand.seq = longest(model, job, mode, host_gib, limit)
+                cap = position_cap(mode, job)
+                cand.seq = longest(model, job, mode, host_gib, min(limit, cap or limit))
+                # capped: the next step past 2^24 would fit the memory, not the positions
+                cand.capped = bool(cap and cap < limit and cand.seq + q > cap and
+                                   longest(model, job, mode, host_gib, cand.seq + q) > cand.seq)
                 if cand.seq:
                     cand.total = _total(model, job, mode, cand.seq)
                     cand.host_per_node = _host_per_node(model, job, mode, cand.seq)
@@ -229,6 +236,9 @@ def reach_report(model: Model, gpus: int, hardware: str = "H100-80GB", reserve_g
             lines.append("  nothing fits")
             continue
         best[fam] = fitting[0]
+        if any(position_cap(c.mode, c.job) for c in cands):
+            lines.append(f"  capped at 2^24 tokens ({sum(c.capped for c in cands)} layouts × "
+                         f"options stop there): {POSITIONS_REASON}")
         for i, c in enumerate(fitting[:top]):
             hop = c.internode
             kv = ""
@@ -238,7 +248,10 @@ def reach_report(model: Model, gpus: int, hardware: str = "H100-80GB", reserve_g
                       f"({'hidden' if hop['hidden'] else 'NOT hidden'})")
             lines.append(f"  {'best' if i == 0 else f'#{i + 1}  '} {fmt_tokens(c.seq):>10} "
                          f"tokens  {c.describe()}: {fmt_bytes(c.total)} per rank, host "
-                         f"{fmt_bytes(c.host_per_node)} per node{kv}")
+                         f"{fmt_bytes(c.host_per_node)} per node{kv}"
+                         + (" (capped: positions < 2^24)" if c.capped else "")
+                         + (" (exact RoPE angles past 2^24)" if c.seq > FP32_EXACT_POSITIONS
+                            else ""))
     if len(best) == 2:
         m, s = best["metp"].seq, best["stock"].seq
         lines.append("")

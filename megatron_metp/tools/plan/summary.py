@@ -233,4 +233,10 @@ def report(model: Model, job: Job, modes: Sequence[str] = MODES) -> str:
     if res.get("crossover_vs_tp_sp") is not None:
         lines.append(f"# METP sends fewer bytes per layer than TP+SP from s ≈ "
                      f"{res['crossover_vs_tp_sp']:,} tokens on")
+    from .positions import REASON, refused_modes
+
+    refused = refused_modes(res["modes"], job, model.seq)
+    if refused:
+        lines.append(f"# {', '.join(refused)}: REFUSED at s = {model.seq:,} (positions reach "
+                     f"2^24): {REASON}")
     return "\n".join(lines)
