@@ -149,6 +149,12 @@ fi
 : "${TRANSFORMER_IMPL:=auto}" "${METP_ATTENTION_KERNEL:=auto}"
 : "${METP_DISABLE_WEIGHT_RING:=0}" "${METP_KEEP_INTERMEDIATE:=0}" "${METP_VOCAB_PARALLEL:=0}"
 WORLD_SIZE=$((GPUS_PER_NODE * NNODES))
+# YaRN: Megatron-LM core_v0.19.0 has the flags; core_v0.16.1's pretrain_gpt.py rejects the choice
+# while parsing, before any METP hook can name the release, so refuse it here
+if [[ "$POSITION_EMBEDDING_TYPE" == yarn && -f "$MEGATRON_LM_DIR/megatron/training/arguments.py" ]] &&
+        ! grep -q -- "--yarn-beta-fast" "$MEGATRON_LM_DIR/megatron/training/arguments.py"; then
+    die "POSITION_EMBEDDING_TYPE=yarn (--position-embedding-type yarn) needs Megatron-LM core_v0.19.0: $MEGATRON_LM_DIR has no --yarn-* flags (core_v0.16.1); use a core_v0.19.0 checkout or POSITION_EMBEDDING_TYPE=rope"
+fi
 
 IMPL_NOTE=""
 if [[ "$TRANSFORMER_IMPL" == auto ]]; then
@@ -186,7 +192,7 @@ GPT_MODEL_ARGS=(
     --no-persist-layer-norm
     --transformer-impl "$TRANSFORMER_IMPL"
 )
-[[ "$POSITION_EMBEDDING_TYPE" == rope ]] && GPT_MODEL_ARGS+=(--rotary-base "$ROTARY_BASE")
+[[ "$POSITION_EMBEDDING_TYPE" == rope || "$POSITION_EMBEDDING_TYPE" == yarn ]] && GPT_MODEL_ARGS+=(--rotary-base "$ROTARY_BASE")
 [[ -n "$NUM_QUERY_GROUPS" ]] && GPT_MODEL_ARGS+=(--group-query-attention --num-query-groups "$NUM_QUERY_GROUPS")
 [[ "$SWIGLU" == 1 ]] && GPT_MODEL_ARGS+=(--swiglu)
 [[ "$UNTIE_EMBEDDINGS" == 1 ]] && GPT_MODEL_ARGS+=(--untie-embeddings-and-output-weights)

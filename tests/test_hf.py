@@ -85,8 +85,9 @@ def _import_on_a_rank(rank, world, hf_dir, out, kwargs, swap=None):
 
 
 def _metp_forward(rank, world, ckpt, geometry: dict, ids, vocab_parallel=False):
-    """Load ``ckpt`` into the METP GPT (METP = world) and run the batch: this rank's logits
-    ``[b, s/p, Vp]`` (None with the vocabulary ring) and per-token losses ``[b, s/p]``."""
+    """Load ``ckpt`` into the METP GPT (METP = world) and run the batch ``ids [b, s + 1]``:
+    this rank's logits ``[b, s/p, Vp]`` (None with the vocabulary ring) and per-token losses
+    ``[b, s/p]``."""
     from megatron.core import parallel_state as ps
     from megatron_metp.megatron.compat import get_batch_on_this_cp_rank
 
@@ -95,11 +96,12 @@ def _metp_forward(rank, world, ckpt, geometry: dict, ids, vocab_parallel=False):
 
     cpu.enable()
     g = LlamaGeometry(**geometry)
-    groups = init_parallel(Layout(metp=world), SEQ)
+    seq = ids.shape[1] - 1
+    groups = init_parallel(Layout(metp=world), seq)
     model = H.build_model(g, groups=groups, vocab_parallel=vocab_parallel).eval()
     H.load_model_weights(model, ckpt)
-    batch = {"tokens": ids[:, :SEQ].contiguous(), "labels": ids[:, 1:].contiguous(),
-             "position_ids": torch.arange(SEQ).expand(BATCH, -1).contiguous()}
+    batch = {"tokens": ids[:, :seq].contiguous(), "labels": ids[:, 1:].contiguous(),
+             "position_ids": torch.arange(seq).expand(ids.shape[0], -1).contiguous()}
     batch = get_batch_on_this_cp_rank(batch, cp_group=ps.get_context_parallel_group())
     with torch.no_grad():
         logits = None if vocab_parallel else model(batch["tokens"], batch["position_ids"], None)
@@ -421,7 +423,10 @@ def test_bad_configs_are_refused_naming_the_field():
         "model_type": lambda: geometry_from_hf(_cfg(model_type="gemma2")),
         "rope_linear": lambda: geometry_from_hf(_cfg(rope_scaling={"rope_type": "linear",
                                                                    "factor": 2.0})),
-        "rope_yarn": lambda: geometry_from_hf(_cfg(rope_scaling={"type": "yarn", "factor": 4.0})),
+        "yarn_factor": lambda: geometry_from_hf(_cfg(rope_scaling={
+            "type": "yarn", "factor": 1.0, "attention_factor": 1.2})),
+        "yarn_key": lambda: geometry_from_hf(_cfg(rope_scaling={
+            "type": "yarn", "factor": 4.0, "low_freq_factor": 1.0})),
         "llama3_low": lambda: geometry_from_hf(_cfg(rope_scaling={**llama3,
                                                                   "low_freq_factor": 2.0})),
         "llama3_orig": lambda: geometry_from_hf(_cfg(rope_scaling={
@@ -438,7 +443,9 @@ def test_bad_configs_are_refused_naming_the_field():
     })
     assert_messages(msgs, {
         "model_type": "model_type 'gemma2'", "rope_linear": "rope_scaling type 'linear'",
-        "rope_yarn": "rope_scaling type 'yarn'", "llama3_low": "rope_scaling.low_freq_factor",
+        "yarn_factor": "rope_scaling.attention_factor = 1.2",
+        "yarn_key": "rope_scaling has ['low_freq_factor']",
+        "llama3_low": "rope_scaling.low_freq_factor",
         "llama3_orig": "rope_scaling.original_max_position_embeddings",
         "attention_bias": "attention_bias = true", "mlp_bias": "mlp_bias = true",
         "act": "hidden_act 'gelu'", "gqa": "not divisible by num_key_value_heads 5",
@@ -446,7 +453,7 @@ def test_bad_configs_are_refused_naming_the_field():
         "theta": "rope_theta = 10000.5", "head_dim": "head_dim = 15",
         "missing": "'num_hidden_layers'"})
     assert "--add-qkv-bias" in msgs["attention_bias"]
-    assert "implements only the 'llama3'" in msgs["rope_linear"]
+    assert "implements only the 'llama3'" in msgs["rope_linear"] and "'yarn'" in msgs["rope_linear"]
     g = geometry_from_hf(_cfg(), metp_parallel_size=3, tensor_model_parallel_size=1,
                          make_vocab_size_divisible_by=8)
     assert (g.vocab_multiple, g.padded_vocab_size) == (24, 120)

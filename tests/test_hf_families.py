@@ -185,7 +185,7 @@ def test_family_fields_are_refused_or_accepted_naming_the_field():
                                                      layer_types=None)),
         "qwen3_bias": lambda: geometry_from_hf(_cfg("qwen3", attention_bias=True)),
         "yarn": lambda: geometry_from_hf(_cfg("qwen3", rope_scaling={
-            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768})),
+            "rope_type": "yarn", "factor": 4.0, "truncate": "yes"})),
         "moe": lambda: geometry_from_hf(_cfg("qwen2", num_experts=8)),
         "softcap": lambda: geometry_from_hf(_cfg("mistral", final_logit_softcapping=30.0)),
         "moe_type": lambda: geometry_from_hf(_cfg("qwen2", model_type="qwen2_moe")),
@@ -195,10 +195,14 @@ def test_family_fields_are_refused_or_accepted_naming_the_field():
     assert_messages(msgs, {
         "window": "sliding_window = 32", "window_seq": "--seq-length 48 is longer",
         "qwen_window": "sliding_window = 16", "qwen3_bias": "attention_bias = true",
-        "yarn": "rope_scaling type 'yarn'", "moe": "num_experts = 8",
+        "yarn": "rope_scaling.truncate = 'yes'", "moe": "num_experts = 8",
         "softcap": "final_logit_softcapping = 30.0", "moe_type": "model_type 'qwen2_moe'",
         "arch": "'Qwen3ForCausalLM'", "odd_head": "head_dim = 15"})
-    assert "mscale" in msgs["yarn"]
+    # Qwen3's long-context setting converts (tests/test_hf_yarn.py)
+    g = geometry_from_hf(_cfg("qwen3", max_position_embeddings=131072, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}))
+    assert g.yarn["yarn_rotary_scaling_factor"] == 4.0
+    assert g.yarn["yarn_original_max_position_embeddings"] == 32768
     # a window the sequence never reaches converts; the run may then not exceed it
     g = geometry_from_hf(_cfg("mistral", sliding_window=32), seq_length=32)
     assert (g.sliding_window, g.max_position_embeddings) == (32, 32)

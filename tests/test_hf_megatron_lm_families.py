@@ -1,7 +1,9 @@
-"""Megatron-LM's own ``pretrain_gpt.py`` (patched ``core_v0.16.1``, METP 2 on CPU ranks, fp32)
-loading a tiny ``transformers`` Qwen3, Qwen2.5 and Mistral converted by ``megatron_metp.tools.hf
-import``: iteration 1 prints transformers' loss of the same mock batch (``--qk-layernorm``,
-``--kv-channels``, ``--add-qkv-bias`` flags from the import's ``model.sh``)."""
+"""Megatron-LM's own ``pretrain_gpt.py`` (patched, at the session's release, METP 2 on CPU ranks,
+fp32) loading a tiny ``transformers`` Qwen3, Qwen2.5, Mistral and Qwen3 with YaRN converted by
+``megatron_metp.tools.hf import``: iteration 1 prints transformers' loss of the same mock batch
+(``--qk-layernorm``, ``--kv-channels``, ``--add-qkv-bias``, ``--position-embedding-type yarn``
+flags from the import's ``model.sh``). YaRN runs on core_v0.19.0; core_v0.16.1 refuses it
+naming the release."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import pytest
 import torch
 
 from tests.harness import run_ranks
+from tests.megatron_lm_release import RELEASE
 from tests.test_hf import _import_on_a_rank
 from tests.test_hf_megatron_lm import (GBS, ROOT, SEQ, TINY, _free_port, _mock_batches,
                                        patched_megatron_lm)  # noqa: F401 (the fixture)
@@ -23,6 +26,10 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),   # 4 heads of 32 at 64
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict()),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),
+    # Qwen3 with YaRN: original context 16, so most of the 64 positions lie past it
+    # (--position-embedding-type yarn: Megatron-LM core_v0.19.0; core_v0.16.1 refuses it)
+    "qwen3_yarn": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16})),
 }
 
 
@@ -37,13 +44,15 @@ def _make(hf_dir, family):
         for name, p in model.named_parameters():
             if name.endswith((".bias", "q_norm.weight", "k_norm.weight")):
                 p.add_(0.3 * torch.randn_like(p))
+            elif "rope_scaling" in extra and name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(4.0)  # sharper attention: the positions (YaRN's angles) matter more
     model.save_pretrained(hf_dir)
     return getattr(transformers, model_cls)
 
 
-def _loss(model_cls, hf_dir, tokens, labels, mask) -> float:
+def _loss(model_cls, hf_dir, tokens, labels, mask, **config) -> float:
     model = model_cls.from_pretrained(hf_dir, dtype=torch.float32,
-                                      attn_implementation="eager").eval()
+                                      attn_implementation="eager", **config).eval()
     with torch.no_grad():
         logits = model(tokens).logits
     ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).double(),
@@ -68,10 +77,19 @@ def test_pretrain_gpt_prints_transformers_loss_at_iteration_1(patched_megatron_l
                            os.path.join(ckpt, "model.sh")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     log = proc.stdout + proc.stderr
+    if family == "qwen3_yarn" and RELEASE.tag == "core_v0.16.1":
+        assert proc.returncode != 0
+        assert "--position-embedding-type yarn) needs Megatron-LM core_v0.19.0" in log and \
+            "(core_v0.16.1)" in log, log[-4000:]
+        return
     assert proc.returncode == 0, log[-12000:]
     assert f"successfully loaded checkpoint from {ckpt}" in log, log[-4000:]
-    flags = {"qwen3": "--qk-layernorm", "qwen2": "--add-qkv-bias", "mistral": "--swiglu"}
+    flags = {"qwen3": "--qk-layernorm", "qwen2": "--add-qkv-bias", "mistral": "--swiglu",
+             "qwen3_yarn": "--qk-layernorm"}
     assert re.search(rf"{flags[family][2:].replace('-', '_')} \.+ True", log), log[-4000:]
+    if family == "qwen3_yarn":
+        assert re.search(r"position_embedding_type \.+ yarn", log), log[-4000:]
+        assert "RoPE angles: exact" in log, log[-4000:]
     losses = [float(x) for x in re.findall(r"iteration +1/ +1 \|.*?lm loss: ([0-9.E+-]+)", log)]
     assert len(losses) == 1, log[-4000:]
     tokens, labels, mask = _mock_batches(2 * GBS)
@@ -81,3 +99,8 @@ def test_pretrain_gpt_prints_transformers_loss_at_iteration_1(patched_megatron_l
           f"{ref:.7f} (rel. {abs(losses[0] - ref) / ref:.1e}); next batch {other:.7f}")
     assert abs(losses[0] - ref) <= 1e-5 * ref  # Megatron prints 7 significant digits
     assert abs(other - ref) > 1e-4 * ref  # the comparison depends on the batch
+    if family == "qwen3_yarn":  # ... and on YaRN
+        plain = _loss(model_cls, hf_dir, tokens[:GBS], labels[:GBS], mask[:GBS],
+                      rope_scaling=None)
+        print(f"without YaRN: {plain:.7f}")
+        assert abs(plain - ref) > 1e-4 * ref

@@ -53,6 +53,7 @@ from ..ops._grads import wire_dtype
 from .groups import METPGroups
 from .head_norm import head_norm_kwargs
 from .packing import METPDocuments
+from .yarn import metp_softmax_scale
 
 
 def _mask_is_causal(attn_mask_type) -> bool:
@@ -198,7 +199,8 @@ class METPSelfAttention(SelfAttention):
         """The keyword arguments :func:`megatron_metp.ops.metp_attention` (and the streaming
         layer, :func:`megatron_metp.ops.layer.metp_layer`) take from this module and the
         layer's RoPE / packed-document inputs: group, heads, mask, RoPE (per document when
-        packed), kernel, softmax scale, q/k norm, gradient wire dtype."""
+        packed), kernel, softmax scale (times YaRN's attention factor squared, :mod:`.yarn`),
+        q/k norm, gradient wire dtype."""
         packed = _document_kwargs(packed_seq_params, "METP attention")
         if rotary_pos_cos is not None or rotary_pos_sin is not None:
             raise ValueError("METP attention takes RoPE as rotary_pos_emb, not cos/sin tables")
@@ -209,7 +211,7 @@ class METPSelfAttention(SelfAttention):
         return dict(packed, group=self.groups.metp, num_heads=self.heads_tp,
                     num_query_groups=self.groups_tp, causal=self.causal,
                     rotary_pos_emb=_single_rope(rotary_pos_emb),
-                    softmax_scale=self.config.softmax_scale, kernel=self.kernel,
+                    softmax_scale=metp_softmax_scale(self.config), kernel=self.kernel,
                     grad_reduce_dtype=wire_dtype(self.linear_qkv.weight, self.linear_proj.weight),
                     **head_norm_kwargs(self))
 

@@ -17,8 +17,9 @@ ring baseline applies them, and packed documents build their per-document angles
 parameters or buffers change, checkpoints are unaffected). Default for METP and the ring
 baseline; ``--metp-rope-fp32-recipe`` (Megatron-LM), ``Layout.rope_fp32_recipe`` or
 ``METP_ROPE_RECIPE=megatron`` keep Megatron's recipe (bit-compatible with a stock run). Stock TP
-twins keep Megatron's. Variants not covered (position interpolation
-``seq_len_interpolation_factor``, interleaved RoPE, YaRN, mRoPE) keep Megatron's too, and any
+twins keep Megatron's. YaRN (``YarnRotaryEmbedding``) takes exact angles of its scaled
+``inv_freq`` (:class:`~.yarn.ExactYarnRotaryEmbedding`). Variants not covered (position
+interpolation ``seq_len_interpolation_factor``, interleaved RoPE, mRoPE) keep Megatron's, and any
 job whose positions reach 2^24 on Megatron's recipe is refused before work
 (:func:`megatron_metp.ops.rope.fp32_recipe_refusal`).
 """
@@ -50,8 +51,10 @@ def rope_recipe(fp32_recipe: bool = False) -> str:
 
 def uncovered(rotary) -> Optional[str]:
     """Why ``rotary`` cannot take exact angles (a variant they do not cover), or ``None``."""
-    if type(rotary) not in (RotaryEmbedding, ExactRotaryEmbedding):
-        return f"{type(rotary).__name__} (only plain RoPE has exact angles)"
+    from .yarn import exact_class
+
+    if exact_class(rotary) is None:
+        return f"{type(rotary).__name__} (only plain RoPE and YaRN have exact angles)"
     if rotary.rotary_interleaved:
         return "interleaved RoPE (--rotary-interleaved)"
     if rotary.seq_len_interpolation_factor is not None:
@@ -62,9 +65,10 @@ def uncovered(rotary) -> Optional[str]:
 
 def angles_of(rotary, positions: torch.Tensor, bounds) -> torch.Tensor:
     """Angles ``[n, 1, 1, 2r]`` of int64 ``positions [n]`` (``bounds``: their lowest and highest
-    value) from ``rotary``'s own ``inv_freq``, on the device Megatron's ``get_emb`` would use."""
-    _move_inv_freq(rotary)
-    return rope_angles(positions.to(rotary.inv_freq.device), rotary.inv_freq, bounds=bounds)
+    value) from ``rotary``'s own ``inv_freq`` (YaRN's scaled one for
+    :class:`~.yarn.ExactYarnRotaryEmbedding`), on the device Megatron's ``get_emb`` would use."""
+    inv_freq = rotary.exact_inv_freq()
+    return rope_angles(positions.to(inv_freq.device), inv_freq, bounds=bounds)
 
 
 def _move_inv_freq(rotary) -> None:
@@ -77,6 +81,11 @@ class ExactRotaryEmbedding(RotaryEmbedding):
     """Megatron's ``RotaryEmbedding`` whose ``forward`` returns exact angles for this rank's
     tokens only (module docstring). Built by :func:`use_exact_angles` from a constructed
     ``RotaryEmbedding``; same attributes (``inv_freq``, ``cp_group``, ...)."""
+
+    def exact_inv_freq(self) -> torch.Tensor:
+        """The fp32 ``inv_freq [r]`` the angles are formed from (Megatron's own)."""
+        _move_inv_freq(self)
+        return self.inv_freq
 
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False,
                 cp_group=None) -> torch.Tensor:
@@ -112,7 +121,9 @@ def use_exact_angles(model: torch.nn.Module, recipe: str = "exact") -> str:
         return "none"
     if recipe == "megatron" or uncovered(rotary) is not None:
         return "megatron"
-    rotary.__class__ = ExactRotaryEmbedding
+    from .yarn import exact_class
+
+    rotary.__class__ = exact_class(rotary)
     return "exact"
 
 
@@ -150,9 +161,9 @@ def check_args_reach(args) -> None:
     if not metp:
         why, fix = ("METP is off: stock Megatron's RotaryEmbedding", "run with "
                     "--metp-parallel-size > 1 (METP or --metp-disable-weight-ring: exact angles)")
-    elif kind != "rope":
+    elif kind not in ("rope", "yarn"):
         why, fix = (f"--position-embedding-type {kind} is not covered by exact angles",
-                    "use --position-embedding-type rope")
+                    "use --position-embedding-type rope or yarn")
     elif getattr(args, "multi_latent_attention", False):
         return  # refused with METP anyway
     elif rope_recipe(bool(getattr(args, "metp_rope_fp32_recipe", False))) == "megatron":

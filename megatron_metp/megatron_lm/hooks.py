@@ -132,6 +132,9 @@ def add_metp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     from .tiles import add_tile_args
 
     add_tile_args(group)
+    from .yarn_args import offer_yarn_choice
+
+    offer_yarn_choice(parser)  # core_v0.16.1: refused naming the release (yarn_args)
     return parser
 
 
@@ -229,6 +232,11 @@ def validate_metp_args(args):
     from .tiles import map_tile_args
 
     map_tile_args(args, p is not None and p > 1)
+    from .yarn_args import yarn_release_problem
+
+    problem = yarn_release_problem(args)
+    if problem:
+        raise ValueError(problem)
     from ..megatron.rope import check_args_reach
 
     check_args_reach(args)
@@ -359,6 +367,9 @@ def _metp_problems(args, p: int, tp: int) -> List[str]:
             out.append(str(exc))
     out.extend(_recompute_problems(args))
     out.extend(_kernel_problems(args))
+    from .yarn_args import yarn_problems
+
+    out.extend(yarn_problems(args))
     from ..megatron.packing import packing_problems
 
     out.extend(packing_problems(args))

@@ -51,7 +51,7 @@ import torch
 
 from .hf_config import (HFConfigError, LlamaGeometry, geometry_from_hf, gpt_model_kwargs,
                         megatron_args, pretrain_gpt_sh_model, read_hf_config,
-                        transformer_config_kwargs)
+                        set_yarn_config, transformer_config_kwargs)
 from .hf_layout import hf_to_megatron, megatron_shapes, megatron_to_hf
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -106,8 +106,10 @@ def read_safetensors(hf_dir: str) -> Dict[str, torch.Tensor]:
 def build_model(g: LlamaGeometry, *, groups=None, vocab_parallel: bool = False):
     """The megatron-core ``GPTModel`` this geometry converts to, on the initialised parallel
     state: the stock local layer spec with ``groups=None``, METP's spec with ``groups``
-    (:class:`megatron_metp.megatron.groups.METPGroups`), ``METPGPTModel`` (vocabulary on the
-    ring) with ``vocab_parallel``. Weights are left uninitialised (load them)."""
+    (:class:`megatron_metp.megatron.groups.METPGroups`; exact RoPE angles unless
+    ``$METP_ROPE_RECIPE=megatron``, :mod:`megatron_metp.megatron.rope`), ``METPGPTModel``
+    (vocabulary on the ring) with ``vocab_parallel``. Weights are left uninitialised (load
+    them)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -116,6 +118,7 @@ def build_model(g: LlamaGeometry, *, groups=None, vocab_parallel: bool = False):
     tp = ps.get_tensor_model_parallel_world_size()
     metp = ps.get_context_parallel_world_size()
     cfg = TransformerConfig(**transformer_config_kwargs(g, tp=tp, metp=metp))
+    set_yarn_config(cfg, g)
     kwargs = dict(config=cfg, pre_process=ps.is_pipeline_first_stage(),
                   post_process=ps.is_pipeline_last_stage(), **gpt_model_kwargs(g))
     if groups is None:
@@ -126,10 +129,15 @@ def build_model(g: LlamaGeometry, *, groups=None, vocab_parallel: bool = False):
     from ..megatron.spec import get_gpt_layer_metp_spec
     from ..megatron.vocab import METPGPTModel
 
+    from ..megatron.rope import rope_recipe, use_exact_angles
+
     spec = get_gpt_layer_metp_spec(groups, normalization="RMSNorm", qk_layernorm=g.qk_layernorm)
     if vocab_parallel:
-        return METPGPTModel(transformer_layer_spec=spec, metp_groups=groups, **kwargs)
-    return GPTModel(transformer_layer_spec=spec, **kwargs)
+        model = METPGPTModel(transformer_layer_spec=spec, metp_groups=groups, **kwargs)
+    else:
+        model = GPTModel(transformer_layer_spec=spec, **kwargs)
+    use_exact_angles(model, rope_recipe())  # METP's default (plain RoPE and YaRN)
+    return model
 
 
 @contextlib.contextmanager

@@ -10,9 +10,10 @@ file (:func:`pretrain_gpt_sh_model`).
 
 Supported: ``model_type`` ``llama``, ``mistral``, ``qwen2``, ``qwen3`` (their ``*ForCausalLM``;
 what differs between them: :mod:`.hf_families`) with SiLU-gated MLP (SwiGLU), RMSNorm, RoPE (any
-integer ``rope_theta``; ``rope_scaling`` none/default, or ``llama3`` with Llama 3.1's
+integer ``rope_theta``; ``rope_scaling`` none/default, ``llama3`` with Llama 3.1's
 ``low_freq_factor`` 1, ``high_freq_factor`` 4 and ``original_max_position_embeddings`` 8192,
-which is what megatron-core 0.16.1's ``--use-rope-scaling`` implements), grouped-query attention,
+which is what megatron-core 0.16.1's ``--use-rope-scaling`` implements, or ``yarn``:
+:mod:`.hf_yarn`), grouped-query attention,
 any ``head_dim`` (``--kv-channels``), Qwen2's q/k/v bias (``--add-qkv-bias``), Qwen3's q/k norms
 (``--qk-layernorm``), tied or untied embeddings.
 """
@@ -24,6 +25,8 @@ import math
 import os
 from dataclasses import asdict, dataclass
 from typing import List, Optional
+
+from .hf_yarn import yarn_flags, yarn_from_hf
 
 #: what megatron-core 0.16.1's RotaryEmbedding._apply_scaling hard-codes for --use-rope-scaling
 MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -69,6 +72,9 @@ class LlamaGeometry:
     qk_layernorm: bool = False
     qkv_bias: bool = False
     sliding_window: Optional[int] = None
+    #: YaRN (``rope_scaling`` type ``yarn``): Megatron's ``yarn_*`` config attributes
+    #: (:mod:`.hf_yarn`), None without it
+    yarn: Optional[dict] = None
 
     @property
     def kv_channels(self) -> int:
@@ -121,18 +127,13 @@ def _rope_scaling_factor(cfg: dict) -> Optional[float]:
     if kind in (None, "default"):
         return None
     if kind == "yarn":
-        raise HFConfigError(
-            "config.json: rope_scaling type 'yarn' is not supported: megatron-core 0.16.1 has a "
-            "YarnRotaryEmbedding, but its GPTModel discards YaRN's attention factor (mscale, "
-            "which Hugging Face multiplies into cos and sin) and Megatron-LM's "
-            "--position-embedding-type offers no 'yarn' for GPT (--rope-type yarn is for "
-            "multi-latent attention only), so the model's RoPE cannot be reproduced; remove "
-            "rope_scaling (the model's native context) or convert a model without it")
+        return None  # geometry_from_hf reads it (hf_yarn.yarn_from_hf)
     if kind != "llama3":
         raise HFConfigError(
-            f"config.json: rope_scaling type {kind!r} is not supported: megatron-core 0.16.1 "
-            f"(and METP, which uses its RotaryEmbedding) implements only the 'llama3' scaling "
-            f"(--use-rope-scaling); remove rope_scaling or convert a model without it")
+            f"config.json: rope_scaling type {kind!r} is not supported: megatron-core (and METP, "
+            f"which uses its rotary embeddings) implements only the 'llama3' scaling "
+            f"(--use-rope-scaling) and 'yarn' (--position-embedding-type yarn); remove "
+            f"rope_scaling or convert a model without it")
     factor = rs.get("factor")
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
         raise HFConfigError(f"config.json: rope_scaling.factor = {factor!r} must be a number > 0")
@@ -215,6 +216,8 @@ def geometry_from_hf(cfg: dict, *, make_vocab_size_divisible_by: int = 128,
     if isinstance(max_pos, bool) or not isinstance(max_pos, int) or max_pos < 1:
         raise HFConfigError(f"config.json: max_position_embeddings = {max_pos!r} must be an "
                             f"integer >= 1")
+    rs = cfg.get("rope_scaling") or {}
+    yarn = yarn_from_hf(rs, max_pos) if rs.get("rope_type", rs.get("type")) == "yarn" else None
     fam = family_fields(cfg, family, hidden=hidden, heads=heads, max_pos=max_pos,
                         seq_length=seq_length)
     max_pos = fam["max_position_embeddings"]
@@ -233,7 +236,7 @@ def geometry_from_hf(cfg: dict, *, make_vocab_size_divisible_by: int = 128,
         dtype=_DTYPES[dtype], family=family,
         head_dim=None if fam["head_dim"] * heads == hidden else fam["head_dim"],
         qk_layernorm=fam["qk_layernorm"], qkv_bias=fam["qkv_bias"],
-        sliding_window=fam["sliding_window"])
+        sliding_window=fam["sliding_window"], yarn=yarn)
 
 
 def megatron_args(g: LlamaGeometry) -> List[str]:
@@ -250,13 +253,15 @@ def megatron_args(g: LlamaGeometry) -> List[str]:
     if g.qkv_bias:
         out.append("--add-qkv-bias")
     out += ["--normalization", "RMSNorm", "--norm-epsilon", repr(g.norm_epsilon), "--swiglu",
-            "--disable-bias-linear", "--position-embedding-type", "rope",
-            "--rotary-base", str(g.rotary_base),
+            "--disable-bias-linear", "--position-embedding-type",
+            "yarn" if g.yarn else "rope", "--rotary-base", str(g.rotary_base),
             "--max-position-embeddings", str(g.max_position_embeddings),
             "--make-vocab-size-divisible-by", str(g.make_vocab_size_divisible_by),
             "--attention-dropout", "0", "--hidden-dropout", "0"]
     if g.rope_scaling_factor is not None:
         out += ["--use-rope-scaling", "--rope-scaling-factor", repr(g.rope_scaling_factor)]
+    if g.yarn:
+        out += yarn_flags(g.yarn)
     if not g.tie_embeddings:
         out.append("--untie-embeddings-and-output-weights")
     return out
@@ -284,11 +289,19 @@ def transformer_config_kwargs(g: LlamaGeometry, *, tp: int = 1, metp: int = 1) -
         fp16=dtype == torch.float16)
 
 
+def set_yarn_config(config, g: LlamaGeometry) -> None:
+    """Put YaRN's ``yarn_*`` attributes on a ``TransformerConfig`` (they are not dataclass
+    fields: megatron-core's ``GPTModel`` and attention read them with ``getattr``, and
+    Megatron-LM core_v0.19.0 sets them the same way from its flags)."""
+    for name, value in (g.yarn or {}).items():
+        setattr(config, name, value)
+
+
 def gpt_model_kwargs(g: LlamaGeometry) -> dict:
     """``GPTModel`` arguments besides config and spec (as Megatron-LM's gpt_builder passes them)."""
     return dict(vocab_size=g.padded_vocab_size, max_sequence_length=g.max_position_embeddings,
                 share_embeddings_and_output_weights=g.tie_embeddings,
-                position_embedding_type="rope", rotary_base=g.rotary_base,
+                position_embedding_type="yarn" if g.yarn else "rope", rotary_base=g.rotary_base,
                 rope_scaling=g.rope_scaling_factor is not None,
                 rope_scaling_factor=g.rope_scaling_factor or 8.0)
 
@@ -304,6 +317,8 @@ def pretrain_gpt_sh_model(g: LlamaGeometry, load_dir: str, *, tp: int = 1, metp:
              str(g.make_vocab_size_divisible_by), "--pretrained-checkpoint", load_dir]
     if g.rope_scaling_factor is not None:
         extra += ["--use-rope-scaling", "--rope-scaling-factor", repr(g.rope_scaling_factor)]
+    if g.yarn:
+        extra += yarn_flags(g.yarn)
     lines = [
         "# shellcheck shell=bash disable=SC2034  # sourced by scripts/pretrain_gpt.sh",
         f"# Written by `python -m megatron_metp.tools.hf import`: the converted {g.family} "
@@ -323,7 +338,8 @@ def pretrain_gpt_sh_model(g: LlamaGeometry, load_dir: str, *, tp: int = 1, metp:
         f'"${{FFN_HIDDEN_SIZE:={g.ffn_hidden_size}}}"',
         f': "${{NUM_ATTENTION_HEADS:={g.num_attention_heads}}}" '
         f'"${{NUM_QUERY_GROUPS:={g.num_query_groups}}}" "${{ROTARY_BASE:={g.rotary_base}}}"',
-        ': "${SWIGLU:=1}" "${NORMALIZATION:=RMSNorm}" "${POSITION_EMBEDDING_TYPE:=rope}" '
+        ': "${SWIGLU:=1}" "${NORMALIZATION:=RMSNorm}" '
+        f'"${{POSITION_EMBEDDING_TYPE:={"yarn" if g.yarn else "rope"}}}" '
         '"${DISABLE_BIAS_LINEAR:=1}"',
         f': "${{KV_CHANNELS:={g.head_dim or ""}}}" "${{QK_LAYERNORM:={int(g.qk_layernorm)}}}" '
         f'"${{ADD_QKV_BIAS:={int(g.qkv_bias)}}}"',

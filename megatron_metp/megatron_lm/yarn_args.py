@@ -1,0 +1,92 @@
+"""Megatron-LM's YaRN flags with METP, and the release that has them.
+
+Megatron-LM core_v0.19.0 takes ``--position-embedding-type yarn`` with ``--rotary-scaling-factor``,
+``--yarn-original-max-position-embeddings``, ``--yarn-beta-fast``, ``--yarn-beta-slow``,
+``--[no-]yarn-correction-range-round-to-int``, ``--mscale`` and ``--mscale-all-dim``, and puts them
+on the ``TransformerConfig`` as ``yarn_*`` attributes (its ``argument_utils``). METP honours every
+one: its YaRN angles come from megatron-core's own ``YarnRotaryEmbedding`` settings and its
+attention folds the config's attention factor into the softmax scale
+(:mod:`megatron_metp.megatron.yarn`).
+
+core_v0.16.1's ``pretrain_gpt.py`` has no ``yarn`` choice and no ``--yarn-*`` flags (megatron-core
+0.16.1's ``GPTModel`` does have YaRN, but nothing fills its settings). :func:`offer_yarn_choice`
+lets a parser that takes METP's flags accept ``yarn`` so that :func:`yarn_release_problem`
+refuses it naming the release (the dry run parses that way) instead of argparse's bare "invalid
+choice". core_v0.16.1's ``pretrain_gpt.py`` itself parses once without METP's flags first (for
+its in-process restart), so ``scripts/pretrain_gpt.sh`` refuses ``POSITION_EMBEDDING_TYPE=yarn``
+with a core_v0.16.1 checkout before launching it.
+
+Refused with METP (:func:`yarn_problems`), naming the flag: YaRN's flags without
+``--position-embedding-type yarn`` (Megatron ignores them there), and with it
+``--rotary-percent`` below 1, ``--use-rope-scaling`` and ``--rotary-seq-len-interpolation-factor``
+(megatron-core's YaRN rotates the whole head with its own frequencies and ignores them).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import List, Optional
+
+#: (args attribute, flag, Megatron-LM's default) of YaRN's settings
+YARN_FLAGS = (
+    ("rotary_scaling_factor", "--rotary-scaling-factor", 1.0),
+    ("yarn_original_max_position_embeddings", "--yarn-original-max-position-embeddings", None),
+    ("yarn_beta_fast", "--yarn-beta-fast", None),
+    ("yarn_beta_slow", "--yarn-beta-slow", None),
+    ("yarn_correction_range_round_to_int", "--[no-]yarn-correction-range-round-to-int", None),
+    ("mscale", "--mscale", 1.0),
+    ("mscale_all_dim", "--mscale-all-dim", 0.0),
+)
+
+
+def _has_yarn_flags(args_or_parser) -> bool:
+    if isinstance(args_or_parser, argparse.ArgumentParser):
+        return "--yarn-beta-fast" in args_or_parser._option_string_actions
+    return hasattr(args_or_parser, "yarn_beta_fast")
+
+
+def offer_yarn_choice(parser: argparse.ArgumentParser) -> None:
+    """On a Megatron-LM without YaRN flags (core_v0.16.1), add ``yarn`` to
+    ``--position-embedding-type``'s choices; :func:`yarn_release_problem` then refuses it."""
+    action = parser._option_string_actions.get("--position-embedding-type")
+    if action is None or _has_yarn_flags(parser) or action.choices is None or \
+            "yarn" in action.choices:
+        return
+    action.choices = list(action.choices) + ["yarn"]
+
+
+def yarn_release_problem(args) -> Optional[str]:
+    """The refusal of ``--position-embedding-type yarn`` on a Megatron-LM release without YaRN's
+    flags (any run, METP or not), or None."""
+    if getattr(args, "position_embedding_type", None) != "yarn" or _has_yarn_flags(args):
+        return None
+    from .releases import for_megatron_core
+
+    tag = for_megatron_core().tag
+    return (f"--position-embedding-type yarn needs Megatron-LM core_v0.19.0: this is {tag}, "
+            f"whose pretrain_gpt.py has no --yarn-* flags and never fills megatron-core's YaRN "
+            f"settings; use core_v0.19.0 (make venv-019, METP_MEGATRON_LM_RELEASE=core_v0.19.0) "
+            f"or --position-embedding-type rope")
+
+
+def yarn_problems(args) -> List[str]:
+    """YaRN flags a METP run cannot honour, each naming the flag and the fix."""
+    out = []
+    if getattr(args, "position_embedding_type", None) != "yarn":
+        for name, flag, default in YARN_FLAGS:
+            value = getattr(args, name, default)
+            if value != default:
+                out.append(f"{flag} {value} (YaRN's setting: it applies with "
+                           f"--position-embedding-type yarn only; drop it)")
+        return out
+    percent = getattr(args, "rotary_percent", 1.0)
+    if percent != 1.0:
+        out.append(f"--rotary-percent {percent} with --position-embedding-type yarn "
+                   f"(megatron-core's YaRN rotates the whole head and ignores it; drop it)")
+    if getattr(args, "use_rope_scaling", False):
+        out.append("--use-rope-scaling with --position-embedding-type yarn (Llama 3.1's "
+                   "scaling; YaRN has its own: drop it)")
+    if getattr(args, "rotary_seq_len_interpolation_factor", None) is not None:
+        out.append("--rotary-seq-len-interpolation-factor with --position-embedding-type yarn "
+                   "(megatron-core's YaRN ignores it; drop it)")
+    return out
