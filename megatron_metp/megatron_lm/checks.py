@@ -66,7 +66,6 @@ def metp_arg_problems(args) -> List[str]:
     out.extend(layout)
     if any("must be >= 1" in x for x in layout):
         return out  # no divisibility to check against a size below 1
-    problems = _metp_problems(args, p, tp)
-    if problems:
-        out.append(f"--metp-parallel-size {p} cannot be used with: " + "; ".join(problems))
+    out.extend(f"--metp-parallel-size {p} cannot be used with: {problem}"
+               for problem in _metp_problems(args, p, tp))
     return out
