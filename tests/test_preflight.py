@@ -199,3 +199,20 @@ def test_an_optimizer_layout_mismatch_is_refused_naming_the_flag(tmp_path, saved
         argv.append("--use-distributed-optimizer")
     out = preflight.job_problems(argv, 2)
     assert any(fix in p for p in out), out
+
+
+def test_inside_the_ranks_every_problem_is_refused_at_once():
+    """validate_metp_args (the patched validate_args, for pretrain_gpt.py started directly) runs
+    the preflight's METP checks: METP 3's sequence, heads and FFN problems in one refusal, with
+    nothing mapped."""
+    from megatron_metp.megatron_lm import hooks
+
+    args = preflight.parse_megatron_args([*MODEL, "--metp-parallel-size", "3"], 3)
+    with pytest.raises(ValueError) as err:
+        hooks.validate_metp_args(args)
+    for needle in ("--seq-length 64 is not divisible by 2×METP = 6", "--num-attention-heads 4",
+                   "--ffn-hidden-size 256"):
+        assert needle in str(err.value)
+    assert args.context_parallel_size == 1
+    ok = preflight.parse_megatron_args([*MODEL, "--metp-parallel-size", "2"], 2)
+    assert hooks.validate_metp_args(ok).context_parallel_size == 2

@@ -13,7 +13,12 @@ plain optimizer does between two METP runs or two stock runs. It does not betwee
 and a stock one: METP's optimizer is Megatron's chain of two (dense weights, and the
 METP-sharded weights on the expert route), a stock run's a single one, and Megatron fails deep
 in ``load_state_dict`` (``KeyError: 'pre_wd_mult'``, ``Expected 2 entries in state dict``).
-:func:`check_resume_layout` refuses that case first, naming the cause and what loads instead.
+Nor does it between the distributed optimizer and the plain one (``--use-distributed-optimizer``
+on one side only): they store different keys, and Megatron fails with ``KeyError:
+chained_0.optimizer.state.exp_avg…`` (core_v0.19.0, CPU ranks, reported in issue 32).
+:func:`resume_layout_problems` names both cases (the launcher's preflight lists them before any
+rank starts) and :func:`check_resume_layout` refuses them inside the ranks, each naming the cause
+and what loads instead.
 """
 
 from __future__ import annotations
@@ -128,8 +133,6 @@ def resume_layout_problems(args) -> List[str]:
     if not saved:
         return []
     out = []
-    weights_only = ("load the weights only with --no-load-optim --no-load-rng (the optimizer "
-                    "restarts; the weights move exactly between layouts)")
     was = int(saved.get("metp_parallel_size", 1) or 1)
     now = int(getattr(args, "metp_parallel_size", 1) or 1)
     if (was > 1) != (now > 1):
@@ -157,5 +160,6 @@ def resume_layout_problems(args) -> List[str]:
             f"--load {load}: {os.path.basename(d)} holds {name[bool(dist_was)]} optimizer "
             f"state, which this run ({'with' if dist_now else 'without'} "
             f"--use-distributed-optimizer) cannot read (the two store different keys); "
-            f"resume as it was saved: {fix}, or {weights_only}")
+            f"resume as it was saved: {fix}, or load the weights only with --no-load-optim "
+            f"--no-load-rng (the optimizer restarts)")
     return out
