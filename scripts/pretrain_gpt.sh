@@ -31,7 +31,7 @@
 # script the rest. The main ones (defaults in brackets):
 #   NNODES [1] GPUS_PER_NODE [8] NODE_RANK [$SLURM_NODEID or 0] MASTER_ADDR [localhost]
 #   MASTER_PORT [6000]                      torchrun rendezvous (one torchrun per node)
-#   MEGATRON_LM_DIR [/opt/Megatron-LM]      patched checkout at core_v0.16.1
+#   MEGATRON_LM_DIR [/opt/Megatron-LM]      patched checkout at core_v0.19.0 or core_v0.16.1
 #   TP PP METP [1 1 1] SEQUENCE_PARALLEL [1 when TP>1 and METP=1]   model parallelism
 #   CP [1] VPP [unset]                      Megatron context parallelism (with METP > 1: the outer
 #                                           factor c, world = TP x METP x CP x PP x DP),
