@@ -65,7 +65,7 @@ _TRUE = ("--finetune", "--mock-data", "--sequence-parallel", "--use-legacy-model
          "--distribute-saved-activations", "--fine-grained-activation-offloading",
          "--tp-comm-overlap", "--use-flash-attn", "--sft", "--reset-attention-mask",
          "--eod-mask-loss", "--calculate-per-token-loss", "--use-distributed-optimizer",
-         "--skip-train", "--full-validation", "--qk-layernorm")
+         "--skip-train", "--full-validation", "--qk-layernorm", "--decrease-batch-size-if-needed")
 _LISTS = ("--spec", "--data-path", "--train-data-path", "--valid-data-path", "--test-data-path")
 
 
@@ -90,6 +90,7 @@ def megatron_parser() -> argparse.ArgumentParser:
     ap.add_argument("--attention-dropout", type=float, default=0.1)
     ap.add_argument("--hierarchical-context-parallel-sizes", type=int, nargs="+", default=None)
     ap.add_argument("--recompute-modules", nargs="+", default=None)
+    ap.add_argument("--rampup-batch-size", nargs=3, default=None)
     ap.add_argument("--fp8-format", dest="fp8", default=None)
     ap.add_argument("--fp4-format", dest="fp4", default=None)
     ap.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion",
@@ -282,7 +283,10 @@ def checkpoint_problems(args) -> List[str]:
 # ------------------------------------------------------------------------------ batch size
 
 def batch_problems(args) -> List[str]:
-    """Megatron's batch arithmetic: the global batch a multiple of micro-batch × DP."""
+    """Megatron's batch arithmetic: the global batch a multiple of micro-batch × DP (unless
+    Megatron adjusts it itself: ``--decrease-batch-size-if-needed``, ``--rampup-batch-size``)."""
+    if args.decrease_batch_size_if_needed or args.rampup_batch_size:
+        return []
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     cp = args.context_parallel_size * max(args.metp_parallel_size or 1, 1)
     model = tp * pp * cp
