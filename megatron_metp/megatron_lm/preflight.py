@@ -334,8 +334,10 @@ def job_problems(argv: Sequence[str], world_size: int, cpu: bool = False) -> Lis
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    own, megatron = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv \
-        else ([], argv)
+    if "--" in argv:
+        own, megatron = argv[:argv.index("--")], argv[argv.index("--") + 1:]
+    else:  # only pretrain_gpt.py arguments, or only -h/--help
+        own, megatron = ([], argv) if argv[:1] not in (["-h"], ["--help"]) else (argv, [])
     ap = argparse.ArgumentParser(
         prog="python -m megatron_metp.megatron_lm.preflight",
         description="Check a pretrain_gpt.py job in one process before any rank starts: every "
@@ -355,7 +357,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 1
     took = time.perf_counter() - start
     if not problems:
-        print(f"preflight: OK ({opts.world_size} ranks; checked in {took:.1f} s)",
+        ranks = f"{opts.world_size} rank{'s' if opts.world_size != 1 else ''}"
+        print(f"preflight: OK ({ranks}; checked in {took:.1f} s)",
               file=sys.stderr)
         return 0
     print(f"preflight: {len(problems)} problem{'s' if len(problems) > 1 else ''} in this job; "
