@@ -193,7 +193,7 @@ def validate_metp_args(args):
     """Map ``--metp-parallel-size p`` onto Megatron's context-parallel size; return ``args``.
 
     Called by the patched ``validate_args`` before Megatron computes the data-parallel size.
-    Every problem of :func:`metp_arg_problems` is refused first, all in one ``ValueError``
+    Every problem of :func:`.checks.metp_arg_problems` is refused first, all in one ``ValueError``
     naming each flag to change (nothing in ``args`` changed). With ``p == 1`` (or no METP flags
     at all, e.g. another entry point) ``args`` is then returned untouched; with ``p > 1``
     ``args.context_parallel_size = p``. Calling it again on the same ``args`` is harmless.
