@@ -158,6 +158,9 @@ def test_data_tokenizer_and_checkpoint_checks(corpus, tmp_path):
         fh.write("20")
     out = problems("--mock-data", *ok_tok, "--load", ckpt, "--save", ckpt)
     assert len(out) == 1 and "names iteration '20', whose directory is missing" in out[0]
+    # a value Megatron's parser would refuse: named, without argparse's usage text
+    assert problems("--mock-data", *ok_tok, "--seq-length", "x") == [
+        "argument --seq-length: invalid int value: 'x'"]
     # batch arithmetic: 4 ranks, METP 2 -> DP 2, micro-batch 1: global batch 3 is refused
     out = problems("--mock-data", *ok_tok, "--global-batch-size", "3", world=4)
     assert len(out) == 1 and "--global-batch-size 3 is not a multiple of" in out[0]

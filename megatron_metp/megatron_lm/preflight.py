@@ -69,13 +69,20 @@ _TRUE = ("--finetune", "--mock-data", "--sequence-parallel", "--use-legacy-model
 _LISTS = ("--spec", "--data-path", "--train-data-path", "--valid-data-path", "--test-data-path")
 
 
+class _Parser(argparse.ArgumentParser):
+    """Raises ``ValueError(message)`` instead of printing the usage and exiting."""
+
+    def error(self, message):
+        raise ValueError(message)
+
+
 def megatron_parser() -> argparse.ArgumentParser:
     """A parser for the ``pretrain_gpt.py`` flags the preflight checks (Megatron-LM's names,
     destinations and defaults, read from both supported releases' parsers) and the METP flags
     (:func:`megatron_metp.megatron_lm.hooks.add_metp_args`)."""
     from .hooks import add_metp_args
 
-    ap = argparse.ArgumentParser(prog="pretrain_gpt.py", allow_abbrev=False, add_help=False)
+    ap = _Parser(prog="pretrain_gpt.py", allow_abbrev=False, add_help=False)
     for opt in _INT_NONE:
         ap.add_argument(opt, type=int, default=None)
     for opt, default in _INT_DEFAULT.items():
@@ -322,7 +329,10 @@ def job_problems(argv: Sequence[str], world_size: int, cpu: bool = False) -> Lis
     CPU ranks), each naming the flag and the fix; empty for a good job."""
     from .checks import metp_arg_problems
 
-    args = parse_megatron_args(argv, world_size)
+    try:
+        args = parse_megatron_args(argv, world_size)
+    except ValueError as exc:  # a checked flag with a value Megatron's parser would refuse too
+        return [f"{exc}"]
     out = metp_arg_problems(args) + _layout_problems(args) + batch_problems(args)
     if cpu:
         from .cpu import cpu_arg_problems
@@ -351,10 +361,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     start = time.perf_counter()
     try:
         problems = job_problems(megatron, opts.world_size, cpu=opts.cpu)
-    except SystemExit as exc:  # a checked flag with a value its own parser refuses
-        print(f"preflight: a pretrain_gpt.py argument above is malformed (exit {exc.code})",
-              file=sys.stderr)
-        return 1
     except Exception as exc:  # noqa: BLE001 - a bug here must not stop a job the ranks check
         print(f"preflight: warning: the check itself failed ({type(exc).__name__}: {exc}); "
               f"going on, the ranks check the flags again", file=sys.stderr)
