@@ -125,10 +125,11 @@ def _sequences(prefix: str, flag: str, out: List[str]) -> Optional[int]:
     """The sequence count of ``prefix`` (``None`` after appending the problem to ``out``)."""
     missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
     if missing:
-        out.append(f"{flag}: {' and '.join(prefix + ext for ext in missing)} not found (a prefix names "
-                   f"PREFIX.bin and PREFIX.idx, as Megatron-LM's tools/preprocess_data.py writes "
-                   f"them, without the extension: e.g. /data/corpus_text_document; relative "
-                   f"paths are taken from the Megatron-LM checkout, {os.getcwd()})")
+        files = " and ".join(prefix + ext for ext in missing)
+        out.append(f"{flag}: {files} not found (a prefix names PREFIX.bin and PREFIX.idx, as "
+                   f"Megatron-LM's tools/preprocess_data.py writes them, without the extension: "
+                   f"e.g. /data/corpus_text_document; relative paths are taken from the "
+                   f"Megatron-LM checkout, {os.getcwd()})")
         return None
     try:
         return read_index_header(prefix + ".idx").sequences
@@ -148,7 +149,7 @@ def data_problems(args) -> List[str]:
         path = getattr(args, flag[2:].replace("-", "_"))
         if path and not os.path.isfile(path):
             out.append(f"{flag} {path}: no such file")
-    for i, name in enumerate(SPLIT_NAMES):
+    for name in SPLIT_NAMES:
         words = getattr(args, f"{name}_data_path")
         for _, prefix in parse_blend(words or []):
             n = _sequences(prefix, f"--{name}-data-path", out)
@@ -164,8 +165,10 @@ def data_problems(args) -> List[str]:
         return out + [f"{exc} (SPLIT in scripts/pretrain_gpt.sh)"]
     trains = not args.skip_train and bool(args.train_iters or args.train_samples)
     if fractions[0] <= 0 and trains:
+        steps = (f"--train-iters {args.train_iters}" if args.train_iters else
+                 f"--train-samples {args.train_samples}")
         out.append(f"--split {split_text} gives the train split no share, but the run trains "
-                   f"(--train-iters {args.train_iters}); give train a positive weight, e.g. "
+                   f"({steps}); give train a positive weight, e.g. "
                    f"--split 98,1,1 (SPLIT in scripts/pretrain_gpt.sh)")
     for _, prefix in parse_blend(args.data_path):
         n = _sequences(prefix, "--data-path", out)
@@ -191,7 +194,8 @@ def data_problems(args) -> List[str]:
 
 # ------------------------------------------------------------------------------- tokenizer
 
-#: an HF folder's files: the first group all needed, one of the second
+#: an HF folder's files: one of the first group (what the tokenizer is) and one of the second
+#: (its vocabulary)
 _HF_CONFIG = ("tokenizer_config.json", "config.json")
 _HF_VOCAB = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 
