@@ -1,12 +1,19 @@
 #!/usr/bin/env bash
-# Launch Megatron-LM's pretrain_gpt.py (patched with patches/) on this node, with or without METP.
+# Launch Megatron-LM's pretrain_gpt.py (patched with patches/; Megatron-LM core_v0.19.0 or
+# core_v0.16.1) on this node, with or without METP.
 #
 #   CONFIG=configs/gpt-7b-128k-metp8.sh MEGATRON_LM_DIR=/path/Megatron-LM scripts/pretrain_gpt.sh
 #   scripts/pretrain_gpt.sh --config configs/gpt-7b-128k-tp8.sh --dry-run --gpu-memory-gib 141
 #   scripts/pretrain_gpt.sh --config configs/tiny-cpu-metp2.sh --print-cmd -- --train-iters 5
 #
 # Modes:
-#   (default)          run torchrun ... pretrain_gpt.py on this node
+#   (default)          check the job first (the preflight below), then run torchrun ...
+#                      pretrain_gpt.py on this node
+#   --preflight        only check the job, in one process within seconds, and exit: the METP and
+#                      Megatron flag combinations the ranks would refuse, the data (each DATA_PATH
+#                      prefix's .bin/.idx, and that SPLIT leaves no split of it empty), the
+#                      tokenizer's files, the checkpoint to load (python -m
+#                      megatron_metp.megatron_lm.preflight); every problem is listed at once
 #   --print-cmd        print the environment and the exact torchrun command, run nothing
 #   --dry-run          on a CPU (login node): parse and validate the exact same arguments with the
 #                      real Megatron-LM parser, build rank 0's model (or --rank N) under a fake
@@ -24,7 +31,7 @@
 # script the rest. The main ones (defaults in brackets):
 #   NNODES [1] GPUS_PER_NODE [8] NODE_RANK [$SLURM_NODEID or 0] MASTER_ADDR [localhost]
 #   MASTER_PORT [6000]                      torchrun rendezvous (one torchrun per node)
-#   MEGATRON_LM_DIR [/opt/Megatron-LM]      patched checkout at core_v0.16.1
+#   MEGATRON_LM_DIR [/opt/Megatron-LM]      patched checkout at core_v0.19.0 or core_v0.16.1
 #   TP PP METP [1 1 1] SEQUENCE_PARALLEL [1 when TP>1 and METP=1]   model parallelism
 #   CP [1] VPP [unset]                      Megatron context parallelism (with METP > 1: the outer
 #                                           factor c, world = TP x METP x CP x PP x DP),
@@ -36,8 +43,15 @@
 #   MICRO_BATCH_SIZE [1] GLOBAL_BATCH_SIZE [8] TRAIN_ITERS [100] LR [3e-4] PRECISION [bf16; or fp16, fp32]
 #   DISTRIBUTED_OPTIMIZER [1]               Megatron's distributed optimizer (0: the plain one)
 #   DATA_PATH [unset: --mock-data]          Megatron indexed data prefix(es), e.g. "1.0 /d/x_text_document"
+#   SPLIT [949,50,1]                        --split: train,valid,test weights over each prefix's
+#                                           documents; a small corpus needs larger valid/test
+#                                           shares (or 0 to leave one out): the preflight names
+#                                           a split left empty
 #   TOKENIZER_TYPE [NullTokenizer with mock data, else HuggingFaceTokenizer] TOKENIZER_MODEL
-#   VOCAB_FILE MERGE_FILE VOCAB_SIZE [32000] tokenizer arguments
+#   VOCAB_FILE MERGE_FILE VOCAB_SIZE [32000] tokenizer arguments (TOKENIZER_MODEL for
+#                                           HuggingFaceTokenizer: a hub name, or a folder holding
+#                                           tokenizer.json and tokenizer_config.json, as
+#                                           tokenizer.save_pretrained writes them)
 #   CHECKPOINT_PATH [unset: no checkpoints] SAVE_INTERVAL [1000] TENSORBOARD_DIR [unset]
 #   TRANSFORMER_IMPL [auto: transformer_engine when importable here, else local;
 #                     --dry-run assumes the training nodes have it]
@@ -78,7 +92,10 @@
 #                                           torchrun starts python -m megatron_metp.megatron_lm.cpu,
 #                                           which applies the CPU shims and runs pretrain_gpt.py;
 #                                           refused where CUDA is available
-#   PYTHON [python] TORCHRUN [the torchrun next to $PYTHON, else $PYTHON -m torch.distributed.run]
+#   PREFLIGHT [1]                           0: skip the preflight (the ranks check the flags anyway)
+#   PYTHON [the project's venv: .venv-019/bin/python when MEGATRON_LM_DIR is core_v0.19.0, else
+#           .venv/bin/python, when there; else python on PATH]
+#   TORCHRUN [the torchrun next to $PYTHON, else $PYTHON -m torch.distributed.run]
 set -euo pipefail
 
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -93,6 +110,15 @@ die() {
     exit 1
 }
 
+# Whether the Megatron-LM checkout $1 is core_v0.19.0: its HEAD is the tag's commit (as
+# scripts/apply_patches.sh checks), or, without git, its megatron-core version is 0.19.
+megatron_lm_is_019() {
+    local head
+    head=$(git -C "$1" rev-parse HEAD 2>/dev/null || true)
+    [[ "$head" == 5be9626709af2722333bf54797c954c09edeada3 ]] && return 0
+    [[ -z "$head" ]] && grep -qs '^MINOR = 19$' "$1/megatron/core/package_info.py"
+}
+
 MODE=run
 DRY_RUN_OPTS=()
 USER_ARGS=()
@@ -100,6 +126,7 @@ while [[ $# -gt 0 ]]; do
     case "$1" in
         --dry-run) MODE=dry-run ;;
         --print-cmd) MODE=print ;;
+        --preflight) MODE=preflight ;;
         --rank) [[ $# -ge 2 ]] || die "--rank needs a value"; DRY_RUN_OPTS+=(--rank "$2"); shift ;;
         --json) [[ $# -ge 2 ]] || die "--json needs a file"; DRY_RUN_OPTS+=(--json "$2"); shift ;;
         --cpu-kernels) DRY_RUN_OPTS+=(--cpu-kernels) ;;
@@ -126,7 +153,15 @@ source "$CONFIG"
 
 : "${NNODES:=1}" "${GPUS_PER_NODE:=8}" "${NODE_RANK:=${SLURM_NODEID:-0}}"
 : "${MASTER_ADDR:=localhost}" "${MASTER_PORT:=6000}"
-: "${MEGATRON_LM_DIR:=/opt/Megatron-LM}" "${PYTHON:=python}" "${METP_CPU:=0}"
+: "${MEGATRON_LM_DIR:=/opt/Megatron-LM}" "${METP_CPU:=0}"
+if [[ -z "${PYTHON:-}" ]]; then  # the project's venv (make venv / make venv-019), else PATH's
+    PYTHON=python
+    if [[ -x "$METP_DIR/.venv-019/bin/python" ]] && megatron_lm_is_019 "$MEGATRON_LM_DIR"; then
+        PYTHON="$METP_DIR/.venv-019/bin/python"
+    elif [[ -x "$METP_DIR/.venv/bin/python" ]]; then
+        PYTHON="$METP_DIR/.venv/bin/python"
+    fi
+fi
 : "${TP:=1}" "${PP:=1}" "${METP:=1}" "${CP:=1}" "${VPP:=}"
 if [[ "$PYTHON" == */* && "$PYTHON" != /* ]]; then  # a relative path: absolute (we cd below)
     PYTHON="$(cd "$(dirname "$PYTHON")" && pwd)/$(basename "$PYTHON")"
@@ -363,6 +398,14 @@ fi
     die "MEGATRON_LM_DIR=$MEGATRON_LM_DIR is not a Megatron-LM checkout"
 grep -q megatron_metp "$MEGATRON_LM_DIR/pretrain_gpt.py" ||
     die "$MEGATRON_LM_DIR is not patched for METP: run $METP_DIR/scripts/apply_patches.sh $MEGATRON_LM_DIR"
-echo "pretrain_gpt.sh: node $NODE_RANK of $NNODES, $GPUS_PER_NODE GPUs, config $(basename "$CONFIG")" >&2
-cd "$MEGATRON_LM_DIR"
+cd "$MEGATRON_LM_DIR"  # relative paths in the arguments are taken from here, by the ranks too
+if [[ "$MODE" == preflight || "${PREFLIGHT:-1}" != 0 ]]; then
+    PRE=("$PYTHON" -m megatron_metp.megatron_lm.preflight --world-size "$WORLD_SIZE")
+    [[ "$METP_CPU" == 1 ]] && PRE+=(--cpu)
+    PYTHONPATH="$METP_DIR${PYTHONPATH:+:$PYTHONPATH}" "${PRE[@]}" -- "${MEGATRON_ARGS[@]}" ||
+        die "the preflight refused this job (above; PREFLIGHT=0 skips it)"
+    [[ "$MODE" == preflight ]] && exit 0
+fi
+if [[ "$METP_CPU" == 1 ]]; then RANKS="$GPUS_PER_NODE CPU ranks"; else RANKS="$GPUS_PER_NODE GPUs"; fi
+echo "pretrain_gpt.sh: node $NODE_RANK of $NNODES, $RANKS, config $(basename "$CONFIG"), $PYTHON" >&2
 exec "${CMD[@]}"

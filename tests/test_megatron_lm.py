@@ -243,7 +243,8 @@ def test_bad_metp_arguments_name_the_flag(kw, needles):
 
 def test_several_problems_are_reported_together():
     args = _args(metp_parallel_size=8, attention_dropout=0.1, qk_l2_norm=True)
-    with pytest.raises(ValueError, match="--attention-dropout.*; --qk-l2-norm"):
+    with pytest.raises(ValueError, match="--attention-dropout.*; --metp-parallel-size 8 cannot "
+                                         "be used with: --qk-l2-norm"):
         megatron_lm.validate_metp_args(args)
 
 

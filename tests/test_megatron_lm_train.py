@@ -152,6 +152,20 @@ def test_weights_cross_layouts_and_optimizer_state_is_refused(patched_megatron_l
         assert abs(a[k][0] - b[k][0]) <= 1e-5 * abs(b[k][0]), (k, a[k], b[k])
 
 
+def test_the_other_optimizer_is_refused_before_any_rank(patched_megatron_lm, saved, tmp_path):
+    """A plain-optimizer checkpoint resumed with --use-distributed-optimizer: the launcher's
+    preflight reads the saved args of the real checkpoint and refuses in seconds, naming the
+    flag (never Megatron's KeyError deep in load_state_dict)."""
+    _, runs = saved
+    ck = str(tmp_path / "ck")
+    _rewind(runs["metp"]["ckpt"], ck, 3)
+    rc, log = _train(patched_megatron_lm, "tiny-cpu-metp2.sh", 6, check=False,
+                     CHECKPOINT_PATH=ck, DISTRIBUTED_OPTIMIZER=1)
+    assert rc != 0 and "no rank was started" in log, log[-3000:]
+    assert "holds the plain optimizer's" in log and "drop --use-distributed-optimizer" in log
+    assert "KeyError" not in log and "building GPT model" not in log
+
+
 def test_cpu_runs_refuse_what_needs_cuda(patched_megatron_lm):
     rc, log = _train(patched_megatron_lm, "tiny-cpu-metp2.sh", 2, "--transformer-impl",
                      "transformer_engine", check=False)

@@ -217,6 +217,94 @@ def test_run_mode_refuses_an_unpatched_checkout(tmp_path):
     assert proc.returncode == 1 and "apply_patches.sh" in proc.stderr
 
 
+def _fake_launch(tmp_path):
+    """A patched-looking Megatron-LM checkout and a torchrun/srun that only record their call."""
+    mlm = tmp_path / "Megatron-LM"
+    mlm.mkdir()
+    (mlm / "pretrain_gpt.py").write_text("# patched: megatron_metp\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("torchrun", "srun"):
+        (bin_dir / tool).write_text(f'#!/bin/sh\necho "PREFLIGHT=$PREFLIGHT $*" > '
+                                    f'"{tmp_path}/{tool}.called"\n')
+        (bin_dir / tool).chmod(0o755)
+    return mlm, bin_dir
+
+
+def test_the_launcher_runs_the_preflight_before_torchrun(tmp_path):
+    """A bad job (METP 3 on the tiny config: sequence, heads and FFN; a data prefix that is not
+    there) is refused with every problem listed and torchrun never started; a good job passes
+    the preflight (one line) and reaches torchrun; --preflight checks only; PREFLIGHT=0 skips."""
+    mlm, bin_dir = _fake_launch(tmp_path)
+    env = dict(MEGATRON_LM_DIR=mlm, TORCHRUN=bin_dir / "torchrun")
+    bad = dict(env, METP=3, GPUS_PER_NODE=3, DATA_PATH=tmp_path / "nope",
+               TOKENIZER_TYPE="NullTokenizer")
+    proc = _run(["bash", "scripts/pretrain_gpt.sh"], env=_env(**bad), check=False)
+    assert proc.returncode == 1 and not (tmp_path / "torchrun.called").exists()
+    assert "preflight: 4 problems in this job; no rank was started" in proc.stderr, proc.stderr
+    for needle in ("--seq-length 256", "--num-attention-heads 4", "--ffn-hidden-size 256",
+                   f"--data-path: {tmp_path}/nope.bin and {tmp_path}/nope.idx not found"):
+        assert needle in proc.stderr, needle
+    assert "Traceback" not in proc.stderr
+    proc = _run(["bash", "scripts/pretrain_gpt.sh", "--preflight"], env=_env(**env))
+    assert proc.stderr.startswith("preflight: OK (2 ranks")
+    assert not (tmp_path / "torchrun.called").exists()
+    proc = _run(["bash", "scripts/pretrain_gpt.sh"], env=_env(**env))
+    lines = proc.stderr.splitlines()
+    assert lines[0].startswith("preflight: OK") and "node 0 of 1, 2 CPU ranks" in lines[1]
+    called = (tmp_path / "torchrun.called").read_text()
+    assert called.startswith("PREFLIGHT= --nproc_per_node 2 ")
+    (tmp_path / "torchrun.called").unlink()
+    _run(["bash", "scripts/pretrain_gpt.sh"], env=_env(PREFLIGHT=0, **bad))
+    assert (tmp_path / "torchrun.called").exists()
+
+
+def test_slurm_runs_the_preflight_once_before_srun(tmp_path):
+    mlm, bin_dir = _fake_launch(tmp_path)
+    path = f"{bin_dir}:{os.environ.get('PATH', '/usr/bin:/bin')}"
+    run = ["bash", "scripts/slurm/pretrain_gpt.sbatch"]
+    base = dict(SLURM_ENV, METP_HOSTNAMES="n1 n2", MEGATRON_LM_DIR=mlm, PATH=path,
+                LOG_DIR=tmp_path / "logs", GPUS_PER_NODE=2)
+    proc = _run(run, env=_env(**base, METP=3), check=False)
+    assert proc.returncode == 1 and "preflight: 4 problems" in proc.stderr, proc.stderr
+    assert "world size 4 is not divisible by TP×METP×CP×PP = 1×3×1×1" in proc.stderr  # 2 nodes
+    assert not (tmp_path / "srun.called").exists() and not (tmp_path / "logs").exists()
+    _run(run, env=_env(**base))
+    srun = (tmp_path / "srun.called").read_text().split()
+    # checked once here: the node tasks (which see the same files) skip their own preflight
+    assert srun[0] == "PREFLIGHT=0" and srun[-1].endswith("scripts/pretrain_gpt.sh")
+
+
+def test_the_launcher_picks_the_projects_venv(tmp_path):
+    """PYTHON unset: .venv-019's python for a core_v0.19.0 checkout, else .venv's, else
+    python on PATH (here: megatron-core's version file tells the release, no git)."""
+    metp = tmp_path / "metp"
+    for venv in (".venv", ".venv-019"):
+        (metp / venv / "bin").mkdir(parents=True)
+        os.symlink(sys.executable, metp / venv / "bin" / "python")
+    checkouts = {}
+    for minor in (16, 19):
+        info = tmp_path / f"mlm{minor}" / "megatron" / "core"
+        info.mkdir(parents=True)
+        (info / "package_info.py").write_text(f"MAJOR = 0\nMINOR = {minor}\nPATCH = 1\n")
+        checkouts[minor] = tmp_path / f"mlm{minor}"
+    config = os.path.join(REPO, "configs", "tiny-cpu-metp2.sh")
+
+    def python_used(minor):
+        env = _env(METP_DIR=metp, MEGATRON_LM_DIR=checkouts[minor])
+        del env["PYTHON"]
+        out = _run(["bash", "scripts/pretrain_gpt.sh", "--config", config, "--print-cmd"],
+                   env=env).stdout
+        return shlex.split(out.splitlines()[2])[0]  # no torchrun there: $PYTHON -m ...
+
+    assert python_used(19) == str(metp / ".venv-019" / "bin" / "python")
+    assert python_used(16) == str(metp / ".venv" / "bin" / "python")
+    shutil.rmtree(metp / ".venv-019")
+    assert python_used(19) == str(metp / ".venv" / "bin" / "python")
+    shutil.rmtree(metp / ".venv")
+    assert python_used(19) == "python"
+
+
 _MODEL_FLAGS = ("--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads",
                 "--seq-length", "--swiglu", "--normalization", "--vocab-size",
                 "--untie-embeddings-and-output-weights", "--disable-bias-linear",

@@ -50,6 +50,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from ..ops.documents import (PACKED_LAYOUTS, check_cu_seqlens, document_position_runs,
                              shard_documents, unshard_documents)
 from ..ops.sequence import unshard_sequence
+from .packing_checks import mock_document_length_problems, packing_problems  # noqa: F401
 from .rope import ExactRotaryEmbedding, angles_of
 
 
@@ -337,48 +338,8 @@ class DocumentBoundaries:
 
 # ------------------------------------------------------------------------------ Megatron flags
 
-def packing_problems(args) -> List[str]:
-    """Megatron-LM packing flags METP refuses, each naming the flag and the fix (METP on)."""
-    out = []
-
-    def flag(name, default=None):
-        return getattr(args, name, default)
-
-    if flag("sft"):
-        out.append("--sft (Megatron's SFT batches are packed THD sequences, split over the ring "
-                   "by Transformer Engine's per-sequence CP partition, not METP's dual-chunk "
-                   "layout; METP packs pre-training documents: drop --sft and use "
-                   "--reset-attention-mask on EOD-separated data)")
-    layout = flag("metp_packed_layout", "dual_chunk") or "dual_chunk"
-    if layout != "dual_chunk" and not flag("reset_attention_mask"):
-        out.append(f"--metp-packed-layout {layout} without --reset-attention-mask (it spreads "
-                   f"the packed documents over the ring: add --reset-attention-mask or drop it)")
-    if layout != "dual_chunk" and flag("metp_disable_weight_ring"):
-        out.append(f"--metp-packed-layout {layout} with --metp-disable-weight-ring (the ring "
-                   f"self-attention baseline applies RoPE in Megatron's dual-chunk order: drop "
-                   f"one of them)")
-    if (flag("eod_mask_loss") or flag("reset_attention_mask")) and \
-            (flag("metp_parallel_size", 1) or 1) > 1 and not flag("calculate_per_token_loss"):
-        given = "--eod-mask-loss" if flag("eod_mask_loss") else "--reset-attention-mask"
-        out.append(f"{given} without --calculate-per-token-loss (the loss mask leaves EOD tokens "
-                   f"out, so the METP ranks hold different token counts, and Megatron would "
-                   f"average each rank's own mean over the ring: not the global mean stock TP "
-                   f"computes; add --calculate-per-token-loss)")
-    if flag("reset_attention_mask"):
-        mbs = flag("micro_batch_size", 1) or 1
-        if mbs > 1:
-            out.append(f"--reset-attention-mask with --micro-batch-size {mbs} (METP's attention "
-                       f"takes one set of document boundaries per micro-batch, and the samples "
-                       f"of a micro-batch have different ones: pass --micro-batch-size 1 and "
-                       f"raise --global-batch-size for more samples per step)")
-        pp = flag("pipeline_model_parallel_size", 1) or 1
-        if pp > 1:
-            out.append(f"--reset-attention-mask with --pipeline-model-parallel-size {pp} (METP "
-                       f"derives the document boundaries from the token ids, which Megatron "
-                       f"gives only to the first pipeline stage: use "
-                       f"--pipeline-model-parallel-size 1)")
-    return out
-
+# packing_problems and mock_document_length_problems live in .packing_checks (no megatron-core:
+# the launcher's preflight imports them) and are re-exported here
 
 def map_packing_flags(args) -> List[str]:
     """Switch the dataloader's dense attention mask off (METP never reads it); return notes."""
@@ -405,12 +366,9 @@ def apply_mock_document_length(args) -> Optional[str]:
     n = getattr(args, "metp_mock_max_document_length", None)
     if n is None:
         return None
-    if n < 2:
-        raise ValueError(f"--metp-mock-max-document-length {n}: must be at least 2 (documents "
-                         f"are drawn with lengths in [1, N))")
-    if not getattr(args, "mock_data", False):
-        raise ValueError("--metp-mock-max-document-length shapes Megatron's mock data only: add "
-                         "--mock-data or drop the flag")
+    problems = mock_document_length_problems(args)
+    if problems:
+        raise ValueError(problems[0])
     from megatron.core.datasets.gpt_dataset import MockGPTLowLevelDataset
 
     MockGPTLowLevelDataset.max_sequence_length = int(n)

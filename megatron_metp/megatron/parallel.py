@@ -24,7 +24,7 @@ group is the ``c`` METP groups of the CP group × DP: what METP-sharded weights 
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import torch.distributed as dist
 
@@ -38,33 +38,55 @@ def validate_metp_config(*, world_size: int, tensor_model_parallel_size: int = 1
                          sequence_parallel: bool = False) -> int:
     """Check a METP configuration before any rank starts work; return the DP size.
 
-    Raises ``ValueError`` naming the flag and the fix.
+    Raises ``ValueError`` naming the flag and the fix (the first of
+    :func:`metp_config_problems`).
     """
+    problems = metp_config_problems(
+        world_size=world_size, tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        metp_parallel_size=metp_parallel_size, context_parallel_size=context_parallel_size,
+        seq_length=seq_length, num_experts=num_experts, sequence_parallel=sequence_parallel)
+    if problems:
+        raise ValueError(problems[0])
+    return world_size // (tensor_model_parallel_size * metp_parallel_size *
+                          context_parallel_size * pipeline_model_parallel_size)
+
+
+def metp_config_problems(*, world_size: int, tensor_model_parallel_size: int = 1,
+                         pipeline_model_parallel_size: int = 1, metp_parallel_size: int = 1,
+                         context_parallel_size: int = 1, seq_length: Optional[int] = None,
+                         num_experts: Optional[int] = None,
+                         sequence_parallel: bool = False) -> List[str]:
+    """Every problem of a METP layout (world = TP × METP × CP × PP × DP), each naming the flag
+    and the fix; empty when it can run. A size below 1 is reported alone (the rest of the
+    arithmetic would be meaningless)."""
     t, pp, p = tensor_model_parallel_size, pipeline_model_parallel_size, metp_parallel_size
-    for flag, v in (("--tensor-model-parallel-size", t), ("--pipeline-model-parallel-size", pp),
-                    ("--metp-parallel-size", p), ("--context-parallel-size", context_parallel_size)):
-        if v < 1:
-            raise ValueError(f"{flag} must be >= 1, got {v}")
+    sizes = [f"{flag} must be >= 1, got {v}" for flag, v in (
+        ("--tensor-model-parallel-size", t), ("--pipeline-model-parallel-size", pp),
+        ("--metp-parallel-size", p), ("--context-parallel-size", context_parallel_size)) if v < 1]
+    if sizes:
+        return sizes
+    out = []
     c = context_parallel_size  # the outer factor: Megatron's CP group has p·c ranks
     if p > 1 and num_experts:
-        raise ValueError(f"--metp-parallel-size {p} does not support MoE (--num-experts "
-                         f"{num_experts}) yet; use --metp-parallel-size 1 for MoE models")
+        out.append(f"--metp-parallel-size {p} does not support MoE (--num-experts "
+                   f"{num_experts}) yet; use --metp-parallel-size 1 for MoE models")
     if p > 1 and sequence_parallel:
-        raise ValueError("--sequence-parallel cannot be combined with --metp-parallel-size > 1: "
-                         "METP already shards the sequence; drop --sequence-parallel")
+        out.append("--sequence-parallel cannot be combined with --metp-parallel-size > 1: "
+                   "METP already shards the sequence; drop --sequence-parallel")
     model = t * p * c * pp
     if world_size % model:
-        raise ValueError(f"world size {world_size} is not divisible by TP×METP×CP×PP = "
-                         f"{t}×{p}×{c}×{pp} = {model}; change --tensor-model-parallel-size / "
-                         f"--metp-parallel-size / --context-parallel-size / "
-                         f"--pipeline-model-parallel-size or the number of GPUs")
+        out.append(f"world size {world_size} is not divisible by TP×METP×CP×PP = "
+                   f"{t}×{p}×{c}×{pp} = {model}; change --tensor-model-parallel-size / "
+                   f"--metp-parallel-size / --context-parallel-size / "
+                   f"--pipeline-model-parallel-size or the number of GPUs")
     if seq_length is not None and p * c > 1 and seq_length % (2 * p * c):
         what = "2×METP" if c == 1 else "2×METP×CP"
-        raise ValueError(f"--seq-length {seq_length} is not divisible by {what} = "
-                         f"{2 * p * c} (the sequence is split into "
-                         f"{'2·p' if c == 1 else '2·p·c'} balanced chunks); pad or change "
-                         f"--seq-length")
-    return world_size // model
+        out.append(f"--seq-length {seq_length} is not divisible by {what} = "
+                   f"{2 * p * c} (the sequence is split into "
+                   f"{'2·p' if c == 1 else '2·p·c'} balanced chunks); pad or change "
+                   f"--seq-length")
+    return out
 
 
 def initialize_model_parallel(tensor_model_parallel_size: int = 1,

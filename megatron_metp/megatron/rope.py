@@ -26,29 +26,16 @@ job whose positions reach 2^24 on Megatron's recipe is refused before work
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-from ..ops.rope import RECIPES, fp32_recipe_refusal, rope_angles
+from ..megatron_lm.rope_args import rope_reach_problems
+from ..ops.rope import RECIPE_ENV, RECIPES, rope_angles, rope_recipe  # noqa: F401
 from ..ops.sequence import local_positions
 
 #: Environment variable choosing the recipe of METP/ring models (``exact`` or ``megatron``).
-RECIPE_ENV = "METP_ROPE_RECIPE"
-
-
-def rope_recipe(fp32_recipe: bool = False) -> str:
-    """``"megatron"`` when ``fp32_recipe`` (``--metp-rope-fp32-recipe``) or
-    ``$METP_ROPE_RECIPE=megatron``, else ``"exact"``; a bad value of the variable is refused."""
-    env = os.environ.get(RECIPE_ENV, "") or "exact"
-    if env not in RECIPES:
-        raise ValueError(f"{RECIPE_ENV}={env!r}: must be one of {RECIPES} (exact: METP's exact "
-                         f"RoPE angles, the default; megatron: Megatron's fp32 recipe)")
-    return "megatron" if fp32_recipe or env == "megatron" else "exact"
-
-
 def uncovered(rotary) -> Optional[str]:
     """Why ``rotary`` cannot take exact angles (a variant they do not cover), or ``None``."""
     from .yarn import exact_class
@@ -146,34 +133,11 @@ def check_reach(model: torch.nn.Module, state: str, seq_length: int, asked: str)
 # ------------------------------------------------------------------------------ Megatron-LM
 
 def check_args_reach(args) -> None:
-    """Refuse a job whose RoPE positions reach 2^24 while its angles would come from Megatron's
-    fp32 recipe (METP off, ``--metp-rope-fp32-recipe``, a RoPE variant exact angles do not
-    cover), naming the reason and the fix. Run by Megatron-LM's ``validate_args`` (through
-    :func:`megatron_metp.megatron_lm.validate_metp_args`: ``pretrain_gpt.sh`` and the dry run).
-    ``--metp-rope-fp32-recipe`` without METP is refused too (stock angles are Megatron's)."""
-    metp = (getattr(args, "metp_parallel_size", 1) or 1) > 1
-    if getattr(args, "metp_rope_fp32_recipe", False) and not metp:
-        raise ValueError("--metp-rope-fp32-recipe needs --metp-parallel-size > 1 (with METP off "
-                         "the RoPE angles are stock Megatron's already): drop the flag")
-    kind = getattr(args, "position_embedding_type", None)
-    if kind not in ("rope", "yarn", "mrope"):
-        return  # no rotary angles (learned absolute positions are int64 indices)
-    if not metp:
-        why, fix = ("METP is off: stock Megatron's RotaryEmbedding", "run with "
-                    "--metp-parallel-size > 1 (METP or --metp-disable-weight-ring: exact angles)")
-    elif kind not in ("rope", "yarn"):
-        why, fix = (f"--position-embedding-type {kind} is not covered by exact angles",
-                    "use --position-embedding-type rope or yarn")
-    elif getattr(args, "multi_latent_attention", False):
-        return  # refused with METP anyway
-    elif rope_recipe(bool(getattr(args, "metp_rope_fp32_recipe", False))) == "megatron":
-        why, fix = ("--metp-rope-fp32-recipe or METP_ROPE_RECIPE=megatron",
-                    "drop --metp-rope-fp32-recipe and unset METP_ROPE_RECIPE (exact angles)")
-    else:
-        return
-    refusal = fp32_recipe_refusal(getattr(args, "seq_length", None), why, fix)
-    if refusal:
-        raise ValueError(refusal)
+    """Refuse (``ValueError``) a job :func:`megatron_metp.megatron_lm.rope_args.rope_reach_problems`
+    finds a problem in: positions reaching 2^24 on Megatron's fp32 RoPE recipe."""
+    problems = rope_reach_problems(args)
+    if problems:
+        raise ValueError("; ".join(problems))
 
 
 def use_angles_of_args(model: torch.nn.Module, args) -> str:

@@ -52,7 +52,7 @@ import torch
 from . import releases
 
 __all__ = ["enable_training", "stub_batch_invariant_kernels", "check_cpu_args",
-           "shut_down_process_groups", "main"]
+           "cpu_arg_problems", "shut_down_process_groups", "main"]
 
 _ENABLED = False
 
@@ -283,6 +283,15 @@ def _validating(validate_args):
 
 def check_cpu_args(args) -> None:
     """Refuse, before any rank starts work, what a CPU run of Megatron-LM cannot do."""
+    problems = cpu_arg_problems(args)
+    if problems:
+        raise ValueError("METP_CPU=1 (Megatron-LM on CPU ranks) cannot be used with: " +
+                         "; ".join(problems))
+
+
+def cpu_arg_problems(args) -> list:
+    """What a CPU run of Megatron-LM cannot do with ``args``, each naming the flag and the fix
+    (reads ``args`` only; the launcher's preflight runs it too)."""
     problems = []
     if getattr(args, "distributed_backend", "nccl") != "gloo":
         problems.append(f"--distributed-backend {args.distributed_backend} (pass "
@@ -309,9 +318,7 @@ def check_cpu_args(args) -> None:
                         "len(steps) == 1; resume CPU runs without "
                         "--use-distributed-optimizer (DISTRIBUTED_OPTIMIZER=0), or pass "
                         "--no-load-optim to restart the optimizer)")
-    if problems:
-        raise ValueError("METP_CPU=1 (Megatron-LM on CPU ranks) cannot be used with: " +
-                         "; ".join(problems))
+    return problems
 
 
 def main(argv=None) -> None:

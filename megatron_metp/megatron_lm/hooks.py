@@ -27,7 +27,6 @@ import functools
 import math
 from typing import Callable, List, Optional
 
-from ..megatron.parallel import validate_metp_config
 from ..ops.kernel_choice import KERNELS as _KERNELS
 
 __all__ = [
@@ -208,22 +207,20 @@ def validate_metp_args(args):
     """Map ``--metp-parallel-size p`` onto Megatron's context-parallel size; return ``args``.
 
     Called by the patched ``validate_args`` before Megatron computes the data-parallel size.
-    With ``p == 1`` (or no METP flags at all, e.g. another entry point) ``args`` is returned
-    untouched. With ``p > 1`` every METP precondition is checked first and a ``ValueError``
-    names the flag to change; then ``args.context_parallel_size = p``. Calling it again on the
-    same ``args`` is harmless.
+    Every problem of :func:`.checks.metp_arg_problems` is refused first, all in one ``ValueError``
+    naming each flag to change (nothing in ``args`` changed). With ``p == 1`` (or no METP flags
+    at all, e.g. another entry point) ``args`` is then returned untouched; with ``p > 1``
+    ``args.context_parallel_size = p``. Calling it again on the same ``args`` is harmless.
     """
-    p = getattr(args, "metp_parallel_size", 1)
-    from .resume import check_resume_layout
+    from .checks import metp_arg_problems
 
-    check_resume_layout(args)
-    check_offload_layers_args(args)
-    if getattr(args, "metp_offload_activations", False) and (
-            getattr(args, "cpu_offloading", False) or
-            (getattr(args, "cpu_offloading_num_layers", 0) or 0) > 0):
-        raise ValueError("--metp-offload-activations with --cpu-offloading: two activation "
-                         "offloads; keep one (--metp-offload-activations also works with "
-                         "--recompute-granularity full, Megatron's does not)")
+    from .yarn_args import yarn_release_problem
+
+    # YaRN's release check reads the installed Megatron-LM's parser output (inside the ranks only)
+    problems = [x for x in (yarn_release_problem(args),) if x] + metp_arg_problems(args)
+    if problems:
+        raise ValueError("; ".join(problems))
+    p = getattr(args, "metp_parallel_size", 1)
     from ..megatron.packing import apply_mock_document_length
 
     mock_note = apply_mock_document_length(args)
@@ -232,39 +229,11 @@ def validate_metp_args(args):
     from .tiles import map_tile_args
 
     map_tile_args(args, p is not None and p > 1)
-    from .yarn_args import yarn_release_problem
-
-    problem = yarn_release_problem(args)
-    if problem:
-        raise ValueError(problem)
-    from ..megatron.rope import check_args_reach
-
-    check_args_reach(args)
     if p is None or p == 1:
-        if getattr(args, "metp_vocab_parallel", False):
-            raise ValueError("--metp-vocab-parallel needs --metp-parallel-size > 1 (with METP off "
-                             "the vocabulary is Megatron's, split over TP only); drop the flag "
-                             "or set --metp-parallel-size")
         return args
-    tp = args.tensor_model_parallel_size
     cp = args.context_parallel_size
     if getattr(args, _MAPPED, False):
         cp = getattr(args, CP_OUTER, 1)  # mapped by an earlier call: Megatron's CP is p·c
-    if cp > 1 and getattr(args, "metp_disable_weight_ring", False):
-        raise ValueError(f"--metp-disable-weight-ring (ring self-attention) with "
-                         f"--context-parallel-size {cp}: the ring baseline runs over the METP "
-                         f"group only; drop --context-parallel-size (or use stock "
-                         f"--context-parallel-size without METP)")
-    validate_metp_config(
-        world_size=args.world_size, tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size, metp_parallel_size=p,
-        context_parallel_size=cp, seq_length=getattr(args, "seq_length", None),
-        num_experts=getattr(args, "num_experts", None),
-        # Megatron switches sequence parallelism off by itself when TP is 1
-        sequence_parallel=bool(getattr(args, "sequence_parallel", False)) and tp > 1)
-    problems = _metp_problems(args, p, tp)
-    if problems:
-        raise ValueError(f"--metp-parallel-size {p} cannot be used with: " + "; ".join(problems))
     _map_kernel_flags(args)
     args.context_parallel_size = p * cp
     setattr(args, CP_OUTER, cp)
@@ -370,7 +339,7 @@ def _metp_problems(args, p: int, tp: int) -> List[str]:
     from .yarn_args import yarn_problems
 
     out.extend(yarn_problems(args))
-    from ..megatron.packing import packing_problems
+    from ..megatron.packing_checks import packing_problems
 
     out.extend(packing_problems(args))
     return out

@@ -13,7 +13,12 @@ plain optimizer does between two METP runs or two stock runs. It does not betwee
 and a stock one: METP's optimizer is Megatron's chain of two (dense weights, and the
 METP-sharded weights on the expert route), a stock run's a single one, and Megatron fails deep
 in ``load_state_dict`` (``KeyError: 'pre_wd_mult'``, ``Expected 2 entries in state dict``).
-:func:`check_resume_layout` refuses that case first, naming the cause and what loads instead.
+Nor does it between the distributed optimizer and the plain one (``--use-distributed-optimizer``
+on one side only): they store different keys, and Megatron fails with ``KeyError:
+chained_0.optimizer.state.exp_avg…`` (core_v0.19.0, CPU ranks, reported in issue 32).
+:func:`resume_layout_problems` names both cases (the launcher's preflight lists them before any
+rank starts) and :func:`check_resume_layout` refuses them inside the ranks, each naming the cause
+and what loads instead.
 """
 
 from __future__ import annotations
@@ -21,9 +26,9 @@ from __future__ import annotations
 import os
 import pickletools
 import zipfile
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
-__all__ = ["checkpoint_dir", "saved_args", "check_resume_layout"]
+__all__ = ["checkpoint_dir", "saved_args", "check_resume_layout", "resume_layout_problems"]
 
 #: saved ``args`` fields :func:`saved_args` returns
 _FIELDS = ("metp_parallel_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
@@ -104,29 +109,57 @@ def saved_args(iteration_dir: str) -> Dict[str, object]:
 
 
 def check_resume_layout(args) -> None:
-    """Refuse (``ValueError``) a ``--load`` whose optimizer state this run cannot take: saved by a
-    METP run and loaded by a stock one, or the reverse. Weights-only loads (``--no-load-optim``,
+    """Refuse (``ValueError``, every problem of :func:`resume_layout_problems` at once) a
+    ``--load`` whose optimizer state this run cannot take."""
+    problems = resume_layout_problems(args)
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+def resume_layout_problems(args) -> List[str]:
+    """What keeps this run from reading the optimizer state of its ``--load`` checkpoint, each
+    naming the flag and the fix: saved by a METP run and loaded by a stock one or the reverse;
+    saved with ``--use-distributed-optimizer`` and loaded without it or the reverse (the two
+    optimizers store different keys: Megatron fails with ``KeyError:
+    chained_0.optimizer.state.exp_avg...``). Weights-only loads (``--no-load-optim``,
     ``--finetune``) and first runs (no checkpoint yet) pass."""
     load = getattr(args, "load", None)
     if not load or getattr(args, "no_load_optim", False) or getattr(args, "finetune", False):
-        return
+        return []
     d = checkpoint_dir(load)
     if d is None:
-        return
+        return []
     saved = saved_args(d)
     if not saved:
-        return
+        return []
+    out = []
     was = int(saved.get("metp_parallel_size", 1) or 1)
     now = int(getattr(args, "metp_parallel_size", 1) or 1)
-    if (was > 1) == (now > 1):
-        return
-    what = {True: "a METP run's (its optimizer is a chain of two: the dense weights and the "
-                  "METP-sharded ones)",
-            False: "a stock run's (one optimizer)"}
-    raise ValueError(
-        f"--load {load}: {os.path.basename(d)} holds {what[was > 1]} optimizer state, saved with "
-        f"--metp-parallel-size {was}; this run (--metp-parallel-size {now}) builds "
-        f"{'a chain of two' if now > 1 else 'one optimizer'} and cannot load it. Load the "
-        f"weights only with --no-load-optim --no-load-rng (the optimizer restarts; the weights "
-        f"move exactly between layouts), or resume with "
-        f"{'a METP run' if was > 1 else 'a stock run'}")
+    if (was > 1) != (now > 1):
+        what = {True: "a METP run's (its optimizer is a chain of two: the dense weights and the "
+                      "METP-sharded ones)",
+                False: "a stock run's (one optimizer)"}
+        out.append(
+            f"--load {load}: {os.path.basename(d)} holds {what[was > 1]} optimizer state, saved "
+            f"with --metp-parallel-size {was}; this run (--metp-parallel-size {now}) builds "
+            f"{'a chain of two' if now > 1 else 'one optimizer'} and cannot load it. Load the "
+            f"weights only with --no-load-optim --no-load-rng (the optimizer restarts; the "
+            f"weights move exactly between layouts), or resume with "
+            f"{'a METP run' if was > 1 else 'a stock run'}")
+    dist_was = saved.get("use_distributed_optimizer")
+    dist_now = bool(getattr(args, "use_distributed_optimizer", False))
+    if dist_was is not None and bool(dist_was) != dist_now:
+        name = {True: "the distributed optimizer's (sharded over data-parallel ranks, saved "
+                      "with --use-distributed-optimizer)",
+                False: "the plain optimizer's (saved without --use-distributed-optimizer)"}
+        fix = ("add --use-distributed-optimizer (DISTRIBUTED_OPTIMIZER=1 in "
+               "scripts/pretrain_gpt.sh)" if dist_was else
+               "drop --use-distributed-optimizer (DISTRIBUTED_OPTIMIZER=0 in "
+               "scripts/pretrain_gpt.sh)")
+        out.append(
+            f"--load {load}: {os.path.basename(d)} holds {name[bool(dist_was)]} optimizer "
+            f"state, which this run ({'with' if dist_now else 'without'} "
+            f"--use-distributed-optimizer) cannot read (the two store different keys); "
+            f"resume as it was saved: {fix}, or load the weights only with --no-load-optim "
+            f"--no-load-rng (the optimizer restarts)")
+    return out

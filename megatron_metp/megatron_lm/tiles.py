@@ -27,20 +27,31 @@ def add_tile_args(group) -> None:
              "the rank's tokens fit).")
 
 
+def tile_arg_problems(args, metp_on: bool) -> list:
+    """``--metp-mlp-token-tile`` given where it cannot work, each naming the flag and the
+    alternative (empty when it is fine or not given)."""
+    rows = getattr(args, "metp_mlp_token_tile", None)
+    if rows is None:
+        return []
+    if not metp_on:
+        return ["--metp-mlp-token-tile tiles the METP MLP; it needs --metp-parallel-size > 1 "
+                "(drop the flag, or set METP)"]
+    if getattr(args, "metp_disable_weight_ring", False):
+        return ["--metp-mlp-token-tile with --metp-disable-weight-ring: the ring self-attention "
+                "baseline runs Megatron's own MLP, which has no token tiles; drop one of the "
+                "flags"]
+    if rows < 0:
+        return [f"--metp-mlp-token-tile must be >= 0 (token rows per tile, 0 = whole), got "
+                f"{rows}"]
+    return []
+
+
 def map_tile_args(args, metp_on: bool) -> None:
     """Check ``--metp-mlp-token-tile`` and hand it to the METP MLP (``ValueError`` naming the
     flag and the alternative)."""
+    problems = tile_arg_problems(args, metp_on)
+    if problems:
+        raise ValueError(problems[0])
     rows = getattr(args, "metp_mlp_token_tile", None)
-    if rows is None:
-        return
-    if not metp_on:
-        raise ValueError("--metp-mlp-token-tile tiles the METP MLP; it needs "
-                         "--metp-parallel-size > 1 (drop the flag, or set METP)")
-    if getattr(args, "metp_disable_weight_ring", False):
-        raise ValueError("--metp-mlp-token-tile with --metp-disable-weight-ring: the ring "
-                         "self-attention baseline runs Megatron's own MLP, which has no token "
-                         "tiles; drop one of the flags")
-    if rows < 0:
-        raise ValueError(f"--metp-mlp-token-tile must be >= 0 (token rows per tile, 0 = "
-                         f"whole), got {rows}")
-    os.environ[tiling.MLP_TOKEN_TILE_ENV] = str(rows)
+    if rows is not None:
+        os.environ[tiling.MLP_TOKEN_TILE_ENV] = str(rows)

@@ -23,6 +23,7 @@ comparisons (``docs/positions.md``).
 
 from __future__ import annotations
 
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -92,6 +93,18 @@ _CHUNK = 1 << 15
 #: Where exact angles are used: every METP and ring-baseline model, unless the environment or
 #: ``--metp-rope-fp32-recipe`` asks for Megatron's fp32 recipe (bit-compatibility with a stock run).
 RECIPES = ("exact", "megatron")
+#: the environment variable that picks Megatron's fp32 recipe for METP and ring models
+RECIPE_ENV = "METP_ROPE_RECIPE"
+
+
+def rope_recipe(fp32_recipe: bool = False) -> str:
+    """``"megatron"`` when ``fp32_recipe`` (``--metp-rope-fp32-recipe``) or
+    ``$METP_ROPE_RECIPE=megatron``, else ``"exact"``; a bad value of the variable is refused."""
+    env = os.environ.get(RECIPE_ENV, "") or "exact"
+    if env not in RECIPES:
+        raise ValueError(f"{RECIPE_ENV}={env!r}: must be one of {RECIPES} (exact: METP's exact "
+                         f"RoPE angles, the default; megatron: Megatron's fp32 recipe)")
+    return "megatron" if fp32_recipe or env == "megatron" else "exact"
 #: fp32 represents every integer only below this: Megatron's recipe is refused when a job's
 #: positions reach it (:func:`fp32_recipe_refusal`).
 FP32_EXACT_POSITIONS = 1 << 24

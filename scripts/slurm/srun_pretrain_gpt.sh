@@ -19,6 +19,9 @@
 #   SRUN_EXTRA_ARGS [unset]: more srun options, e.g. "--mpi=pmix --account=abc"
 # Everything else (DATA_PATH, CHECKPOINT_PATH, TP, METP, ...) reaches scripts/pretrain_gpt.sh
 # through the environment.
+# Before srun starts any task, the job is checked once here (scripts/pretrain_gpt.sh --preflight:
+# flags, data, tokenizer, checkpoint, every problem at once, in seconds); with CONTAINER_IMAGE
+# the check runs inside each node's task instead, before its torchrun. PREFLIGHT=0 skips it.
 set -euo pipefail
 
 die() {
@@ -125,6 +128,12 @@ fi
 if [[ "$PRINT_ONLY" == 1 ]]; then
     describe
     exit 0
+fi
+if [[ -z "${CONTAINER_IMAGE:-}" && "${PREFLIGHT:-1}" != 0 ]]; then
+    NODE_RANK=0 SLURM_NODEID=0 bash "$HOST_SCRIPTS/pretrain_gpt.sh" --config "$CONFIG_ON_HOST" \
+        --preflight ${PASS[@]+-- "${PASS[@]}"} ||
+        die "the preflight refused this job (above); nothing was started (PREFLIGHT=0 skips it)"
+    export PREFLIGHT=0  # checked once for every node (the same files on the shared file system)
 fi
 mkdir -p "$LOG_DIR"
 describe | tee "$LOG_DIR/commands.txt"
