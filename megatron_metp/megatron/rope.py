@@ -32,7 +32,8 @@ import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
 from ..megatron_lm.rope_args import rope_reach_problems
-from ..ops.rope import RECIPE_ENV, RECIPES, rope_angles, rope_recipe  # noqa: F401
+from ..ops.rope import (RECIPE_ENV, RECIPES, fp32_recipe_refusal, rope_angles,  # noqa: F401
+                        rope_recipe)
 from ..ops.sequence import local_positions
 
 #: Environment variable choosing the recipe of METP/ring models (``exact`` or ``megatron``).
