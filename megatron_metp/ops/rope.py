@@ -73,22 +73,22 @@ def apply_rope(t: torch.Tensor, freqs: torch.Tensor, *, transpose: bool = False,
 # half an fp32 ulp of pos·inv_freq (≈ 0.12 rad at 4M positions for inv_freq ≈ 1). Here θ is
 # computed exactly and reduced modulo 2π before its single rounding to fp32:
 #
-#   pos = d₂·2^24 + d₁·2^12 + d₀ with digits d < 2^12 (d₂ < 2^7 below 2^31); inv_freq fp32 has
-#   24 significant bits, so each digit's product d·2^(12k)·f (≤ 36 bits) is exact in fp64. The
-#   products of every digit value are reduced modulo 2π once per call (``_mod_2pi_``: fmod by
-#   fp64(2π), exact, then corrected by k·(2π − fp64(2π))) into three tables of 8,320 rows in
-#   all; a position's angle is the sum of its three digits' rows, reduced once more and
-#   rounded once to fp32: |error| ≤ 2^-22 rad (half an ulp of 2π in fp32) plus ~1e-15 from the
-#   fp64 steps, for every position below 2^31 (refused above 2^31 − 1: what is tested).
+#   inv_freq fp32 has 24 significant bits: split it exactly into f = f_hi + f_lo, each with at
+#   most 12 significant bits (``_split_inv_freq``). A position below 2^31 times either half has
+#   ≤ 43 significant bits, so both products are exact in fp64; each is reduced modulo 2π on its
+#   own (``_mod_2pi_``: fmod by fp64(2π), exact, then corrected by k·(2π − fp64(2π))), and their
+#   sum is reduced once more and rounded once to fp32: |error| ≤ 2^-22 rad (half an ulp of 2π in
+#   fp32) plus ~1e-15 from the fp64 steps, for every position below 2^31 (refused above 2^31 − 1:
+#   what is tested). No table: the only memory is the fp64 working set of one chunk of rows.
 
-#: The digit base of a position (keeps every digit's product with an fp32 inv_freq exact).
-_SPLIT = 1 << 12
+#: ``inv_freq`` is split into halves of this many significant bits (fp32 has 24).
+_HALF_BITS = 12
 #: The largest position :func:`rope_angles` accepts (tested up to it).
 MAX_POSITION = (1 << 31) - 1
 _TWO_PI = 6.283185307179586  # fp64(2π), just below 2π
 _TWO_PI_LO = 2.4492935982947064e-16  # 2π − fp64(2π)
-#: Positions per chunk: bounds the fp64 temporaries at ~3 × 8 bytes × this × r.
-_CHUNK = 1 << 15
+#: Positions per chunk: bounds the fp64 temporaries at ~4 × 8 bytes × this × r (32 MiB at r = 64).
+_CHUNK = 1 << 14
 
 #: Where exact angles are used: every METP and ring-baseline model, unless the environment or
 #: ``--metp-rope-fp32-recipe`` asks for Megatron's fp32 recipe (bit-compatibility with a stock run).
@@ -133,24 +133,25 @@ def _mod_2pi_(x: torch.Tensor) -> torch.Tensor:
     return r.add_((r < 0).to(r.dtype).mul_(_TWO_PI))
 
 
-def _tables(inv_freq: torch.Tensor, device) -> Tuple[torch.Tensor, ...]:
-    """``(T₂, T₁, T₀)``: ``T_k[d] = d · 2^(12k) · inv_freq mod 2π`` in fp64 for every digit
-    ``d`` of base 2^12 (``T₂``: 128 rows, positions below 2^31), each product exact in fp64
-    (≤ 12 + 24 significant bits) and reduced by :func:`_mod_2pi_`: 8,320 × r values."""
+def _split_inv_freq(inv_freq: torch.Tensor, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """fp64 ``(f_hi, f_lo)`` with ``f_hi + f_lo == inv_freq`` exactly, each ``[r]`` with at most
+    12 significant bits (fp32's 24-bit significand cut in two)."""
     f = inv_freq.to(device=device, dtype=torch.float64)
-    digits = torch.arange(_SPLIT, device=device, dtype=torch.float64)
-    return tuple(_mod_2pi_(torch.outer(digits[:rows] * float(_SPLIT ** k), f))
-                 for k, rows in ((2, (MAX_POSITION >> 24) + 1), (1, _SPLIT), (0, _SPLIT)))
+    mant, expo = torch.frexp(f)  # f = mant · 2^expo, mant in [0.5, 1): mant · 2^24 an integer
+    scale = torch.ldexp(torch.ones_like(f), expo - 24)
+    m24 = mant * float(1 << 24)
+    hi = torch.floor(m24 / float(1 << _HALF_BITS)) * float(1 << _HALF_BITS)
+    return hi * scale, (m24 - hi) * scale
 
 
-def _theta(pos: torch.Tensor, tables) -> torch.Tensor:
-    """fp64 ``[n, r]`` angles of int64 ``pos [n]`` from :func:`_tables`: the three digits'
-    reduced angles summed (in ``[0, 6π)``) and wrapped once into ``[0, 2π)``."""
-    t2, t1, t0 = tables
-    theta = t2.index_select(0, pos >> 24)
-    theta += t1.index_select(0, (pos >> 12) & (_SPLIT - 1))
-    theta += t0.index_select(0, pos & (_SPLIT - 1))
-    turns = torch.floor(theta / _TWO_PI)  # 0, 1 or 2 (each digit's angle is below 2π)
+def _theta(pos: torch.Tensor, halves) -> torch.Tensor:
+    """fp64 ``[n, r]`` angles of int64 ``pos [n]``: ``pos · f_hi`` and ``pos · f_lo`` (exact in
+    fp64) each reduced mod 2π, summed (in ``[0, 4π)``) and wrapped once into ``[0, 2π)``."""
+    f_hi, f_lo = halves
+    p = pos.to(torch.float64)[:, None]  # exact: |pos| < 2^31
+    theta = _mod_2pi_(p * f_hi)
+    theta += _mod_2pi_(p * f_lo)
+    turns = torch.floor(theta / _TWO_PI)  # 0 or 1 (each reduced angle is below 2π)
     theta.sub_(turns * _TWO_PI)
     return theta.sub_(turns.mul_(_TWO_PI_LO))  # the tail 2π − fp64(2π) of each turn
 
@@ -158,12 +159,11 @@ def _theta(pos: torch.Tensor, tables) -> torch.Tensor:
 def exact_theta(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """``positions [n] · inv_freq [r] mod 2π`` in fp64, ``[n, r]``, in ``[0, 2π)`` (up to a
     ~1e-15 rad wrap), within ~1e-15 rad of the exact value: the angles before
-    :func:`rope_angles`' single rounding to fp32. ``pos = d₂·2^24 + d₁·2^12 + d₀``: each
-    digit's product with the fp32 ``inv_freq`` is exact in fp64 and reduced mod 2π on its own
-    (tables of 8,320 rows, built once per call), then the three are summed and reduced once
-    more. No range check (:func:`rope_angles` does it): int64 ``positions`` in ``[0, 2^31)``."""
+    :func:`rope_angles`' single rounding to fp32. ``inv_freq = f_hi + f_lo`` (12 significant
+    bits each): both products with a position are exact in fp64 and reduced mod 2π on their own,
+    then summed and reduced once more. No range check (:func:`rope_angles` does it): int64 ``positions`` in ``[0, 2^31)``."""
     pos = positions.to(torch.int64)
-    return _theta(pos, _tables(inv_freq, pos.device))
+    return _theta(pos, _split_inv_freq(inv_freq, pos.device))
 
 
 def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor, *,
@@ -173,9 +173,9 @@ def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor, *,
     model's own, after any scaling): ``θ[i, j] = positions[i] · inv_freq[j] mod 2π``, computed
     exactly (:func:`exact_theta`) and rounded once to fp32, so ``cos``/``sin`` of the result are
     within ~3e-7 of the exact values at any position. Only the given positions are formed (this
-    rank's tokens, not a whole-sequence table), on ``positions``' device, in chunks of ``2^15``
-    rows (fp64 working set: the 8,320-row tables plus ~3 × 2^15 × r × 8 bytes, ~52 MiB at
-    r = 64, whatever ``n``). ``bounds``:
+    rank's tokens, not a whole-sequence table), on ``positions``' device, in chunks of ``2^14``
+    rows (fp64 working set ~4 × 2^14 × r × 8 bytes, ~32 MiB at r = 64, whatever ``n``; no
+    table). ``bounds``:
     ``(lowest, highest)`` position when the caller knows them as ints (checked instead of
     reading ``positions``: no device sync, and it works on fake tensors, e.g. in the dry run).
 
@@ -197,10 +197,10 @@ def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor, *,
     if lo_pos < 0 or hi_pos > MAX_POSITION:
         raise ValueError(f"positions must lie in [0, 2^31 - 1 = {MAX_POSITION}], got "
                          f"[{lo_pos}, {hi_pos}]")
-    tables = _tables(inv_freq, positions.device)
+    halves = _split_inv_freq(inv_freq, positions.device)
     for a in range(0, n, _CHUNK):
         rows = out[a:a + _CHUNK, 0, 0]
-        rows[:, :r].copy_(_theta(positions[a:a + _CHUNK].to(torch.int64), tables))
+        rows[:, :r].copy_(_theta(positions[a:a + _CHUNK].to(torch.int64), halves))
         rows[:, r:].copy_(rows[:, :r])
     return out
 
