@@ -50,13 +50,13 @@ demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m megatron_metp.demo
 
 test: $(STAMP) $(STAMP019)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=30 tests
 	$(MAKE) test-019
 
 # the Megatron-LM tests (patch, dry run, training, compare, save/load, HF, packed) against
 # core_v0.19.0; the marker is set by tests/conftest.py on every test using a Megatron-LM checkout
 test-019: $(STAMP019)
-	OMP_NUM_THREADS=1 METP_MEGATRON_LM_RELEASE=core_v0.19.0 $(PY019) -m pytest -q -m megatron_lm tests
+	OMP_NUM_THREADS=1 METP_MEGATRON_LM_RELEASE=core_v0.19.0 $(PY019) -m pytest -q --durations=30 -m megatron_lm tests
 
 faults: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -s --durations=8 tests/test_ring.py tests/test_stalls.py \
