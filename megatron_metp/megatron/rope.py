@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-from ..megatron_lm.rope_args import rope_reach_problems
+from .rope_checks import rope_reach_problems
 from ..ops.rope import (RECIPE_ENV, RECIPES, fp32_recipe_refusal, rope_angles,  # noqa: F401
                         rope_recipe)
 from ..ops.sequence import local_positions
@@ -134,7 +134,7 @@ def check_reach(model: torch.nn.Module, state: str, seq_length: int, asked: str)
 # ------------------------------------------------------------------------------ Megatron-LM
 
 def check_args_reach(args) -> None:
-    """Refuse (``ValueError``) a job :func:`megatron_metp.megatron_lm.rope_args.rope_reach_problems`
+    """Refuse (``ValueError``) a job :func:`.rope_checks.rope_reach_problems`
     finds a problem in: positions reaching 2^24 on Megatron's fp32 RoPE recipe."""
     problems = rope_reach_problems(args)
     if problems:

@@ -14,7 +14,7 @@ from ..megatron.packing_checks import mock_document_length_problems
 from ..megatron.parallel import metp_config_problems
 from .hooks import _MAPPED, CP_OUTER, _metp_problems, check_offload_layers_args
 from .resume import resume_layout_problems
-from .rope_args import rope_reach_problems
+from ..megatron.rope_checks import rope_reach_problems
 from .tiles import tile_arg_problems
 
 __all__ = ["metp_arg_problems"]

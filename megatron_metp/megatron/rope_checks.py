@@ -1,9 +1,10 @@
 """The RoPE-positions check of a Megatron-LM command line (issue 29, ``docs/positions.md``).
 
 :func:`rope_reach_problems` reads ``args`` only and imports neither Megatron nor megatron-core,
-so the same check runs in the launcher's preflight (:mod:`.preflight`, through
-:func:`.checks.metp_arg_problems`) and inside the ranks (Megatron-LM's ``validate_args``, through
-:func:`.hooks.validate_metp_args`; :func:`megatron_metp.megatron.rope.check_args_reach`).
+so the same check runs in the launcher's preflight (:mod:`megatron_metp.megatron_lm.preflight`,
+through :func:`megatron_metp.megatron_lm.checks.metp_arg_problems`) and inside the ranks
+(Megatron-LM's ``validate_args``, through
+:func:`megatron_metp.megatron_lm.hooks.validate_metp_args`; :func:`.rope.check_args_reach`).
 """
 
 from __future__ import annotations
