@@ -105,3 +105,32 @@ def test_launch_settings_round_trip_through_a_config(tmp_path):
     flags = P.megatron_flags(model, job, "metp")
     assert flags[flags.index("--metp-parallel-size") + 1] == "8"
     assert "--optimizer-cpu-offload" in flags and "--use-distributed-optimizer" in flags
+
+
+def test_reach_prints_flags_and_writes_a_config(capsys, tmp_path):
+    """Each family's best layout (METP, stock) comes with its Megatron-LM flags and a
+    pretrain_gpt.sh line; --write-config writes the longer-reaching one, which metp plan
+    --config plans again as the same layout and options, at the total the search found."""
+    path = tmp_path / "best.sh"
+    out = _plan(["--preset", "gpt-1.3b", "--reach", "--gpus", "2", "--write-config",
+                 str(path)], capsys)
+    flags = [x for x in out.splitlines() if x.startswith("  best, Megatron-LM flags: ")]
+    launches = [x for x in out.splitlines() if x.startswith("  best, launch: ")]
+    assert len(flags) == 2 and len(launches) == 2  # METP and stock, none for ALST
+    assert "--metp-parallel-size 2" in flags[0] and "--metp-vocab-parallel" in flags[0]
+    assert "--tensor-model-parallel-size 2" in flags[1] and "--sequence-parallel" in flags[1]
+    assert launches[0].endswith("scripts/pretrain_gpt.sh --config configs/models/gpt-1.3b.sh")
+    best = re.search(r"^  best +([\d.,]+K) tokens .*?: ([\d.,]+) GiB per rank", out, re.M)
+    seq = int(re.search(r"--seq-length (\d+)", flags[0]).group(1))
+    assert P.fmt_tokens(seq) == best.group(1)
+    text = path.read_text()
+    assert f': "${{SEQ_LENGTH:={seq}}}"' in text and ': "${METP:=2}"' in text
+    assert 'source "${METP_DIR:?}/configs/models/gpt-1.3b.sh"' in text
+    model, job, modes = cli.build_from_argv(["--config", str(path)])
+    assert (model.seq, job.tp, job.metp, job.dp, modes) == (seq, 1, 2, 1, ["metp"])
+    assert job.vocab_parallel and job.distributed_optimizer
+    total = P.memory(model, job, "metp").total / P.GiB
+    assert abs(total - float(best.group(2))) < 0.01 * total
+    # --write-config belongs to --reach
+    assert cli.main(["plan", "--preset", "gpt-1.3b", "--write-config", str(path)]) == 2
+    assert "--write-config" in capsys.readouterr().err

@@ -237,13 +237,31 @@ def cmd_reach(args) -> int:
                          "intermediate recomputed; drop --kernel / --keep-intermediate / "
                          "--micro-batch / --microbatches / --precision")
     model, _ = build_model(args)
-    print(P.reach_report(model, args.gpus, args.hardware, args.reserve_gib, top=args.reach_top))
+    res = P.reach(model, args.gpus, args.hardware, args.reserve_gib)
+    print(P.reach_report(model, args.gpus, args.hardware, args.reserve_gib, top=args.reach_top,
+                         res=res))
+    if args.write_config:
+        cand = P.search.best_launch(model, res)
+        if cand is None:
+            raise ValueError(f"--write-config {args.write_config}: no layout of METP or stock "
+                             f"Megatron fits {model.name} on {args.gpus} GPUs; nothing written")
+        m, j = P.search.launch_job(model, cand)
+        title = (f"{model.name} at {cand.seq:,} tokens on {args.gpus} × {args.hardware}: "
+                 f"{cand.describe()}; {P.fmt_bytes(cand.total)} per rank planned (written by "
+                 f"metp plan --reach: the longest-reaching best layout)")
+        with open(args.write_config, "w") as fh:
+            fh.write(P.config_text(m, j, cand.mode, title))
+        print(f"\nwrote {args.write_config}: scripts/pretrain_gpt.sh --config "
+              f"{args.write_config}")
     return 0
 
 
 def cmd_plan(args) -> int:
     if args.reach:
         return cmd_reach(args)
+    if args.write_config:
+        raise ValueError("--write-config writes the best layout of --reach; add --reach --gpus "
+                         "N, or launch this plan with the pretrain_gpt.sh line it prints")
     if args.gpus:
         raise ValueError("--gpus is the GPU count of --reach; a single plan takes the layout "
                          "(--tp, --metp, --cp, --pp, --dp); add --reach or drop --gpus")
@@ -357,6 +375,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     pl.add_argument("--gpus", type=int, default=None, help="GPUs of the job (--reach)")
     pl.add_argument("--reach-top", type=int, default=3,
                     help="layouts shown per family (--reach; default 3)")
+    pl.add_argument("--write-config", metavar="FILE", default=None,
+                    help="--reach: write the best layout of METP or stock Megatron (the longer "
+                         "sequence) as a configs/*.sh-style file for scripts/pretrain_gpt.sh "
+                         "--config FILE (metp plan --config FILE plans it again)")
     ms = sub.add_parser("measure", help="measure rank 0 on CPU (fake group) next to the plan")
     _add_common(ms)
     ms.add_argument("--jobs", type=int, default=1, help="measurements at once (default 1)")
