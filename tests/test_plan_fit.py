@@ -134,3 +134,22 @@ def test_reach_prints_flags_and_writes_a_config(capsys, tmp_path):
     # --write-config belongs to --reach
     assert cli.main(["plan", "--preset", "gpt-1.3b", "--write-config", str(path)]) == 2
     assert "--write-config" in capsys.readouterr().err
+
+
+def test_metp_help_lists_every_subcommand_without_the_planner():
+    """``metp --help`` lists plan, measure and hf and imports neither torch nor megatron-core
+    (the planner loads with a subcommand); ``metp plan`` prints no third-party warnings."""
+    code = ("import sys; from megatron_metp.tools.cli import main\n"
+            "try:\n    main(['--help'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
+            "print('loaded:', sorted(m for m in ('torch', 'megatron') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for name in ("plan", "measure", "hf"):
+        assert re.search(rf"^\s+{name}\s", proc.stdout, re.M), (name, proc.stdout)
+    assert "loaded: []" in proc.stdout
+    proc = subprocess.run([sys.executable, "-m", "megatron_metp.cli", "plan", "--preset",
+                           "gpt-1.3b", "--seq", "8192", "--metp", "2", "--recompute", "full"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0 and "fits H100-80GB" in proc.stdout, proc.stderr
+    assert "Warning" not in proc.stderr and "warn" not in proc.stderr.lower(), proc.stderr

@@ -19,14 +19,17 @@ from .host import GPUS_PER_NODE, host_capacity_bytes, host_fits  # noqa: F401 (G
 
 
 def fmt_bytes(x: float) -> str:
-    if abs(x) >= GiB:
+    """Bytes in one format: two decimals and thousands separators, in GiB from 1 GiB (after
+    rounding: never ``1,024.00 MiB``), else in MiB."""
+    if abs(round(x / GiB, 2)) >= 1:
         return f"{x / GiB:,.2f} GiB"
-    return f"{x / MiB:,.1f} MiB"
+    return f"{x / MiB:,.2f} MiB"
 
 
 def fmt_tokens(s: int) -> str:
+    """Tokens in K (1,024) with thousands separators, two decimals when not whole."""
     if s >= 1024 and s % 1024 == 0:
-        return f"{s // 1024}K"
+        return f"{s // 1024:,}K"
     if s >= 1024:
         return f"{s / 1024:,.2f}K"
     return f"{s:,}"
