@@ -54,18 +54,15 @@ def _level(job: Job) -> int:
 
 def _variants(job: Job, mode: str) -> Iterator[Tuple[Job, Tuple[str, ...], int]]:
     """``(job, flags added, time-costing options added)`` of every option set above ``job``."""
-    start = _level(job)
     vocab_choices = (job.vocab_parallel,) if mode != "metp" or job.vocab_parallel else \
         (False, True)
-    for i, (name, fields) in enumerate(RECOMPUTE_OPTIONS):
-        if i < start:
-            continue
+    for _, fields in RECOMPUTE_OPTIONS[_level(job):]:
         rec: Dict = {}
         rec_flags: List[str] = []
-        if i >= 1 and job.recompute != "full":
+        if fields.get("recompute") == "full" and job.recompute != "full":
             rec.update(recompute="full", recompute_method="uniform", recompute_num_layers=1)
             rec_flags += ["--recompute", "full"]
-        if i == 2 and not job.offload:
+        if fields.get("offload") and not job.offload:
             rec.update(offload=True, offload_layers=None)
             rec_flags.append("--offload-activations")
         for vocab in vocab_choices:
@@ -80,7 +77,8 @@ def _variants(job: Job, mode: str) -> Iterator[Tuple[Job, Tuple[str, ...], int]]
                         flags.append("--optimizer-cpu-offload")
                     if not flags:
                         continue
-                    costly = (i - start) + int(off and not job.optimizer_offload)
+                    costly = ("recompute" in rec) + ("offload" in rec) + \
+                        int(off and not job.optimizer_offload)
                     yield (dataclasses.replace(job, distributed_optimizer=dist,
                                                vocab_parallel=vocab, optimizer_offload=off,
                                                **rec), tuple(flags), costly)
