@@ -35,25 +35,15 @@ recompute method or chunk size, the ring-attention baseline (no weight ring), or
 from __future__ import annotations
 
 import copy
-import os
 from typing import List
 
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from ..ops.layer import metp_layer
 from ..ops.layer_rows import streaming_norm
+from ..ops.streaming_switch import STREAMING_ENV, streaming_enabled  # noqa: F401 (re-export)
 from ..runtime.offload import current_offloader
 from .modules import METPMLP, METPSelfAttention
-
-#: ``0`` keeps Megatron's checkpoint and the separate METP ops under full recompute
-STREAMING_ENV = "METP_STREAMING_LAYER"
-
-
-def streaming_enabled() -> bool:
-    raw = os.environ.get(STREAMING_ENV, "").strip() or "1"
-    if raw not in ("0", "1"):
-        raise ValueError(f"the environment variable {STREAMING_ENV} must be 0 or 1, got {raw!r}")
-    return raw == "1"
 
 
 class METPTransformerLayer(TransformerLayer):

@@ -1,4 +1,5 @@
-"""``metp``: plan a METP job (``metp plan``) and measure one rank of it on a CPU (``metp measure``).
+"""``metp``: plan a METP job (``metp plan``), measure one rank of it on a CPU (``metp measure``),
+bring Hugging Face checkpoints in and out (``metp hf``).
 
 ::
 
@@ -27,10 +28,29 @@ import time
 from dataclasses import asdict
 from typing import List, Optional
 
-from . import plan as P
 
-GiB = P.GiB
-MiB = P.MiB
+
+class _Plan:
+    """:mod:`megatron_metp.tools.plan`, imported on first use: ``metp --help`` lists the
+    subcommands without importing the planner (and torch) behind them."""
+
+    def __getattr__(self, name: str):
+        from . import plan
+
+        return getattr(plan, name)
+
+
+P = _Plan()
+GiB = 2 ** 30
+MiB = 2 ** 20
+#: the subcommands ``metp --help`` lists (``hf`` goes to :mod:`.hf`'s own parser)
+SUBCOMMANDS = {
+    "plan": "per-rank memory, traffic, overlap, longest sequence; what to change when it does "
+            "not fit; --reach: the best layouts on N GPUs",
+    "measure": "measure rank 0 on CPU (fake group) next to the plan",
+    "hf": "Hugging Face Llama checkpoints in and out: metp hf {import,export,flags} "
+          "(docs/huggingface.md)",
+}
 
 
 def _offload_count(raw: str) -> int:
@@ -237,13 +257,31 @@ def cmd_reach(args) -> int:
                          "intermediate recomputed; drop --kernel / --keep-intermediate / "
                          "--micro-batch / --microbatches / --precision")
     model, _ = build_model(args)
-    print(P.reach_report(model, args.gpus, args.hardware, args.reserve_gib, top=args.reach_top))
+    res = P.reach(model, args.gpus, args.hardware, args.reserve_gib)
+    print(P.reach_report(model, args.gpus, args.hardware, args.reserve_gib, top=args.reach_top,
+                         res=res))
+    if args.write_config:
+        cand = P.search.best_launch(model, res)
+        if cand is None:
+            raise ValueError(f"--write-config {args.write_config}: no layout of METP or stock "
+                             f"Megatron fits {model.name} on {args.gpus} GPUs; nothing written")
+        m, j = P.search.launch_job(model, cand)
+        title = (f"{model.name} at {cand.seq:,} tokens on {args.gpus} × {args.hardware}: "
+                 f"{cand.describe()}; {P.fmt_bytes(cand.total)} per rank planned (written by "
+                 f"metp plan --reach: the longest-reaching best layout)")
+        with open(args.write_config, "w") as fh:
+            fh.write(P.config_text(m, j, cand.mode, title))
+        print(f"\nwrote {args.write_config}: scripts/pretrain_gpt.sh --config "
+              f"{args.write_config}")
     return 0
 
 
 def cmd_plan(args) -> int:
     if args.reach:
         return cmd_reach(args)
+    if args.write_config:
+        raise ValueError("--write-config writes the best layout of --reach; add --reach --gpus "
+                         "N, or launch this plan with the pretrain_gpt.sh line it prints")
     if args.gpus:
         raise ValueError("--gpus is the GPU count of --reach; a single plan takes the layout "
                          "(--tp, --metp, --cp, --pp, --dp); add --reach or drop --gpus")
@@ -340,11 +378,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .hf import main as hf_main
 
         return hf_main(argv[1:], prog="metp hf")
-    ap = argparse.ArgumentParser(prog="metp", description=__doc__.split("\n\n")[0],
-                                 epilog="metp hf {import,export,flags} ...: Hugging Face Llama "
-                                        "checkpoints in and out (docs/huggingface.md)")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    pl = sub.add_parser("plan", help="per-rank memory, traffic, overlap, longest sequence",
+    ap = argparse.ArgumentParser(prog="metp", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{" + ",".join(SUBCOMMANDS) + "}")
+    if argv[:1] not in (["plan"], ["measure"]):  # --help, or a usage error: no planner needed
+        for name, text in SUBCOMMANDS.items():
+            sub.add_parser(name, help=text)
+        ap.parse_args(argv)
+        return 2  # not reached: argparse exits on --help and on a missing / unknown command
+    pl = sub.add_parser("plan", help=SUBCOMMANDS["plan"],
                         description=P.__doc__.split("\n\n")[0])
     _add_common(pl)
     pl.add_argument("--png", help="write memory-vs-sequence (PATH) and longest-sequence "
@@ -357,7 +398,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     pl.add_argument("--gpus", type=int, default=None, help="GPUs of the job (--reach)")
     pl.add_argument("--reach-top", type=int, default=3,
                     help="layouts shown per family (--reach; default 3)")
-    ms = sub.add_parser("measure", help="measure rank 0 on CPU (fake group) next to the plan")
+    pl.add_argument("--write-config", metavar="FILE", default=None,
+                    help="--reach: write the best layout of METP or stock Megatron (the longer "
+                         "sequence) as a configs/*.sh-style file for scripts/pretrain_gpt.sh "
+                         "--config FILE (metp plan --config FILE plans it again)")
+    ms = sub.add_parser("measure", help=SUBCOMMANDS["measure"])
     _add_common(ms)
     ms.add_argument("--jobs", type=int, default=1, help="measurements at once (default 1)")
     ms.add_argument("--timeout", type=float, default=1800, help="seconds per measurement")

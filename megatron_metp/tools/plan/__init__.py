@@ -108,10 +108,14 @@ as when the plan was one module:
 ``overlap``              ``overlap_thresholds()``
 ``internode``            ``internode_hop()``: the K/V ring's hop that crosses nodes (bytes,
                          overlap threshold on the inter-node link)
-``summary``              ``plan()`` (the ``--json`` dict) and ``report()`` (the printed text)
-``figures``              ``charts()`` (``--png``)
 ``search``               ``reach()`` / ``reach_report()`` (``--reach``): the longest sequence
                          over every valid layout of METP and of stock Megatron
+``fit``                  ``fit_hint()``: the cheapest options under which a layout that does
+                         not fit does
+``launch``               a planned job as ``scripts/pretrain_gpt.sh`` settings, Megatron-LM
+                         flags and a ``configs/*.sh``-style file
+``summary``              ``plan()`` (the ``--json`` dict) and ``report()`` (the printed text)
+``figures``              ``charts()`` (``--png``)
 =======================  ====================================================================
 
 Setting a name on the package (``monkeypatch.setattr(P, "_metp_phases", ...)``) rebinds it in
@@ -144,9 +148,11 @@ from .overlap import overlap_thresholds
 from .internode import internode_hop
 from .summary import fmt_bytes, fmt_tokens, plan, report
 from .search import reach, reach_report
+from .fit import FitHint, fit_hint
+from .launch import config_text, launch_line, megatron_flags
 from .figures import COLORS, charts
-from . import (activation_memory, alst, alst_time, config, cost, figures, hardware, host_link,
-               imbalance, internode, metp, model, overlap, partial, rates, search,
+from . import (activation_memory, alst, alst_time, config, cost, figures, fit, hardware,
+               host_link, imbalance, internode, launch, metp, model, overlap, partial, rates, search,
                parameters, rank_memory, recompute, ring, stock, summary, traffic, vocab)
 
 __all__ = [
@@ -162,13 +168,14 @@ __all__ = [
     "recompute_and_offload", "layer_flops", "step_cost", "internode_hop", "step_time",
     "RATES", "Rates", "default_kernel", "load_rates", "resolve_rates",
     "fmt_bytes", "fmt_tokens", "plan", "report", "COLORS", "charts", "reach", "reach_report",
+    "FitHint", "fit_hint", "config_text", "launch_line", "megatron_flags",
 ]
 
 #: the modules whose names :class:`_Package` rebinds
 _step_time_module = sys.modules[__name__ + ".step_time"]  # (the name is the function's)
 _MODULES = (hardware, model, config, parameters, ring, stock, metp, vocab, recompute,
             activation_memory, partial, rank_memory, traffic, cost, overlap, internode, summary, figures,
-            search, rates, host_link, imbalance, alst, alst_time, _step_time_module)
+            search, fit, launch, rates, host_link, imbalance, alst, alst_time, _step_time_module)
 _UNSET = object()
 
 

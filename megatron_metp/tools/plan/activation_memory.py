@@ -14,6 +14,9 @@ from .recompute import recompute_and_offload
 from .stock import _stock_phases
 from .vocab import vocab_embedding_backward, vocab_embedding_forward, vocab_loss_phases
 
+#: the item of the last layer's phases that takes the head's activations out (gone by then)
+HEAD_FREED = "(head activations freed)"
+
 
 @dataclass
 class Activations:
@@ -51,9 +54,16 @@ class Activations:
     @property
     def layer_transient(self) -> float:
         """The largest transient of a single layer's phase (forward, recompute or backward of
-        the last layer; not the loss's or the embedding's)."""
-        return max((v for k, v in self.phase_totals().items() if "(last layer)" in k),
-                   default=0.0)
+        the last layer; not the loss's or the embedding's): what the layer holds beyond the
+        parameters, the gradient buffer and what the forward stored, as ``metp measure`` measures
+        it. The incoming gradient counts; the head's activations, freed by the time the last
+        layer's backward runs (and not yet formed in its forward), do not: they belong to the
+        head, and subtracting them made the row negative (−63 GiB for Llama-3-8B at 1M tokens
+        on TP 8). Never below 0 (a layer that frees more of its own stored tensors than it
+        allocates holds no transient)."""
+        own = [sum(x for kk, x in v.items() if kk != HEAD_FREED)
+               for k, v in self.phases.items() if "(last layer)" in k]
+        return max(own + [0.0])
 
     @property
     def peak_phase(self) -> str:
@@ -218,8 +228,8 @@ def _layer_phases(model: Model, g: _Geometry, X, shifts, head, dy: float):
     output-layer gradient held, what recompute / the host brings back (``shifts``), and the
     head's activations already freed (last stage)."""
     phases: Dict[str, Dict[str, float]] = {}
-    head_gone = {"(head activations freed)": -(sum(head.values())
-                                               - head["RoPE angle table (fp32)"])}
+    head_gone = {HEAD_FREED: -(sum(head.values())
+                               - head["RoPE angle table (fp32)"])}
     for name, items in X.items():
         ph = dict(head_gone) if g.last else {}
         if "forward" not in name:
@@ -240,7 +250,7 @@ def _layer_phases(model: Model, g: _Geometry, X, shifts, head, dy: float):
                 ph, **{"re-formed by recompute / brought back from the host":
                        shifts["recompute"]})
     if not g.last:
-        phases = {k: {kk: vv for kk, vv in v.items() if kk != "(head activations freed)"}
+        phases = {k: {kk: vv for kk, vv in v.items() if kk != HEAD_FREED}
                   for k, v in phases.items()}
         # the gradient received from the next stage stays referenced by the schedule while
         # the stage runs backward (it is the incoming gradient of the last MLP itself)

@@ -131,7 +131,8 @@ def _launcher_settings(kv: Dict[str, object], model: Dict[str, object],
     ``METP_OFFLOAD_LAYERS``, the attention kernel
     (``TRANSFORMER_IMPL=local`` stock layers run Megatron's unfused ``DotProductAttention``;
     METP layers the flash block kernel unless ``METP_ATTENTION_KERNEL=reference``),
-    ``METP_KEEP_INTERMEDIATE``, a stock ``CP`` as the ring size (plan it with ``--modes ring``),
+    ``METP_KEEP_INTERMEDIATE``, ``--optimizer-cpu-offload`` in ``EXTRA_ARGS``, a stock ``CP``
+    as the ring size (plan it with ``--modes ring``),
     data parallelism from ``NNODES × GPUS_PER_NODE`` (default 1 × 8),
     and Megatron's ``NullTokenizer`` (mock data, no ``TOKENIZER_TYPE``), which adds an
     end-of-document token to ``VOCAB_SIZE`` (default 32000) at core_v0.16.1, not at core_v0.19.0
@@ -174,6 +175,8 @@ def _launcher_settings(kv: Dict[str, object], model: Dict[str, object],
         raise ValueError(f"METP_OFFLOAD_LAYERS={kv['metp_offload_layers']} in the config without "
                          f"METP_OFFLOAD_ACTIVATIONS=1: the layers to offload need the offload; "
                          f"set METP_OFFLOAD_ACTIVATIONS=1 or drop METP_OFFLOAD_LAYERS")
+    if "--optimizer-cpu-offload" in str(kv.get("extra_args") or "").strip("()").split():
+        job["optimizer_offload"] = True  # EXTRA_ARGS=(--optimizer-cpu-offload ...)
     cp = int(kv.get("cp") or 1)
     if cp > 1 and int(job.get("metp") or 1) == 1:  # a stock context-parallel twin: plan it as
         job["metp"] = cp                           # mode ring (K/V ring over CP, weights whole)

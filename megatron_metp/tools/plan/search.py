@@ -26,7 +26,7 @@ ties going to fewer options (no offload before offload) and then the lower per-r
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, Iterator, List, Optional, Tuple
 
 from .hardware import HARDWARE
@@ -221,14 +221,32 @@ def reach(model: Model, gpus: int, hardware: str = "H100-80GB", reserve_gib: flo
             for f in families}
 
 
+def launch_job(model: Model, cand: Candidate) -> Tuple[Model, Job]:
+    """``(model at the candidate's sequence, job with the offload split it planned)``: what
+    :mod:`.launch` writes for a candidate of ``metp`` or ``stock`` (not ``alst``)."""
+    return model.with_seq(cand.seq), replace(cand.job, offload_layers=cand.offload_layers,
+                                             host_memory_gib=None)
+
+
+def best_launch(model: Model, res: Dict[str, List["Candidate"]]) -> Optional[Candidate]:
+    """The longest-reaching best candidate of the families Megatron-LM runs (``metp``, then
+    ``stock`` on a tie); None when neither fits."""
+    bests = [c for f in ("metp", "stock") for c in res.get(f, [])[:1] if c.seq]
+    return max(bests, key=lambda c: c.seq) if bests else None
+
+
 def reach_report(model: Model, gpus: int, hardware: str = "H100-80GB", reserve_gib: float = 2.0,
                  host_gib: float = DEFAULT_HOST_GIB_PER_NODE, top: int = 3,
-                 limit: int = 1 << 28) -> str:
-    """The text ``metp plan --reach`` prints: per family the ``top`` layouts and the ratio of the
-    two families' best."""
+                 limit: int = 1 << 28,
+                 res: Optional[Dict[str, List[Candidate]]] = None) -> str:
+    """The text ``metp plan --reach`` prints: per family the ``top`` layouts, the best one's
+    Megatron-LM flags and ``scripts/pretrain_gpt.sh`` line, and the ratio of the two families'
+    best (``res``: :func:`reach`'s result, computed here when not given)."""
+    from .launch import launch_line, megatron_flags
     from .summary import fmt_bytes, fmt_tokens
 
-    res = reach(model, gpus, hardware, reserve_gib, host_gib, limit=limit)
+    if res is None:
+        res = reach(model, gpus, hardware, reserve_gib, host_gib, limit=limit)
     hw = HARDWARE[hardware]
     g = f", {model.groups} K/V groups" if model.groups != model.heads else ""
     lines = [f"# reach (planned): {model.name} h={model.hidden} L={model.layers} a={model.heads}{g} "
@@ -265,6 +283,11 @@ def reach_report(model: Model, gpus: int, hardware: str = "H100-80GB", reserve_g
                          + (" (capped: positions < 2^24)" if c.capped else "")
                          + (" (exact RoPE angles past 2^24)" if c.seq > FP32_EXACT_POSITIONS
                             else ""))
+        if fam != "alst":  # ALST's recipe runs on DeepSpeed, not Megatron-LM
+            m, j = launch_job(model, fitting[0])
+            flags = " ".join(megatron_flags(m, j, fitting[0].mode))
+            lines.append(f"  best, Megatron-LM flags: {flags}")
+            lines.append(f"  best, launch: {launch_line(m, j, fitting[0].mode)}")
     if "metp" in best and "stock" in best:
         m, s = best["metp"].seq, best["stock"].seq
         lines.append("")
@@ -290,5 +313,6 @@ def best(model: Model, gpus: int, family: str, **kw) -> Optional[Candidate]:
 
 
 __all__ = ["Candidate", "DEFAULT_HOST_GIB_PER_NODE", "FAMILIES", "RECOMPUTE_OPTIONS", "best",
+           "best_launch", "launch_job",
            "sequence_time",
            "candidates", "layouts", "longest", "reach", "reach_report"]

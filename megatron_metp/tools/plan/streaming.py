@@ -50,8 +50,8 @@ from .model import BF16, FP32
 def streaming_applies(job, lay, mode: str) -> bool:
     """Whether ``mode`` of ``job`` runs the streaming layer op (``prepare_recompute``'s rule:
     ``megatron/streaming.py``; the plan has no dropout and ``METP_STREAMING_LAYER`` is read
-    here too)."""
-    from ...megatron.streaming import streaming_enabled
+    here too, without importing megatron-core: ``ops/streaming_switch.py``)."""
+    from ...ops.streaming_switch import streaming_enabled
 
     return (mode == "metp" and job.recompute == "full" and job.recompute_method == "uniform"
             and job.recompute_num_layers == 1 and lay.t == 1 and not job.keep_intermediate

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Dict, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from .hardware import HARDWARE
-from .model import GiB, MiB, MODES, VOCAB_MODES, Job, Model, validate
+from .model import GiB, MiB, MODES, VOCAB_MODES, Job, Model, canonical, validate
+from .fit import fit_hint, fits
 from .overlap import overlap_thresholds
 from .internode import internode_hop
 from .rank_memory import capacity_bytes, head_memory, longest_seq, memory
@@ -18,14 +19,17 @@ from .host import GPUS_PER_NODE, host_capacity_bytes, host_fits  # noqa: F401 (G
 
 
 def fmt_bytes(x: float) -> str:
-    if abs(x) >= GiB:
+    """Bytes in one format: two decimals and thousands separators, in GiB from 1 GiB (after
+    rounding: never ``1,024.00 MiB``), else in MiB."""
+    if abs(round(x / GiB, 2)) >= 1:
         return f"{x / GiB:,.2f} GiB"
-    return f"{x / MiB:,.1f} MiB"
+    return f"{x / MiB:,.2f} MiB"
 
 
 def fmt_tokens(s: int) -> str:
+    """Tokens in K (1,024) with thousands separators, two decimals when not whole."""
     if s >= 1024 and s % 1024 == 0:
-        return f"{s // 1024}K"
+        return f"{s // 1024:,}K"
     if s >= 1024:
         return f"{s / 1024:,.2f}K"
     return f"{s:,}"
@@ -64,6 +68,7 @@ def plan(model: Model, job: Job, modes: Sequence[str] = MODES) -> Dict:
             "offloaded_layers": a.offloaded_layers,
             "offload_auto": job.offload and job.offload_layers is None and
             mem.job.offload_layers is not None,
+            "fit_hint": _fit_hint(model, job, mode),
         }
     out["overlap"] = overlap_thresholds(model, job, hw)
     if hw.measured_tflops:
@@ -71,6 +76,42 @@ def plan(model: Model, job: Job, modes: Sequence[str] = MODES) -> Dict:
     if "metp" in modes and "tp-sp" in modes and job.width > 1:
         out["crossover_vs_tp_sp"] = crossover_seq(model, job, "tp-sp")
     return out
+
+
+def _fit_hint(model: Model, job: Job, mode: str) -> Optional[Dict]:
+    """None when ``mode`` fits (device and host, as the reach search counts them); else the
+    cheapest options under which this layout fits (:func:`.fit.fit_hint`: ``flags``, ``total``,
+    ``host_per_node``, ``megatron_lm_args``, ``pretrain_gpt_sh``), ``flags`` None when none
+    does."""
+    if mode == "alst":
+        return None
+    plain_mode, plain_job = canonical(mode, job)
+    if fits(model, plain_job, plain_mode)[0]:
+        return None
+    hint = fit_hint(model, job, mode)
+    return hint.as_dict() if hint else {"flags": None}
+
+
+def fit_lines(res: Dict, job: Job, seq: int) -> List[str]:
+    """The hint lines of :func:`report` for the modes that do not fit."""
+    hw = HARDWARE[job.hardware]
+    lines = []
+    for mode, r in res["modes"].items():
+        h = r.get("fit_hint")
+        if h is None:
+            continue
+        if h["flags"] is None:
+            lines.append(f"# {mode}: does not fit, and no options fit this layout at s = "
+                         f"{seq:,} (every option set of the reach search tried): more GPUs, or "
+                         f"metp plan --reach --gpus N for other layouts")
+            continue
+        lines.append(f"# {mode}: does not fit; fits with {' '.join(h['flags'])}: "
+                     f"{fmt_bytes(h['total'])} per rank of {fmt_bytes(capacity_bytes(job))} on "
+                     f"{hw.name}" + (f", host {fmt_bytes(h['host_per_node'])} per node"
+                                     if h["host_per_node"] else "")
+                     + " (the cheapest options on this layout)")
+        lines.append(f"#   {h['pretrain_gpt_sh']}")
+    return lines
 
 
 def report(model: Model, job: Job, modes: Sequence[str] = MODES) -> str:
@@ -178,6 +219,7 @@ def report(model: Model, job: Job, modes: Sequence[str] = MODES) -> str:
     for r in rows:
         lines.append(r[0].ljust(w0) + " | " + " | ".join(str(v).rjust(w) for v, w in zip(r[1:], ws)))
     lines.append("")
+    lines += fit_lines(res, job, model.seq)
     for mode, r in res["modes"].items():
         if r["offload_auto"]:
             n, L = r["offloaded_layers"], r["layers"]

@@ -1,0 +1,197 @@
+"""How to launch a planned job: the ``scripts/pretrain_gpt.sh`` environment, Megatron-LM's flags
+and a ``configs/*.sh``-style file, from a :class:`~.model.Model`, a :class:`~.model.Job` and a
+mode (``metp plan``'s fit hint, ``metp plan --reach``'s best layouts, ``--write-config``).
+
+Each setting is one ``(VARIABLE, value, Megatron-LM flags)`` triple of :func:`settings`: the
+variable is what ``scripts/pretrain_gpt.sh`` reads, the flags what it then passes to
+``pretrain_gpt.py`` for that value. The layout of a mode on ``W = tp·metp`` GPUs per stage:
+
+==========  ====================================================================
+``tp``      ``TP=W``, no SP                ``tp-sp``  ``TP=W`` + ``--sequence-parallel``
+``cp``      ``TP=t`` (+SP) × ``CP=metp``   ``ring``   ``CP=W`` (TP 1)
+``metp``    ``TP=t``, ``METP=p``, ``CP=c`` (METP × CP), ``--metp-vocab-parallel`` with the split
+==========  ====================================================================
+
+The world is ``TP·METP·CP·PP·DP`` GPUs, on nodes of 8 (``GPUS_PER_NODE``, ``NNODES``). The model's
+geometry comes from ``configs/models/<name>.sh`` when the repository has that file (it also sets
+what the plan does not model: the norm, the RoPE base, the linear biases); a value of the plan that
+differs from the file's is set explicitly before it.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from typing import Dict, List, Optional, Tuple
+
+from .config import read_config
+from .model import Job, Model, canonical, layout
+
+#: the repository's model files (``configs/models/<name>.sh``)
+MODELS_DIR = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, os.pardir, "configs",
+                          "models")
+#: Megatron's optimizer CPU offload, all of it (``metp plan --optimizer-cpu-offload``)
+OPTIMIZER_OFFLOAD_ARGS = ("--optimizer-cpu-offload", "--optimizer-offload-fraction", "1.0")
+
+Setting = Tuple[str, str, List[str]]
+
+#: ``scripts/pretrain_gpt.sh``'s own defaults (a launch line leaves these out; its
+#: ``SEQUENCE_PARALLEL`` default, 1 when TP > 1 and METP = 1, is checked in :func:`launch_line`)
+LAUNCHER_DEFAULTS = {"NNODES": "1", "GPUS_PER_NODE": "8", "TP": "1", "METP": "1", "CP": "1",
+                     "PP": "1", "MICRO_BATCH_SIZE": "1", "DISTRIBUTED_OPTIMIZER": "1",
+                     "SWIGLU": "0", "UNTIE_EMBEDDINGS": "0", "QK_LAYERNORM": "0",
+                     "ADD_QKV_BIAS": "0"}
+
+
+def model_file(model: Model) -> Optional[str]:
+    """``configs/models/<name>.sh`` of the model's name, when the repository has it."""
+    path = os.path.normpath(os.path.join(MODELS_DIR, f"{model.name}.sh"))
+    return path if os.path.isfile(path) else None
+
+
+def _flag(on: bool, *flags: str) -> List[str]:
+    return list(flags) if on else []
+
+
+def geometry(model: Model) -> List[Setting]:
+    """The model's settings (``NUM_LAYERS`` ... ``SEQ_LENGTH``)."""
+    out: List[Setting] = [
+        ("NUM_LAYERS", str(model.layers), ["--num-layers", str(model.layers)]),
+        ("HIDDEN_SIZE", str(model.hidden), ["--hidden-size", str(model.hidden)]),
+        ("FFN_HIDDEN_SIZE", str(model.ffn), ["--ffn-hidden-size", str(model.ffn)]),
+        ("NUM_ATTENTION_HEADS", str(model.heads), ["--num-attention-heads", str(model.heads)]),
+    ]
+    if model.query_groups and model.query_groups != model.heads:
+        out.append(("NUM_QUERY_GROUPS", str(model.query_groups),
+                    ["--group-query-attention", "--num-query-groups", str(model.query_groups)]))
+    if model.kv_channels:
+        out.append(("KV_CHANNELS", str(model.kv_channels),
+                    ["--kv-channels", str(model.kv_channels)]))
+    out += [
+        ("SWIGLU", str(int(model.swiglu)), _flag(model.swiglu, "--swiglu")),
+        ("UNTIE_EMBEDDINGS", str(int(not model.tied)),
+         _flag(not model.tied, "--untie-embeddings-and-output-weights")),
+        ("QK_LAYERNORM", str(int(model.qk_layernorm)), _flag(model.qk_layernorm, "--qk-layernorm")),
+        ("ADD_QKV_BIAS", str(int(model.add_qkv_bias)), _flag(model.add_qkv_bias, "--add-qkv-bias")),
+        ("VOCAB_SIZE", str(model.vocab), []),  # the tokenizer's (NullTokenizer: --vocab-size)
+        ("SEQ_LENGTH", str(model.seq), ["--seq-length", str(model.seq),
+                                        "--max-position-embeddings", str(model.seq)]),
+    ]
+    return out
+
+
+def job_settings(job: Job, mode: str) -> List[Setting]:
+    """The layout and the training options of ``mode`` (see the module's table); ``ValueError``
+    for mode ``alst`` (ALST's recipe, not a Megatron-LM job)."""
+    if mode == "alst":
+        raise ValueError("mode alst is ALST's published recipe (DeepSpeed), not a Megatron-LM job")
+    mode, job = canonical(mode, job)
+    lay = layout(mode, job)
+    if mode == "metp":
+        tp, metp, cp = lay.t, lay.p, lay.cp
+    else:  # stock: TP t, the K/V ring (cp, ring) over c
+        tp, metp, cp = lay.t, 1, lay.c
+    world = tp * metp * cp * job.pp * job.dp
+    per_node = min(8, world) if world % min(8, world) == 0 else world
+    out: List[Setting] = [
+        ("NNODES", str(world // per_node), []), ("GPUS_PER_NODE", str(per_node), []),
+        ("TP", str(tp), ["--tensor-model-parallel-size", str(tp)]),
+        ("METP", str(metp), ["--metp-parallel-size", str(metp)]),
+        ("CP", str(cp), _flag(cp > 1, "--context-parallel-size", str(cp))),
+        ("PP", str(job.pp), ["--pipeline-model-parallel-size", str(job.pp)]),
+        ("SEQUENCE_PARALLEL", str(int(lay.sp)), _flag(lay.sp, "--sequence-parallel")),
+        ("MICRO_BATCH_SIZE", str(job.micro_batch), ["--micro-batch-size", str(job.micro_batch)]),
+        ("DISTRIBUTED_OPTIMIZER", str(int(job.distributed_optimizer)),
+         _flag(job.distributed_optimizer, "--use-distributed-optimizer")),
+    ]
+    if lay.vocab:
+        out.append(("METP_VOCAB_PARALLEL", "1", ["--metp-vocab-parallel"]))
+    if job.keep_intermediate and mode == "metp":
+        out.append(("METP_KEEP_INTERMEDIATE", "1", ["--metp-keep-intermediate"]))
+    if job.kernel == "unfused":  # METP: fp32 block scores; stock: Megatron's local spec
+        out.append(("METP_ATTENTION_KERNEL", "reference", ["--metp-attention-kernel", "reference"])
+                   if mode == "metp" else
+                   ("TRANSFORMER_IMPL", "local", ["--transformer-impl", "local"]))
+    if job.recompute != "none":
+        out.append(("RECOMPUTE_GRANULARITY", job.recompute,
+                    ["--recompute-granularity", job.recompute]))
+        if job.recompute == "full":
+            out += [("RECOMPUTE_METHOD", job.recompute_method,
+                     ["--recompute-method", job.recompute_method]),
+                    ("RECOMPUTE_NUM_LAYERS", str(job.recompute_num_layers),
+                     ["--recompute-num-layers", str(job.recompute_num_layers)])]
+    if job.offload:
+        out.append(("METP_OFFLOAD_ACTIVATIONS", "1", ["--metp-offload-activations"]))
+        if job.offload_layers is not None:
+            out.append(("METP_OFFLOAD_LAYERS", str(job.offload_layers),
+                        ["--metp-offload-activations", str(job.offload_layers)]))
+        if not job.offload_prefetch:
+            out.append(("METP_OFFLOAD_PREFETCH", "0", []))
+    if job.optimizer_offload:
+        out.append(("EXTRA_ARGS", " ".join(OPTIMIZER_OFFLOAD_ARGS), list(OPTIMIZER_OFFLOAD_ARGS)))
+    return out
+
+
+def settings(model: Model, job: Job, mode: str) -> List[Setting]:
+    """Every setting of the job: :func:`geometry`, then :func:`job_settings`."""
+    return geometry(model) + job_settings(job, mode)
+
+
+def megatron_flags(model: Model, job: Job, mode: str) -> List[str]:
+    """``pretrain_gpt.py``'s arguments for these settings (``--bf16`` included; no data,
+    tokenizer or schedule arguments)."""
+    flags: List[str] = []
+    for name, _, f in settings(model, job, mode):
+        if name == "METP_OFFLOAD_LAYERS":  # --metp-offload-activations N replaces the bare flag
+            flags.remove("--metp-offload-activations")
+        flags += f
+    return flags + ["--bf16"]
+
+
+def _model_file_values(model: Model) -> Dict[str, str]:
+    path = model_file(model)
+    if path is None:
+        return {}
+    return {k.upper(): str(int(v) if isinstance(v, bool) else v)
+            for k, v in read_config(path).items()}
+
+
+def launch_line(model: Model, job: Job, mode: str) -> str:
+    """One ``scripts/pretrain_gpt.sh`` command line: the settings as environment variables
+    (those the model file already gives left out) and ``--config`` the model file."""
+    path = model_file(model)
+    given = dict(LAUNCHER_DEFAULTS, **_model_file_values(model))
+    every = settings(model, job, mode)
+    values = {name: value for name, value, _ in every}
+    given["SEQUENCE_PARALLEL"] = str(int(values["TP"] != "1" and values["METP"] == "1"))
+    env = [f"{name}={shlex.quote(value)}" for name, value, _ in every if given.get(name) != value]
+    config = f" --config configs/models/{model.name}.sh" if path else \
+        " --config configs/models/tiny.sh"  # every geometry value is set above
+    return " ".join(env) + " scripts/pretrain_gpt.sh" + config
+
+
+def config_text(model: Model, job: Job, mode: str, title: str) -> str:
+    """A ``configs/*.sh``-style file of the job (``: "${VAR:=value}"`` defaults, the environment
+    wins): every geometry value (``metp plan --config FILE`` reads them), then the model file
+    for what the plan does not model (norm, RoPE base, biases), then the layout and options."""
+    lines = ["# shellcheck shell=bash disable=SC2034  # sourced by scripts/pretrain_gpt.sh, "
+             "which reads these", f"# {title}",
+             "# Values here are defaults: anything already set in the environment wins."]
+    extra = None
+    for name, value, _ in geometry(model):
+        lines.append(f': "${{{name}:={value}}}"')
+    if model_file(model):
+        lines += ["# shellcheck source=/dev/null",
+                  f'source "${{METP_DIR:?}}/configs/models/{model.name}.sh"']
+    for name, value, _ in job_settings(job, mode):
+        if name == "EXTRA_ARGS":
+            extra = value
+            continue
+        lines.append(f': "${{{name}:={value}}}"')
+    if extra:
+        lines.append(f"EXTRA_ARGS=({extra})")
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ["LAUNCHER_DEFAULTS", "MODELS_DIR", "OPTIMIZER_OFFLOAD_ARGS", "config_text", "geometry", "job_settings",
+           "launch_line", "megatron_flags", "model_file", "settings"]
