@@ -166,8 +166,21 @@ CASES = {
 }
 
 
+@pytest.fixture
+def cpu_shims():
+    """megatron-core's CPU shims in this (pytest's own) process, undone afterwards so that no
+    later test finds them on (tests/test_megatron_ref.py checks they are off)."""
+    from megatron_metp.megatron import cpu
+
+    was = cpu.is_enabled()
+    cpu.enable()
+    yield
+    if not was:
+        cpu.disable()
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_megatron_yarn_equals_transformers(case):
+def test_megatron_yarn_equals_transformers(case, cpu_shims):
     """For each way ``rope_scaling`` sets YaRN, megatron-core's ``YarnRotaryEmbedding`` built
     from the converted settings has transformers' frequencies (fp32, within 1 ulp) and attention
     factor (1e-12), and :func:`~megatron_metp.megatron.yarn.yarn_inv_freq` is its own."""
@@ -175,7 +188,6 @@ def test_megatron_yarn_equals_transformers(case):
     from transformers import Qwen3Config
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from megatron_metp.megatron import cpu
     from megatron_metp.megatron.yarn import metp_softmax_scale, yarn_inv_freq
 
     cfg = Qwen3Config(hidden_size=96, num_attention_heads=12, num_key_value_heads=6, head_dim=16,
@@ -183,7 +195,6 @@ def test_megatron_yarn_equals_transformers(case):
     ref_inv_freq, ref_a = ROPE_INIT_FUNCTIONS["yarn"](cfg, "cpu")
     g = geometry_from_hf({**cfg.to_dict(), "rope_scaling": CASES[case]})
     y = g.yarn
-    cpu.enable()
     rot = YarnRotaryEmbedding(
         kv_channels=16, rotary_base=g.rotary_base, use_cpu_initialization=True,
         scaling_factor=y["yarn_rotary_scaling_factor"],
@@ -239,17 +250,15 @@ def test_export_writes_rope_scaling_back_and_prints_flags(qwen3_yarn, tmp_path, 
     assert "--no-yarn-correction-range-round-to-int" in megatron_args(g)
 
 
-def test_exact_yarn_angles_past_2_24():
+def test_exact_yarn_angles_past_2_24(cpu_shims):
     """METP's YaRN module (what ``use_exact_angles`` makes of Megatron's) gives angles whose
     cos/sin are within 1e-6 of a float64 reference of YaRN's own frequencies at positions past
     2^24, with Megatron's attention factor; Megatron's fp32 table there does not."""
     from megatron.core.models.common.embeddings import YarnRotaryEmbedding
 
-    from megatron_metp.megatron import cpu
     from megatron_metp.megatron.rope import use_exact_angles
     from megatron_metp.megatron.yarn import yarn_inv_freq
 
-    cpu.enable()
     model = torch.nn.Module()
     model.rotary_pos_emb = YarnRotaryEmbedding(
         kv_channels=16, rotary_base=5000, use_cpu_initialization=True, scaling_factor=4.0,
