@@ -494,7 +494,8 @@ def test_bad_directories_and_tensors_are_refused(models, tmp_path):
         "no_weights": "neither model.safetensors", "out_exists": "--force",
         "bias": "--disable-bias-linear", "no_head": "tie_word_embeddings = false",
         "shape": "model.layers.1.mlp.up_proj.weight has shape [97, 96]",
-        "export_no_config": "--hf-config", "export_tied_mismatch": "tie_word_embeddings = true",
+        "export_no_config": "pass the --save directory",
+        "export_tied_mismatch": "tie_word_embeddings = true",
         "out_is_input": "is (or holds) the input", "export_over_ckpt": "is (or holds) the input",
         "tied_head_differs": "differs from model.embed_tokens.weight"})
     assert os.path.isfile(os.path.join(models["untied"].hf_dir, "model.safetensors"))

@@ -31,7 +31,11 @@ of size ``TP × METP``): give the converter the run's numbers (the padded rows a
 training: ``--load`` is the save directory, ``--iteration`` picks one) straight from the
 ``torch_dist`` files, without building a model or unpickling anything beyond the checked
 ``.metadata``, drops the padded rows and writes ``model.safetensors`` + ``config.json`` that
-``LlamaForCausalLM.from_pretrained`` reads. The config comes from ``CKPT/hf/`` or ``--hf-config``.
+``LlamaForCausalLM.from_pretrained`` reads. The config comes from ``--hf-config``, else
+``CKPT/hf/`` (an import's), else it is written from the Megatron-LM arguments the checkpoint saved
+(a model trained from scratch, :mod:`.hf_from_args`: llama, mistral, qwen2 or qwen3, every row of
+Megatron's padded vocabulary kept). A model with no Hugging Face family (LayerNorm, GeLU, biases,
+...) is refused naming each mismatch. Every written file is mode 0644.
 """
 
 from __future__ import annotations
@@ -392,7 +396,9 @@ def load_model_weights(model, load: str, iteration: Optional[int] = None) -> Non
 
 # ---------------------------------------------------------------- export
 
-def _find_hf_config(load: str, hf_config: Optional[str]) -> str:
+def _find_hf_config(load: str, hf_config: Optional[str]) -> Optional[str]:
+    """The directory of the config.json to export with: ``--hf-config``, else ``LOAD/hf/`` (an
+    import's), else ``None`` (the config is written from the checkpoint's saved arguments)."""
     if hf_config is not None:
         cand = hf_config if os.path.isdir(hf_config) else os.path.dirname(hf_config) or "."
         if not os.path.isdir(hf_config) and os.path.basename(hf_config) != "config.json":
@@ -402,23 +408,51 @@ def _find_hf_config(load: str, hf_config: Optional[str]) -> str:
     side = os.path.join(load, "hf")
     if os.path.isfile(os.path.join(side, "config.json")):
         return side
-    raise HFConfigError(f"{load!r} has no hf/config.json (it was not written by this "
-                        f"converter); pass --hf-config with the Hugging Face model's config.json "
-                        f"(or the import directory)")
+    return None
+
+
+def _export_config(path: str, cfg_dir: Optional[str]) -> dict:
+    """config.json to export the checkpoint directory ``path`` with: read from ``cfg_dir``, or
+    written from the checkpoint's saved Megatron-LM arguments (:mod:`.hf_from_args`). A model
+    whose saved arguments have no Hugging Face family is refused either way, naming why."""
+    from ..megatron_lm.saved_args import read_saved_args
+    from .hf_from_args import family_problems, hf_config_from_args
+
+    saved = read_saved_args(path)
+    if cfg_dir is None:
+        if saved is None:
+            raise HFConfigError(f"{path!r} holds no saved Megatron-LM arguments (and its --load "
+                                f"has no hf/config.json from an import); pass --hf-config with "
+                                f"the Hugging Face model's config.json")
+        return hf_config_from_args(saved)
+    problems = family_problems(saved) if saved is not None else []
+    if problems:
+        raise HFConfigError(f"{path!r} was trained as a model with no Hugging Face family "
+                            f"(its saved Megatron-LM arguments), whatever config.json says: "
+                            + "; ".join(problems))
+    return read_hf_config(cfg_dir)
+
+
+def _write_file(path: str, write) -> None:
+    """``write(path)``, then mode 0644 whatever the umask or the writer chose (safetensors
+    writes 0600)."""
+    write(path)
+    os.chmod(path, 0o644)
 
 
 def export_hf(load: str, out_dir: str, *, hf_config: Optional[str] = None,
               iteration: Optional[int] = None, dtype: Optional[str] = None,
               force: bool = False, log=print) -> LlamaGeometry:
     """Write ``out_dir/model.safetensors`` + ``config.json`` (+ the tokenizer files kept at
-    import) from the Megatron checkpoint ``load``."""
+    import) from the Megatron checkpoint ``load``; ``hf_config`` (a directory or its
+    config.json) is optional (module docstring)."""
     save_file = _safetensors().save_file
     cfg_dir = _find_hf_config(load, hf_config)
-    cfg = read_hf_config(cfg_dir)
+    path = checkpoint_dir(load, iteration)
+    cfg = _export_config(path, cfg_dir)
     # seq_length=1: export only re-lays tensors (a sliding window cannot bind; the config is copied)
     g = geometry_from_hf(cfg, make_vocab_size_divisible_by=1, seq_length=1)
-    path = checkpoint_dir(load, iteration)
-    _check_out(out_dir, force, keep=(load, cfg_dir))
+    _check_out(out_dir, force, keep=(load,) + ((cfg_dir,) if cfg_dir is not None else ()))
     mg = megatron_params_from_checkpoint(path, g.num_layers)
     emb = mg.get("embedding.word_embeddings.weight")
     if emb is None:
@@ -443,18 +477,23 @@ def export_hf(load: str, out_dir: str, *, hf_config: Optional[str] = None,
     if os.path.exists(out_dir):
         shutil.rmtree(out_dir)
     os.makedirs(out_dir)
-    save_file({k: v.contiguous() for k, v in hf.items()},
-              os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    _write_file(os.path.join(out_dir, "model.safetensors"),
+                lambda p: save_file({k: v.contiguous() for k, v in hf.items()}, p,
+                                    metadata={"format": "pt"}))
     cfg = dict(cfg)
     cfg["dtype" if "dtype" in cfg else "torch_dtype"] = written
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=2)
-    for name in SIDE_FILES:
+
+    def dump(p):
+        with open(p, "w") as f:
+            json.dump(cfg, f, indent=2)
+    _write_file(os.path.join(out_dir, "config.json"), dump)
+    for name in SIDE_FILES if cfg_dir is not None else ():
         src = os.path.join(cfg_dir, name)
         if os.path.isfile(src):
-            shutil.copyfile(src, os.path.join(out_dir, name))
+            _write_file(os.path.join(out_dir, name), lambda p, s=src: shutil.copyfile(s, p))
+    source = "config.json from " + (cfg_dir if cfg_dir is not None else "its saved arguments")
     log(f"wrote {out_dir}: {len(hf)} tensors ({written}) from {path}, vocabulary rows "
-        f"{g.padded_vocab_size} -> {g.vocab_size}")
+        f"{g.padded_vocab_size} -> {g.vocab_size}, {g.family} {source}")
     return g
 
 
@@ -487,7 +526,8 @@ def main(argv: Optional[List[str]] = None, prog: str = "python -m megatron_metp.
     ex.add_argument("--load", required=True, help="checkpoint directory (as pretrain_gpt.py --load/--save)")
     ex.add_argument("--out", required=True, help="directory for model.safetensors + config.json")
     ex.add_argument("--hf-config", help="config.json (or its directory) of the model; default "
-                                        "LOAD/hf/ written by import")
+                                        "LOAD/hf/ written by import, else one written from the "
+                                        "checkpoint's saved Megatron-LM arguments")
     ex.add_argument("--iteration", type=int, help="iteration to export (default: the tracker's)")
     ex.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                     help="dtype of the written tensors (default: the checkpoint's embedding's)")
