@@ -445,7 +445,14 @@ def metp_expert_model_parallel_size(args) -> int:
     groups then coincide with the METP groups and expert data parallelism with pure DP, which is
     where METP-sharded weights reduce their gradients. ``args`` itself is not changed (Megatron
     asserts ``--num-experts`` whenever ``args.expert_model_parallel_size > 1``).
+
+    Called on every rank right after ``init_process_group``, it also installs the last-seen
+    records of Megatron-LM's loop (:func:`megatron_metp.megatron_lm.last_seen.install`: a rank
+    waiting on a stuck or dead peer ends within the timeout, naming it), METP on or off.
     """
+    from .last_seen import install
+
+    install(args)
     ep = getattr(args, "expert_model_parallel_size", 1) or 1
     if not metp_enabled(args):
         return ep
@@ -567,6 +574,9 @@ def build_metp_gpt_model(args, pre_process, post_process, vp_stage=None, config=
     groups = METPGroups.from_parallel_state(timeout_s=megatron_lm_timeout_s(args),
                                             context_parallel_size=getattr(args, CP_OUTER, 1))
     _check_placement_once(groups)
+    from .last_seen import remember_groups
+
+    remember_groups(groups)  # the pre-save agreement check of Megatron-LM's --save
     vocab_parallel = bool(getattr(args, "metp_vocab_parallel", False))
     if vocab_parallel and args.padded_vocab_size % groups.shards:
         raise ValueError(f"--metp-vocab-parallel: the padded vocabulary ({args.padded_vocab_size}) "
