@@ -117,8 +117,9 @@ def add_metp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "--reset-attention-mask / --eod-mask-loss). Works with METP on or off.")
     group.add_argument(
         "--metp-ring-timeout", type=float, default=None, metavar="SECONDS",
-        help="Seconds a ring step waits for its peer before failing with a message naming the "
-             "group, step and peer (default: $METP_RING_TIMEOUT_S, else "
+        help="Seconds a ring step (and each of Megatron-LM's barriers) waits for its peer "
+             "before failing with a message naming the group, step and peer (the stalled rank "
+             "and where it was last seen) (default: $METP_RING_TIMEOUT_S, else "
              "--distributed-timeout-minutes x 60, the one timeout of every process group; a "
              "longer value is refused).")
     group.add_argument(

@@ -15,7 +15,8 @@ the checkpoint agreements. Which setting it is:
   which Megatron already gives the default group and every group it makes. The ring timeout is
   derived from it (60 × minutes); a ``--metp-ring-timeout`` / ``METP_RING_TIMEOUT_S`` above it is
   refused (the process group would end the wait first, so the setting would be a lie), one below
-  it is honoured for ring steps only (:func:`megatron_lm_timeout_s`).
+  it is honoured for ring steps and Megatron-LM's barriers only (:func:`megatron_lm_timeout_s`;
+  :mod:`megatron_metp.megatron_lm.last_seen`).
 
 **Naming the rank.** gloo's timeout (``Timed out waiting 1000ms for recv operation to complete``)
 and its closed-connection errors name no rank, and in a collective every waiting rank waits, so
