@@ -89,18 +89,16 @@ def _bounded_barrier(original, timeout_s: float):
         try:
             pg = dist.distributed_c10d._get_default_group() \
                 if group is None or group is dist.GroupMember.WORLD else group
+            if dist.distributed_c10d._rank_not_in_group(pg):
+                return None  # as torch's barrier: nothing to wait for
             if device_ids is None and dist.get_backend(pg) == "gloo":
                 # gloo's barrier itself ends at the timeout (no op left running that would hold
                 # the process at exit until the group's own timeout)
-                if dist.distributed_c10d._rank_not_in_group(pg):
-                    return None
                 opts = dist.BarrierOptions()
                 opts.timeout = td
                 pg.barrier(opts).wait()
             else:  # NCCL: the host waits at most the timeout (the watchdog aborts the op)
-                work = original(group=group, async_op=True, device_ids=device_ids)
-                if work is not None:  # None: this rank is not in ``group``
-                    work.wait(timeout=td)
+                original(group=group, async_op=True, device_ids=device_ids).wait(timeout=td)
         except watchdog.StalledRankError:
             raise
         except Exception as exc:  # noqa: BLE001 - re-raised unless a peer did not answer
