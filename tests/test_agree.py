@@ -406,3 +406,38 @@ def test_check_pending_refuses_a_disagreement_between_scheduled_exchanges_at_onc
         assert kind == "raised" and "causal differs" in msg and f"call {odd} " in msg, msg
     # negative control: agreeing calls pass, on every rank
     assert run_ranks(_pending_checked, 2, -1, agree.FIRST_CALLS + 5) == [("ok", None)] * 2
+
+
+def _megatron_lm_save(rank, p, odd, calls):
+    """Megatron-LM's ``save_checkpoint`` as megatron_metp.megatron_lm.last_seen wraps it, after
+    ``calls`` checked METP calls (rank 1 changes ``causal`` at call ``odd`` unless -1)."""
+    from types import SimpleNamespace
+
+    from megatron_metp.megatron_lm import last_seen
+
+    agree.enable_agreement_checks(True)
+    grp = METPGroup.from_process_group(dist.group.WORLD, name="agree-mlm-save", timeout_s=10.0)
+    last_seen.remember_groups(SimpleNamespace(metp=grp))
+    x = torch.zeros(4, 1, H)
+    for i in range(calls):
+        agree.check_group_agrees(grp, f"metp_mlp 'layer {i % 3} mlp'", x=x, activation="gelu",
+                                 causal=not (rank == 1 and i == odd))
+    saved = []
+    save = last_seen._save(lambda iteration, *a, **k: saved.append(iteration))
+    try:
+        save(3, "model", "optimizer")
+    except GroupDisagreementError as exc:
+        return "raised", str(exc), saved
+    return "ok", None, saved
+
+
+def test_megatron_lm_save_runs_the_pre_save_agreement_check_first():
+    """The disagreement sits between scheduled exchanges (as in the test above): only the
+    pre-save check can find it, and Megatron-LM's save_checkpoint is then never called."""
+    odd = agree.FIRST_CALLS + 2
+    out = run_ranks(_megatron_lm_save, 2, odd, agree.FIRST_CALLS + 5, timeout=60)
+    for kind, msg, saved in out:
+        assert kind == "raised" and "causal differs" in msg, msg
+        assert saved == [], saved  # refused before Megatron-LM writes anything
+    # negative control: agreeing calls: Megatron-LM's save runs, on every rank
+    assert run_ranks(_megatron_lm_save, 2, -1, agree.FIRST_CALLS + 5) == [("ok", None, [3])] * 2

@@ -219,3 +219,36 @@ def test_metp_times_cp_trains_with_the_stock_tp_twins_losses(patched_megatron_lm
     assert re.search(r"\bcontext_parallel_size \.+ 4\b", log)
     assert re.search(r"\bworld_size \.+ 4\b", log)
     assert "context-parallel (outer) 2 (K/V ring over 4 ranks)" in log
+
+
+def test_a_rank_stalled_in_a_barrier_is_named_within_the_timeout(patched_megatron_lm):
+    """Megatron-LM's own loop on CPU ranks: rank 1 stops for good in the dataset builder's
+    barrier (the test hook METP_TEST_STALL_RANK/AT of megatron_metp.megatron_lm.last_seen).
+    Rank 0 waits the job timeout (the launcher's METP_RING_TIMEOUT = --metp-ring-timeout, 5 s)
+    and ends the run with StalledRankError naming rank 1 and where it was last seen, instead of
+    gloo's 10-minute timeout naming nobody."""
+    import time
+
+    timeout = 5.0
+    t0 = time.monotonic()
+    rc, log = _train(patched_megatron_lm, "tiny-cpu-metp2.sh", 2, check=False,
+                     METP_RING_TIMEOUT=timeout, METP_TEST_STALL_RANK=1,
+                     METP_TEST_STALL_AT="blended_megatron_dataset_builder.py")
+    wall = time.monotonic() - t0
+    assert rc != 0, log[-4000:]
+    assert "[METP_TEST_STALL] rank 1 stops for good at 'barrier in" in log, log[-4000:]
+    m = re.search(r"StalledRankError: METP: rank 1 stalled or died during 'barrier in [^']+' "
+                  r"\(seen by rank 0 of 2 after waiting ([0-9.]+) s: ([^;]+);", log)
+    assert m, log[-4000:]
+    waited = float(m.group(1))
+    assert timeout <= waited < timeout + 1.0, (waited, m.group(0))  # the job timeout, not gloo's
+    assert "timed out" in m.group(2).lower(), m.group(0)
+    # where rank 1 was last seen: its own barrier in the dataset builder, with its age
+    seen = re.search(r"rank 1 stalled or died: it (is inside|has not reached|is past)[^;]*"
+                     r"blended_megatron_dataset_builder\.py|rank 1 stalled or died: it is inside "
+                     r"it \(entered ([0-9.]+) s ago\)", log)
+    assert seen, log[-4000:]
+    assert "iteration        1/" not in log
+    assert wall < 240, wall  # start-up + 5 s + grace, never gloo's 600 s
+    print(f"\n[stall] rank 0 waited {waited:.2f} s (timeout {timeout:g} s); run ended with rc "
+          f"{rc} after {wall:.1f} s")

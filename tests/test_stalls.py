@@ -9,6 +9,7 @@ minutes. ``-s`` prints the times (docs/reliability.md's fault matrix).
 """
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -169,3 +170,37 @@ def test_init_parallel_gives_every_group_the_one_timeout():
     for timeouts, ring, kv, job in run_ranks(_init_timeouts, WORLD):
         assert ring == kv == job == 7.5
         assert all(v == 7.5 for v in timeouts.values()), timeouts  # gloo's own default: 1800
+
+
+def _barrier_stall(rank, world):
+    """Megatron-LM's barrier as megatron_metp.megatron_lm.last_seen wraps it, timeout 1.5 s:
+    first every rank meets (passes), then rank 1 stays in its dataset build."""
+    import torch.distributed as dist
+
+    from megatron_metp.megatron_lm.last_seen import _bounded_barrier
+    from megatron_metp.runtime import watchdog
+
+    watchdog.set_job_timeout(TIMEOUT_S)
+    barrier = _bounded_barrier(dist.barrier, TIMEOUT_S)
+    barrier()  # everyone arrives: no error
+    watchdog.enter("building datasets")
+    if rank == 1:
+        time.sleep(STALL_S)
+        return "slept", "", 0.0, None
+    t0 = time.monotonic()
+    try:
+        barrier()
+    except StalledRankError as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - t0, exc.stalled
+    return "ok", "", time.monotonic() - t0, None
+
+
+def test_megatron_lm_barrier_names_the_rank_and_its_last_label():
+    out = run_ranks(_barrier_stall, WORLD, timeout=60)
+    kind, msg, seconds, stalled = out[0]
+    assert kind == "StalledRankError" and stalled == [1], out
+    assert msg.startswith("METP: rank 1 stalled or died during 'barrier in _barrier_stall "
+                          "(test_stalls.py:"), msg
+    assert "has not reached it: last seen entering 'building datasets'" in msg, msg
+    assert TIMEOUT_S <= seconds < TIMEOUT_S + grace_s(TIMEOUT_S) + 1.0, (seconds, msg)
+    assert re.search(r"after waiting 1\.[5-9]\d s: Timed out waiting 1500ms", msg), msg

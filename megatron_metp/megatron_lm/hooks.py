@@ -117,8 +117,9 @@ def add_metp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "--reset-attention-mask / --eod-mask-loss). Works with METP on or off.")
     group.add_argument(
         "--metp-ring-timeout", type=float, default=None, metavar="SECONDS",
-        help="Seconds a ring step waits for its peer before failing with a message naming the "
-             "group, step and peer (default: $METP_RING_TIMEOUT_S, else "
+        help="Seconds a ring step (and each of Megatron-LM's barriers) waits for its peer "
+             "before failing with a message naming the group, step and peer (the stalled rank "
+             "and where it was last seen) (default: $METP_RING_TIMEOUT_S, else "
              "--distributed-timeout-minutes x 60, the one timeout of every process group; a "
              "longer value is refused).")
     group.add_argument(
@@ -445,7 +446,14 @@ def metp_expert_model_parallel_size(args) -> int:
     groups then coincide with the METP groups and expert data parallelism with pure DP, which is
     where METP-sharded weights reduce their gradients. ``args`` itself is not changed (Megatron
     asserts ``--num-experts`` whenever ``args.expert_model_parallel_size > 1``).
+
+    Called on every rank right after ``init_process_group``, it also installs the last-seen
+    records of Megatron-LM's loop (:func:`megatron_metp.megatron_lm.last_seen.install`: a rank
+    waiting on a stuck or dead peer ends within the timeout, naming it), METP on or off.
     """
+    from .last_seen import install
+
+    install(args)
     ep = getattr(args, "expert_model_parallel_size", 1) or 1
     if not metp_enabled(args):
         return ep
@@ -567,6 +575,9 @@ def build_metp_gpt_model(args, pre_process, post_process, vp_stage=None, config=
     groups = METPGroups.from_parallel_state(timeout_s=megatron_lm_timeout_s(args),
                                             context_parallel_size=getattr(args, CP_OUTER, 1))
     _check_placement_once(groups)
+    from .last_seen import remember_groups
+
+    remember_groups(groups)  # the pre-save agreement check of Megatron-LM's --save
     vocab_parallel = bool(getattr(args, "metp_vocab_parallel", False))
     if vocab_parallel and args.padded_vocab_size % groups.shards:
         raise ValueError(f"--metp-vocab-parallel: the padded vocabulary ({args.padded_vocab_size}) "

@@ -15,7 +15,8 @@ the checkpoint agreements. Which setting it is:
   which Megatron already gives the default group and every group it makes. The ring timeout is
   derived from it (60 × minutes); a ``--metp-ring-timeout`` / ``METP_RING_TIMEOUT_S`` above it is
   refused (the process group would end the wait first, so the setting would be a lie), one below
-  it is honoured for ring steps only (:func:`megatron_lm_timeout_s`).
+  it is honoured for ring steps and Megatron-LM's barriers only (:func:`megatron_lm_timeout_s`;
+  :mod:`megatron_metp.megatron_lm.last_seen`).
 
 **Naming the rank.** gloo's timeout (``Timed out waiting 1000ms for recv operation to complete``)
 and its closed-connection errors name no rank, and in a collective every waiting rank waits, so
@@ -226,7 +227,9 @@ def diagnose(what: str, exc: BaseException, *,
             seq = int(rec.get("seq", 0))
             where = (f"has not reached it: last seen entering {rec.get('what')!r} {ago:.2f} s ago"
                      if seq < _seq else
-                     f"is inside it (entered {ago:.2f} s ago)" if seq == _seq else
+                     f"is inside it (entered {ago:.2f} s ago)" if seq == _seq and
+                     rec.get("what") == what else
+                     f"is inside {rec.get('what')!r} (entered {ago:.2f} s ago)" if seq == _seq else
                      f"is past it, entering {rec.get('what')!r} {ago:.2f} s ago")
             parts.append(f"rank {r} stalled or died: it {where}, and reported no error")
     if failed:
@@ -235,8 +238,10 @@ def diagnose(what: str, exc: BaseException, *,
     return "; ".join(parts) + ".", stalled, failed
 
 
-def explain(what: str, exc: BaseException, *, timeout_s: Optional[float] = None) -> StalledRankError:
-    """The :class:`StalledRankError` for a failed wait ``exc`` in ``what`` (see :func:`diagnose`)."""
+def explain(what: str, exc: BaseException, *, timeout_s: Optional[float] = None,
+            waited_s: Optional[float] = None) -> StalledRankError:
+    """The :class:`StalledRankError` for a failed wait ``exc`` in ``what`` (see :func:`diagnose`);
+    ``waited_s``, when given, is how long this rank waited (named in the message)."""
     text, stalled, failed = diagnose(what, exc, timeout_s=timeout_s)
     t = job_timeout_s() if timeout_s is None else timeout_s
     me = dist.get_rank() if dist.is_initialized() else 0
@@ -247,9 +252,12 @@ def explain(what: str, exc: BaseException, *, timeout_s: Optional[float] = None)
     else:
         head = f"METP: {what!r} failed on every rank"
     return StalledRankError(
-        f"{head} (seen by rank {me} of {world}: {_first_line(exc)}; every wait is bounded by "
-        f"the job timeout, {t:g} s: METP_RING_TIMEOUT_S, or --distributed-timeout-minutes under "
-        f"Megatron-LM). {text} Read the log of the stalled rank first.",
+        f"{head} (seen by rank {me} of {world}"
+        f"{f' after waiting {waited_s:.2f} s' if waited_s is not None else ''}: "
+        f"{_first_line(exc)}; every wait is bounded by "
+        f"the job timeout, {t:g} s: METP_RING_TIMEOUT_S; under Megatron-LM 60 x "
+        f"--distributed-timeout-minutes, or a shorter --metp-ring-timeout / "
+        f"METP_RING_TIMEOUT_S). {text} Read the log of the stalled rank first.",
         stalled, failed)
 
 

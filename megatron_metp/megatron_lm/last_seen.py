@@ -1,0 +1,171 @@
+"""Where each rank was last seen, under Megatron-LM's own loop: no silent stall.
+
+Megatron-LM's ``pretrain()`` marks nothing, so a rank stuck in its code (the dataset builder
+looping on rank 0, a rank that never reaches a barrier) used to leave its peers waiting the
+process group's timeout and then failing with gloo's ``Timed out waiting …ms for recv``, naming
+nobody. :func:`install` (called on every rank by the patched ``initialize.py``, through
+:func:`megatron_metp.megatron_lm.hooks.metp_expert_model_parallel_size`, right after
+``init_process_group``) wraps the cheap points of that loop so that each rank records where it is
+in the job's store (torch's default ``TCPStore``; :func:`megatron_metp.runtime.watchdog.enter`,
+one ~100-byte ``set``):
+
+* ``torch.distributed.barrier`` — label ``barrier in <function> (<file>:<line>)``; the wait is
+  bounded by the job timeout (gloo: the barrier's own timeout; NCCL: ``Work.wait(timeout)``, the
+  host stops waiting, NCCL's watchdog ends the op at the group's timeout) and a timed-out or
+  broken wait raises :class:`~megatron_metp.runtime.watchdog.StalledRankError` naming the ranks
+  that reported no failure, each with its last label and its age;
+* ``megatron.training.training.build_train_valid_test_datasets`` — ``building datasets``;
+* ``megatron.training.training.train_step`` — ``iteration N (train_step)``;
+* ``megatron.training.training.save_checkpoint`` — ``save of iteration N``, which first runs the
+  project's pre-save agreement check (:func:`megatron_metp.runtime.agree.check_pending`) on the
+  METP groups of the model, so a disagreement between scheduled exchanges is refused before
+  Megatron-LM writes the checkpoint.
+
+A transport error (timeout, closed connection) raised inside the last three becomes a
+``StalledRankError`` too (:func:`~megatron_metp.runtime.watchdog.bounded`); their collectives
+wait the process group's timeout (``--distributed-timeout-minutes``), the barriers the job
+timeout: :func:`~megatron_metp.runtime.watchdog.megatron_lm_timeout_s` (60 ×
+``--distributed-timeout-minutes``, or a shorter ``--metp-ring-timeout`` /
+``METP_RING_TIMEOUT_S``). On NCCL a collective that never completes is ended by NCCL's watchdog
+at the process group's timeout; the barriers here end at the job timeout with the rank named.
+
+Test hook (never set in a real job): ``METP_TEST_STALL_RANK=R`` and ``METP_TEST_STALL_AT=TEXT``
+make rank ``R`` stop for good when it records a label containing ``TEXT`` (after recording it).
+"""
+
+from __future__ import annotations
+
+import datetime
+import inspect
+import os
+import sys
+import time
+from typing import List
+
+import torch.distributed as dist
+
+from ..runtime import watchdog
+
+__all__ = ["install", "remember_groups", "installed"]
+
+_installed: List[bool] = []
+_groups: list = []  # METPGroups of the model chunks built (pre-save agreement check)
+
+
+def installed() -> bool:
+    """Whether :func:`install` wrapped Megatron-LM's loop in this process."""
+    return bool(_installed)
+
+
+def remember_groups(groups) -> None:
+    """Record a model chunk's :class:`~megatron_metp.megatron.groups.METPGroups` (for the
+    pre-save agreement check of Megatron-LM's ``--save``)."""
+    _groups.append(groups)
+
+
+def _stall_if_asked(label: str) -> None:
+    """The test hook (module docstring): called right after ``label`` was recorded."""
+    stall_rank = os.environ.get("METP_TEST_STALL_RANK", "")
+    at = os.environ.get("METP_TEST_STALL_AT", "")
+    if stall_rank and at and at in label and str(dist.get_rank()) == stall_rank:
+        print(f"[METP_TEST_STALL] rank {stall_rank} stops for good at {label!r}", flush=True)
+        while True:  # the test's stalled rank: ended by the launcher once its peer fails
+            time.sleep(3600)
+
+
+def _bounded_barrier(original, timeout_s: float):
+    default_group = inspect.signature(original).parameters["group"].default
+
+    def barrier(group=default_group, async_op=False, device_ids=None):
+        caller = sys._getframe(1)
+        label = (f"barrier in {caller.f_code.co_name} "
+                 f"({os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno})")
+        watchdog.enter(label)
+        _stall_if_asked(label)
+        if async_op:
+            return original(group=group, async_op=True, device_ids=device_ids)
+        t0 = time.monotonic()
+        td = datetime.timedelta(seconds=timeout_s)
+        try:
+            pg = dist.distributed_c10d._get_default_group() \
+                if group is None or group is dist.GroupMember.WORLD else group
+            if dist.distributed_c10d._rank_not_in_group(pg):
+                return None  # as torch's barrier: nothing to wait for
+            if device_ids is None and dist.get_backend(pg) == "gloo":
+                # gloo's barrier itself ends at the timeout (no op left running that would hold
+                # the process at exit until the group's own timeout)
+                opts = dist.BarrierOptions()
+                opts.timeout = td
+                pg.barrier(opts).wait()
+            else:  # NCCL: the host waits at most the timeout (the watchdog aborts the op)
+                original(group=group, async_op=True, device_ids=device_ids).wait(timeout=td)
+        except watchdog.StalledRankError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - re-raised unless a peer did not answer
+            if not watchdog.is_transport_error(exc):
+                raise
+            raise watchdog.explain(label, exc, timeout_s=timeout_s,
+                                   waited_s=time.monotonic() - t0) from exc
+
+    barrier.metp_wrapped = original
+    return barrier
+
+
+def _marked(original, label_of):
+    def wrapper(*args, **kwargs):
+        label = label_of(*args, **kwargs)
+        with watchdog.bounded(label):  # records the label
+            _stall_if_asked(label)
+            return original(*args, **kwargs)
+
+    wrapper.metp_wrapped = original
+    wrapper.__name__ = getattr(original, "__name__", "wrapper")
+    wrapper.__doc__ = original.__doc__
+    return wrapper
+
+
+def _iteration_label(*args, **kwargs) -> str:
+    it = kwargs.get("iteration")
+    if it is None:
+        from megatron.training import get_args
+
+        it = getattr(get_args(), "curr_iteration", 0)
+    return f"iteration {int(it) + 1} (train_step)"
+
+
+def _save(original):
+    def save_checkpoint(iteration, *args, **kwargs):
+        label = f"save of iteration {iteration}"
+        with watchdog.bounded(label):
+            _stall_if_asked(label)
+            from ..runtime.agree import check_pending
+
+            for groups in _groups:
+                check_pending(groups.metp, f"before Megatron-LM's save of iteration {iteration}")
+            return original(iteration, *args, **kwargs)
+
+    save_checkpoint.metp_wrapped = original
+    return save_checkpoint
+
+
+def install(args) -> bool:
+    """Wrap Megatron-LM's loop (see the module docstring) once per process; returns whether it
+    is installed. Needs ``torch.distributed`` initialised with more than one rank and
+    ``megatron.training`` importable (else nothing is changed)."""
+    if _installed:
+        return True
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return False
+    try:
+        from megatron.training import training
+    except ImportError:
+        return False
+    timeout_s = watchdog.megatron_lm_timeout_s(args)
+    watchdog.set_job_timeout(timeout_s)
+    dist.barrier = _bounded_barrier(dist.barrier, timeout_s)
+    training.build_train_valid_test_datasets = _marked(
+        training.build_train_valid_test_datasets, lambda *a, **k: "building datasets")
+    training.train_step = _marked(training.train_step, _iteration_label)
+    training.save_checkpoint = _save(training.save_checkpoint)
+    _installed.append(True)
+    return True
