@@ -11,6 +11,7 @@ at the session's release (``tests/megatron_lm_release.py``), patched by ``script
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import socket
@@ -91,6 +92,12 @@ def _transformers_loss(hf_dir, tokens, labels, mask) -> float:
 
 
 def test_pretrain_gpt_loads_the_import_and_trains_from_it(patched_megatron_lm, tmp_path):
+    """docs/huggingface.md's walk-through end to end, with its environment (plain optimizer on
+    CPU ranks, ``CHECKPOINT_PATH`` + the import as ``--pretrained-checkpoint``): import, train 2
+    of 3 iterations, stopped after 2 (``--exit-interval 2``, as a job killed at its time limit;
+    iteration 1's loss is transformers' on the same batch), export with and without
+    ``--hf-config``, then the same launch again: it resumes from the run's own iteration-2
+    checkpoint (not the import) and trains iteration 3 only."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     hf_dir, ckpt, run = (str(tmp_path / n) for n in ("hf", "ckpt", "run"))
@@ -101,7 +108,8 @@ def test_pretrain_gpt_loads_the_import_and_trains_from_it(patched_megatron_lm, t
            "LC_ALL": "C.UTF-8", "PYTHON": sys.executable, "MEGATRON_LM_DIR": patched_megatron_lm,
            "METP_CPU": "1", "PRECISION": "fp32", "TRANSFORMER_IMPL": "local",
            "GPUS_PER_NODE": "2", "SEQ_LENGTH": str(SEQ), "GLOBAL_BATCH_SIZE": str(GBS),
-           "TRAIN_ITERS": "2", "SAVE_INTERVAL": "2", "EVAL_ITERS": "1",
+           "TRAIN_ITERS": "3", "SAVE_INTERVAL": "3", "EVAL_ITERS": "1",
+           "DISTRIBUTED_OPTIMIZER": "0", "EXTRA_ARGS": "--exit-interval 2",
            "CHECKPOINT_PATH": run, "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(["bash", "scripts/pretrain_gpt.sh", "--config",
                            os.path.join(ckpt, "model.sh")], cwd=ROOT, env=env,
@@ -109,8 +117,8 @@ def test_pretrain_gpt_loads_the_import_and_trains_from_it(patched_megatron_lm, t
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
     assert f"successfully loaded checkpoint from {ckpt}" in log, log[-4000:]
-    losses = [float(x) for x in re.findall(r"iteration +\d+/ +2 \|.*?lm loss: ([0-9.E+-]+)", log)]
-    assert len(losses) == 2, log[-4000:]
+    losses = [float(x) for x in re.findall(r"iteration +\d+/ +3 \|.*?lm loss: ([0-9.E+-]+)", log)]
+    assert len(losses) == 2, log[-4000:]  # stopped by --exit-interval 2 (iteration 2 saved)
     tokens, labels, mask = _mock_batches(2 * GBS)
     ref = _transformers_loss(hf_dir, tokens[:GBS], labels[:GBS], mask[:GBS])
     other = _transformers_loss(hf_dir, tokens[GBS:], labels[GBS:], mask[GBS:])
@@ -137,6 +145,20 @@ def test_pretrain_gpt_loads_the_import_and_trains_from_it(patched_megatron_lm, t
     with open(os.path.join(auto, "config.json")) as f:
         written = json.load(f)
     assert {k: written[k] for k in TINY} == TINY and written["model_type"] == "llama"
+
+    # the walk-through's next launch: the same command resumes the run
+    env.update(MASTER_PORT=str(_free_port()))
+    del env["EXTRA_ARGS"]
+    proc = subprocess.run(["bash", "scripts/pretrain_gpt.sh", "--config",
+                           os.path.join(ckpt, "model.sh")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    assert f"successfully loaded checkpoint from {run}" in log, log[-4000:]
+    assert f"successfully loaded checkpoint from {ckpt}" not in log, log[-4000:]
+    resumed = re.findall(r"iteration +(\d+)/ +3 \|.*?lm loss: ([0-9.E+-]+)", log)
+    assert [int(i) for i, _ in resumed] == [3], log[-4000:]  # iterations 1-2 not run again
+    assert math.isfinite(float(resumed[0][1]))
 
 
 def test_from_scratch_llama_exports_without_hf_config(patched_megatron_lm, tmp_path):
