@@ -55,6 +55,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _launch(config: str, megatron_lm_dir: str, **env_vars: str) -> str:
+    """``scripts/pretrain_gpt.sh --config CONFIG`` on CPU ranks with a minimal environment plus
+    ``env_vars`` (a fresh ``MASTER_PORT``); asserts it exits 0 and returns its output."""
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/"),
+           "LC_ALL": "C.UTF-8", "PYTHON": sys.executable, "MEGATRON_LM_DIR": megatron_lm_dir,
+           "SEQ_LENGTH": str(SEQ), "GLOBAL_BATCH_SIZE": str(GBS), "EVAL_ITERS": "1",
+           "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1", **env_vars}
+    proc = subprocess.run(["bash", "scripts/pretrain_gpt.sh", "--config", config], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    return log
+
+
 def _mock_batches(n: int, vocab: int = TINY["vocab_size"], split: int = 0):
     """The first ``n`` samples of the training (``split`` 0; 1: validation) set of Megatron's
     mock GPT data for this run (NullTokenizer of ``vocab - 1`` tokens + end-of-document, seed
@@ -104,18 +118,11 @@ def test_pretrain_gpt_loads_the_import_and_trains_from_it(patched_megatron_lm, t
     torch.manual_seed(21)
     LlamaForCausalLM(LlamaConfig(**TINY, dtype="float32")).save_pretrained(hf_dir)
     run_ranks(_import_on_a_rank, 1, hf_dir, ckpt, {"metp_parallel_size": 2})
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/"),
-           "LC_ALL": "C.UTF-8", "PYTHON": sys.executable, "MEGATRON_LM_DIR": patched_megatron_lm,
-           "METP_CPU": "1", "PRECISION": "fp32", "TRANSFORMER_IMPL": "local",
-           "GPUS_PER_NODE": "2", "SEQ_LENGTH": str(SEQ), "GLOBAL_BATCH_SIZE": str(GBS),
-           "TRAIN_ITERS": "3", "SAVE_INTERVAL": "3", "EVAL_ITERS": "1",
-           "DISTRIBUTED_OPTIMIZER": "0", "EXTRA_ARGS": "--exit-interval 2",
-           "CHECKPOINT_PATH": run, "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(["bash", "scripts/pretrain_gpt.sh", "--config",
-                           os.path.join(ckpt, "model.sh")], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-4000:]
+    # the walk-through's environment (docs/huggingface.md step 4)
+    env = dict(METP_CPU="1", PRECISION="fp32", TRANSFORMER_IMPL="local", GPUS_PER_NODE="2",
+               TRAIN_ITERS="3", SAVE_INTERVAL="3", DISTRIBUTED_OPTIMIZER="0", CHECKPOINT_PATH=run)
+    model_sh = os.path.join(ckpt, "model.sh")
+    log = _launch(model_sh, patched_megatron_lm, **env, EXTRA_ARGS="--exit-interval 2")
     assert f"successfully loaded checkpoint from {ckpt}" in log, log[-4000:]
     losses = [float(x) for x in re.findall(r"iteration +\d+/ +3 \|.*?lm loss: ([0-9.E+-]+)", log)]
     assert len(losses) == 2, log[-4000:]  # stopped by --exit-interval 2 (iteration 2 saved)
@@ -147,13 +154,7 @@ def test_pretrain_gpt_loads_the_import_and_trains_from_it(patched_megatron_lm, t
     assert {k: written[k] for k in TINY} == TINY and written["model_type"] == "llama"
 
     # the walk-through's next launch: the same command resumes the run
-    env.update(MASTER_PORT=str(_free_port()))
-    del env["EXTRA_ARGS"]
-    proc = subprocess.run(["bash", "scripts/pretrain_gpt.sh", "--config",
-                           os.path.join(ckpt, "model.sh")], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-4000:]
+    log = _launch(model_sh, patched_megatron_lm, **env)
     assert f"successfully loaded checkpoint from {run}" in log, log[-4000:]
     assert f"successfully loaded checkpoint from {ckpt}" not in log, log[-4000:]
     resumed = re.findall(r"iteration +(\d+)/ +3 \|.*?lm loss: ([0-9.E+-]+)", log)
@@ -170,16 +171,8 @@ def test_from_scratch_llama_exports_without_hf_config(patched_megatron_lm, tmp_p
     exported file is mode 0644 under a 077 umask. (The validation split is not used: core_v0.19.0
     builds mock validation samples this test does not rebuild.)"""
     run = str(tmp_path / "run")
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/"),
-           "LC_ALL": "C.UTF-8", "PYTHON": sys.executable, "MEGATRON_LM_DIR": patched_megatron_lm,
-           "SEQ_LENGTH": str(SEQ), "GLOBAL_BATCH_SIZE": str(GBS), "TRAIN_ITERS": "2",
-           "LR_WARMUP_ITERS": "1", "SAVE_INTERVAL": "1", "EVAL_ITERS": "1",
-           "CHECKPOINT_PATH": run, "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(["bash", "scripts/pretrain_gpt.sh", "--config",
-                           "configs/tiny-cpu-llama-metp2.sh"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-4000:]
+    log = _launch("configs/tiny-cpu-llama-metp2.sh", patched_megatron_lm, TRAIN_ITERS="2",
+                  LR_WARMUP_ITERS="1", SAVE_INTERVAL="1", CHECKPOINT_PATH=run)
     # (Megatron prints the learning rate of the next iteration: 3e-4 after the one warm-up step)
     first = re.findall(r"iteration +1/ +2 \|.*?lm loss: ([0-9.E+-]+)", log)
     assert len(first) == 1, log[-4000:]
