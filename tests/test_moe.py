@@ -209,8 +209,10 @@ def moe_train(rank, world, size, layout):
 
 
 #: head dim 6: with head dim 2 some attention gradients are so small that Adam's first steps
-#: (``g / (|g| + eps)``) turn their last-bit differences into 1e-5 parameter differences
-TRAIN_MOE = GPTSize(**{**MOE.__dict__, "num_attention_heads": 4, "num_query_groups": 4})
+#: (``g / (|g| + eps)``) turn their last-bit differences into 1e-5 parameter differences;
+#: 4 layers (MoE, dense, MoE, dense) for two pipeline stages
+TRAIN_MOE = GPTSize(**{**MOE.__dict__, "num_attention_heads": 4, "num_query_groups": 4,
+                       "num_layers": 4})
 
 
 @pytest.fixture(scope="module")
@@ -218,14 +220,18 @@ def stock_training():
     return run_ranks(moe_train, 1, TRAIN_MOE, _layout(mode="tp", aux="aux"))[0]
 
 
-@pytest.mark.parametrize("world,metp,cp,dispatcher", [(4, 2, 1, "alltoall"),
-                                                      (4, 2, 2, "allgather")],
-                         ids=["metp2xdp2-alltoall", "metp2xcp2-allgather"])
+@pytest.mark.parametrize("cp,pp,dispatcher", [(1, 1, "alltoall"), (2, 1, "allgather"),
+                                              (1, 2, "alltoall")],
+                         ids=["metp2xdp2-alltoall-distopt", "metp2xcp2-allgather-distopt",
+                              "metp2xpp2-alltoall"])
 def test_three_adam_steps_ddp_distributed_optimizer_match_single_rank_stock(
-        stock_training, world, metp, cp, dispatcher):
-    """Experts and METP-sharded weights reduce over expert-DP (DP 2, or the c = 2 rings), their
-    optimizer states shard over it, the grad norm counts every parameter once; aux + z losses."""
-    layout = _layout(metp, cp, dispatcher=dispatcher, aux="aux", distributed_optimizer=True)
+        stock_training, cp, pp, dispatcher):
+    """4 ranks. Experts and METP-sharded weights reduce over expert-DP (DP 2, or the c = 2
+    rings), their optimizer states shard over it, the grad norm counts every parameter once;
+    aux + z losses; two pipeline stages."""
+    world, metp = 4, 2
+    layout = _layout(metp, cp, dispatcher=dispatcher, aux="aux", pp=pp,
+                     distributed_optimizer=pp == 1)
     ref = stock_training
     out = run_ranks(moe_train, world, TRAIN_MOE, layout, timeout=300)
     for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(out[0]["steps"],
@@ -286,3 +292,23 @@ def test_megatron_lm_args_leave_expert_parallel_size_to_the_hooks():
     assert "--moe-use-upcycling" in moe_args_problems(args(moe_use_upcycling=True), 2,
                                                       on_cpu=True)[0]
     assert moe_args_problems(SimpleNamespace(num_experts=None), 2) == []
+
+
+def test_config_from_args_gets_expert_parallel_size_p():
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_metp.megatron.moe import fold_expert_parallel_into_config
+
+    def cfg(ep):
+        return TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2,
+                                 num_moe_experts=4, expert_model_parallel_size=ep)
+
+    assert fold_expert_parallel_into_config(cfg(1), 2).expert_model_parallel_size == 2
+    assert fold_expert_parallel_into_config(cfg(2), 2).expert_model_parallel_size == 2
+    with pytest.raises(ValueError, match="expert_model_parallel_size 4"):
+        fold_expert_parallel_into_config(cfg(4), 2)
+    with pytest.raises(ValueError, match="--metp-disable-weight-ring"):
+        from megatron_metp.megatron.moe import get_gpt_decoder_block_metp_spec
+
+        get_gpt_decoder_block_metp_spec(cfg(2), SimpleNamespace(metp=SimpleNamespace(size=2)),
+                                        weight_ring=False)
