@@ -70,7 +70,8 @@ def get_gpt_decoder_block_metp_spec(config, groups: METPGroups, *, vp_stage=None
     (``config.moe_layer_freq``) and which layers this stage builds; each dense layer becomes
     :func:`~.spec.get_gpt_layer_metp_spec`'s, each MoE layer the same with Megatron's ``MoELayer``
     as its MLP. ``metp_spec_kwargs`` go to ``get_gpt_layer_metp_spec`` (``kernel``,
-    ``weight_ring`` must stay on). Refuses (``ValueError``) what :mod:`.moe_checks` lists."""
+    ``keep_intermediate``; ``weight_ring`` must stay on; ``qk_layernorm`` defaults to the
+    config's). Refuses (``ValueError``) what :mod:`.moe_checks` lists."""
     from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec,
                                                           get_gpt_layer_local_spec)
     from megatron.core.transformer.moe.moe_layer import MoELayer
@@ -83,7 +84,7 @@ def get_gpt_decoder_block_metp_spec(config, groups: METPGroups, *, vp_stage=None
         raise ValueError("--num-experts with the ring self-attention baseline "
                          "(--metp-disable-weight-ring) is not supported; run MoE with the METP "
                          "weight ring")
-    qk = bool(getattr(config, "qk_layernorm", False))
+    qk = bool(metp_spec_kwargs.pop("qk_layernorm", getattr(config, "qk_layernorm", False)))
     stock = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
                                        normalization=normalization, vp_stage=vp_stage,
                                        pp_rank=pp_rank)

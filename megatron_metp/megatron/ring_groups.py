@@ -12,11 +12,13 @@ over its ``p`` ranks, in ring order:
 * METP × CP (``c > 1``): the METP ring (weight ring, head-group broadcasts, gradient reduces)
   runs on the dedicated group, and the K/V ring on Megatron's CP group of ``p·c`` ranks.
 
-:func:`create_metp_ring_groups` makes them: every rank calls it at the same point, right after
-``parallel_state.initialize_model_parallel`` (:func:`.parallel.initialize_model_parallel` does;
-under Megatron-LM the first :meth:`.groups.METPGroups.from_parallel_state` call does, on every
-rank while the model is built). The result is cached per Megatron expert group, so later calls
-return the same groups, and a re-initialised ``parallel_state`` gets new ones.
+:func:`create_metp_ring_groups` makes this rank's: the ranks of a METP group create it together
+(``use_local_synchronization``: no other rank takes part, no collective over the world), right
+after ``parallel_state.initialize_model_parallel`` (:func:`.parallel.initialize_model_parallel`
+does; under Megatron-LM the first :meth:`.groups.METPGroups.from_parallel_state` call does, while
+the model is built). A group is kept per set of ranks for the life of the process: a re-initialised
+``parallel_state`` with the same METP groups gets the same communicators back (a new default
+process group, new ones).
 """
 
 from __future__ import annotations
@@ -28,39 +30,33 @@ import torch.distributed as dist
 
 __all__ = ["create_metp_ring_groups", "metp_ring_group"]
 
-#: (Megatron's expert-model-parallel group of this rank, the dedicated group of its ranks)
-_CACHE: list = []
+#: ranks of a METP group (global, ring order) -> (the default group then, its dedicated group)
+_GROUPS: dict = {}
 
 
 def create_metp_ring_groups(timeout_s: Optional[float] = None):
-    """This rank's dedicated METP-ring process group (``None`` when the METP size is 1).
+    """This rank's dedicated METP-ring process group: one over the ranks of Megatron's
+    expert-model-parallel group of this rank (= the METP group), ``None`` when that has one rank.
 
-    Collective over the whole world the first time after each ``initialize_model_parallel``:
-    the ranks exchange their expert-model-parallel (= METP) groups and every rank creates one
-    process group per METP group, in the same order. ``timeout_s``: the groups' timeout
-    (default: the job timeout, :func:`megatron_metp.runtime.watchdog.job_timeout_s`)."""
+    Every rank of the group calls it (a group-local creation); ``timeout_s``: the group's
+    timeout (default: the job timeout, :func:`megatron_metp.runtime.watchdog.job_timeout_s`),
+    set when the group is first created."""
     from megatron.core import parallel_state as ps
 
     ep = ps.get_expert_model_parallel_group()
-    if _CACHE and _CACHE[0][0] is ep:
-        return _CACHE[0][1]
-    if ep is None or dist.get_world_size(ep) == 1:  # the same on every rank: no collective
-        _CACHE[:] = [(ep, None)]
+    if ep is None or dist.get_world_size(ep) == 1:
         return None
-    if timeout_s is None:
-        from ..runtime.watchdog import job_timeout_s
+    ranks = tuple(dist.get_process_group_ranks(ep))
+    world, group = _GROUPS.get(ranks, (None, None))
+    if world is not dist.group.WORLD:  # first call, or a new default group since
+        if timeout_s is None:
+            from ..runtime.watchdog import job_timeout_s
 
-        timeout_s = job_timeout_s()
-    mine = tuple(dist.get_process_group_ranks(ep))
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    own = None
-    for ranks in sorted({r for r in everyone if r}):
-        group = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout_s))
-        if ranks == mine:
-            own = group
-    _CACHE[:] = [(ep, own)]
-    return own
+            timeout_s = job_timeout_s()
+        group = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout_s),
+                               use_local_synchronization=True)
+        _GROUPS[ranks] = (dist.group.WORLD, group)
+    return group
 
 
 def metp_ring_group(ranks: tuple, timeout_s: Optional[float] = None):
