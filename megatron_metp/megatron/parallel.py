@@ -20,6 +20,11 @@ and ``expert_model_parallel_size = p``; under the default order the expert (METP
 group over ``p·c`` ranks, sequence split in ``2·p·c`` dual chunks), and the expert data-parallel
 group is the ``c`` METP groups of the CP group × DP: what METP-sharded weights reduce over
 (scaled ``1/|DP×CP|`` like dense ones, CP = ``p·c``). World = TP × p × c × PP × DP.
+
+Mixture-of-Experts (:mod:`.moe`): the experts are sharded over these same expert (= METP) groups,
+EP = p, and reduce over the same expert-DP group; each METP group also gets a process group of its
+own (:mod:`.ring_groups`), so the METP rings never share a communicator with Megatron's token
+dispatchers.
 """
 
 from __future__ import annotations
