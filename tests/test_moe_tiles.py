@@ -30,10 +30,6 @@ def _layer(world, dispatcher, balance):
     from megatron_metp.megatron import cpu
 
     cpu.enable()
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):  # 0.16.1 without TE (cpu shim (j) of moe-core)
-        moe_utils.te_general_gemm = None
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(expert_model_parallel_size=world,
                                      create_gloo_process_groups=False)
@@ -190,3 +186,49 @@ def test_tile_count_auto_env_and_refusals(monkeypatch):
     probs = moe_tiles.tile_problems(SimpleNamespace(moe_pad_expert_input_to_capacity=True))
     assert probs and "--moe-pad-expert-input-to-capacity" in probs[0]
     assert moe_tiles.tile_problems(SimpleNamespace()) == []
+
+
+# ------------------------------------------------------------------ in the METP GPT (moe-core)
+
+
+def metp_step(rank, world, size, layout, tiles):
+    """``tests.test_moe.moe_one_step`` with every MoE layer in ``tiles`` token tiles (the env
+    override, as Megatron-LM's ``--metp-moe-token-tiles`` sets it); also the counts that ran."""
+    import os
+
+    from tests.test_moe import moe_one_step
+
+    os.environ[moe_tiles.MOE_TOKEN_TILES_ENV] = str(tiles)
+    ran = []
+    forward = moe_tiles.TiledMoELayer.forward
+
+    def counted(self, *a, **kw):
+        out = forward(self, *a, **kw)
+        ran.append(self.last_tiles)
+        return out
+    moe_tiles.TiledMoELayer.forward = counted
+    out = moe_one_step(rank, world, size, layout)
+    out["ran"] = ran
+    return out
+
+
+@pytest.mark.parametrize("metp,dispatcher,aux,recompute", [
+    (2, "allgather", 0.01, None), (2, "alltoall", -0.01, "full"), (3, "alltoall", 0.01, None),
+])
+def test_metp_gpt_tiles_equal_whole(metp, dispatcher, aux, recompute):
+    from tests.test_moe import MOE, _layout, assemble
+
+    layout = _layout(metp, dispatcher=dispatcher, aux=aux, recompute=recompute)
+    whole = run_ranks(metp_step, metp, MOE, layout, 1)
+    tiled = run_ranks(metp_step, metp, MOE, layout, 3)
+    moe_layers = 2  # MOE: layers 1 and 3 of 3 have experts
+    for w, t in zip(whole, tiled):
+        # the forward (and, under full recompute, its re-run) of every MoE layer
+        assert set(w["ran"]) == {1} and set(t["ran"]) == {3}, (w["ran"], t["ran"])
+        assert len(t["ran"]) == moe_layers * (2 if recompute else 1)
+        assert abs(w["loss"] - t["loss"]) <= 1e-6 * abs(w["loss"])
+    gw, gt = assemble(whole), assemble(tiled)
+    assert set(gw) == set(gt) and any(".experts." in n for n in gw)
+    errs = {n: _rel(gt[n], gw[n]) for n in gw}
+    worst = max(errs, key=errs.get)
+    assert errs[worst] <= 1e-6, (worst, errs[worst])
