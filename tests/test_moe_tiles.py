@@ -232,3 +232,26 @@ def test_metp_gpt_tiles_equal_whole(metp, dispatcher, aux, recompute):
     errs = {n: _rel(gt[n], gw[n]) for n in gw}
     worst = max(errs, key=errs.get)
     assert errs[worst] <= 1e-6, (worst, errs[worst])
+
+
+def test_megatron_lm_flag_sets_the_count_or_is_refused(monkeypatch):
+    import argparse
+    import os
+    from types import SimpleNamespace
+
+    from megatron_metp.megatron_lm import hooks, tiles
+
+    parser = hooks.add_metp_args(argparse.ArgumentParser())
+    assert parser.parse_args(["--metp-moe-token-tiles", "4"]).metp_moe_token_tiles == 4
+    assert parser.parse_args([]).metp_moe_token_tiles is None
+    monkeypatch.delenv(moe_tiles.MOE_TOKEN_TILES_ENV, raising=False)
+    tiles.map_tile_args(SimpleNamespace(metp_moe_token_tiles=4, num_experts=8), True)
+    assert os.environ[moe_tiles.MOE_TOKEN_TILES_ENV] == "4"
+    assert moe_tiles.resolve_moe_tiles(1000, 10) == 4  # what every TiledMoELayer then runs
+    for kw, metp, needle in ((dict(num_experts=None), True, "needs --num-experts"),
+                             (dict(num_experts=8), False, "needs --metp-parallel-size > 1"),
+                             (dict(num_experts=8, metp_moe_token_tiles=0), True, ">= 1")):
+        args = SimpleNamespace(**{"metp_moe_token_tiles": 4, **kw})
+        with pytest.raises(ValueError, match="--metp-moe-token-tiles") as err:
+            tiles.map_tile_args(args, metp)
+        assert needle in str(err.value)
