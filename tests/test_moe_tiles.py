@@ -207,22 +207,28 @@ def metp_step(rank, world, size, layout, tiles):
         ran.append(self.last_tiles)
         return out
     moe_tiles.TiledMoELayer.forward = counted
+    from megatron_metp.megatron import streaming
+
+    prepare, streamed = streaming.prepare_recompute, []
+    streaming.prepare_recompute = lambda block: streamed.append(prepare(block)) or streamed[-1]
     out = moe_one_step(rank, world, size, layout)
-    out["ran"] = ran
+    out["ran"], out["streamed"] = ran, streamed
     return out
 
 
-@pytest.mark.parametrize("metp,dispatcher,aux,recompute", [
+@pytest.mark.parametrize("metp,dispatcher,aux,recompute", [  # whole: no recompute
     (2, "allgather", 0.01, None), (2, "alltoall", -0.01, "full"), (3, "alltoall", 0.01, None),
 ])
 def test_metp_gpt_tiles_equal_whole(metp, dispatcher, aux, recompute):
     from tests.test_moe import MOE, _layout, assemble
 
-    layout = _layout(metp, dispatcher=dispatcher, aux=aux, recompute=recompute)
-    whole = run_ranks(metp_step, metp, MOE, layout, 1)
-    tiled = run_ranks(metp_step, metp, MOE, layout, 3)
+    whole = run_ranks(metp_step, metp, MOE, _layout(metp, dispatcher=dispatcher, aux=aux), 1)
+    tiled = run_ranks(metp_step, metp, MOE,
+                      _layout(metp, dispatcher=dispatcher, aux=aux, recompute=recompute), 3)
     moe_layers = 2  # MOE: layers 1 and 3 of 3 have experts
     for w, t in zip(whole, tiled):
+        # full recompute: the dense layer streams, the MoE layers are checkpointed one by one
+        assert t["streamed"] == [bool(recompute)], t["streamed"]
         # the forward (and, under full recompute, its re-run) of every MoE layer
         assert set(w["ran"]) == {1} and set(t["ran"]) == {3}, (w["ran"], t["ran"])
         assert len(t["ran"]) == moe_layers * (2 if recompute else 1)
