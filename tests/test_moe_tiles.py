@@ -149,6 +149,51 @@ def test_expert_parallel_tiles_equal_whole(dispatcher, balance):
     _check(out, balance, 3)
 
 
+def saved_bytes(rank, world, n, tiles):
+    """Bytes autograd keeps (``saved_tensors_hooks``, distinct storages, parameters and the
+    layer's input left out) for one forward of ``n`` tokens, whole and in ``tiles`` tiles: what
+    the forward keeps, and the most one tile's re-run keeps during backward."""
+    layer = _layer(1, "allgather", "aux_loss")
+    params = {id(p) for p in layer.parameters()}
+    run_tile, out = moe_tiles.routed_tile, {}
+
+    def counted(*a):
+        phase[0] += torch.is_grad_enabled()
+        return run_tile(*a)
+    moe_tiles.routed_tile = counted
+    for count in (1, tiles):
+        x = torch.randn(n, 1, H, requires_grad=True) * 1.0
+        layer.moe_token_tiles, kept, phase = count, {}, [0]
+
+        def pack(t):
+            ptr = t.untyped_storage().data_ptr()
+            if id(t) not in params and ptr != x.untyped_storage().data_ptr():
+                kept[(phase[0], ptr)] = t.untyped_storage().nbytes()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y, _ = layer(x)
+            phase[0] = 1
+            y.sum().backward()
+        per = {}
+        for (ph, _), v in kept.items():
+            per[ph] = per.get(ph, 0) + v
+        out[count] = (per.get(0, 0), max((v for ph, v in per.items() if ph > 1), default=0))
+    return out
+
+
+def test_routed_tokens_kept_for_backward_bounded_by_a_tile():
+    n, tiles = 240, 3
+    out = run_ranks(saved_bytes, 1, n, tiles)[0]
+    (stock, none), (routing, tile) = out[1], out[tiles]
+    assert none == 0  # one tile: stock forward, no re-run
+    routed = stock - routing  # what only the stock layer keeps: the routed tokens
+    # CPU fp32 keeps most of the CUDA count k·e·(2h + 6f′) per token (no fused SwiGLU copy)
+    formula = n * moe_tiles.routed_row_bytes(H, F, K, elem=4)
+    assert 0.8 * formula <= routed <= formula, (routed, formula)
+    assert routing < 0.2 * stock  # the tiled forward keeps the [n, E] routing only
+    assert tile <= 1.1 * routed / tiles, (tile, routed / tiles)  # one tile's routed tokens
+
+
 # ------------------------------------------------------------------ tile count and transient
 
 
