@@ -20,7 +20,8 @@ checkpoints) runs it in ``T`` token tiles ``t`` of ``R = ceil(N/T)`` rows ::
     Y      = Y[t_1] ‖ … ‖ Y[t_T]                                   [N, h]
 
 Forward runs the tiles without autograd and keeps only ``X`` (the ``pre_mlp_layernorm`` output
-the router's gating keeps anyway), ``P`` and ``M`` (``N·E·(4 + 1)`` bytes). Backward, given
+the router's gating keeps anyway), ``P`` and ``M`` (with the router's own saved tensors about
+24 bytes per token and expert, which stock keeps too). Backward, given
 ``dY`` ``[N, h]``, re-runs one tile at a time with autograd (its dispatch, experts and combine:
 the same collectives in the same order on every rank of the expert-parallel group) and takes ::
 
@@ -42,9 +43,12 @@ row⌋)``, one tile when the rank's tokens fit. ``T`` depends only on ``N`` (equ
 METP / CP group) and the environment, so every rank of the expert-parallel group runs the same
 number of dispatches; the agreement check (when on) compares it.
 
-Under full recompute, Megatron's checkpoint of a layer re-runs this forward in its backward: the
-tiles keep only ``X, P, M`` there too, and the layer's backward re-runs one tile at a time, so no
-MoE transient of a recomputed layer grows with ``s/(p·c)`` beyond the ``[N, E]`` routing.
+Under full recompute (:mod:`.streaming`: the dense layers run the streaming layer op, each MoE
+layer Megatron's checkpoint of that one layer) the checkpoint re-runs this forward in the layer's
+backward: the tiles keep only ``X, P, M`` there too, and the backward re-runs one tile at a time,
+so no MoE transient of a recomputed layer grows with ``s/(p·c)`` beyond the ``[N, E]`` routing.
+Measured (``tests/test_moe_tiles.py``, CPU fp32, 240 tokens, 3 tiles): stock keeps 197,800 bytes
+for backward, the tiled forward 23,080 (the routing), one tile's re-run at most 59,840.
 
 Not tiled (one tile, stock, whatever the count): inference with a captured CUDA graph
 (``intermediate_tensors``). Refused with more than one tile (:func:`tile_problems`): padding the
@@ -55,78 +59,17 @@ projections, overlapping the dispatch backward with expert weight gradients (0.1
 from __future__ import annotations
 
 import math
-import os
 from typing import List, Optional, Sequence
 
 import torch
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
-from ..ops.tiles import tile_budget_bytes, tile_slices
+from ..ops.moe_tile_count import (MOE_TOKEN_TILES_ENV, gated_activation, resolve_moe_tiles,
+                                   routed_row_bytes, routed_transient_bytes)
+from ..ops.tiles import tile_slices
 
 __all__ = ["MOE_TOKEN_TILES_ENV", "TiledMoELayer", "routed_row_bytes", "routed_transient_bytes",
            "resolve_moe_tiles", "tile_problems", "routed_tile", "tiled_moe_spec"]
-
-#: number of token tiles of every MoE layer's routed part (``1`` = whole); unset: auto
-MOE_TOKEN_TILES_ENV = "METP_MOE_TOKEN_TILES"
-
-
-def _gated(config) -> bool:
-    return bool(getattr(config, "gated_linear_unit", False))
-
-
-def routed_row_bytes(hidden: int, moe_ffn: int, topk: int, *, elem: int = 2,
-                     gated: bool = True) -> int:
-    """Bytes one local token's routed tensors hold for backward in stock megatron-core (CUDA,
-    ``elem``-byte activations): ``k·elem·(2h + (2m + 2)·f′)``, ``m = 2`` gated (SwiGLU) else 1.
-
-    Per chosen expert: the dispatched (permuted) input ``[h]`` (``fc1``'s input), the expert
-    output ``[h]`` (the combine's weighted unpermute), ``fc1``'s output ``[m·f′]``, the
-    activation's saved input ``[m·f′]`` (its own copy on the fused CUDA path), its output
-    ``[f′]`` and the probability-weighted intermediate ``[f′]`` (``fc2``'s input). bf16 SwiGLU:
-    ``k·(4h + 12f′)``."""
-    m = 2 if gated else 1
-    return int(topk) * int(elem) * (2 * int(hidden) + (2 * m + 2) * int(moe_ffn))
-
-
-def routed_transient_bytes(tokens: int, hidden: int, moe_ffn: int, topk: int, *,
-                           tiles: int = 1, elem: int = 2, gated: bool = True) -> int:
-    """One MoE layer's routed-token transient per rank, in bytes, for ``tokens`` local tokens
-    (``s/(p·c)·b``) run in ``tiles`` token tiles: ``ceil(tokens/tiles)·`` :func:`routed_row_bytes`.
-
-    ``tiles=1``: stock megatron-core's ``n·k·(4h + 12f′)`` (bf16, SwiGLU), kept from a layer's
-    forward to its backward; ``tiles=T``: the largest tile's, live only while that tile's
-    backward runs (:class:`TiledMoELayer`). Not counted: the ``[tokens, E]`` routing the tiled
-    layer keeps (``tokens·E·5`` bytes) and the dispatchers' communication buffers of one tile."""
-    tiles = max(1, int(tiles))
-    rows = math.ceil(int(tokens) / tiles) if tokens > 0 else 0
-    return rows * routed_row_bytes(hidden, moe_ffn, topk, elem=elem, gated=gated)
-
-
-def _count(value, what: str) -> int:
-    ok = isinstance(value, int) and not isinstance(value, bool)
-    if isinstance(value, str) and value.strip().lstrip("+").isdigit():
-        value, ok = int(value), True
-    if not ok or value < 1:
-        raise ValueError(f"{what} must be a positive integer (token tiles per MoE layer, 1 = "
-                         f"whole), got {value!r}")
-    return value
-
-
-def resolve_moe_tiles(tokens: int, row_bytes: int, tiles=None) -> int:
-    """Token tiles of one MoE layer for ``tokens`` local tokens: ``tiles`` if given, else
-    ``METP_MOE_TOKEN_TILES``, else the fewest whose :func:`routed_transient_bytes` (``row_bytes``
-    per token) fits ``METP_TILE_BUDGET_MIB``; never more than ``tokens`` (at least 1)."""
-    tokens = int(tokens)
-    if tiles is not None:
-        count = _count(tiles, "moe_token_tiles")
-    else:
-        raw = os.environ.get(MOE_TOKEN_TILES_ENV, "").strip()
-        if raw:
-            count = _count(raw, f"the environment variable {MOE_TOKEN_TILES_ENV}")
-        else:
-            rows = max(1, tile_budget_bytes() // max(1, int(row_bytes)))
-            count = max(1, math.ceil(tokens / rows))
-    return max(1, min(count, tokens))
 
 
 def tile_problems(config) -> List[str]:
@@ -236,7 +179,8 @@ class TiledMoELayer(MoELayer):
         """This layer's tile count for ``tokens`` local tokens of ``elem``-byte activations."""
         cfg = self.config
         row = routed_row_bytes(cfg.hidden_size, cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size,
-                               cfg.moe_router_topk, elem=elem, gated=_gated(cfg))
+                               cfg.moe_router_topk, elem=elem,
+                               gated=gated_activation(cfg))
         return resolve_moe_tiles(tokens, row, self.moe_token_tiles)
 
     def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None,

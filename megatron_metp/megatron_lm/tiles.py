@@ -82,6 +82,6 @@ def map_tile_args(args, metp_on: bool) -> None:
         os.environ[tiling.MLP_TOKEN_TILE_ENV] = str(rows)
     tiles = getattr(args, "metp_moe_token_tiles", None)
     if tiles is not None:
-        from ..megatron.moe_tiles import MOE_TOKEN_TILES_ENV
+        from ..ops.moe_tile_count import MOE_TOKEN_TILES_ENV
 
         os.environ[MOE_TOKEN_TILES_ENV] = str(tiles)
