@@ -194,6 +194,24 @@ def test_routed_tokens_kept_for_backward_bounded_by_a_tile():
     assert tile <= 1.1 * routed / tiles, (tile, routed / tiles)  # one tile's routed tokens
 
 
+def differing_counts(rank, world):
+    """Rank r runs 2 + r tiles: refused on every rank before any dispatch (not a hang)."""
+    from megatron_metp.runtime.agree import GroupDisagreementError
+
+    layer = _layer(world, "alltoall", "aux_loss")
+    layer.moe_token_tiles = 2 + rank
+    try:
+        layer(torch.randn(S, B, H))
+    except GroupDisagreementError as exc:
+        return str(exc)
+    return None
+
+
+def test_ranks_with_different_tile_counts_are_refused():
+    for msg in run_ranks(differing_counts, 2):
+        assert msg is not None and "moe_token_tiles" in msg, msg
+
+
 # ------------------------------------------------------------------ tile count and transient
 
 
