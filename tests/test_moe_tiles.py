@@ -93,7 +93,10 @@ def _run(layer, x, dy, tiles, per_tile_routing=False):
         y, _ = layer(x)
     (y * dy).sum().backward()
     grads = {_global(layer, n): p.grad.detach().clone() for n, p in layer.named_parameters()}
-    return {"y": y.detach(), "dx": x.grad.detach(), "grads": grads, "aux": _tracker(),
+    aux = _tracker()
+    if per_tile_routing:  # the tracker summed one value per tile: their mean, not their sum
+        aux = {k: v / len(outs) for k, v in aux.items()}
+    return {"y": y.detach(), "dx": x.grad.detach(), "grads": grads, "aux": aux,
             "tiles": layer.last_tiles}
 
 
