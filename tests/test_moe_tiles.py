@@ -306,6 +306,43 @@ def test_metp_gpt_tiles_equal_whole(metp, dispatcher, aux, recompute):
     assert errs[worst] <= 1e-6, (worst, errs[worst])
 
 
+def metp_train(rank, world, size, layout, tiles):
+    """``tests.test_moe.moe_train`` (three Adam steps through Megatron's DDP and distributed
+    optimizer) with every MoE layer in ``tiles`` token tiles."""
+    import os
+
+    from tests.test_moe import moe_train
+
+    os.environ[moe_tiles.MOE_TOKEN_TILES_ENV] = str(tiles)
+    ran, forward = [], moe_tiles.TiledMoELayer.forward
+
+    def counted(self, *a, **kw):
+        out = forward(self, *a, **kw)
+        ran.append(self.last_tiles)
+        return out
+    moe_tiles.TiledMoELayer.forward = counted
+    return {**moe_train(rank, world, size, layout), "ran": ran}
+
+
+def test_three_adam_steps_with_tiles_match_single_rank_stock():
+    """METP 2 × DP 2, alltoall, aux + z losses, distributed optimizer: the tiles' expert
+    gradients (returned once per layer) reach Megatron's DDP buffers and the optimizer as stock's
+    do (parameters after 3 steps, losses and grad norms within 1e-5 of single-rank stock)."""
+    from tests.numerics import rel_err
+    from tests.test_moe import TRAIN_MOE, _layout, assemble, moe_train
+
+    ref = run_ranks(moe_train, 1, TRAIN_MOE, _layout(mode="tp", aux="aux"))[0]
+    layout = _layout(2, 1, dispatcher="alltoall", aux="aux", distributed_optimizer=True)
+    out = run_ranks(metp_train, 4, TRAIN_MOE, layout, 3, timeout=300)
+    assert set(out[0]["ran"]) == {3}, out[0]["ran"]
+    for (loss, norm), (ref_loss, ref_norm) in zip(out[0]["steps"], ref["steps"]):
+        assert abs(loss - ref_loss) <= 1e-5 * ref_loss and abs(norm - ref_norm) <= 1e-5 * ref_norm
+    full_ref, got = assemble([ref], "params"), assemble(out, "params")
+    errs = {k: rel_err(got[k], full_ref[k]) for k in full_ref}
+    worst = max(errs, key=errs.get)
+    assert set(got) == set(full_ref) and errs[worst] <= 1e-5, (worst, errs[worst])
+
+
 def test_megatron_lm_flag_sets_the_count_or_is_refused(monkeypatch):
     import argparse
     import os
