@@ -257,23 +257,30 @@ def test_tile_count_auto_env_and_refusals(monkeypatch):
 # ------------------------------------------------------------------ in the METP GPT (moe-core)
 
 
-def metp_step(rank, world, size, layout, tiles):
-    """``tests.test_moe.moe_one_step`` with every MoE layer in ``tiles`` token tiles (the env
-    override, as Megatron-LM's ``--metp-moe-token-tiles`` sets it); also the counts that ran."""
+def _run_tiles(tiles):
+    """In this (forked) rank: every MoE layer in ``tiles`` tiles (the env override, as
+    Megatron-LM's ``--metp-moe-token-tiles`` sets it); returns the list of counts that ran."""
     import os
 
-    from tests.test_moe import moe_one_step
-
     os.environ[moe_tiles.MOE_TOKEN_TILES_ENV] = str(tiles)
-    ran = []
-    forward = moe_tiles.TiledMoELayer.forward
+    ran, forward = [], moe_tiles.TiledMoELayer.forward
 
     def counted(self, *a, **kw):
         out = forward(self, *a, **kw)
         ran.append(self.last_tiles)
         return out
     moe_tiles.TiledMoELayer.forward = counted
+    return ran
+
+
+def metp_step(rank, world, size, layout, tiles):
+    """``tests.test_moe.moe_one_step`` with every MoE layer in ``tiles`` token tiles (the env
+    override, as Megatron-LM's ``--metp-moe-token-tiles`` sets it); also the counts that ran
+    and whether the block streamed under full recompute."""
     from megatron_metp.megatron import streaming
+    from tests.test_moe import moe_one_step
+
+    ran = _run_tiles(tiles)
 
     prepare, streamed = streaming.prepare_recompute, []
     streaming.prepare_recompute = lambda block: streamed.append(prepare(block)) or streamed[-1]
@@ -309,18 +316,9 @@ def test_metp_gpt_tiles_equal_whole(metp, dispatcher, aux, recompute):
 def metp_train(rank, world, size, layout, tiles):
     """``tests.test_moe.moe_train`` (three Adam steps through Megatron's DDP and distributed
     optimizer) with every MoE layer in ``tiles`` token tiles."""
-    import os
-
     from tests.test_moe import moe_train
 
-    os.environ[moe_tiles.MOE_TOKEN_TILES_ENV] = str(tiles)
-    ran, forward = [], moe_tiles.TiledMoELayer.forward
-
-    def counted(self, *a, **kw):
-        out = forward(self, *a, **kw)
-        ran.append(self.last_tiles)
-        return out
-    moe_tiles.TiledMoELayer.forward = counted
+    ran = _run_tiles(tiles)
     return {**moe_train(rank, world, size, layout), "ran": ran}
 
 
