@@ -77,6 +77,7 @@ def get_gpt_decoder_block_metp_spec(config, groups: METPGroups, *, vp_stage=None
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     from .moe_checks import check_moe_config
+    from .moe_tiles import tiled_moe_spec
     from .spec import get_gpt_layer_metp_spec
 
     check_moe_config(config, groups.metp.size)
@@ -96,7 +97,9 @@ def get_gpt_decoder_block_metp_spec(config, groups: METPGroups, *, vp_stage=None
                                        qk_layernorm=qk).submodules.mlp
     moe = get_gpt_layer_metp_spec(groups, normalization=normalization, norm=norm,
                                   qk_layernorm=qk, **metp_spec_kwargs)
-    moe.submodules.mlp = moe_mlp  # a fresh METP layer spec (it holds process groups)
+    # a fresh METP layer spec (it holds process groups); the MoELayer with token tiles
+    # (:mod:`.moe_tiles`: one tile, stock's forward, when the rank's tokens fit the budget)
+    moe.submodules.mlp = tiled_moe_spec(moe_mlp)
 
     def has_experts(layer_spec) -> bool:
         mlp = layer_spec.submodules.mlp  # a ModuleSpec (0.16) or a functools.partial (0.19)
