@@ -121,15 +121,23 @@ def build_model(g: LlamaGeometry, *, groups=None, vocab_parallel: bool = False):
 
     tp = ps.get_tensor_model_parallel_world_size()
     metp = ps.get_context_parallel_world_size()
-    cfg = TransformerConfig(**transformer_config_kwargs(g, tp=tp, metp=metp))
+    ep = ps.get_expert_model_parallel_world_size()
+    cfg = TransformerConfig(**transformer_config_kwargs(g, tp=tp, metp=metp, ep=ep))
     set_yarn_config(cfg, g)
     kwargs = dict(config=cfg, pre_process=ps.is_pipeline_first_stage(),
                   post_process=ps.is_pipeline_last_stage(), **gpt_model_kwargs(g))
     if groups is None:
         if vocab_parallel:
             raise ValueError("vocab_parallel needs the METP groups")
-        return GPTModel(transformer_layer_spec=get_gpt_layer_local_spec(
-            normalization="RMSNorm", qk_layernorm=g.qk_layernorm), **kwargs)
+        if g.num_experts:  # dense and MoE layers as config.moe_layer_freq says
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+            spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False,
+                                              normalization="RMSNorm")
+        else:
+            spec = get_gpt_layer_local_spec(normalization="RMSNorm",
+                                            qk_layernorm=g.qk_layernorm)
+        return GPTModel(transformer_layer_spec=spec, **kwargs)
     from ..megatron.spec import get_gpt_layer_metp_spec
     from ..megatron.vocab import METPGPTModel
 
@@ -357,20 +365,58 @@ def read_checkpoint_tensors(path: str, keys: Optional[Iterable[str]] = None) -> 
     return sd
 
 
+#: MoE layer keys (megatron-core's ``MoELayer``; experts stacked ``[E, ...]`` by global index)
+_MOE_KEYS = {"mlp.router.weight": "mlp.router.weight",
+             "mlp.experts.experts.linear_fc1.weight": "mlp.experts.local_experts.{j}.linear_fc1.weight",
+             "mlp.experts.experts.linear_fc2.weight": "mlp.experts.local_experts.{j}.linear_fc2.weight"}
+
+
+def checkpoint_tensor_keys(path: str) -> List[str]:
+    """The tensor keys of a ``dist_checkpointing`` directory (``.metadata`` checked first)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    _checked_metadata(path)
+    md = FileSystemReader(path).read_metadata().state_dict_metadata
+    return [k for k, m in md.items() if isinstance(m, TensorStorageMetadata)]
+
+
+def _split_layer_key(key: str):
+    """``decoder.layers.3.mlp...`` → ``(3, "mlp...")`` (one layer: a model whose layers differ,
+    e.g. dense and MoE); ``decoder.layers.mlp...`` → ``(None, "mlp...")`` (stacked over
+    layers)."""
+    rest = key[len("decoder.layers."):]
+    head, _, tail = rest.partition(".")
+    return (int(head), tail) if head.isdigit() else (None, rest)
+
+
 def megatron_params_from_checkpoint(path: str, num_layers: int) -> Dict[str, torch.Tensor]:
-    """The model tensors of a checkpoint as full per-layer ``named_parameters()`` names."""
-    keys = list(_TOP_KEYS) + [f"decoder.layers.{k}" for k in _LAYER_KEYS]
+    """The model tensors of a checkpoint as full per-layer ``named_parameters()`` names (EP = 1
+    names for the experts: ``mlp.experts.local_experts.<global index>``)."""
+    known = set(_LAYER_KEYS) | set(_MOE_KEYS)
+    keys = [k for k in checkpoint_tensor_keys(path) if k in _TOP_KEYS or (
+        k.startswith("decoder.layers.") and _split_layer_key(k)[1] in known)]
     raw = read_checkpoint_tensors(path, keys)
     out = {k: raw[k] for k in _TOP_KEYS if k in raw}
-    for key, name in _LAYER_KEYS.items():
-        t = raw.get(f"decoder.layers.{key}")
-        if t is None:
+    for key in keys:
+        if key in _TOP_KEYS:
             continue
-        if t.shape[0] != num_layers:
-            raise HFConfigError(f"checkpoint tensor decoder.layers.{key} stacks {t.shape[0]} "
-                                f"layers, the config has {num_layers}")
-        for i in range(num_layers):
-            out[f"decoder.layers.{i}.{name}"] = t[i].clone()
+        t = raw[key]
+        layer, sub = _split_layer_key(key)
+        if layer is None and t.shape[0] != num_layers:
+            raise HFConfigError(f"checkpoint tensor {key} stacks {t.shape[0]} layers, the "
+                                f"config has {num_layers}")
+        per_layer = {layer: t} if layer is not None else dict(enumerate(t))
+        for i, ti in per_layer.items():
+            if i >= num_layers:
+                raise HFConfigError(f"checkpoint tensor {key} is of layer {i}, the config has "
+                                    f"{num_layers} layers")
+            name = _LAYER_KEYS.get(sub) or _MOE_KEYS[sub]
+            if "{j}" not in name:
+                out[f"decoder.layers.{i}.{name}"] = ti.clone()
+                continue
+            for j in range(ti.shape[0]):  # experts by global index
+                out[f"decoder.layers.{i}.{name.format(j=j)}"] = ti[j].clone()
     return out
 
 
