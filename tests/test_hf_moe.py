@@ -159,3 +159,169 @@ def test_stock_megatron_core_equals_transformers(models, family):
     m = models[family]
     logits, loss = _stock_run(m.ckpt, m.geometry, models["ids"])
     _check(f"{family} stock megatron-core", logits, loss, m)
+
+
+def test_renormalisation_off_is_pre_softmax(tmp_path, models):
+    """Qwen3-MoE with ``norm_topk_prob = false`` (softmax over all experts, top-k weights not
+    renormalised) converts to ``--moe-router-pre-softmax`` and still equals transformers."""
+    hf_dir, ckpt = str(tmp_path / "hf"), str(tmp_path / "ckpt")
+    _make_hf(hf_dir, "qwen3_moe", seed=21, norm_topk_prob=False)
+    geometry = run_ranks(_import_on_a_rank, 1, hf_dir, ckpt,
+                         {"make_vocab_size_divisible_by": 1})[0]
+    assert geometry["moe_router_pre_softmax"] is True
+    assert "--moe-router-pre-softmax" in open(os.path.join(ckpt, "megatron_args.txt")).read()
+    ref_logits, ref_loss = _hf_reference(hf_dir, "qwen3_moe", models["ids"])
+    m = SimpleNamespace(logits=ref_logits, loss=ref_loss)
+    logits, loss = _stock_run(ckpt, geometry, models["ids"])
+    _check("qwen3_moe norm_topk_prob=false stock", logits, loss, m)
+    # the other normalisation on the same weights is far off: the flag is what makes it equal
+    logits, _ = _stock_run(ckpt, {**geometry, "moe_router_pre_softmax": False}, models["ids"])
+    print(f"renormalised instead: logits rel. err {rel_err(logits, ref_logits):.2e}")
+    assert rel_err(logits, ref_logits) > 1e-3
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_negative_controls(models, family, tmp_path):
+    """The parity check can fail: the routing normalisation flipped (pre-softmax top-k without
+    renormalising, where the family renormalises), or gate and up swapped in the experts'
+    fc1."""
+    m = models[family]
+    logits, _ = _stock_run(m.ckpt, {**m.geometry, "moe_router_pre_softmax": True}, models["ids"])
+    err = rel_err(logits, m.logits)
+    print(f"\n{family} routing not renormalised: logits rel. err {err:.2e}")
+    assert err > 1e-3
+    ckpt = str(tmp_path / "swapped")
+    run_ranks(_import_on_a_rank, 1, m.hf_dir, ckpt, {"make_vocab_size_divisible_by": 1}, True)
+    logits, _ = _stock_run(ckpt, m.geometry, models["ids"])
+    err = rel_err(logits, m.logits)
+    print(f"{family} gate/up swapped: logits rel. err {err:.2e}")
+    assert err > 1e-3
+
+
+# ---------------------------------------------------------------- export and round trip
+
+def _safetensors(path):
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_import_export_round_trip_is_bit_exact(models, family, tmp_path):
+    """Hugging Face → checkpoint → Hugging Face gives every tensor back bit for bit (router,
+    every expert's gate/up/down, the dense layer's MLP, q/k norms), and re-importing the export
+    gives the same checkpoint tensors (Qwen3-MoE's dense-and-MoE mix is saved per layer,
+    Mixtral's stacked over layers)."""
+    m = models[family]
+    exported = str(tmp_path / "exported")
+    H.export_hf(m.ckpt, exported, log=lambda _msg: None)
+    src, out = _safetensors(m.hf_dir), _safetensors(exported)
+    assert sorted(src) == sorted(out)
+    assert sum(".experts." in k for k in out) == 3 * 6 * (2 if family == "qwen3_moe" else 2)
+    unequal = [k for k in src if not torch.equal(src[k], out[k])]
+    assert not unequal, unequal
+    reimport = str(tmp_path / "reimported")
+    run_ranks(_import_on_a_rank, 1, exported, reimport, {"make_vocab_size_divisible_by": 1})
+    a = H.read_checkpoint_tensors(H.checkpoint_dir(m.ckpt))
+    b = H.read_checkpoint_tensors(H.checkpoint_dir(reimport))
+    assert sorted(a) == sorted(b)
+    experts = [k for k in a if k.endswith("mlp.experts.experts.linear_fc1.weight")]
+    if family == "mixtral":
+        assert experts == ["decoder.layers.mlp.experts.experts.linear_fc1.weight"]
+        assert tuple(a[experts[0]].shape) == (2, 6, 48, 48)
+    else:
+        assert sorted(experts) == [f"decoder.layers.{i}.mlp.experts.experts.linear_fc1.weight"
+                                   for i in (0, 2)]
+        assert "decoder.layers.1.mlp.linear_fc1.weight" in a
+    unequal = [k for k in a if a[k].dtype != b[k].dtype or not torch.equal(a[k], b[k])]
+    assert not unequal, unequal
+
+
+# ---------------------------------------------------------------- flags and refusals
+
+def _cfg(family, **change):
+    import json
+
+    config_cls, _ = _hf_class(family)
+    base = QWEN3_MOE if family == "qwen3_moe" else MIXTRAL
+    cfg = json.loads(config_cls(**base).to_json_string())
+    cfg.update(change)
+    return cfg
+
+
+def _flag(flags, name):
+    return flags[flags.index(name) + 1]
+
+
+def test_flags_match_the_config(models, capsys):
+    """The printed Megatron-LM flags carry each family's MoE: experts, top-k, expert width,
+    which layers are MoE (as Megatron's --moe-layer-freq list where not every layer is) and the
+    routing (renormalised top-k: no --moe-router-pre-softmax)."""
+    assert H.main(["flags", "--hf-dir", models["qwen3_moe"].hf_dir,
+                   "--make-vocab-size-divisible-by", "1", "--metp-parallel-size", "3"]) == 0
+    q = capsys.readouterr().out.split()
+    assert (_flag(q, "--num-experts"), _flag(q, "--moe-router-topk"),
+            _flag(q, "--moe-ffn-hidden-size"), _flag(q, "--ffn-hidden-size"),
+            _flag(q, "--moe-layer-freq")) == ("6", "2", "16", "48", "[1,0,1]")
+    assert "--qk-layernorm" in q and "--moe-router-pre-softmax" not in q
+    assert _flag(q, "--moe-aux-loss-coeff") == "0.0"  # output_router_logits false
+    mix = megatron_args(LlamaGeometry(**models["mixtral"].geometry))
+    assert (_flag(mix, "--num-experts"), _flag(mix, "--moe-ffn-hidden-size"),
+            _flag(mix, "--ffn-hidden-size"), _flag(mix, "--moe-layer-freq")) == \
+        ("6", "24", "24", "1")
+    assert "--qk-layernorm" not in mix and "--moe-router-pre-softmax" not in mix
+    # transformers' rule for Qwen3-MoE's MoE layers: (i + 1) % decoder_sparse_step == 0, minus
+    # mlp_only_layers; Megatron's --moe-layer-freq 2 would be layers 0, 2, ... instead
+    g = geometry_from_hf(_cfg("qwen3_moe", num_hidden_layers=6, decoder_sparse_step=2,
+                              mlp_only_layers=[5], output_router_logits=True,
+                              router_aux_loss_coef=0.01), make_vocab_size_divisible_by=1)
+    assert g.moe_layers == (0, 1, 0, 1, 0, 0)
+    flags = megatron_args(g)
+    assert _flag(flags, "--moe-layer-freq") == "[0,1,0,1,0,0]"
+    assert _flag(flags, "--moe-aux-loss-coeff") == "0.01"
+
+
+def test_bad_moe_configs_are_refused_naming_the_field():
+    msgs = value_errors({
+        "qwen2_moe": lambda: geometry_from_hf({**_cfg("qwen3_moe"), "model_type": "qwen2_moe",
+                                               "shared_expert_intermediate_size": 32}),
+        "deepseek": lambda: geometry_from_hf({"model_type": "deepseek_v3",
+                                              "n_routed_experts": 8}),
+        "dense_with_experts": lambda: geometry_from_hf({**_cfg("qwen3_moe"),
+                                                        "model_type": "qwen3"}),
+        "jitter": lambda: geometry_from_hf(_cfg("mixtral", router_jitter_noise=0.1)),
+        "ep": lambda: geometry_from_hf(_cfg("mixtral"), metp_parallel_size=4),
+        "tp": lambda: geometry_from_hf(_cfg("qwen3_moe"), tensor_model_parallel_size=2),
+        "topk": lambda: geometry_from_hf(_cfg("qwen3_moe", num_experts_per_tok=7)),
+        "no_moe_layer": lambda: geometry_from_hf(_cfg("qwen3_moe", mlp_only_layers=[0, 1, 2])),
+        "bad_layer": lambda: geometry_from_hf(_cfg("qwen3_moe", mlp_only_layers=[3])),
+        "norm": lambda: geometry_from_hf(_cfg("qwen3_moe", norm_topk_prob="yes")),
+        "arch": lambda: geometry_from_hf(_cfg("mixtral", architectures=["MistralForCausalLM"])),
+    })
+    assert_messages(msgs, {
+        "qwen2_moe": "mixture-of-experts families only 'qwen3_moe', 'mixtral' convert",
+        "deepseek": "model_type 'deepseek_v3' is not supported",
+        "dense_with_experts": "num_experts = 6 is not supported",
+        "jitter": "router_jitter_noise = 0.1", "ep": "--metp-parallel-size 4",
+        "tp": "--tensor-model-parallel-size 2", "topk": "num_experts_per_tok 7",
+        "no_moe_layer": "leave no MoE layer", "bad_layer": "mlp_only_layers [3]",
+        "norm": "norm_topk_prob = 'yes'", "arch": "has no 'MixtralForCausalLM'"})
+
+
+def test_export_checks_the_saved_moe_arguments():
+    """Exporting a Megatron-LM MoE checkpoint: without a config.json it is refused naming
+    --hf-config; with one, every MoE flag the run saved must match it."""
+    from megatron_metp.tools.hf_from_args import family_problems
+    from megatron_metp.tools.hf_moe import moe_args_problems
+
+    saved = dict(normalization="RMSNorm", swiglu=True, add_bias_linear=False,
+                 position_embedding_type="rope", num_experts=6)
+    assert "pass --hf-config" in " ".join(family_problems(saved))
+    assert family_problems(saved, moe=True) == []
+    cfg = _cfg("qwen3_moe")
+    ok = dict(num_experts=6, moe_router_topk=2, moe_ffn_hidden_size=16,
+              moe_layer_freq=[1, 0, 1], moe_router_pre_softmax=False)
+    assert moe_args_problems(cfg, ok) == []
+    assert moe_args_problems(cfg, {**ok, "moe_layer_freq": 2}) == []  # layers 0 and 2 too
+    bad = moe_args_problems(cfg, {**ok, "moe_layer_freq": 1, "moe_router_pre_softmax": True})
+    assert [p.split(":")[0] for p in bad] == ["--moe-layer-freq", "--moe-router-pre-softmax"]

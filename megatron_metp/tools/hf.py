@@ -57,6 +57,7 @@ from .hf_config import (HFConfigError, LlamaGeometry, geometry_from_hf, gpt_mode
                         megatron_args, pretrain_gpt_sh_model, read_hf_config,
                         set_yarn_config, transformer_config_kwargs)
 from .hf_layout import hf_to_megatron, megatron_shapes, megatron_to_hf
+from .hf_moe import MOE_FAMILIES, moe_args_problems
 
 TRACKER = "latest_checkpointed_iteration.txt"
 META = "metp_hf.json"
@@ -471,12 +472,16 @@ def _export_config(path: str, cfg_dir: Optional[str]) -> dict:
                                 f"has no hf/config.json from an import); pass --hf-config with "
                                 f"the Hugging Face model's config.json")
         return hf_config_from_args(saved)
-    problems = family_problems(saved) if saved is not None else []
+    cfg = read_hf_config(cfg_dir)
+    problems = family_problems(saved, moe=cfg.get("model_type") in MOE_FAMILIES) \
+        if saved is not None else []
+    if saved is not None and cfg.get("model_type") in MOE_FAMILIES:
+        problems += moe_args_problems(cfg, saved)
     if problems:
         raise HFConfigError(f"{path!r} was trained as a model with no Hugging Face family "
                             f"(its saved Megatron-LM arguments), whatever config.json says: "
                             + "; ".join(problems))
-    return read_hf_config(cfg_dir)
+    return cfg
 
 
 def _write_file(path: str, write) -> None:

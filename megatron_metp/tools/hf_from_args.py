@@ -48,10 +48,16 @@ _DEST = {"--disable-bias-linear": ("add_bias_linear", False),
 _NOT_COMPARED = {"--make-vocab-size-divisible-by", "--attention-dropout", "--hidden-dropout"}
 
 
-def family_problems(a: dict) -> List[str]:
+def family_problems(a: dict, moe: bool = False) -> List[str]:
     """Why the saved ``args`` ``a`` have no Hugging Face Llama-family model (empty if they do),
-    each naming the flag and what the family uses."""
+    each naming the flag and what the family uses. ``moe``: the config to export with is a
+    ``qwen3_moe`` / ``mixtral`` one (``--num-experts`` is then that family's, not a problem)."""
     out = []
+    experts = a.get("num_experts")
+    if experts not in (None, 0) and not moe:
+        out.append(f"--num-experts {experts!r}: a mixture-of-experts model converts only to "
+                   f"qwen3_moe or mixtral, whose config.json is not written from the saved "
+                   f"arguments: pass --hf-config with the model's config.json")
     fam = "Hugging Face Llama-family models (llama, mistral, qwen2, qwen3)"
     norm = a.get("normalization", "LayerNorm")
     if norm != "RMSNorm":
@@ -75,7 +81,6 @@ def family_problems(a: dict) -> List[str]:
             ("layernorm_zero_centered_gamma", "--apply-layernorm-1p", bool),
             ("apply_residual_connection_post_layernorm",
              "--apply-residual-connection-post-layernorm", bool),
-            ("num_experts", "--num-experts", lambda v: v not in (None, 0)),
             ("multi_latent_attention", "--multi-latent-attention", bool),
             ("qk_l2_norm", "--qk-l2-norm", bool),
             ("attention_output_gate", "--attention-output-gate", bool),

@@ -169,3 +169,30 @@ def moe_family_hint(cfg: dict) -> Optional[str]:
                 f"{', '.join(repr(f) for f in MOE_FAMILIES)} convert (shared experts, grouped "
                 f"or sigmoid routers and the rest are not implemented)")
     return None
+
+
+def moe_args_problems(cfg: dict, saved: dict) -> List[str]:
+    """Where the MoE of a ``qwen3_moe`` / ``mixtral`` ``config.json`` differs from a checkpoint's
+    saved Megatron-LM arguments (empty when they agree): experts, top-k, expert width, which
+    layers are MoE and the routing normalisation, each naming the flag."""
+    from .hf_config import geometry_from_hf
+
+    g = geometry_from_hf(cfg, make_vocab_size_divisible_by=1, seq_length=1)
+    freq = saved.get("moe_layer_freq", 1)
+    if isinstance(freq, int):
+        saved_layers = tuple(int(i % freq == 0) for i in range(g.num_layers))
+    else:
+        saved_layers = tuple(int(v) for v in freq)
+    out = []
+    for flag, have, want in (
+            ("--num-experts", saved.get("num_experts"), g.num_experts),
+            ("--moe-router-topk", saved.get("moe_router_topk"), g.moe_router_topk),
+            ("--moe-ffn-hidden-size",  # Megatron-LM: the dense width when not given
+             saved.get("moe_ffn_hidden_size") or saved.get("ffn_hidden_size"),
+             g.moe_ffn_hidden_size),
+            ("--moe-layer-freq", list(saved_layers), list(g.moe_layers)),
+            ("--moe-router-pre-softmax", bool(saved.get("moe_router_pre_softmax")),
+             g.moe_router_pre_softmax)):
+        if have != want:
+            out.append(f"{flag}: saved {have!r}, config.json implies {want!r}")
+    return out
