@@ -1,4 +1,5 @@
-"""Hugging Face Llama checkpoints in and out of Megatron/METP (``torch_dist``) checkpoints.
+"""Hugging Face Llama-family checkpoints (Llama, Mistral, Qwen2, Qwen3, and the MoE Qwen3-MoE and
+Mixtral: :mod:`.hf_moe`) in and out of Megatron/METP (``torch_dist``) checkpoints.
 
 ::
 
@@ -113,8 +114,11 @@ def build_model(g: LlamaGeometry, *, groups=None, vocab_parallel: bool = False):
     state: the stock local layer spec with ``groups=None``, METP's spec with ``groups``
     (:class:`megatron_metp.megatron.groups.METPGroups`; exact RoPE angles unless
     ``$METP_ROPE_RECIPE=megatron``, :mod:`megatron_metp.megatron.rope`), ``METPGPTModel``
-    (vocabulary on the ring) with ``vocab_parallel``. Weights are left uninitialised (load
-    them)."""
+    (vocabulary on the ring) with ``vocab_parallel``. A MoE geometry (``qwen3_moe``,
+    ``mixtral``) gets megatron-core's ``MoELayer`` in its MoE layers (stock: Megatron's decoder
+    block spec; METP: :func:`megatron_metp.megatron.moe.get_gpt_decoder_block_metp_spec`, the
+    experts sharded over the METP ranks) with the expert-parallel size of the parallel state.
+    Weights are left uninitialised (load them)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -144,7 +148,13 @@ def build_model(g: LlamaGeometry, *, groups=None, vocab_parallel: bool = False):
 
     from ..megatron.rope import rope_recipe, use_exact_angles
 
-    spec = get_gpt_layer_metp_spec(groups, normalization="RMSNorm", qk_layernorm=g.qk_layernorm)
+    if g.num_experts:  # METP attention around megatron-core's MoELayer, experts over METP (EP = p)
+        from ..megatron.moe import get_gpt_decoder_block_metp_spec
+
+        spec = get_gpt_decoder_block_metp_spec(cfg, groups, normalization="RMSNorm")
+    else:
+        spec = get_gpt_layer_metp_spec(groups, normalization="RMSNorm",
+                                       qk_layernorm=g.qk_layernorm)
     if vocab_parallel:
         model = METPGPTModel(transformer_layer_spec=spec, metp_groups=groups, **kwargs)
     else:

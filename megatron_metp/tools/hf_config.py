@@ -1,5 +1,5 @@
-"""A Hugging Face ``config.json`` (Llama, Mistral, Qwen2, Qwen3) as the Megatron GPT it converts
-to (:class:`LlamaGeometry`).
+"""A Hugging Face ``config.json`` (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral) as the
+Megatron GPT it converts to (:class:`LlamaGeometry`).
 
 :func:`geometry_from_hf` checks every field the conversion depends on and raises
 :class:`HFConfigError` (a ``ValueError``) naming the field, its value and what to do, before any
@@ -15,7 +15,8 @@ integer ``rope_theta``; ``rope_scaling`` none/default, ``llama3`` with Llama 3.1
 which is what megatron-core 0.16.1's ``--use-rope-scaling`` implements, or ``yarn``:
 :mod:`.hf_yarn`), grouped-query attention,
 any ``head_dim`` (``--kv-channels``), Qwen2's q/k/v bias (``--add-qkv-bias``), Qwen3's q/k norms
-(``--qk-layernorm``), tied or untied embeddings.
+(``--qk-layernorm``), tied or untied embeddings; and the mixture-of-experts families
+``qwen3_moe`` and ``mixtral`` (:mod:`.hf_moe`: experts, top-k routing, which layers are MoE).
 """
 
 from __future__ import annotations
