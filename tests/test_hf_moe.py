@@ -15,18 +15,16 @@ import pytest
 import torch
 
 from megatron_metp.tools import hf as H
-from megatron_metp.tools import hf_layout as L
 from megatron_metp.tools.hf_config import LlamaGeometry, geometry_from_hf, megatron_args
 from tests.harness import assert_messages, run_ranks, value_errors
 from tests.numerics import rel_err
+from tests.test_hf import SEQ, TINY, _batch, _import_on_a_rank, _metp_run
 
-SEQ = 12  # divisible by 2p for p = 2 and 3
-BATCH = 2
 TOL = 1e-5
 
-#: shared by both families: 6 heads in 3 K/V groups (head dim 8) and 6 experts, all divisible by
-#: METP 2 and 3; a vocabulary of 102 (no padding with --make-vocab-size-divisible-by 1)
-COMMON = dict(vocab_size=102, hidden_size=48, num_attention_heads=6, num_key_value_heads=3,
+#: shared by both families: 12 heads in 6 K/V groups (head dim 8 ≠ hidden / heads) and 6 experts,
+#: all divisible by METP 2 and 3; a vocabulary of 102 (no padding with divisible-by 1)
+COMMON = dict(vocab_size=TINY["vocab_size"], hidden_size=48, num_attention_heads=12, num_key_value_heads=6,
               head_dim=8, rms_norm_eps=1e-5, rope_theta=5000.0, max_position_embeddings=64,
               num_experts_per_tok=2, initializer_range=0.1, tie_word_embeddings=False)
 #: Qwen3-MoE: layers 0 and 2 MoE (experts 16 wide), layer 1 dense (48 wide) via mlp_only_layers
@@ -57,11 +55,6 @@ def _make_hf(path: str, family: str, seed: int, **change) -> None:
     model.save_pretrained(path, safe_serialization=True)
 
 
-def _batch():
-    gen = torch.Generator().manual_seed(11)
-    return torch.randint(0, COMMON["vocab_size"], (BATCH, SEQ + 1), generator=gen)
-
-
 def _hf_reference(hf_dir: str, family: str, ids: torch.Tensor):
     """transformers' logits of ``ids[:, :SEQ]`` and its loss of predicting ``ids[:, 1:]``."""
     model = _hf_class(family)[1].from_pretrained(hf_dir, dtype=torch.float32,
@@ -74,32 +67,13 @@ def _hf_reference(hf_dir: str, family: str, ids: torch.Tensor):
 
 # ---------------------------------------------------------------- ranks
 
-def _import_on_a_rank(rank, world, hf_dir, out, kwargs, swap_gate_up=False):
-    """``import_hf`` in a forked process; ``swap_gate_up`` puts up before gate in every fc1
-    (the experts' too): a broken re-layout on purpose."""
-    if swap_gate_up:
-        L.fuse_gate_up = lambda gate, up: torch.cat([up, gate], dim=0)
-    return H.import_hf(hf_dir, out, log=lambda _msg: None, **kwargs).to_json()
-
-
-def _moe_cpu():
-    """TEMPORARY until moe-core's CPU shims land: megatron-core 0.16.1's router names
-    ``te_general_gemm`` without Transformer Engine."""
-    from megatron.core.transformer.moe import moe_utils
-
-    from megatron_metp.megatron import cpu
-
-    cpu.enable()
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-
-
 def _stock_forward(rank, world, ckpt, geometry: dict, ids):
     """Single-rank stock megatron-core MoE GPT (local spec, SequentialMLP, EP = 1): logits
     ``[b, s, V]`` and the mean loss."""
+    from megatron_metp.megatron import cpu
     from megatron_metp.megatron.training import Layout, init_parallel
 
-    _moe_cpu()
+    cpu.enable()  # with megatron-core's MoE shims (megatron_metp.megatron.moe_cpu)
     g = LlamaGeometry(**geometry)
     seq = ids.shape[1] - 1
     init_parallel(Layout(mode="tp"), seq)
@@ -139,6 +113,9 @@ def models(tmp_path_factory):
     return out
 
 
+FIGURES = {}
+
+
 def _check(tag, logits, loss, m):
     err_logits = rel_err(logits, m.logits)
     err_loss = abs(loss - m.loss) / abs(m.loss)
@@ -159,6 +136,64 @@ def test_stock_megatron_core_equals_transformers(models, family):
     m = models[family]
     logits, loss = _stock_run(m.ckpt, m.geometry, models["ids"])
     _check(f"{family} stock megatron-core", logits, loss, m)
+
+
+@pytest.mark.parametrize("p", [2, 3])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_metp_logits_and_loss_equal_transformers(models, family, p):
+    """The same checkpoint at METP = p: METP attention, megatron-core's MoELayer with the 6
+    experts sharded over the METP ranks (EP = p: 3 or 2 experts per rank), tokens
+    sequence-sharded: transformers' logits and loss."""
+    m = models[family]
+    logits, loss = _metp_run(p, m.ckpt, m.geometry, models["ids"])
+    FIGURES[(family, p)] = _check(f"{family} METP={p}", logits, loss, m)
+
+
+def _metp_experts(rank, world, ckpt, geometry: dict):
+    """The checkpoint loaded at METP = world: this rank's METP rank, the config's EP size and,
+    per MoE layer, {global expert index: its fc1 weight} of the experts this rank holds."""
+    from megatron_metp.megatron import cpu
+    from megatron_metp.megatron.training import Layout, init_parallel
+
+    cpu.enable()
+    g = LlamaGeometry(**geometry)
+    groups = init_parallel(Layout(metp=world), SEQ)
+    model = H.build_model(g, groups=groups)
+    H.load_model_weights(model, ckpt)
+    experts = {}
+    for i, layer in enumerate(model.decoder.layers):
+        if hasattr(layer.mlp, "local_expert_indices"):
+            experts[i] = {int(j): e.linear_fc1.weight.detach().clone() for j, e in
+                          zip(layer.mlp.local_expert_indices, layer.mlp.experts.local_experts)}
+    return {"rank": groups.metp.rank, "ep": model.config.expert_model_parallel_size,
+            "experts": experts}
+
+
+def test_metp_ranks_hold_their_global_experts(models):
+    """At METP 3 rank r holds experts 2r and 2r + 1 of Qwen3-MoE's MoE layers 0 and 2 (layer 1
+    is dense), and each is Hugging Face's [gate; up] of that expert (EP = p in the config)."""
+    from safetensors.torch import load_file
+
+    m = models["qwen3_moe"]
+    src = load_file(os.path.join(m.hf_dir, "model.safetensors"))
+    for out in run_ranks(_metp_experts, 3, m.ckpt, m.geometry):
+        r = out["rank"]
+        assert out["ep"] == 3 and sorted(out["experts"]) == [0, 2]
+        for i, held in out["experts"].items():
+            assert sorted(held) == [2 * r, 2 * r + 1], (r, i, sorted(held))
+            for j, fc1 in held.items():
+                e = f"model.layers.{i}.mlp.experts.{j}."
+                want = torch.cat([src[e + "gate_proj.weight"], src[e + "up_proj.weight"]])
+                assert torch.equal(fc1, want), (r, i, j)
+
+
+def test_metp_vocabulary_ring_loss_equals_transformers(models):
+    """``--metp-vocab-parallel`` (the vocabulary on the ring) around the MoE layers: METP 3's
+    loss is transformers'."""
+    m = models["qwen3_moe"]
+    _, loss = _metp_run(3, m.ckpt, m.geometry, models["ids"], vocab_parallel=True)
+    print(f"\nqwen3_moe vocabulary ring METP=3: loss rel. err {abs(loss - m.loss) / m.loss:.2e}")
+    assert abs(loss - m.loss) <= TOL * abs(m.loss), (loss, m.loss)
 
 
 def test_renormalisation_off_is_pre_softmax(tmp_path, models):
@@ -191,7 +226,8 @@ def test_negative_controls(models, family, tmp_path):
     print(f"\n{family} routing not renormalised: logits rel. err {err:.2e}")
     assert err > 1e-3
     ckpt = str(tmp_path / "swapped")
-    run_ranks(_import_on_a_rank, 1, m.hf_dir, ckpt, {"make_vocab_size_divisible_by": 1}, True)
+    run_ranks(_import_on_a_rank, 1, m.hf_dir, ckpt, {"make_vocab_size_divisible_by": 1},
+              "gate_up")  # every fc1 up-then-gate, the experts' too
     logits, _ = _stock_run(ckpt, m.geometry, models["ids"])
     err = rel_err(logits, m.logits)
     print(f"{family} gate/up swapped: logits rel. err {err:.2e}")
