@@ -113,9 +113,6 @@ def models(tmp_path_factory):
     return out
 
 
-FIGURES = {}
-
-
 def _check(tag, logits, loss, m):
     err_logits = rel_err(logits, m.logits)
     err_loss = abs(loss - m.loss) / abs(m.loss)
@@ -138,15 +135,16 @@ def test_stock_megatron_core_equals_transformers(models, family):
     _check(f"{family} stock megatron-core", logits, loss, m)
 
 
-@pytest.mark.parametrize("p", [2, 3])
+@pytest.mark.parametrize("p, dispatcher", [(2, "allgather"), (3, "allgather"), (3, "alltoall")])
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
-def test_metp_logits_and_loss_equal_transformers(models, family, p):
+def test_metp_logits_and_loss_equal_transformers(models, family, p, dispatcher):
     """The same checkpoint at METP = p: METP attention, megatron-core's MoELayer with the 6
-    experts sharded over the METP ranks (EP = p: 3 or 2 experts per rank), tokens
-    sequence-sharded: transformers' logits and loss."""
+    experts sharded over the METP ranks (EP = p: 3 or 2 experts per rank) behind either token
+    dispatcher, tokens sequence-sharded: transformers' logits and loss."""
     m = models[family]
-    logits, loss = _metp_run(p, m.ckpt, m.geometry, models["ids"])
-    FIGURES[(family, p)] = _check(f"{family} METP={p}", logits, loss, m)
+    logits, loss = _metp_run(p, m.ckpt, m.geometry, models["ids"],
+                             build={"moe_token_dispatcher": dispatcher})
+    _check(f"{family} METP={p} {dispatcher}", logits, loss, m)
 
 
 def _metp_experts(rank, world, ckpt, geometry: dict):
@@ -361,3 +359,40 @@ def test_export_checks_the_saved_moe_arguments():
     assert moe_args_problems(cfg, {**ok, "moe_layer_freq": 2}) == []  # layers 0 and 2 too
     bad = moe_args_problems(cfg, {**ok, "moe_layer_freq": 1, "moe_router_pre_softmax": True})
     assert [p.split(":")[0] for p in bad] == ["--moe-layer-freq", "--moe-router-pre-softmax"]
+
+
+#: the published config.json fields that matter here (no download): Qwen3-30B-A3B, Mixtral-8x7B
+QWEN3_30B_A3B = dict(
+    model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=151936,
+    hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+    num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+    num_experts_per_tok=8, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+    output_router_logits=False, router_aux_loss_coef=0.001, rope_theta=1000000.0,
+    rope_scaling=None, max_position_embeddings=40960, use_sliding_window=False,
+    sliding_window=None, max_window_layers=48, rms_norm_eps=1e-6, hidden_act="silu",
+    attention_bias=False, attention_dropout=0.0, tie_word_embeddings=False,
+    torch_dtype="bfloat16")
+MIXTRAL_8X7B = dict(
+    model_type="mixtral", architectures=["MixtralForCausalLM"], vocab_size=32000,
+    hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, rope_theta=1000000.0,
+    max_position_embeddings=32768, sliding_window=None, rms_norm_eps=1e-5, hidden_act="silu",
+    router_aux_loss_coef=0.02, output_router_logits=False, router_jitter_noise=0.0,
+    attention_dropout=0.0, tie_word_embeddings=False, torch_dtype="bfloat16")
+
+
+def test_flags_of_the_published_models():
+    """Qwen3-30B-A3B at METP 4 and Mixtral-8x7B at METP 8: the Megatron-LM flags of their MoE."""
+    q = megatron_args(geometry_from_hf(QWEN3_30B_A3B, metp_parallel_size=4))
+    assert " ".join(q).endswith(
+        "--num-experts 128 --moe-router-topk 8 --moe-ffn-hidden-size 768 --moe-layer-freq 1 "
+        "--moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 0.0")
+    assert (_flag(q, "--kv-channels"), _flag(q, "--num-query-groups")) == ("128", "4")
+    assert "--qk-layernorm" in q
+    m = megatron_args(geometry_from_hf(MIXTRAL_8X7B, metp_parallel_size=8))
+    assert (_flag(m, "--num-experts"), _flag(m, "--moe-router-topk"),
+            _flag(m, "--moe-ffn-hidden-size"), _flag(m, "--moe-layer-freq")) == \
+        ("8", "2", "14336", "1")
+    assert "--moe-router-pre-softmax" not in m and "--qk-layernorm" not in m
+    msgs = value_errors({"ep": lambda: geometry_from_hf(MIXTRAL_8X7B, metp_parallel_size=16)})
+    assert_messages(msgs, {"ep": "8 experts are not divisible by --metp-parallel-size 16"})

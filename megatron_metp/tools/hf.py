@@ -109,7 +109,8 @@ def read_safetensors(hf_dir: str) -> Dict[str, torch.Tensor]:
 
 # ---------------------------------------------------------------- the Megatron model
 
-def build_model(g: LlamaGeometry, *, groups=None, vocab_parallel: bool = False):
+def build_model(g: LlamaGeometry, *, groups=None, vocab_parallel: bool = False,
+                moe_token_dispatcher: str = "allgather"):
     """The megatron-core ``GPTModel`` this geometry converts to, on the initialised parallel
     state: the stock local layer spec with ``groups=None``, METP's spec with ``groups``
     (:class:`megatron_metp.megatron.groups.METPGroups`; exact RoPE angles unless
@@ -117,8 +118,9 @@ def build_model(g: LlamaGeometry, *, groups=None, vocab_parallel: bool = False):
     (vocabulary on the ring) with ``vocab_parallel``. A MoE geometry (``qwen3_moe``,
     ``mixtral``) gets megatron-core's ``MoELayer`` in its MoE layers (stock: Megatron's decoder
     block spec; METP: :func:`megatron_metp.megatron.moe.get_gpt_decoder_block_metp_spec`, the
-    experts sharded over the METP ranks) with the expert-parallel size of the parallel state.
-    Weights are left uninitialised (load them)."""
+    experts sharded over the METP ranks) with the expert-parallel size of the parallel state
+    and Megatron's ``moe_token_dispatcher`` (``allgather`` or ``alltoall``). Weights are left
+    uninitialised (load them)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -127,7 +129,8 @@ def build_model(g: LlamaGeometry, *, groups=None, vocab_parallel: bool = False):
     tp = ps.get_tensor_model_parallel_world_size()
     metp = ps.get_context_parallel_world_size()
     ep = ps.get_expert_model_parallel_world_size()
-    cfg = TransformerConfig(**transformer_config_kwargs(g, tp=tp, metp=metp, ep=ep))
+    cfg = TransformerConfig(**transformer_config_kwargs(g, tp=tp, metp=metp, ep=ep,
+                                                        dispatcher=moe_token_dispatcher))
     set_yarn_config(cfg, g)
     kwargs = dict(config=cfg, pre_process=ps.is_pipeline_first_stage(),
                   post_process=ps.is_pipeline_last_stage(), **gpt_model_kwargs(g))

@@ -289,10 +289,10 @@ def megatron_args(g: LlamaGeometry) -> List[str]:
 
 
 def transformer_config_kwargs(g: LlamaGeometry, *, tp: int = 1, metp: int = 1,
-                              ep: int = 1) -> dict:
+                              ep: int = 1, dispatcher: str = "allgather") -> dict:
     """``TransformerConfig`` fields of this geometry for a CPU build (no fusions, fp32 unless
     the checkpoint's dtype says otherwise); a MoE geometry's with ``ep`` expert-parallel ranks
-    (:func:`.hf_moe.moe_config_kwargs`)."""
+    and Megatron's ``dispatcher`` (:func:`.hf_moe.moe_config_kwargs`)."""
     import torch
     import torch.nn.functional as F
 
@@ -309,7 +309,8 @@ def transformer_config_kwargs(g: LlamaGeometry, *, tp: int = 1, metp: int = 1,
         bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16, **moe_config_kwargs(g, ep=ep))
+        fp16=dtype == torch.float16,
+        **moe_config_kwargs(g, ep=ep, dispatcher=dispatcher))
 
 
 def set_yarn_config(config, g: LlamaGeometry) -> None:
