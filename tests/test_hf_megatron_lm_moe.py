@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 
 import torch
 
 from tests.harness import run_ranks
 from tests.test_hf import _import_on_a_rank
-from tests.test_hf_megatron_lm import (GBS, ROOT, SEQ, TINY, _free_port, _mock_batches,
+from tests.test_hf_megatron_lm import (GBS, TINY, _launch, _mock_batches,
                                        patched_megatron_lm)  # noqa: F401 (the fixture)
 from tests.test_hf_megatron_lm_families import _loss
 
@@ -40,18 +38,9 @@ def test_pretrain_gpt_loads_a_qwen3_moe_import(patched_megatron_lm, tmp_path):
                 p.add_(0.3 * torch.randn_like(p))
     model.save_pretrained(hf_dir)
     run_ranks(_import_on_a_rank, 1, hf_dir, ckpt, {"metp_parallel_size": 2})
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/"),
-           "LC_ALL": "C.UTF-8", "PYTHON": sys.executable, "MEGATRON_LM_DIR": patched_megatron_lm,
-           "METP_CPU": "1", "PRECISION": "fp32", "TRANSFORMER_IMPL": "local",
-           "GPUS_PER_NODE": "2", "SEQ_LENGTH": str(SEQ), "GLOBAL_BATCH_SIZE": str(GBS),
-           "TRAIN_ITERS": "1", "EVAL_ITERS": "1", "MASTER_PORT": str(_free_port()),
-           "CHECKPOINT_PATH": str(tmp_path / "run"), "SAVE_INTERVAL": "1000",
-           "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(["bash", "scripts/pretrain_gpt.sh", "--config",
-                           os.path.join(ckpt, "model.sh")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-12000:]
+    log = _launch(os.path.join(ckpt, "model.sh"), patched_megatron_lm, METP_CPU="1",
+                  PRECISION="fp32", TRANSFORMER_IMPL="local", GPUS_PER_NODE="2",
+                  TRAIN_ITERS="1", CHECKPOINT_PATH=str(tmp_path / "run"), SAVE_INTERVAL="1000")
     assert f"successfully loaded checkpoint from {ckpt}" in log, log[-4000:]
     for pattern in (r"num_experts \.+ 4\b", r"moe_layer_freq \.+ \[1, 0, 1\]",
                     r"expert_model_parallel_size \.+ 2\b", r"qk_layernorm \.+ True"):

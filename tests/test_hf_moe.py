@@ -24,9 +24,10 @@ TOL = 1e-5
 
 #: shared by both families: 12 heads in 6 K/V groups (head dim 8 ≠ hidden / heads) and 6 experts,
 #: all divisible by METP 2 and 3; a vocabulary of 102 (no padding with divisible-by 1)
-COMMON = dict(vocab_size=TINY["vocab_size"], hidden_size=48, num_attention_heads=12, num_key_value_heads=6,
-              head_dim=8, rms_norm_eps=1e-5, rope_theta=5000.0, max_position_embeddings=64,
-              num_experts_per_tok=2, initializer_range=0.1, tie_word_embeddings=False)
+COMMON = dict(vocab_size=TINY["vocab_size"], hidden_size=48, num_attention_heads=12,
+              num_key_value_heads=6, head_dim=8, rms_norm_eps=1e-5, rope_theta=5000.0,
+              max_position_embeddings=64, num_experts_per_tok=2, initializer_range=0.1,
+              tie_word_embeddings=False)
 #: Qwen3-MoE: layers 0 and 2 MoE (experts 16 wide), layer 1 dense (48 wide) via mlp_only_layers
 QWEN3_MOE = dict(COMMON, num_hidden_layers=3, num_experts=6, moe_intermediate_size=16,
                  intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[1],

@@ -132,5 +132,6 @@ def family_fields(cfg: dict, family: str, *, hidden: int, heads: int, max_pos: i
                        f"--seq-length S (S <= {window}: the window never binds), or use a model "
                        f"without a window (sliding_window null)")
         max_pos = min(max_pos, window)
-    return {"head_dim": head_dim, "qk_layernorm": family in ("qwen3", "qwen3_moe"), "qkv_bias": qkv_bias,
+    return {"head_dim": head_dim, "qk_layernorm": family in ("qwen3", "qwen3_moe"),
+            "qkv_bias": qkv_bias,
             "sliding_window": window, "max_position_embeddings": max_pos}
