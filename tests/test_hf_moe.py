@@ -344,15 +344,10 @@ def test_bad_moe_configs_are_refused_naming_the_field():
 
 
 def test_export_checks_the_saved_moe_arguments():
-    """Exporting a Megatron-LM MoE checkpoint: without a config.json it is refused naming
-    --hf-config; with one, every MoE flag the run saved must match it."""
-    from megatron_metp.tools.hf_from_args import family_problems
+    """Exporting a Megatron-LM MoE checkpoint with a config.json: every MoE flag the run saved
+    must match it (which layers are MoE from either form of --moe-layer-freq)."""
     from megatron_metp.tools.hf_moe import moe_args_problems
 
-    saved = dict(normalization="RMSNorm", swiglu=True, add_bias_linear=False,
-                 position_embedding_type="rope", num_experts=6)
-    assert "pass --hf-config" in " ".join(family_problems(saved))
-    assert family_problems(saved, moe=True) == []
     cfg = _cfg("qwen3_moe")
     ok = dict(num_experts=6, moe_router_topk=2, moe_ffn_hidden_size=16,
               moe_layer_freq=[1, 0, 1], moe_router_pre_softmax=False)
@@ -360,6 +355,51 @@ def test_export_checks_the_saved_moe_arguments():
     assert moe_args_problems(cfg, {**ok, "moe_layer_freq": 2}) == []  # layers 0 and 2 too
     bad = moe_args_problems(cfg, {**ok, "moe_layer_freq": 1, "moe_router_pre_softmax": True})
     assert [p.split(":")[0] for p in bad] == ["--moe-layer-freq", "--moe-router-pre-softmax"]
+    assert moe_args_problems(cfg, {})[0].startswith("--num-experts: the run has no experts")
+
+
+#: a Megatron-LM MoE run's saved arguments (the fields export reads): Qwen3-MoE-like
+SAVED = dict(num_layers=3, hidden_size=48, ffn_hidden_size=48, num_attention_heads=12,
+             num_query_groups=6, group_query_attention=True, kv_channels=8,
+             normalization="RMSNorm", layernorm_epsilon=1e-5, swiglu=True, add_bias_linear=False,
+             add_qkv_bias=False, qk_layernorm=True, position_embedding_type="rope",
+             rotary_base=5000, max_position_embeddings=64, padded_vocab_size=102,
+             untie_embeddings_and_output_weights=True, window_size=None, num_experts=6,
+             moe_router_topk=2, moe_ffn_hidden_size=16, moe_layer_freq=[1, 0, 1],
+             moe_router_pre_softmax=False, moe_aux_loss_coeff=0.0, bf16=False, fp16=False)
+
+
+def test_config_from_saved_moe_arguments():
+    """A MoE run trained from scratch exports without --hf-config: --qk-layernorm makes it a
+    Qwen3-MoE (dense layers as mlp_only_layers, --moe-router-pre-softmax as norm_topk_prob
+    false), without it a Mixtral (every layer MoE); the written config imports back to the saved
+    flags; what neither family has is refused naming the flag."""
+    from megatron_metp.tools.hf_from_args import hf_config_from_args
+
+    q = hf_config_from_args(SAVED)
+    assert (q["model_type"], q["num_experts"], q["moe_intermediate_size"], q["mlp_only_layers"],
+            q["norm_topk_prob"], q["intermediate_size"]) == ("qwen3_moe", 6, 16, [1], True, 48)
+    assert geometry_from_hf(q, make_vocab_size_divisible_by=1).moe_layers == (1, 0, 1)
+    assert hf_config_from_args({**SAVED, "moe_router_pre_softmax": True})["norm_topk_prob"] \
+        is False
+    mix = dict(SAVED, qk_layernorm=False, moe_layer_freq=1, ffn_hidden_size=192,
+               moe_aux_loss_coeff=0.01)
+    m = hf_config_from_args(mix)
+    assert (m["model_type"], m["num_local_experts"], m["intermediate_size"],
+            m["output_router_logits"], m["router_aux_loss_coef"]) == \
+        ("mixtral", 6, 16, True, 0.01)
+    import transformers  # transformers takes both as written
+
+    transformers.Qwen3MoeConfig(**{k: v for k, v in q.items() if k != "model_type"})
+    transformers.MixtralConfig(**{k: v for k, v in m.items() if k != "model_type"})
+    for change, needle in (
+            (dict(qk_layernorm=False), "--moe-layer-freq [1, 0, 1] without --qk-layernorm"),
+            (dict(moe_shared_expert_intermediate_size=32),
+             "--moe-shared-expert-intermediate-size 32"),
+            (dict(moe_router_score_function="sigmoid"), "--moe-router-score-function"),
+            (dict(add_qkv_bias=True), "--add-qkv-bias with --num-experts")):
+        with pytest.raises(ValueError, match=needle.replace("[", r"\[").replace("]", r"\]")):
+            hf_config_from_args({**SAVED, **change})
 
 
 #: the published config.json fields that matter here (no download): Qwen3-30B-A3B, Mixtral-8x7B

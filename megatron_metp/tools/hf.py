@@ -355,10 +355,12 @@ def _export_config(path: str, cfg_dir: Optional[str]) -> dict:
                                 f"the Hugging Face model's config.json")
         return hf_config_from_args(saved)
     cfg = read_hf_config(cfg_dir)
-    problems = family_problems(saved, moe=cfg.get("model_type") in MOE_FAMILIES) \
-        if saved is not None else []
+    problems = family_problems(saved) if saved is not None else []
     if saved is not None and cfg.get("model_type") in MOE_FAMILIES:
         problems += moe_args_problems(cfg, saved)
+    elif saved is not None and saved.get("num_experts"):
+        problems.append(f"--num-experts {saved['num_experts']}: config.json is a dense "
+                        f"{cfg.get('model_type')!r}; pass the qwen3_moe / mixtral config.json")
     if problems:
         raise HFConfigError(f"{path!r} was trained as a model with no Hugging Face family "
                             f"(its saved Megatron-LM arguments), whatever config.json says: "

@@ -110,6 +110,12 @@ def moe_fields(cfg: dict, family: str, *, num_layers: int, hidden: int,
             "moe_aux_loss_coeff": float(coeff)}
 
 
+#: the flags of :func:`moe_flags`
+MOE_FLAGS = ("--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size", "--moe-layer-freq",
+             "--moe-router-load-balancing-type", "--moe-aux-loss-coeff",
+             "--moe-router-pre-softmax")
+
+
 def moe_layer_freq(layers) -> object:
     """Megatron's ``moe_layer_freq``: ``1`` when every layer is MoE, else the 0/1 list."""
     layers = [int(v) for v in layers]
@@ -171,6 +177,72 @@ def moe_family_hint(cfg: dict) -> Optional[str]:
     return None
 
 
+def saved_moe_layers(saved: dict, num_layers: int) -> List[int]:
+    """0/1 per layer from a run's saved ``moe_layer_freq`` (an integer ``N``: layers
+    ``i % N == 0``; or the list)."""
+    freq = saved.get("moe_layer_freq", 1)
+    if isinstance(freq, int):
+        return [int(i % freq == 0) for i in range(num_layers)]
+    return [int(v) for v in freq]
+
+
+#: saved Megatron-LM MoE arguments neither qwen3_moe nor mixtral has: (attribute, flag, is-set)
+_NO_FAMILY_MOE_ARGS = (
+    ("moe_shared_expert_intermediate_size", "--moe-shared-expert-intermediate-size", bool),
+    ("moe_router_score_function", "--moe-router-score-function",
+     lambda v: v not in (None, "softmax")),
+    ("moe_router_topk_scaling_factor", "--moe-router-topk-scaling-factor",
+     lambda v: v not in (None, 1, 1.0)),
+    ("moe_router_num_groups", "--moe-router-num-groups", bool),
+    ("moe_router_enable_expert_bias", "--moe-router-enable-expert-bias", bool),
+    ("moe_input_jitter_eps", "--moe-input-jitter-eps", bool),
+)
+
+
+def moe_family_problems(a: dict) -> List[str]:
+    """Why a run's saved MoE arguments have no ``qwen3_moe`` / ``mixtral`` form (empty if they
+    do, or if the run has no experts), each naming the flag."""
+    if not a.get("num_experts"):
+        return []
+    out = [f"{flag} {a[name]!r}: neither Qwen3-MoE nor Mixtral has it"
+           for name, flag, bad in _NO_FAMILY_MOE_ARGS if a.get(name) is not None and bad(a[name])]
+    if a.get("add_qkv_bias"):
+        out.append("--add-qkv-bias with --num-experts: no Hugging Face MoE family converts "
+                   "(Qwen2-MoE's shared expert is not implemented)")
+    if not a.get("qk_layernorm"):  # Mixtral: every layer MoE, top-k softmax
+        layers = saved_moe_layers(a, a.get("num_layers") or 0)
+        if not all(layers):
+            out.append(f"--moe-layer-freq {a.get('moe_layer_freq')!r} without --qk-layernorm: "
+                       f"Mixtral has experts in every layer (Qwen3-MoE, which may have dense "
+                       f"layers, has --qk-layernorm)")
+        if a.get("moe_router_pre_softmax"):
+            out.append("--moe-router-pre-softmax without --qk-layernorm: Mixtral renormalises "
+                       "its top-k (Qwen3-MoE with norm_topk_prob false, which has "
+                       "--qk-layernorm, does not)")
+    return out
+
+
+def moe_config_from_args(a: dict, window) -> dict:
+    """The MoE ``config.json`` fields (with ``model_type`` and ``architectures``) of a run's
+    saved arguments that :func:`moe_family_problems` accepts: ``qwen3_moe`` with
+    ``--qk-layernorm``, else ``mixtral``."""
+    layers = saved_moe_layers(a, a["num_layers"])
+    experts, topk = a["num_experts"], a.get("moe_router_topk") or 2
+    ffn = a.get("moe_ffn_hidden_size") or a["ffn_hidden_size"]
+    coeff = a.get("moe_aux_loss_coeff") or 0.0
+    coeff = float(coeff[0] if isinstance(coeff, (list, tuple)) else coeff)
+    common = dict(num_experts_per_tok=topk, output_router_logits=coeff > 0,
+                  router_aux_loss_coef=coeff)
+    if a.get("qk_layernorm"):
+        return dict(common, model_type="qwen3_moe", architectures=[MOE_FAMILIES["qwen3_moe"]],
+                    num_experts=experts, moe_intermediate_size=ffn, decoder_sparse_step=1,
+                    mlp_only_layers=[i for i, m in enumerate(layers) if not m],
+                    norm_topk_prob=not a.get("moe_router_pre_softmax", False))
+    return dict(common, model_type="mixtral", architectures=[MOE_FAMILIES["mixtral"]],
+                num_local_experts=experts, intermediate_size=ffn, router_jitter_noise=0.0,
+                sliding_window=None if window is None else int(window[0]) + 1)
+
+
 def moe_args_problems(cfg: dict, saved: dict) -> List[str]:
     """Where the MoE of a ``qwen3_moe`` / ``mixtral`` ``config.json`` differs from a checkpoint's
     saved Megatron-LM arguments (empty when they agree): experts, top-k, expert width, which
@@ -178,11 +250,10 @@ def moe_args_problems(cfg: dict, saved: dict) -> List[str]:
     from .hf_config import geometry_from_hf
 
     g = geometry_from_hf(cfg, make_vocab_size_divisible_by=1, seq_length=1)
-    freq = saved.get("moe_layer_freq", 1)
-    if isinstance(freq, int):
-        saved_layers = tuple(int(i % freq == 0) for i in range(g.num_layers))
-    else:
-        saved_layers = tuple(int(v) for v in freq)
+    if not saved.get("num_experts"):
+        return [f"--num-experts: the run has no experts, config.json ({g.family}) has "
+                f"{g.num_experts}"]
+    saved_layers = saved_moe_layers(saved, g.num_layers)
     out = []
     for flag, have, want in (
             ("--num-experts", saved.get("num_experts"), g.num_experts),
@@ -190,7 +261,7 @@ def moe_args_problems(cfg: dict, saved: dict) -> List[str]:
             ("--moe-ffn-hidden-size",  # Megatron-LM: the dense width when not given
              saved.get("moe_ffn_hidden_size") or saved.get("ffn_hidden_size"),
              g.moe_ffn_hidden_size),
-            ("--moe-layer-freq", list(saved_layers), list(g.moe_layers)),
+            ("--moe-layer-freq", saved_layers, list(g.moe_layers)),
             ("--moe-router-pre-softmax", bool(saved.get("moe_router_pre_softmax")),
              g.moe_router_pre_softmax)):
         if have != want:
