@@ -6,13 +6,9 @@
 # Values here are defaults: anything already set in the environment wins.
 # shellcheck source=/dev/null
 source "$(dirname "${BASH_SOURCE[0]}")/models/tiny-moe.sh"
-: "${SEQ_LENGTH:=256}"
-: "${NNODES:=1}" "${GPUS_PER_NODE:=2}"
-: "${METP:=1}" "${TP:=1}" "${PP:=1}" "${EP:=2}"
-: "${MICRO_BATCH_SIZE:=1}" "${GLOBAL_BATCH_SIZE:=2}" "${TRAIN_ITERS:=10}" "${TRANSFORMER_IMPL:=local}"
-: "${METP_CPU:=1}" "${PRECISION:=fp32}"  # CPU ranks with gloo (scripts/pretrain_gpt.sh)
-# core_v0.16.1's distributed optimizer resumes only with Apex/TE's Adam (not on CPU ranks)
-: "${DISTRIBUTED_OPTIMIZER:=0}"
+: "${TP:=1}" "${EP:=2}"
+# shellcheck source=/dev/null
+source "$(dirname "${BASH_SOURCE[0]}")/tiny-cpu-tp2.sh"  # its layout with TP 1: DP 2
 EXTRA_ARGS=("${MOE_ARGS[@]}" --expert-model-parallel-size "$EP" --make-vocab-size-divisible-by 256
             ${EXTRA_ARGS[@]+"${EXTRA_ARGS[@]}"})
 TWIN_CONFIG=tiny-cpu-metp2-moe.sh

@@ -27,12 +27,16 @@ ITERS = 3
 
 @pytest.fixture(scope="module")
 def runs(patched_megatron_lm, tmp_path_factory):
-    """The METP run and its stock twin, 3 iterations each, saving at iterations 2 and 3."""
+    """The METP run (alltoall dispatcher) and its stock twin (allgather, the configs' default),
+    3 iterations each, saving at iterations 2 and 3."""
     root = tmp_path_factory.mktemp("moe")
     out = {}
-    for name, config in (("metp", METP_CONFIG), ("tp", TWIN_CONFIG)):
+    for name, config, dispatcher in (("metp", METP_CONFIG, "alltoall"),
+                                     ("tp", TWIN_CONFIG, "allgather")):
         ck = str(root / name)
-        _, log = _train(patched_megatron_lm, config, ITERS, CHECKPOINT_PATH=ck, SAVE_INTERVAL=2)
+        _, log = _train(patched_megatron_lm, config, ITERS, CHECKPOINT_PATH=ck, SAVE_INTERVAL=2,
+                        MOE_TOKEN_DISPATCHER=dispatcher)
+        assert f"moe_token_dispatcher_type ....................... {dispatcher}" in log
         (root / f"{name}.log").write_text(log)
         out[name] = {"ckpt": ck, "log": log, "iters": _iterations(log)}
     out["root"] = root

@@ -362,6 +362,12 @@ def test_metp_config_and_its_tp_twin(config):
         assert fb["--tensor-model-parallel-size"] == ["1"]
         for flag in ("--recompute-granularity", "--metp-offload-activations"):
             assert fa.get(flag) == fb.get(flag), flag  # the same recompute and offload
+    elif "--num-experts" in fa:  # a stock MoE twin: DP p with the experts over the same p
+        assert fb["--tensor-model-parallel-size"] == ["1"]  # ranks (tiny-cpu-ep2-moe.sh)
+        assert fb["--expert-model-parallel-size"] == [str(p)]
+        for flag in ("--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size",
+                     "--moe-layer-freq", "--moe-token-dispatcher-type"):
+            assert fa.get(flag) == fb.get(flag), flag
     else:  # a stock TP twin: TP = p with sequence parallelism (not on CPU ranks: no apex)
         assert fb["--tensor-model-parallel-size"] == [str(p)]
         assert ("--sequence-parallel" in fb) == ("--distributed-backend" not in fb)

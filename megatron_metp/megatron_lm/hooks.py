@@ -600,8 +600,11 @@ def build_metp_gpt_model(args, pre_process, post_process, vp_stage=None, config=
         keep_intermediate=bool(getattr(args, "metp_keep_intermediate", False)),
         norm=select_norm(getattr(args, "transformer_impl", "local"), args.normalization).module)
     if config.num_moe_experts:  # Megatron's MoELayer, experts over the METP ring (EP = p)
-        from ..megatron.moe import get_gpt_decoder_block_metp_spec
+        from ..megatron.moe import (fold_expert_parallel_into_config,
+                                    get_gpt_decoder_block_metp_spec)
 
+        # validate_metp_args gave args (so this config) EP = p; a --yaml-cfg config gets it here
+        fold_expert_parallel_into_config(config, groups.metp.size)
         spec = get_gpt_decoder_block_metp_spec(config, groups, vp_stage=vp_stage, **layer_kwargs)
     else:
         spec = get_gpt_layer_metp_spec(groups, qk_layernorm=bool(getattr(args, "qk_layernorm",

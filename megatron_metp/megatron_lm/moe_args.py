@@ -11,8 +11,9 @@ over the outer context-parallel factor × DP. Two places must agree on ``EP = p`
 * ``args.expert_model_parallel_size``, which ``core_transformer_config_from_args`` copies into
   the ``TransformerConfig``: left at 1, Megatron marks the expert weights as dense and reduces
   their gradients over the wrong ranks, with no error. :func:`fold_expert_parallel` sets it to
-  ``p`` inside ``validate_args`` (Megatron then checks ``E % EP`` itself), and the METP layers
-  refuse a config where it is not ``p`` (:func:`megatron_metp.megatron.moe_checks.check_moe_config`).
+  ``p`` inside ``validate_args`` (Megatron then checks ``E % EP`` itself), and the METP builder
+  refuses a config where it is not ``p``
+  (:func:`megatron_metp.megatron.moe.fold_expert_parallel_into_config`).
 
 What METP refuses with experts is :mod:`megatron_metp.megatron.moe_checks` (one table for
 megatron-core configs and Megatron-LM ``args``); :func:`release_moe_problems` adds the
