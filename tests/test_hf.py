@@ -84,10 +84,10 @@ def _import_on_a_rank(rank, world, hf_dir, out, kwargs, swap=None):
     return H.import_hf(hf_dir, out, log=lambda _msg: None, **kwargs).to_json()
 
 
-def _metp_forward(rank, world, ckpt, geometry: dict, ids, vocab_parallel=False):
-    """Load ``ckpt`` into the METP GPT (METP = world) and run the batch ``ids [b, s + 1]``:
-    this rank's logits ``[b, s/p, Vp]`` (None with the vocabulary ring) and per-token losses
-    ``[b, s/p]``."""
+def _metp_forward(rank, world, ckpt, geometry: dict, ids, vocab_parallel=False, build=None):
+    """Load ``ckpt`` into the METP GPT (METP = world; ``build``: more ``build_model``
+    arguments) and run the batch ``ids [b, s + 1]``: this rank's logits ``[b, s/p, Vp]`` (None
+    with the vocabulary ring) and per-token losses ``[b, s/p]``."""
     from megatron.core import parallel_state as ps
     from megatron_metp.megatron.compat import get_batch_on_this_cp_rank
 
@@ -98,7 +98,7 @@ def _metp_forward(rank, world, ckpt, geometry: dict, ids, vocab_parallel=False):
     g = LlamaGeometry(**geometry)
     seq = ids.shape[1] - 1
     groups = init_parallel(Layout(metp=world), seq)
-    model = H.build_model(g, groups=groups, vocab_parallel=vocab_parallel).eval()
+    model = H.build_model(g, groups=groups, vocab_parallel=vocab_parallel, **(build or {})).eval()
     H.load_model_weights(model, ckpt)
     batch = {"tokens": ids[:, :seq].contiguous(), "labels": ids[:, 1:].contiguous(),
              "position_ids": torch.arange(seq).expand(ids.shape[0], -1).contiguous()}
@@ -116,8 +116,8 @@ def _gather(outs, key):
     return unshard_sequence([t for _, t in parts], seq_dim=1)
 
 
-def _metp_run(p, ckpt, geometry, ids, vocab_parallel=False):
-    outs = run_ranks(_metp_forward, p, ckpt, geometry, ids, vocab_parallel)
+def _metp_run(p, ckpt, geometry, ids, vocab_parallel=False, build=None):
+    outs = run_ranks(_metp_forward, p, ckpt, geometry, ids, vocab_parallel, build)
     logits = None if vocab_parallel else _gather(outs, "logits")
     per_token = _gather(outs, "loss")
     return logits, per_token.double().mean().item()

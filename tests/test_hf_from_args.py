@@ -94,7 +94,8 @@ def test_gpt_shaped_args_are_refused_naming_every_mismatch():
     assert "use RMSNorm" in msg and "GeLU" in msg and "SwiGLU" in msg and "--swiglu" in msg
     assert "--disable-bias-linear" in msg and "vocab" not in msg.lower()
     for extra, flag in ((dict(qk_layernorm=True, add_qkv_bias=True), "together"),
-                        (dict(num_experts=8), "--num-experts 8"),
+                        (dict(num_experts=8, moe_shared_expert_intermediate_size=64),
+                         "--moe-shared-expert-intermediate-size 64"),
                         (dict(position_embedding_type="learned_absolute"),
                          "--position-embedding-type learned_absolute")):
         with pytest.raises(HFConfigError, match=flag):

@@ -1,4 +1,5 @@
-"""Hugging Face Llama checkpoints in and out of Megatron/METP (``torch_dist``) checkpoints.
+"""Hugging Face Llama-family checkpoints (Llama, Mistral, Qwen2, Qwen3, and the MoE Qwen3-MoE and
+Mixtral: :mod:`.hf_moe`) in and out of Megatron/METP (``torch_dist``) checkpoints.
 
 ::
 
@@ -29,9 +30,10 @@ of size ``TP × METP``): give the converter the run's numbers (the padded rows a
 
 ``export`` reads the model tensors of any such checkpoint (ours, or one Megatron-LM saved after
 training: ``--load`` is the save directory, ``--iteration`` picks one) straight from the
-``torch_dist`` files, without building a model or unpickling anything beyond the checked
-``.metadata``, drops the padded rows and writes ``model.safetensors`` + ``config.json`` that
-``LlamaForCausalLM.from_pretrained`` reads. The config comes from ``--hf-config``, else
+``torch_dist`` files (:mod:`.hf_checkpoint`), without building a model or unpickling anything
+beyond the checked ``.metadata``, drops the padded rows and writes ``model.safetensors`` +
+``config.json`` that the family's ``*ForCausalLM.from_pretrained`` reads. The config comes
+from ``--hf-config``, else
 ``CKPT/hf/`` (an import's), else it is written from the Megatron-LM arguments the checkpoint saved
 (a model trained from scratch, :mod:`.hf_from_args`: llama, mistral, qwen2 or qwen3, every row of
 Megatron's padded vocabulary kept). A model with no Hugging Face family (LayerNorm, GeLU, biases,
@@ -49,16 +51,19 @@ import shutil
 import sys
 import tempfile
 import warnings
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, List, Optional
 
 import torch
 
+from .hf_checkpoint import (TRACKER, _checked_metadata, checkpoint_dir,  # noqa: F401
+                            checkpoint_tensor_keys, megatron_params_from_checkpoint,
+                            read_checkpoint_tensors)
 from .hf_config import (HFConfigError, LlamaGeometry, geometry_from_hf, gpt_model_kwargs,
                         megatron_args, pretrain_gpt_sh_model, read_hf_config,
                         set_yarn_config, transformer_config_kwargs)
 from .hf_layout import hf_to_megatron, megatron_shapes, megatron_to_hf
+from .hf_moe import MOE_FAMILIES, moe_args_problems
 
-TRACKER = "latest_checkpointed_iteration.txt"
 META = "metp_hf.json"
 #: files copied along with config.json (when present) so that export can restore them
 SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -107,13 +112,18 @@ def read_safetensors(hf_dir: str) -> Dict[str, torch.Tensor]:
 
 # ---------------------------------------------------------------- the Megatron model
 
-def build_model(g: LlamaGeometry, *, groups=None, vocab_parallel: bool = False):
+def build_model(g: LlamaGeometry, *, groups=None, vocab_parallel: bool = False,
+                moe_token_dispatcher: str = "allgather"):
     """The megatron-core ``GPTModel`` this geometry converts to, on the initialised parallel
     state: the stock local layer spec with ``groups=None``, METP's spec with ``groups``
     (:class:`megatron_metp.megatron.groups.METPGroups`; exact RoPE angles unless
     ``$METP_ROPE_RECIPE=megatron``, :mod:`megatron_metp.megatron.rope`), ``METPGPTModel``
-    (vocabulary on the ring) with ``vocab_parallel``. Weights are left uninitialised (load
-    them)."""
+    (vocabulary on the ring) with ``vocab_parallel``. A MoE geometry (``qwen3_moe``,
+    ``mixtral``) gets megatron-core's ``MoELayer`` in its MoE layers (stock: Megatron's decoder
+    block spec; METP: :func:`megatron_metp.megatron.moe.get_gpt_decoder_block_metp_spec`, the
+    experts sharded over the METP ranks) with the expert-parallel size of the parallel state
+    and Megatron's ``moe_token_dispatcher`` (``allgather`` or ``alltoall``). Weights are left
+    uninitialised (load them)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -121,21 +131,36 @@ def build_model(g: LlamaGeometry, *, groups=None, vocab_parallel: bool = False):
 
     tp = ps.get_tensor_model_parallel_world_size()
     metp = ps.get_context_parallel_world_size()
-    cfg = TransformerConfig(**transformer_config_kwargs(g, tp=tp, metp=metp))
+    ep = ps.get_expert_model_parallel_world_size()
+    cfg = TransformerConfig(**transformer_config_kwargs(g, tp=tp, metp=metp, ep=ep,
+                                                        dispatcher=moe_token_dispatcher))
     set_yarn_config(cfg, g)
     kwargs = dict(config=cfg, pre_process=ps.is_pipeline_first_stage(),
                   post_process=ps.is_pipeline_last_stage(), **gpt_model_kwargs(g))
     if groups is None:
         if vocab_parallel:
             raise ValueError("vocab_parallel needs the METP groups")
-        return GPTModel(transformer_layer_spec=get_gpt_layer_local_spec(
-            normalization="RMSNorm", qk_layernorm=g.qk_layernorm), **kwargs)
+        if g.num_experts:  # dense and MoE layers as config.moe_layer_freq says
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+            spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False,
+                                              normalization="RMSNorm")
+        else:
+            spec = get_gpt_layer_local_spec(normalization="RMSNorm",
+                                            qk_layernorm=g.qk_layernorm)
+        return GPTModel(transformer_layer_spec=spec, **kwargs)
     from ..megatron.spec import get_gpt_layer_metp_spec
     from ..megatron.vocab import METPGPTModel
 
     from ..megatron.rope import rope_recipe, use_exact_angles
 
-    spec = get_gpt_layer_metp_spec(groups, normalization="RMSNorm", qk_layernorm=g.qk_layernorm)
+    if g.num_experts:  # METP attention around megatron-core's MoELayer, experts over METP (EP = p)
+        from ..megatron.moe import get_gpt_decoder_block_metp_spec
+
+        spec = get_gpt_decoder_block_metp_spec(cfg, groups, normalization="RMSNorm")
+    else:
+        spec = get_gpt_layer_metp_spec(groups, normalization="RMSNorm",
+                                       qk_layernorm=g.qk_layernorm)
     if vocab_parallel:
         model = METPGPTModel(transformer_layer_spec=spec, metp_groups=groups, **kwargs)
     else:
@@ -278,102 +303,6 @@ def import_hf(hf_dir: str, out_dir: str, *, make_vocab_size_divisible_by: int = 
     return g
 
 
-# ---------------------------------------------------------------- reading a torch_dist checkpoint
-
-def checkpoint_dir(load: str, iteration: Optional[int] = None) -> str:
-    """The ``dist_checkpointing`` directory of ``load``: ``load`` itself if it is one, else the
-    one ``latest_checkpointed_iteration.txt`` (or ``iteration``) names."""
-    if not os.path.isdir(load):
-        raise HFConfigError(f"--load {load!r} is not a directory")
-    if iteration is None and os.path.isfile(os.path.join(load, "metadata.json")):
-        return load
-    if iteration is None:
-        tracker = os.path.join(load, TRACKER)
-        if not os.path.isfile(tracker):
-            raise HFConfigError(f"{load!r} has no {TRACKER} and is not a checkpoint directory "
-                                f"itself; pass the --save directory of the run (or --iteration)")
-        with open(tracker) as f:
-            tag = f.read().strip()
-        sub = "release" if tag == "release" else f"iter_{int(tag):07d}"
-    else:
-        sub = f"iter_{iteration:07d}"
-    path = os.path.join(load, sub)
-    if not os.path.isfile(os.path.join(path, "metadata.json")):
-        raise HFConfigError(f"{path!r} is not a torch_dist checkpoint (no metadata.json); "
-                            f"Megatron-LM's --ckpt-format torch_dist writes one")
-    return path
-
-
-#: stacked layer keys of the checkpoint → the per-layer parameter name (TE-style norm keys)
-_LAYER_KEYS = {
-    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
-    "input_layernorm.weight": "input_layernorm.weight",
-    "pre_mlp_layernorm.weight": "pre_mlp_layernorm.weight",
-    "self_attention.linear_qkv.weight": "self_attention.linear_qkv.weight",
-    "self_attention.linear_proj.weight": "self_attention.linear_proj.weight",
-    "mlp.linear_fc1.weight": "mlp.linear_fc1.weight",
-    "mlp.linear_fc2.weight": "mlp.linear_fc2.weight",
-    "self_attention.linear_qkv.bias": "self_attention.linear_qkv.bias",          # Qwen2
-    "self_attention.q_layernorm.weight": "self_attention.q_layernorm.weight",    # Qwen3
-    "self_attention.k_layernorm.weight": "self_attention.k_layernorm.weight",
-}
-_TOP_KEYS = ("embedding.word_embeddings.weight", "decoder.final_layernorm.weight",
-             "output_layer.weight")
-
-
-def _checked_metadata(path: str) -> None:
-    """Refuse a ``.metadata`` pickle that references anything but torch's checkpoint classes
-    (the allow-list of :mod:`megatron_metp.megatron.checkpoint`), before torch unpickles it."""
-    from ..megatron.checkpoint import CheckpointError, _check_metadata_pickle
-
-    meta_file = os.path.join(path, ".metadata")
-    if not os.path.isfile(meta_file):
-        raise HFConfigError(f"{path!r} has no .metadata: not a torch_dist checkpoint")
-    try:
-        _check_metadata_pickle(meta_file)
-    except CheckpointError as exc:
-        raise HFConfigError(str(exc)) from exc
-
-
-def read_checkpoint_tensors(path: str, keys: Optional[Iterable[str]] = None) -> Dict[str, torch.Tensor]:
-    """Global tensors of a ``dist_checkpointing`` (``torch_dist``) directory, by checkpoint key
-    (``decoder.layers.*`` stacked ``[num_layers, ...]``). ``.metadata`` is checked against an
-    allow-list before torch unpickles it; tensor data is read with ``weights_only``; byte
-    objects (``_extra_state``) and ``common.pt`` are never read."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    _checked_metadata(path)
-    reader = FileSystemReader(path)
-    md = reader.read_metadata().state_dict_metadata
-    wanted = set(keys) if keys is not None else None
-    sd = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in md.items()
-          if isinstance(m, TensorStorageMetadata) and (wanted is None or k in wanted)}
-    with warnings.catch_warnings():  # "assuming ... a single process": yes, that is the intent
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
-        dcp.load(sd, storage_reader=FileSystemReader(path), no_dist=True)
-    return sd
-
-
-def megatron_params_from_checkpoint(path: str, num_layers: int) -> Dict[str, torch.Tensor]:
-    """The model tensors of a checkpoint as full per-layer ``named_parameters()`` names."""
-    keys = list(_TOP_KEYS) + [f"decoder.layers.{k}" for k in _LAYER_KEYS]
-    raw = read_checkpoint_tensors(path, keys)
-    out = {k: raw[k] for k in _TOP_KEYS if k in raw}
-    for key, name in _LAYER_KEYS.items():
-        t = raw.get(f"decoder.layers.{key}")
-        if t is None:
-            continue
-        if t.shape[0] != num_layers:
-            raise HFConfigError(f"checkpoint tensor decoder.layers.{key} stacks {t.shape[0]} "
-                                f"layers, the config has {num_layers}")
-        for i in range(num_layers):
-            out[f"decoder.layers.{i}.{name}"] = t[i].clone()
-    return out
-
-
 def load_model_weights(model, load: str, iteration: Optional[int] = None) -> None:
     """Load the weights of the checkpoint ``load`` into ``model`` (any TP / METP layout, on every
     rank of its groups) as Megatron-LM's ``load_checkpoint`` does for the model part: the
@@ -425,12 +354,18 @@ def _export_config(path: str, cfg_dir: Optional[str]) -> dict:
                                 f"has no hf/config.json from an import); pass --hf-config with "
                                 f"the Hugging Face model's config.json")
         return hf_config_from_args(saved)
+    cfg = read_hf_config(cfg_dir)
     problems = family_problems(saved) if saved is not None else []
+    if saved is not None and cfg.get("model_type") in MOE_FAMILIES:
+        problems += moe_args_problems(cfg, saved)
+    elif saved is not None and saved.get("num_experts"):
+        problems.append(f"--num-experts {saved['num_experts']}: config.json is a dense "
+                        f"{cfg.get('model_type')!r}; pass the qwen3_moe / mixtral config.json")
     if problems:
         raise HFConfigError(f"{path!r} was trained as a model with no Hugging Face family "
                             f"(its saved Megatron-LM arguments), whatever config.json says: "
                             + "; ".join(problems))
-    return read_hf_config(cfg_dir)
+    return cfg
 
 
 def _write_file(path: str, write) -> None:
@@ -560,7 +495,7 @@ def main(argv: Optional[List[str]] = None, prog: str = "python -m megatron_metp.
 
 
 __all__ = ["import_hf", "export_hf", "build_model", "load_model_weights", "read_safetensors",
-           "checkpoint_dir",
+           "checkpoint_dir", "checkpoint_tensor_keys",
            "read_checkpoint_tensors", "megatron_params_from_checkpoint", "megatron_shapes",
            "main"]
 

@@ -1,5 +1,5 @@
-"""A Hugging Face ``config.json`` (Llama, Mistral, Qwen2, Qwen3) as the Megatron GPT it converts
-to (:class:`LlamaGeometry`).
+"""A Hugging Face ``config.json`` (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral) as the
+Megatron GPT it converts to (:class:`LlamaGeometry`).
 
 :func:`geometry_from_hf` checks every field the conversion depends on and raises
 :class:`HFConfigError` (a ``ValueError``) naming the field, its value and what to do, before any
@@ -15,7 +15,8 @@ integer ``rope_theta``; ``rope_scaling`` none/default, ``llama3`` with Llama 3.1
 which is what megatron-core 0.16.1's ``--use-rope-scaling`` implements, or ``yarn``:
 :mod:`.hf_yarn`), grouped-query attention,
 any ``head_dim`` (``--kv-channels``), Qwen2's q/k/v bias (``--add-qkv-bias``), Qwen3's q/k norms
-(``--qk-layernorm``), tied or untied embeddings.
+(``--qk-layernorm``), tied or untied embeddings; and the mixture-of-experts families
+``qwen3_moe`` and ``mixtral`` (:mod:`.hf_moe`: experts, top-k routing, which layers are MoE).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import List, Optional
 
+from .hf_moe import moe_config_kwargs, moe_flags
 from .hf_yarn import yarn_flags, yarn_from_hf
 
 #: what megatron-core 0.16.1's RotaryEmbedding._apply_scaling hard-codes for --use-rope-scaling
@@ -75,6 +77,16 @@ class LlamaGeometry:
     #: YaRN (``rope_scaling`` type ``yarn``): Megatron's ``yarn_*`` config attributes
     #: (:mod:`.hf_yarn`), None without it
     yarn: Optional[dict] = None
+    #: mixture of experts (``qwen3_moe``, ``mixtral``: :mod:`.hf_moe`), None / unused when dense:
+    #: ``E`` experts, ``k`` per token, expert FFN width ``f'``, 0/1 per layer (1 = MoE; the
+    #: dense layers have ``ffn_hidden_size``), softmax before top-k (no renormalisation),
+    #: auxiliary load-balancing loss coefficient
+    num_experts: Optional[int] = None
+    moe_router_topk: Optional[int] = None
+    moe_ffn_hidden_size: Optional[int] = None
+    moe_layers: Optional[tuple] = None
+    moe_router_pre_softmax: bool = False
+    moe_aux_loss_coeff: float = 0.0
 
     @property
     def kv_channels(self) -> int:
@@ -195,9 +207,18 @@ def geometry_from_hf(cfg: dict, *, make_vocab_size_divisible_by: int = 128,
         raise HFConfigError(f"config.json: num_attention_heads {heads} is not divisible by "
                             f"num_key_value_heads {groups} (grouped-query attention needs whole "
                             f"groups)")
+    from .hf_moe import MOE_FAMILIES, moe_fields
+
+    moe = (moe_fields(cfg, family, num_layers=layers, hidden=hidden,
+                      metp_parallel_size=metp_parallel_size) if family in MOE_FAMILIES else {})
     shards = tensor_model_parallel_size * metp_parallel_size
+    if moe and tensor_model_parallel_size != 1:
+        raise HFConfigError(f"--tensor-model-parallel-size {tensor_model_parallel_size} with "
+                            f"the experts of a {family} model: METP runs MoE at TP = 1 (experts "
+                            f"sharded over the METP ranks); use --tensor-model-parallel-size 1")
+    dense_ffn = not moe or not all(moe["moe_layers"])  # a dense MLP somewhere
     for name, v in (("num_attention_heads", heads), ("num_key_value_heads", groups),
-                    ("intermediate_size", ffn)):
+                    ("intermediate_size", ffn if dense_ffn else shards)):
         if v % shards:
             raise HFConfigError(f"config.json: {name} {v} is not divisible by TP x METP = "
                                 f"{tensor_model_parallel_size} x {metp_parallel_size}: choose "
@@ -236,7 +257,7 @@ def geometry_from_hf(cfg: dict, *, make_vocab_size_divisible_by: int = 128,
         dtype=_DTYPES[dtype], family=family,
         head_dim=None if fam["head_dim"] * heads == hidden else fam["head_dim"],
         qk_layernorm=fam["qk_layernorm"], qkv_bias=fam["qkv_bias"],
-        sliding_window=fam["sliding_window"], yarn=yarn)
+        sliding_window=fam["sliding_window"], yarn=yarn, **moe)
 
 
 def megatron_args(g: LlamaGeometry) -> List[str]:
@@ -264,12 +285,14 @@ def megatron_args(g: LlamaGeometry) -> List[str]:
         out += yarn_flags(g.yarn)
     if not g.tie_embeddings:
         out.append("--untie-embeddings-and-output-weights")
-    return out
+    return out + moe_flags(g)
 
 
-def transformer_config_kwargs(g: LlamaGeometry, *, tp: int = 1, metp: int = 1) -> dict:
+def transformer_config_kwargs(g: LlamaGeometry, *, tp: int = 1, metp: int = 1,
+                              ep: int = 1, dispatcher: str = "allgather") -> dict:
     """``TransformerConfig`` fields of this geometry for a CPU build (no fusions, fp32 unless
-    the checkpoint's dtype says otherwise)."""
+    the checkpoint's dtype says otherwise); a MoE geometry's with ``ep`` expert-parallel ranks
+    and Megatron's ``dispatcher`` (:func:`.hf_moe.moe_config_kwargs`)."""
     import torch
     import torch.nn.functional as F
 
@@ -286,7 +309,8 @@ def transformer_config_kwargs(g: LlamaGeometry, *, tp: int = 1, metp: int = 1) -
         bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16)
+        fp16=dtype == torch.float16,
+        **moe_config_kwargs(g, ep=ep, dispatcher=dispatcher))
 
 
 def set_yarn_config(config, g: LlamaGeometry) -> None:
@@ -319,6 +343,7 @@ def pretrain_gpt_sh_model(g: LlamaGeometry, load_dir: str, *, tp: int = 1, metp:
         extra += ["--use-rope-scaling", "--rope-scaling-factor", repr(g.rope_scaling_factor)]
     if g.yarn:
         extra += yarn_flags(g.yarn)
+    extra += moe_flags(g)
     lines = [
         "# shellcheck shell=bash disable=SC2034  # sourced by scripts/pretrain_gpt.sh",
         f"# Written by `python -m megatron_metp.tools.hf import`: the converted {g.family} "

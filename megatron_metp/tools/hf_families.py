@@ -7,6 +7,8 @@ llama      ``LlamaForCausalLM``    —
 mistral    ``MistralForCausalLM``  ``sliding_window``: null, or at least the sequence (see below)
 qwen2      ``Qwen2ForCausalLM``    bias on q, k and v (``--add-qkv-bias``), none elsewhere
 qwen3      ``Qwen3ForCausalLM``    per-head RMSNorm of q and k before RoPE (``--qk-layernorm``)
+qwen3_moe  ``Qwen3MoeForCausalLM`` Qwen3's attention, MoE MLPs (:mod:`.hf_moe`)
+mixtral    ``MixtralForCausalLM``  Mistral's attention, MoE MLPs in every layer (:mod:`.hf_moe`)
 =========  ======================  ==========================================================
 
 All four: ``head_dim`` may differ from ``hidden_size / num_attention_heads`` (``--kv-channels``;
@@ -26,17 +28,20 @@ from __future__ import annotations
 
 from typing import Optional
 
-#: model_type → the causal-LM architecture that converts
-FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-            "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+from .hf_moe import MOE_FAMILIES, MOE_MARKERS, moe_family_hint
 
-#: fields of other variants that no METP layer implements, refused whenever set (MoE, soft-capping,
-#: other attention forms): field → why
+#: dense model_type → the causal-LM architecture that converts
+DENSE_FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+#: every model_type that converts (the MoE ones: :mod:`.hf_moe`)
+FAMILIES = {**DENSE_FAMILIES, **MOE_FAMILIES}
+
+_DENSE_ONLY = ("mixture-of-experts fields in a dense family's config (only model_type "
+               "'qwen3_moe' and 'mixtral' convert as MoE)")
+#: fields of other variants that no METP layer implements, refused whenever set (MoE fields in a
+#: dense family, soft-capping, other attention forms): field → why
 UNSUPPORTED_FIELDS = {
-    "num_experts": "mixture-of-experts layers (METP runs dense MLPs only)",
-    "num_local_experts": "mixture-of-experts layers (METP runs dense MLPs only)",
-    "n_routed_experts": "mixture-of-experts layers (METP runs dense MLPs only)",
-    "moe_intermediate_size": "mixture-of-experts layers (METP runs dense MLPs only)",
+    **{name: _DENSE_ONLY for name in MOE_MARKERS},
     "attn_logit_softcapping": "attention logit soft-capping (Gemma 2): the K/V ring's softmax "
                               "is not capped",
     "final_logit_softcapping": "final logit soft-capping (Gemma 2): Megatron's output layer "
@@ -57,15 +62,19 @@ def check_family(cfg: dict) -> str:
     """The family of ``cfg`` (its ``model_type``), refusing other types and architectures."""
     model_type = cfg.get("model_type")
     if model_type not in FAMILIES:
+        hint = moe_family_hint(cfg)
         raise _err(f"config.json: model_type {model_type!r} is not supported: the converter takes "
-                   f"{', '.join(repr(f) for f in FAMILIES)} ({', '.join(FAMILIES.values())}); "
-                   f"see docs/huggingface.md for the fields of each")
+                   f"{', '.join(repr(f) for f in FAMILIES)} ({', '.join(FAMILIES.values())})"
+                   f"{'; ' + hint if hint else ''}; see docs/huggingface.md for the fields of "
+                   f"each")
     archs = cfg.get("architectures")
     want = FAMILIES[model_type]
     if archs and want not in archs:
         raise _err(f"config.json: architectures {archs!r} has no {want!r}; only the causal-LM "
                    f"head converts")
     for name, why in UNSUPPORTED_FIELDS.items():
+        if model_type in MOE_FAMILIES and name in MOE_MARKERS:
+            continue  # read by hf_moe.moe_fields
         if cfg.get(name) not in (None, 0, False, 0.0):
             raise _err(f"config.json: {name} = {cfg[name]!r} is not supported: {why}")
     return model_type
@@ -75,6 +84,8 @@ def _window(cfg: dict, family: str) -> Optional[int]:
     """The sliding window that applies to some layer, or ``None``."""
     if family == "mistral":
         w = cfg.get("sliding_window")
+    elif family == "qwen3_moe":  # every layer, when use_sliding_window
+        w = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
     elif family in ("qwen2", "qwen3"):
         types = cfg.get("layer_types") or []
         sliding = any(t == "sliding_attention" for t in types)
@@ -121,5 +132,6 @@ def family_fields(cfg: dict, family: str, *, hidden: int, heads: int, max_pos: i
                        f"--seq-length S (S <= {window}: the window never binds), or use a model "
                        f"without a window (sliding_window null)")
         max_pos = min(max_pos, window)
-    return {"head_dim": head_dim, "qk_layernorm": family == "qwen3", "qkv_bias": qkv_bias,
+    return {"head_dim": head_dim, "qk_layernorm": family in ("qwen3", "qwen3_moe"),
+            "qkv_bias": qkv_bias,
             "sliding_window": window, "max_position_embeddings": max_pos}

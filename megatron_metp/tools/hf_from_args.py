@@ -5,14 +5,17 @@ checkpoint's saved ``args`` (:func:`megatron_metp.megatron_lm.saved_args.read_sa
 what was trained. :func:`hf_config_from_args` picks the family the way the import tells them
 apart (:mod:`.hf_families`):
 
-==========================================  ========  ============================================
-saved args                                  family    extra ``config.json`` fields
-==========================================  ========  ============================================
-``qk_layernorm``                            qwen3     ``head_dim``
-``add_qkv_bias``                            qwen2     (q/k/v biases)
-``window_size = (W - 1, 0)``                mistral   ``sliding_window = W``
+==========================================  =========  ===========================================
+saved args                                  family     extra ``config.json`` fields
+==========================================  =========  ===========================================
+``num_experts`` and ``qk_layernorm``        qwen3_moe  ``num_experts``, ``moe_intermediate_size``,
+                                                       ``mlp_only_layers``, ``norm_topk_prob``
+``num_experts`` (every layer MoE)           mixtral    ``num_local_experts``, ``sliding_window``
+``qk_layernorm``                            qwen3      ``head_dim``
+``add_qkv_bias``                            qwen2      (q/k/v biases)
+``window_size = (W - 1, 0)``                mistral    ``sliding_window = W``
 none of these                               llama
-==========================================  ========  ============================================
+==========================================  =========  ===========================================
 
 and fills ``vocab_size`` (Megatron's padded vocabulary: every row of the embedding is exported,
 so the softmax runs over the same rows as Megatron's and the losses are equal), ``hidden_size``,
@@ -24,7 +27,9 @@ There is no second table of names: the config is then read back by the import's 
 :func:`~.hf_config.geometry_from_hf` and :func:`~.hf_config.megatron_args`, and each flag those
 give must equal the saved value (:func:`check_against_args`), so the written config builds the
 model that was trained. A model with no Hugging Face family (LayerNorm, GeLU, biases on every
-layer, learned absolute positions, MoE, ...) is refused first, every mismatch named at once.
+layer, learned absolute positions, shared experts, ...) is refused first, every mismatch named
+at once. The MoE flags are compared by :func:`.hf_moe.moe_args_problems` (which layers are MoE,
+expanded from either form of ``--moe-layer-freq``).
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ from typing import List
 from .hf_config import MEGATRON_LLAMA3_ROPE, HFConfigError, LlamaGeometry, geometry_from_hf, \
     megatron_args
 from .hf_families import FAMILIES
+from .hf_moe import (MOE_FLAGS, moe_args_problems, moe_config_from_args,
+                     moe_family_problems)
 from .hf_yarn import mscale_factor
 
 __all__ = ["hf_config_from_args", "check_against_args", "family_problems"]
@@ -50,8 +57,8 @@ _NOT_COMPARED = {"--make-vocab-size-divisible-by", "--attention-dropout", "--hid
 
 def family_problems(a: dict) -> List[str]:
     """Why the saved ``args`` ``a`` have no Hugging Face Llama-family model (empty if they do),
-    each naming the flag and what the family uses."""
-    out = []
+    each naming the flag and what the family uses (MoE: :func:`.hf_moe.moe_family_problems`)."""
+    out = moe_family_problems(a)
     fam = "Hugging Face Llama-family models (llama, mistral, qwen2, qwen3)"
     norm = a.get("normalization", "LayerNorm")
     if norm != "RMSNorm":
@@ -75,7 +82,6 @@ def family_problems(a: dict) -> List[str]:
             ("layernorm_zero_centered_gamma", "--apply-layernorm-1p", bool),
             ("apply_residual_connection_post_layernorm",
              "--apply-residual-connection-post-layernorm", bool),
-            ("num_experts", "--num-experts", lambda v: v not in (None, 0)),
             ("multi_latent_attention", "--multi-latent-attention", bool),
             ("qk_l2_norm", "--qk-l2-norm", bool),
             ("attention_output_gate", "--attention-output-gate", bool),
@@ -132,6 +138,8 @@ def hf_config_from_args(a: dict) -> dict:
     window = a.get("window_size")
     family = ("qwen3" if a.get("qk_layernorm") else "qwen2" if a.get("add_qkv_bias") else
               "mistral" if window is not None else "llama")
+    moe = moe_config_from_args(a, window) if a.get("num_experts") else {}
+    family = moe.get("model_type", family)
     cfg = {
         "architectures": [FAMILIES[family]], "model_type": family,
         "vocab_size": a["padded_vocab_size"], "hidden_size": hidden,
@@ -148,8 +156,11 @@ def hf_config_from_args(a: dict) -> dict:
         "use_cache": True,
         "torch_dtype": "bfloat16" if a.get("bf16") else "float16" if a.get("fp16") else "float32",
     }
+    cfg.update(moe)
     if family == "llama":
         cfg.update(attention_bias=False, mlp_bias=False)
+    elif family == "mixtral":
+        pass  # moe_config_from_args wrote its sliding_window
     elif family == "mistral":
         cfg["sliding_window"] = int(window[0]) + 1  # transformers: q - k < W; Megatron: <= left
     else:
@@ -182,8 +193,10 @@ def check_against_args(cfg: dict, a: dict) -> LlamaGeometry:
         value = flags[i + 1] if i + 1 < len(flags) and not flags[i + 1].startswith("--") \
             else True
         i += 1 if value is True else 2
-        if flag in _NOT_COMPARED:
+        if flag in _NOT_COMPARED or flag in MOE_FLAGS:  # MoE: moe_args_problems below
             continue
+        if flag == "--ffn-hidden-size" and g.num_experts and all(g.moe_layers):
+            continue  # no dense MLP: the width sizes no layer
         name, fixed = _DEST.get(flag, (flag[2:].replace("-", "_"), None))
         want = fixed if fixed is not None else value
         if flag == "--max-position-embeddings":  # the import caps it at a window (none in METP)
@@ -191,6 +204,8 @@ def check_against_args(cfg: dict, a: dict) -> LlamaGeometry:
         if name not in a or not _equal(a[name], want):
             diffs.append(f"{flag}{'' if value is True else ' ' + value} (saved: "
                          f"{name} = {a.get(name, '<absent>')!r})")
+    if g.num_experts:
+        diffs += moe_args_problems(cfg, a)
     if diffs:
         raise HFConfigError("the Hugging Face config written from the checkpoint's saved "
                             "arguments would not rebuild its model: " + "; ".join(diffs) +

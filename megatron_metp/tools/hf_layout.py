@@ -37,6 +37,9 @@ from typing import Dict, Tuple
 import torch
 
 from .hf_config import HFConfigError, LlamaGeometry
+from .hf_moe import is_moe_layer
+from .hf_moe_layout import (hf_moe_shapes, megatron_moe_shapes, moe_hf_to_megatron,
+                            moe_megatron_to_hf)
 
 Tensor = torch.Tensor
 
@@ -104,9 +107,12 @@ def _hf_names(g: LlamaGeometry) -> Dict[str, tuple]:
         out.update({
             p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
             p + "self_attn.q_proj.weight": (n * d, h), p + "self_attn.k_proj.weight": (k * d, h),
-            p + "self_attn.v_proj.weight": (k * d, h), p + "self_attn.o_proj.weight": (h, n * d),
-            p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
-            p + "mlp.down_proj.weight": (h, f)})
+            p + "self_attn.v_proj.weight": (k * d, h), p + "self_attn.o_proj.weight": (h, n * d)})
+        if is_moe_layer(g, i):
+            out.update(hf_moe_shapes(g, i))
+        else:
+            out.update({p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
+                        p + "mlp.down_proj.weight": (h, f)})
         if g.qkv_bias:
             out.update({p + "self_attn.q_proj.bias": (n * d,), p + "self_attn.k_proj.bias": (k * d,),
                         p + "self_attn.v_proj.bias": (k * d,)})
@@ -127,8 +133,12 @@ def megatron_shapes(g: LlamaGeometry) -> Dict[str, tuple]:
         out.update({
             p + "input_layernorm.weight": (h,), p + "pre_mlp_layernorm.weight": (h,),
             p + "self_attention.linear_qkv.weight": (g.qkv_rows, h),
-            p + "self_attention.linear_proj.weight": (h, g.num_attention_heads * d),
-            p + "mlp.linear_fc1.weight": (2 * f, h), p + "mlp.linear_fc2.weight": (h, f)})
+            p + "self_attention.linear_proj.weight": (h, g.num_attention_heads * d)})
+        if is_moe_layer(g, i):
+            out.update(megatron_moe_shapes(g, i))
+        else:
+            out.update({p + "mlp.linear_fc1.weight": (2 * f, h),
+                        p + "mlp.linear_fc2.weight": (h, f)})
         if g.qkv_bias:
             out[p + "self_attention.linear_qkv.bias"] = (g.qkv_rows,)
         if g.qk_layernorm:
@@ -187,8 +197,9 @@ _LAYER_RENAMES = (
     ("input_layernorm.weight", "input_layernorm.weight"),
     ("post_attention_layernorm.weight", "pre_mlp_layernorm.weight"),
     ("self_attn.o_proj.weight", "self_attention.linear_proj.weight"),
-    ("mlp.down_proj.weight", "mlp.linear_fc2.weight"),
 )
+#: the dense MLP's down projection (layers that are not MoE)
+_DENSE_RENAMES = (("mlp.down_proj.weight", "mlp.linear_fc2.weight"),)
 #: Qwen3's per-head q/k norms (``qk_layernorm``)
 _QK_NORM_RENAMES = (
     ("self_attn.q_norm.weight", "self_attention.q_layernorm.weight"),
@@ -196,8 +207,9 @@ _QK_NORM_RENAMES = (
 )
 
 
-def _renames(g: LlamaGeometry):
-    return _LAYER_RENAMES + (_QK_NORM_RENAMES if g.qk_layernorm else ())
+def _renames(g: LlamaGeometry, i: int):
+    return (_LAYER_RENAMES + (_QK_NORM_RENAMES if g.qk_layernorm else ()) +
+            (() if is_moe_layer(g, i) else _DENSE_RENAMES))
 
 
 def hf_to_megatron(hf: Dict[str, Tensor], g: LlamaGeometry) -> Dict[str, Tensor]:
@@ -210,7 +222,7 @@ def hf_to_megatron(hf: Dict[str, Tensor], g: LlamaGeometry) -> Dict[str, Tensor]
            "decoder.final_layernorm.weight": hf["model.norm.weight"].clone()}
     for i in range(g.num_layers):
         s, t = f"model.layers.{i}.", f"decoder.layers.{i}."
-        for hf_name, mg_name in _renames(g):
+        for hf_name, mg_name in _renames(g, i):
             out[t + mg_name] = hf[s + hf_name].clone()
         out[t + "self_attention.linear_qkv.weight"] = fuse_qkv(
             hf[s + "self_attn.q_proj.weight"], hf[s + "self_attn.k_proj.weight"],
@@ -219,8 +231,12 @@ def hf_to_megatron(hf: Dict[str, Tensor], g: LlamaGeometry) -> Dict[str, Tensor]
             out[t + "self_attention.linear_qkv.bias"] = fuse_qkv(
                 hf[s + "self_attn.q_proj.bias"], hf[s + "self_attn.k_proj.bias"],
                 hf[s + "self_attn.v_proj.bias"], n, k)
-        out[t + "mlp.linear_fc1.weight"] = fuse_gate_up(hf[s + "mlp.gate_proj.weight"],
-                                                        hf[s + "mlp.up_proj.weight"])
+        if is_moe_layer(g, i):
+            # looked up at call time: a test may replace fuse_gate_up (negative control)
+            out.update(moe_hf_to_megatron(hf, g, i, lambda a, b: fuse_gate_up(a, b)))
+        else:
+            out[t + "mlp.linear_fc1.weight"] = fuse_gate_up(hf[s + "mlp.gate_proj.weight"],
+                                                            hf[s + "mlp.up_proj.weight"])
     if not g.tie_embeddings:
         out["output_layer.weight"] = pad_vocab(hf["lm_head.weight"], g.padded_vocab_size)
     return out
@@ -247,7 +263,7 @@ def megatron_to_hf(mg: Dict[str, Tensor], g: LlamaGeometry) -> Dict[str, Tensor]
            "model.norm.weight": mg["decoder.final_layernorm.weight"].clone()}
     for i in range(g.num_layers):
         s, t = f"decoder.layers.{i}.", f"model.layers.{i}."
-        for hf_name, mg_name in _renames(g):
+        for hf_name, mg_name in _renames(g, i):
             out[t + hf_name] = mg[s + mg_name].clone()
         q, kk, v = split_qkv(mg[s + "self_attention.linear_qkv.weight"], n, k)
         out[t + "self_attn.q_proj.weight"] = q
@@ -258,6 +274,9 @@ def megatron_to_hf(mg: Dict[str, Tensor], g: LlamaGeometry) -> Dict[str, Tensor]
             out[t + "self_attn.q_proj.bias"] = q
             out[t + "self_attn.k_proj.bias"] = kk
             out[t + "self_attn.v_proj.bias"] = v
+        if is_moe_layer(g, i):
+            out.update(moe_megatron_to_hf(mg, g, i, split_gate_up))
+            continue
         gate, up = split_gate_up(mg[s + "mlp.linear_fc1.weight"])
         out[t + "mlp.gate_proj.weight"] = gate
         out[t + "mlp.up_proj.weight"] = up
