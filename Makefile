@@ -61,7 +61,7 @@ demo: $(STAMP)
 # runs; its log (.venv-019.log) is
 # printed when it fails
 test: $(STAMP)
-	@nice -n 10 $(MAKE) --no-print-directory venv-019 >$(VENV019).log 2>&1 & pid=$$!; \
+	nice -n 10 $(MAKE) --no-print-directory venv-019 >$(VENV019).log 2>&1 & pid=$$!; \
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=30 tests; rc=$$?; \
 	wait $$pid || { cat $(VENV019).log; echo "make venv-019 failed (log above)"; exit 1; }; \
 	exit $$rc
