@@ -3,8 +3,10 @@
 ``slow`` (``make test-fast`` = ``pytest -m "not slow"`` leaves them out; ``make test`` and CI run
 them): every test that uses a Megatron-LM checkout (the ``megatron_lm_checkout`` fixture, directly
 or through ``patched_megatron_lm``: it launches Megatron-LM's ``pretrain_gpt.py``, its dry run or
-the patch script, 5-55 s each), marked automatically, so new test files need no entry; and the
-tests listed in ``SLOW`` below (over 5 s on 2 cores, setup included).
+the patch script, 5-55 s each), marked automatically, so new test files need no entry; the tests
+listed in ``SLOW`` below (over 5 s on 2 cores), and those using a fixture of ``SLOW_FIXTURES``
+(a module-scoped set-up over 5 s). At the end of a run pytest lists the tests over 5 s (set-up +
+call) that are not marked yet (tests/conftest.py).
 
 ``release_sensitive``: the Megatron-LM tests (``megatron_lm`` marker) that the core_v0.19.0 leg
 (``make test-019``) runs again: those whose outcome depends on what differs between Megatron-LM
@@ -49,9 +51,42 @@ RELEASE_INDEPENDENT = {
         "[qwen3_yarn] passes the same qwen3 flags (--qk-layernorm, --kv-channels) plus YaRN",
 }
 
-#: node id -> its time on 2 cores (s, setup included), for the tests over 5 s that use no
-#: Megatron-LM checkout
+#: node id -> its time on 2 cores (s; the CI legs' --durations, the largest seen), for the tests
+#: over 5 s that use no Megatron-LM checkout
 SLOW = {
+    "tests/test_checkpoint_faults.py::test_a_stalled_rank_fails_the_save_within_the_bound_and_"
+    "publishes_nothing": 9.8,
+    "tests/test_cuda_accounting.py::test_megatron_fused_activations_are_chunked_and_equal": 16.7,
+    "tests/test_fewer_launches.py::test_gpu_check_dry_runs_its_code_paths_on_cpu": 8.5,
+    "tests/test_fewer_launches.py::test_issue_21_bounds_catch_per_step_merges_and_forced_tiles":
+        12.2,
+    "tests/test_megatron_cp.py::test_checkpoint_saved_under_cp_resumes_exactly_and_in_metp_alone":
+        7.4,
+    "tests/test_offload_partial.py::test_partial_offload_through_the_streaming_layer": 13.3,
+    "tests/test_offload_partial.py::test_partial_offload_trains_as_no_offload_and_sends_only_its_"
+    "layers": 25.1,
+    "tests/test_offload_partial.py::test_partial_offload_with_pipeline_stages_counts_layers_per_"
+    "stage": 7.4,
+    "tests/test_plan.py::test_cli_plan_writes_charts_and_refuses_bad_sizes": 8.1,
+    "tests/test_plan_cp.py::test_cli_reach": 5.4,
+    "tests/test_recompute.py::test_full_recompute_is_exact_in_compositions": 10.5,
+    "tests/test_recompute_output.py::test_freed_outputs_leave_training_bit_identical": 6.5,
+    "tests/test_soak.py::test_forty_metp_steps_keep_memory_and_handles_flat": 12.8,
+    "tests/test_soak.py::test_negative_control_a_retained_ring_buffer_is_caught": 10.2,
+    "tests/test_tiles_megatron.py::test_tiled_training_equals_untiled": 32.6,
+    "tests/test_tiles_megatron.py::test_tiled_training_equals_untiled_with_tp_and_pp": 10.6,
+    "tests/test_tiles_megatron.py::test_packed_documents_in_tiles_train_as_untiled": 5.9,
+    "tests/test_vocab_loss_tiles_megatron.py::test_tiled_loss_training_equals_untiled": 9.6,
+}
+
+#: ``path::fixture`` -> its set-up time (s, as above): the tests of that file that use the
+#: (module-scoped) fixture are slow, all of them (marking only the first would move the cost)
+SLOW_FIXTURES = {
+    "tests/test_plan.py::measured": 40.4,
+    "tests/test_recompute.py::metp2": 19.5,
+    "tests/test_hf.py::models": 9.3,
+    "tests/test_families_plan.py::measured": 5.5,
+    "tests/test_plan_cp.py::cp_measured": 5.1,
 }
 
 
@@ -65,9 +100,18 @@ def matches(nodeid: str, entries) -> bool:
     return False
 
 
+def uses_slow_fixture(item) -> bool:
+    """Whether ``item`` uses one of its file's ``SLOW_FIXTURES``."""
+    path = item.nodeid.split("::", 1)[0]
+    return any(f"{path}::{f}" in SLOW_FIXTURES for f in getattr(item, "fixturenames", ()))
+
+
 def stale(items) -> list:
-    """The entries of both tables whose file was collected but that match no collected test."""
+    """The entries of the tables whose file was collected but that match no collected test."""
     ids = [i.nodeid for i in items]
     files = {n.split("::", 1)[0] for n in ids}
-    return sorted(e for table in (RELEASE_INDEPENDENT, SLOW) for e in table
-                  if e.split("::", 1)[0] in files and not any(matches(n, (e,)) for n in ids))
+    used = {f"{i.nodeid.split('::', 1)[0]}::{f}" for i in items
+            for f in getattr(i, "fixturenames", ())}
+    return sorted([e for table in (RELEASE_INDEPENDENT, SLOW) for e in table
+                   if e.split("::", 1)[0] in files and not any(matches(n, (e,)) for n in ids)] +
+                  [e for e in SLOW_FIXTURES if e.split("::", 1)[0] in files and e not in used])
