@@ -58,8 +58,7 @@ demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m megatron_metp.demo
 
 # .venv-019 is installed (mostly download and unpacking; at a lower priority) while the .venv leg
-# runs; its log (.venv-019.log) is
-# printed when it fails
+# runs; its log (.venv-019.log) is printed when it fails
 test: $(STAMP)
 	nice -n 10 $(MAKE) --no-print-directory venv-019 >$(VENV019).log 2>&1 & pid=$$!; \
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=30 tests; rc=$$?; \
