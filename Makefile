@@ -1,8 +1,12 @@
 # Two commands do all set-up on a fresh machine:
 #   make demo     - the METP demo on CPU ranks (creates .venv on first use)
 #   make test     - the test suite (creates .venv and .venv-019 on first use): the whole suite on
-#                   .venv (Megatron-LM core_v0.16.1), then the Megatron-LM tests (pytest -m
-#                   megatron_lm) on .venv-019 against core_v0.19.0
+#                   .venv (Megatron-LM core_v0.16.1; .venv-019 is built meanwhile, its log in
+#                   .venv-019.log), then the release-sensitive Megatron-LM tests (pytest -m
+#                   "megatron_lm and release_sensitive", tests/markers.py) on .venv-019 against
+#                   core_v0.19.0
+#   make test-fast - the inner loop: pytest -m "not slow" on .venv (no Megatron-LM launches, no
+#                   test over 5 s; tests/markers.py), a few minutes on 2 cores
 #   make faults   - the fault-injection suite alone (part of make test; ~1.5 min on 2 cores)
 # Environments, one per supported Megatron-LM release:
 #   make venv     - .venv: $(PYTHON) (3.11 here), torch 2.13.0 (CPU build), megatron-core 0.16.1
@@ -22,7 +26,11 @@ PY019 := $(VENV019)/bin/python
 STAMP := $(VENV)/.metp-installed
 STAMP019 := $(VENV019)/.metp-installed
 
-.PHONY: venv venv-019 demo test test-019 faults bench clean
+# --no-compile: no .pyc for the thousands of modules never imported (torch, transformers); the
+# imported ones are compiled on first use
+PIP_INSTALL := -m pip install -q --no-compile --disable-pip-version-check
+
+.PHONY: venv venv-019 demo test test-019 test-fast faults bench clean
 
 venv: $(STAMP)
 
@@ -30,33 +38,43 @@ venv-019: $(STAMP019)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	$(PY) $(PIP_INSTALL) --upgrade pip
 	# torch first, so nothing that depends on it pulls a CUDA build
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test,megatron-lm]"
+	$(PY) $(PIP_INSTALL) "$(TORCH_SPEC)"
+	$(PY) $(PIP_INSTALL) -e ".[test,megatron-lm]"
 	touch $(STAMP)
 
 # pyproject's environment markers pick megatron-core 0.19.x on Python >= 3.12
 $(STAMP019): pyproject.toml
 	test -x $(PY019) || { py=$$(scripts/find_python312.sh) && "$$py" -m venv $(VENV019); }
 	$(PY019) -c 'import sys; assert sys.version_info >= (3, 12), "make venv-019 needs Python >= 3.12: PYTHON312=/path/to/python3.12"'
-	$(PY019) -m pip install -q --upgrade pip
-	$(PY019) -m pip install -q "$(TORCH_SPEC)"
-	$(PY019) -m pip install -q -e ".[test,megatron-lm]"
+	$(PY019) $(PIP_INSTALL) --upgrade pip
+	$(PY019) $(PIP_INSTALL) "$(TORCH_SPEC)"
+	$(PY019) $(PIP_INSTALL) -e ".[test,megatron-lm]"
 	$(PY019) -c 'import importlib.metadata as m; v = m.version("megatron-core"); assert v.startswith("0.19."), v'
 	touch $(STAMP019)
 
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m megatron_metp.demo
 
-test: $(STAMP) $(STAMP019)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=30 tests
+# .venv-019 is installed (mostly download and unpacking; at a lower priority) while the .venv leg
+# runs; its log (.venv-019.log) is printed when it fails
+test: $(STAMP)
+	nice -n 10 $(MAKE) --no-print-directory venv-019 >$(VENV019).log 2>&1 & pid=$$!; \
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=30 tests; rc=$$?; \
+	wait $$pid || { cat $(VENV019).log; echo "make venv-019 failed (log above)"; exit 1; }; \
+	exit $$rc
 	$(MAKE) test-019
 
-# the Megatron-LM tests (patch, dry run, training, compare, save/load, HF, packed) against
-# core_v0.19.0; the marker is set by tests/conftest.py on every test using a Megatron-LM checkout
+# the release-sensitive Megatron-LM tests (patch, hooks, dry run, training vs stock TP, save/load,
+# saved args, HF args, packed data) against core_v0.19.0; tests/conftest.py sets the markers
+# (megatron_lm: every test using a Megatron-LM checkout; release_sensitive: tests/markers.py)
 test-019: $(STAMP019)
-	OMP_NUM_THREADS=1 METP_MEGATRON_LM_RELEASE=core_v0.19.0 $(PY019) -m pytest -q --durations=30 -m megatron_lm tests
+	OMP_NUM_THREADS=1 METP_MEGATRON_LM_RELEASE=core_v0.19.0 $(PY019) -m pytest -q --durations=30 -m "megatron_lm and release_sensitive" tests
+
+# the inner loop: everything but the slow tests (Megatron-LM launches, tests over 5 s)
+test-fast: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=10 -m "not slow" tests
 
 faults: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -s --durations=8 tests/test_ring.py tests/test_stalls.py \

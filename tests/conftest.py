@@ -23,12 +23,49 @@ MEGATRON_LM_ARCHIVE = os.path.join(os.path.dirname(REPO), "shared", "megatron-lm
                                    f"{RELEASE.tag}.git.tar")
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m / -k deselect: every entry is checked
 def pytest_collection_modifyitems(config, items):
     """Every test that needs a Megatron-LM checkout (directly or through a fixture) carries the
-    ``megatron_lm`` marker: ``pytest -m megatron_lm`` runs them against the session's release."""
+    ``megatron_lm`` and ``slow`` markers: ``pytest -m megatron_lm`` runs them against the
+    session's release. tests/markers.py adds ``release_sensitive`` (what the core_v0.19.0 leg
+    runs) and ``slow`` on the listed tests over 5 s and the users of its slow fixtures."""
+    from tests import markers
+
     for item in items:
         if "megatron_lm_checkout" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.megatron_lm)
+            item.add_marker(pytest.mark.slow)
+            if not markers.matches(item.nodeid, markers.RELEASE_INDEPENDENT):
+                item.add_marker(pytest.mark.release_sensitive)
+        elif item.get_closest_marker("release_sensitive"):
+            raise pytest.UsageError(f"{item.nodeid} is marked release_sensitive but uses no "
+                                    "Megatron-LM checkout (the megatron_lm_checkout fixture)")
+        if markers.matches(item.nodeid, markers.SLOW) or markers.uses_slow_fixture(item):
+            item.add_marker(pytest.mark.slow)
+    # (a run of single node ids collects part of a file: nothing to check then)
+    stale = [] if any("::" in a for a in config.args) else markers.stale(items)
+    if stale:
+        raise pytest.UsageError("tests/markers.py names tests that were not collected from "
+                                f"their collected files (renamed? update it): {stale}")
+
+
+_SLOW_S = 5.0
+_unmarked_slow = {}
+
+
+def pytest_runtest_logreport(report):
+    """Note the tests over 5 s (setup + call) that ``make test-fast`` still runs."""
+    if report.when in ("setup", "call") and "slow" not in report.keywords:
+        _unmarked_slow[report.nodeid] = _unmarked_slow.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    over = {k: v for k, v in _unmarked_slow.items() if v > _SLOW_S}
+    if over:
+        terminalreporter.write_sep("-", f"tests over {_SLOW_S:g} s without the slow marker "
+                                        "(add them to tests/markers.py SLOW / SLOW_FIXTURES)")
+        for nodeid, s in sorted(over.items(), key=lambda kv: -kv[1]):
+            terminalreporter.write_line(f"{s:6.1f} s  {nodeid}")
 
 
 def pytest_report_header(config):

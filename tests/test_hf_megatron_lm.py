@@ -4,8 +4,9 @@ ranks (``scripts/pretrain_gpt.sh`` with ``METP_CPU=1`` and the ``model.sh`` the 
 whose first iteration's loss equals transformers' loss on the same mock batch; the checkpoint
 that run saves exports back to a model transformers loads.
 
-Megatron-LM: a clone of the ``megatron_lm_checkout`` fixture's checkout (``tests/conftest.py``)
-at the session's release (``tests/megatron_lm_release.py``), patched by ``scripts/apply_patches.sh``.
+Megatron-LM: the session's ``patched_megatron_lm`` clone (``tests/conftest.py``: the
+``megatron_lm_checkout`` at the session's release, patched by ``scripts/apply_patches.sh``), shared
+with the other Megatron-LM tests.
 """
 
 from __future__ import annotations
@@ -19,13 +20,11 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
-import pytest
 import torch
 
 from megatron_metp.tools import hf as H
 from tests.harness import run_ranks
 from tests.test_hf import _import_on_a_rank, _safetensors
-from tests.megatron_lm_release import TAG_COMMIT
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEQ, GBS = 64, 2
@@ -34,19 +33,6 @@ SEQ, GBS = 64, 2
 TINY = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, rope_theta=20000.0, rms_norm_eps=1e-5,
             max_position_embeddings=256, tie_word_embeddings=False)
-
-
-@pytest.fixture(scope="module")
-def patched_megatron_lm(megatron_lm_checkout, tmp_path_factory):
-    """A clone of the session's Megatron-LM checkout at the tag, with patches/ applied."""
-    dest = str(tmp_path_factory.mktemp("mlm") / "Megatron-LM")
-    for cmd in (["git", "clone", "-q", "--shared", "--no-checkout", megatron_lm_checkout, dest],
-                ["git", "-c", "advice.detachedHead=false", "-C", dest, "checkout", "-q",
-                 TAG_COMMIT],
-                ["bash", os.path.join(ROOT, "scripts", "apply_patches.sh"), dest]):
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        assert proc.returncode == 0, (cmd, proc.stdout, proc.stderr)
-    return dest
 
 
 def _free_port() -> int:

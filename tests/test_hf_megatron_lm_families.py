@@ -18,8 +18,7 @@ import torch
 from tests.harness import run_ranks
 from tests.megatron_lm_release import RELEASE
 from tests.test_hf import _import_on_a_rank
-from tests.test_hf_megatron_lm import (GBS, ROOT, SEQ, TINY, _free_port, _mock_batches,
-                                       patched_megatron_lm)  # noqa: F401 (the fixture)
+from tests.test_hf_megatron_lm import GBS, ROOT, SEQ, TINY, _free_port, _mock_batches
 
 #: family -> (config class, model class, fields beyond test_hf_megatron_lm.TINY)
 FAMILIES = {

@@ -66,23 +66,43 @@ def _rewind(src, dst, iteration):
         fh.write(str(iteration))
 
 
-def test_compare_tp_trains_both_twins_with_the_same_losses(patched_megatron_lm, tmp_path):
+@pytest.fixture(scope="module")
+def saved(patched_megatron_lm, tmp_path_factory):
+    """METP and stock TP runs of 6 iterations, each saving at iterations 3 and 6; their logs are
+    also metp.log / tp.log in ``root / "cmp"`` (what scripts/compare_tp.sh writes)."""
+    root = tmp_path_factory.mktemp("ckpt")
+    (root / "cmp").mkdir()
+    runs = {}
+    for name, config in (("metp", "tiny-cpu-metp2.sh"), ("tp", "tiny-cpu-tp2.sh")):
+        ck = str(root / name)
+        _, log = _train(patched_megatron_lm, config, 6, CHECKPOINT_PATH=ck, SAVE_INTERVAL=3)
+        (root / "cmp" / f"{name}.log").write_text(log)
+        runs[name] = {"ckpt": ck, "log": _iterations(log), "config": config}
+    return root, runs
+
+
+def test_compare_tp_trains_both_twins_with_the_same_losses(saved, tmp_path):
+    """The twins of tiny-cpu-metp2.sh (the ``saved`` runs: the two pretrain_gpt.sh jobs that
+    compare_tp.sh runs; its training path is run by the packed and METP x CP tests below) print
+    the same losses from iteration 1, and compare_tp.sh tabulates and plots them."""
+    root, _ = saved
     out = tmp_path / "cmp"
+    shutil.copytree(root / "cmp", out)
     proc = subprocess.run(["bash", "scripts/compare_tp.sh", "--config", "configs/tiny-cpu-metp2.sh",
-                           "--iters", "5", "--out", str(out)], cwd=REPO, capture_output=True,
-                          text=True, env=_env(patched_megatron_lm), timeout=900)
+                           "--parse-only", "--out", str(out)], cwd=REPO, capture_output=True,
+                          text=True, env=_env("/nonexistent"), timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     for name in ("compare.md", "iterations.csv", "compare.png", "metp.log", "tp.log"):
         assert (out / name).stat().st_size > 0, name
     assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     metp, tp = (_iterations((out / f"{n}.log").read_text()) for n in ("metp", "tp"))
-    assert sorted(metp) == sorted(tp) == [1, 2, 3, 4, 5]
+    assert sorted(metp) == sorted(tp) == [1, 2, 3, 4, 5, 6]
     for k in metp:  # same initial weights, same data: the same loss from iteration 1
         assert abs(metp[k][0] - tp[k][0]) <= 1e-5 * abs(tp[k][0]), (k, metp[k], tp[k])
     assert len({metp[k][0] for k in metp}) > 1  # the model trains: losses move
     with open(out / "iterations.csv") as fh:
         rows = list(csv.DictReader(fh))
-    assert [int(r["iteration"]) for r in rows] == [1, 2, 3, 4, 5]
+    assert [int(r["iteration"]) for r in rows] == [1, 2, 3, 4, 5, 6]
     for r in rows:
         a, b = float(r["metp_lm_loss"]), float(r["tp_lm_loss"])
         assert abs(a - b) <= 1e-5 * abs(b), r
@@ -92,18 +112,6 @@ def test_compare_tp_trains_both_twins_with_the_same_losses(patched_megatron_lm, 
     assert "building GPT model with METP (weight ring + K/V ring)" in log
     assert "RoPE angles: exact" in log  # the TP twin's are Megatron's: losses agree anyway
     assert "> METP_CPU: Megatron-LM on CPU ranks" in log
-
-
-@pytest.fixture(scope="module")
-def saved(patched_megatron_lm, tmp_path_factory):
-    """METP and stock TP runs of 6 iterations, each saving at iterations 3 and 6."""
-    root = tmp_path_factory.mktemp("ckpt")
-    runs = {}
-    for name, config in (("metp", "tiny-cpu-metp2.sh"), ("tp", "tiny-cpu-tp2.sh")):
-        ck = str(root / name)
-        _, log = _train(patched_megatron_lm, config, 6, CHECKPOINT_PATH=ck, SAVE_INTERVAL=3)
-        runs[name] = {"ckpt": ck, "log": _iterations(log), "config": config}
-    return root, runs
 
 
 @pytest.mark.parametrize("name", ["metp", "tp"])

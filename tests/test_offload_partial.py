@@ -18,9 +18,10 @@ import torch
 from megatron_metp.megatron.training import GPTSize, Layout
 from megatron_metp.runtime import offload as O
 from tests.gpt_cases import SIZE
+from tests.grads import differences
 from tests.harness import run_ranks
 from tests.test_offload import Block, _run
-from tests.test_recompute import RECOMPUTE, _differences, _variants
+from tests.test_recompute import RECOMPUTE, _variants
 
 
 # ---------------------------------------------------------------- the policy on the stand-in block
@@ -186,7 +187,7 @@ def _partial_variants(rank, world, size, base, variants, everything=(), streamin
 def _assert_identical(per_rank, ref, names):
     for res in per_rank:
         for name in names:
-            loss, norm, worst, identical = _differences(res[ref], res[name])
+            loss, norm, worst, identical = differences(res[ref], res[name])
             assert identical and loss == 0 and norm == 0, (name, loss, norm, worst)
 
 

@@ -21,12 +21,12 @@ import pytest
 import torch
 
 from megatron_metp.megatron_lm import hooks as megatron_lm
-from megatron_metp.megatron.training import (GPTSize, Layout, _global_name, init_parallel, setup,
-                                             train, transformer_config)
+from megatron_metp.megatron.training import (GPTSize, Layout, init_parallel, setup,
+                                             transformer_config)
 from tests.gpt_cases import SIZE
+from tests.grads import differences, run_result, train_grabbing
 from tests.harness import run_ranks
 from tests.test_megatron_lm import _args as megatron_lm_args
-from tests.numerics import rel_err
 
 STEPS = 3
 #: what "equal" means between a run and its recompute twin (same layout, fp32)
@@ -60,14 +60,6 @@ def _variants(rank, world, size, base, variants, steps=STEPS, probe_builds=False
         torch.manual_seed(1234)
         mrandom.model_parallel_cuda_manual_seed(1234)
         state = setup(size, layout, seed=opts.get("seed", 1234))
-        grads = {}
-
-        def grab(step, st):
-            if step == 1:
-                model = st["model"].module
-                for pname, p in model.named_parameters():
-                    grads[_global_name(model, pname)] = p.main_grad.detach().clone()
-
         if opts.get("break_rng_restore"):
             # the recompute keeps whatever RNG state it finds (the tracker's is still restored)
             def tracker_only(cpu_state, cuda_state, tracker_states):
@@ -75,14 +67,13 @@ def _variants(rank, world, size, base, variants, steps=STEPS, probe_builds=False
 
             mrandom._set_all_rng_states = tracker_only
         try:
-            recs = train(size, layout, steps, state=state, checkpoint_fn=grab)
+            recs, grads = train_grabbing(size, layout, steps, state)
         finally:
             mrandom._set_all_rng_states = restore
         layers = state["model"].module.decoder.layers
-        out[name] = {"losses": [r.lm_loss for r in recs], "norms": [r.grad_norm for r in recs],
-                     "grads": grads, "ring": state["groups"].metp.stats.snapshot(),
-                     "describe": layout.describe(),
-                     "streaming": any(getattr(m, "stream", False) for m in layers)}
+        out[name] = run_result(recs, grads, ring=state["groups"].metp.stats.snapshot(),
+                               describe=layout.describe(),
+                               streaming=any(getattr(m, "stream", False) for m in layers))
     if probe_builds:
         out["refused"] = _refused_builds(size)
     return out
@@ -113,22 +104,10 @@ def _refused_builds(size):
     return msgs
 
 
-def _differences(a, b):
-    """Worst relative differences of run ``b`` against run ``a`` (same layout, same rank):
-    ``(loss, grad norm, (worst gradient name, its error), bit-identical gradients)``."""
-    loss = max(abs(x - y) / abs(y) for x, y in zip(b["losses"], a["losses"]))
-    norm = max(abs(x - y) / abs(y) for x, y in zip(b["norms"], a["norms"]))
-    assert set(a["grads"]) == set(b["grads"]) and a["grads"]
-    errs = {k: rel_err(b["grads"][k], a["grads"][k]) for k in a["grads"]}
-    worst = max(errs, key=errs.get)
-    identical = all(torch.equal(b["grads"][k], a["grads"][k]) for k in a["grads"])
-    return loss, norm, (worst, errs[worst]), identical
-
-
 def _assert_same(per_rank, ref, names):
     for r, res in enumerate(per_rank):
         for name in names:
-            loss, norm, (worst, err), _ = _differences(res[ref], res[name])
+            loss, norm, (worst, err), _ = differences(res[ref], res[name])
             assert loss <= SAME and norm <= SAME and err <= SAME, \
                 (r, res[name]["describe"], loss, norm, worst, err)
 
@@ -213,7 +192,7 @@ def test_recompute_restores_the_cpu_rng_state_for_dropout(metp2):
 def test_negative_controls_are_caught_by_the_same_comparison(metp2):
     for res in metp2:
         for ref, name in (("plain", "perturbed"), ("dropout", "dropout-no-rng-restore")):
-            loss, norm, (worst, err), identical = _differences(res[ref], res[name])
+            loss, norm, (worst, err), identical = differences(res[ref], res[name])
             assert not identical and err > 100 * SAME and loss > 10 * SAME, (name, worst, err)
 
 

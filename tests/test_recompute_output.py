@@ -10,7 +10,8 @@ import dataclasses
 import torch
 
 from megatron_metp.megatron import recompute_output as RO
-from megatron_metp.megatron.training import Layout, _global_name, init_parallel, setup, train
+from megatron_metp.megatron.training import Layout, init_parallel, setup
+from tests.grads import run_result, train_grabbing
 from tests.harness import run_ranks
 from tests.test_tiles_megatron import SWIGLU
 
@@ -45,19 +46,10 @@ def _run(rank, world, variants):
             torch.manual_seed(1234)
             mrandom.model_parallel_cuda_manual_seed(1234)
             state = setup(SWIGLU, layout, seed=1234)
-            grads = {}
-
-            def grab(step, st):
-                if step == 1:
-                    model = st["model"].module
-                    for pname, p in model.named_parameters():
-                        grads[_global_name(model, pname)] = p.main_grad.detach().clone()
-
-            recs = train(SWIGLU, layout, 3, state=state, checkpoint_fn=grab)
+            recs, grads = train_grabbing(SWIGLU, layout, 3, state)
         finally:
             RO._free_output = real
-        out[name] = {"losses": [r.lm_loss for r in recs], "norms": [r.grad_norm for r in recs],
-                     "grads": grads, "freed": freed}
+        out[name] = run_result(recs, grads, freed=freed)
     return out
 
 

@@ -733,14 +733,25 @@ def test_patch_script_reports_on_a_fresh_clone(megatron_lm_checkout, tmp_path):
     assert "already applied  0001-metp.patch" in _run(["bash", script, dest]).stdout
 
 
+def _dry_run_80(patched_clone, config):
+    return _run(["bash", "scripts/pretrain_gpt.sh", "--config", config, "--dry-run",
+                 "--gpu-memory-gib", "80"], env=_env(MEGATRON_LM_DIR=patched_clone)).stdout
+
+
+@pytest.fixture(scope="module")
+def metp2_dry_run(patched_clone):
+    """The dry run of tiny-cpu-metp2.sh (--gpu-memory-gib 80), read by test_dry_run_end_to_end
+    and test_dry_run_vocab_parallel (its base run)."""
+    return _dry_run_80(patched_clone, "tiny-cpu-metp2.sh")
+
+
 @pytest.mark.parametrize("config,layers", [
     ("tiny-cpu-metp2.sh", "METPSelfAttention + METPMLP"),
     ("tiny-cpu-tp2.sh", "SelfAttention + MLP"),
 ])
-def test_dry_run_end_to_end(patched_clone, config, layers, tmp_path):
-    proc = _run(["bash", "scripts/pretrain_gpt.sh", "--config", config, "--dry-run",
-                 "--gpu-memory-gib", "80"], env=_env(MEGATRON_LM_DIR=patched_clone))
-    out = proc.stdout
+def test_dry_run_end_to_end(patched_clone, config, layers, tmp_path, request):
+    out = (request.getfixturevalue("metp2_dry_run") if config == "tiny-cpu-metp2.sh"
+           else _dry_run_80(patched_clone, config))
     assert f"megatron.core from {patched_clone}/megatron/core" in out
     assert f"2 of 2 layers ({layers})" in out and "fits in 80 GiB per GPU" in out
     if "metp" in config:
@@ -765,11 +776,11 @@ def test_dry_run_reports_megatron_validation_errors(patched_clone):
     assert "--attention-dropout 0.1" in proc.stderr
 
 
-def test_dry_run_vocab_parallel(patched_clone):
+def test_dry_run_vocab_parallel(patched_clone, metp2_dry_run):
     """--metp-vocab-parallel through Megatron's real parser, validate_args and tokenizer padding:
-    the vocabulary is padded to 128 x TP x METP and the tables are METP-sharded."""
-    base = _run(["bash", "scripts/pretrain_gpt.sh", "--config", "tiny-cpu-metp2.sh", "--dry-run"],
-                env=_env(MEGATRON_LM_DIR=patched_clone)).stdout
+    the vocabulary is padded to 128 x TP x METP and the tables are METP-sharded (against the
+    same config's dry run without the switch, ``metp2_dry_run``)."""
+    base = metp2_dry_run
     proc = _run(["bash", "scripts/pretrain_gpt.sh", "--config", "tiny-cpu-metp2.sh", "--dry-run"],
                 env=_env(MEGATRON_LM_DIR=patched_clone, METP_VOCAB_PARALLEL=1))
     out = proc.stdout

@@ -15,11 +15,11 @@ import os
 import pytest
 import torch
 
-from megatron_metp.megatron.training import GPTSize, Layout, _global_name, init_parallel, setup, train
+from megatron_metp.megatron.training import GPTSize, Layout, init_parallel, setup, train
 from megatron_metp.ops import tiles as tiling
 from tests.gpt_cases import SIZE
+from tests.grads import run_result, train_grabbing, worst_difference
 from tests.harness import run_ranks
-from tests.numerics import rel_err
 
 STEPS = 3
 SAME = 1e-6
@@ -47,34 +47,17 @@ def _runs(rank, world, size, base, variants):
         torch.manual_seed(1234)
         mrandom.model_parallel_cuda_manual_seed(1234)
         state = setup(size, layout, seed=opts.get("seed", 1234))
-        grads = {}
-
-        def grab(step, st):
-            if step == 1:
-                model = st["model"].module
-                for pname, p in model.named_parameters():
-                    grads[_global_name(model, pname)] = p.main_grad.detach().clone()
-
-        recs = train(size, layout, STEPS, state=state, checkpoint_fn=grab)
+        recs, grads = train_grabbing(size, layout, STEPS, state)
         for key in opts.get("env", {}):
             os.environ.pop(key, None)
         layers = state["model"].module.decoder.layers
-        out[name] = {"losses": [r.lm_loss for r in recs], "norms": [r.grad_norm for r in recs],
-                     "streaming": any(getattr(m, "stream", False) for m in layers),
-                     "grads": grads, "ring": state["groups"].metp.stats.snapshot(),
-                     "prefetched": getattr(state["model"].module.decoder, "_metp_offloader",
-                                           None) and
-                     state["model"].module.decoder._metp_offloader.stats.prefetched_groups}
+        out[name] = run_result(
+            recs, grads, streaming=any(getattr(m, "stream", False) for m in layers),
+            ring=state["groups"].metp.stats.snapshot(),
+            prefetched=getattr(state["model"].module.decoder, "_metp_offloader", None) and
+            state["model"].module.decoder._metp_offloader.stats.prefetched_groups)
     os.environ.pop(tiling.MLP_TOKEN_TILE_ENV, None)
     return out
-
-
-def _worst(a, b):
-    loss = max(abs(x - y) / abs(y) for x, y in zip(b["losses"], a["losses"]))
-    norm = max(abs(x - y) / abs(y) for x, y in zip(b["norms"], a["norms"]))
-    assert set(a["grads"]) == set(b["grads"]) and a["grads"]
-    grad = max(rel_err(b["grads"][k], a["grads"][k]) for k in a["grads"])
-    return max(loss, norm, grad)
 
 
 PAIRS = [("plain", {}), ("full", {"layout": FULL}),
@@ -104,18 +87,18 @@ def test_tiled_training_equals_untiled(p):
     per_rank = run_ranks(_runs, p, SWIGLU, Layout(metp=p), variants, timeout=300)
     for res in per_rank:
         for name, _ in PAIRS:
-            assert _worst(res[name], res[name + "-tiled"]) <= SAME, name
+            assert worst_difference(res[name], res[name + "-tiled"]) <= SAME, name
             # the rings went round once per tile: more ring bytes than untiled
             assert res[name + "-tiled"]["ring"]["bytes_sent"] > res[name]["ring"]["bytes_sent"]
             # full recompute: the tiled run is the streaming layer, its reference is not
             assert res[name + "-tiled"]["streaming"] == (name != "plain") and \
                 not res[name]["streaming"], name
-        assert _worst(res["plain"], res["perturbed-tiled"]) > 1e-3
+        assert worst_difference(res["plain"], res["perturbed-tiled"]) > 1e-3
         # host offload without prefetch (METP_OFFLOAD_PREFETCH=0): the same training (the
         # tiny layers' tensors stay below the offload threshold; tests/test_offload_prefetch.py
         # checks the bring-back itself)
         nop = res["vocab-full-offload-noprefetch-tiled"]
-        assert _worst(res["vocab-full-offload"], nop) <= SAME
+        assert worst_difference(res["vocab-full-offload"], nop) <= SAME
         assert nop["prefetched"] == 0
 
 
@@ -152,7 +135,7 @@ def test_tiled_training_equals_untiled_with_tp_and_pp(base):
     whole, tiled = _pair({"layout": FULL})
     variants = [("full", whole), ("full-tiled", tiled)]
     for res in run_ranks(_runs, 4, SWIGLU, base, variants, timeout=300):
-        assert _worst(res["full"], res["full-tiled"]) <= SAME
+        assert worst_difference(res["full"], res["full-tiled"]) <= SAME
         # TP > 1 inside a layer: Megatron's checkpoint over the tiled MLP; PP: the streaming layer
         assert res["full-tiled"]["streaming"] == (base.tp == 1)
         assert res["full-tiled"]["ring"]["bytes_sent"] > res["full"]["ring"]["bytes_sent"]

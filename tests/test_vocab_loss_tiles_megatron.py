@@ -14,8 +14,9 @@ import torch
 
 from megatron_metp.megatron.training import Layout
 from megatron_metp.ops import vocab as V
+from tests.grads import worst_difference
 from tests.harness import run_ranks
-from tests.test_tiles_megatron import FULL, SWIGLU, _runs, _worst
+from tests.test_tiles_megatron import FULL, SWIGLU, _runs
 
 SAME = 1e-6
 OFF = {V.LOSS_TOKEN_TILE_ENV: "0", V.LOSS_GRAD_INTO_HIDDEN_ENV: "0"}  # today's loss backward
@@ -49,14 +50,14 @@ def test_tiled_loss_training_equals_untiled():
     for res, calls in run_ranks(_recorded_runs, 2, SWIGLU, Layout(metp=2), variants,
                                 timeout=300):
         for name in ("tiled-into", "untiled-into"):
-            assert _worst(res["untiled"], res[name]) <= SAME, name
+            assert worst_difference(res["untiled"], res[name]) <= SAME, name
         # the model wrote dX into hidden unless METP_LOSS_GRAD_INTO_HIDDEN=0
         assert calls == {("0", False), ("1", True)}, calls
         # 12 tokens per rank and micro-batch in tiles of 5: 3 passes of the loss's backward
         # ring instead of 1 (the MLP is whole in all three runs)
         assert res["tiled-into"]["ring"]["bytes_sent"] > res["untiled"]["ring"]["bytes_sent"]
         assert res["untiled-into"]["ring"] == res["untiled"]["ring"]
-        assert _worst(res["untiled"], res["perturbed-tiled-into"]) > 1e-3
+        assert worst_difference(res["untiled"], res["perturbed-tiled-into"]) > 1e-3
 
 
 def _model(memory_efficient=False, final_norm=True):
