@@ -19,8 +19,7 @@ import torch
 from megatron_metp.tools import hf as H
 from tests.harness import run_ranks
 from tests.test_hf import _import_on_a_rank
-from tests.test_hf_megatron_lm import (GBS, TINY, _launch, _mock_batches,
-                                       patched_megatron_lm)  # noqa: F401 (the fixture)
+from tests.test_hf_megatron_lm import GBS, TINY, _launch, _mock_batches
 from tests.test_hf_megatron_lm_families import _loss
 
 #: test_hf_megatron_lm.TINY with 3 layers, the middle one dense (mlp_only_layers), 4 experts
