@@ -21,6 +21,8 @@ _MODEL_KEYS = {
     "untie_embeddings_and_output_weights": "untie", "tied": "tied",
     "kv_channels": "kv_channels", "qk_layernorm": "qk_layernorm",
     "add_qkv_bias": "add_qkv_bias",
+    "num_experts": "experts", "moe_router_topk": "topk", "moe_ffn_hidden_size": "moe_ffn",
+    "moe_layer_freq": "moe_layer_freq",
 }
 _JOB_KEYS = {
     "tp": "tp", "tensor_model_parallel_size": "tp",
@@ -29,6 +31,8 @@ _JOB_KEYS = {
     "dp": "dp",
     "micro_batch": "micro_batch", "micro_batch_size": "micro_batch",
     "vocab_parallel": "vocab_parallel", "metp_vocab_parallel": "vocab_parallel",
+    "ep": "ep", "expert_model_parallel_size": "ep",
+    "moe_token_dispatcher": "moe_dispatcher", "moe_token_dispatcher_type": "moe_dispatcher",
 }
 
 
