@@ -103,6 +103,9 @@ def _add_common(ap: argparse.ArgumentParser) -> None:
     j.add_argument("--moe-imbalance", type=float, default=None,
                    help="MoE load imbalance: the busiest expert-parallel rank's routed rows over "
                         "the mean N·k (default 1: balanced; printed with the plan)")
+    j.add_argument("--moe-grouped-gemm", action="store_true", default=None,
+                   help="MoE: the experts as one grouped GEMM (every expert's backward at once: "
+                        "n·k·(4h + 12f′) bytes untiled); default Megatron's SequentialMLP")
     j.add_argument("--no-moe-token-tiles", action="store_true",
                    help="METP: plan the routed part of each MoE layer over the rank's whole "
                         "tokens (default: MoE token tiles sized by METP_TILE_BUDGET_MIB)")
@@ -217,6 +220,8 @@ def build(args) -> tuple:
         job_fields["moe_dispatcher"] = args.moe_token_dispatcher_type
     if args.no_moe_token_tiles:
         job_fields["moe_token_tiles"] = False
+    if args.moe_grouped_gemm:
+        job_fields["moe_grouped_gemm"] = True
     if args.offload_activations:
         job_fields["offload"] = True
         if args.offload_activations is not True:
@@ -291,7 +296,8 @@ def cmd_reach(args) -> int:
     given = [(flag, k, v) for flag, k, v in (
         ("--moe-token-dispatcher-type", "moe_dispatcher", args.moe_token_dispatcher_type),
         ("--moe-imbalance", "moe_imbalance", args.moe_imbalance),
-        ("--no-moe-token-tiles", "moe_token_tiles", False if args.no_moe_token_tiles else None))
+        ("--no-moe-token-tiles", "moe_token_tiles", False if args.no_moe_token_tiles else None),
+        ("--moe-grouped-gemm", "moe_grouped_gemm", True if args.moe_grouped_gemm else None))
         if v is not None]
     if given and not model.moe:
         raise ValueError(f"{given[0][0]}: a MoE setting, and the model has no experts "

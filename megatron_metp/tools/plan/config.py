@@ -179,8 +179,12 @@ def _launcher_settings(kv: Dict[str, object], model: Dict[str, object],
         raise ValueError(f"METP_OFFLOAD_LAYERS={kv['metp_offload_layers']} in the config without "
                          f"METP_OFFLOAD_ACTIVATIONS=1: the layers to offload need the offload; "
                          f"set METP_OFFLOAD_ACTIVATIONS=1 or drop METP_OFFLOAD_LAYERS")
-    if "--optimizer-cpu-offload" in str(kv.get("extra_args") or "").strip("()").split():
+    extra = str(kv.get("extra_args") or "").strip("()").split() + \
+        str(kv.get("moe_args") or "").strip("()").split()
+    if "--optimizer-cpu-offload" in extra:
         job["optimizer_offload"] = True  # EXTRA_ARGS=(--optimizer-cpu-offload ...)
+    if "--moe-grouped-gemm" in extra:  # a MoE config's MOE_ARGS / EXTRA_ARGS
+        job["moe_grouped_gemm"] = True
     cp = int(kv.get("cp") or 1)
     if cp > 1 and int(job.get("metp") or 1) == 1:  # a stock context-parallel twin: plan it as
         job["metp"] = cp                           # mode ring (K/V ring over CP, weights whole)

@@ -145,6 +145,8 @@ def moe_flags(model: Model, job: Job, mode: str) -> List[str]:
     if model.moe_layer_freq != 1:
         out += ["--moe-layer-freq", str(model.moe_layer_freq)]
     out += ["--moe-token-dispatcher-type", job.moe_dispatcher]
+    if job.moe_grouped_gemm:
+        out.append("--moe-grouped-gemm")
     if canonical(mode, job)[0] != "metp" and (job.ep or 1) > 1:
         out += ["--expert-model-parallel-size", str(job.ep)]
     return out

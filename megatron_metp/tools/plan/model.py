@@ -139,6 +139,7 @@ class Job:
     moe_dispatcher: str = "allgather"  # --moe-token-dispatcher-type allgather | alltoall
     moe_imbalance: float = 1.0     # routed rows of the busiest EP rank over the mean (n·k)
     moe_token_tiles: bool = True   # METP: the routed part over token tiles (stock: never)
+    moe_grouped_gemm: bool = False  # --moe-grouped-gemm: every expert's backward at once
 
     @property
     def width(self) -> int:

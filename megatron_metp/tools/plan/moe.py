@@ -15,19 +15,20 @@ sequence-parallel shard), each routed to ``k`` experts; the busiest EP rank runs
 ``r = N·k·imbalance`` routed rows, ``imbalance`` the stated factor (``--moe-imbalance``; 1 =
 every EP rank gets the mean).
 
-**Routed-token bytes** per routed row, bf16 (:func:`routed_row_bytes`): kept for the backward
-the experts' input (``2h``), fc1's output (``2k·f′``: gate|up), the activation's output = fc2's
-input (``2f′``) and the experts' output kept by the probability weighting (``2h``); the
-backward's gradients of the activation and of fc1's output add ``(2k + 2)·f′`` at its largest
-step. SwiGLU: ``4h + 6f′`` stored and ``4h + 12f′`` in all (issue 30: 17 GiB per 131,072 tokens
-per rank for Qwen3-30B-A3B; the formula is the issue's, its split here our reading of
-megatron-core 0.16.1's ``SequentialMLP``, not yet measured).
+**Routed-token bytes** per routed row (:func:`routed_row_bytes`, read from megatron-core
+0.16.1's expert ``MLP`` with the weighted SwiGLU): kept for the backward the experts' input
+(``2h``, bf16), fc1's output (``2k·f′``: gate|up), fc2's input (``2f′``) and the row's
+probability (4 B); the backward adds the experts' output gradient (``2h``) and the activation
+and fc1-output gradients (``(2k + 2)·f′``): with ``--moe-grouped-gemm`` (every expert at once)
+that is issue 30's ``n·k·(4h + 12f′)`` (17 GiB per 131,072 tokens per rank for Qwen3-30B-A3B);
+Megatron's default ``SequentialMLP`` runs the experts one after another, so only one expert's
+gradients are alive beside the output gradient (:func:`backward_rows`).
 
 **MoE token tiles** (mode ``metp`` with ``moe_token_tiles``, issue 30 Deliver 2): the routed
 part runs over tiles of ``T`` tokens, each tile's routed rows re-formed in its own backward, so a
 layer keeps none of them and its phases hold one tile's; ``T`` from the tile budget
 ``METP_TILE_BUDGET_MIB`` (:func:`megatron_metp.ops.tiles.tile_budget_bytes`, 1 GiB) over a
-token's routed bytes ``k·imbalance·(4h + 12f′)``, the whole rank's tokens when they fit. The
+token's routed bytes ``k·imbalance·(4h + 12f′ + 4)``, the whole rank's tokens when they fit. The
 formula is written here from the issue's design (the op is being written on branch
 ``moe-tiles``): check it against the op when it lands.
 
@@ -104,10 +105,14 @@ def expert_dp(job: Job, lay, ep: int) -> int:
 
 
 def routed_row_bytes(model: Model) -> Tuple[int, int]:
-    """``(stored, backward gradients)`` bytes per routed row (bf16; see the module docstring)."""
+    """``(stored, backward)`` bytes per routed row (see the module docstring): stored the
+    experts' input (bf16), fc1's output (bf16; gate|up with SwiGLU), fc2's input (bf16) and the
+    row's probability (fp32, kept by the weighted activation); the backward's largest step adds
+    the output gradient (bf16) and, all experts at once (grouped GEMM), the gradients of fc2's
+    input and fc1's output (bf16)."""
     h, f = model.hidden, expert_ffn(model)
     k = 2 if model.swiglu else 1
-    return BF16 * (2 * h + k * f + f), BF16 * (k * f + f)
+    return BF16 * (h + k * f + f) + FP32, BF16 * (h + k * f + f)
 
 
 def routed_rows(model: Model, job: Job, tokens: int) -> float:
@@ -167,27 +172,50 @@ def moe_phases(model: Model, job: Job, lay, N: int) -> Dict[str, Dict[str, float
     to everything stored."""
     ep = expert_parallel(job, lay)
     T = tile_tokens(model, job, lay, N)
-    stored, grads = routed_row_bytes(model)
+    stored, _ = routed_row_bytes(model)
     rt = routed_rows(model, job, T)
     disp = dispatcher(model, job, ep, T)
-    _, one = expert_elements(model)
     k = 2 if model.swiglu else 1
     wgrad = {"one expert's fc1 weight gradient (bf16)": BF16 * k * expert_ffn(model) *
              model.hidden}
     out_n = BF16 * N * model.hidden
+    grads = backward_rows(model, job, ep, rt)
     if T < N:
         tile = f"one tile of {T:,} tokens ({rt:,.0f} routed rows)"
         fwd = {"MoE output [tokens, h], filled tile by tile (bf16)": out_n,
-               f"{tile}: routed rows formed (bf16)": rt * stored,
+               f"{tile}: routed rows formed": rt * stored,
                **max(disp["dispatch"], disp["combine"], key=lambda d: sum(d.values()))}
         bwd = {"MoE input gradient [tokens, h], filled tile by tile (bf16)": out_n,
-               f"{tile}: routed rows re-formed and their gradients (bf16)": rt * (stored + grads),
+               f"{tile}: routed rows re-formed": rt * stored,
+               **{f"{tile}: {k_}": v for k_, v in grads.items()},
                **disp["backward"], **wgrad}
     else:
         fwd = {"MoE output [tokens, h] (bf16)": out_n, **disp["combine"]}
-        bwd = {"routed rows' gradients: activation and fc1 output (bf16)": rt * grads,
-               **disp["backward"], **wgrad}
+        bwd = dict(grads, **disp["backward"], **wgrad)
     return {"MLP forward (last layer)": fwd, "MLP backward (last layer)": bwd}
+
+
+def backward_rows(model: Model, job: Job, ep: int, rows: float) -> Dict[str, float]:
+    """The routed rows' backward at its largest step, beyond what they store: the experts'
+    output gradient ``[rows, h]`` and either every expert's activation and fc1-output gradients
+    at once (``--moe-grouped-gemm``: ``(2k + 2)·f′`` per row, the issue's ``4h + 12f′`` in all)
+    or, expert after expert (``SequentialMLP``, Megatron's default), one expert's, while the
+    input gradients of the experts done replace their freed activations (``2h`` per row over
+    the ``(2k + 2)·f′`` they free, when larger)."""
+    h, f = model.hidden, expert_ffn(model)
+    k = 2 if model.swiglu else 1
+    act = BF16 * (k * f + f)
+    out = {"experts' output gradient [routed rows, h] (bf16)": BF16 * rows * h}
+    if job.moe_grouped_gemm:
+        out["every expert's activation and fc1-output gradients (bf16, grouped GEMM)"] = \
+            rows * act
+        return out
+    local = max(1, model.experts // ep)
+    out["one expert's activation, fc1-output and input gradients (bf16)"] = \
+        rows / local * (act + BF16 * h)
+    out["input gradients of the experts done over their freed activations (bf16)"] = \
+        rows * max(0, BF16 * h - act)
+    return out
 
 
 def moe_layer(model: Model, job: Job, lay, stage: str, N: int, S: Dict[str, float],
@@ -234,7 +262,8 @@ def check(model: Model, job: Job, mode: str, lay) -> None:
         for flag, given in (("--ep", job.ep not in (0, 1)),
                             ("--moe-token-dispatcher-type", job.moe_dispatcher != "allgather"),
                             ("--moe-imbalance", job.moe_imbalance != 1.0),
-                            ("--no-moe-token-tiles", not job.moe_token_tiles)):
+                            ("--no-moe-token-tiles", not job.moe_token_tiles),
+                            ("--moe-grouped-gemm", job.moe_grouped_gemm)):
             if given:
                 raise ValueError(f"{flag}: a MoE setting, and the model has no experts "
                                  f"(--num-experts, or --preset qwen3-30b-a3b); drop {flag}")
@@ -305,4 +334,5 @@ def describe(model: Model, job: Job, lay, N: int) -> str:
             f"{n_moe} of {model.layers} layers; EP {ep}, expert-DP "
             f"{expert_dp(job, lay, ep)}; {job.moe_dispatcher} dispatcher; load imbalance "
             f"{job.moe_imbalance:g}× (--moe-imbalance); routed rows "
-            f"{routed_rows(model, job, N):,.0f} per rank, {stored + grads} B each untiled; {tiles}")
+            f"{routed_rows(model, job, N):,.0f} per rank, {stored} B each stored untiled; "
+            f"{'grouped GEMM' if job.moe_grouped_gemm else 'SequentialMLP'} experts; {tiles}")
