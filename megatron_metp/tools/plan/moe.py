@@ -36,8 +36,10 @@ formula is written here from the issue's design (the op is being written on bran
 allgather: the gathered tokens ``[N·ep, h]`` (bf16) with the gathered probabilities and routing
 map ``[N·ep, E]`` (fp32 + bool), the combine's output ``[N·ep, h]`` before its reduce-scatter,
 and in the backward the gathered output gradient and the input gradient before its
-reduce-scatter (``[N·ep, h]`` each); alltoall: the permuted rows sent ``[N·k, h]`` and received
-``[r, h]``, each way.
+reduce-scatter (``[N·ep, h]`` each); alltoall: the permuted rows sent ``[N·k, h]``, and in the
+combine and the backward the ``[r, h]`` rows beside the ``[N·k, h]`` ones exchanged (the
+received ``[r, h]`` of the dispatch are the experts' stored input). With EP 1 nothing is
+exchanged: the permutation's input gradient ``[N, h]``.
 
 **Activations** (:func:`moe_layer`): a MoE layer stores the router's ``[N, E]`` logits,
 probabilities and routing map and, untiled, ``r`` routed rows of ``4h + 6f′``; the last layer's
@@ -137,9 +139,14 @@ def tile_tokens(model: Model, job: Job, lay, N: int) -> int:
 
 
 def dispatcher(model: Model, job: Job, ep: int, N: int) -> Dict[str, Dict[str, float]]:
-    """The dispatcher's buffers of one pass of ``N`` tokens: ``{"dispatch": ..., "combine":
-    ..., "backward": ...}`` (bytes; see the module docstring)."""
+    """The dispatcher's buffers of one pass of ``N`` tokens beyond the routed rows the experts
+    keep: ``{"dispatch": ..., "combine": ..., "backward": ...}`` (bytes; see the module
+    docstring). With one rank in the group nothing is gathered or exchanged: the backward's
+    input gradient ``[N, h]`` (the permutation's) is all."""
     h, E = model.hidden, model.experts
+    if ep == 1:
+        return {"dispatch": {}, "combine": {},
+                "backward": {"the permutation's input gradient [N, h] (bf16)": BF16 * N * h}}
     if job.moe_dispatcher == "allgather":
         g = N * ep
         return {"dispatch": {"allgather: gathered tokens [N·ep, h] (bf16)": BF16 * g * h,
@@ -150,9 +157,12 @@ def dispatcher(model: Model, job: Job, ep: int, N: int) -> Dict[str, Dict[str, f
                 "backward": {"allgather: gathered output gradient and input gradient "
                              "[N·ep, h] (bf16)": 2 * BF16 * g * h}}
     r = routed_rows(model, job, N)
-    both = {"alltoall: permuted rows sent [N·k, h] and received [r, h] (bf16)":
-            BF16 * h * (N * model.topk + r)}
-    return {"dispatch": dict(both), "combine": dict(both), "backward": dict(both)}
+    sent = BF16 * N * model.topk * h
+    return {"dispatch": {"alltoall: permuted rows sent [N·k, h] (bf16)": sent},
+            "combine": {"alltoall: the experts' output [r, h] and the rows received back "
+                        "[N·k, h] (bf16)": BF16 * r * h + sent},
+            "backward": {"alltoall: the experts' input gradient [r, h] and the rows received "
+                         "back [N·k, h] (bf16)": BF16 * r * h + sent}}
 
 
 def moe_stored(model: Model, job: Job, lay, N: int) -> Dict[str, float]:
