@@ -46,7 +46,8 @@ def test_metp_groups_compose_with_tp_pp_dp(tp, metp, pp, world):
     (dict(world_size=6, tensor_model_parallel_size=2, metp_parallel_size=2), "not divisible by TP×METP×CP×PP"),
     # METP × CP: c is the outer factor, the world needs TP × METP × CP × PP ranks
     (dict(world_size=6, metp_parallel_size=2, context_parallel_size=2), "--context-parallel-size"),
-    (dict(world_size=4, metp_parallel_size=2, num_experts=8), "MoE"),
+    (dict(world_size=4, metp_parallel_size=2, num_experts=7),
+     "--num-experts 7 is not divisible by --metp-parallel-size 2"),
     (dict(world_size=4, metp_parallel_size=2, seq_length=18), "--seq-length 18 is not divisible by 2×METP = 4"),
     (dict(world_size=4, metp_parallel_size=2, sequence_parallel=True), "--sequence-parallel"),
     (dict(world_size=4, metp_parallel_size=0), "--metp-parallel-size must be >= 1"),

@@ -39,6 +39,8 @@ What ``enable()`` patches (ids as in ``reference/megatron-core-on-cpu.md``):
     nothing (megatron-core 0.19's ``start_grad_sync`` asks for the current stream on every call to
     wait for CUDA-graph events; work on the CPU is already ordered).
 
+(j) Megatron's MoE layer (:mod:`.moe_cpu`): the names its CUDA-only paths assume.
+
 (f) is not global: wrap optimizer construction and ``step()`` in :func:`cuda_to_cpu`, a
 ``TorchFunctionMode`` that maps CUDA devices to the CPU, drops ``pin_memory``, makes
 ``Tensor.cuda()`` a no-op and makes a zero-argument ``Tensor.type()`` report ``torch.cuda.*``.
@@ -274,8 +276,11 @@ def _in_process_queue(*_args, **_kwargs):
     return _WRITE_QUEUE
 
 
+_MISSING = object()  # an attribute the installed megatron-core never defined
+
+
 def _patch(owner, name, value) -> None:
-    _SAVED.append((owner, name, getattr(owner, name)))
+    _SAVED.append((owner, name, getattr(owner, name, _MISSING)))
     setattr(owner, name, value)
 
 
@@ -285,7 +290,7 @@ def is_enabled() -> bool:
 
 
 def enable(force: bool = False) -> None:
-    """Apply shims (b), (c), (d), (e), (g), (h), (i); a second call does nothing.
+    """Apply shims (b), (c), (d), (e), (g), (h), (i), (j); a second call does nothing.
 
     Raises ``RuntimeError`` when ``torch.cuda.is_available()`` unless ``force=True``.
     Any RNG tracker created before the call is dropped, so the next ``get_cuda_rng_tracker()`` or
@@ -325,6 +330,9 @@ def enable(force: bool = False) -> None:
                    _in_process_queue)
             if not getattr(filesystem_async, "HAVE_PSUTIL", True):
                 _patch(filesystem_async, "_process_memory", lambda: 0)
+            from .moe_cpu import patch_moe  # (j) Megatron's MoE layer
+
+            patch_moe(_patch)
         except BaseException:
             _restore()
             raise
@@ -335,7 +343,10 @@ def enable(force: bool = False) -> None:
 def _restore() -> None:
     while _SAVED:
         owner, name, value = _SAVED.pop()
-        setattr(owner, name, value)
+        if value is _MISSING:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, value)
 
 
 def disable() -> None:

@@ -5,11 +5,16 @@ METP shards the sequence exactly like CP) and the pure data-parallel group over 
 weights reduce their gradients.
 
 METP × CP (``context_parallel_size = c > 1``, the *outer* factor): Megatron's CP group has
-``p·c`` ranks and its expert-model-parallel group (folded to ``p``) is the METP group, the ``p``
-adjacent ranks of the CP group; the CP group is the METP group's sequence ring
+``p·c`` ranks and its expert-model-parallel group (folded to ``p``) has the METP group's ranks,
+the ``p`` adjacent ranks of the CP group; the CP group is the METP group's sequence ring
 (:func:`megatron_metp.runtime.context.attach_context_group`), and METP-sharded weights reduce
-over Megatron's expert data-parallel group (the ``c`` METP groups of the CP group × DP). It is built once, next to Megatron's own groups, and handed to
+over Megatron's expert data-parallel group (the ``c`` METP groups of the CP group × DP). It is
+built once, next to Megatron's own groups, and handed to
 :func:`megatron_metp.megatron.spec.get_gpt_layer_metp_spec`.
+
+The METP rings never talk on Megatron's expert-model-parallel communicator (MoE's token
+dispatchers do, :mod:`.moe`): each METP group has a dedicated process group of its ranks
+(:mod:`.ring_groups`), the K/V ring's under METP alone, the METP ring's under METP × CP.
 """
 
 from __future__ import annotations
@@ -63,9 +68,12 @@ class METPGroups:
     @classmethod
     def from_parallel_state(cls, timeout_s: Optional[float] = None,
                             context_parallel_size: int = 1) -> "METPGroups":
-        """Groups of an initialised ``megatron.core.parallel_state`` (METP = its CP group;
-        with ``context_parallel_size`` ``c > 1``, METP = its expert-model-parallel group inside
-        the CP group of ``p·c`` ranks, which becomes the METP group's sequence ring)."""
+        """Groups of an initialised ``megatron.core.parallel_state`` (METP = its CP group, the
+        K/V ring on the dedicated group of its ranks; with ``context_parallel_size`` ``c > 1``,
+        METP = the dedicated group of its expert-model-parallel group's ranks inside the CP group
+        of ``p·c`` ranks, which becomes the METP group's sequence ring). The first call after
+        ``initialize_model_parallel`` creates the dedicated groups (:mod:`.ring_groups`): call it
+        on every rank."""
         from megatron.core import parallel_state as ps
 
         if context_parallel_size > 1:
@@ -73,7 +81,7 @@ class METPGroups:
         cp = ps.get_context_parallel_group()
         metp = METPGroup.from_process_group(cp if dist.get_world_size(cp) > 1 else None,
                                             name=_name(ps), timeout_s=timeout_s)
-        metp.with_kv_group(kv_ring_group(ps, metp))
+        metp.with_kv_group(kv_ring_group(ps, metp, timeout_s))
         return cls(tp=ps.get_tensor_model_parallel_group(), metp=metp,
                    dp=ps.get_data_parallel_group(with_context_parallel=False))
 
@@ -95,37 +103,44 @@ class METPGroups:
                                  f"{dist.get_world_size(ep)} ranks, not the METP size {p}; "
                                  f"initialise with expert_model_parallel_size = METP "
                                  f"(megatron_metp.megatron.parallel.initialize_model_parallel)")
+            from .ring_groups import metp_ring_group
+
+            # the METP ring's own communicator, not Megatron's expert group (MoE dispatches there)
+            ring = metp_ring_group(tuple(dist.get_process_group_ranks(ep)), timeout_s)
         else:
-            ep = None
-        metp = METPGroup.from_process_group(ep, name=_name(ps), timeout_s=timeout_s)
+            ring = None
+        metp = METPGroup.from_process_group(ring, name=_name(ps), timeout_s=timeout_s)
         attach_context_group(metp, cp, name=f"{_name(ps)}/cp")
         dp = ps.get_expert_data_parallel_group() if p > 1 else \
             ps.get_data_parallel_group(with_context_parallel=True)
         return cls(tp=ps.get_tensor_model_parallel_group(), metp=metp, dp=dp)
 
 
-def kv_ring_group(ps, metp: METPGroup):
-    """A second process group of the METP ring's ranks, in ring order, for the K/V ring (its
-    own NCCL communicator, hence stream: K/V blocks never queue behind the weight broadcasts
-    and gradient reduces of the METP group), or ``None`` (the K/V ring shares the group).
-
-    Megatron's expert-model-parallel group is that group when METP folds
-    ``expert_model_parallel_size = METP`` (:func:`megatron_metp.megatron.parallel.
-    initialize_model_parallel` does; METP refuses MoE, so Megatron sends nothing on it while a
-    layer runs); any other layout keeps the K/V ring on the METP group."""
+def kv_ring_group(ps, metp: METPGroup, timeout_s: Optional[float] = None):
+    """The process group of the K/V ring of METP alone (``c = 1``): the METP ring's own
+    dedicated group (:mod:`.ring_groups`: same ranks in ring order, its own communicator, hence
+    stream — K/V blocks never queue behind the weight broadcasts and gradient reduces of the METP
+    group, nor behind the MoE token dispatchers on Megatron's expert-model-parallel group), or
+    ``None`` (the K/V ring shares the METP group) when Megatron's expert groups are not folded
+    onto the METP groups (a ``parallel_state`` initialised without
+    :func:`megatron_metp.megatron.parallel.initialize_model_parallel`)."""
     if metp.size == 1:
         return None
     try:
         ep = ps.get_expert_model_parallel_group(check_initialized=False)
     except TypeError:  # older signature
         ep = ps.get_expert_model_parallel_group()
-    if ep is None or ep is metp.group:
+    if ep is None:
         return None
     try:
         ranks = tuple(dist.get_process_group_ranks(ep))
     except Exception:  # noqa: BLE001 - not a usable group on this rank
         return None
-    return ep if ranks == metp.ranks else None
+    if ranks != metp.ranks:
+        return None
+    from .ring_groups import metp_ring_group
+
+    return metp_ring_group(ranks, timeout_s)
 
 
 def _name(ps) -> str:

@@ -53,6 +53,7 @@ from ..ops._grads import wire_dtype
 from .groups import METPGroups
 from .head_norm import head_norm_kwargs
 from .packing import METPDocuments
+from .moe_checks import check_moe_config
 from .yarn import metp_softmax_scale
 
 
@@ -146,8 +147,6 @@ def check_config(config) -> None:
                         f"equals a window >= the sequence length)")
     if getattr(config, "rotary_interleaved", False):
         problems.append("--rotary-interleaved")
-    if getattr(config, "num_moe_experts", None):
-        problems.append("--num-experts (MoE)")
     if getattr(config, "multi_latent_attention", False):
         problems.append("--multi-latent-attention")
     if getattr(config, "attention_output_gate", False):
@@ -180,6 +179,7 @@ class METPSelfAttention(SelfAttention):
                  **megatron_kwargs):
         # megatron_kwargs: what the installed SelfAttention takes beyond these (0.19: name)
         check_config(config)
+        check_moe_config(config, groups.metp.size)  # experts sharded over the METP group
         super().__init__(config=config, submodules=submodules, layer_number=layer_number,
                          attn_mask_type=attn_mask_type, cp_comm_type=cp_comm_type,
                          pg_collection=pg_collection, **megatron_kwargs)

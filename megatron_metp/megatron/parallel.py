@@ -68,9 +68,10 @@ def metp_config_problems(*, world_size: int, tensor_model_parallel_size: int = 1
         return sizes
     out = []
     c = context_parallel_size  # the outer factor: Megatron's CP group has p·c ranks
-    if p > 1 and num_experts:
-        out.append(f"--metp-parallel-size {p} does not support MoE (--num-experts "
-                   f"{num_experts}) yet; use --metp-parallel-size 1 for MoE models")
+    if p > 1 and num_experts and num_experts % p:
+        out.append(f"--num-experts {num_experts} is not divisible by --metp-parallel-size {p} "
+                   f"(the experts are sharded over the METP group: expert parallelism = METP); "
+                   f"choose a multiple of {p}")
     if p > 1 and sequence_parallel:
         out.append("--sequence-parallel cannot be combined with --metp-parallel-size > 1: "
                    "METP already shards the sequence; drop --sequence-parallel")
@@ -122,9 +123,11 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
     cp = megatron_kwargs.pop("context_parallel_size", 1)
     ep = megatron_kwargs.pop("expert_model_parallel_size", 1)
     if metp_parallel_size > 1 and ep not in (1, metp_parallel_size):
-        raise ValueError(f"expert_model_parallel_size {ep} cannot be combined with "
-                         f"--metp-parallel-size {metp_parallel_size}: METP uses the expert "
-                         f"groups for its weight gradients")
+        raise ValueError(f"expert_model_parallel_size {ep} (--expert-model-parallel-size) "
+                         f"cannot be combined with --metp-parallel-size {metp_parallel_size}: "
+                         f"METP folds the expert groups onto its own (MoE experts are sharded "
+                         f"over the METP group, EP = METP); leave it at 1 or "
+                         f"{metp_parallel_size}")
     minutes = megatron_kwargs.pop("distributed_timeout_minutes", None)
     if minutes is None:
         timeout_s = job_timeout_s() if ring_timeout_s is None else float(ring_timeout_s)
@@ -149,6 +152,9 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                                                               else minutes),
                                  **megatron_kwargs)
     apply_to_process_groups(timeout_s)
+    from .ring_groups import create_metp_ring_groups
+
+    create_metp_ring_groups(timeout_s)  # the METP rings' own communicators, on every rank
     groups = METPGroups.from_parallel_state(timeout_s=timeout_s, context_parallel_size=cp)
     if metp_parallel_size > 1:  # no METP ring may span two nodes (refused on every rank)
         from ..runtime.placement import check_metp_groups_on_one_node

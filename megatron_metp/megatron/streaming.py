@@ -25,6 +25,12 @@ re-forms, in its backward, one head group and one tile of tokens at a time
   input gradient over its output gradient), so that its backward holds no ``[s/p, h]`` tensor
   beyond the gradient.
 
+A MoE layer of the block (Megatron's ``MoELayer`` as :mod:`.moe_tiles`' ``TiledMoELayer``) runs
+as Megatron's checkpoint of that one layer (its input kept, its forward re-run in its backward,
+the re-formed output freed as :mod:`.recompute_output` does), its routed part in token tiles: only
+``[s/p, h]`` tensors and the ``[s/p, E]`` routing outlive a tile, so no MoE transient grows with
+``s/(p·c)`` beyond the dense layers' own, while the block's dense layers keep the layer op.
+
 Where the layer op does not apply, the block keeps Megatron's checkpoint and the separate METP
 ops (with :mod:`.recompute_output`'s freed chunk outputs); :func:`streaming_problems` says why:
 TP > 1 (the op has no TP reductions inside), hidden dropout, ``keep_intermediate``, another
@@ -55,6 +61,8 @@ class METPTransformerLayer(TransformerLayer):
     def forward(self, *args, **kwargs):
         if not self.stream:
             return super().forward(*args, **kwargs)
+        if _is_moe(self.mlp):
+            return self._checkpointed_forward(*args, **kwargs)
         hidden_states = kwargs.pop("hidden_states", None)
         if hidden_states is None:
             hidden_states, args = args[0], args[1:]
@@ -84,6 +92,32 @@ class METPTransformerLayer(TransformerLayer):
         return out, kwargs.get("context")
 
 
+    def _checkpointed_forward(self, *args, **kwargs):
+        """Megatron's full recompute of this one layer (a MoE layer in a streaming block)."""
+        from megatron.core import tensor_parallel
+
+        from .recompute_output import _free_output
+
+        hidden_states = kwargs.pop("hidden_states", None)
+        if hidden_states is None:
+            hidden_states, args = args[0], args[1:]
+        context = []
+
+        def run(x):
+            out, ctx = TransformerLayer.forward(self, x, *args, **kwargs)
+            context[:] = [ctx]
+            _free_output(None, None, out)  # in the backward's re-run only
+            return out
+        out = tensor_parallel.checkpoint(run, False, hidden_states)
+        return out, context[0] if context else kwargs.get("context")
+
+
+def _is_moe(mlp) -> bool:
+    from .moe_tiles import TiledMoELayer
+
+    return isinstance(mlp, TiledMoELayer)
+
+
 def streaming_problems(block) -> List[str]:
     """Why ``block`` (a Megatron ``TransformerBlock``) cannot run the streaming layer op (``[]``:
     it can)."""
@@ -101,10 +135,12 @@ def streaming_problems(block) -> List[str]:
     for layer in block.layers:
         if not isinstance(layer, METPTransformerLayer) or \
                 not isinstance(layer.self_attention, METPSelfAttention) or \
-                not isinstance(layer.mlp, METPMLP):
+                not (isinstance(layer.mlp, METPMLP) or _is_moe(layer.mlp)):
             out.append("a layer without the METP weight ring (ring self-attention baseline or "
                        "another spec)")
             break
+        if _is_moe(layer.mlp):  # checkpointed as a whole layer, its MoE in token tiles
+            continue
         if layer.mlp.groups.tp_size > 1:
             out.append("TP > 1 inside a METP layer")
             break

@@ -40,6 +40,12 @@ class GPTSize:
     position_embedding_type: str = "rope"
     normalization: str = "LayerNorm"
     tie_embeddings: bool = False
+    #: Mixture-of-Experts (:mod:`.moe`): experts per MoE layer (None: dense), router top-k, an
+    #: expert's FFN size (None: ``ffn_hidden_size``), Megatron's ``moe_layer_freq``
+    num_experts: Optional[int] = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: Optional[int] = None
+    moe_layer_freq: Union[int, List[int]] = 1
 
 
 #: values of :attr:`Layout.recompute` (Megatron's ``recompute_granularity``; selective is refused)
@@ -201,6 +207,12 @@ def transformer_config(size: GPTSize, layout: Layout):
         apply_rope_fusion=False, gradient_accumulation_fusion=False,
         params_dtype=torch.float32, pipeline_dtype=torch.float32, batch_p2p_sync=False)
     kwargs.update(layout.recompute_config(size.num_layers))
+    from .moe import moe_config_fields
+
+    kwargs.update(moe_config_fields(  # stock keeps EP 1 unless layout.extra sets it
+        num_experts=size.num_experts, topk=size.moe_router_topk,
+        ffn_hidden_size=size.moe_ffn_hidden_size, layer_freq=size.moe_layer_freq,
+        metp_parallel_size=layout.metp if layout.mode == "metp" else 1))
     layout.offload_layers(size.num_layers)  # refused here, before any model is built
     if layout.packed_eod is not None:
         # the loss mask leaves EOD tokens out, so the ranks of a METP ring hold different token
@@ -235,9 +247,21 @@ def build_model(size: GPTSize, layout: Layout, groups: METPGroups):
     cfg = transformer_config(size, layout)
     if layout.vocab_parallel and layout.mode != "metp":
         raise ValueError(f"vocab_parallel needs mode='metp', got mode={layout.mode!r}")
-    if layout.mode == "tp":
+    if layout.mode == "tp" and cfg.num_moe_experts:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False,
+                                          normalization=size.normalization)
+    elif layout.mode == "tp":
         spec = get_gpt_layer_local_spec(normalization=size.normalization,
                                         qk_layernorm=cfg.qk_layernorm)
+    elif cfg.num_moe_experts:
+        from .moe import get_gpt_decoder_block_metp_spec
+
+        spec = get_gpt_decoder_block_metp_spec(
+            cfg, groups, normalization=size.normalization, kernel=layout.kernel,
+            norm=select_norm(layout.transformer_impl, size.normalization).module,
+            weight_ring=layout.mode == "metp")
     else:
         norm = select_norm(layout.transformer_impl, size.normalization).module
         spec = get_gpt_layer_metp_spec(groups, weight_ring=layout.mode == "metp",
@@ -275,9 +299,13 @@ def build_model(size: GPTSize, layout: Layout, groups: METPGroups):
 # ---------------------------------------------------------------- same weights in every layout
 
 def _global_name(model, name: str) -> str:
-    """``decoder.layers.<local>.`` → ``decoder.layers.<global>.`` (pipeline stages)."""
+    """``decoder.layers.<local>.`` → ``decoder.layers.<global>.`` (pipeline stages); a MoE
+    layer's ``local_experts.<local>.`` → ``<global>`` expert index (:mod:`.moe`)."""
     if not name.startswith("decoder.layers."):
         return name
+    from .moe import global_expert_name
+
+    name = global_expert_name(model, name)
     local = int(name.split(".")[2])
     glob = model.decoder.layers[local].layer_number - 1
     return name.replace(f"decoder.layers.{local}.", f"decoder.layers.{glob}.", 1)

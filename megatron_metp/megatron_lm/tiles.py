@@ -1,5 +1,7 @@
 """``--metp-mlp-token-tile``: Megatron-LM's flag for the METP MLP's token tiles
-(:mod:`megatron_metp.ops.tiles`).
+(:mod:`megatron_metp.ops.tiles`); ``--metp-moe-token-tiles``: the MoE layers' token tiles
+(:mod:`megatron_metp.megatron.moe_tiles`, ``METP_MOE_TOKEN_TILES``; refused without
+``--num-experts`` or METP, or below 1).
 
 The flag sets ``METP_MLP_TOKEN_TILE`` in every rank's environment during ``validate_args``
 (every rank parses the same command line), which the METP MLP reads when it resolves its tiles:
@@ -25,14 +27,22 @@ def add_tile_args(group) -> None:
              "Default: $METP_MLP_TOKEN_TILE, else auto (the most rows within "
              "$METP_TILE_BUDGET_MIB, 1024 MiB, of token-proportional transient; whole when "
              "the rank's tokens fit).")
+    group.add_argument(
+        "--metp-moe-token-tiles", type=int, default=None, metavar="TILES",
+        help="Token tiles of every MoE layer's routed part (dispatch, experts, combine; the "
+             "router runs once over all local tokens): only one tile's routed tokens are kept "
+             "for backward. 1: whole. Default: $METP_MOE_TOKEN_TILES, else auto (the fewest "
+             "tiles whose routed tokens fit $METP_TILE_BUDGET_MIB, 1024 MiB; one when they "
+             "fit).")
 
 
 def tile_arg_problems(args, metp_on: bool) -> list:
     """``--metp-mlp-token-tile`` given where it cannot work, each naming the flag and the
     alternative (empty when it is fine or not given)."""
+    out = _moe_tile_problems(args, metp_on)
     rows = getattr(args, "metp_mlp_token_tile", None)
     if rows is None:
-        return []
+        return out
     if not metp_on:
         return ["--metp-mlp-token-tile tiles the METP MLP; it needs --metp-parallel-size > 1 "
                 "(drop the flag, or set METP)"]
@@ -46,6 +56,21 @@ def tile_arg_problems(args, metp_on: bool) -> list:
     return []
 
 
+def _moe_tile_problems(args, metp_on: bool) -> list:
+    tiles = getattr(args, "metp_moe_token_tiles", None)
+    if tiles is None:
+        return []
+    if not getattr(args, "num_experts", None):
+        return ["--metp-moe-token-tiles tiles MoE layers; it needs --num-experts (drop the flag)"]
+    if not metp_on:
+        return ["--metp-moe-token-tiles tiles the METP spec's MoE layers; it needs "
+                "--metp-parallel-size > 1 (drop the flag, or set METP)"]
+    if tiles < 1:
+        return [f"--metp-moe-token-tiles must be >= 1 (token tiles per MoE layer, 1 = whole), "
+                f"got {tiles}"]
+    return []
+
+
 def map_tile_args(args, metp_on: bool) -> None:
     """Check ``--metp-mlp-token-tile`` and hand it to the METP MLP (``ValueError`` naming the
     flag and the alternative)."""
@@ -55,3 +80,8 @@ def map_tile_args(args, metp_on: bool) -> None:
     rows = getattr(args, "metp_mlp_token_tile", None)
     if rows is not None:
         os.environ[tiling.MLP_TOKEN_TILE_ENV] = str(rows)
+    tiles = getattr(args, "metp_moe_token_tiles", None)
+    if tiles is not None:
+        from ..megatron.moe_tiles import MOE_TOKEN_TILES_ENV
+
+        os.environ[MOE_TOKEN_TILES_ENV] = str(tiles)

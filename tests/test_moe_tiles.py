@@ -1,0 +1,263 @@
+"""MoE token tiles (:mod:`megatron_metp.megatron.moe_tiles`): Megatron's stock ``MoELayer`` with
+its routed part in token tiles equals the untiled layer (≤ 1e-6: output, input gradient, every
+parameter gradient, the router's aux / sequence-aux / z losses) on one rank and with the experts
+sharded over forked ranks (EP 2, both dispatchers); a negative control (routing per tile) shows
+the comparison can fail; the tile count (auto, env, refusals) and the routed transient."""
+
+import math
+import zlib
+
+import pytest
+import torch
+
+from megatron_metp.megatron import moe_tiles
+from tests.harness import run_ranks
+
+E, K, H, F = 4, 2, 16, 12  # experts, top-k, hidden, expert ffn
+S, B = 5, 2  # local tokens: S·B = 10, 3 tiles of 4, 4, 2
+
+
+def _layer(world, dispatcher, balance):
+    """A stock-spec MoE layer (``TiledMoELayer``) with EP = ``world``, weights seeded by global
+    name (so every EP layout holds the same full model)."""
+    import torch.nn.functional as Fn
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_metp.megatron import cpu
+
+    cpu.enable()
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(expert_model_parallel_size=world,
+                                     create_gloo_process_groups=False)
+    model_parallel_cuda_manual_seed(7)
+    aux = {"moe_router_load_balancing_type": balance, "moe_aux_loss_coeff": 0.0}
+    if balance != "none":
+        aux.update(moe_aux_loss_coeff=0.05, moe_z_loss_coeff=1e-2)
+    cfg = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=4,
+                            ffn_hidden_size=2 * H, num_moe_experts=E, moe_router_topk=K,
+                            moe_ffn_hidden_size=F, expert_model_parallel_size=world,
+                            moe_token_dispatcher_type=dispatcher, add_bias_linear=False,
+                            gated_linear_unit=True, activation_func=Fn.silu,
+                            use_cpu_initialization=True, params_dtype=torch.float32, **aux)
+    spec = get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False).submodules.mlp
+    spec = moe_tiles.tiled_moe_spec(spec)  # a ModuleSpec (0.16) or a functools.partial (0.19)
+    layer = spec(config=cfg, layer_number=1) if callable(spec) else \
+        build_module(spec, config=cfg, layer_number=1)
+    assert isinstance(layer, moe_tiles.TiledMoELayer)
+    layer.set_layer_number(1)  # as TransformerLayer does: the router then tracks its aux losses
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            gname = _global(layer, name)
+            g = torch.Generator().manual_seed(zlib.crc32(gname.encode()))
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return layer
+
+
+def _global(layer, name):
+    parts = name.split(".")
+    if "local_experts" in parts:
+        i = parts.index("local_experts") + 1
+        parts[i] = str(layer.local_expert_indices[int(parts[i])])
+    return ".".join(parts)
+
+
+def _tracker():
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    return {k: v["values"].clone() for k, v in get_moe_layer_wise_logging_tracker().items()}
+
+
+def _clear():
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+    clear_aux_losses_tracker()
+
+
+def _run(layer, x, dy, tiles, per_tile_routing=False):
+    """Output, input and parameter gradients and the aux-loss tracker of one forward/backward."""
+    layer.moe_token_tiles = tiles
+    layer.zero_grad(set_to_none=True)
+    _clear()
+    x = x.clone().requires_grad_()
+    if per_tile_routing:  # negative control: each tile routed on its own
+        rows = math.ceil(x.shape[0] / tiles)
+        from megatron.core.transformer.moe.moe_layer import MoELayer
+
+        outs = [MoELayer.forward(layer, x[a:a + rows])[0] for a in range(0, x.shape[0], rows)]
+        y = torch.cat(outs)
+    else:
+        y, _ = layer(x)
+    (y * dy).sum().backward()
+    grads = {_global(layer, n): p.grad.detach().clone() for n, p in layer.named_parameters()}
+    return {"y": y.detach(), "dx": x.grad.detach(), "grads": grads, "aux": _tracker(),
+            "tiles": layer.last_tiles}
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _compare(a, b):
+    errs = {"y": _rel(a["y"], b["y"]), "dx": _rel(a["dx"], b["dx"])}
+    errs.update({f"grad {n}": _rel(a["grads"][n], b["grads"][n]) for n in b["grads"]})
+    for n in b["aux"]:
+        errs[f"aux {n}"] = _rel(a["aux"][n], b["aux"][n])
+    return errs
+
+
+def tiles_vs_whole(rank, world, dispatcher, balance, tiles):
+    layer = _layer(world, dispatcher, balance)
+    g = torch.Generator().manual_seed(11)
+    xs = torch.randn(world * S, B, H, generator=g)  # every rank's tokens, rank r takes its own
+    dys = torch.randn(world * S, B, H, generator=g)
+    x, dy = xs[rank * S:(rank + 1) * S], dys[rank * S:(rank + 1) * S]
+    whole = _run(layer, x, dy, 1)
+    tiled = _run(layer, x, dy, tiles)
+    wrong = _run(layer, x, dy, tiles, per_tile_routing=True)
+    return {"errs": _compare(tiled, whole), "control": _compare(wrong, whole),
+            "tiles": (whole["tiles"], tiled["tiles"]), "aux": sorted(whole["aux"])}
+
+
+def _check(out, balance, tiles):
+    for r in out:
+        assert r["tiles"] == (1, tiles)
+        worst = max(r["errs"], key=r["errs"].get)
+        assert r["errs"][worst] <= 1e-6, (worst, r["errs"][worst])
+        assert len([k for k in r["errs"] if k.startswith("grad")]) >= 3
+        if balance != "none":
+            assert r["aux"], "the router tracked no aux loss"
+            # negative control: routing per tile changes the aux losses and the router gradient
+            bad = {k: v for k, v in r["control"].items() if k.startswith("aux")}
+            assert min(bad.values()) > 1e-3, bad
+            assert r["control"]["grad router.weight"] > 1e-4, r["control"]
+
+
+@pytest.mark.parametrize("balance", ["aux_loss", "seq_aux_loss"])
+def test_single_rank_tiles_equal_whole(balance):
+    out = run_ranks(tiles_vs_whole, 1, "allgather", balance, 3)
+    _check(out, balance, 3)
+
+
+@pytest.mark.parametrize("dispatcher,balance", [("allgather", "aux_loss"),
+                                                ("alltoall", "seq_aux_loss")])
+def test_expert_parallel_tiles_equal_whole(dispatcher, balance):
+    out = run_ranks(tiles_vs_whole, 2, dispatcher, balance, 3)
+    _check(out, balance, 3)
+
+
+# ------------------------------------------------------------------ tile count and transient
+
+
+def test_routed_transient_formula():
+    # bf16 SwiGLU: n·k·(4h + 12f′); Qwen3-30B-A3B (h 2048, f′ 768, k 8) at 131,072 tokens: 17 GiB
+    assert moe_tiles.routed_row_bytes(2048, 768, 8) == 8 * (4 * 2048 + 12 * 768)
+    whole = moe_tiles.routed_transient_bytes(131072, 2048, 768, 8)
+    assert whole == 131072 * 8 * (4 * 2048 + 12 * 768)
+    assert round(whole / 2**30, 1) == 17.0
+    tiled = moe_tiles.routed_transient_bytes(131072, 2048, 768, 8, tiles=18)
+    assert tiled == math.ceil(131072 / 18) * moe_tiles.routed_row_bytes(2048, 768, 8)
+    assert tiled <= 2**30 < moe_tiles.routed_transient_bytes(131072, 2048, 768, 8, tiles=17)
+    assert moe_tiles.routed_row_bytes(4096, 14336, 2, gated=False, elem=4) == \
+        2 * 4 * (2 * 4096 + 4 * 14336)
+
+
+def test_tile_count_auto_env_and_refusals(monkeypatch):
+    monkeypatch.delenv(moe_tiles.MOE_TOKEN_TILES_ENV, raising=False)
+    monkeypatch.delenv("METP_TILE_BUDGET_MIB", raising=False)
+    row = moe_tiles.routed_row_bytes(2048, 768, 8)
+    assert moe_tiles.resolve_moe_tiles(131072, row) == 18  # 7,710 tokens per 1 GiB tile
+    assert moe_tiles.resolve_moe_tiles(4096, row) == 1  # fits: whole
+    monkeypatch.setenv("METP_TILE_BUDGET_MIB", "4096")
+    assert moe_tiles.resolve_moe_tiles(131072, row) == 5  # 30,840 tokens per tile
+    monkeypatch.setenv(moe_tiles.MOE_TOKEN_TILES_ENV, "6")
+    assert moe_tiles.resolve_moe_tiles(131072, row) == 6
+    assert moe_tiles.resolve_moe_tiles(4, row) == 4  # never more tiles than tokens
+    assert moe_tiles.resolve_moe_tiles(131072, row, tiles=2) == 2  # the layer's own wins
+    for bad in ("0", "-2", "two"):
+        monkeypatch.setenv(moe_tiles.MOE_TOKEN_TILES_ENV, bad)
+        with pytest.raises(ValueError, match=moe_tiles.MOE_TOKEN_TILES_ENV):
+            moe_tiles.resolve_moe_tiles(100, row)
+    from types import SimpleNamespace
+
+    probs = moe_tiles.tile_problems(SimpleNamespace(moe_pad_expert_input_to_capacity=True))
+    assert probs and "--moe-pad-expert-input-to-capacity" in probs[0]
+    assert moe_tiles.tile_problems(SimpleNamespace()) == []
+
+
+# ------------------------------------------------------------------ in the METP GPT (moe-core)
+
+
+def metp_step(rank, world, size, layout, tiles):
+    """``tests.test_moe.moe_one_step`` with every MoE layer in ``tiles`` token tiles (the env
+    override, as Megatron-LM's ``--metp-moe-token-tiles`` sets it); also the counts that ran."""
+    import os
+
+    from tests.test_moe import moe_one_step
+
+    os.environ[moe_tiles.MOE_TOKEN_TILES_ENV] = str(tiles)
+    ran = []
+    forward = moe_tiles.TiledMoELayer.forward
+
+    def counted(self, *a, **kw):
+        out = forward(self, *a, **kw)
+        ran.append(self.last_tiles)
+        return out
+    moe_tiles.TiledMoELayer.forward = counted
+    from megatron_metp.megatron import streaming
+
+    prepare, streamed = streaming.prepare_recompute, []
+    streaming.prepare_recompute = lambda block: streamed.append(prepare(block)) or streamed[-1]
+    out = moe_one_step(rank, world, size, layout)
+    out["ran"], out["streamed"] = ran, streamed
+    return out
+
+
+@pytest.mark.parametrize("metp,dispatcher,aux,recompute", [  # whole: no recompute
+    (2, "allgather", 0.01, None), (2, "alltoall", -0.01, "full"), (3, "alltoall", 0.01, None),
+])
+def test_metp_gpt_tiles_equal_whole(metp, dispatcher, aux, recompute):
+    from tests.test_moe import MOE, _layout, assemble
+
+    whole = run_ranks(metp_step, metp, MOE, _layout(metp, dispatcher=dispatcher, aux=aux), 1)
+    tiled = run_ranks(metp_step, metp, MOE,
+                      _layout(metp, dispatcher=dispatcher, aux=aux, recompute=recompute), 3)
+    moe_layers = 2  # MOE: layers 1 and 3 of 3 have experts
+    for w, t in zip(whole, tiled):
+        # full recompute: the dense layer streams, the MoE layers are checkpointed one by one
+        assert t["streamed"] == [bool(recompute)], t["streamed"]
+        # the forward (and, under full recompute, its re-run) of every MoE layer
+        assert set(w["ran"]) == {1} and set(t["ran"]) == {3}, (w["ran"], t["ran"])
+        assert len(t["ran"]) == moe_layers * (2 if recompute else 1)
+        assert abs(w["loss"] - t["loss"]) <= 1e-6 * abs(w["loss"])
+    gw, gt = assemble(whole), assemble(tiled)
+    assert set(gw) == set(gt) and any(".experts." in n for n in gw)
+    errs = {n: _rel(gt[n], gw[n]) for n in gw}
+    worst = max(errs, key=errs.get)
+    assert errs[worst] <= 1e-6, (worst, errs[worst])
+
+
+def test_megatron_lm_flag_sets_the_count_or_is_refused(monkeypatch):
+    import argparse
+    import os
+    from types import SimpleNamespace
+
+    from megatron_metp.megatron_lm import hooks, tiles
+
+    parser = hooks.add_metp_args(argparse.ArgumentParser())
+    assert parser.parse_args(["--metp-moe-token-tiles", "4"]).metp_moe_token_tiles == 4
+    assert parser.parse_args([]).metp_moe_token_tiles is None
+    monkeypatch.delenv(moe_tiles.MOE_TOKEN_TILES_ENV, raising=False)
+    tiles.map_tile_args(SimpleNamespace(metp_moe_token_tiles=4, num_experts=8), True)
+    assert os.environ[moe_tiles.MOE_TOKEN_TILES_ENV] == "4"
+    assert moe_tiles.resolve_moe_tiles(1000, 10) == 4  # what every TiledMoELayer then runs
+    for kw, metp, needle in ((dict(num_experts=None), True, "needs --num-experts"),
+                             (dict(num_experts=8), False, "needs --metp-parallel-size > 1"),
+                             (dict(num_experts=8, metp_moe_token_tiles=0), True, ">= 1")):
+        args = SimpleNamespace(**{"metp_moe_token_tiles": 4, **kw})
+        with pytest.raises(ValueError, match="--metp-moe-token-tiles") as err:
+            tiles.map_tile_args(args, metp)
+        assert needle in str(err.value)
