@@ -126,6 +126,10 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
     from .standins import flash_core_attention_class, sp_norm_class
 
     CpuSPNorm, SDPAFlash = sp_norm_class(), flash_core_attention_class()
+    if model.moe and mode == "metp" and not job.moe_token_tiles:  # --no-moe-token-tiles
+        import os
+
+        os.environ["METP_MOE_TOKEN_TILES"] = "1"  # (this forked child's environment only)
     if model.moe:  # the block's layer specs (dense and MoE layers: --moe-layer-freq)
         spec = _moe_block_spec(cfg, groups, mode, job, model)
     elif mode in ("tp", "tp-sp"):

@@ -24,13 +24,14 @@ that is issue 30's ``n·k·(4h + 12f′)`` (17 GiB per 131,072 tokens per rank f
 Megatron's default ``SequentialMLP`` runs the experts one after another, so only one expert's
 gradients are alive beside the output gradient (:func:`backward_rows`).
 
-**MoE token tiles** (mode ``metp`` with ``moe_token_tiles``, issue 30 Deliver 2): the routed
-part runs over tiles of ``T`` tokens, each tile's routed rows re-formed in its own backward, so a
-layer keeps none of them and its phases hold one tile's; ``T`` from the tile budget
-``METP_TILE_BUDGET_MIB`` (:func:`megatron_metp.ops.tiles.tile_budget_bytes`, 1 GiB) over a
-token's routed bytes ``k·imbalance·(4h + 12f′ + 4)``, the whole rank's tokens when they fit. The
-formula is written here from the issue's design (the op is being written on branch
-``moe-tiles``): check it against the op when it lands.
+**MoE token tiles** (mode ``metp``, :class:`megatron_metp.megatron.moe_tiles.TiledMoELayer`):
+the router runs once over the rank's tokens, the routed part over ``T`` tiles of
+``ceil(N/T)`` tokens, each tile's routed rows re-formed in its own backward, so a layer keeps
+none of them and its phases hold one tile's (with the input gradient ``[N, h]``, the
+probabilities' gradient ``[N, E]`` fp32 and this rank's experts' weight gradients summed over
+the tiles); ``T`` as the layer resolves it (:func:`tile_count`: ``METP_MOE_TOKEN_TILES``, else
+the fewest tiles within ``METP_TILE_BUDGET_MIB``, 1 GiB). ``--no-moe-token-tiles`` plans one
+tile (``METP_MOE_TOKEN_TILES=1``).
 
 **Dispatcher buffers** of one pass of ``N`` tokens over ``ep`` ranks (:func:`dispatcher`):
 allgather: the gathered tokens ``[N·ep, h]`` (bf16) with the gathered probabilities and routing
@@ -123,19 +124,27 @@ def routed_rows(model: Model, job: Job, tokens: int) -> float:
 
 
 def tiled(job: Job, lay) -> bool:
+    """Whether the MoE layers run :class:`~megatron_metp.megatron.moe_tiles.TiledMoELayer`
+    (mode ``metp``; stock Megatron's ``MoELayer`` never tiles)."""
     return lay.mode in ("metp", "metp+vocab") and job.moe_token_tiles
 
 
-def tile_tokens(model: Model, job: Job, lay, N: int) -> int:
-    """Tokens per MoE tile: ``N`` untiled (stock, or tiles off), else the budget's
-    (``METP_TILE_BUDGET_MIB``) over one token's routed bytes, at most ``N``."""
+def tile_count(model: Model, job: Job, lay, N: int) -> int:
+    """MoE token tiles of a rank's ``N`` tokens: 1 (stock, or ``--no-moe-token-tiles`` =
+    ``METP_MOE_TOKEN_TILES=1``), else as the METP MoE layer resolves them
+    (:func:`megatron_metp.megatron.moe_tiles.resolve_moe_tiles`: ``METP_MOE_TOKEN_TILES``, or the
+    fewest tiles whose routed bytes ``k·(4h + 12f′)`` per token fit ``METP_TILE_BUDGET_MIB``)."""
     if not tiled(job, lay):
-        return N
-    from ...ops.tiles import tile_budget_bytes
+        return 1
+    from ...megatron.moe_tiles import resolve_moe_tiles, routed_row_bytes as row
 
-    stored, grads = routed_row_bytes(model)
-    per_token = model.topk * job.moe_imbalance * (stored + grads)
-    return max(1, min(N, int(tile_budget_bytes() // per_token)))
+    return resolve_moe_tiles(N, row(model.hidden, expert_ffn(model), model.topk, elem=BF16,
+                                    gated=model.swiglu))
+
+
+def tile_tokens(model: Model, job: Job, lay, N: int) -> int:
+    """Tokens of the largest MoE tile (the op's balanced tiles: ``ceil(N/T)``)."""
+    return -(-N // tile_count(model, job, lay, N))
 
 
 def dispatcher(model: Model, job: Job, ep: int, N: int) -> Dict[str, Dict[str, float]]:
@@ -170,9 +179,9 @@ def moe_stored(model: Model, job: Job, lay, N: int) -> Dict[str, float]:
     S = {"MoE router: logits, probabilities and routing map [tokens, E] (bf16, fp32, bool)":
          (BF16 + FP32 + 1) * N * model.experts,
          "MoE router: top-k indices (int64)": 8 * N * model.topk}
-    if not tiled(job, lay):
+    if tile_count(model, job, lay, N) == 1:  # untiled: the routed rows kept (module docstring)
         stored, _ = routed_row_bytes(model)
-        S["MoE routed rows: experts' input and output, fc1 and activation outputs (bf16)"] = \
+        S["MoE routed rows: experts' input, fc1's output, fc2's input, probability"] = \
             routed_rows(model, job, N) * stored
     return S
 
@@ -195,7 +204,12 @@ def moe_phases(model: Model, job: Job, lay, N: int) -> Dict[str, Dict[str, float
         fwd = {"MoE output [tokens, h], filled tile by tile (bf16)": out_n,
                f"{tile}: routed rows formed": rt * stored,
                **max(disp["dispatch"], disp["combine"], key=lambda d: sum(d.values()))}
+        local = model.experts // ep
+        _, one = expert_elements(model)
         bwd = {"MoE input gradient [tokens, h], filled tile by tile (bf16)": out_n,
+               "routing probabilities' gradient [tokens, E] (fp32)": FP32 * N * model.experts,
+               "this rank's experts' weight gradients, summed over the tiles (bf16)":
+                   BF16 * local * one,
                f"{tile}: routed rows re-formed": rt * stored,
                **{f"{tile}: {k_}": v for k_, v in grads.items()},
                **disp["backward"], **wgrad}
