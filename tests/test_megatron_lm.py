@@ -212,7 +212,7 @@ def test_sequence_parallel_with_tp1_is_left_to_megatron():
     (dict(world_size=12), ["world size 12", "--metp-parallel-size"]),
     (dict(context_parallel_size=2, world_size=24), ["world size 24", "--context-parallel-size"]),
     (dict(seq_length=4100), ["--seq-length 4100", "2×METP = 16"]),
-    (dict(num_experts=8), ["MoE", "--num-experts 8"]),
+    (dict(num_experts=12), ["--num-experts 12 is not divisible by --metp-parallel-size 8"]),
     (dict(tensor_model_parallel_size=2, world_size=16, sequence_parallel=True),
      ["--sequence-parallel"]),
     (dict(attention_dropout=0.1), ["--attention-dropout 0.1", "--attention-dropout 0"]),

@@ -62,17 +62,22 @@ def metp_arg_problems(args) -> List[str]:
         world_size=args.world_size, tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size, metp_parallel_size=p,
         context_parallel_size=cp, seq_length=getattr(args, "seq_length", None),
-        num_experts=getattr(args, "num_experts", None),
         # Megatron switches sequence parallelism off by itself when TP is 1
         sequence_parallel=bool(getattr(args, "sequence_parallel", False)) and tp > 1)
     out.extend(layout)
-    if getattr(args, "num_experts", None):  # megatron-core runs it; the hooks do not yet
-        out.append(f"--num-experts {args.num_experts} (MoE) through Megatron-LM's "
-                   f"pretrain_gpt.py is not wired to METP yet (megatron-core's MoE GPT with "
-                   f"METP is: megatron_metp.megatron.moe); use --metp-parallel-size 1 for MoE "
-                   f"models here")
     if any("must be >= 1" in x for x in layout):
         return out  # no divisibility to check against a size below 1
     out.extend(f"--metp-parallel-size {p} cannot be used with: {problem}"
                for problem in _metp_problems(args, p, tp))
+    out.extend(_moe_problems(args, p))
     return out
+
+
+def _moe_problems(args, p: int) -> List[str]:
+    """MoE with METP: megatron-core's table (:mod:`megatron_metp.megatron.moe_checks`, E % p
+    included; the GPU-only kernels are refused on CPU ranks by :mod:`.cpu`) and the Megatron-LM
+    flags beyond it (:mod:`.moe_args`)."""
+    from ..megatron.moe_checks import moe_args_problems
+    from .moe_args import release_moe_problems
+
+    return moe_args_problems(args, p, on_cpu=False) + release_moe_problems(args, p)

@@ -318,7 +318,9 @@ def cpu_arg_problems(args) -> list:
                         "len(steps) == 1; resume CPU runs without "
                         "--use-distributed-optimizer (DISTRIBUTED_OPTIMIZER=0), or pass "
                         "--no-load-optim to restart the optimizer)")
-    return problems
+    from .moe_args import moe_cpu_problems
+
+    return problems + moe_cpu_problems(args)
 
 
 def main(argv=None) -> None:

@@ -66,9 +66,10 @@ def add_metp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Number of GPUs in a METP ring (p). Each rank holds 1/p of every linear weight of "
              "the transformer layers (on top of TP) and 1/p of the sequence; weight shards and "
              "K/V blocks travel around the ring. World size must be divisible by "
-             "TP x METP x PP, --seq-length by 2 x METP. Cannot be combined with "
-             "--context-parallel-size, --sequence-parallel (with TP > 1) or MoE. "
-             "1 (default) disables METP.")
+             "TP x METP x PP, --seq-length by 2 x METP. --context-parallel-size c is the outer "
+             "factor (the sequence over p x c ranks). With --num-experts E the experts are "
+             "sharded over the ring (expert-model-parallel size p, E divisible by p). Cannot be "
+             "combined with --sequence-parallel (with TP > 1). 1 (default) disables METP.")
     group.add_argument(
         "--metp-disable-weight-ring", action="store_true",
         help="Ring self-attention baseline: keep the linear weights replicated over the METP "
@@ -239,12 +240,17 @@ def validate_metp_args(args):
     args.context_parallel_size = p * cp
     setattr(args, CP_OUTER, cp)
     setattr(args, _MAPPED, True)
+    from .moe_args import fold_expert_parallel
+
+    moe_note = fold_expert_parallel(args, p)  # the TransformerConfig's EP must be p too
     if getattr(args, "rank", 0) == 0:
         cp_note = (f" x --context-parallel-size {cp} (the outer factor: the sequence over all "
                    f"{p * cp} ranks, weights over the {p} of each METP ring)") if cp > 1 else ""
         print(f"> METP: --metp-parallel-size {p}{cp_note} runs on Megatron's context-parallel "
               f"dimension (context-parallel size {p * cp}); expert groups are folded onto the "
               f"METP rings in parallel_state only", flush=True)
+        if moe_note:
+            print(f"> METP: {moe_note}", flush=True)
     _fold_vocab_padding(args, p)
     return args
 
@@ -279,11 +285,12 @@ def _metp_problems(args, p: int, tp: int) -> List[str]:
 
     if flag("use_legacy_models"):
         out.append("--use-legacy-models (METP needs megatron-core models)")
-    if (flag("expert_model_parallel_size", 1) or 1) != 1:
+    experts = bool(flag("num_experts"))  # MoE: EP / ETP are checked by .moe_args
+    if not experts and (flag("expert_model_parallel_size", 1) or 1) != 1:
         out.append(f"--expert-model-parallel-size {flag('expert_model_parallel_size')} (METP uses "
                    f"the expert groups for its weight gradients; leave it at 1)")
     etp = flag("expert_tensor_parallel_size")
-    if etp is not None and etp != tp:
+    if not experts and etp is not None and etp != tp:
         out.append(f"--expert-tensor-parallel-size {etp} (must equal "
                    f"--tensor-model-parallel-size {tp} or be unset)")
     if flag("hierarchical_context_parallel_sizes"):
@@ -445,7 +452,9 @@ def metp_expert_model_parallel_size(args) -> int:
     ``args.expert_model_parallel_size`` unless METP is on, then the METP size: the expert
     groups then coincide with the METP groups and expert data parallelism with pure DP, which is
     where METP-sharded weights reduce their gradients. ``args`` itself is not changed (Megatron
-    asserts ``--num-experts`` whenever ``args.expert_model_parallel_size > 1``).
+    asserts ``--num-experts`` whenever ``args.expert_model_parallel_size > 1``); with
+    ``--num-experts`` :func:`validate_metp_args` has already set it to the METP size
+    (:func:`.moe_args.fold_expert_parallel`).
 
     Called on every rank right after ``init_process_group``, it also installs the last-seen
     records of Megatron-LM's loop (:func:`megatron_metp.megatron_lm.last_seen.install`: a rank
@@ -457,7 +466,7 @@ def metp_expert_model_parallel_size(args) -> int:
     ep = getattr(args, "expert_model_parallel_size", 1) or 1
     if not metp_enabled(args):
         return ep
-    if ep != 1:
+    if ep != 1 and not (getattr(args, "num_experts", None) and ep == args.metp_parallel_size):
         raise ValueError(f"--expert-model-parallel-size {ep} cannot be combined with "
                          f"--metp-parallel-size {args.metp_parallel_size}")
     return args.metp_parallel_size
@@ -585,12 +594,19 @@ def build_metp_gpt_model(args, pre_process, post_process, vp_stage=None, config=
                          f"fold METP into --make-vocab-size-divisible-by (apply all of patches/)")
     weight_ring = not getattr(args, "metp_disable_weight_ring", False)
     kernel = getattr(args, "metp_attention_kernel", "auto")
-    spec = get_gpt_layer_metp_spec(
-        groups, weight_ring=weight_ring, normalization=args.normalization,
+    layer_kwargs = dict(
+        weight_ring=weight_ring, normalization=args.normalization,
         kernel=None if kernel in (None, "auto") else kernel,
         keep_intermediate=bool(getattr(args, "metp_keep_intermediate", False)),
-        norm=select_norm(getattr(args, "transformer_impl", "local"), args.normalization).module,
-        qk_layernorm=bool(getattr(args, "qk_layernorm", False)))
+        norm=select_norm(getattr(args, "transformer_impl", "local"), args.normalization).module)
+    if config.num_moe_experts:  # Megatron's MoELayer, experts over the METP ring (EP = p)
+        from ..megatron.moe import get_gpt_decoder_block_metp_spec
+
+        spec = get_gpt_decoder_block_metp_spec(config, groups, vp_stage=vp_stage, **layer_kwargs)
+    else:
+        spec = get_gpt_layer_metp_spec(groups, qk_layernorm=bool(getattr(args, "qk_layernorm",
+                                                                          False)),
+                                       **layer_kwargs)
     if not dist.is_initialized() or dist.get_rank() == 0:
         mode = "METP (weight ring + K/V ring)" if weight_ring else "ring self-attention"
         cp_note = (f", context-parallel (outer) {groups.metp.sequence_ring.size // groups.metp.size}"

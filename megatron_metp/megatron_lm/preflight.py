@@ -105,6 +105,9 @@ def megatron_parser() -> argparse.ArgumentParser:
                     action="store_false")
     ap.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
                     dest="create_attention_mask_in_dataloader")
+    from .moe_args import add_moe_preflight_flags
+
+    add_moe_preflight_flags(ap)
     return add_metp_args(ap)
 
 
