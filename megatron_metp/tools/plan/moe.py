@@ -136,8 +136,11 @@ def tile_count(model: Model, job: Job, lay, N: int) -> int:
     fewest tiles whose routed bytes ``k·(4h + 12f′)`` per token fit ``METP_TILE_BUDGET_MIB``)."""
     if not tiled(job, lay):
         return 1
-    from ...megatron.moe_tiles import resolve_moe_tiles, routed_row_bytes as row
+    import warnings
 
+    with warnings.catch_warnings():  # megatron-core's "TE/Apex not installed" on import
+        warnings.simplefilter("ignore")
+        from ...megatron.moe_tiles import resolve_moe_tiles, routed_row_bytes as row
     return resolve_moe_tiles(N, row(model.hidden, expert_ffn(model), model.topk, elem=BF16,
                                     gated=model.swiglu))
 
