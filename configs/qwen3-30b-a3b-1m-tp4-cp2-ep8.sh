@@ -15,5 +15,6 @@ source "$(dirname "${BASH_SOURCE[0]}")/models/qwen3-30b-a3b.sh"
 : "${METP_OFFLOAD_ACTIVATIONS:=1}"
 : "${MICRO_BATCH_SIZE:=1}" "${GLOBAL_BATCH_SIZE:=8}"
 EXTRA_ARGS=("${MOE_ARGS[@]}" --expert-model-parallel-size "$EP" --optimizer-cpu-offload
-            --optimizer-offload-fraction 1.0 ${EXTRA_ARGS[@]+"${EXTRA_ARGS[@]}"})
+            --optimizer-offload-fraction 1.0 --use-precision-aware-optimizer
+            ${EXTRA_ARGS[@]+"${EXTRA_ARGS[@]}"})
 TWIN_CONFIG=qwen3-30b-a3b-1m-metp4-cp2.sh

@@ -31,7 +31,8 @@ from .model import Job, Model, canonical, layout
 MODELS_DIR = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, os.pardir, "configs",
                           "models")
 #: Megatron's optimizer CPU offload, all of it (``metp plan --optimizer-cpu-offload``)
-OPTIMIZER_OFFLOAD_ARGS = ("--optimizer-cpu-offload", "--optimizer-offload-fraction", "1.0")
+OPTIMIZER_OFFLOAD_ARGS = ("--optimizer-cpu-offload", "--optimizer-offload-fraction", "1.0",
+                          "--use-precision-aware-optimizer")  # Megatron-LM asserts the last
 
 Setting = Tuple[str, str, List[str]]
 
