@@ -53,7 +53,10 @@ def create_metp_ring_groups(timeout_s: Optional[float] = None):
         timeout_s = job_timeout_s()
     mine = tuple(dist.get_process_group_ranks(ep))
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():  # a model built under FakeTensorMode (the dry run): the
+        dist.all_gather_object(everyone, mine)  # objects travel as real byte tensors
     own = None
     for ranks in sorted({r for r in everyone if r}):
         group = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout_s))
