@@ -167,11 +167,11 @@ def test_plan_matches_the_measured_moe_model(key, measured):
 
 
 #: the Qwen3-30B-A3B 1M config shrunk through the environment (which wins over its defaults):
-#: 2 layers, hidden 256, 8 heads of 64 with 4 K/V groups, 8 experts of 128, top-2, 8K tokens;
+#: 2 layers, hidden 256, 8 heads of 64 with 4 K/V groups, 4 experts of 128, top-2, 8K tokens;
 #: METP 4 × CP 2, the vocabulary ring, full recompute, host offload and MoE token tiles kept
 SMALL_QWEN3_MOE = dict(NUM_LAYERS="2", HIDDEN_SIZE="256", FFN_HIDDEN_SIZE="512",
                        NUM_ATTENTION_HEADS="8", NUM_QUERY_GROUPS="4", KV_CHANNELS="64",
-                       NUM_EXPERTS="8", MOE_FFN_HIDDEN_SIZE="128", MOE_ROUTER_TOPK="2",
+                       NUM_EXPERTS="4", MOE_FFN_HIDDEN_SIZE="128", MOE_ROUTER_TOPK="2",
                        VOCAB_SIZE="4095", SEQ_LENGTH="8192", PRECISION="bf16",
                        METP_MOE_TOKEN_TILES="2")
 
