@@ -1,7 +1,12 @@
 """MoE GPT with METP inside megatron-core: METP attention around Megatron's stock ``MoELayer``
 (experts sharded over the METP group, EP = p), against single-rank stock megatron-core from the
-same full weights (fp32, ≤ 1e-5): loss and every gradient of one step, three Adam steps through
-Megatron's DDP and distributed optimizer; negative controls and refusals."""
+same full weights (fp32, ≤ 1e-5): loss and every gradient of one step (METP 2, 4, 2 × CP 2,
+3 × CP 2; allgather and alltoall; aux / seq-aux / z losses; full recompute), three Adam steps
+through Megatron's DDP and distributed optimizer; negative controls (EP left at 1 in the config,
+expert gradients not reduced over expert-DP); the METP rings off Megatron's EP communicator;
+refusals naming the flag."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,37 +21,62 @@ MOE = GPTSize(num_layers=3, hidden_size=24, num_attention_heads=12, num_query_gr
               moe_router_topk=2, moe_ffn_hidden_size=16, moe_layer_freq=2, bias=False)
 
 
-def _layout(metp=1, cp=1, mode="metp", dispatcher="allgather", aux=0.0, **kw):
-    extra = {"moe_token_dispatcher_type": dispatcher, "moe_aux_loss_coeff": aux,
-             **kw.pop("extra", {})}
+def _layout(metp=1, cp=1, mode="metp", dispatcher="allgather", aux=None, **kw):
+    """``aux``: None (no router loss), ``"aux"`` (load-balancing 1e-2 + z-loss 1e-3) or
+    ``"seq_aux"`` (sequence-level load balancing 1e-2 + z-loss 1e-3)."""
+    extra = {"moe_token_dispatcher_type": dispatcher, "moe_aux_loss_coeff": 0.0}
     if aux:
-        extra.update(moe_router_load_balancing_type="seq_aux_loss" if aux < 0 else "aux_loss",
+        extra.update(moe_router_load_balancing_type=f"{aux}_loss", moe_aux_loss_coeff=1e-2,
                      moe_z_loss_coeff=1e-3)
-        extra["moe_aux_loss_coeff"] = abs(aux)
     return Layout(metp=metp, cp=cp, mode=mode, extra=extra, **kw)
+
+
+def _shards(model, groups, tensors):
+    """``{global name: (tensor, partition dim, METP-sharded, full shape)}`` of ``tensors``
+    (``{local parameter name: tensor}``)."""
+    from megatron_metp.megatron.training import _global_name, full_shape
+
+    params = dict(model.named_parameters())
+    return {_global_name(model, n): (t, getattr(params[n], "partition_dim", 0),
+                                     getattr(params[n], "metp_sharded", False),
+                                     full_shape(params[n], groups)) for n, t in tensors.items()}
+
+
+def _rings_off_the_ep_communicator(groups) -> bool:
+    """No ring of the METP group talks on Megatron's expert-model-parallel process group."""
+    from megatron.core import parallel_state as ps
+
+    ep = ps.get_expert_model_parallel_group()
+    m = groups.metp
+    rings = [m, m.kv_ring, m.sequence_ring, m.sequence_ring.kv_ring]
+    return m.size > 1 and all(r.group is not ep for r in rings) and \
+        all(r.ranks == m.ranks for r in (m, m.kv_ring))
 
 
 def moe_one_step(rank, world, size, layout, ep_left_at_one=False):
     """Loss and full-weight gradients of one forward/backward, reduced as Megatron's DDP does.
 
-    Each rank's loss is the mean over its own tokens (as under Megatron's CP); a gradient is
-    summed over DP×CP when its parameter is ``allreduce`` (replicated), else over the expert
-    data-parallel group (experts and METP-sharded weights), then divided by ``|DP×CP|``: what
-    ``DistributedDataParallel`` computes. Also returns, for the negative control, the gradients
-    with the expert-DP reduction left out. Names are global (expert index included)."""
+    Each rank's loss is the mean over its own tokens (as under Megatron's CP, whose schedule
+    scales the router losses' backward by ``|CP|``); a gradient is summed over DP×CP when its
+    parameter is ``allreduce`` (replicated), else over the expert data-parallel group (experts
+    and METP-sharded weights), then divided by ``|DP×CP|``: what ``DistributedDataParallel``
+    computes. ``unreduced``: the same with the expert-DP reduction left out (negative control).
+    ``ep_left_at_one``: the config keeps ``expert_model_parallel_size = 1`` (the trap), with the
+    check that refuses it switched off."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe.router import MoEAuxLossAutoScaler
 
     from megatron_metp.megatron import cpu
     from megatron_metp.megatron.compat import get_batch_on_this_cp_rank
     from megatron_metp.megatron.moe import is_expert_param
-    from megatron_metp.megatron.training import (_global_name, build_model, full_shape,
-                                                 global_batch, init_parallel, load_initial_weights)
+    from megatron_metp.megatron.training import (build_model, global_batch, init_parallel,
+                                                 load_initial_weights)
 
     cpu.enable()
     groups = init_parallel(layout, size.seq_length)
-    if ep_left_at_one:  # the trap: the config keeps expert_model_parallel_size 1
-        from megatron_metp.megatron import moe, moe_checks, modules
+    if ep_left_at_one:
+        from megatron_metp.megatron import modules, moe, moe_checks
 
         fields = moe.moe_config_fields
         moe.moe_config_fields = lambda **kw: {**fields(**kw), "expert_model_parallel_size": 1}
@@ -60,10 +90,6 @@ def moe_one_step(rank, world, size, layout, ep_left_at_one=False):
     n_cp = dist.get_world_size(cp)
     if n_cp > 1:
         batch = get_batch_on_this_cp_rank(batch, cp_group=cp)
-    # Megatron's schedule scales the router losses' backward by |CP| (each rank's main loss is
-    # its own mean; DDP averages over DP×CP)
-    from megatron.core.transformer.moe.router import MoEAuxLossAutoScaler
-
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(float(n_cp)))
     per_token = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     loss = per_token.sum() / per_token.numel()
@@ -78,62 +104,211 @@ def moe_one_step(rank, world, size, layout, ep_left_at_one=False):
         expert = is_expert_param(p)
         if n_cp > 1 and not expert:
             dist.all_reduce(g, group=cp)
-        unreduced_g = g.clone() / n_cp
+        unreduced[name] = g.clone() / n_cp
         if expert and dist.get_world_size(edp) > 1:
             dist.all_reduce(g, group=edp)
-        key = _global_name(model, name)
-        grads[key] = (g / n_cp, getattr(p, "partition_dim", 0),
-                      getattr(p, "metp_sharded", False), full_shape(p, groups))
-        unreduced[key] = unreduced_g
-    return {"loss": total.item() / n_cp, "grads": grads, "unreduced": unreduced,
-            "shard": groups.shard_index}
+        grads[name] = g / n_cp
+    return {"loss": total.item() / n_cp, "grads": _shards(model, groups, grads),
+            "unreduced": _shards(model, groups, unreduced), "shard": groups.shard_index,
+            "rings_apart": _rings_off_the_ep_communicator(groups)}
 
 
 def assemble(per_rank, key="grads"):
-    """Full gradients: experts from the rank holding them, METP-sharded weights concatenated in
-    shard order (SwiGLU's fc1 halves apart), replicated ones from rank 0."""
-    out = {}
+    """Full tensors from every rank's ``key`` entries: experts from the rank holding them,
+    METP-sharded weights concatenated in shard order, replicated ones from rank 0."""
+    out, pieces = {}, {}
     for r in per_rank:
-        for name, (g, dim, sharded, shape) in r["grads"].items():
-            g = r[key][name][0] if key == "grads" else r[key][name]
-            if not sharded or list(g.shape) == list(shape):
-                out.setdefault(name, g)
-    for name in {n for r in per_rank for n, v in r["grads"].items() if v[2]}:
-        _, dim, _, shape = per_rank[0]["grads"][name]
-        pieces = {r["shard"]: (r[key][name][0] if key == "grads" else r[key][name])
-                  for r in per_rank}
-        out[name] = torch.cat([pieces[i] for i in sorted(pieces)], dim=dim)
+        for name, (t, dim, sharded, shape) in r[key].items():
+            if sharded and list(t.shape) != list(shape):
+                pieces.setdefault(name, (dim, {}))[1][r["shard"]] = t
+            else:
+                out.setdefault(name, t)
+    for name, (dim, by_shard) in pieces.items():
+        out[name] = torch.cat([by_shard[i] for i in sorted(by_shard)], dim=dim)
     return out
 
 
 def _errors(out, ref, key="grads"):
+    """Relative loss error and every tensor's relative error against the single-rank ``ref``."""
     full_ref, got = assemble([ref]), assemble(out, key)
     assert set(got) == set(full_ref), set(got) ^ set(full_ref)
     errs = {k: rel_err(got[k], full_ref[k]) for k in full_ref}
     return abs(out[0]["loss"] - ref["loss"]) / abs(ref["loss"]), errs
 
 
+def _experts(errs):
+    return {k: v for k, v in errs.items() if ".experts." in k}
+
+
 @pytest.fixture(scope="module")
 def stock():
-    """Single-rank stock megatron-core (local spec, MoE block spec), per (dispatcher, aux)."""
+    """Single-rank stock megatron-core (local MoE block spec, EP 1), one run per router loss."""
     cache = {}
 
-    def get(aux=0.0, recompute=None):
-        key = (aux, recompute)
-        if key not in cache:
-            cache[key] = run_ranks(moe_one_step, 1, MOE,
-                                   _layout(mode="tp", aux=aux, recompute=recompute))[0]
-        return cache[key]
+    def get(aux=None):
+        if aux not in cache:
+            cache[aux] = run_ranks(moe_one_step, 1, MOE, _layout(mode="tp", aux=aux))[0]
+        return cache[aux]
     return get
 
 
-@pytest.mark.parametrize("metp,cp,dispatcher,aux", [
-    (2, 1, "allgather", 0.0), (2, 1, "alltoall", 0.01), (4, 1, "alltoall", 0.0),
-    (2, 2, "allgather", 0.01), (3, 2, "alltoall", -0.01),
+@pytest.mark.parametrize("metp,cp,dispatcher,aux,recompute", [
+    (2, 1, "allgather", None, None), (2, 1, "alltoall", "aux", None),
+    (4, 1, "alltoall", None, None), (2, 2, "allgather", "aux", None),
+    (2, 2, "alltoall", "aux", "full"), (3, 2, "alltoall", "seq_aux", None),
 ], ids=["metp2-allgather", "metp2-alltoall-aux", "metp4-alltoall", "metp2xcp2-allgather-aux",
-        "metp3xcp2-alltoall-seqaux"])
-def test_one_step_matches_single_rank_stock(stock, metp, cp, dispatcher, aux):
-    out = run_ranks(moe_one_step, metp * cp, MOE, _layout(metp, cp, dispatcher=dispatcher, aux=aux))
-    loss_err, errs = _errors(out, stock(aux))
+        "metp2xcp2-alltoall-aux-recompute", "metp3xcp2-alltoall-seqaux"])
+def test_one_step_matches_single_rank_stock(stock, metp, cp, dispatcher, aux, recompute):
+    out = run_ranks(moe_one_step, metp * cp, MOE,
+                    _layout(metp, cp, dispatcher=dispatcher, aux=aux, recompute=recompute))
+    ref = stock(aux)
+    loss_err, errs = _errors(out, ref)
     worst = max(errs, key=errs.get)
     assert loss_err <= 1e-5 and errs[worst] <= 1e-5, (loss_err, worst, errs[worst])
+    assert len(_experts(errs)) == 2 * 2 * MOE.num_experts  # fc1, fc2 of every expert, 2 layers
+    assert all(r["rings_apart"] for r in out)
+    if cp > 1:  # negative control: expert gradients not summed over expert-DP (the c rings)
+        _, bad = _errors(out, ref, key="unreduced")
+        assert min(_experts(bad).values()) > 1e-2, min(_experts(bad).values())
+
+
+def test_negative_control_expert_parallel_size_left_at_one_in_the_config(stock):
+    """The trap: with ``expert_model_parallel_size`` 1 in the TransformerConfig (EP = p in
+    parallel_state), Megatron marks expert weights as replicated, so they are summed over
+    DP×CP with the other METP ranks' experts: large errors, no exception. The check refuses it."""
+    out = run_ranks(moe_one_step, 2, MOE, _layout(2), ep_left_at_one=True)
+    _, errs = _errors(out, stock(None))
+    assert min(_experts(errs).values()) > 0.1, min(_experts(errs).values())
+    assert max(v for k, v in errs.items() if ".experts." not in k) <= 1e-5
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_metp.megatron.moe_checks import check_moe_config
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2,
+                            num_moe_experts=4, context_parallel_size=2)
+    with pytest.raises(ValueError, match="expert_model_parallel_size 1 .*must be 2"):
+        check_moe_config(cfg, 2)
+
+
+# ---------------------------------------------------------------- three Adam steps
+
+def moe_train(rank, world, size, layout):
+    """Three Adam steps through Megatron's DDP, optimizer and grad clipping: per step (loss,
+    grad norm), and the parameters after the steps."""
+    from megatron_metp.megatron import cpu
+    from megatron_metp.megatron.training import init_parallel, setup, train
+
+    cpu.enable()
+    init_parallel(layout, size.seq_length)
+    state = setup(size, layout)
+    steps = [(r.lm_loss, r.grad_norm) for r in train(size, layout, 3, state=state)]
+    model = state["model"].module
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"steps": steps, "params": _shards(model, state["groups"], params),
+            "shard": state["groups"].shard_index, "loss": steps[-1][0]}
+
+
+#: head dim 6: with head dim 2 some attention gradients are so small that Adam's first steps
+#: (``g / (|g| + eps)``) turn their last-bit differences into 1e-5 parameter differences;
+#: 4 layers (MoE, dense, MoE, dense) for two pipeline stages
+TRAIN_MOE = GPTSize(**{**MOE.__dict__, "num_attention_heads": 4, "num_query_groups": 4,
+                       "num_layers": 4})
+
+
+@pytest.fixture(scope="module")
+def stock_training():
+    return run_ranks(moe_train, 1, TRAIN_MOE, _layout(mode="tp", aux="aux"))[0]
+
+
+@pytest.mark.parametrize("cp,pp,dispatcher", [(1, 1, "alltoall"), (2, 1, "allgather"),
+                                              (1, 2, "alltoall")],
+                         ids=["metp2xdp2-alltoall-distopt", "metp2xcp2-allgather-distopt",
+                              "metp2xpp2-alltoall"])
+def test_three_adam_steps_ddp_distributed_optimizer_match_single_rank_stock(
+        stock_training, cp, pp, dispatcher):
+    """4 ranks. Experts and METP-sharded weights reduce over expert-DP (DP 2, or the c = 2
+    rings), their optimizer states shard over it, the grad norm counts every parameter once;
+    aux + z losses; two pipeline stages."""
+    world, metp = 4, 2
+    layout = _layout(metp, cp, dispatcher=dispatcher, aux="aux", pp=pp,
+                     distributed_optimizer=pp == 1)
+    ref = stock_training
+    out = run_ranks(moe_train, world, TRAIN_MOE, layout, timeout=300)
+    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(out[0]["steps"],
+                                                                    ref["steps"])):
+        assert abs(loss - ref_loss) <= 1e-5 * ref_loss, (step, loss, ref_loss)
+        assert abs(norm - ref_norm) <= 1e-5 * ref_norm, (step, norm, ref_norm)
+    full_ref, got = assemble([ref], "params"), assemble(out, "params")
+    assert set(got) == set(full_ref)
+    errs = {k: rel_err(got[k], full_ref[k]) for k in full_ref}
+    worst = max(errs, key=errs.get)
+    assert errs[worst] <= 1e-5, (worst, errs[worst])
+
+
+# ---------------------------------------------------------------- refusals
+
+def _cfg(**kw):
+    base = dict(num_moe_experts=8, expert_model_parallel_size=2, tensor_model_parallel_size=1,
+                expert_tensor_parallel_size=1, moe_token_dispatcher_type="alltoall")
+    return SimpleNamespace(**{**base, **kw})
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(expert_model_parallel_size=4), "--expert-model-parallel-size"),
+    (dict(num_moe_experts=6, expert_model_parallel_size=4), "--num-experts 6 is not divisible"),
+    (dict(tensor_model_parallel_size=2), "--tensor-model-parallel-size 2 with --num-experts"),
+    (dict(expert_tensor_parallel_size=2), "--expert-tensor-parallel-size 2"),
+    (dict(moe_token_dispatcher_type="flex"), "--moe-token-dispatcher-type flex"),
+    (dict(moe_shared_expert_intermediate_size=32), "--moe-shared-expert-intermediate-size"),
+    (dict(moe_latent_size=16), "--moe-latent-size"),
+    (dict(overlap_moe_expert_parallel_comm=True), "--overlap-moe-expert-parallel-comm"),
+    (dict(cuda_graph_impl="transformer_engine"), "--cuda-graph-impl transformer_engine"),
+    (dict(moe_use_upcycling=True), "--moe-use-upcycling"),
+    (dict(moe_grouped_gemm=True), "--moe-grouped-gemm runs on GPU only"),
+], ids=lambda v: v if isinstance(v, str) else "-".join(v))
+def test_unsupported_moe_settings_are_refused_naming_the_flag(kw, needle):
+    from megatron_metp.megatron.moe_checks import check_moe_config, moe_args_problems
+
+    p = 4 if kw.get("expert_model_parallel_size") == 4 and "num_moe_experts" in kw else 2
+    with pytest.raises(ValueError, match="with MoE does not support") as err:
+        check_moe_config(_cfg(**kw), p, on_cpu=True)
+    assert needle in str(err.value), str(err.value)
+    assert check_moe_config(_cfg(), 2, on_cpu=True) is None
+    assert check_moe_config(_cfg(moe_grouped_gemm=True), 2, on_cpu=False) is None  # GPU: runs
+
+
+def test_megatron_lm_args_leave_expert_parallel_size_to_the_hooks():
+    """Megatron-LM's ``args``: ``--expert-model-parallel-size`` left at 1 is fine (the hooks set
+    the config's to p); any other value than p is refused, as are the same unsupported flags."""
+    from megatron_metp.megatron.moe_checks import moe_args_problems
+
+    def args(**kw):
+        return SimpleNamespace(**{"num_experts": 8, "expert_model_parallel_size": 1, **kw})
+
+    assert moe_args_problems(args(), 2, on_cpu=True) == []
+    assert moe_args_problems(args(expert_model_parallel_size=2), 2, on_cpu=True) == []
+    assert "--expert-model-parallel-size" in moe_args_problems(
+        args(expert_model_parallel_size=4), 2, on_cpu=True)[0]
+    assert "--moe-use-upcycling" in moe_args_problems(args(moe_use_upcycling=True), 2,
+                                                      on_cpu=True)[0]
+    assert moe_args_problems(SimpleNamespace(num_experts=None), 2) == []
+
+
+def test_config_from_args_gets_expert_parallel_size_p():
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_metp.megatron.moe import fold_expert_parallel_into_config
+
+    def cfg(ep):
+        return TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2,
+                                 num_moe_experts=4, expert_model_parallel_size=ep)
+
+    assert fold_expert_parallel_into_config(cfg(1), 2).expert_model_parallel_size == 2
+    assert fold_expert_parallel_into_config(cfg(2), 2).expert_model_parallel_size == 2
+    with pytest.raises(ValueError, match="expert_model_parallel_size 4"):
+        fold_expert_parallel_into_config(cfg(4), 2)
+    with pytest.raises(ValueError, match="--metp-disable-weight-ring"):
+        from megatron_metp.megatron.moe import get_gpt_decoder_block_metp_spec
+
+        get_gpt_decoder_block_metp_spec(cfg(2), SimpleNamespace(metp=SimpleNamespace(size=2)),
+                                        weight_ring=False)

@@ -26,8 +26,8 @@ from typing import Optional
 
 from .groups import METPGroups
 
-__all__ = ["moe_config_fields", "get_gpt_decoder_block_metp_spec", "global_expert_name",
-           "is_expert_param"]
+__all__ = ["moe_config_fields", "fold_expert_parallel_into_config",
+           "get_gpt_decoder_block_metp_spec", "global_expert_name", "is_expert_param"]
 
 
 def moe_config_fields(*, num_experts: Optional[int], topk: int = 2,
@@ -43,6 +43,22 @@ def moe_config_fields(*, num_experts: Optional[int], topk: int = 2,
     if ffn_hidden_size is not None:
         out["moe_ffn_hidden_size"] = ffn_hidden_size
     return out
+
+
+def fold_expert_parallel_into_config(config, metp_parallel_size: int):
+    """Give a MoE ``TransformerConfig`` built from Megatron-LM's ``args`` (which keep
+    ``--expert-model-parallel-size`` 1: the hooks fold EP = p into ``parallel_state`` only) its
+    ``expert_model_parallel_size = p``, then refuse what :mod:`.moe_checks` lists (an EP other
+    than 1 or p included). Returns ``config`` (changed in place); a config without experts is
+    returned as it is."""
+    from .moe_checks import check_moe_config
+
+    if not getattr(config, "num_moe_experts", None):
+        return config
+    if (config.expert_model_parallel_size or 1) == 1:
+        config.expert_model_parallel_size = metp_parallel_size
+    check_moe_config(config, metp_parallel_size)
+    return config
 
 
 def get_gpt_decoder_block_metp_spec(config, groups: METPGroups, *, vp_stage=None, pp_rank=None,

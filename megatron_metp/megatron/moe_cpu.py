@@ -27,16 +27,10 @@ from .cpu import _CpuStream
 
 
 class _HostEvent:
-    """A completed event: CPU work is ordered, nothing to wait for."""
+    """A completed event (the dispatcher only synchronises on it): CPU work is ordered."""
 
     def synchronize(self) -> None:
         pass
-
-    def wait(self, stream=None) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
 
 
 class _HostStream(_CpuStream):
