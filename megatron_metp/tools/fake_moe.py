@@ -68,8 +68,12 @@ class _Counts:
 
 
 def _permute(tokens, routing_map, probs=None, num_out_tokens=None, fused=False,
-             drop_and_pad=False):
-    """Megatron's unfused ``permute`` with ``num_out_tokens`` rows (a Python int here)."""
+             drop_and_pad=False, tokens_per_expert=None, align_size=0):
+    """Megatron's unfused ``permute`` with ``num_out_tokens`` rows (a Python int here):
+    ``(permuted tokens, permuted probabilities, indices)``; :func:`balanced_routing` adds
+    core_v0.19.0's two more (no padding offsets, the counts given) where that release has them."""
+    if align_size:
+        raise ValueError("the fake-rank MoE dispatch measures unpadded expert inputs")
     import torch
 
     if fused or drop_and_pad:
@@ -149,7 +153,15 @@ def balanced_routing(imbalance: float = 1.0) -> Iterator[None]:
     def a2a_sync(self, point, tokens_per_expert):
         return tokens_per_expert
 
-    TD.permute = _permute
+    import inspect
+
+    five = "align_size" in inspect.signature(TD.permute).parameters  # core_v0.19.0's permute
+
+    def permute(*args, **kwargs):
+        out = _permute(*args, **kwargs)
+        return out + (None, kwargs.get("tokens_per_expert")) if five else out
+
+    TD.permute = permute
     TD.sort_chunks_by_idxs = _sort_chunks
     AG.dispatch_postprocess = ag_dispatch_postprocess
     A2A.preprocess = a2a_preprocess
