@@ -98,6 +98,21 @@ def test_qwen3_30b_a3b_1m_config_fits_and_its_stock_twin_does_not():
     assert "--expert-model-parallel-size" not in P.megatron_flags(m, j, "metp")
 
 
+def test_written_config_plans_the_same_moe_job(tmp_path):
+    """--reach --write-config's file of a MoE job reads back as the same experts, EP and
+    dispatcher (the MoE variables and EXTRA_ARGS)."""
+    for mode, job in (("metp", _metp()), ("cp", P.Job(tp=4, metp=2, ep=8, recompute="full",
+                                                      distributed_optimizer=True,
+                                                      moe_dispatcher="alltoall"))):
+        path = tmp_path / f"{mode}.sh"
+        path.write_text(P.config_text(QWEN, job, mode, "test"))
+        m2, j2, _ = cli.build_from_argv(["--config", str(path), "--modes", mode])
+        assert (m2.experts, m2.topk, m2.moe_ffn, j2.moe_dispatcher, j2.ep) == \
+            (128, 8, 768, "alltoall", job.ep)
+        assert P.memory(m2, j2, mode).total == pytest.approx(P.memory(QWEN, job, mode).total,
+                                                             rel=1e-3)
+
+
 def test_reach_stock_searches_ep_and_metp_shards_experts_over_its_group():
     cands = R.candidates(QWEN, 8, "stock", recompute=("full + offload",),
                          optimizer_offload=(True,))

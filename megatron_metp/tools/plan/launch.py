@@ -75,6 +75,12 @@ def geometry(model: Model) -> List[Setting]:
         ("QK_LAYERNORM", str(int(model.qk_layernorm)), _flag(model.qk_layernorm, "--qk-layernorm")),
         ("ADD_QKV_BIAS", str(int(model.add_qkv_bias)), _flag(model.add_qkv_bias, "--add-qkv-bias")),
         ("VOCAB_SIZE", str(model.vocab), []),  # the tokenizer's (NullTokenizer: --vocab-size)
+    ]
+    if model.moe:  # their flags travel in EXTRA_ARGS (:func:`moe_flags`)
+        out += [("NUM_EXPERTS", str(model.experts), []), ("MOE_ROUTER_TOPK", str(model.topk), []),
+                ("MOE_FFN_HIDDEN_SIZE", str(model.moe_ffn or model.ffn), []),
+                ("MOE_LAYER_FREQ", str(model.moe_layer_freq), [])]
+    out += [
         ("SEQ_LENGTH", str(model.seq), ["--seq-length", str(model.seq),
                                         "--max-position-embeddings", str(model.seq)]),
     ]
@@ -159,6 +165,9 @@ def settings(model: Model, job: Job, mode: str) -> List[Setting]:
     out = geometry(model) + job_settings(job, mode)
     moe = moe_flags(model, job, mode)
     if moe:
+        out.append(("MOE_TOKEN_DISPATCHER", job.moe_dispatcher, []))
+        if canonical(mode, job)[0] != "metp" and (job.ep or 1) > 1:
+            out.append(("EP", str(job.ep), []))
         extra = [f for name, _, fl in out if name == "EXTRA_ARGS" for f in fl]
         out = [x for x in out if x[0] != "EXTRA_ARGS"]
         out.append(("EXTRA_ARGS", " ".join(moe + extra), moe + extra))
