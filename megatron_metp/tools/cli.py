@@ -248,8 +248,9 @@ def build(args) -> tuple:
         modes = ["metp"]
     else:
         modes = [m for m in P.MODES if not (m == "cp" and (job.tp == 1 or job.metp == 1))]
-        if model.moe:  # Megatron runs MoE with TP > 1 only with SP
-            modes = [m for m in modes if m != "tp" or job.width == 1]
+        if model.moe:  # Megatron runs MoE with TP > 1 only with SP; --ep: a stock layout
+            modes = [m for m in modes if (m != "tp" or job.width == 1) and
+                     not (job.ep and m in P.VOCAB_MODES)]
     for m in modes:
         if m not in P.MODES + P.PEER_MODES:
             raise ValueError(f"--modes: unknown mode {m!r}; choose from "
