@@ -43,10 +43,11 @@ received ``[r, h]`` of the dispatch are the experts' stored input). With EP 1 no
 exchanged: the permutation's input gradient ``[N, h]``.
 
 **Activations** (:func:`moe_layer`): a MoE layer stores the router's ``[N, E]`` logits,
-probabilities and routing map and, untiled, ``r`` routed rows of ``4h + 6f′``; the last layer's
+probabilities and routing map and, with one tile, ``r`` routed rows of ``2h + 6f′ + 4`` bytes;
+the last layer's
 MLP phases become the MoE's (forward: the output ``[N, h]`` and the combine's buffers; backward:
 the gradients of the routed rows, the dispatcher's backward buffers and one expert's bf16 weight
-gradient); the attention backward runs after the MoE's stored tensors are freed. With
+gradient; with tiles, one tile's rows re-formed and their gradients); the attention backward runs after the MoE's stored tensors are freed. With
 ``--moe-layer-freq`` > 1 the stored bytes per layer are the stage's average and the last
 layer's phases those of its kind.
 
