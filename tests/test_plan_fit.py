@@ -95,7 +95,8 @@ def test_launch_settings_round_trip_through_a_config(tmp_path):
     path.write_text(P.config_text(model, job, "metp", "test"))
     text = path.read_text()
     assert ': "${GPUS_PER_NODE:=8}"' in text and ': "${NNODES:=2}"' in text
-    assert "EXTRA_ARGS=(--optimizer-cpu-offload --optimizer-offload-fraction 1.0)" in text
+    assert ("EXTRA_ARGS=(--optimizer-cpu-offload --optimizer-offload-fraction 1.0 "
+            "--use-precision-aware-optimizer)") in text
     m2, j2, _ = cli.build_from_argv(["--config", str(path)])
     for f in ("hidden", "layers", "heads", "query_groups", "ffn", "seq", "swiglu", "tied"):
         assert getattr(m2, f) == getattr(model, f), f

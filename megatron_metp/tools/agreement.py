@@ -50,8 +50,9 @@ def mode_of(job: "P.Job", config: Optional[str] = None) -> str:
     context-parallel twin (``CP > 1``: weights replicated, the K/V ring over the CP ranks: mode
     ``ring``), or a stock TP twin (TP+SP when TP > 1, as ``scripts/pretrain_gpt.sh`` sets
     sequence parallelism unless the config sets ``SEQUENCE_PARALLEL=0``)."""
-    if config is not None and _stock_cp(config) > 1 and job.tp == 1 and job.cp == 1:
-        return "ring"  # (METP × CP configs have job.cp = CP: they run mode metp)
+    if config is not None and _stock_cp(config) > 1 and job.cp == 1:
+        # (METP × CP configs have job.cp = CP: they run mode metp); TP × CP: mode cp
+        return "ring" if job.tp == 1 else "cp"
     if job.metp > 1:
         return "metp"
     sp = P.read_config(config).get("sequence_parallel") if config is not None else None
@@ -63,7 +64,11 @@ def model_job(config: str):
     CP twin's CP size is the ring size)."""
     from .cli import build_from_argv
 
-    model, job, _ = build_from_argv(["--config", config])
+    kv = P.read_config(config)
+    argv = ["--config", config]
+    if _stock_cp(config) > 1 and int(kv.get("tp") or 1) > 1 and int(kv.get("metp") or 1) <= 1:
+        argv += ["--modes", "cp"]  # a stock TP × CP twin (the other modes' sizes may not divide)
+    model, job, _ = build_from_argv(argv)
     return model, job
 
 

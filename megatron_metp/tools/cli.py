@@ -85,7 +85,30 @@ def _add_common(ap: argparse.ArgumentParser) -> None:
                    help="bias on q, k, v only (Megatron's --add-qkv-bias; Qwen2.5)")
     g.add_argument("--untie", action="store_true", default=None,
                    help="untied embedding and output layer (GPT ties them)")
+    g.add_argument("--num-experts", type=int, default=None,
+                   help="Mixture-of-Experts: routed experts per MoE layer (Megatron's "
+                        "--num-experts; presets qwen3-30b-a3b, mixtral-8x7b)")
+    g.add_argument("--moe-router-topk", type=int, default=None, help="experts per token")
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None,
+                   help="one expert's FFN (default --ffn)")
+    g.add_argument("--moe-layer-freq", type=int, default=None,
+                   help="layers 0, N, 2N, ... are MoE, the others dense (default 1)")
     j = ap.add_argument_group("job")
+    j.add_argument("--ep", type=int, default=None,
+                   help="MoE: expert-parallel size of the stock modes, out of TP × CP × DP "
+                        "(parallel folding; default 1); METP shards the experts over its group "
+                        "(EP = --metp)")
+    j.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall"],
+                   default=None, help="MoE token dispatcher (default allgather, Megatron's)")
+    j.add_argument("--moe-imbalance", type=float, default=None,
+                   help="MoE load imbalance: the busiest expert-parallel rank's routed rows over "
+                        "the mean N·k (default 1: balanced; printed with the plan)")
+    j.add_argument("--moe-grouped-gemm", action="store_true", default=None,
+                   help="MoE: the experts as one grouped GEMM (every expert's backward at once: "
+                        "n·k·(4h + 12f′) bytes untiled); default Megatron's SequentialMLP")
+    j.add_argument("--no-moe-token-tiles", action="store_true",
+                   help="METP: plan the routed part of each MoE layer over the rank's whole "
+                        "tokens (default: MoE token tiles sized by METP_TILE_BUDGET_MIB)")
     j.add_argument("--tp", type=int, help="tensor-parallel size (default 1)")
     j.add_argument("--metp", type=int, help="METP / ring / CP size (default 8)")
     j.add_argument("--cp", type=int,
@@ -172,7 +195,9 @@ def build_model(args) -> tuple:
     for flag, key in (("hidden", "hidden"), ("layers", "layers"), ("heads", "heads"),
                       ("query_groups", "query_groups"), ("ffn", "ffn"), ("vocab", "vocab"),
                       ("seq", "seq"), ("swiglu", "swiglu"), ("kv_channels", "kv_channels"),
-                      ("qk_layernorm", "qk_layernorm"), ("add_qkv_bias", "add_qkv_bias")):
+                      ("qk_layernorm", "qk_layernorm"), ("add_qkv_bias", "add_qkv_bias"),
+                      ("num_experts", "experts"), ("moe_router_topk", "topk"),
+                      ("moe_ffn_hidden_size", "moe_ffn"), ("moe_layer_freq", "moe_layer_freq")):
         v = getattr(args, flag)
         if v is not None:
             fields[key] = v
@@ -187,10 +212,16 @@ def build(args) -> tuple:
     """``(Model, Job, modes)`` from parsed arguments; ``ValueError`` naming the flag."""
     model, job_fields = build_model(args)
     for flag in ("tp", "metp", "cp", "pp", "dp", "micro_batch", "vocab_parallel", "recompute",
-                 "recompute_method", "recompute_num_layers"):
+                 "recompute_method", "recompute_num_layers", "ep", "moe_imbalance"):
         v = getattr(args, flag)
         if v is not None:
             job_fields[flag] = v
+    if args.moe_token_dispatcher_type:
+        job_fields["moe_dispatcher"] = args.moe_token_dispatcher_type
+    if args.no_moe_token_tiles:
+        job_fields["moe_token_tiles"] = False
+    if args.moe_grouped_gemm:
+        job_fields["moe_grouped_gemm"] = True
     if args.offload_activations:
         job_fields["offload"] = True
         if args.offload_activations is not True:
@@ -217,6 +248,9 @@ def build(args) -> tuple:
         modes = ["metp"]
     else:
         modes = [m for m in P.MODES if not (m == "cp" and (job.tp == 1 or job.metp == 1))]
+        if model.moe:  # Megatron runs MoE with TP > 1 only with SP; --ep: a stock layout
+            modes = [m for m in modes if (m != "tp" or job.width == 1) and
+                     not (job.ep and m in P.VOCAB_MODES)]
     for m in modes:
         if m not in P.MODES + P.PEER_MODES:
             raise ValueError(f"--modes: unknown mode {m!r}; choose from "
@@ -257,7 +291,20 @@ def cmd_reach(args) -> int:
                          "intermediate recomputed; drop --kernel / --keep-intermediate / "
                          "--micro-batch / --microbatches / --precision")
     model, _ = build_model(args)
-    res = P.reach(model, args.gpus, args.hardware, args.reserve_gib)
+    if args.ep is not None:
+        raise ValueError("--ep: --reach searches the stock layouts' expert parallelism itself "
+                         "(METP: EP = METP); drop --ep")
+    given = [(flag, k, v) for flag, k, v in (
+        ("--moe-token-dispatcher-type", "moe_dispatcher", args.moe_token_dispatcher_type),
+        ("--moe-imbalance", "moe_imbalance", args.moe_imbalance),
+        ("--no-moe-token-tiles", "moe_token_tiles", False if args.no_moe_token_tiles else None),
+        ("--moe-grouped-gemm", "moe_grouped_gemm", True if args.moe_grouped_gemm else None))
+        if v is not None]
+    if given and not model.moe:
+        raise ValueError(f"{given[0][0]}: a MoE setting, and the model has no experts "
+                         f"(--num-experts, or --preset qwen3-30b-a3b)")
+    moe = {k: v for _, k, v in given}
+    res = P.reach(model, args.gpus, args.hardware, args.reserve_gib, moe=moe)
     print(P.reach_report(model, args.gpus, args.hardware, args.reserve_gib, top=args.reach_top,
                          res=res))
     if args.write_config:

@@ -148,10 +148,15 @@ def static_memory(args, params: List, world: Dict[str, int]) -> Dict[str, float]
     else:
         dense_shards = expert_shards = 1
     opt_per_param = per["main"] + per["state"]
+    # --optimizer-cpu-offload: that fraction of the optimizer's state lives on the host
+    on_host = float(getattr(args, "optimizer_offload_fraction", 1.0) or 0.0) \
+        if getattr(args, "optimizer_cpu_offload", False) else 0.0
     return {
         "params": float(sum(p.numel() * p.element_size() for p in params)),
         "grads": float((n_dense + n_sharded) * grad_bytes),
-        "optimizer": opt_per_param * (n_dense / dense_shards + n_sharded / expert_shards),
+        "optimizer": (1.0 - on_host) * opt_per_param * (n_dense / dense_shards +
+                                                         n_sharded / expert_shards),
+        "optimizer_on_host_fraction": on_host,
         "grad_dtype": "fp32" if grad_bytes == 4 else str(args.params_dtype).replace("torch.", ""),
         "dense_shards": dense_shards,
         "expert_shards": expert_shards,
@@ -603,6 +608,8 @@ def format_report(r: Dict, gpu_memory_gib: Optional[float] = None,
             opt += f" (METP-sharded weights {s['expert_shards']}-way)"
     else:
         opt += "not distributed"
+    if s.get("optimizer_on_host_fraction"):
+        opt += f"; {s['optimizer_on_host_fraction']:g} of it on the host (--optimizer-cpu-offload)"
     inflight = a["inflight_microbatches"]
     lines = [
         f"METP dry run: Megatron-LM {r['megatron_lm_dir']} (patched), megatron.core from "

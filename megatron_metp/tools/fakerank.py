@@ -110,12 +110,21 @@ def snap(trk, kind: str = "peak", label: str = "name") -> Dict:
 
 
 @contextlib.contextmanager
-def measuring(trk, *modes, cuda: bool = True, cuda_matmul: bool = True):
+def measuring(trk, *modes, cuda: bool = True, cuda_matmul: bool = True,
+              moe_imbalance: float = 1.0):
     """Enter the tracker, the extra dispatch modes (e.g. a :class:`CommCounter`) and, with
-    ``cuda``, the CUDA-faithful kernels (``cuda_matmul=False`` keeps METP's CPU matmul branch)."""
+    ``cuda``, the CUDA-faithful kernels (``cuda_matmul=False`` keeps METP's CPU matmul branch);
+    with megatron-core's MoE imported, its token dispatch sized by balanced routing
+    (:func:`.fake_moe.balanced_routing`, ``moe_imbalance`` the busiest rank's factor)."""
+    import sys
+
     from .cuda_accounting import cuda_kernels
 
     with contextlib.ExitStack() as stack:
+        if "megatron.core.transformer.moe.token_dispatcher" in sys.modules:
+            from .fake_moe import balanced_routing
+
+            stack.enter_context(balanced_routing(moe_imbalance))
         if cuda:
             stack.enter_context(cuda_kernels(matmul=cuda_matmul))
         stack.enter_context(trk)

@@ -77,6 +77,9 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
     mode, job = P.canonical(mode, job)  # "metp+vocab" -> "metp" with job.vocab_parallel
     lay = P.layout(mode, job)
     world = lay.t * lay.c * job.pp
+    ep = P.moe.expert_parallel(job, lay) if model.moe else 1
+    if model.moe and mode != "metp" and ep > lay.t * lay.c:
+        world *= job.dp  # stock EP folded over DP ranks too
     FR.fake_world(world)
 
     from megatron.core import parallel_state as ps
@@ -93,9 +96,12 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
     from ..runtime.offload import ActivationOffloader
 
     # METP folds its groups into parallel_state; the stock modes are TP(+SP) x CP there
-    groups = init_parallel(TrainingLayout(tp=lay.t, pp=job.pp, metp=lay.p, cp=lay.cp,
-                                          mode="metp" if mode == "metp" else "tp"),
-                           seq_length=model.seq)
+    if model.moe and mode != "metp" and ep > 1:  # stock expert parallelism (parallel folding)
+        groups = _init_stock_ep(lay, job, ep)
+    else:
+        groups = init_parallel(TrainingLayout(tp=lay.t, pp=job.pp, metp=lay.p, cp=lay.cp,
+                                              mode="metp" if mode == "metp" else "tp"),
+                               seq_length=model.seq)
     torch.set_default_dtype(torch.bfloat16)
 
     layers_here = model.layers // job.pp
@@ -116,11 +122,17 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
         recompute_method=job.recompute_method if job.recompute == "full" else None,
         recompute_num_layers=job.recompute_num_layers if job.recompute == "full" else None,
         params_dtype=torch.bfloat16, bf16=True, pipeline_dtype=torch.bfloat16,
-        attention_softmax_in_fp32=False, batch_p2p_sync=False)
+        attention_softmax_in_fp32=False, batch_p2p_sync=False, **_moe_config(model, job, ep))
     from .standins import flash_core_attention_class, sp_norm_class
 
     CpuSPNorm, SDPAFlash = sp_norm_class(), flash_core_attention_class()
-    if mode in ("tp", "tp-sp"):
+    if model.moe and mode == "metp" and not job.moe_token_tiles:  # --no-moe-token-tiles
+        import os
+
+        os.environ["METP_MOE_TOKEN_TILES"] = "1"  # (this forked child's environment only)
+    if model.moe:  # the block's layer specs (dense and MoE layers: --moe-layer-freq)
+        spec = _moe_block_spec(cfg, groups, mode, job, model)
+    elif mode in ("tp", "tp-sp"):
         spec = get_gpt_layer_local_spec(qk_layernorm=model.qk_layernorm)
         if job.kernel == "flash":
             spec.submodules.self_attention.submodules.core_attention = SDPAFlash
@@ -130,7 +142,11 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
                                        keep_intermediate=job.keep_intermediate,
                                        qk_layernorm=model.qk_layernorm)
     block = spec
-    if lay.sp:
+    if lay.sp and model.moe:
+        for ls in spec.layer_specs:
+            _sp_norms(ls, CpuSPNorm, model.qk_layernorm)
+        spec.layer_norm = CpuSPNorm
+    elif lay.sp:
         spec.submodules.input_layernorm = CpuSPNorm
         spec.submodules.pre_mlp_layernorm = CpuSPNorm
         if model.qk_layernorm:  # the local spec's torch norms refuse SP (GPU runs use TE's)
@@ -163,7 +179,8 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
         tracker.track_external(main_grad)
         counter = FR.comm_counter_class()(track_alloc=True)
         outs = []
-        with FR.measuring(tracker, counter, cuda_matmul=not cpu_matmul):
+        with FR.measuring(tracker, counter, cuda_matmul=not cpu_matmul,
+                          moe_imbalance=job.moe_imbalance):
             for _ in range(inflight):
                 tokens = torch.zeros(b, n, dtype=torch.long)
                 pos = torch.zeros(b, n, dtype=torch.long)
@@ -227,6 +244,74 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
         "offloaded_bytes": offloader.stats.offloaded_bytes if offloader else 0,
         "seconds": round(seconds, 3),
     }
+
+
+def _moe_config(model: "P.Model", job: "P.Job", ep: int) -> Dict:
+    """A MoE model's ``TransformerConfig`` fields (experts, top-k, expert FFN, layer frequency,
+    EP, dispatcher); none for a dense model."""
+    if not model.moe:
+        return {}
+    if job.moe_grouped_gemm:
+        raise ValueError("--moe-grouped-gemm: the grouped experts run on the GPU only; metp "
+                         "measure builds Megatron's SequentialMLP (drop --moe-grouped-gemm, or "
+                         "use metp plan for the grouped GEMM's bytes)")
+    return dict(num_moe_experts=model.experts, moe_router_topk=model.topk,
+                moe_ffn_hidden_size=P.moe.expert_ffn(model),
+                moe_layer_freq=model.moe_layer_freq, expert_model_parallel_size=ep,
+                expert_tensor_parallel_size=1,
+                moe_token_dispatcher_type=job.moe_dispatcher, moe_grouped_gemm=False,
+                moe_permute_fusion=False, moe_router_dtype=None)
+
+
+def _init_stock_ep(lay, job, ep: int):
+    """Megatron's parallel state of a stock MoE layout: TP × CP with expert parallelism ``ep``
+    out of TP × CP × DP (parallel folding, expert TP 1)."""
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from ..megatron.groups import METPGroups
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=lay.t,
+                                 pipeline_model_parallel_size=job.pp,
+                                 context_parallel_size=lay.c, expert_model_parallel_size=ep,
+                                 expert_tensor_parallel_size=1,
+                                 create_gloo_process_groups=False)
+    torch.manual_seed(1234)
+    model_parallel_cuda_manual_seed(1234)
+    return METPGroups.from_parallel_state()
+
+
+def _sp_norms(spec, norm, qk_layernorm: bool) -> None:
+    spec.submodules.input_layernorm = norm
+    spec.submodules.pre_mlp_layernorm = norm
+    if qk_layernorm:  # the local spec's torch norms refuse SP (GPU runs use TE's)
+        spec.submodules.self_attention.submodules.q_layernorm = norm
+        spec.submodules.self_attention.submodules.k_layernorm = norm
+
+
+def _moe_block_spec(cfg, groups, mode: str, job: "P.Job", model: "P.Model"):
+    """The decoder block of a MoE model: METP attention around Megatron's ``MoELayer``
+    (:func:`megatron_metp.megatron.moe.get_gpt_decoder_block_metp_spec`) for mode ``metp``,
+    Megatron's local block spec for the stock modes (flash core attention as for dense)."""
+    if mode == "metp":
+        from ..megatron.moe import get_gpt_decoder_block_metp_spec
+
+        return get_gpt_decoder_block_metp_spec(
+            cfg, groups, kernel="torch_flash" if job.kernel == "flash" else "reference")
+    if mode not in ("tp", "tp-sp"):
+        raise ValueError(f"metp measure: mode {mode} with experts is not measured (modes metp, "
+                         f"tp, tp-sp)")
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from .standins import flash_core_attention_class
+
+    block = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False)
+    if job.kernel == "flash":
+        for ls in block.layer_specs:
+            ls.submodules.self_attention.submodules.core_attention = \
+                flash_core_attention_class()
+    return block
 
 
 # ----------------------------------------------------------------------------- driver (forks)

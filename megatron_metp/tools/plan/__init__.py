@@ -80,6 +80,9 @@ as when the plan was one module:
 ``stock``                transients of the stock Megatron layers (``tp``, ``tp-sp``, ``cp``,
                          ``ring``)
 ``metp``                 transients of a METP layer
+``moe``                  Mixture-of-Experts: experts over EP, the router, the routed-token
+                         transient with and without MoE token tiles, the dispatchers' buffers,
+                         the load-imbalance factor (``--moe-imbalance``)
 ``tiles``                the METP MLP's token tiles (rows per pass of its weight ring, as the
                          op resolves them: ``ops/tiles.py``)
 ``host``                 host RAM per node of each preset (with sources), ``--host-memory-gib``,
@@ -152,7 +155,7 @@ from .fit import FitHint, fit_hint
 from .launch import config_text, launch_line, megatron_flags
 from .figures import COLORS, charts
 from . import (activation_memory, alst, alst_time, config, cost, figures, fit, hardware,
-               host_link, imbalance, internode, launch, metp, model, overlap, partial, rates, search,
+               host_link, imbalance, internode, launch, metp, model, moe, overlap, partial, rates, search,
                parameters, rank_memory, recompute, ring, stock, summary, traffic, vocab)
 
 __all__ = [
@@ -173,7 +176,7 @@ __all__ = [
 
 #: the modules whose names :class:`_Package` rebinds
 _step_time_module = sys.modules[__name__ + ".step_time"]  # (the name is the function's)
-_MODULES = (hardware, model, config, parameters, ring, stock, metp, vocab, recompute,
+_MODULES = (hardware, model, config, moe, parameters, ring, stock, metp, vocab, recompute,
             activation_memory, partial, rank_memory, traffic, cost, overlap, internode, summary, figures,
             search, fit, launch, rates, host_link, imbalance, alst, alst_time, _step_time_module)
 _UNSET = object()

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Dict, Optional
 
 from .metp import _metp_phases
+from .moe import moe_layer
 from .streaming import streaming_applies, streaming_phases
 from .model import BF16, FP32, Job, Model, canonical, layout, padded_vocab
 from .recompute import recompute_and_offload
@@ -310,9 +311,12 @@ def activations(model: Model, job: Job, mode: str, seq: Optional[int] = None,
         X, persistent, kor = _metp_stored(model, job, g, S), 0.0, None
     else:
         X, persistent, kor = _stock_stored(model, job, mode, g, S)
+    if model.moe:  # Megatron's MoELayer in place of the MLP (.moe)
+        X, kor = moe_layer(model, job, g.lay, stage, nl, S, X), None
     dy = BF16 * nl * h  # the gradient arriving at a block
     off = offloaded_layers(job, g.L)
-    streaming = mode == "metp" and streaming_applies(job, g.lay, mode)
+    # the streaming op runs METP's own MLP: a MoE model's layers run as separate ops
+    streaming = mode == "metp" and not model.moe and streaming_applies(job, g.lay, mode)
     S, host_layer, shifts = recompute_and_offload(S, job, g.L, BF16 * nl * h, offloaded=off,
                                                   frees_output=mode == "metp")
     host_stash = 0.0

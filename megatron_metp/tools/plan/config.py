@@ -21,6 +21,8 @@ _MODEL_KEYS = {
     "untie_embeddings_and_output_weights": "untie", "tied": "tied",
     "kv_channels": "kv_channels", "qk_layernorm": "qk_layernorm",
     "add_qkv_bias": "add_qkv_bias",
+    "num_experts": "experts", "moe_router_topk": "topk", "moe_ffn_hidden_size": "moe_ffn",
+    "moe_layer_freq": "moe_layer_freq",
 }
 _JOB_KEYS = {
     "tp": "tp", "tensor_model_parallel_size": "tp",
@@ -29,6 +31,8 @@ _JOB_KEYS = {
     "dp": "dp",
     "micro_batch": "micro_batch", "micro_batch_size": "micro_batch",
     "vocab_parallel": "vocab_parallel", "metp_vocab_parallel": "vocab_parallel",
+    "ep": "ep", "expert_model_parallel_size": "ep",
+    "moe_token_dispatcher": "moe_dispatcher", "moe_token_dispatcher_type": "moe_dispatcher",
 }
 
 
@@ -175,8 +179,12 @@ def _launcher_settings(kv: Dict[str, object], model: Dict[str, object],
         raise ValueError(f"METP_OFFLOAD_LAYERS={kv['metp_offload_layers']} in the config without "
                          f"METP_OFFLOAD_ACTIVATIONS=1: the layers to offload need the offload; "
                          f"set METP_OFFLOAD_ACTIVATIONS=1 or drop METP_OFFLOAD_LAYERS")
-    if "--optimizer-cpu-offload" in str(kv.get("extra_args") or "").strip("()").split():
+    extra = str(kv.get("extra_args") or "").strip("()").split() + \
+        str(kv.get("moe_args") or "").strip("()").split()
+    if "--optimizer-cpu-offload" in extra:
         job["optimizer_offload"] = True  # EXTRA_ARGS=(--optimizer-cpu-offload ...)
+    if "--moe-grouped-gemm" in extra:  # a MoE config's MOE_ARGS / EXTRA_ARGS
+        job["moe_grouped_gemm"] = True
     cp = int(kv.get("cp") or 1)
     if cp > 1 and int(job.get("metp") or 1) == 1:  # a stock context-parallel twin: plan it as
         job["metp"] = cp                           # mode ring (K/V ring over CP, weights whole)

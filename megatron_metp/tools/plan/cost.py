@@ -22,6 +22,7 @@ from typing import Dict
 
 from .model import Job, Model, canonical, layout, padded_vocab
 from .rank_memory import memory
+from .moe import active_twin
 from .streaming import streaming_applies, streaming_host_bytes
 from .traffic import forward_traffic_per_layer, traffic_per_layer
 from .vocab import vocab_ring_traffic
@@ -72,6 +73,8 @@ def step_cost(model: Model, job: Job, mode: str) -> Dict:
 
     if canonical(mode, job)[0] == "alst":
         return _alst_cost(model, job)
+    # a MoE model's time: the dense model of its active FFN (.moe.active_twin), dispatch untimed
+    model = active_twin(model)
     L = model.layers // job.pp
     f = layer_flops(model, job, mode)
     recomputed = 0

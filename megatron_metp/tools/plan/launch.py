@@ -31,7 +31,8 @@ from .model import Job, Model, canonical, layout
 MODELS_DIR = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, os.pardir, "configs",
                           "models")
 #: Megatron's optimizer CPU offload, all of it (``metp plan --optimizer-cpu-offload``)
-OPTIMIZER_OFFLOAD_ARGS = ("--optimizer-cpu-offload", "--optimizer-offload-fraction", "1.0")
+OPTIMIZER_OFFLOAD_ARGS = ("--optimizer-cpu-offload", "--optimizer-offload-fraction", "1.0",
+                          "--use-precision-aware-optimizer")  # Megatron-LM asserts the last
 
 Setting = Tuple[str, str, List[str]]
 
@@ -74,6 +75,12 @@ def geometry(model: Model) -> List[Setting]:
         ("QK_LAYERNORM", str(int(model.qk_layernorm)), _flag(model.qk_layernorm, "--qk-layernorm")),
         ("ADD_QKV_BIAS", str(int(model.add_qkv_bias)), _flag(model.add_qkv_bias, "--add-qkv-bias")),
         ("VOCAB_SIZE", str(model.vocab), []),  # the tokenizer's (NullTokenizer: --vocab-size)
+    ]
+    if model.moe:  # their flags travel in EXTRA_ARGS (:func:`moe_flags`)
+        out += [("NUM_EXPERTS", str(model.experts), []), ("MOE_ROUTER_TOPK", str(model.topk), []),
+                ("MOE_FFN_HIDDEN_SIZE", str(model.moe_ffn or model.ffn), []),
+                ("MOE_LAYER_FREQ", str(model.moe_layer_freq), [])]
+    out += [
         ("SEQ_LENGTH", str(model.seq), ["--seq-length", str(model.seq),
                                         "--max-position-embeddings", str(model.seq)]),
     ]
@@ -132,9 +139,39 @@ def job_settings(job: Job, mode: str) -> List[Setting]:
     return out
 
 
+def moe_flags(model: Model, job: Job, mode: str) -> List[str]:
+    """A MoE model's ``pretrain_gpt.py`` flags (``scripts/pretrain_gpt.sh`` takes them in
+    ``EXTRA_ARGS``, as the ``configs/*-moe.sh`` do): experts, top-k, expert FFN, MoE layer
+    frequency, dispatcher; stock modes add ``--expert-model-parallel-size`` (METP sets EP = p
+    itself)."""
+    if not model.moe:
+        return []
+    out = ["--num-experts", str(model.experts), "--moe-router-topk", str(model.topk)]
+    if model.moe_ffn:
+        out += ["--moe-ffn-hidden-size", str(model.moe_ffn)]
+    if model.moe_layer_freq != 1:
+        out += ["--moe-layer-freq", str(model.moe_layer_freq)]
+    out += ["--moe-token-dispatcher-type", job.moe_dispatcher]
+    if job.moe_grouped_gemm:
+        out.append("--moe-grouped-gemm")
+    if canonical(mode, job)[0] != "metp" and (job.ep or 1) > 1:
+        out += ["--expert-model-parallel-size", str(job.ep)]
+    return out
+
+
 def settings(model: Model, job: Job, mode: str) -> List[Setting]:
-    """Every setting of the job: :func:`geometry`, then :func:`job_settings`."""
-    return geometry(model) + job_settings(job, mode)
+    """Every setting of the job: :func:`geometry`, then :func:`job_settings`; a MoE model's
+    flags (:func:`moe_flags`) join ``EXTRA_ARGS``."""
+    out = geometry(model) + job_settings(job, mode)
+    moe = moe_flags(model, job, mode)
+    if moe:
+        out.append(("MOE_TOKEN_DISPATCHER", job.moe_dispatcher, []))
+        if canonical(mode, job)[0] != "metp" and (job.ep or 1) > 1:
+            out.append(("EP", str(job.ep), []))
+        extra = [f for name, _, fl in out if name == "EXTRA_ARGS" for f in fl]
+        out = [x for x in out if x[0] != "EXTRA_ARGS"]
+        out.append(("EXTRA_ARGS", " ".join(moe + extra), moe + extra))
+    return out
 
 
 def megatron_flags(model: Model, job: Job, mode: str) -> List[str]:
@@ -183,7 +220,7 @@ def config_text(model: Model, job: Job, mode: str, title: str) -> str:
     if model_file(model):
         lines += ["# shellcheck source=/dev/null",
                   f'source "${{METP_DIR:?}}/configs/models/{model.name}.sh"']
-    for name, value, _ in job_settings(job, mode):
+    for name, value, _ in settings(model, job, mode)[len(geometry(model)):]:
         if name == "EXTRA_ARGS":
             extra = value
             continue

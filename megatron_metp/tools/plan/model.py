@@ -48,6 +48,15 @@ class Model:
     kv_channels: Optional[int] = None  # head width (--kv-channels); None: hidden / heads
     qk_layernorm: bool = False         # per-head q/k norms (--qk-layernorm, Qwen3)
     add_qkv_bias: bool = False         # bias on q, k, v only (--add-qkv-bias, Qwen2.5)
+    experts: int = 0                   # routed experts per MoE layer (--num-experts; 0: dense)
+    topk: int = 0                      # experts per token (--moe-router-topk)
+    moe_ffn: Optional[int] = None      # one expert's FFN (--moe-ffn-hidden-size; None: ffn)
+    moe_layer_freq: int = 1            # --moe-layer-freq N: layers 0, N, 2N, ... are MoE
+
+    @property
+    def moe(self) -> bool:
+        """A Mixture-of-Experts model (:mod:`.moe`)."""
+        return self.experts > 0
 
     @property
     def groups(self) -> int:
@@ -79,6 +88,16 @@ PRESETS: Dict[str, Model] = {
                        ffn=14336, vocab=128256, seq=131072, swiglu=True, tied=False),
     "llama3-70b": Model(name="llama3-70b", hidden=8192, layers=80, heads=64, query_groups=8,
                         ffn=28672, vocab=128256, seq=131072, swiglu=True, tied=False),
+    # Mixture-of-Experts (their config.json; configs/models/qwen3-30b-a3b.sh): Qwen3-30B-A3B,
+    # every layer MoE (decoder_sparse_step 1), 128 experts of 768, top-8, q/k norms; Mixtral
+    # 8x7B, 8 experts of 14336, top-2
+    "qwen3-30b-a3b": Model(name="qwen3-30b-a3b", hidden=2048, layers=48, heads=32,
+                           query_groups=4, kv_channels=128, ffn=6144, vocab=151936, seq=1048576,
+                           swiglu=True, tied=False, qk_layernorm=True, experts=128, topk=8,
+                           moe_ffn=768),
+    "mixtral-8x7b": Model(name="mixtral-8x7b", hidden=4096, layers=32, heads=32, query_groups=8,
+                          ffn=14336, vocab=32000, seq=131072, swiglu=True, tied=False,
+                          experts=8, topk=2, moe_ffn=14336),
 }
 
 
@@ -114,6 +133,13 @@ class Job:
     attention_kernel: Optional[str] = None  # the kernel the time model assumes (--kernel NAME;
     #                                         None: the hardware's default, .rates)
     rates_file: Optional[str] = None  # --rates FILE: measured rates overriding the table
+    # Mixture-of-Experts (:mod:`.moe`; dense models ignore them)
+    ep: int = 0                    # expert-parallel size of the stock modes (--ep; 0: 1); METP
+    #                                shards the experts over its group (EP = p; 0 or p)
+    moe_dispatcher: str = "allgather"  # --moe-token-dispatcher-type allgather | alltoall
+    moe_imbalance: float = 1.0     # routed rows of the busiest EP rank over the mean (n·k)
+    moe_token_tiles: bool = True   # METP: the routed part over token tiles (stock: never)
+    moe_grouped_gemm: bool = False  # --moe-grouped-gemm: every expert's backward at once
 
     @property
     def width(self) -> int:
@@ -320,6 +346,9 @@ def validate(model: Model, job: Job, modes: Sequence[str] = MODES) -> None:
                              f"(mode metp+vocab plans the split next to the other modes)")
     for mode in modes:
         lay = layout(mode, job)
+        from .moe import check as check_moe
+
+        check_moe(model, job, mode, lay)
         mode = canonical(mode, job)[0]
         if lay.weight_shards == 1:
             shards_flag = "1"

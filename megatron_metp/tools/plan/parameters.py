@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Dict, Tuple
 
 from .model import BF16, FP32, Job, Model, canonical, layout, padded_vocab
+from .moe import params_split as moe_params
 
 
 def _layer_weights(model: Model) -> Tuple[int, int, int]:
@@ -33,10 +34,13 @@ class Params:
     dp_sharded: int        # data-parallel size over which the distributed optimizer shards
     dp_replicated: int
     embedding_sharded: bool = False  # METP vocabulary split: the tables reduce over dp_sharded
+    expert: int = 0        # MoE experts on this rank (E/EP per MoE layer, :mod:`.moe`)
+    dp_expert: int = 1     # expert-DP: the group their gradients reduce over
 
     @property
     def total(self) -> int:
-        return self.layer_sharded + self.layer_replicated + self.embedding + self.final_norm
+        return self.layer_sharded + self.layer_replicated + self.embedding + self.final_norm + \
+            self.expert
 
     @property
     def sharded(self) -> int:
@@ -50,6 +54,9 @@ def params(model: Model, job: Job, mode: str, stage: str = "first") -> Params:
     lay = layout(mode, job)
     attn, mlp, norms = _layer_weights(model)
     L = model.layers // job.pp
+    moe = moe_params(model, job, lay, stage)
+    # MoE layers (.moe): no dense MLP; the router replicated like the norms, experts apart
+    mlp_layers = moe["dense_mlp_layers"] if model.moe else L
     V = padded_vocab(model.vocab, lay.vocab_pad)
     emb = 0
     first = stage == "first" or job.pp == 1
@@ -59,18 +66,20 @@ def params(model: Model, job: Job, mode: str, stage: str = "first") -> Params:
     if last and (not model.tied or job.pp > 1):
         emb += V * model.hidden // lay.vocab_shards
     final = 2 * model.hidden if last else 0
+    repl = L * norms + moe["router"]
     if mode == "metp":
-        sharded, repl = L * (attn + mlp) // lay.weight_shards, L * norms
+        sharded = (L * attn + mlp_layers * mlp) // lay.weight_shards
         # METP-sharded weights reduce over CP × DP (expert-DP under the fold), replicated
         # ones over everything Megatron's DP × CP group holds (c = METP × CP ranks)
         dp_sh, dp_rep = job.dp * lay.cp, job.dp * lay.c
     elif mode in ("tp", "tp-sp"):
-        sharded, repl = L * (attn + mlp) // lay.t, L * norms
+        sharded = (L * attn + mlp_layers * mlp) // lay.t
         dp_sh = dp_rep = job.dp
     else:  # ring, cp: TP shards, replicated over the ring; DP×CP reduces them
-        sharded, repl = L * (attn + mlp) // lay.t, L * norms
+        sharded = (L * attn + mlp_layers * mlp) // lay.t
         dp_sh = dp_rep = job.dp * lay.c
-    return Params(sharded, repl, emb, final, dp_sh, dp_rep, embedding_sharded=lay.vocab)
+    return Params(sharded, repl, emb, final, dp_sh, dp_rep, embedding_sharded=lay.vocab,
+                  expert=moe["expert"], dp_expert=moe["expert_dp"])
 
 
 #: Megatron's ``--optimizer-cpu-offload`` (``HybridDeviceOptimizer``, offload fraction 1.0, with
@@ -91,12 +100,14 @@ def static_memory(model: Model, job: Job, mode: str, stage: str = "first") -> Di
     mode, job = canonical(mode, job)
     p = params(model, job, mode, stage)
     sharded = p.sharded
-    repl = p.total - sharded
+    repl = p.total - sharded - p.expert
     opt_plain = 12 * p.total
+    # MoE experts (.moe): sharded over expert-DP (METP: CP × DP; stock: TP·CP·DP / EP)
+    experts = 12 * p.expert / p.dp_expert
     if mode == "metp":
-        opt_dist = 12 * sharded / p.dp_sharded + 12 * repl / p.dp_replicated
+        opt_dist = 12 * sharded / p.dp_sharded + 12 * repl / p.dp_replicated + experts
     else:
-        opt_dist = 12 * p.total / p.dp_sharded
+        opt_dist = 12 * (p.total - p.expert) / p.dp_sharded + experts
     opt = opt_dist if job.distributed_optimizer else opt_plain
     host = 0.0
     if job.optimizer_offload:  # Megatron's --optimizer-cpu-offload (offload fraction 1.0)

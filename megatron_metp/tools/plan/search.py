@@ -85,6 +85,8 @@ class Candidate:
             parts = [f"TP {j.tp}" + ("+SP" if j.tp > 1 else ""),
                      f"CP {j.metp if self.mode == 'cp' else 1}"]
         parts += [f"PP {j.pp}", f"DP {j.dp}"]
+        if j.ep:  # a MoE model's stock layout (METP: EP = METP)
+            parts.append(f"EP {j.ep}")
         opts = [f"recompute {self.recompute}"]
         if self.offload_layers is not None:
             opts[0] += f" ({self.offload_layers} layers per stage offloaded, the rest kept)"
@@ -116,9 +118,13 @@ def layouts(model: Model, gpus: int, family: str,
             elif family == "stock":
                 for c in _divisors(rest):
                     if c == 1:
-                        yield "tp-sp", dict(tp=t, metp=1, pp=pp, dp=rest)
+                        fields = dict(tp=t, metp=1, pp=pp, dp=rest)
                     else:
-                        yield "cp", dict(tp=t, metp=c, pp=pp, dp=rest // c)
+                        fields = dict(tp=t, metp=c, pp=pp, dp=rest // c)
+                    # MoE: every EP out of TP × CP × DP (parallel folding) dividing the experts
+                    for ep in ([e for e in _divisors(rest * t) if model.experts % e == 0]
+                               if model.moe else [0]):
+                        yield ("tp-sp" if c == 1 else "cp"), dict(fields, ep=ep)
             else:
                 raise ValueError(f"--reach: unknown family {family!r}; choose from "
                                  f"{', '.join(FAMILIES)}")
@@ -171,8 +177,10 @@ def candidates(model: Model, gpus: int, family: str, hardware: str = "H100-80GB"
                reserve_gib: float = 2.0, host_gib: float = DEFAULT_HOST_GIB_PER_NODE,
                optimizer_offload: Tuple[bool, ...] = (False, True),
                recompute: Tuple[str, ...] = tuple(n for n, _ in RECOMPUTE_OPTIONS),
-               limit: int = 1 << 28) -> List[Candidate]:
-    """Every valid layout × option of ``family`` with its longest sequence, best first."""
+               limit: int = 1 << 28, moe: Optional[Dict] = None) -> List[Candidate]:
+    """Every valid layout × option of ``family`` with its longest sequence, best first; ``moe``:
+    a MoE model's Job fields (default the alltoall dispatcher, balanced routing, METP's MoE
+    token tiles; stock layouts search EP themselves)."""
     if hardware not in HARDWARE:
         raise ValueError(f"--hardware {hardware!r}: choose from {', '.join(HARDWARE)}")
     if not isinstance(gpus, int) or gpus < 1:
@@ -182,6 +190,8 @@ def candidates(model: Model, gpus: int, family: str, hardware: str = "H100-80GB"
         if name not in opts:
             raise ValueError(f"--reach-recompute {name!r}: choose from {', '.join(opts)}")
     out: List[Candidate] = []
+    # MoE: the alltoall dispatcher (the smaller buffers at EP > 1), balanced routing
+    moe = dict({"moe_dispatcher": "alltoall"}, **(moe or {})) if model.moe else {}
     for mode, fields in layouts(model, gpus, family):
         for name in recompute:
             for off in optimizer_offload:
@@ -190,7 +200,7 @@ def candidates(model: Model, gpus: int, family: str, hardware: str = "H100-80GB"
                 # with the offload, the node's host memory sets how many layers go there
                 host = {"host_memory_gib": host_gib} if opts[name].get("offload") else {}
                 job = Job(distributed_optimizer=True, hardware=hardware, reserve_gib=reserve_gib,
-                          optimizer_offload=off, **fields, **opts[name], **host)
+                          optimizer_offload=off, **fields, **opts[name], **host, **moe)
                 q = seq_step(job, mode)
                 try:
                     validate(model.with_seq(q), job, [mode])
@@ -216,9 +226,10 @@ def candidates(model: Model, gpus: int, family: str, hardware: str = "H100-80GB"
 def reach(model: Model, gpus: int, hardware: str = "H100-80GB", reserve_gib: float = 2.0,
           host_gib: float = DEFAULT_HOST_GIB_PER_NODE, families: Tuple[str, ...] = FAMILIES,
           limit: int = 1 << 28, **kw) -> Dict[str, List[Candidate]]:
-    """``{family: candidates best first}`` (see :func:`candidates`)."""
+    """``{family: candidates best first}`` (see :func:`candidates`); ALST's recipe is planned
+    for dense models only (a MoE model: ``metp`` and ``stock``)."""
     return {f: candidates(model, gpus, f, hardware, reserve_gib, host_gib, limit=limit, **kw)
-            for f in families}
+            for f in families if not (model.moe and f == "alst")}
 
 
 def launch_job(model: Model, cand: Candidate) -> Tuple[Model, Job]:

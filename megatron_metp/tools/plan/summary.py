@@ -6,13 +6,14 @@ from dataclasses import asdict
 from typing import Dict, List, Optional, Sequence
 
 from .hardware import HARDWARE
-from .model import GiB, MiB, MODES, VOCAB_MODES, Job, Model, canonical, validate
+from .model import GiB, MiB, MODES, VOCAB_MODES, Job, Model, canonical, layout, validate
 from .fit import fit_hint, fits
 from .overlap import overlap_thresholds
 from .internode import internode_hop
 from .rank_memory import capacity_bytes, head_memory, longest_seq, memory
 from .traffic import crossover_seq, traffic_per_layer
 from .cost import step_cost
+from .moe import active_twin
 from .alst import alst_head, alst_traffic
 
 from .host import GPUS_PER_NODE, host_capacity_bytes, host_fits  # noqa: F401 (GPUS_PER_NODE)
@@ -56,7 +57,7 @@ def plan(model: Model, job: Job, modes: Sequence[str] = MODES) -> Dict:
             "last_stage_total": memory(model, job, mode, stage="last").total
             if job.pp > 1 else None,
             "traffic_per_layer": alst_traffic(model, job) if mode == "alst" else
-            traffic_per_layer(model, job, mode),
+            traffic_per_layer(active_twin(model), job, mode),
             "vocab": alst_head(model, job) if mode == "alst" else head_memory(model, job, mode),
             "longest_seq": longest_seq(model, job, mode),
             "host": a.host, "cost": step_cost(model, job, mode),
@@ -70,11 +71,14 @@ def plan(model: Model, job: Job, modes: Sequence[str] = MODES) -> Dict:
             mem.job.offload_layers is not None,
             "fit_hint": _fit_hint(model, job, mode),
         }
-    out["overlap"] = overlap_thresholds(model, job, hw)
+    # a MoE model's traffic, thresholds and time: the dense model of its active FFN (.moe)
+    out["overlap"] = overlap_thresholds(active_twin(model), job, hw)
     if hw.measured_tflops:
-        out["overlap_measured"] = overlap_thresholds(model, job, hw, measured=True)
-    if "metp" in modes and "tp-sp" in modes and job.width > 1:
+        out["overlap_measured"] = overlap_thresholds(active_twin(model), job, hw, measured=True)
+    if "metp" in modes and "tp-sp" in modes and job.width > 1 and not model.moe:
         out["crossover_vs_tp_sp"] = crossover_seq(model, job, "tp-sp")
+    if model.moe:
+        out["moe"] = {m: moe_describe(model, *canonical(m, job)[::-1], m) for m in modes}
     return out
 
 
@@ -139,6 +143,9 @@ def report(model: Model, job: Job, modes: Sequence[str] = MODES) -> str:
                  f"{hw.memory_gib:g} GB − {job.reserve_gib:g} GiB reserve, "
                  f"{hw.bf16_tflops:g} TFLOP/s bf16 dense, {hw.link_gbps:g} GB/s per direction "
                  f"({hw.source})")
+    for m, line in res.get("moe", {}).items():
+        lines.append(f"# {m}: {line}; traffic and time planned as the dense model of the "
+                     f"active FFN (top-k × expert FFN), the token dispatch not timed")
     lines.append("# all figures planned (formulas of megatron_metp/tools/plan); per rank, rank 0"
                  + (" (first pipeline stage)" if job.pp > 1 else ""))
     lines.append("")
@@ -303,3 +310,12 @@ def report(model: Model, job: Job, modes: Sequence[str] = MODES) -> str:
         lines.append(f"# {', '.join(refused)}: REFUSED at s = {model.seq:,} (positions reach "
                      f"2^24): {REASON}")
     return "\n".join(lines)
+
+
+def moe_describe(model: Model, job: Job, mode: str, asked: str) -> str:
+    """The MoE line of ``asked`` (:func:`.moe.describe` at the rank's MoE tokens)."""
+    from .moe import describe
+
+    lay = layout(mode, job)
+    n = model.seq * job.micro_batch // lay.c
+    return describe(model, job, lay, n // lay.t if lay.sp else n)

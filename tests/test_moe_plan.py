@@ -1,0 +1,206 @@
+"""``metp plan`` / ``metp measure`` / the Megatron-LM dry run of Mixture-of-Experts models
+(issue 30, Deliver 4): parameters and optimizer state with the experts over EP, the routed-token
+transient with and without MoE token tiles, the reach search over stock EP layouts, refusals; the
+plan within 3 % of the measured real model of rank 0 (METP 2 × CP 2 with the vocabulary ring,
+full recompute, host offload and MoE token tiles; stock TP 2 + SP × EP 2), and the dry run of
+the Qwen3-30B-A3B config shrunk within 3 % of the measurement."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import pytest
+
+from megatron_metp.tools import cli
+from megatron_metp.tools import plan as P
+from megatron_metp.tools.plan import moe as PM
+from megatron_metp.tools.plan import search as R
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QWEN = P.PRESETS["qwen3-30b-a3b"]
+GiB = P.GiB
+#: a shrunk Qwen3-MoE: 8 experts of 128, top-2, q/k norms, GQA
+TINY = P.Model(name="tiny-moe", hidden=256, layers=2, heads=8, query_groups=4, kv_channels=64,
+               ffn=512, vocab=1000, seq=4096, swiglu=True, tied=False, qk_layernorm=True,
+               experts=8, topk=2, moe_ffn=128)
+
+
+def _metp(**kw):
+    base = dict(tp=1, metp=4, cp=2, vocab_parallel=True, distributed_optimizer=True,
+                recompute="full", offload=True, optimizer_offload=True, moe_dispatcher="alltoall")
+    base.update(kw)
+    return P.Job(**base)
+
+
+def test_parameters_experts_over_ep_and_optimizer_over_expert_dp():
+    # Qwen3-30B-A3B: 30.53B parameters in all (HF: 30,532,122,624; the plan's LayerNorms add a
+    # bias to each norm, 0.001 %)
+    whole = P.params(QWEN, P.Job(tp=1, metp=1), "tp-sp")
+    assert abs(whole.total / 30_532_122_624 - 1) < 1e-4
+    router, one = PM.expert_elements(QWEN)
+    assert whole.expert == 48 * 128 * one and one == 3 * 768 * 2048
+    # METP 4: a quarter of the experts per rank, expert-DP = CP × DP
+    prm = P.params(QWEN, _metp(dp=2), "metp")
+    assert prm.expert == whole.expert // 4 and prm.dp_expert == 2 * 2
+    st = P.static_memory(QWEN, _metp(dp=2, optimizer_offload=False), "metp")
+    dense = prm.total - prm.expert - prm.sharded
+    assert st["optimizer"] == pytest.approx(12 * prm.sharded / prm.dp_sharded + 12 * dense /
+                                            prm.dp_replicated + 12 * prm.expert / 4)
+    # stock with parallel folding: EP 8 out of TP 4 × CP 2, expert-DP 1
+    stock = P.params(QWEN, P.Job(tp=4, metp=2, ep=8), "cp")
+    assert stock.expert == whole.expert // 8 and stock.dp_expert == 1
+    # dense layers keep the MLP: every second layer MoE
+    half = P.params(replace(QWEN, moe_layer_freq=2), P.Job(tp=1, metp=1), "tp-sp")
+    assert half.expert == whole.expert // 2
+    assert half.layer_sharded - whole.layer_sharded == 24 * 3 * QWEN.ffn * QWEN.hidden
+
+
+def test_routed_transient_is_the_issue_figure_and_tiles_bound_it():
+    # stock's untiled grouped-GEMM backward: n·k·(4h + 12f′) (+ the fp32 probability per row):
+    # 17 GiB per 131,072 tokens per rank (issue 30)
+    stored, grads = PM.routed_row_bytes(QWEN)
+    assert stored + grads == 4 * 2048 + 12 * 768 + 4
+    job = P.Job(tp=4, metp=2, ep=8, moe_grouped_gemm=True, moe_dispatcher="alltoall")
+    lay = P.layout("cp", job)
+    n = (1 << 20) // 8
+    rows = PM.routed_rows(QWEN, job, n)
+    assert rows * (stored + grads) / GiB == pytest.approx(17.0, abs=0.03)
+    # METP: the tiles keep one tile's routed rows; without them all n·k rows come back
+    tiled = P.activations(QWEN.with_seq(1 << 20), _metp(), "metp")
+    whole = P.activations(QWEN.with_seq(1 << 20), _metp(moe_token_tiles=False), "metp")
+    t = tiled.phase_totals()["MLP backward (last layer)"]
+    w = whole.phase_totals()["MLP backward (last layer)"]
+    # (both hold the last layer re-formed by recompute and brought back from the host, ~4 GiB)
+    assert t < 6.5 * GiB and w - t > 10 * GiB
+    assert PM.tile_count(QWEN, _metp(), P.layout("metp", _metp()), n) > 1
+    assert PM.tile_count(QWEN, job, lay, n) == 1  # stock never tiles
+    # imbalance scales the routed rows (the stated factor)
+    assert PM.routed_rows(QWEN, replace(job, moe_imbalance=1.5), n) == 1.5 * rows
+
+
+def test_qwen3_30b_a3b_1m_config_fits_and_its_stock_twin_does_not():
+    m, j, modes = cli.build_from_argv(["--config", os.path.join(
+        REPO, "configs", "qwen3-30b-a3b-1m-metp4-cp2.sh")])
+    assert (m.experts, m.topk, m.moe_ffn, j.metp, j.cp, j.moe_dispatcher) == \
+        (128, 8, 768, 4, 2, "alltoall")
+    assert j.optimizer_offload and j.offload and j.recompute == "full" and modes == ["metp"]
+    mem = P.memory(m, j, "metp")
+    assert mem.total <= 76 * GiB
+    assert 8 * (mem.act.host + mem.static["optimizer_host"]) <= 1862 * GiB
+    ms, js, _ = cli.build_from_argv(["--config", os.path.join(
+        REPO, "configs", "qwen3-30b-a3b-1m-tp4-cp2-ep8.sh"), "--modes", "cp"])
+    assert (js.tp, js.metp, js.ep) == (4, 2, 8)
+    assert P.memory(ms, js, "cp").total > 120 * GiB
+    flags = P.megatron_flags(ms, js, "cp")
+    assert flags[flags.index("--expert-model-parallel-size") + 1] == "8"
+    assert "--num-experts" in P.megatron_flags(m, j, "metp")
+    assert "--expert-model-parallel-size" not in P.megatron_flags(m, j, "metp")
+
+
+def test_written_config_plans_the_same_moe_job(tmp_path):
+    """--reach --write-config's file of a MoE job reads back as the same experts, EP and
+    dispatcher (the MoE variables and EXTRA_ARGS)."""
+    for mode, job in (("metp", _metp()), ("cp", P.Job(tp=4, metp=2, ep=8, recompute="full",
+                                                      distributed_optimizer=True,
+                                                      moe_dispatcher="alltoall"))):
+        path = tmp_path / f"{mode}.sh"
+        path.write_text(P.config_text(QWEN, job, mode, "test"))
+        m2, j2, _ = cli.build_from_argv(["--config", str(path), "--modes", mode])
+        assert (m2.experts, m2.topk, m2.moe_ffn, j2.moe_dispatcher, j2.ep) == \
+            (128, 8, 768, "alltoall", job.ep)
+        assert P.memory(m2, j2, mode).total == pytest.approx(P.memory(QWEN, job, mode).total,
+                                                             rel=1e-3)
+
+
+def test_reach_stock_searches_ep_and_metp_shards_experts_over_its_group():
+    cands = R.candidates(QWEN, 8, "stock", recompute=("full + offload",),
+                         optimizer_offload=(True,))
+    best = next(c for c in cands if c.seq)
+    assert best.job.ep > 1 and "EP" in best.describe()
+    # negative control: EP 1 (experts replicated) reaches less
+    no_ep = [c for c in cands if c.seq and c.job.ep in (0, 1)]
+    assert not no_ep or no_ep[0].seq < best.seq
+    metp = next(c for c in R.candidates(QWEN, 8, "metp", recompute=("full + offload",),
+                                        optimizer_offload=(True,)) if c.seq)
+    assert metp.job.tp == 1 and metp.job.metp == 4 and metp.seq > 4 * best.seq
+    assert "alst" not in R.reach(QWEN, 8, families=("metp", "alst"), recompute=("full",),
+                                 optimizer_offload=(True,))
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--preset", "qwen3-30b-a3b", "--metp", "4", "--ep", "2", "--modes", "metp"], "--ep 2"),
+    (["--preset", "qwen3-30b-a3b", "--tp", "2", "--metp", "2", "--modes", "metp"], "--tp 2"),
+    (["--preset", "mixtral-8x7b", "--metp", "8", "--num-experts", "12", "--modes", "metp"],
+     "--num-experts 12"),
+    (["--preset", "qwen3-30b-a3b", "--metp", "4", "--moe-imbalance", "0.5", "--modes", "metp"],
+     "--moe-imbalance"),
+    (["--preset", "qwen3-30b-a3b", "--tp", "4", "--metp", "1", "--modes", "tp"], "mode tp"),
+    (["--preset", "qwen3-30b-a3b", "--tp", "2", "--metp", "1", "--ep", "4", "--modes", "tp-sp"],
+     "--ep 4"),
+    (["--preset", "llama3-8b", "--moe-imbalance", "1.2", "--modes", "metp"], "--moe-imbalance"),
+    (["--preset", "qwen3-30b-a3b", "--metp", "4", "--keep-intermediate", "--modes", "metp"],
+     "--keep-intermediate"),
+])
+def test_refusals_name_the_flag(argv, flag):
+    with pytest.raises(ValueError, match=flag.replace("-", r"\-")):
+        cli.build_from_argv(argv)
+
+
+@pytest.fixture(scope="module")
+def measured():
+    """Rank 0 of two MoE jobs measured under the fake group (forked children, ~15 s each)."""
+    from megatron_metp.tools import measure as M
+
+    jobs = {"metp": (P.Job(tp=1, metp=2, cp=2, vocab_parallel=True, distributed_optimizer=True,
+                           recompute="full", offload=True, moe_dispatcher="alltoall"), "metp"),
+            "stock": (P.Job(tp=2, metp=1, ep=2, moe_dispatcher="allgather"), "tp-sp")}
+    mp = pytest.MonkeyPatch()
+    mp.setenv("METP_MOE_TOKEN_TILES", "4")  # the METP job's tiles (the plan reads it too)
+    try:
+        out = {}
+        for key, (job, mode) in jobs.items():
+            res = M.measure(TINY, job, mode, timeout=300)[0]
+            assert "error" not in res, res["error"]
+            out[key] = (job, mode, res, P.memory(TINY, job, mode))
+        yield out
+    finally:
+        mp.undo()
+
+
+@pytest.mark.parametrize("key", ["metp", "stock"])
+def test_plan_matches_the_measured_moe_model(key, measured):
+    job, mode, res, plan = measured[key]
+    assert res["params"] == plan.static["params"]
+    err = plan.measured_part / res["peak"] - 1
+    print(f"{key}: measured {res['peak']:,} plan {plan.measured_part:,.0f} ({err:+.2%})")
+    assert abs(err) <= 0.03, err
+    # negative control: the experts not sharded over EP is a different parameter count
+    wrong = P.params(TINY, replace(job, ep=1) if key == "stock" else replace(job, metp=1, cp=4),
+                     mode)
+    assert 2 * wrong.total != res["params"] and wrong.total != res["params"] // 2
+
+
+#: the Qwen3-30B-A3B 1M config shrunk through the environment (which wins over its defaults):
+#: 2 layers, hidden 256, 8 heads of 64 with 4 K/V groups, 4 experts of 128, top-2, 8K tokens;
+#: METP 4 × CP 2, the vocabulary ring, full recompute, host offload and MoE token tiles kept
+SMALL_QWEN3_MOE = dict(NUM_LAYERS="2", HIDDEN_SIZE="256", FFN_HIDDEN_SIZE="512",
+                       NUM_ATTENTION_HEADS="8", NUM_QUERY_GROUPS="4", KV_CHANNELS="64",
+                       NUM_EXPERTS="4", MOE_FFN_HIDDEN_SIZE="128", MOE_ROUTER_TOPK="2",
+                       VOCAB_SIZE="4095", SEQ_LENGTH="8192", PRECISION="bf16",
+                       METP_MOE_TOKEN_TILES="2")
+
+
+def test_qwen3_moe_config_dry_run_plan_and_measure_agree(patched_megatron_lm, monkeypatch):
+    """configs/qwen3-30b-a3b-1m-metp4-cp2.sh (shrunk): Megatron-LM's dry run (its parser,
+    validate_args and the METP MoE model provider) and metp measure within 3 %, metp plan too."""
+    from megatron_metp.tools import agreement as A
+
+    for k, v in SMALL_QWEN3_MOE.items():
+        monkeypatch.setenv(k, v)
+    row = A.compare(os.path.join(REPO, "configs", "qwen3-30b-a3b-1m-metp4-cp2.sh"),
+                    patched_megatron_lm)
+    print(A.table([row]))
+    assert row["mode"] == "metp"
+    assert abs(row["measure_vs_dry_run"]) <= 0.03, row
+    assert abs(row["plan_vs_dry_run"]) <= 0.03, row
