@@ -23,19 +23,13 @@ from typing import Iterator, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from .bounded_wait import RingError, RingPeerError, RingTimeoutError, group_text, wait_bounded
 from .groups import METPGroup
 
-
-class RingError(RuntimeError):
-    """A ring exchange failed; the message names the group, step and peer."""
-
-
-class RingTimeoutError(RingError):
-    """The peer did not complete its half of a ring step within the group's timeout."""
+__all__ = ["PendingExchange", "RingError", "RingExchanger", "RingPeerError", "RingTimeoutError",
+           "TravellingSum"]
 
 
-class RingPeerError(RingError):
-    """The transport reported an error (e.g. the peer process died) during a ring step."""
 
 
 class PendingExchange:
@@ -55,24 +49,12 @@ class PendingExchange:
         if self._done:
             return self.recv
         g = self._group
-        for w in self._works:
-            try:
-                if self.recv.is_cuda:
-                    w.wait()  # stream-ordered; the NCCL watchdog owns the timeout
-                else:
-                    w.wait(g.timeout)
-            except Exception as exc:  # noqa: BLE001 - re-raised with ring context
-                text = str(exc)
-                kind = RingTimeoutError if "imed out" in text or "imeout" in text else RingPeerError
-                raise kind(
-                    f"METP ring {g.name!r} (rank {g.rank} of {g.size}, global ranks {list(g.ranks)}): "
-                    f"step {self._step} of {self._what!r} failed waiting for "
-                    f"{self._peer if isinstance(self._peer, str) else f'peer {self._peer}'} "
-                    f"(ring {g.prev_rank} -> {g.rank_global} -> {g.next_rank}, "
-                    f"timeout {g.timeout_s:g} s): "
-                    f"{text.splitlines()[0] if text else type(exc).__name__}. "
-                    f"A peer rank died or stalled; check its log. Raise METP_RING_TIMEOUT_S "
-                    f"if the step is legitimately slow.") from exc
+        peer = self._peer if isinstance(self._peer, str) else f"peer {self._peer}"
+        wait_bounded(self._works, g, cuda=self.recv.is_cuda, message=lambda first: (
+            f"METP ring {g.name!r} {group_text(g)}: step {self._step} of {self._what!r} failed "
+            f"waiting for {peer} (ring {g.prev_rank} -> {g.rank_global} -> {g.next_rank}, "
+            f"timeout {g.timeout_s:g} s): {first}. A peer rank died or stalled; check its log. "
+            f"Raise METP_RING_TIMEOUT_S if the step is legitimately slow."))
         self._done = True
         return self.recv
 
