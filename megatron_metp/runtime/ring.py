@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from .bounded_wait import RingError, RingPeerError, RingTimeoutError, group_text, wait_bounded
 from .groups import METPGroup
+from .loop_sample import weight
 
 __all__ = ["PendingExchange", "RingError", "RingExchanger", "RingPeerError", "RingTimeoutError",
            "TravellingSum"]
@@ -99,9 +100,9 @@ class RingExchanger:
         except Exception as exc:  # noqa: BLE001
             raise RingPeerError(f"METP ring {g.name!r}: posting step {step} of {self.what!r} to "
                                 f"{g.next_rank}/from {g.prev_rank} failed: {exc}") from exc
-        g.stats.steps += 1
-        g.stats.bytes_sent += nbytes
-        g.stats.bytes_received += nbytes
+        g.stats.steps += weight()
+        g.stats.bytes_sent += nbytes * weight()
+        g.stats.bytes_received += nbytes * weight()
         return PendingExchange(works, recvs[0], g, step, self.what)
 
     def broadcast(self, tensor: torch.Tensor, src: int, *, step: int) -> PendingExchange:
@@ -113,8 +114,8 @@ class RingExchanger:
         g = self.group
         work = dist.broadcast(tensor, src=g.ranks[src], group=g.group, async_op=True)
         if g.rank != src:
-            g.stats.steps += 1
-            g.stats.bytes_received += tensor.numel() * tensor.element_size()
+            g.stats.steps += weight()
+            g.stats.bytes_received += tensor.numel() * tensor.element_size() * weight()
         others = [r for r in g.ranks if r != g.ranks[src]]
         peer = g.ranks[src] if g.rank != src else f"the receiving peers {others}"
         return PendingExchange([work], tensor, g, step, self.what, peer=peer)
@@ -129,8 +130,8 @@ class RingExchanger:
         work = dist.reduce(tensor, dst=g.ranks[dst], op=dist.ReduceOp.SUM, group=g.group,
                            async_op=True)
         if g.rank != dst:
-            g.stats.steps += 1
-            g.stats.bytes_sent += tensor.numel() * tensor.element_size()
+            g.stats.steps += weight()
+            g.stats.bytes_sent += tensor.numel() * tensor.element_size() * weight()
         others = [r for r in g.ranks if r != g.ranks[dst]]
         peer = g.ranks[dst] if g.rank != dst else f"the contributing peers {others}"
         return PendingExchange([work], tensor, g, step, self.what, peer=peer)
@@ -144,9 +145,9 @@ class RingExchanger:
         g = self.group
         work = dist.all_gather_into_tensor(out, tensor, group=g.group, async_op=True)
         nbytes = tensor.numel() * tensor.element_size()
-        g.stats.steps += 1
-        g.stats.bytes_received += (g.size - 1) * nbytes
-        g.stats.bytes_sent += (g.size - 1) * nbytes
+        g.stats.steps += weight()
+        g.stats.bytes_received += (g.size - 1) * nbytes * weight()
+        g.stats.bytes_sent += (g.size - 1) * nbytes * weight()
         return PendingExchange([work], out, g, step, self.what, peer=g.next_rank)
 
     def reduce_scatter(self, out: torch.Tensor, tensor: torch.Tensor, *,
@@ -158,9 +159,9 @@ class RingExchanger:
         work = dist.reduce_scatter_tensor(out, tensor, op=dist.ReduceOp.SUM, group=g.group,
                                           async_op=True)
         nbytes = out.numel() * out.element_size()
-        g.stats.steps += 1
-        g.stats.bytes_sent += (g.size - 1) * nbytes
-        g.stats.bytes_received += (g.size - 1) * nbytes
+        g.stats.steps += weight()
+        g.stats.bytes_sent += (g.size - 1) * nbytes * weight()
+        g.stats.bytes_received += (g.size - 1) * nbytes * weight()
         return PendingExchange([work], out, g, step, self.what, peer=g.next_rank)
 
     def circulate(self, payload: torch.Tensor, steps: Optional[int] = None,
