@@ -12,8 +12,8 @@ warms up: nothing prefetched yet, accumulators allocated), its steady state and 
 
 :func:`sampling` (the instruments' switch; off by default, and training never enters it) makes
 :func:`tiles` yield, of a loop of ``T`` passes, only passes ``0 .. first-1`` and
-``T-last .. T-1`` (``first=2, last=1``: three passes), with the pass index unchanged so
-prefetches name the right next tile. What the skipped passes would have sent is kept by weights:
+``T-last .. T-1`` (``first=2, last=1``: three passes), each with an index whose successor is the
+next pass run, so that a pass prefetches the tile the loop visits next. What the skipped passes would have sent is kept by weights:
 pass ``first-1`` (a steady-state pass) stands for itself and the ``T - first - last`` skipped
 ones; :func:`weight` is the product of the current passes' weights over nested loops, and the
 byte and message counters (``fakerank.CommCounter``, :class:`~megatron_metp.runtime.groups.
@@ -68,8 +68,11 @@ def plan(count: int, first: int, last: int) -> List[Tuple[int, int]]:
 
 
 def tiles(items: Sequence[T]) -> Iterator[Tuple[int, T]]:
-    """``enumerate(items)``, or while :func:`sampling` only the passes :func:`plan` keeps (their
-    true indices), each with its :func:`weight` set."""
+    """``enumerate(items)``, or while :func:`sampling` only the passes :func:`plan` keeps, each
+    with its :func:`weight` set. The loops use the index only to prefetch the next pass's tile
+    (``items[i + 1]``), so a kept pass is yielded with the index *before the next kept pass*:
+    the tile it prefetches is the one the loop visits next, as in the full loop (a prefetch of
+    a skipped tile would stay alive unread and inflate the peak)."""
     if _keep is None:
         yield from enumerate(items)
         return
@@ -79,9 +82,9 @@ def tiles(items: Sequence[T]) -> Iterator[Tuple[int, T]]:
     _stats["skipped"] += len(items) - len(kept)
     _weights.append(1)
     try:
-        for i, w in kept:
+        for j, (i, w) in enumerate(kept):
             _weights[-1] = w
-            yield i, items[i]
+            yield (kept[j + 1][0] - 1 if j + 1 < len(kept) else i), items[i]
     finally:
         _weights.pop()
 
