@@ -68,7 +68,7 @@ class Rows:
         first chunks of ``then`` (the tile the next pass reads from the same stash; ``None``:
         nothing, a prefetch that no read asks for would hold its device tile until the stash
         is released)."""
-        out = self._cut(t)
+        out = loop_sample.subset(self._cut(t), first=self.depth + 1)  # the fake instruments
         seq = [c for c, _ in out]
         if then is not None:
             seq += [c for c, _ in self._cut(then)[:self.depth]]

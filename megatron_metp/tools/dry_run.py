@@ -53,7 +53,7 @@ from typing import Dict, List, Optional
 
 from ..megatron_lm.cpu import stub_batch_invariant_kernels
 from . import fakerank as FR
-from .progress import progress_mode
+from .progress import attach
 
 MiB = 2 ** 20
 GiB = 2 ** 30
@@ -407,8 +407,8 @@ def _build_and_measure(args, pretrain_gpt, ps, te_absent: bool, notes: List[str]
         tracker = FR.tracker()
         stored = 0
         layers = sum(len(m.decoder.layers) for m, _, _ in chunks if hasattr(m, "decoder"))
-        shown = progress_mode(tracker, f"dry run ({layers} layers)", layers)
-        with FR.measuring(tracker, shown, cuda=not cpu_kernels), \
+        attach(tracker, f"dry run ({layers} layers)", layers)
+        with FR.measuring(tracker, cuda=not cpu_kernels), \
                 FR.tile_sampling(measure_tiles) as sampled:
             for m, pre, post in chunks:
                 stored += _fwd_bwd(m, pre, post, args, mbs, n_local, sp, tp, dtype, tracker,
@@ -493,7 +493,7 @@ def _build_and_measure(args, pretrain_gpt, ps, te_absent: bool, notes: List[str]
             if tiles_run["skipped"]:
                 run = tiles_run["passes"] + tiles_run["skipped"]
                 act["method"] += (f"; {tiles_run['passes']:,} of {run:,} "
-                                  f"tile passes run (first two and last of each loop, "
+                                  f"tile passes run (the first and last passes of each loop, "
                                   f"--measure-tiles full runs all)")
     finally:
         torch.set_default_dtype(prev_dtype)

@@ -80,7 +80,11 @@ def tracker_class():
                     self.reset_mod_stats()
             return super()._pre_fw_hook(module, inputs)
 
+        progress = None  # a tools.progress.Progress, ticked at every op
+
         def _update_peak_stats(self, peak_state):
+            if self.progress is not None:
+                self.progress.tick()
             super()._update_peak_stats(peak_state)
             for dev in self._curr_mem_snap.values():
                 work = sum(v for k, v in dev.items() if getattr(k, "name", None) in ("ACT", "TEMP"))

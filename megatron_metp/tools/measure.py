@@ -73,7 +73,7 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
     (:func:`fakerank.tile_sampling`; the traffic still counts every pass), ``"full"`` all.
     A progress line per layer and phase goes to stderr (:mod:`.progress`).
     """
-    from .progress import progress_mode
+    from .progress import attach
 
     import torch
     import torch.nn.functional as Fn
@@ -170,8 +170,8 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
         tracker.track_external(main_grad)
         counter = FR.comm_counter_class()(track_alloc=True)
         outs = []
-        shown = progress_mode(tracker, f"measure {asked} ({layers_here} layers)", layers_here)
-        with FR.measuring(tracker, counter, shown, cuda_matmul=not cpu_matmul), \
+        attach(tracker, f"measure {asked} ({layers_here} layers)", layers_here)
+        with FR.measuring(tracker, counter, cuda_matmul=not cpu_matmul), \
                 FR.tile_sampling(measure_tiles) as sampled:
             for _ in range(inflight):
                 tokens = torch.zeros(b, n, dtype=torch.long)
@@ -236,7 +236,7 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
         "offloaded_bytes": offloader.stats.offloaded_bytes if offloader else 0,
         "seconds": round(seconds, 3),
         "tiles": (f"{sampled['passes']:,} of {sampled['passes'] + sampled['skipped']:,} tile "
-                  f"passes run (first two and last of each loop)" if sampled and
+                  f"passes run (the first and last passes of each loop)" if sampled and
                   sampled["skipped"] else "every tile pass run"),
     }
 

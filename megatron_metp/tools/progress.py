@@ -1,8 +1,8 @@
 """Progress lines of the fake-rank instruments (``metp measure``, the Megatron-LM dry run).
 
-A measurement of a long job runs for minutes with nothing to show; :func:`progress_mode` is a
-dispatch mode that, entered inside the harness's ``MemTracker`` (:func:`.fakerank.measuring`),
-prints a line whenever the model moves to another decoder layer or phase, and a heartbeat at
+A measurement of a long job runs for minutes with nothing to show; :func:`attach` gives the
+harness's ``MemTracker`` (:func:`.fakerank.tracker`) a :class:`Progress` that, ticked at every op
+the tracker sees, prints a line whenever the model moves to another decoder layer or phase, and a heartbeat at
 least every ``every_s`` seconds inside a long one, Megatron-style::
 
     measure 2 layers: layer 2/2 forward | 14,210 ops | elapsed 31.4 s
@@ -37,36 +37,38 @@ def where(trk) -> str:
     return others[-1].split(".")[-1] if others else ""
 
 
-def progress_mode(trk, label: str, layers: int, *, every_s: float = 60.0, stream=None):
-    """A ``TorchDispatchMode`` printing ``label: <where>/<layers> <phase> | N ops | elapsed s``
-    (see the module docstring) for a model of ``layers`` decoder layers tracked by ``trk``."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+class Progress:
+    """Prints ``label: <where>/<layers> <phase> | N ops | elapsed s`` (see the module docstring)
+    for a model of ``layers`` decoder layers tracked by ``trk``; :meth:`tick` once per op (the
+    harness's tracker calls it: :func:`attach`)."""
 
-    out = stream or sys.stderr
+    def __init__(self, trk, label: str, layers: int, *, every_s: float = 60.0, stream=None):
+        self.trk, self.label, self.layers, self.every_s = trk, label, layers, every_s
+        self.out = stream or sys.stderr
+        self.ops = 0
+        self.t0 = self.last_t = time.perf_counter()
+        self.last = (None, None)
 
-    class Progress(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = 0
-            self.t0 = time.perf_counter()
-            self.last = (None, None)
-            self.last_t = self.t0
+    def line(self, place: str, phase: str) -> None:
+        now = time.perf_counter()
+        if place.startswith("layer "):
+            place = f"{place}/{self.layers}"
+        print(f"{self.label}: {place or 'model'} {phase} | {self.ops:,} ops | "
+              f"elapsed {now - self.t0:,.1f} s", file=self.out, flush=True)
+        self.last_t = now
 
-        def line(self, place: str, phase: str) -> None:
-            now = time.perf_counter()
-            if place.startswith("layer "):
-                place = f"{place}/{layers}"
-            print(f"{label}: {place or 'model'} {phase} | {self.ops:,} ops | "
-                  f"elapsed {now - self.t0:,.1f} s", file=out, flush=True)
-            self.last_t = now
+    def tick(self) -> None:
+        self.ops += 1
+        if self.ops & 255:
+            return
+        state = (where(self.trk), "backward" if self.trk._mod_tracker.is_bw else "forward")
+        if state != self.last or time.perf_counter() - self.last_t >= self.every_s:
+            self.last = state
+            self.line(*state)
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops += 1
-            if not self.ops & 255:
-                state = (where(trk), "backward" if trk._mod_tracker.is_bw else "forward")
-                if state != self.last or time.perf_counter() - self.last_t >= every_s:
-                    self.last = state
-                    self.line(*state)
-            return func(*args, **(kwargs or {}))
 
-    return Progress()
+def attach(trk, label: str, layers: int, **kw) -> Progress:
+    """A :class:`Progress` ticked by the fake-rank tracker ``trk`` at every op it sees
+    (:func:`megatron_metp.tools.fakerank.tracker_class`: no extra dispatch mode)."""
+    trk.progress = Progress(trk, label, layers, **kw)
+    return trk.progress
