@@ -23,6 +23,8 @@
 #     --gpu-memory-gib G check the total against G GiB per GPU (also $GPU_MEMORY_GIB)
 #     --json FILE        also write the dry run's report as JSON
 #     --cpu-kernels      account as the CPU kernels do, not as CUDA's (to see the difference)
+#     --measure-tiles M  sampled (default: the first two and last pass of each tile loop of the
+#                        streaming METP layer) or full (every pass; slower, the same bytes)
 # Other options:
 #   --config FILE      model/layout file (also $CONFIG; default configs/tiny-cpu-metp2.sh)
 #   -- ARGS...         append ARGS to pretrain_gpt.py's arguments (they win over the config)
@@ -130,6 +132,7 @@ while [[ $# -gt 0 ]]; do
         --rank) [[ $# -ge 2 ]] || die "--rank needs a value"; DRY_RUN_OPTS+=(--rank "$2"); shift ;;
         --json) [[ $# -ge 2 ]] || die "--json needs a file"; DRY_RUN_OPTS+=(--json "$2"); shift ;;
         --cpu-kernels) DRY_RUN_OPTS+=(--cpu-kernels) ;;
+        --measure-tiles) [[ $# -ge 2 ]] || die "--measure-tiles needs sampled or full"; DRY_RUN_OPTS+=(--measure-tiles "$2"); shift ;;
         --gpu-memory-gib) [[ $# -ge 2 ]] || die "--gpu-memory-gib needs a value"; GPU_MEMORY_GIB=$2; shift ;;
         --config) [[ $# -ge 2 ]] || die "--config needs a file"; CONFIG=$2; shift ;;
         -h|--help) usage; exit 0 ;;

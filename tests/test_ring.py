@@ -129,3 +129,37 @@ def test_harness_reruns_a_test_whose_subgroup_failed_to_connect(tmp_path):
     # negative control: a real error next to the transport failure is reported, not rerun
     with pytest.raises(RankError, match="a real failure"):
         run_ranks(_mesh_failure_and_a_real_error, 2, timeout=30)
+
+
+def test_bounded_wait_names_the_kind_and_keeps_the_callers_message():
+    """runtime.bounded_wait, the wait the ring and the agreement check share: a CPU wait passes
+    the group's timeout, a CUDA one none; the transport's first line goes into the caller's
+    message; a timeout is a RingTimeoutError, anything else a RingPeerError (negative control:
+    a work that completes raises nothing)."""
+    from types import SimpleNamespace
+
+    from megatron_metp.runtime.bounded_wait import wait_bounded
+
+    group = SimpleNamespace(timeout="T", rank=0, size=2, ranks=[0, 1])
+    seen = []
+
+    class Work:
+        def __init__(self, error=None):
+            self.error = error
+
+        def wait(self, *timeout):
+            seen.append(timeout)
+            if self.error:
+                raise RuntimeError(self.error)
+
+    msg = lambda first: f"waiting for peer 1: {first}"  # noqa: E731
+    wait_bounded([Work(), Work()], group, cuda=False, message=msg)
+    wait_bounded([Work()], group, cuda=True, message=msg)
+    assert seen == [("T",), ("T",), ()]
+    with pytest.raises(RingTimeoutError, match=r"^waiting for peer 1: \[x.cc:1\] Timed out "
+                                               r"waiting 1000ms$"):
+        wait_bounded([Work("[x.cc:1] Timed out waiting 1000ms\nmore")], group, cuda=False,
+                     message=msg)
+    with pytest.raises(RingPeerError, match="Connection closed by peer") as err:
+        wait_bounded([Work("Connection closed by peer")], group, cuda=False, message=msg)
+    assert not isinstance(err.value, RingTimeoutError)

@@ -58,6 +58,7 @@ from ..runtime.agree import (agreement_checks_enabled, check_group_agrees, needs
                              refuse_together)
 from ..runtime.finite import check_finite
 from ..runtime.groups import METPGroup, as_metp_group
+from ..runtime import loop_sample
 from ..runtime.host_stash import Stash
 from . import activations as act
 from ._first_order import first_order_only
@@ -169,7 +170,7 @@ class _METPLayerFunction(torch.autograd.Function):
             xs.fence()  # x is on the host before y overwrites it
         y = x2 if in_place else torch.empty_like(x2)
         acc = _acc(x.dtype)
-        for t in spec.row_tiles:
+        for _, t in loop_sample.tiles(spec.row_tiles):
             rows = _token_rows(t, b)
             h1 = attention_residual(x2[rows], _read_o(o_stash, rows), wo_all_t, bo)
             y[rows].copy_(mlp_forward(h1.view(-1, b, h), spec.norm2, w1, b1, w2, b2, spec.group,
@@ -222,7 +223,7 @@ class _METPLayerFunction(torch.autograd.Function):
         wo_all_t = gather_rows(group, wo.t(), "attention proj (gather)")
         mlp = MLPBackward(group, w1, b1, w2, spec.activation, acc, gdt)
         db2 = dbo = None
-        for i, t in enumerate(spec.row_tiles):
+        for i, t in loop_sample.tiles(spec.row_tiles):
             rows = _token_rows(t, b)
             _prefetch(spec.row_tiles, i + 1, b, [xs] + o_stash)
             h1 = attention_residual(xs.read(rows), _read_o(o_stash, rows), wo_all_t, bo)
@@ -267,7 +268,7 @@ class _METPLayerFunction(torch.autograd.Function):
         # 4. dx = dh1 + norm1ᵀ(d(qkv)·Wqkv), row tile by row tile
         w_all = _qkv_rows_by_part(gather_rows(group, wqkv, "attention qkv (gather)"), geo,
                                   group.size)
-        for i, t in enumerate(spec.row_tiles):
+        for i, t in loop_sample.tiles(spec.row_tiles):
             rows = _token_rows(t, b)
             _prefetch(spec.row_tiles, i + 1, b, [xs] + dq_st + dkv_st)
             d_t = torch.cat([s.read(rows) for s in dq_st] + [s.read(rows) for s in dkv_st],

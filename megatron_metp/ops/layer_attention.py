@@ -33,6 +33,7 @@ from typing import List, Optional
 
 import torch
 
+from ..runtime import loop_sample
 from ..runtime.groups import METPGroup
 from ..runtime.host_stash import PREFETCH_DEPTH
 from ..runtime.ring import RingExchanger
@@ -67,7 +68,7 @@ class Rows:
         first chunks of ``then`` (the tile the next pass reads from the same stash; ``None``:
         nothing, a prefetch that no read asks for would hold its device tile until the stash
         is released)."""
-        out = self._cut(t)
+        out = loop_sample.subset(self._cut(t), first=self.depth + 1)  # the fake instruments
         seq = [c for c, _ in out]
         if then is not None:
             seq += [c for c, _ in self._cut(then)[:self.depth]]
@@ -224,7 +225,7 @@ def forward_group(src: Rows, q_tiles, WQ, BQ, geo: _Geometry, seq: METPGroup, at
     q_out, kv_out = proj_out if proj_out is not None else (None, None)
     k, v, _ = group_kv(src, WQkv, BQkv, geo, head_norm, then=q_tiles[0], proj_out=kv_out)
     H, d, b = geo.heads_local, geo.d, src.b
-    for i, t in enumerate(q_tiles):
+    for i, t in loop_sample.tiles(q_tiles):
         nt = tile_rows(t)
         q = q_tile(src, t, WQq, BQq, geo, head_norm, then=_after(q_tiles, i), proj_out=q_out)
         o = torch.empty(nt, b, H * d, dtype=q.dtype, device=q.device)
@@ -303,7 +304,7 @@ def backward_group(src: Rows, q_tiles, kv_blocks, WQ, BQ, WOT, geo: _Geometry, s
         src.warm(q_in, q_tiles[0])
     H, Gl, qpg, d, b, n = geo.heads_local, geo.groups_local, geo.q_per_group, geo.d, src.b, src.n
     dk = dv = None  # fp32 [b, G_g, n, d]: the own keys' gradients, summed over the tiles
-    for i, t in enumerate(q_tiles):
+    for i, t in loop_sample.tiles(q_tiles):
         nt, then = tile_rows(t), _after(q_tiles, i)
         pre: List[torch.Tensor] = []
         q = q_tile(src, t, WQq, BQq, geo, head_norm, keep_pre=pre, then=then, proj=q_in)
@@ -315,7 +316,7 @@ def backward_group(src: Rows, q_tiles, kv_blocks, WQ, BQ, WOT, geo: _Geometry, s
             _heads_first_view(d_o.view(nt, b, -1), H, d)
         dq = None
         lse_t = take_rows(lse, t)
-        for ks in kv_blocks:
+        for _, ks in loop_sample.tiles(kv_blocks):
             sub = tile_rows(ks) < n
             kk = take_rows(k, ks, copy=True) if sub else k
             vv = take_rows(v, ks, copy=True) if sub else v

@@ -57,8 +57,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .bounded_wait import group_text, wait_bounded, wait_error
 from .groups import METPGroup
-from .ring import RingPeerError, RingTimeoutError
 
 def _mode_from_env() -> str:
     raw = os.environ.get("METP_CHECK_AGREEMENT", "").strip().lower()
@@ -165,21 +165,15 @@ def _all_gather(group: METPGroup, t: torch.Tensor, what: str, label: str) -> lis
     exchange_stats["calls"] += 1
     exchange_stats["bytes_sent"] += (g.size - 1) * t.numel() * t.element_size()
     outs = [torch.empty_like(t) for _ in range(g.size)]
+    message = (lambda first: f"METP agreement check of {label} on group {g.name!r} "
+               f"{group_text(g)}: {what} failed (timeout {g.timeout_s:g} s): {first}. A peer "
+               f"rank died, stalled, is in another op, or runs with the check off "
+               f"(METP_CHECK_AGREEMENT=0: switch it the same way on every rank).")
     try:
         work = dist.all_gather(outs, t, group=g.group, async_op=True)
-        if t.is_cuda:
-            work.wait()  # stream-ordered; the NCCL watchdog owns the timeout
-        else:
-            work.wait(g.timeout)
-    except Exception as exc:  # noqa: BLE001 - re-raised with the group and op named
-        text = str(exc)
-        kind = RingTimeoutError if "imed out" in text or "imeout" in text else RingPeerError
-        raise kind(
-            f"METP agreement check of {label} on group {g.name!r} (rank {g.rank} of {g.size}, "
-            f"global ranks {list(g.ranks)}): {what} failed (timeout {g.timeout_s:g} s): "
-            f"{text.splitlines()[0] if text else type(exc).__name__}. A peer rank died, stalled, "
-            f"is in another op, or runs with the check off (METP_CHECK_AGREEMENT=0: switch it "
-            f"the same way on every rank).") from exc
+    except Exception as exc:  # noqa: BLE001 - posting failed: named as a failed wait is
+        raise wait_error(exc, message) from exc
+    wait_bounded([work], g, cuda=t.is_cuda, message=message)
     return [o.cpu() for o in outs]
 
 

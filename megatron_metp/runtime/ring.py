@@ -23,19 +23,14 @@ from typing import Iterator, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from .bounded_wait import RingError, RingPeerError, RingTimeoutError, group_text, wait_bounded
 from .groups import METPGroup
+from .loop_sample import weight
+
+__all__ = ["PendingExchange", "RingError", "RingExchanger", "RingPeerError", "RingTimeoutError",
+           "TravellingSum"]
 
 
-class RingError(RuntimeError):
-    """A ring exchange failed; the message names the group, step and peer."""
-
-
-class RingTimeoutError(RingError):
-    """The peer did not complete its half of a ring step within the group's timeout."""
-
-
-class RingPeerError(RingError):
-    """The transport reported an error (e.g. the peer process died) during a ring step."""
 
 
 class PendingExchange:
@@ -55,24 +50,12 @@ class PendingExchange:
         if self._done:
             return self.recv
         g = self._group
-        for w in self._works:
-            try:
-                if self.recv.is_cuda:
-                    w.wait()  # stream-ordered; the NCCL watchdog owns the timeout
-                else:
-                    w.wait(g.timeout)
-            except Exception as exc:  # noqa: BLE001 - re-raised with ring context
-                text = str(exc)
-                kind = RingTimeoutError if "imed out" in text or "imeout" in text else RingPeerError
-                raise kind(
-                    f"METP ring {g.name!r} (rank {g.rank} of {g.size}, global ranks {list(g.ranks)}): "
-                    f"step {self._step} of {self._what!r} failed waiting for "
-                    f"{self._peer if isinstance(self._peer, str) else f'peer {self._peer}'} "
-                    f"(ring {g.prev_rank} -> {g.rank_global} -> {g.next_rank}, "
-                    f"timeout {g.timeout_s:g} s): "
-                    f"{text.splitlines()[0] if text else type(exc).__name__}. "
-                    f"A peer rank died or stalled; check its log. Raise METP_RING_TIMEOUT_S "
-                    f"if the step is legitimately slow.") from exc
+        peer = self._peer if isinstance(self._peer, str) else f"peer {self._peer}"
+        wait_bounded(self._works, g, cuda=self.recv.is_cuda, message=lambda first: (
+            f"METP ring {g.name!r} {group_text(g)}: step {self._step} of {self._what!r} failed "
+            f"waiting for {peer} (ring {g.prev_rank} -> {g.rank_global} -> {g.next_rank}, "
+            f"timeout {g.timeout_s:g} s): {first}. A peer rank died or stalled; check its log. "
+            f"Raise METP_RING_TIMEOUT_S if the step is legitimately slow."))
         self._done = True
         return self.recv
 
@@ -117,9 +100,9 @@ class RingExchanger:
         except Exception as exc:  # noqa: BLE001
             raise RingPeerError(f"METP ring {g.name!r}: posting step {step} of {self.what!r} to "
                                 f"{g.next_rank}/from {g.prev_rank} failed: {exc}") from exc
-        g.stats.steps += 1
-        g.stats.bytes_sent += nbytes
-        g.stats.bytes_received += nbytes
+        g.stats.steps += weight()
+        g.stats.bytes_sent += nbytes * weight()
+        g.stats.bytes_received += nbytes * weight()
         return PendingExchange(works, recvs[0], g, step, self.what)
 
     def broadcast(self, tensor: torch.Tensor, src: int, *, step: int) -> PendingExchange:
@@ -131,8 +114,8 @@ class RingExchanger:
         g = self.group
         work = dist.broadcast(tensor, src=g.ranks[src], group=g.group, async_op=True)
         if g.rank != src:
-            g.stats.steps += 1
-            g.stats.bytes_received += tensor.numel() * tensor.element_size()
+            g.stats.steps += weight()
+            g.stats.bytes_received += tensor.numel() * tensor.element_size() * weight()
         others = [r for r in g.ranks if r != g.ranks[src]]
         peer = g.ranks[src] if g.rank != src else f"the receiving peers {others}"
         return PendingExchange([work], tensor, g, step, self.what, peer=peer)
@@ -147,8 +130,8 @@ class RingExchanger:
         work = dist.reduce(tensor, dst=g.ranks[dst], op=dist.ReduceOp.SUM, group=g.group,
                            async_op=True)
         if g.rank != dst:
-            g.stats.steps += 1
-            g.stats.bytes_sent += tensor.numel() * tensor.element_size()
+            g.stats.steps += weight()
+            g.stats.bytes_sent += tensor.numel() * tensor.element_size() * weight()
         others = [r for r in g.ranks if r != g.ranks[dst]]
         peer = g.ranks[dst] if g.rank != dst else f"the contributing peers {others}"
         return PendingExchange([work], tensor, g, step, self.what, peer=peer)
@@ -162,9 +145,9 @@ class RingExchanger:
         g = self.group
         work = dist.all_gather_into_tensor(out, tensor, group=g.group, async_op=True)
         nbytes = tensor.numel() * tensor.element_size()
-        g.stats.steps += 1
-        g.stats.bytes_received += (g.size - 1) * nbytes
-        g.stats.bytes_sent += (g.size - 1) * nbytes
+        g.stats.steps += weight()
+        g.stats.bytes_received += (g.size - 1) * nbytes * weight()
+        g.stats.bytes_sent += (g.size - 1) * nbytes * weight()
         return PendingExchange([work], out, g, step, self.what, peer=g.next_rank)
 
     def reduce_scatter(self, out: torch.Tensor, tensor: torch.Tensor, *,
@@ -176,9 +159,9 @@ class RingExchanger:
         work = dist.reduce_scatter_tensor(out, tensor, op=dist.ReduceOp.SUM, group=g.group,
                                           async_op=True)
         nbytes = out.numel() * out.element_size()
-        g.stats.steps += 1
-        g.stats.bytes_sent += (g.size - 1) * nbytes
-        g.stats.bytes_received += (g.size - 1) * nbytes
+        g.stats.steps += weight()
+        g.stats.bytes_sent += (g.size - 1) * nbytes * weight()
+        g.stats.bytes_received += (g.size - 1) * nbytes * weight()
         return PendingExchange([work], out, g, step, self.what, peer=g.next_rank)
 
     def circulate(self, payload: torch.Tensor, steps: Optional[int] = None,

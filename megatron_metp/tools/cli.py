@@ -392,7 +392,8 @@ def cmd_measure(args) -> int:
     model, job, modes = build(args)
     t0 = time.perf_counter()
     results = M.measure(model, job, modes, jobs=args.jobs, timeout=args.timeout,
-                        cpu_matmul=args.cpu_matmul, measure_layers=args.measure_layers)
+                        cpu_matmul=args.cpu_matmul, measure_layers=args.measure_layers,
+                        measure_tiles=args.measure_tiles)
     print(measure_table(model, job, modes, results))
     for mode, r in zip(modes, results):
         if "method" in r:
@@ -457,6 +458,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="'full' measures every layer of the stage; N measures N-1 and N layers "
                          "and extrapolates linearly; 'auto' (default) is full up to 4 layers per "
                          "stage, else N=2 (as the Megatron-LM dry run)")
+    ms.add_argument("--measure-tiles", default="sampled", choices=("sampled", "full"),
+                    help="'sampled' (default) runs the first two and the last pass of each "
+                         "repeating tile loop of the streaming METP layer (every pass allocates "
+                         "the same; the traffic counts every pass); 'full' runs every pass")
     ms.add_argument("--cpu-matmul", action="store_true",
                     help="keep the METP ops' CPU matmul branch (default: emulate the CUDA one)")
     args = ap.parse_args(argv)

@@ -53,6 +53,7 @@ from typing import Dict, List, Optional
 
 from ..megatron_lm.cpu import stub_batch_invariant_kernels
 from . import fakerank as FR
+from .progress import attach
 
 MiB = 2 ** 20
 GiB = 2 ** 30
@@ -197,7 +198,7 @@ def _patched(obj, name, value):
 
 def run(megatron_lm_dir: str, megatron_argv: List[str], *, world_size: int, rank: int = 0,
         gpu_arch: float = 9.0, verbose: bool = False, measure_layers: str = "auto",
-        cpu_kernels: bool = False) -> Dict:
+        cpu_kernels: bool = False, measure_tiles: str = "sampled") -> Dict:
     """Parse, validate, build and measure; return the report as a dict (see :func:`format_report`).
 
     Runs in this process and initialises global state (Megatron's globals, a fake process
@@ -208,6 +209,10 @@ def run(megatron_lm_dir: str, megatron_argv: List[str], *, world_size: int, rank
 
     warnings.filterwarnings("ignore")
     d = check_checkout(megatron_lm_dir)
+    try:
+        FR.tile_sampling(measure_tiles)  # refuses an unknown value before any work
+    except ValueError as exc:
+        raise DryRunError(str(exc)) from None
     if not 0 <= rank < world_size:
         raise DryRunError(f"--rank {rank} is outside the job's {world_size} ranks")
     if "megatron.core" in sys.modules and \
@@ -294,7 +299,7 @@ def run(megatron_lm_dir: str, megatron_argv: List[str], *, world_size: int, rank
             model_parallel_cuda_manual_seed(args.seed)
             torch.manual_seed(args.seed)
             report = _build_and_measure(args, pretrain_gpt, ps, te_absent, notes, measure_layers,
-                                        cpu_kernels)
+                                        cpu_kernels, measure_tiles)
     except DryRunError:
         raise
     except Exception as exc:
@@ -308,7 +313,8 @@ def run(megatron_lm_dir: str, megatron_argv: List[str], *, world_size: int, rank
 
 
 def _build_and_measure(args, pretrain_gpt, ps, te_absent: bool, notes: List[str],
-                       measure_layers: str = "auto", cpu_kernels: bool = False) -> Dict:
+                       measure_layers: str = "auto", cpu_kernels: bool = False,
+                       measure_tiles: str = "sampled") -> Dict:
     import torch
     import torch.distributed as dist
     from functools import partial
@@ -400,13 +406,20 @@ def _build_and_measure(args, pretrain_gpt, ps, te_absent: bool, notes: List[str]
 
     docs = dry_run_documents(args, metp, notes)
 
+    tiles_run = {"passes": 0, "skipped": 0}
+
     def measure(chunks):
         tracker = FR.tracker()
         stored = 0
-        with FR.measuring(tracker, cuda=not cpu_kernels):
+        layers = sum(len(m.decoder.layers) for m, _, _ in chunks if hasattr(m, "decoder"))
+        attach(tracker, f"dry run ({layers} layers)", layers)
+        with FR.measuring(tracker, cuda=not cpu_kernels), \
+                FR.tile_sampling(measure_tiles) as sampled:
             for m, pre, post in chunks:
                 stored += _fwd_bwd(m, pre, post, args, mbs, n_local, sp, tp, dtype, tracker,
                                    docs)
+        for k in tiles_run:
+            tiles_run[k] += sampled[k] if sampled else 0
         offloaders = [getattr(m.decoder, "_metp_offloader", None) for m, _, _ in chunks
                       if getattr(m, "decoder", None) is not None]
         host = sum(o.stats.host_peak for o in offloaders if o is not None)
@@ -482,6 +495,11 @@ def _build_and_measure(args, pretrain_gpt, ps, te_absent: bool, notes: List[str]
                     else f"measured on {a} and {k} layers, extrapolated linearly to {n_layers} "
                          f"(+{per_layer['stored'] / MiB:,.0f} MiB stored per layer)")
             run_s = time.perf_counter() - t_run
+            if tiles_run["skipped"]:
+                run = tiles_run["passes"] + tiles_run["skipped"]
+                act["method"] += (f"; {tiles_run['passes']:,} of {run:,} "
+                                  f"tile passes run (the first and last passes of each loop, "
+                                  f"--measure-tiles full runs all)")
     finally:
         torch.set_default_dtype(prev_dtype)
     static = static_memory(args, params, world)
@@ -702,6 +720,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                          "measures N-1 and N layers and extrapolates linearly per layer; 'auto' "
                          "(default) is full up to 4 layers per rank, else N=2 (METP's rings under "
                          "fake tensors take minutes at full depth)")
+    ap.add_argument("--measure-tiles", default="sampled", choices=FR.MEASURE_TILES,
+                    help="'sampled' (default) runs the first two and the last pass of each "
+                         "repeating tile loop of the streaming METP layer (each pass allocates "
+                         "the same); 'full' runs every pass")
     ap.add_argument("--cpu-kernels", action="store_true",
                     help="account as this machine's CPU kernels do (what a CPU run would hold), "
                          "not as the CUDA kernels do (the default): shows what the CUDA "
@@ -713,7 +735,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         report = run(opts.megatron_lm_dir, megatron_argv, world_size=world, rank=opts.rank,
                      gpu_arch=opts.gpu_arch, verbose=opts.verbose,
-                     measure_layers=opts.measure_layers, cpu_kernels=opts.cpu_kernels)
+                     measure_layers=opts.measure_layers, cpu_kernels=opts.cpu_kernels,
+                     measure_tiles=opts.measure_tiles)
         report["gpus_per_node"] = opts.gpus_per_node
     except DryRunError as exc:
         print(f"dry run failed: {exc}", file=sys.stderr)

@@ -80,7 +80,11 @@ def tracker_class():
                     self.reset_mod_stats()
             return super()._pre_fw_hook(module, inputs)
 
+        progress = None  # a tools.progress.Progress, ticked at every op
+
         def _update_peak_stats(self, peak_state):
+            if self.progress is not None:
+                self.progress.tick()
             super()._update_peak_stats(peak_state)
             for dev in self._curr_mem_snap.values():
                 work = sum(v for k, v in dev.items() if getattr(k, "name", None) in ("ACT", "TEMP"))
@@ -212,12 +216,15 @@ def comm_counter_class():
     """The :class:`CommCounter` class (built lazily: torch's dispatch-mode base class)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    from ..runtime.loop_sample import weight as loop_weight
+
     class CommCounter(TorchDispatchMode):
         """Counts, per c10d op, messages (``ops``) and bytes this rank sends (``bytes_by_op``,
         ``sent`` in all; see :func:`_sent_bytes`), with the process-group size of each op
-        (``p`` when the op names none). Optionally: ``watched`` dispatch counts of ATen ops
-        whose name contains one of ``watch``; with ``track_alloc`` the largest tensor any
-        non-aliasing op returned (``max_alloc``, ``max_alloc_op``) and the largest 4-D one
+        (``p`` when the op names none); inside a loop :mod:`megatron_metp.runtime.loop_sample`
+        samples, a message counts as the passes it stands for. Optionally: ``watched``
+        dispatch counts of ATen ops whose name contains one of ``watch``; with ``track_alloc``
+        the largest tensor any non-aliasing op returned (``max_alloc``, ``max_alloc_op``) and the largest 4-D one
         (``max_alloc_4d``, ``max_alloc_4d_shape``: attention scores are 4-D)."""
 
         def __init__(self, p: int = 1, watch: Sequence[str] = (), track_alloc: bool = False):
@@ -237,9 +244,10 @@ def comm_counter_class():
             if func.namespace == "c10d":
                 sent = _sent_bytes(name, args, _group_size(args) or self.p)
                 key = name if sent is not None else name + " (not counted)"
-                self.ops[key] = self.ops.get(key, 0) + 1
-                self.bytes_by_op[key] = self.bytes_by_op.get(key, 0) + (sent or 0)
-                self.sent += sent or 0
+                w = loop_weight()  # passes a sampled loop skipped (runtime.loop_sample)
+                self.ops[key] = self.ops.get(key, 0) + w
+                self.bytes_by_op[key] = self.bytes_by_op.get(key, 0) + (sent or 0) * w
+                self.sent += (sent or 0) * w
                 return func(*args, **(kwargs or {}))
             if self.watch and any(w in name for w in self.watch):
                 self.watched[name] = self.watched.get(name, 0) + 1
@@ -302,6 +310,25 @@ def live_storage_class():
             return [[nb, c, what, list(shape), dt, ph] for nb, c, what, shape, dt, ph in rows[:k]]
 
     return LiveStorages
+
+
+# ----------------------------------------------------------------------------- tiles
+
+#: ``--measure-tiles``: ``sampled`` runs the first two and the last pass of every repeating tile
+#: loop of the streaming layer (:mod:`megatron_metp.runtime.loop_sample`), ``full`` every pass
+MEASURE_TILES = ("sampled", "full")
+
+
+def tile_sampling(measure_tiles: str = "sampled"):
+    """The context a measurement runs in for ``--measure-tiles`` (``ValueError`` naming the
+    option for anything but :data:`MEASURE_TILES`)."""
+    from ..runtime import loop_sample
+
+    if measure_tiles == "sampled":
+        return loop_sample.sampling()
+    if measure_tiles == "full":
+        return contextlib.nullcontext(None)
+    raise ValueError(f"--measure-tiles {measure_tiles!r}: use one of {', '.join(MEASURE_TILES)}")
 
 
 # ----------------------------------------------------------------------------- depth

@@ -48,6 +48,7 @@ once in the parent), at most ``jobs`` at a time.
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import replace
 from typing import Dict, List
@@ -60,14 +61,20 @@ MiB = 2 ** 20
 
 # ----------------------------------------------------------------------------- one measurement
 
-def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool = False) -> Dict:
+def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool = False,
+                 measure_tiles: str = "sampled") -> Dict:
     """Measure in *this* process (it must not have a process group yet; it gets a fake one).
 
     Returns a dict of bytes: ``peak`` (MemTracker's total: parameters, the fp32 gradient buffer,
     forward and backward allocations), ``params``, ``grad_buffer``, ``activation_peak`` (peak
     minus the two), ``stored`` (forward allocations alive after the last forward), ``sent``
-    (bytes this rank sent in the fwd+bwd), plus layout facts.
+    (bytes this rank sent in the fwd+bwd), plus layout facts. ``measure_tiles``:
+    ``"sampled"`` runs the streaming layer's tile loops' first two and last passes
+    (:func:`fakerank.tile_sampling`; the traffic still counts every pass), ``"full"`` all.
+    A progress line per layer and phase goes to stderr (:mod:`.progress`).
     """
+    from .progress import attach
+
     import torch
     import torch.nn.functional as Fn
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -179,8 +186,10 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
         tracker.track_external(main_grad)
         counter = FR.comm_counter_class()(track_alloc=True)
         outs = []
+        attach(tracker, f"measure {asked} ({layers_here} layers)", layers_here)
         with FR.measuring(tracker, counter, cuda_matmul=not cpu_matmul,
-                          moe_imbalance=job.moe_imbalance):
+                          moe_imbalance=job.moe_imbalance), \
+                FR.tile_sampling(measure_tiles) as sampled:
             for _ in range(inflight):
                 tokens = torch.zeros(b, n, dtype=torch.long)
                 pos = torch.zeros(b, n, dtype=torch.long)
@@ -243,6 +252,9 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
         "host_peak": offloader.stats.host_peak if offloader else 0,
         "offloaded_bytes": offloader.stats.offloaded_bytes if offloader else 0,
         "seconds": round(seconds, 3),
+        "tiles": (f"{sampled['passes']:,} of {sampled['passes'] + sampled['skipped']:,} tile "
+                  f"passes run (the first and last passes of each loop)" if sampled and
+                  sampled["skipped"] else "every tile pass run"),
     }
 
 
@@ -355,7 +367,8 @@ def _runs(model: "P.Model", job: "P.Job", mode: str, measure_layers: str):
 
 
 def measure(model: "P.Model", job: "P.Job", modes, *, jobs: int = 1, timeout: float = 600.0,
-            cpu_matmul: bool = False, measure_layers: str = "full") -> List[Dict]:
+            cpu_matmul: bool = False, measure_layers: str = "full",
+            measure_tiles: str = "sampled") -> List[Dict]:
     """Measure each mode (a list, or one name) in its own forked child; ``jobs`` at a time.
 
     ``measure_layers``: ``"full"`` builds every layer of the stage; ``N`` (or ``"auto"``: 2 when
@@ -364,16 +377,24 @@ def measure(model: "P.Model", job: "P.Job", modes, *, jobs: int = 1, timeout: fl
     does; exact where each layer adds the same, which the fake-tensor measurements show); with
     a partial offload the measured stages keep as many layers as the full one, or three stages
     give the slopes in layers and in kept layers (:func:`_runs`).
+    ``measure_tiles``: ``"sampled"`` (default) or ``"full"`` (:func:`measure_here`).
     A failed measurement comes back as ``{"mode": ..., "error": traceback}``.
     """
     if isinstance(modes, str):
         modes = [modes]
     P.validate(model, job, modes=modes)
+    FR.tile_sampling(measure_tiles)  # refuses an unknown value before any work
     plans = [_runs(model, job, m, measure_layers) for m in modes]
     FR.preload_megatron()
     runs = [(m, mdl, jb) for m, (rs, _, _) in zip(modes, plans) for mdl, jb in rs]
-    got = FR.map_isolated(lambda mode, mdl, jb: measure_here(mdl, jb, mode, cpu_matmul=cpu_matmul),
+    t0 = time.perf_counter()
+    print(f"measure: {len(runs)} measurement(s) of {', '.join(modes)} ({jobs} at a time)",
+          file=sys.stderr, flush=True)
+    got = FR.map_isolated(lambda mode, mdl, jb: measure_here(mdl, jb, mode, cpu_matmul=cpu_matmul,
+                                                             measure_tiles=measure_tiles),
                           runs, jobs=jobs, timeout=timeout, what=lambda a: a[0])
+    print(f"measure: {len(runs)} measurement(s) done | elapsed {time.perf_counter() - t0:,.1f} s",
+          file=sys.stderr, flush=True)
     out = []
     i = 0
     for mode, (rs, coef, method) in zip(modes, plans):
@@ -384,7 +405,7 @@ def measure(model: "P.Model", job: "P.Job", modes, *, jobs: int = 1, timeout: fl
             continue
         if method is None:
             res = parts[0]["ok"]
-            res["method"] = f"measured on all {res['layers_on_rank']} layers"
+            res["method"] = f"measured on all {res['layers_on_rank']} layers; {res['tiles']}"
             out.append(res)
             continue
         vals = [g["ok"] for g in parts]
@@ -393,6 +414,6 @@ def measure(model: "P.Model", job: "P.Job", modes, *, jobs: int = 1, timeout: fl
                for k, v in vals[-1].items()}
         res["layers_on_rank"] = model.layers // job.pp
         res["seconds"] = round(sum(r["seconds"] for r in vals), 3)
-        res["method"] = method
+        res["method"] = f"{method}; {res['tiles']}"
         out.append(res)
     return out
