@@ -54,6 +54,9 @@ RELEASE_INDEPENDENT = {
 #: node id -> its time on 2 cores (s; the CI legs' --durations, the largest seen), for the tests
 #: over 5 s that use no Megatron-LM checkout
 SLOW = {
+    "tests/test_fast_dry.py::test_sampled_tile_passes_give_the_full_loops_bytes_and_traffic": 15.3,
+    "tests/test_fast_dry.py::test_layer_extrapolation_matches_the_full_depth_and_a_wrong_rule_is_"
+    "caught": 15.0,
     "tests/test_checkpoint_faults.py::test_a_stalled_rank_fails_the_save_within_the_bound_and_"
     "publishes_nothing": 9.8,
     "tests/test_cuda_accounting.py::test_megatron_fused_activations_are_chunked_and_equal": 16.7,
@@ -92,6 +95,7 @@ SLOW = {
 #: ``path::fixture`` -> its set-up time (s, as above): the tests of that file that use the
 #: (module-scoped) fixture are slow, all of them (marking only the first would move the cost)
 SLOW_FIXTURES = {
+    "tests/test_moe_plan.py::measured": 6.5,
     "tests/test_plan.py::measured": 40.4,
     "tests/test_recompute.py::metp2": 19.5,
     "tests/test_hf.py::models": 9.3,
