@@ -59,6 +59,22 @@ def _loss(model_cls, hf_dir, tokens, labels, mask, **config) -> float:
     return ((ce * mask.reshape(-1)).sum() / mask.sum()).item()
 
 
+def check_iteration_1_loss(log: str, model_cls, hf_dir: str, label: str):
+    """The run's one ``iteration 1/1`` lm loss equals transformers' on the same mock batch
+    (Megatron prints 7 significant digits), and the next batch's loss differs (so the comparison
+    depends on the batch). Returns ``(tokens, labels, mask, transformers' loss)``."""
+    losses = [float(x) for x in re.findall(r"iteration +1/ +1 \|.*?lm loss: ([0-9.E+-]+)", log)]
+    assert len(losses) == 1, log[-4000:]
+    tokens, labels, mask = _mock_batches(2 * GBS)
+    ref = _loss(model_cls, hf_dir, tokens[:GBS], labels[:GBS], mask[:GBS])
+    other = _loss(model_cls, hf_dir, tokens[GBS:], labels[GBS:], mask[GBS:])
+    print(f"\n{label}: Megatron-LM METP=2 iteration 1 lm loss {losses[0]:.6E}, transformers "
+          f"{ref:.7f} (rel. {abs(losses[0] - ref) / ref:.1e}); next batch {other:.7f}")
+    assert abs(losses[0] - ref) <= 1e-5 * ref
+    assert abs(other - ref) > 1e-4 * ref
+    return tokens, labels, mask, ref
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_pretrain_gpt_prints_transformers_loss_at_iteration_1(patched_megatron_lm, tmp_path,
                                                               family):
@@ -89,15 +105,7 @@ def test_pretrain_gpt_prints_transformers_loss_at_iteration_1(patched_megatron_l
     if family == "qwen3_yarn":
         assert re.search(r"position_embedding_type \.+ yarn", log), log[-4000:]
         assert "RoPE angles: exact" in log, log[-4000:]
-    losses = [float(x) for x in re.findall(r"iteration +1/ +1 \|.*?lm loss: ([0-9.E+-]+)", log)]
-    assert len(losses) == 1, log[-4000:]
-    tokens, labels, mask = _mock_batches(2 * GBS)
-    ref = _loss(model_cls, hf_dir, tokens[:GBS], labels[:GBS], mask[:GBS])
-    other = _loss(model_cls, hf_dir, tokens[GBS:], labels[GBS:], mask[GBS:])
-    print(f"\n{family}: Megatron-LM METP=2 iteration 1 lm loss {losses[0]:.6E}, transformers "
-          f"{ref:.7f} (rel. {abs(losses[0] - ref) / ref:.1e}); next batch {other:.7f}")
-    assert abs(losses[0] - ref) <= 1e-5 * ref  # Megatron prints 7 significant digits
-    assert abs(other - ref) > 1e-4 * ref  # the comparison depends on the batch
+    tokens, labels, mask, ref = check_iteration_1_loss(log, model_cls, hf_dir, family)
     if family == "qwen3_yarn":  # ... and on YaRN
         plain = _loss(model_cls, hf_dir, tokens[:GBS], labels[:GBS], mask[:GBS],
                       rope_scaling=None)
