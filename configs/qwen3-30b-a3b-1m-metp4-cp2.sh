@@ -8,7 +8,7 @@
 # do. metp plan --config this file: 51.2 GiB per rank, 651 GiB of host memory per node; the
 # longest sequence this layout fits is 4,295.75K tokens (metp plan --reach --preset
 # qwen3-30b-a3b --gpus 8). Stock Megatron's best layout on the same GPUs (the twin) needs
-# 136.6 GiB per rank here. Values here are defaults: anything already set in the environment wins.
+# 139.2 GiB per rank here. Values here are defaults: anything already set in the environment wins.
 # shellcheck source=/dev/null
 source "$(dirname "${BASH_SOURCE[0]}")/models/qwen3-30b-a3b.sh"
 : "${SEQ_LENGTH:=1048576}"

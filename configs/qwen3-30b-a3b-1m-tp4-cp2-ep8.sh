@@ -3,7 +3,7 @@
 # (metp plan --reach --preset qwen3-30b-a3b --gpus 8: TP 4 + SP x CP 2 with the 128 experts over
 # all 8 ranks, EP 8 by parallel folding, expert TP 1), the same full recompute, host offload of
 # the layer inputs and optimizer on the host. It does not fit at this length: metp plan says
-# 136.6 GiB per rank, 75 GiB of it the fp32 logits of the loss [131,072 tokens, 37,984 rows]
+# 139.2 GiB per rank, 75 GiB of it the fp32 logits of the loss [131,072 tokens, 37,984 rows]
 # and one MoE layer's routed tokens (1,048,576 rows per rank) in its backward; its longest
 # sequence is ~498K tokens. It needs Transformer Engine (Megatron's CP attention).
 # shellcheck source=/dev/null

@@ -204,3 +204,57 @@ def test_qwen3_moe_config_dry_run_plan_and_measure_agree(patched_megatron_lm, mo
     assert row["mode"] == "metp"
     assert abs(row["measure_vs_dry_run"]) <= 0.03, row
     assert abs(row["plan_vs_dry_run"]) <= 0.03, row
+
+
+
+def test_moe_layers_leave_no_routing_on_the_device_after_their_forward(measured, monkeypatch):
+    """Full recompute: Megatron's token dispatchers keep the last call's probabilities
+    ``[N, E]`` (bf16), routing map ``[N, E]`` (bool) and permutation indices ``[R·k]`` (int64)
+    as attributes until the layer's next call (its recompute, in the backward), so every MoE
+    layer would hold them for the whole step (a tile's slice keeps the whole ``[N, E]``): 48 MiB
+    a layer, 2.3 GiB per rank for configs/qwen3-30b-a3b-1m-metp4-cp2.sh, which the plan does
+    not count. :class:`~megatron_metp.megatron.moe_tiles.TiledMoELayer` drops them after each
+    call; negative control: the same job measured without that keeps exactly them."""
+    from megatron_metp.megatron import moe_tiles
+    from megatron_metp.tools import measure as M
+
+    job, mode, res, _ = measured["metp"]
+    monkeypatch.setenv("METP_MOE_TOKEN_TILES", "4")
+    monkeypatch.setattr(moe_tiles, "drop_dispatch_state", lambda dispatcher: None)
+    kept = M.measure(TINY, job, mode, timeout=300)[0]
+    assert "error" not in kept, kept["error"]
+    n = TINY.seq // (job.metp * job.cp)  # tokens per rank
+    rows = -(-n // 4) * TINY.topk  # the last tile's routed rows
+    routing = TINY.layers * (n * TINY.experts * (2 + 1) + 8 * rows)
+    print(f"stored after the forward: {res['stored']:,}; with the dispatchers' state "
+          f"{kept['stored']:,} ({routing:,} expected more)")
+    assert kept["stored"] - res["stored"] == routing
+    assert kept["peak"] - res["peak"] >= routing
+
+
+#: many experts and little else, so that the dispatchers' routing is ~7 % of the rank's peak
+MANY_EXPERTS = replace(TINY, name="many-experts", hidden=64, layers=4, heads=4, query_groups=4,
+                       kv_channels=16, ffn=128, vocab=128, seq=8192, experts=32, moe_ffn=32)
+
+
+def test_plan_counts_stock_dispatcher_state_under_full_recompute():
+    """Stock Megatron's ``MoELayer`` under full recompute: each MoE layer's dispatcher keeps its
+    last call's probabilities, routing map and indices until the recompute (plan
+    :func:`~megatron_metp.tools.plan.moe.dispatch_state`); the plan within 3 % of the measured
+    rank, and not without that component."""
+    from megatron_metp.tools import measure as M
+
+    job = P.Job(tp=4, metp=1, ep=4, recompute="full", distributed_optimizer=True,
+                moe_dispatcher="alltoall")
+    res = M.measure(MANY_EXPERTS, job, "tp-sp", timeout=300)[0]
+    assert "error" not in res, res["error"]
+    plan = P.memory(MANY_EXPERTS, job, "tp-sp")
+    state = sum(v for k, v in plan.act.stored_layer.items() if "dispatcher" in k) * \
+        plan.act.layers
+    n = MANY_EXPERTS.seq // job.tp
+    assert state == MANY_EXPERTS.layers * (n * MANY_EXPERTS.experts * 3 + 8 * n * MANY_EXPERTS.topk)
+    err = plan.measured_part / res["peak"] - 1
+    print(f"stock full recompute: measured {res['peak']:,} plan {plan.measured_part:,.0f} "
+          f"({err:+.2%}); dispatcher state {state:,.0f}")
+    assert abs(err) <= 0.03, err
+    assert (plan.measured_part - state) / res["peak"] - 1 < -0.03  # negative control

@@ -69,7 +69,8 @@ from ..ops.moe_tile_count import (MOE_TOKEN_TILES_ENV, gated_activation, resolve
 from ..ops.tiles import tile_slices
 
 __all__ = ["MOE_TOKEN_TILES_ENV", "TiledMoELayer", "routed_row_bytes", "routed_transient_bytes",
-           "resolve_moe_tiles", "tile_problems", "routed_tile", "tiled_moe_spec"]
+           "resolve_moe_tiles", "tile_problems", "routed_tile", "tiled_moe_spec",
+           "drop_dispatch_state"]
 
 
 def tile_problems(config) -> List[str]:
@@ -104,7 +105,29 @@ def routed_tile(layer: MoELayer, hidden: torch.Tensor, probs: torch.Tensor,
     if bias is not None:
         raise ValueError("MoE token tiles: the experts returned a bias (not supported by "
                          "Megatron's dispatchers either)")
-    return layer.postprocess(layer.combine(out), None)
+    out = layer.postprocess(layer.combine(out), None)
+    drop_dispatch_state(layer.token_dispatcher)
+    return out
+
+
+#: the token dispatchers' per-call tensors that outlive the call (megatron-core 0.16.1 and
+#: 0.19: alltoall ``probs`` [R, E], ``routing_map`` [R, E] bool, the permutation's indices
+#: [R·k] int64; allgather ``local_map`` / ``local_probs``); autograd keeps what the backward needs
+DISPATCH_STATE = ("probs", "routing_map", "reversed_local_input_permutation_mapping",
+                  "local_map", "local_probs", "global_local_map")
+
+
+def drop_dispatch_state(dispatcher) -> None:
+    """Forget ``dispatcher``'s per-call routing tensors once its combine has run.
+
+    Megatron's dispatchers keep them as attributes until the layer's next call. Under full
+    recompute the next call is the layer's recompute in the backward, so every MoE layer would
+    hold its routing — ``N·E·(e + 1) + 8·N·k`` bytes (``e`` the probabilities' element size;
+    a tile's slice of ``P``/``M`` keeps the whole ``[N, E]`` storage alive) — for the whole
+    forward and backward, 48 MiB per layer for Qwen3-30B-A3B at 131,072 tokens per rank."""
+    for name in DISPATCH_STATE:
+        if isinstance(getattr(dispatcher, name, None), torch.Tensor):
+            setattr(dispatcher, name, None)
 
 
 class _RoutedTiles(torch.autograd.Function):
@@ -191,7 +214,10 @@ class TiledMoELayer(MoELayer):
             self.token_tiles(tokens, hidden_states.element_size())
         self.last_tiles = count
         if count <= 1:
-            return super().forward(hidden_states, intermediate_tensors, padding_mask)
+            out = super().forward(hidden_states, intermediate_tensors, padding_mask)
+            if intermediate_tensors is None:  # (a captured CUDA graph reads its routing map)
+                drop_dispatch_state(self.token_dispatcher)
+            return out
         problems = tile_problems(self.config)
         if problems:
             raise ValueError(f"MoE token tiles ({count}): {problems[0]}")

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Dict, Optional
 
 from .metp import _metp_phases
-from .moe import moe_layer
+from .moe import dispatch_state, moe_layer
 from .streaming import streaming_applies, streaming_phases
 from .model import BF16, FP32, Job, Model, canonical, layout, padded_vocab
 from .recompute import recompute_and_offload
@@ -319,6 +319,8 @@ def activations(model: Model, job: Job, mode: str, seq: Optional[int] = None,
     streaming = mode == "metp" and not model.moe and streaming_applies(job, g.lay, mode)
     S, host_layer, shifts = recompute_and_offload(S, job, g.L, BF16 * nl * h, offloaded=off,
                                                   frees_output=mode == "metp")
+    if model.moe:  # stock Megatron's dispatcher keeps its last call's routing (.moe)
+        S.update(dispatch_state(model, job, g.lay, stage, nl))
     host_stash = 0.0
     if streaming:
         X, host_stash = _streaming_phases(model, job, g, off)

@@ -47,7 +47,9 @@ probabilities and routing map and, with one tile, ``r`` routed rows of ``2h + 6f
 the last layer's
 MLP phases become the MoE's (forward: the output ``[N, h]`` and the combine's buffers; backward:
 the gradients of the routed rows, the dispatcher's backward buffers and one expert's bf16 weight
-gradient; with tiles, one tile's rows re-formed and their gradients); the attention backward runs after the MoE's stored tensors are freed. With
+gradient; with tiles, one tile's rows re-formed and their gradients); the attention backward runs after the MoE's stored tensors are freed. Under full recompute stock
+Megatron's dispatcher also keeps its last call's routing on the device until the layer's
+recompute (:func:`dispatch_state`; METP's layer drops it). With
 ``--moe-layer-freq`` > 1 the stored bytes per layer are the stage's average and the last
 layer's phases those of its kind.
 
@@ -244,6 +246,30 @@ def backward_rows(model: Model, job: Job, ep: int, rows: float) -> Dict[str, flo
     out["input gradients of the experts done over their freed activations (bf16)"] = \
         rows * max(0, BF16 * h - act)
     return out
+
+
+def dispatch_state(model: Model, job: Job, lay, stage: str, N: int) -> Dict[str, float]:
+    """What stock Megatron's token dispatcher keeps of its last call as attributes until the
+    layer's next call: under full recompute (the next call is the layer's recompute in the
+    backward) every MoE layer holds it on the device for the whole step, beside its
+    checkpointed input (not offloaded: no saved tensor). Alltoall: the probabilities ``[N, E]``
+    (bf16), the routing map ``[N, E]`` (bool) and the permutation indices ``[N·k]`` (int64);
+    allgather: the local map ``[N·ep, E/ep]`` (bool), the local probabilities and indices
+    ``[r]`` (bf16, int64). Per layer, the stage's MoE share. Mode ``metp``'s
+    :class:`~megatron_metp.megatron.moe_tiles.TiledMoELayer` drops it after each call: none.
+    Without recompute autograd keeps the routing anyway (:func:`moe_stored`)."""
+    if lay.mode in ("metp", "metp+vocab") or job.recompute != "full":
+        return {}
+    n_moe, n_dense = stage_layers(model, job.pp, stage)
+    E = model.experts
+    if job.moe_dispatcher == "allgather":
+        b = N * E + routed_rows(model, job, N) * (BF16 + 8)
+        what = "local map, local probabilities, indices"
+    else:
+        b = N * E * (BF16 + 1) + 8 * N * model.topk
+        what = "probabilities, routing map, indices"
+    return {f"MoE dispatcher's last call kept to the recompute ({what})":
+            b * n_moe / (n_moe + n_dense)}
 
 
 def moe_layer(model: Model, job: Job, lay, stage: str, N: int, S: Dict[str, float],
