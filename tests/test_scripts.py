@@ -357,17 +357,23 @@ def test_metp_config_and_its_tp_twin(config):
     p = int(fa["--metp-parallel-size"][0])
     assert p > 1 and fa["--tensor-model-parallel-size"] == ["1"]
     assert fb["--metp-parallel-size"] == ["1"] and "--sequence-parallel" not in fa
-    if "--context-parallel-size" in fb:  # a stock context-parallel twin: CP = p·c, TP = 1
+    if "--num-experts" in fa:  # a stock MoE twin: the same experts and routing, stock's layout
+        for flag in ("--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size",
+                     "--moe-layer-freq", "--recompute-granularity"):
+            assert fa.get(flag) == fb.get(flag), flag
+        ep = int(fb["--expert-model-parallel-size"][0])
+        tp = int(fb["--tensor-model-parallel-size"][0])
+        assert int(fa["--num-experts"][0]) % ep == 0 and ep > 1
+        if config.startswith("tiny"):  # DP p with the experts over the same p ranks
+            assert tp == 1 and ep == p  # (tiny-cpu-ep2-moe.sh)
+            assert fa.get("--moe-token-dispatcher-type") == fb.get("--moe-token-dispatcher-type")
+        else:  # stock's best per --reach: TP with sequence parallelism × CP × EP
+            assert tp > 1 and "--sequence-parallel" in fb
+    elif "--context-parallel-size" in fb:  # a stock context-parallel twin: CP = p·c, TP = 1
         assert fb["--context-parallel-size"] == [str(p * c)]
         assert fb["--tensor-model-parallel-size"] == ["1"]
         for flag in ("--recompute-granularity", "--metp-offload-activations"):
             assert fa.get(flag) == fb.get(flag), flag  # the same recompute and offload
-    elif "--num-experts" in fa:  # a stock MoE twin: DP p with the experts over the same p
-        assert fb["--tensor-model-parallel-size"] == ["1"]  # ranks (tiny-cpu-ep2-moe.sh)
-        assert fb["--expert-model-parallel-size"] == [str(p)]
-        for flag in ("--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size",
-                     "--moe-layer-freq", "--moe-token-dispatcher-type"):
-            assert fa.get(flag) == fb.get(flag), flag
     else:  # a stock TP twin: TP = p with sequence parallelism (not on CPU ranks: no apex)
         assert fb["--tensor-model-parallel-size"] == [str(p)]
         assert ("--sequence-parallel" in fb) == ("--distributed-backend" not in fb)
