@@ -62,7 +62,8 @@ def _loss(model_cls, hf_dir, tokens, labels, mask, **config) -> float:
 def check_iteration_1_loss(log: str, model_cls, hf_dir: str, label: str):
     """The run's one ``iteration 1/1`` lm loss equals transformers' on the same mock batch
     (Megatron prints 7 significant digits), and the next batch's loss differs (so the comparison
-    depends on the batch). Returns ``(tokens, labels, mask, transformers' loss)``."""
+    depends on the batch). Returns ``(tokens, labels, mask, Megatron-LM's loss, transformers'
+    loss)``."""
     losses = [float(x) for x in re.findall(r"iteration +1/ +1 \|.*?lm loss: ([0-9.E+-]+)", log)]
     assert len(losses) == 1, log[-4000:]
     tokens, labels, mask = _mock_batches(2 * GBS)
@@ -72,7 +73,7 @@ def check_iteration_1_loss(log: str, model_cls, hf_dir: str, label: str):
           f"{ref:.7f} (rel. {abs(losses[0] - ref) / ref:.1e}); next batch {other:.7f}")
     assert abs(losses[0] - ref) <= 1e-5 * ref
     assert abs(other - ref) > 1e-4 * ref
-    return tokens, labels, mask, ref
+    return tokens, labels, mask, losses[0], ref
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -105,7 +106,7 @@ def test_pretrain_gpt_prints_transformers_loss_at_iteration_1(patched_megatron_l
     if family == "qwen3_yarn":
         assert re.search(r"position_embedding_type \.+ yarn", log), log[-4000:]
         assert "RoPE angles: exact" in log, log[-4000:]
-    tokens, labels, mask, ref = check_iteration_1_loss(log, model_cls, hf_dir, family)
+    tokens, labels, mask, _, ref = check_iteration_1_loss(log, model_cls, hf_dir, family)
     if family == "qwen3_yarn":  # ... and on YaRN
         plain = _loss(model_cls, hf_dir, tokens[:GBS], labels[:GBS], mask[:GBS],
                       rope_scaling=None)

@@ -48,7 +48,8 @@ def test_pretrain_gpt_loads_a_qwen3_moe_import(patched_megatron_lm, tmp_path):
     for pattern in (r"num_experts \.+ 4\b", r"moe_layer_freq \.+ \[1, 0, 1\]",
                     r"expert_model_parallel_size \.+ 2\b", r"qk_layernorm \.+ True"):
         assert re.search(pattern, log), (pattern, log[-4000:])
-    tokens, labels, mask, _ = check_iteration_1_loss(log, Qwen3MoeForCausalLM, hf_dir, "qwen3_moe")
+    tokens, labels, mask, megatron_loss, _ = check_iteration_1_loss(
+        log, Qwen3MoeForCausalLM, hf_dir, "qwen3_moe")
     # the run's save (iteration 1, trained one step) exported with and without a config.json
     from safetensors.torch import load_file
 
@@ -70,6 +71,6 @@ def test_pretrain_gpt_loads_a_qwen3_moe_import(patched_megatron_lm, tmp_path):
     trained = _loss(Qwen3MoeForCausalLM, from_args, tokens[:GBS], labels[:GBS], mask[:GBS])
     print(f"export of the run's iteration-1 save (from its saved arguments): first batch "
           f"{trained:.7f}")
-    assert trained < losses[0] - 0.05  # the save holds the step trained on this batch
+    assert trained < megatron_loss - 0.05  # the save holds the step trained on this batch
     assert trained == _loss(Qwen3MoeForCausalLM, with_cfg, tokens[:GBS], labels[:GBS],
                             mask[:GBS])
