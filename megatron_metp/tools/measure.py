@@ -172,6 +172,11 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
                   max_sequence_length=model.seq, pre_process=first, post_process=last,
                   share_embeddings_and_output_weights=model.tied and job.pp == 1,
                   position_embedding_type="rope", **extra)
+        if mode in ("metp", "ring"):  # as the METP builders (training, Megatron-LM hooks) do
+            from ..megatron.rope import use_exact_angles
+            from ..ops.rope import rope_recipe
+
+            use_exact_angles(gpt, rope_recipe())  # this rank's angles, not the whole table
         offloader = ActivationOffloader(prefetch=job.offload_prefetch,
                                         layers=job.offload_layers).attach(gpt.decoder) \
             if job.offload else None
