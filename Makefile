@@ -7,6 +7,7 @@
 #                   core_v0.19.0
 #   make test-fast - the inner loop: pytest -m "not slow" on .venv (no Megatron-LM launches, no
 #                   test over 5 s; tests/markers.py), a few minutes on 2 cores
+#   JOBS=N        - test workers for make test / test-019 / test-fast (default 2; JOBS=0: none)
 #   make faults   - the fault-injection suite alone (part of make test; ~1.5 min on 2 cores)
 # Environments, one per supported Megatron-LM release:
 #   make venv     - .venv: $(PYTHON) (3.11 here), torch 2.13.0 (CPU build), megatron-core 0.16.1
@@ -29,6 +30,13 @@ STAMP019 := $(VENV019)/.metp-installed
 # --no-compile: no .pyc for the thousands of modules never imported (torch, transformers); the
 # imported ones are compiled on first use
 PIP_INSTALL := -m pip install -q --no-compile --disable-pip-version-check
+
+# pytest-xdist: test files run on JOBS workers (--dist loadfile: a file's module fixtures, such as
+# one Megatron-LM training run shared by its tests, stay on one worker). One worker keeps about
+# one core busy (rank processes mostly wait on each other, imports and launches are serial), so
+# two fill the CI machine's two cores. JOBS=0 runs in the pytest process itself.
+JOBS ?= 2
+XDIST := $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadfile)
 
 .PHONY: venv venv-019 demo test test-019 test-fast faults bench clean
 
@@ -61,7 +69,7 @@ demo: $(STAMP)
 # runs; its log (.venv-019.log) is printed when it fails
 test: $(STAMP)
 	nice -n 10 $(MAKE) --no-print-directory venv-019 >$(VENV019).log 2>&1 & pid=$$!; \
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=30 tests; rc=$$?; \
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(XDIST) --durations=30 tests; rc=$$?; \
 	wait $$pid || { cat $(VENV019).log; echo "make venv-019 failed (log above)"; exit 1; }; \
 	exit $$rc
 	$(MAKE) test-019
@@ -72,12 +80,12 @@ test: $(STAMP)
 # and megatron-core's MoE with METP (its CPU shims and dispatcher seams differ between 0.16 and 0.19)
 MOE_CORE_TESTS := tests/test_moe.py tests/test_moe_tiles.py
 test-019: $(STAMP019)
-	OMP_NUM_THREADS=1 METP_MEGATRON_LM_RELEASE=core_v0.19.0 $(PY019) -m pytest -q --durations=30 -m "megatron_lm and release_sensitive" tests
-	OMP_NUM_THREADS=1 METP_MEGATRON_LM_RELEASE=core_v0.19.0 $(PY019) -m pytest -q --durations=5 $(MOE_CORE_TESTS)
+	OMP_NUM_THREADS=1 METP_MEGATRON_LM_RELEASE=core_v0.19.0 $(PY019) -m pytest -q $(XDIST) --durations=30 -m "megatron_lm and release_sensitive" tests
+	OMP_NUM_THREADS=1 METP_MEGATRON_LM_RELEASE=core_v0.19.0 $(PY019) -m pytest -q $(XDIST) --durations=5 $(MOE_CORE_TESTS)
 
 # the inner loop: everything but the slow tests (Megatron-LM launches, tests over 5 s)
 test-fast: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=10 -m "not slow" tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(XDIST) --durations=10 -m "not slow" tests
 
 faults: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -s --durations=8 tests/test_ring.py tests/test_stalls.py \

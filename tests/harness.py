@@ -68,6 +68,16 @@ def _linger(world_size: int, seconds: float = 60.0) -> None:
         pass
 
 
+def free_port() -> int:
+    """A TCP port free on this host now, for a launch's ``MASTER_PORT``: the kernel picks it, so
+    concurrent test workers (``pytest -n``) do not collide on a fixed range."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def preload_megatron() -> None:
     """Import megatron-core once in the parent: every forked rank inherits it (about 3 s per rank
     otherwise). Importing patches nothing."""

@@ -15,7 +15,6 @@ import json
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -23,7 +22,7 @@ from types import SimpleNamespace
 import torch
 
 from megatron_metp.tools import hf as H
-from tests.harness import run_ranks
+from tests.harness import free_port, run_ranks
 from tests.test_hf import _import_on_a_rank, _safetensors
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,19 +34,13 @@ TINY = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_l
             max_position_embeddings=256, tie_word_embeddings=False)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(config: str, megatron_lm_dir: str, **env_vars: str) -> str:
     """``scripts/pretrain_gpt.sh --config CONFIG`` on CPU ranks with a minimal environment plus
     ``env_vars`` (a fresh ``MASTER_PORT``); asserts it exits 0 and returns its output."""
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/"),
            "LC_ALL": "C.UTF-8", "PYTHON": sys.executable, "MEGATRON_LM_DIR": megatron_lm_dir,
            "SEQ_LENGTH": str(SEQ), "GLOBAL_BATCH_SIZE": str(GBS), "EVAL_ITERS": "1",
-           "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1", **env_vars}
+           "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1", **env_vars}
     proc = subprocess.run(["bash", "scripts/pretrain_gpt.sh", "--config", config], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=600)
     log = proc.stdout + proc.stderr

@@ -15,10 +15,10 @@ import sys
 import pytest
 import torch
 
-from tests.harness import run_ranks
+from tests.harness import free_port, run_ranks
 from tests.megatron_lm_release import RELEASE
 from tests.test_hf import _import_on_a_rank
-from tests.test_hf_megatron_lm import GBS, ROOT, SEQ, TINY, _free_port, _mock_batches
+from tests.test_hf_megatron_lm import GBS, ROOT, SEQ, TINY, _mock_batches
 
 #: family -> (config class, model class, fields beyond test_hf_megatron_lm.TINY)
 FAMILIES = {
@@ -86,7 +86,7 @@ def test_pretrain_gpt_prints_transformers_loss_at_iteration_1(patched_megatron_l
            "LC_ALL": "C.UTF-8", "PYTHON": sys.executable, "MEGATRON_LM_DIR": patched_megatron_lm,
            "METP_CPU": "1", "PRECISION": "fp32", "TRANSFORMER_IMPL": "local",
            "GPUS_PER_NODE": "2", "SEQ_LENGTH": str(SEQ), "GLOBAL_BATCH_SIZE": str(GBS),
-           "TRAIN_ITERS": "1", "EVAL_ITERS": "1", "MASTER_PORT": str(_free_port()),
+           "TRAIN_ITERS": "1", "EVAL_ITERS": "1", "MASTER_PORT": str(free_port()),
            "CHECKPOINT_PATH": str(tmp_path / "run"), "SAVE_INTERVAL": "1000",
            "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(["bash", "scripts/pretrain_gpt.sh", "--config",

@@ -17,14 +17,15 @@ import sys
 import pytest
 import torch
 
+from tests.harness import free_port
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_PORTS = iter(range(29611, 29700))
 
 
 def _env(mlm, **kw):
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/"),
            "PYTHON": sys.executable, "LC_ALL": "C.UTF-8", "MEGATRON_LM_DIR": mlm,
-           "OMP_NUM_THREADS": "1", "MASTER_PORT": str(next(_PORTS))}
+           "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
     env.update({k: str(v) for k, v in kw.items()})
     return env
 
