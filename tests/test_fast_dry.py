@@ -97,18 +97,19 @@ def test_layer_extrapolation_matches_the_full_depth_and_a_wrong_rule_is_caught(m
 
 # ----------------------------------------------------------------------------- the K/V ring
 
-def test_ring_run_plan_keeps_each_run_of_like_steps_first_two_and_last():
+def test_ring_run_plan_keeps_the_first_step_of_each_run_of_like_steps():
     kinds = ["own"] + ["half"] * 9 + ["last"]  # a forward ring of 11 at rank 0
-    assert loop_sample.run_plan(kinds) == [(0, 1), (1, 1), (2, 7), (9, 1), (10, 1)]
+    assert loop_sample.run_plan(kinds) == [(0, 1), (1, 9), (10, 1)]
     mixed = ["own", "a", "a", "a", "a", "a", "b", "b", "b", "b", "b", "b", "last"]
-    got = loop_sample.run_plan(mixed)
-    assert [t for t, _ in got] == [0, 1, 2, 5, 6, 7, 11, 12] and sum(w for _, w in got) == 13
+    assert loop_sample.run_plan(mixed) == [(0, 1), (1, 5), (6, 6), (12, 1)]
+    assert loop_sample.run_plan(mixed, 2, 1) == [(0, 1), (1, 1), (2, 3), (5, 1), (6, 1), (7, 4),
+                                                 (11, 1), (12, 1)]
     assert list(loop_sample.steps(5, lambda t: t > 0)) == [0, 1, 2, 3, 4]  # off: every step
     with loop_sample.sampling() as st:
         seen = [(t, loop_sample.weight()) for t in loop_sample.steps(11, kinds.__getitem__)]
         plain = list(loop_sample.steps(11))  # no kinds: a ring that is not sampled
     assert seen == loop_sample.run_plan(kinds) and plain == list(range(11))
-    assert (st["ring_steps"], st["ring_skipped"]) == (5, 6) and loop_sample.weight() == 1
+    assert (st["ring_steps"], st["ring_skipped"]) == (3, 8) and loop_sample.weight() == 1
 
 
 #: fake ranks of the ring (METP·CP), local tokens, heads, head dim of the op-level ring checks
@@ -201,11 +202,9 @@ def test_a_wrong_ring_sampling_rule_is_caught(monkeypatch):
     cases = ("contiguous plain", "packed plain")
     full = FR.run_isolated(_ring_bytes, 0, ("full",), cases, timeout=120)["full"]
     real = loop_sample.run_plan
-    rules = {"unweighted": lambda kinds, first, last: [(t, 1) for t, _ in
-                                                       real(kinds, first, last)],
-             "one run": lambda kinds, first, last: loop_sample.plan(len(kinds), first, last),
-             "roles only": lambda kinds, first, last: real([k[:-1] for k in kinds], first,
-                                                           last)}
+    rules = {"unweighted": lambda kinds: [(t, 1) for t, _ in real(kinds)],
+             "one run": lambda kinds: loop_sample.plan(len(kinds), 2, 1),
+             "roles only": lambda kinds: real([k[:-1] for k in kinds])}
     got = {}
     for rule, fn in rules.items():
         monkeypatch.setattr(loop_sample, "run_plan", fn)

@@ -43,10 +43,10 @@ needed by rank ``j − 1``, ``p − 1`` hops on). The backward ring is unchanged
 
 Fake-rank instruments: inside :func:`runtime.loop_sample.sampling` (never in training) the
 forward and backward rings run only some of their steps (:func:`runtime.loop_sample.steps`: the
-first two and the last of each run of steps alike in role and block pieces, :func:`_kind`), the
-messages of a kept steady step weighted by the steps it stands for, and the kernel blocks
-counted in ``group.stats.blocks`` too; the deferred merge (``defer_merge``, every block's output
-kept) runs every step.
+first of each run of steps alike in role and block pieces, :func:`_kind`), the messages of a
+kept step weighted by the steps it stands for, and the kernel blocks counted in
+``group.stats.blocks`` too; the deferred merge (``defer_merge``, every block's output kept)
+runs every step.
 """
 
 from __future__ import annotations

@@ -30,20 +30,23 @@ first step (K/V prefetch only, no ``dK/dV`` sum yet), the steady steps (prefetch
 step before the own block (sum only), the own block (sum only; frees the ring's buffers)); the
 shape is the block's kernel pieces (query rows, key rows, causal, masked: the diagonal causal
 block, the half blocks of ``dual_chunk`` before and after the diagonal, a packed sequence's
-document pieces). Each maximal run of equal consecutive kinds is sampled like a tile loop
-(:func:`plan`: its first two steps and its last), the second standing for the run's skipped
-steps. Why this gives the full ring's bytes: a step's device memory is the ring's buffers
-(two K/V blocks, two ``dK/dV`` sums: alive from the second backward step to the own block, the
-same at every steady step, which is why runs are cut by role), the lasting per-row-range copies
-the backward caches (``lse`` rows: created at the first step of a row range, and that step is
-always kept: a new row range is a new shape, so a new run) and the step's kernel transients,
-which depend only on the pieces' shapes; so every skipped step's peak equals that of its run's
-kept second step, every step of a run posts the same exchange (so the weights give the full
-ring's bytes and messages), and the kept steps keep the full ring's order (the buffers each
-step finds). Kinds that differ only in position (which rank a block came from) are one run:
-at rank 0 under ``dual_chunk`` every off-diagonal block is ``queries[c:] × all keys``, so a
-32-step ring runs 5 steps forward and 6 backward. A block whose kind changes at every step (a
-packed sequence's documents) runs every step: correct, not faster.
+document pieces). Of each maximal run of equal consecutive kinds only the first step runs, and
+stands for the whole run (:func:`run_plan`). The warm-up steps and the last are runs of their
+own by role (the first step, which finds no ``dK/dV`` sum yet; the last, which posts nothing
+and frees the ring's buffers), so the first step of any other run is already a steady one.
+Why this gives the full ring's bytes: a step's device memory is the ring's buffers (two K/V
+blocks, two ``dK/dV`` sums: allocated by the second backward step, the same at every steady
+step), the lasting per-row-range copies the backward caches (``lse`` rows: created at the first
+step of a row range, and that step is always kept: a new row range is a new shape, so a new
+run) and the step's kernel transients, which depend only on the pieces' shapes; so every
+skipped step's peak equals that of its run's first step, every step of a run posts the same
+exchange (so the weights give the full ring's bytes and messages), and the kept steps keep the
+full ring's order (the buffers each step finds). Kinds that differ only in position (which
+rank a block came from) are one run: at rank 0 under ``dual_chunk`` every off-diagonal block
+is ``queries[c:] × all keys``, so a 32-step ring runs 3 steps forward (the own block, one half
+block standing for 30, the last) and 4 backward (the first, one standing for 29, the step
+before the own block, the own block). A block whose kind changes at every step (a packed
+sequence's documents) runs most of its steps: correct, not faster.
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ _stats = {"loops": 0, "passes": 0, "skipped": 0, "ring_steps": 0, "ring_skipped"
 @contextlib.contextmanager
 def sampling(first: int = 2, last: int = 1):
     """While open, :func:`tiles` runs only the first ``first`` and last ``last`` passes of each
-    loop (``first >= 1``, ``last >= 0``), :func:`steps` those of each run of like ring steps;
+    loop (``first >= 1``, ``last >= 0``), :func:`steps` one step of each run of like ring steps;
     yields a dict of counts (``loops`` sampled, ``passes`` run, ``skipped``; ``ring_steps``
     run, ``ring_skipped``)."""
     global _keep
@@ -128,9 +131,10 @@ def subset(items: Sequence[T], first: int = 3, last: int = 1) -> List[T]:
     return items[:first] + items[len(items) - last:]
 
 
-def run_plan(kinds: Sequence[Hashable], first: int = 2, last: int = 1) -> List[Tuple[int, int]]:
+def run_plan(kinds: Sequence[Hashable], first: int = 1, last: int = 0) -> List[Tuple[int, int]]:
     """``[(step, weight), ...]``: :func:`plan` applied to each maximal run of equal consecutive
-    ``kinds`` (one per step), the runs in order (the weights sum to ``len(kinds)``)."""
+    ``kinds`` (one per step), the runs in order (the weights sum to ``len(kinds)``); by default
+    each run's first step, weighted by the run's length."""
     out: List[Tuple[int, int]] = []
     start = 0
     for t in range(1, len(kinds) + 1):
@@ -148,7 +152,7 @@ def steps(count: int, kind: Optional[Callable[[int], Hashable]] = None) -> Itera
     if _keep is None or kind is None:
         yield from range(count)
         return
-    kept = run_plan([kind(t) for t in range(count)], *_keep)
+    kept = run_plan([kind(t) for t in range(count)])
     _stats["ring_steps"] += len(kept)
     _stats["ring_skipped"] += count - len(kept)
     _weights.append(1)
