@@ -722,7 +722,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--measure-tiles", default="sampled", choices=FR.MEASURE_TILES,
                     help="'sampled' (default) runs the first two and the last pass of each "
                          "repeating tile loop of the streaming METP layer (each pass allocates "
-                         "the same); 'full' runs every pass")
+                         "the same) and one step of each run of like K/V ring steps; 'full' runs "
+                         "every pass and step")
     ap.add_argument("--cpu-kernels", action="store_true",
                     help="account as this machine's CPU kernels do (what a CPU run would hold), "
                          "not as the CUDA kernels do (the default): shows what the CUDA "

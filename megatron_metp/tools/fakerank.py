@@ -315,7 +315,8 @@ def live_storage_class():
 # ----------------------------------------------------------------------------- tiles
 
 #: ``--measure-tiles``: ``sampled`` runs the first two and the last pass of every repeating tile
-#: loop of the streaming layer (:mod:`megatron_metp.runtime.loop_sample`), ``full`` every pass
+#: loop of the streaming layer and one step of each run of like K/V ring steps
+#: (:mod:`megatron_metp.runtime.loop_sample`), ``full`` every pass and step
 MEASURE_TILES = ("sampled", "full")
 
 
