@@ -430,7 +430,7 @@ def ring_attention_backward(dout, q, k, v, out, lse, group: METPGroup, causal: b
     spare = own if own_free else torch.empty_like(own)  # own: free once the first step is done
     sums = [torch.empty(kv_layout.numel, dtype=torch.float32, device=q.device), None]
     cur = 0  # sums[cur]: the sum of the block being worked on
-    for t in loop_sample.steps(p, kind):  # every step (fake instruments: loop_sample)
+    for t in loop_sample.steps(p, kind):  # every step (the fake instruments: one per run)
         last = t == p - 1
         j = r if last else (r - 1 - t) % p
         sends, recvs = [], []

@@ -497,8 +497,8 @@ def _build_and_measure(args, pretrain_gpt, ps, te_absent: bool, notes: List[str]
             run_s = time.perf_counter() - t_run
             if tiles_run["skipped"] or tiles_run["ring_skipped"]:
                 act["method"] += "; " + FR.sampled_text(
-                    tiles_run, "the first and last passes of each loop, --measure-tiles full "
-                               "runs all")
+                    tiles_run, "the first and last passes of each loop, one step of each run "
+                               "of like ring steps, --measure-tiles full runs all")
     finally:
         torch.set_default_dtype(prev_dtype)
     static = static_memory(args, params, world)

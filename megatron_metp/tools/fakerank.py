@@ -332,8 +332,8 @@ def tile_sampling(measure_tiles: str = "sampled"):
     raise ValueError(f"--measure-tiles {measure_tiles!r}: use one of {', '.join(MEASURE_TILES)}")
 
 
-def sampled_text(counts: Optional[Dict], how: str = "the first and last passes of each loop"
-                 ) -> str:
+def sampled_text(counts: Optional[Dict], how: str = "the first and last passes of each loop, "
+                 "one step of each run of like ring steps") -> str:
     """What a :func:`tile_sampling` block ran (its counts, ``None`` for ``full``): ``"1,405 of
     10,145 tile passes run, 900 of 5,000 K/V ring steps run (how)"``, or ``"every tile pass
     run"`` when nothing was skipped."""
