@@ -24,7 +24,8 @@
 #     --json FILE        also write the dry run's report as JSON
 #     --cpu-kernels      account as the CPU kernels do, not as CUDA's (to see the difference)
 #     --measure-tiles M  sampled (default: the first two and last pass of each tile loop of the
-#                        streaming METP layer) or full (every pass; slower, the same bytes)
+#                        streaming METP layer, one step of each run of like K/V ring steps) or
+#                        full (every pass and step; slower, the same bytes)
 # Other options:
 #   --config FILE      model/layout file (also $CONFIG; default configs/tiny-cpu-metp2.sh)
 #   -- ARGS...         append ARGS to pretrain_gpt.py's arguments (they win over the config)

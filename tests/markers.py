@@ -59,6 +59,10 @@ SLOW = {
     "tests/test_fast_dry.py::test_sampled_tile_passes_give_the_full_loops_bytes_and_traffic": 15.3,
     "tests/test_fast_dry.py::test_layer_extrapolation_matches_the_full_depth_and_a_wrong_rule_is_"
     "caught": 15.0,
+    "tests/test_fast_dry.py::test_sampled_ring_steps_give_the_full_rings_bytes_and_traffic": 11.5,
+    "tests/test_fast_dry.py::test_a_wrong_ring_sampling_rule_is_caught": 9.9,
+    "tests/test_fast_dry.py::test_sampled_ring_in_the_measured_twin_gives_the_full_measurement":
+        5.8,
     "tests/test_checkpoint_faults.py::test_a_stalled_rank_fails_the_save_within_the_bound_and_"
     "publishes_nothing": 9.8,
     "tests/test_cuda_accounting.py::test_megatron_fused_activations_are_chunked_and_equal": 16.7,

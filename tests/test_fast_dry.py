@@ -93,3 +93,137 @@ def test_layer_extrapolation_matches_the_full_depth_and_a_wrong_rule_is_caught(m
         assert auto[key] == pytest.approx(full[key], rel=1e-3), key
     for key in ("sent", "host_peak"):
         assert abs(flat[key] / full[key] - 1) > 0.1, (key, flat[key], full[key])
+
+
+# ----------------------------------------------------------------------------- the K/V ring
+
+def test_ring_run_plan_keeps_the_first_step_of_each_run_of_like_steps():
+    kinds = ["own"] + ["half"] * 9 + ["last"]  # a forward ring of 11 at rank 0
+    assert loop_sample.run_plan(kinds) == [(0, 1), (1, 9), (10, 1)]
+    mixed = ["own", "a", "a", "a", "a", "a", "b", "b", "b", "b", "b", "b", "last"]
+    assert loop_sample.run_plan(mixed) == [(0, 1), (1, 5), (6, 6), (12, 1)]
+    assert loop_sample.run_plan(mixed, 2, 1) == [(0, 1), (1, 1), (2, 3), (5, 1), (6, 1), (7, 4),
+                                                 (11, 1), (12, 1)]
+    assert list(loop_sample.steps(5, lambda t: t > 0)) == [0, 1, 2, 3, 4]  # off: every step
+    with loop_sample.sampling() as st:
+        seen = [(t, loop_sample.weight()) for t in loop_sample.steps(11, kinds.__getitem__)]
+        plain = list(loop_sample.steps(11))  # no kinds: a ring that is not sampled
+    assert seen == loop_sample.run_plan(kinds) and plain == list(range(11))
+    assert (st["ring_steps"], st["ring_skipped"]) == (3, 8) and loop_sample.weight() == 1
+
+
+#: fake ranks of the ring (METP·CP), local tokens, heads, head dim of the op-level ring checks
+RING_P, RING_N, RING_H, RING_D = 12, 48, (4, 2), 16
+
+
+def _ring_cases():
+    """``{name: (layout, causal, windows, cu_seqlens)}``: the K/V ring's code paths: the
+    streaming layer's windowed rings (a mirrored query tile, key tiles, a key sub-block), the
+    plain ring, a non-causal one and packed sequences (blocks that differ from step to step;
+    ``packed plain``: at rank 0 one of them, not next to the diagonal, holds the peak)."""
+    from megatron_metp.ops.balance import kv_blocks, query_tiles
+
+    n, s = RING_N, RING_P * RING_N
+    tile = dict(q_rows=query_tiles(n, 16)[1], key_tile=16)
+    return {"dual_chunk tile": ("dual_chunk", True, tile, None),
+            "dual_chunk sub-block": ("dual_chunk", True,
+                                     dict(tile, k_rows=kv_blocks(n, 24)[0], block_rows=n), None),
+            "contiguous plain": ("contiguous", True, {}, None),
+            "non-causal tile": ("dual_chunk", False, tile, None),
+            "packed tile": ("dual_chunk", True, dict(key_tile=16), (0, 100, 130, 400, s)),
+            "packed plain": ("dual_chunk", True, {}, (0, 24, 200, s))}
+
+
+def _ring_bytes(rank: int, modes=("full", "sampled"), names=None):
+    """Rank ``rank`` of a fake ``RING_P``-rank world runs each case's forward and backward ring
+    under fake tensors, in each mode (``full``, ``sampled``): ``{mode: {case: (peak, sent,
+    messages, RingStats, kernel blocks, ring steps skipped)}}``."""
+    import contextlib
+    import sys
+
+    import torch
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import megatron_metp.ops.ring_attention  # noqa: F401 (the package exports the function)
+    from megatron_metp.ops.attention_kernels import select_kernel
+    from megatron_metp.runtime.groups import METPGroup
+
+    RA = sys.modules["megatron_metp.ops.ring_attention"]
+    FR.fake_world(RING_P, rank, dtype=torch.bfloat16, megatron=False)
+    kern = select_kernel(torch.device("cpu"), torch.bfloat16, "torch_flash", head_dim=RING_D)
+    out = {}
+    for mode in modes:
+        for name, (layout, causal, win, cu) in _ring_cases().items():
+            if names is not None and name not in names:
+                continue
+            g = METPGroup.from_process_group(dist.group.WORLD)
+            trk, cc = FR.tracker(), FR.comm_counter_class()(RING_P)
+            rows = [sum(r.stop - r.start for r in win.get(key, (slice(0, RING_N),)))
+                    for key in ("q_rows", "k_rows")]
+            with FakeTensorMode():
+                q = torch.empty(1, RING_H[0], rows[0], RING_D)
+                k, v = (torch.empty(1, RING_H[1], rows[1], RING_D) for _ in "kv")
+                with FR.measuring(trk, cc), (loop_sample.sampling() if mode == "sampled"
+                                             else contextlib.nullcontext()) as st:
+                    o, lse = RA.ring_attention_forward(q, k, v, g, causal, layout, 0.25, kern,
+                                                       cu_seqlens=cu, **win)
+                    grads = RA.ring_attention_backward(torch.empty_like(q), q, k, v,
+                                                       o.to(q.dtype), lse, g, causal, layout,
+                                                       0.25, kern, cu_seqlens=cu, **win)
+                    del o, lse, grads
+            out.setdefault(mode, {})[name] = (
+                FR.snap(trk)["total"], cc.sent, dict(cc.ops), g.stats.snapshot(),
+                dict(g.stats.blocks), st["ring_skipped"] if st else 0)
+    return out
+
+
+@pytest.mark.parametrize("rank", [0, 5])
+def test_sampled_ring_steps_give_the_full_rings_bytes_and_traffic(rank):
+    """A 12-step K/V ring (the fake ranks of METP × CP) at rank 0 (every off-diagonal block the
+    same half block) and rank 5 (the blocks before and after the diagonal differ), through
+    every code path of the ring (windowed, sub-block, plain, non-causal, packed): the sampled
+    ring's peak, bytes and messages sent, RingStats and kernel blocks equal the full ring's,
+    and steps were skipped in each."""
+    got = FR.run_isolated(_ring_bytes, rank, timeout=300)
+    full, sampled = got["full"], got["sampled"]
+    for name in full:
+        assert sampled[name][:5] == full[name][:5], name
+        assert sampled[name][5] > 0, (name, sampled[name])
+    assert sum(x[5] for x in sampled.values()) > len(full) * 2 * RING_P / 4  # of 2·12 a case
+
+
+def test_a_wrong_ring_sampling_rule_is_caught(monkeypatch):
+    """Negative controls of the ring's sampling rule at rank 0 (each against the full ring):
+    every kept step weighted 1 (the skipped steps forgotten) undercounts bytes and messages;
+    one run over the whole ring (the steps' roles ignored) counts the step before the own
+    block, which sends only the dK/dV sum, as a steady one; the roles without the block shapes
+    skip the packed block that holds the peak."""
+    cases = ("contiguous plain", "packed plain")
+    full = FR.run_isolated(_ring_bytes, 0, ("full",), cases, timeout=120)["full"]
+    real = loop_sample.run_plan
+    rules = {"unweighted": lambda kinds: [(t, 1) for t, _ in real(kinds)],
+             "one run": lambda kinds: loop_sample.plan(len(kinds), 2, 1),
+             "roles only": lambda kinds: real([k[:-1] for k in kinds])}
+    got = {}
+    for rule, fn in rules.items():
+        monkeypatch.setattr(loop_sample, "run_plan", fn)
+        got[rule] = FR.run_isolated(_ring_bytes, 0, ("sampled",), cases,
+                                    timeout=120)["sampled"]
+    case = "contiguous plain"
+    assert got["unweighted"][case][1] < full[case][1]
+    assert got["unweighted"][case][2]["send"] < full[case][2]["send"]
+    assert got["one run"][case][1] != full[case][1]
+    assert got["roles only"]["packed plain"][0] < full["packed plain"][0]
+    assert got["roles only"][case][:2] == full[case][:2]  # the shapes matter only there
+
+
+def test_sampled_ring_in_the_measured_twin_gives_the_full_measurement():
+    """The twin at METP 2 × CP 4 (an 8-step K/V ring per query tile): ``metp measure`` with the
+    ring's steps sampled equals the full measurement (peak, stored, traffic, host bytes)."""
+    FR.preload_megatron()
+    job = replace(JOB, cp=4)
+    full = _measure_here(TWIN, job, "full")
+    sampled = _measure_here(TWIN, job, "sampled")
+    assert "K/V ring steps run" in sampled["tiles"], sampled["tiles"]
+    assert {k: sampled[k] for k in KEYS} == {k: full[k] for k in KEYS}

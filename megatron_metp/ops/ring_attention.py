@@ -40,6 +40,13 @@ documents inside ranks' blocks, no K/V is sent at all); no per-hop skipping, sin
 travelling on may be needed further along the ring (with ``dual_chunk``, rank ``j``'s block is
 needed by rank ``j − 1``, ``p − 1`` hops on). The backward ring is unchanged (each block's
 ``dK/dV`` sum must travel home through every rank).
+
+Fake-rank instruments: inside :func:`runtime.loop_sample.sampling` (never in training) the
+forward and backward rings run only some of their steps (:func:`runtime.loop_sample.steps`: the
+first of each run of steps alike in role and block pieces, :func:`_kind`), the messages of a
+kept step weighted by the steps it stands for, and the kernel blocks counted in
+``group.stats.blocks`` too; the deferred merge (``defer_merge``, every block's output kept)
+runs every step.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ import torch
 from ..runtime.agree import (agreement_checks_enabled, check_group_agrees, needs_grad, op_label,
                      refuse_together)
 from ..runtime.finite import check_finite
+from ..runtime import loop_sample
 from ..runtime.groups import METPGroup, as_metp_group
 from ..runtime.ring import RingExchanger
 from . import documents
@@ -59,7 +67,7 @@ from . import lse as lse_ops
 from ._first_order import first_order_only
 from ._flat import FlatLayout
 from .attention_kernels import select_kernel
-from .sequence import LAYOUTS
+from .ring_checks import check_attention_inputs, check_packed, shape_layout  # noqa: F401
 from .windows import window_pieces
 
 
@@ -77,46 +85,19 @@ def block_plan(r: int, j: int, n: int, causal: bool, layout: str):
     return (every, slice(0, c), False) if j < r else (slice(c, n), every, False)
 
 
-def check_attention_inputs(q, k, v, group: METPGroup, causal: bool, layout: str) -> None:
-    """ValueErrors for shapes/dtypes/devices/layouts that cannot be computed (``[n, b, h, d]``)."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be this rank's tokens [s/p, b, heads, d], "
-                             f"got shape {tuple(t.shape)}")
-        if t.dtype != q.dtype:
-            raise ValueError(f"{name} has dtype {t.dtype} but q has {q.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    n, b, hq, d = q.shape
-    if min(n, b, hq, d, k.shape[2]) == 0:
-        raise ValueError(f"q/k/v must not be empty: q has shape {tuple(q.shape)}, k/v "
-                         f"{tuple(k.shape)} [tokens, batch, heads, head dim] on rank "
-                         f"{group.rank}; give every rank at least one token (sequence length "
-                         f"≥ 2 × METP size)")
-    if k.shape[0] != n or k.shape[1] != b:
-        raise ValueError(f"k/v hold {tuple(k.shape[:2])} tokens×batch but q holds {(n, b)}")
-    if k.shape[3] != d:
-        raise ValueError(f"head dims differ: q has {d}, k/v have {k.shape[3]}")
-    if hq % k.shape[2]:
-        raise ValueError(f"q heads ({hq}) must be a multiple of k/v heads ({k.shape[2]}) for GQA/MQA")
-    if causal and layout == "dual_chunk" and n % 2:
-        raise ValueError(f"layout='dual_chunk' needs an even number of local tokens (the sequence "
-                         f"split into 2·p = {2 * group.size} chunks), got {n} on rank {group.rank}; "
-                         f"make the sequence length divisible by {2 * group.size}")
-    if not q.is_floating_point():
-        raise ValueError(f"q must be floating point, got {q.dtype}")
-
-
 def _record_kernel(group: METPGroup, name: str) -> None:
     group.stats.kernels[name] = group.stats.kernels.get(name, 0) + 1
 
 
 def _record_block(group: METPGroup, name: str) -> None:
-    group.stats.blocks[name] = group.stats.blocks.get(name, 0) + 1
+    group.stats.blocks[name] = group.stats.blocks.get(name, 0) + loop_sample.weight()
+
+
+def _kind(pieces) -> tuple:
+    """What a ring step's memory depends on besides its role: its kernel pieces' query rows, key
+    rows, causal and masked flags (not a mask's contents), for :func:`loop_sample.steps`."""
+    return tuple((pc.rows.start, pc.rows.stop, pc.keys.start, pc.keys.stop, pc.causal, pc.masked)
+                 for pc in pieces)
 
 
 def _pieces(r, j, n, p, causal, layout, cu, kernel, q):
@@ -192,7 +173,16 @@ def ring_attention_forward(q, k, v, group: METPGroup, causal: bool, layout: str,
     layout_kv = FlatLayout.of([k, v])
     ring = RingExchanger(_kv_ring(group), "attention K/V (fwd)")
     payload = kv_packed if kv_packed is not None else (layout_kv.pack([k, v]) if p > 1 else None)
-    blocks = ring.circulate(payload) if p > 1 else [(0, None)]
+    if p > 1:
+        def kind(t):
+            plan = block_plan(r, (r - t) % p, n, causal, layout)
+            return t == 0, t + 1 < p, None if plan is None else (
+                plan[0].start, plan[0].stop, plan[1].start, plan[1].stop, plan[2])
+
+        order = loop_sample.steps(p, None if defer_merge else kind)
+        blocks = ring.circulate(payload, order=order)
+    else:
+        blocks = [(0, None)]
     for t, flat in blocks:
         j = (r - t) % p
         kj, vj = (k, v) if flat is None else layout_kv.unpack(flat)
@@ -234,17 +224,24 @@ def _packed_forward(q, k, v, group: METPGroup, layout: str, scale: float, kernel
     layout_kv = FlatLayout.of([k, v])
     steps = (documents.forward_steps(cu, n, p, layout) if cu is not None else p) if p > 1 else 1
     ring = RingExchanger(_kv_ring(group), "attention K/V (fwd)")
+    pieces = {}
+
+    def pieces_at(t):
+        if t not in pieces:
+            pieces[t] = _window(_pieces(r, (r - t) % p, n, p, causal, layout, cu, kernel, q),
+                                q_rows, k_rows, n, key_tile)
+        return pieces[t]
+
     if steps > 1:
         payload = kv_packed if kv_packed is not None else layout_kv.pack([k, v])
-        blocks = ring.circulate(payload, steps=steps)
+        order = loop_sample.steps(steps, lambda t: (t == 0, t + 1 < steps, _kind(pieces_at(t))))
+        blocks = ring.circulate(payload, steps=steps, order=order)
     else:
         blocks = [(0, None)]
     out, lse = lse_ops.new_accumulators(q.shape, q.device)
     for t, flat in blocks:
-        j = (r - t) % p
         kj, vj = (k, v) if flat is None else layout_kv.unpack(flat)
-        for pc in _window(_pieces(r, j, n, p, causal, layout, cu, kernel, q), q_rows, k_rows,
-                          n, key_tile):
+        for pc in pieces_at(t):
             mask = documents.piece_mask(pc, q.device) if pc.masked else None
             o_b, l_b = kernel.forward(q[:, :, pc.rows], kj[:, :, pc.keys], vj[:, :, pc.keys],
                                       pc.causal, scale, mask=mask)
@@ -316,10 +313,20 @@ def ring_attention_backward(dout, q, k, v, out, lse, group: METPGroup, causal: b
         out = out.to(q.dtype)
     lse_rows = {}
     workspace = {}
+    pieces = {}
 
     def pieces_of(j):
-        return _window(_pieces(r, j, n, p, causal, layout, cu_seqlens, kernel, q), q_rows,
-                       k_rows, n, key_tile)
+        if j not in pieces:
+            pieces[j] = _window(_pieces(r, j, n, p, causal, layout, cu_seqlens, kernel, q),
+                                q_rows, k_rows, n, key_tile)
+        return pieces[j]
+
+    def kind(t):
+        """Step ``t``'s role (first: no sum yet; posts the next K/V; the own block) and pieces
+        (:func:`loop_sample.steps`)."""
+        last = t == p - 1
+        return (t == 0, not last and t + 1 <= p - 2, last,
+                _kind(pieces_of(r if last else (r - 1 - t) % p)))
 
     def block_grads(kj, vj, j):
         """dq += this block's; returns ``(ks, dk_b, dv_b)`` or ``None`` (fully masked)."""
@@ -423,7 +430,7 @@ def ring_attention_backward(dout, q, k, v, out, lse, group: METPGroup, causal: b
     spare = own if own_free else torch.empty_like(own)  # own: free once the first step is done
     sums = [torch.empty(kv_layout.numel, dtype=torch.float32, device=q.device), None]
     cur = 0  # sums[cur]: the sum of the block being worked on
-    for t in range(p):
+    for t in loop_sample.steps(p, kind):  # every step (the fake instruments: one per run)
         last = t == p - 1
         j = r if last else (r - 1 - t) % p
         sends, recvs = [], []
@@ -570,25 +577,3 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, 
                            cu_seqlens=None if cu is None else documents.cu_seqlens_digest(cu))
     return _RingAttentionFunction.apply(q, k, v, group, bool(causal), layout, float(scale), kern,
                                         label, cu)
-
-
-def shape_layout(layout: str) -> str:
-    """The plain layout whose shape rules ``layout`` follows (``balanced``: ``dual_chunk``'s,
-    an even number of local tokens)."""
-    return "dual_chunk" if layout == "balanced" else layout
-
-
-def check_packed(cu_seqlens, s: int, causal: bool, layout: str, p: int):
-    """``cu_seqlens`` checked (a tuple of ints, :func:`documents.check_cu_seqlens`), or ``None``;
-    packed sequences need ``causal=True``; ``layout='balanced'`` needs them
-    (:func:`documents.check_layout`)."""
-    if cu_seqlens is None:
-        if layout == "balanced":
-            documents.check_layout(layout, None, p)
-        return None
-    if not causal:
-        raise ValueError("cu_seqlens (packed documents) needs causal=True: each query attends "
-                         "causally within its own document")
-    cu = documents.check_cu_seqlens(cu_seqlens, s)
-    documents.check_layout(layout, cu, p)
-    return cu

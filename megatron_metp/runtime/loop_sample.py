@@ -20,25 +20,57 @@ byte and message counters (``fakerank.CommCounter``, :class:`~megatron_metp.runt
 RingStats` via :mod:`.ring`) multiply by it, so the traffic of a sampled run equals the full
 run's. ``tests/test_fast_dry.py`` checks peak, stored bytes and traffic of a sampled layer
 against the full loop on a shrunk twin (many tiles), with negative controls.
+
+Ring steps (:func:`steps`): inside each query tile the K/V ring of :mod:`megatron_metp.ops.
+ring_attention` runs ``p`` steps (``p·c`` with METP × CP: 32 at 16M tokens), forward and
+backward. Its steps are not all alike, so they are sampled by *kind*: the caller gives each
+step's kind, ``(role, shape)``: the role is what the step posts and holds (forward: the first
+step, a step that posts the next block's transfer, the last that posts none; backward: the
+first step (K/V prefetch only, no ``dK/dV`` sum yet), the steady steps (prefetch + sum), the
+step before the own block (sum only), the own block (sum only; frees the ring's buffers)); the
+shape is the block's kernel pieces (query rows, key rows, causal, masked: the diagonal causal
+block, the half blocks of ``dual_chunk`` before and after the diagonal, a packed sequence's
+document pieces). Of each maximal run of equal consecutive kinds only the first step runs, and
+stands for the whole run (:func:`run_plan`). The warm-up steps and the last are runs of their
+own by role (the first step, which finds no ``dK/dV`` sum yet; the last, which posts nothing
+and frees the ring's buffers), so the first step of any other run is already a steady one.
+Why this gives the full ring's bytes: a step's device memory is the ring's buffers (two K/V
+blocks, two ``dK/dV`` sums: allocated by the second backward step, the same at every steady
+step), the lasting per-row-range copies the backward caches (``lse`` rows: created at the first
+step of a row range, and that step is always kept: a new row range is a new shape, so a new
+run) and the step's kernel transients, which depend only on the pieces' shapes; so every
+skipped step's peak equals that of its run's first step, every step of a run posts the same
+exchange (so the weights give the full ring's bytes and messages), and the kept steps keep the
+full ring's order (the buffers each step finds). Kinds that differ only in position (which
+rank a block came from) are one run: at rank 0 under ``dual_chunk`` every off-diagonal block
+is ``queries[c:] × all keys``, so a 32-step ring runs 3 steps forward (the own block, one half
+block standing for 30, the last) and 4 backward (the first, one standing for 29, the step
+before the own block, the own block). A block whose kind changes at every step (a packed
+sequence's documents) runs most of its steps: correct, not faster. ``tests/test_fast_dry.py``
+checks a sampled 12-step ring against the full one (peak, bytes, messages) at ranks 0 and 5
+through each of the ring's code paths, and a METP 2 × CP 4 twin's measurement; negative
+controls: the weights ignored, one run over the whole ring (roles ignored), roles without
+shapes (a packed block that holds the peak is skipped).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, List, Optional, Sequence, Tuple, TypeVar
+from typing import Callable, Hashable, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
 T = TypeVar("T")
 
 _keep: Optional[Tuple[int, int]] = None  # (first, last) while sampling
 _weights: List[int] = []  # the weight of the current pass of each open sampled loop
-_stats = {"loops": 0, "passes": 0, "skipped": 0}
+_stats = {"loops": 0, "passes": 0, "skipped": 0, "ring_steps": 0, "ring_skipped": 0}
 
 
 @contextlib.contextmanager
 def sampling(first: int = 2, last: int = 1):
     """While open, :func:`tiles` runs only the first ``first`` and last ``last`` passes of each
-    loop (``first >= 1``, ``last >= 0``); yields a dict of counts (``loops`` sampled,
-    ``passes`` run, ``skipped``)."""
+    loop (``first >= 1``, ``last >= 0``), :func:`steps` one step of each run of like ring steps;
+    yields a dict of counts (``loops`` sampled, ``passes`` run, ``skipped``; ``ring_steps``
+    run, ``ring_skipped``)."""
     global _keep
     if first < 1 or last < 0:
         raise ValueError(f"loop sampling keeps first >= 1 and last >= 0 passes, got "
@@ -103,6 +135,39 @@ def subset(items: Sequence[T], first: int = 3, last: int = 1) -> List[T]:
     return items[:first] + items[len(items) - last:]
 
 
+def run_plan(kinds: Sequence[Hashable], first: int = 1, last: int = 0) -> List[Tuple[int, int]]:
+    """``[(step, weight), ...]``: :func:`plan` applied to each maximal run of equal consecutive
+    ``kinds`` (one per step), the runs in order (the weights sum to ``len(kinds)``); by default
+    each run's first step, weighted by the run's length."""
+    out: List[Tuple[int, int]] = []
+    start = 0
+    for t in range(1, len(kinds) + 1):
+        if t == len(kinds) or kinds[t] != kinds[start]:
+            out.extend((start + i, w) for i, w in plan(t - start, first, last))
+            start = t
+    return out
+
+
+def steps(count: int, kind: Optional[Callable[[int], Hashable]] = None) -> Iterator[int]:
+    """``range(count)``, or while :func:`sampling` (and given ``kind``, step ``t`` → its kind:
+    the module docstring) only the steps :func:`run_plan` keeps, in order, each with its
+    :func:`weight` set while it runs (the messages it posts count that many times). Without
+    ``kind`` every step runs (a loop whose steps cannot be sampled)."""
+    if _keep is None or kind is None:
+        yield from range(count)
+        return
+    kept = run_plan([kind(t) for t in range(count)])
+    _stats["ring_steps"] += len(kept)
+    _stats["ring_skipped"] += count - len(kept)
+    _weights.append(1)
+    try:
+        for t, w in kept:
+            _weights[-1] = w
+            yield t
+    finally:
+        _weights.pop()
+
+
 def weight() -> int:
     """How many passes the code running now stands for (1 unless inside sampled loops)."""
     w = 1
@@ -111,4 +176,4 @@ def weight() -> int:
     return w
 
 
-__all__ = ["active", "plan", "sampling", "subset", "tiles", "weight"]
+__all__ = ["active", "plan", "run_plan", "sampling", "steps", "subset", "tiles", "weight"]

@@ -18,7 +18,7 @@ Failure: a peer that does not answer within ``timeout_s`` (gloo) or whose connec
 
 from __future__ import annotations
 
-from typing import Iterator, Optional, Tuple
+from typing import Iterable, Iterator, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -165,7 +165,8 @@ class RingExchanger:
         return PendingExchange([work], out, g, step, self.what, peer=g.next_rank)
 
     def circulate(self, payload: torch.Tensor, steps: Optional[int] = None,
-                  spare: Optional[torch.Tensor] = None) -> Iterator[Tuple[int, torch.Tensor]]:
+                  spare: Optional[torch.Tensor] = None,
+                  order: Optional[Iterable[int]] = None) -> Iterator[Tuple[int, torch.Tensor]]:
         """Yield ``(t, buffer)`` for ``t = 0 .. steps-1`` while the buffers rotate forward.
 
         At ``t = 0`` the buffer is ``payload`` (this rank's own); at step ``t`` it is the payload
@@ -174,14 +175,16 @@ class RingExchanger:
         buffers in all). ``payload`` is consumed: it becomes one of the two buffers, so pass a
         tensor the caller no longer needs. ``steps`` defaults to the group size; ``steps - 1``
         exchanges are posted. ``spare`` (same size and dtype, no longer needed) is used as the
-        second buffer instead of a new allocation.
+        second buffer instead of a new allocation. ``order``: the steps to run, increasing
+        (default all; the fake instruments' sampled ring, :func:`.loop_sample.steps`: each step
+        still posts the transfer of step ``t+1``, the buffer the next step run reads).
         """
         p = self.group.size
         steps = p if steps is None else steps
         if steps > p:
             raise ValueError(f"circulate: {steps} steps exceed the ring size {p}")
         current = payload
-        for t in range(steps):
+        for t in (range(steps) if order is None else order):
             pending = None
             if t + 1 < steps:
                 if spare is None:

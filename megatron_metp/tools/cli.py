@@ -461,7 +461,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ms.add_argument("--measure-tiles", default="sampled", choices=("sampled", "full"),
                     help="'sampled' (default) runs the first two and the last pass of each "
                          "repeating tile loop of the streaming METP layer (every pass allocates "
-                         "the same; the traffic counts every pass); 'full' runs every pass")
+                         "the same; the traffic counts every pass) and one step of each run of "
+                         "like K/V ring steps; 'full' runs every pass and step")
     ms.add_argument("--cpu-matmul", action="store_true",
                     help="keep the METP ops' CPU matmul branch (default: emulate the CUDA one)")
     args = ap.parse_args(argv)

@@ -406,7 +406,7 @@ def _build_and_measure(args, pretrain_gpt, ps, te_absent: bool, notes: List[str]
 
     docs = dry_run_documents(args, metp, notes)
 
-    tiles_run = {"passes": 0, "skipped": 0}
+    tiles_run = {"passes": 0, "skipped": 0, "ring_steps": 0, "ring_skipped": 0}
 
     def measure(chunks):
         tracker = FR.tracker()
@@ -495,11 +495,10 @@ def _build_and_measure(args, pretrain_gpt, ps, te_absent: bool, notes: List[str]
                     else f"measured on {a} and {k} layers, extrapolated linearly to {n_layers} "
                          f"(+{per_layer['stored'] / MiB:,.0f} MiB stored per layer)")
             run_s = time.perf_counter() - t_run
-            if tiles_run["skipped"]:
-                run = tiles_run["passes"] + tiles_run["skipped"]
-                act["method"] += (f"; {tiles_run['passes']:,} of {run:,} "
-                                  f"tile passes run (the first and last passes of each loop, "
-                                  f"--measure-tiles full runs all)")
+            if tiles_run["skipped"] or tiles_run["ring_skipped"]:
+                act["method"] += "; " + FR.sampled_text(
+                    tiles_run, "the first and last passes of each loop, one step of each run "
+                               "of like ring steps, --measure-tiles full runs all")
     finally:
         torch.set_default_dtype(prev_dtype)
     static = static_memory(args, params, world)
@@ -723,7 +722,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--measure-tiles", default="sampled", choices=FR.MEASURE_TILES,
                     help="'sampled' (default) runs the first two and the last pass of each "
                          "repeating tile loop of the streaming METP layer (each pass allocates "
-                         "the same); 'full' runs every pass")
+                         "the same) and one step of each run of like K/V ring steps; 'full' runs "
+                         "every pass and step")
     ap.add_argument("--cpu-kernels", action="store_true",
                     help="account as this machine's CPU kernels do (what a CPU run would hold), "
                          "not as the CUDA kernels do (the default): shows what the CUDA "

@@ -315,7 +315,8 @@ def live_storage_class():
 # ----------------------------------------------------------------------------- tiles
 
 #: ``--measure-tiles``: ``sampled`` runs the first two and the last pass of every repeating tile
-#: loop of the streaming layer (:mod:`megatron_metp.runtime.loop_sample`), ``full`` every pass
+#: loop of the streaming layer and one step of each run of like K/V ring steps
+#: (:mod:`megatron_metp.runtime.loop_sample`), ``full`` every pass and step
 MEASURE_TILES = ("sampled", "full")
 
 
@@ -329,6 +330,21 @@ def tile_sampling(measure_tiles: str = "sampled"):
     if measure_tiles == "full":
         return contextlib.nullcontext(None)
     raise ValueError(f"--measure-tiles {measure_tiles!r}: use one of {', '.join(MEASURE_TILES)}")
+
+
+def sampled_text(counts: Optional[Dict], how: str = "the first and last passes of each loop, "
+                 "one step of each run of like ring steps") -> str:
+    """What a :func:`tile_sampling` block ran (its counts, ``None`` for ``full``): ``"1,405 of
+    10,145 tile passes run, 900 of 5,000 K/V ring steps run (how)"``, or ``"every tile pass
+    run"`` when nothing was skipped."""
+    parts = []
+    if counts and counts.get("skipped"):
+        parts.append(f"{counts['passes']:,} of {counts['passes'] + counts['skipped']:,} tile "
+                     f"passes run")
+    if counts and counts.get("ring_skipped"):
+        parts.append(f"{counts['ring_steps']:,} of "
+                     f"{counts['ring_steps'] + counts['ring_skipped']:,} K/V ring steps run")
+    return f"{', '.join(parts)} ({how})" if parts else "every tile pass run"
 
 
 # ----------------------------------------------------------------------------- depth

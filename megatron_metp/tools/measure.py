@@ -257,9 +257,7 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
         "host_peak": offloader.stats.host_peak if offloader else 0,
         "offloaded_bytes": offloader.stats.offloaded_bytes if offloader else 0,
         "seconds": round(seconds, 3),
-        "tiles": (f"{sampled['passes']:,} of {sampled['passes'] + sampled['skipped']:,} tile "
-                  f"passes run (the first and last passes of each loop)" if sampled and
-                  sampled["skipped"] else "every tile pass run"),
+        "tiles": FR.sampled_text(sampled),
     }
 
 
