@@ -179,7 +179,9 @@ def _sent_bytes(name: str, args, p: int) -> Optional[int]:
     """Bytes this rank sends for one c10d op, ring-algorithm convention: ``N`` for a send;
     ``2(p−1)/p·N`` for an all-reduce of ``N``; ``(p−1)/p·N`` for an all-gather or reduce-scatter
     whose full tensor is ``N``, and for a broadcast or reduce of ``N`` (pipelined chain, the rank
-    average whoever the root is); 0 for receives and barriers; ``None``: no rule."""
+    average whoever the root is), and for an all-to-all of an input of ``N`` (the MoE dispatch
+    and combine: all but the rank's own chunk, the rank average; exact for the balanced splits
+    of :mod:`.fake_moe`); 0 for receives and barriers; ``None``: no rule."""
     if name == "send":
         return sum(nbytes(t) for t in flat_tensors(args[0]))
     if name in ("recv_", "recv_any_source_", "barrier", "monitored_barrier_"):
@@ -194,6 +196,8 @@ def _sent_bytes(name: str, args, p: int) -> Optional[int]:
         return (p - 1) * sum(nbytes(t) for t in flat_tensors(args[1]))
     if name == "reduce_scatter_":  # (outputs [N/p], inputs [[N/p] × p])
         return (p - 1) * sum(nbytes(t) for t in flat_tensors(args[0]))
+    if name == "alltoall_base_":  # (output, input [N], group, output splits, input splits)
+        return (p - 1) * nbytes(args[1]) // p
     if name in ("broadcast_", "reduce_"):
         return (p - 1) * sum(nbytes(t) for t in flat_tensors(args[0])) // p
     return None
