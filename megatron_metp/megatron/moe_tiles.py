@@ -50,6 +50,13 @@ so no MoE transient of a recomputed layer grows with ``s/(p·c)`` beyond the ``[
 Measured (``tests/test_moe_tiles.py``, CPU fp32, 240 tokens, 3 tiles): stock keeps 197,800 bytes
 for backward, the tiled forward 23,080 (the routing), one tile's re-run at most 59,840.
 
+The fake-rank instruments (``metp measure``, the Megatron-LM dry run) run the tile loop
+(:func:`routed_tiles`, forward and recompute, and the backward's re-run) through
+:mod:`megatron_metp.runtime.loop_sample`: under ``--measure-tiles sampled`` only tiles ``1, 2``
+and ``T`` run (every tile allocates the same shapes, the last one shorter), and the dispatch
+and combine all-to-alls of tile 2 count ``T − 2`` times, so peak, stored bytes and traffic are the
+full loop's (``tests/test_fast_dry.py``, 8 tiles); training never opens that sampling.
+
 Not tiled (one tile, stock, whatever the count): inference with a captured CUDA graph
 (``intermediate_tensors``). Refused with more than one tile (:func:`tile_problems`): padding the
 expert input to capacity (per-tile capacities would differ from the whole's), MoE latent
@@ -111,7 +118,6 @@ def routed_tile(layer: MoELayer, hidden: torch.Tensor, probs: torch.Tensor,
     return out
 
 
-
 def routed_tiles(layer: MoELayer, slices: Sequence[slice], hidden: torch.Tensor,
                  probs: torch.Tensor, routing_map: torch.Tensor) -> torch.Tensor:
     """``Y = ‖_t routed_tile(X[t], P[t], M[t])`` ``[N, h]``, each tile's ``[R, h]`` written into
@@ -129,6 +135,7 @@ def routed_tiles(layer: MoELayer, slices: Sequence[slice], hidden: torch.Tensor,
         out[t].copy_(y)
         del y
     return out
+
 
 #: the token dispatchers' per-call tensors that outlive the call (megatron-core 0.16.1 and
 #: 0.19: alltoall ``probs`` [R, E], ``routing_map`` [R, E] bool, the permutation's indices
