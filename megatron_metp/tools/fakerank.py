@@ -68,7 +68,9 @@ def tracker_class():
 
     Pipeline stages run the model once per micro-batch in flight; MemTracker's per-module stats
     allow one call, so they restart at each root forward (the global peak is kept)."""
-    from torch.distributed._tools.mem_tracker import MemTracker
+    import copy
+
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY as TOTAL, MemTracker
 
     class Tracker(MemTracker):
         work_peak = 0
@@ -82,11 +84,36 @@ def tracker_class():
 
         progress = None  # a tools.progress.Progress, ticked at every op
 
+        _by_fqn: Dict[str, list] = {}
+        _by_fqn_size = -1
+
         def _update_peak_stats(self, peak_state):
+            """MemTracker's per-op peak update, visiting only the modules now open
+            (``_mod_tracker.parents``) instead of every tracked module: the same updates (each
+            module's local peak and snapshot, the global peak) in ``O(depth)`` per op, not
+            ``O(modules)`` (a Qwen3-30B-A3B layer has over a hundred modules, 32 experts of
+            two linears each; the full scan was half of ``metp measure``'s time)."""
             if self.progress is not None:
                 self.progress.tick()
-            super()._update_peak_stats(peak_state)
-            for dev in self._curr_mem_snap.values():
+            if len(self.memory_tracking) != self._by_fqn_size:  # a module tracked or freed
+                by_fqn: Dict[str, list] = {}
+                for st in self.memory_tracking.values():
+                    by_fqn.setdefault(st.mod_fqn, []).append(st)
+                self._by_fqn, self._by_fqn_size = by_fqn, len(self.memory_tracking)
+            curr = self._curr_mem_snap
+            for fqn in self._mod_tracker.parents:
+                for st in self._by_fqn.get(fqn, ()):
+                    if peak_state not in st.snapshots:
+                        continue
+                    for dev, dev_snap in curr.items():
+                        if st.local_peak.get(dev, 0) < dev_snap[TOTAL]:
+                            st.local_peak[dev] = dev_snap[TOTAL]
+                            st.snapshots[peak_state][-1][dev] = copy.deepcopy(dev_snap)
+            for dev, dev_snap in curr.items():
+                if self._peak_mem.get(dev, 0) < dev_snap[TOTAL]:
+                    self._peak_mem[dev] = dev_snap[TOTAL]
+                    self._peak_mem_snap[dev] = copy.deepcopy(dev_snap)
+            for dev in curr.values():
                 work = sum(v for k, v in dev.items() if getattr(k, "name", None) in ("ACT", "TEMP"))
                 self.work_peak = max(self.work_peak, work)
 
