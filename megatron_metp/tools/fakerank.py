@@ -84,8 +84,12 @@ def tracker_class():
 
         progress = None  # a tools.progress.Progress, ticked at every op
 
-        _by_fqn: Dict[str, list] = {}
+        _by_fqn: Dict[str, list] = {}  # module fqn -> its stats, rebuilt when modules change
         _by_fqn_size = -1
+
+        def reset_mod_stats(self):
+            super().reset_mod_stats()
+            self._by_fqn_size = -1
 
         def _update_peak_stats(self, peak_state):
             """MemTracker's per-op peak update, visiting only the modules now open
@@ -95,7 +99,7 @@ def tracker_class():
             two linears each; the full scan was half of ``metp measure``'s time)."""
             if self.progress is not None:
                 self.progress.tick()
-            if len(self.memory_tracking) != self._by_fqn_size:  # a module tracked or freed
+            if len(self.memory_tracking) != self._by_fqn_size:  # a module tracked
                 by_fqn: Dict[str, list] = {}
                 for st in self.memory_tracking.values():
                     by_fqn.setdefault(st.mod_fqn, []).append(st)
