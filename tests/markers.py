@@ -57,6 +57,8 @@ SLOW = {
     "tests/test_measure_rope.py::test_measure_forms_only_this_ranks_rope_angles_as_training_"
     "does": 60.0,
     "tests/test_fast_dry.py::test_sampled_tile_passes_give_the_full_loops_bytes_and_traffic": 15.3,
+    "tests/test_fast_dry.py::test_sampled_moe_token_tiles_give_the_full_loops_bytes_and_"
+    "traffic": 12.9,
     "tests/test_fast_dry.py::test_layer_extrapolation_matches_the_full_depth_and_a_wrong_rule_is_"
     "caught": 15.0,
     "tests/test_fast_dry.py::test_sampled_ring_steps_give_the_full_rings_bytes_and_traffic": 11.5,

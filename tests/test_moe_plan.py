@@ -258,3 +258,32 @@ def test_plan_counts_stock_dispatcher_state_under_full_recompute():
           f"({err:+.2%}); dispatcher state {state:,.0f}")
     assert abs(err) <= 0.03, err
     assert (plan.measured_part - state) / res["peak"] - 1 < -0.03  # negative control
+
+
+def test_each_fake_measurement_starts_with_an_empty_moe_aux_loss_log():
+    """The dry run measures two depths (2 and 3 layers) in one process; Megatron's layer-wise
+    MoE aux-loss log is sized by the first model's layer count, so the 3-layer model's third
+    layer indexed past it (``IndexError`` in ``save_to_aux_losses_tracker``: the dry run of
+    configs/qwen3-30b-a3b-1m-metp4-cp2.sh failed). ``fake_moe.balanced_routing`` empties the
+    log around each measurement. Negative control: without it the third layer's loss fails."""
+    import torch
+    from megatron.core.transformer.moe import moe_utils
+
+    from megatron_metp.tools.fake_moe import balanced_routing
+
+    log = moe_utils.get_moe_layer_wise_logging_tracker()
+    one = torch.ones(())
+    try:
+        with balanced_routing():
+            for layer in (1, 2):
+                moe_utils.save_to_aux_losses_tracker("load_balancing_loss", one, layer, 2)
+        with balanced_routing():
+            for layer in (1, 2, 3):
+                moe_utils.save_to_aux_losses_tracker("load_balancing_loss", one, layer, 3)
+        assert log == {}  # (emptied on exit too)
+        for layer in (1, 2):
+            moe_utils.save_to_aux_losses_tracker("load_balancing_loss", one, layer, 2)
+        with pytest.raises(IndexError):
+            moe_utils.save_to_aux_losses_tracker("load_balancing_loss", one, 3, 3)
+    finally:
+        log.clear()

@@ -50,6 +50,13 @@ so no MoE transient of a recomputed layer grows with ``s/(p·c)`` beyond the ``[
 Measured (``tests/test_moe_tiles.py``, CPU fp32, 240 tokens, 3 tiles): stock keeps 197,800 bytes
 for backward, the tiled forward 23,080 (the routing), one tile's re-run at most 59,840.
 
+The fake-rank instruments (``metp measure``, the Megatron-LM dry run) run the tile loop
+(:func:`routed_tiles`, forward and recompute, and the backward's re-run) through
+:mod:`megatron_metp.runtime.loop_sample`: under ``--measure-tiles sampled`` only tiles ``1, 2``
+and ``T`` run (every tile allocates the same shapes, the last one shorter), and the dispatch
+and combine all-to-alls of tile 2 count ``T − 2`` times, so peak, stored bytes and traffic are the
+full loop's (``tests/test_fast_dry.py``, 8 tiles); training never opens that sampling.
+
 Not tiled (one tile, stock, whatever the count): inference with a captured CUDA graph
 (``intermediate_tensors``). Refused with more than one tile (:func:`tile_problems`): padding the
 expert input to capacity (per-tile capacities would differ from the whole's), MoE latent
@@ -67,9 +74,10 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from ..ops.moe_tile_count import (MOE_TOKEN_TILES_ENV, gated_activation, resolve_moe_tiles,
                                    routed_row_bytes, routed_transient_bytes)
 from ..ops.tiles import tile_slices
+from ..runtime import loop_sample
 
 __all__ = ["MOE_TOKEN_TILES_ENV", "TiledMoELayer", "routed_row_bytes", "routed_transient_bytes",
-           "resolve_moe_tiles", "tile_problems", "routed_tile", "tiled_moe_spec",
+           "resolve_moe_tiles", "tile_problems", "routed_tile", "routed_tiles", "tiled_moe_spec",
            "drop_dispatch_state"]
 
 
@@ -110,6 +118,25 @@ def routed_tile(layer: MoELayer, hidden: torch.Tensor, probs: torch.Tensor,
     return out
 
 
+def routed_tiles(layer: MoELayer, slices: Sequence[slice], hidden: torch.Tensor,
+                 probs: torch.Tensor, routing_map: torch.Tensor) -> torch.Tensor:
+    """``Y = ‖_t routed_tile(X[t], P[t], M[t])`` ``[N, h]``, each tile's ``[R, h]`` written into
+    ``Y`` as it comes (one tile's output alive besides ``Y``, not all ``T`` before a concatenation).
+
+    The tile loop goes through :func:`megatron_metp.runtime.loop_sample.tiles`: in training every
+    tile runs; inside the fake instruments' ``loop_sample.sampling()`` only the first two and the
+    last tile do (the rows of the skipped ones stay unwritten: fake tensors have no values), and
+    the dispatch / combine collectives of a kept tile count for the tiles it stands for."""
+    out = None
+    for _, t in loop_sample.tiles(slices):
+        y = routed_tile(layer, hidden[t], probs[t], routing_map[t])
+        if out is None:
+            out = y.new_empty((hidden.shape[0],) + tuple(y.shape[1:]))
+        out[t].copy_(y)
+        del y
+    return out
+
+
 #: the token dispatchers' per-call tensors that outlive the call (megatron-core 0.16.1 and
 #: 0.19: alltoall ``probs`` [R, E], ``routing_map`` [R, E] bool, the permutation's indices
 #: [R·k] int64; allgather ``local_map`` / ``local_probs``); autograd keeps what the backward needs
@@ -136,14 +163,8 @@ class _RoutedTiles(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, layer, slices, hidden, probs, routing_map, *params):
-        out = None
         with torch.no_grad():
-            for t in slices:
-                y = routed_tile(layer, hidden[t], probs[t], routing_map[t])
-                if out is None:
-                    out = y.new_empty((hidden.shape[0],) + tuple(y.shape[1:]))
-                out[t].copy_(y)
-                del y
+            out = routed_tiles(layer, slices, hidden, probs, routing_map)
         ctx.layer, ctx.slices = layer, slices
         ctx.save_for_backward(hidden, probs, routing_map, *params)
         return out
@@ -157,7 +178,7 @@ class _RoutedTiles(torch.autograd.Function):
         dx = torch.zeros_like(hidden) if need_x else None
         dp = torch.zeros_like(probs) if need_p else None
         dw: List[Optional[torch.Tensor]] = [None] * len(params)
-        for t in slices:
+        for _, t in loop_sample.tiles(slices):  # (the fake instruments: some)
             with torch.enable_grad():
                 x = hidden[t].detach().requires_grad_(need_x)
                 p = probs[t].detach().requires_grad_(need_p)
@@ -232,7 +253,7 @@ class TiledMoELayer(MoELayer):
         if torch.is_grad_enabled():
             out = _RoutedTiles.apply(self, slices, x, probs, routing_map, *params)
         else:
-            out = torch.cat([routed_tile(self, x[t], probs[t], routing_map[t]) for t in slices])
+            out = routed_tiles(self, slices, x, probs, routing_map)
         out = out.view(hidden_states.shape[:-1] + out.shape[-1:])
         if shared is not None:
             out = out + shared

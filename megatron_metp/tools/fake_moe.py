@@ -105,7 +105,10 @@ def _sort_chunks(input, split_sizes, sorted_idxs, probs=None, fused=False):
 @contextlib.contextmanager
 def balanced_routing(imbalance: float = 1.0) -> Iterator[None]:
     """Patch megatron-core's dispatchers for one fake measurement (see the module docstring);
-    undone on exit."""
+    undone on exit. Megatron's layer-wise MoE aux-loss log is emptied on entry and exit: it is
+    sized by the layer count of the first model that logs, and the dry run measures two depths
+    (2 and 3 layers) in one process (the 3-layer model's third layer would index past it)."""
+    from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.moe import token_dispatcher as TD
 
     AG, A2A = TD.MoEAllGatherTokenDispatcher, TD.MoEAlltoAllTokenDispatcher
@@ -166,8 +169,11 @@ def balanced_routing(imbalance: float = 1.0) -> Iterator[None]:
     AG.dispatch_postprocess = ag_dispatch_postprocess
     A2A.preprocess = a2a_preprocess
     A2A._maybe_dtoh_and_synchronize = a2a_sync
+    aux_log = moe_utils.get_moe_layer_wise_logging_tracker()  # {loss name: {"values": [L]}}
+    aux_log.clear()
     try:
         yield
     finally:
+        aux_log.clear()  # (fake tensors)
         for owner, name, value in saved:
             setattr(owner, name, value)
