@@ -36,10 +36,11 @@ print(json.dumps(res["phases"]["forward"]))
 
 
 def _forward_peak(angles: str) -> int:
-    """In a fresh interpreter: the measurement must not depend on what other tests left in the
-    test worker's process (a run in CI once gave 34,951,168 B for both cases there, and the
-    expected figures in a fresh process; not reproduced since)."""
-    env = dict(os.environ, METP_TILE_BUDGET_MIB="1", OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    """In a fresh interpreter with a clean environment: under two test workers another file
+    left ``METP_MLP_TOKEN_TILE`` (or ``METP_LAYER_TOKEN_TILE``) set in the worker, and with
+    untiled MLPs the forward's peak is elsewhere (34,951,168 B in both cases)."""
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/"),
+           "METP_TILE_BUDGET_MIB": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
     proc = subprocess.run([sys.executable, "-c", _SCRIPT, angles], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
