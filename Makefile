@@ -34,8 +34,9 @@ PIP_INSTALL := -m pip install -q --no-compile --disable-pip-version-check
 # pytest-xdist: JOBS=2 runs the test files on two workers (--dist loadfile: a file's module
 # fixtures, such as one Megatron-LM training run shared by its tests, stay on one worker); one
 # worker keeps about one core busy, so two fill two cores (the .venv leg: 915 s against 1,185 s).
-# Not the default yet: in another file order some tests leave state that later files see
-# (an METP_*_TOKEN_TILE variable, megatron-core's CPU shims left on; README "Test workers").
+# Not the default until a whole two-worker run passes: in other file orders two tests left
+# state that later files saw (an METP_MLP_TOKEN_TILE variable, megatron-core's CPU shims), both
+# fixed (tests/harness.py unset_env, the cpu_shims fixture); README "Test workers".
 JOBS ?= 0
 XDIST := $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadfile)
 

@@ -87,6 +87,19 @@ def _unpack(archive, dest):
             tar.extractall(dest)
 
 
+@pytest.fixture
+def cpu_shims():
+    """megatron-core's CPU shims in this (pytest's own) process, undone afterwards so that no
+    later test finds them on (tests/test_megatron_ref.py checks they are off)."""
+    from megatron_metp.megatron import cpu
+
+    was = cpu.is_enabled()
+    cpu.enable()
+    yield
+    if not was:
+        cpu.disable()
+
+
 @pytest.fixture(scope="session")
 def megatron_lm_checkout(tmp_path_factory):
     """A Megatron-LM git checkout holding the session's release commit (``RELEASE``, chosen by

@@ -78,6 +78,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def unset_env(monkeypatch, *names: str) -> None:
+    """Remove ``names`` from the environment for one test and restore each afterwards, set or
+    not. ``monkeypatch.delenv(name, raising=False)`` records nothing for an unset variable, so a
+    value the code under test then sets (``map_tile_args`` sets ``METP_MLP_TOKEN_TILE``) would
+    outlive the test and reach later tests in the same process."""
+    for name in names:
+        monkeypatch.setenv(name, "")  # recorded: undone (removed again) after the test
+        monkeypatch.delenv(name)
+
+
 def preload_megatron() -> None:
     """Import megatron-core once in the parent: every forked rank inherits it (about 3 s per rank
     otherwise). Importing patches nothing."""

@@ -16,7 +16,7 @@ from megatron_metp.ops import metp_attention, ring_attention, shard_sequence
 from megatron_metp.ops import lse as lse_ops
 from megatron_metp.ops.attention import HEAD_BLOCK_ROWS, head_block_size
 from megatron_metp.ops.rope import apply_rope, rope_tables
-from tests.harness import run_ranks
+from tests.harness import run_ranks, unset_env
 from tests.numerics import rel_err
 from tests.test_attention import _case_params, _errors, _gather, _reference, _shard
 
@@ -266,7 +266,7 @@ def _tiny_p8(mode, **env):
 
     with pytest.MonkeyPatch.context() as mp:
         for name in ("METP_HEAD_BLOCK", MLP_TOKEN_TILE_ENV, TILE_BUDGET_ENV):
-            mp.delenv(name, raising=False)
+            unset_env(mp, name)
         for name, value in env.items():
             mp.setenv(name, value)
         return launches.per_layer(mode, 256, 8, hidden=64, heads=8, ffn=128)

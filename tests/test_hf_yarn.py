@@ -166,19 +166,6 @@ CASES = {
 }
 
 
-@pytest.fixture
-def cpu_shims():
-    """megatron-core's CPU shims in this (pytest's own) process, undone afterwards so that no
-    later test finds them on (tests/test_megatron_ref.py checks they are off)."""
-    from megatron_metp.megatron import cpu
-
-    was = cpu.is_enabled()
-    cpu.enable()
-    yield
-    if not was:
-        cpu.disable()
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_megatron_yarn_equals_transformers(case, cpu_shims):
     """For each way ``rope_scaling`` sets YaRN, megatron-core's ``YarnRotaryEmbedding`` built

@@ -24,7 +24,7 @@ from megatron_metp import METPGroup
 from megatron_metp.ops import gpu_kernels, kernel_choice, lse as lse_ops
 from megatron_metp.ops.attention_kernels import ReferenceKernel, _BY_NAME, select_kernel
 from megatron_metp.ops.kernel_choice import KERNELS, Platform, available_kernels, chosen_kernel
-from tests.harness import run_ranks
+from tests.harness import run_ranks, unset_env
 from tests.numerics import rel_err
 
 CUDA = torch.device("cuda")
@@ -35,7 +35,7 @@ H100 = Platform((2, 13), (9, 0), 90100, dict(BOTH))
 
 def _on(monkeypatch, pf):
     monkeypatch.setattr(kernel_choice, "platform", lambda: pf)
-    monkeypatch.delenv("METP_ATTENTION_KERNEL", raising=False)
+    unset_env(monkeypatch, "METP_ATTENTION_KERNEL")
 
 
 # ------------------------------------------------------------------------------ the choice

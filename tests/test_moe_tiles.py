@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_metp.megatron import moe_tiles
-from tests.harness import run_ranks
+from tests.harness import run_ranks, unset_env
 
 E, K, H, F = 4, 2, 16, 12  # experts, top-k, hidden, expert ffn
 S, B = 5, 2  # local tokens: S·B = 10, 3 tiles of 4, 4, 2
@@ -232,8 +232,7 @@ def test_routed_transient_formula():
 
 
 def test_tile_count_auto_env_and_refusals(monkeypatch):
-    monkeypatch.delenv(moe_tiles.MOE_TOKEN_TILES_ENV, raising=False)
-    monkeypatch.delenv("METP_TILE_BUDGET_MIB", raising=False)
+    unset_env(monkeypatch, moe_tiles.MOE_TOKEN_TILES_ENV, "METP_TILE_BUDGET_MIB")
     row = moe_tiles.routed_row_bytes(2048, 768, 8)
     assert moe_tiles.resolve_moe_tiles(131072, row) == 18  # 7,710 tokens per 1 GiB tile
     assert moe_tiles.resolve_moe_tiles(4096, row) == 1  # fits: whole
@@ -351,7 +350,7 @@ def test_megatron_lm_flag_sets_the_count_or_is_refused(monkeypatch):
     parser = hooks.add_metp_args(argparse.ArgumentParser())
     assert parser.parse_args(["--metp-moe-token-tiles", "4"]).metp_moe_token_tiles == 4
     assert parser.parse_args([]).metp_moe_token_tiles is None
-    monkeypatch.delenv(moe_tiles.MOE_TOKEN_TILES_ENV, raising=False)
+    unset_env(monkeypatch, moe_tiles.MOE_TOKEN_TILES_ENV)
     tiles.map_tile_args(SimpleNamespace(metp_moe_token_tiles=4, num_experts=8), True)
     assert os.environ[moe_tiles.MOE_TOKEN_TILES_ENV] == "4"
     assert moe_tiles.resolve_moe_tiles(1000, 10) == 4  # what every TiledMoELayer then runs

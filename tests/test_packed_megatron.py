@@ -449,16 +449,15 @@ def test_dry_run_of_the_packed_config(patched_megatron_lm):
 # ------------------------------------------------------------------------------ RoPE per document
 
 @pytest.mark.parametrize("layout", ["dual_chunk", "balanced", "contiguous"])
-def test_per_document_rope_equals_the_rows_of_the_whole_table(layout):
+def test_per_document_rope_equals_the_rows_of_the_whole_table(layout, cpu_shims):
     """packing.document_rope builds this rank's per-document angles from Megatron's own
     RotaryEmbedding without the whole-sequence table: bit-identical to selecting its rows."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-    from megatron_metp.megatron import cpu
     from megatron_metp.megatron.packing import document_rope
     from megatron_metp.ops.documents import document_position_runs, document_positions
 
-    cpu.enable()  # get_emb moves inv_freq to the "current CUDA device"
+    # (cpu_shims: get_emb moves inv_freq to the "current CUDA device")
     rotary = RotaryEmbedding(kv_channels=16, rotary_percent=1.0, rotary_base=10000)
     s, p = 96, 3
     n = s // p

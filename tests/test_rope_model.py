@@ -10,7 +10,7 @@ import torch
 from megatron_metp.megatron.training import GPTSize, Layout
 from megatron_metp.ops.rope import FP32_EXACT_POSITIONS, megatron_angles
 from tests.gpt_cases import SIZE
-from tests.harness import run_ranks
+from tests.harness import run_ranks, unset_env
 from tests.test_rope_angles import _err, _exact_cos_sin
 
 #: head dim 8: four frequencies (1 rad per position down to 1e-3)
@@ -87,7 +87,7 @@ def test_fp32_recipe_layout_keeps_megatrons_angles():
 def test_recipe_env_and_bad_value(monkeypatch):
     from megatron_metp.megatron.rope import rope_recipe
 
-    monkeypatch.delenv("METP_ROPE_RECIPE", raising=False)
+    unset_env(monkeypatch, "METP_ROPE_RECIPE")
     assert rope_recipe() == "exact" and rope_recipe(True) == "megatron"
     monkeypatch.setenv("METP_ROPE_RECIPE", "megatron")
     assert rope_recipe() == "megatron"
@@ -129,7 +129,7 @@ def _args(**kw):
 def test_megatron_lm_guard_refuses_fp32_recipe_past_2_24(monkeypatch):
     from megatron_metp.megatron.rope import check_args_reach
 
-    monkeypatch.delenv("METP_ROPE_RECIPE", raising=False)
+    unset_env(monkeypatch, "METP_ROPE_RECIPE")
     check_args_reach(_args())  # METP, exact angles: accepted at 32M
     check_args_reach(_args(metp_parallel_size=1, seq_length=FP32_EXACT_POSITIONS))  # below
     check_args_reach(_args(metp_parallel_size=1, position_embedding_type="learned_absolute"))

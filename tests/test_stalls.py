@@ -19,7 +19,7 @@ import pytest
 from megatron_metp.megatron.checkpoint import CheckpointError, save_checkpoint
 from megatron_metp.megatron.training import Layout, init_parallel, setup, train
 from megatron_metp.runtime.watchdog import StalledRankError, grace_s
-from tests.harness import run_ranks
+from tests.harness import run_ranks, unset_env
 from tests.test_checkpoint import SIZE
 
 LAYOUT, WORLD = Layout(metp=2), 2
@@ -120,7 +120,7 @@ def test_under_megatron_lm_the_distributed_timeout_is_the_one_setting(monkeypatc
     from megatron_metp.megatron_lm import hooks as megatron_lm
     from megatron_metp.runtime.watchdog import megatron_lm_timeout_s
 
-    monkeypatch.delenv("METP_RING_TIMEOUT_S", raising=False)
+    unset_env(monkeypatch, "METP_RING_TIMEOUT_S")
     args = SimpleNamespace(distributed_timeout_minutes=2, metp_ring_timeout=None)
     assert megatron_lm_timeout_s(args) == 120.0
     assert megatron_lm_timeout_s(SimpleNamespace()) == 1800.0  # Megatron's default, 30 minutes

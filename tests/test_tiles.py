@@ -8,7 +8,7 @@ import torch.distributed as dist
 from megatron_metp import METPGroup
 from megatron_metp.ops import metp_mlp
 from megatron_metp.ops import tiles as tiling
-from tests.harness import run_ranks
+from tests.harness import run_ranks, unset_env
 from tests.mlp_cases import full_mlp_params, reference_mlp, shard_params, unshard_grads
 from tests.numerics import rel_err
 
@@ -150,7 +150,7 @@ def test_megatron_lm_flag_sets_the_tile_or_is_refused(monkeypatch):
     parser = hooks.add_metp_args(argparse.ArgumentParser())
     assert parser.parse_args(["--metp-mlp-token-tile", "4096"]).metp_mlp_token_tile == 4096
     assert parser.parse_args([]).metp_mlp_token_tile is None
-    monkeypatch.delenv(tiling.MLP_TOKEN_TILE_ENV, raising=False)
+    unset_env(monkeypatch, tiling.MLP_TOKEN_TILE_ENV)
     hooks.validate_metp_args(_args(metp_parallel_size=8, metp_mlp_token_tile=4096))
     import os
 

@@ -26,7 +26,7 @@ from megatron_metp import METPGroup
 from megatron_metp.ops import metp_embedding, metp_output_cross_entropy, metp_output_logits
 from megatron_metp.ops import tiles as tiling
 from megatron_metp.ops import vocab as V
-from tests.harness import assert_messages, run_ranks, value_errors
+from tests.harness import assert_messages, run_ranks, unset_env, value_errors
 from tests.numerics import rel_err
 from tests.test_vocab import _errors, _gather, rank_inputs
 from tests.vocab_cases import full_vocab_case, reference
@@ -233,8 +233,7 @@ def test_logits_backward_in_tiles_equals_untiled(p):
 # ---------------------------------------------------------------- tile policy, refusals
 
 def test_loss_tile_policy(monkeypatch):
-    monkeypatch.delenv(V.LOSS_TOKEN_TILE_ENV, raising=False)
-    monkeypatch.delenv(tiling.TILE_BUDGET_ENV, raising=False)
+    unset_env(monkeypatch, V.LOSS_TOKEN_TILE_ENV, tiling.TILE_BUDGET_ENV)
     # auto: 1 GiB of fp32 dX per tile = 65,536 rows at h = 4096
     assert V.loss_row_bytes(4096) == 16384
     assert V.loss_tiles(None, 65536, 4096) == [slice(0, 65536)]  # fits: one tile (untiled)

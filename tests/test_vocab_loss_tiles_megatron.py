@@ -15,7 +15,7 @@ import torch
 from megatron_metp.megatron.training import Layout
 from megatron_metp.ops import vocab as V
 from tests.grads import worst_difference
-from tests.harness import run_ranks
+from tests.harness import run_ranks, unset_env
 from tests.test_tiles_megatron import FULL, SWIGLU, _runs
 
 SAME = 1e-6
@@ -73,7 +73,7 @@ def test_when_the_model_lets_the_loss_overwrite_hidden(monkeypatch):
     decide = METPGPTModel._loss_grad_into_hidden
     leaf = torch.randn(4, 1, 8, requires_grad=True)
     hidden = leaf * 2.0  # the final norm's output: an intermediate of its own
-    monkeypatch.delenv(V.LOSS_GRAD_INTO_HIDDEN_ENV, raising=False)
+    unset_env(monkeypatch, V.LOSS_GRAD_INTO_HIDDEN_ENV)
     assert decide(_model(), hidden) is True
     # apex's memory-efficient norm saves its output; no final norm; leaves, views, strides,
     # no gradient wanted: not overwritten

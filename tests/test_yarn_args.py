@@ -9,6 +9,7 @@ import pytest
 from megatron_metp.megatron_lm import hooks as megatron_lm
 from megatron_metp.megatron_lm.releases import for_megatron_core
 from megatron_metp.megatron_lm.yarn_args import offer_yarn_choice, yarn_problems
+from tests.harness import unset_env
 from tests.test_megatron_lm import _args
 
 #: core_v0.19.0's YaRN settings at their command-line defaults
@@ -82,7 +83,7 @@ def test_yarn_with_metp_passes_the_2_24_guard(monkeypatch):
 
     from megatron_metp.megatron.rope import check_args_reach
 
-    monkeypatch.delenv("METP_ROPE_RECIPE", raising=False)
+    unset_env(monkeypatch, "METP_ROPE_RECIPE")
     args = dict(position_embedding_type="yarn", seq_length=1 << 25, metp_rope_fp32_recipe=False)
     check_args_reach(SimpleNamespace(metp_parallel_size=4, **args))
     with pytest.raises(ValueError, match="positions reach 2\\^24"):
