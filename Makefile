@@ -31,13 +31,12 @@ STAMP019 := $(VENV019)/.metp-installed
 # imported ones are compiled on first use
 PIP_INSTALL := -m pip install -q --no-compile --disable-pip-version-check
 
-# pytest-xdist: JOBS=2 runs the test files on two workers (--dist loadfile: a file's module
-# fixtures, such as one Megatron-LM training run shared by its tests, stay on one worker); one
-# worker keeps about one core busy, so two fill two cores (the .venv leg: 915 s against 1,185 s).
-# Not the default until a whole two-worker run passes: in other file orders two tests left
-# state that later files saw (an METP_MLP_TOKEN_TILE variable, megatron-core's CPU shims), both
-# fixed (tests/harness.py unset_env, the cpu_shims fixture); README "Test workers".
-JOBS ?= 0
+# pytest-xdist: the test files run on JOBS workers (--dist loadfile: a file's module fixtures,
+# such as one Megatron-LM training run shared by its tests, stay on one worker); one worker keeps
+# about one core busy, so two fill the CI machine's two cores (the .venv leg: 804 s against
+# 1,277 s serial). Files run in an order the workers pick, so tests/conftest.py fails any test
+# that leaves process state changed for later files (tests/leak_guard.py). JOBS=0: serial.
+JOBS ?= 2
 XDIST := $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadfile)
 
 .PHONY: venv venv-019 demo test test-019 test-fast faults bench clean
@@ -83,7 +82,9 @@ test: $(STAMP)
 MOE_CORE_TESTS := tests/test_moe.py tests/test_moe_tiles.py
 test-019: $(STAMP019)
 	OMP_NUM_THREADS=1 METP_MEGATRON_LM_RELEASE=core_v0.19.0 $(PY019) -m pytest -q $(XDIST) --durations=30 -m "megatron_lm and release_sensitive" tests
-	OMP_NUM_THREADS=1 METP_MEGATRON_LM_RELEASE=core_v0.19.0 $(PY019) -m pytest -q $(XDIST) --durations=5 $(MOE_CORE_TESTS)
+	# serial: on two workers these 36 short tests took 41 s against 27 s (each worker imports
+	# megatron-core and forks its own ranks)
+	OMP_NUM_THREADS=1 METP_MEGATRON_LM_RELEASE=core_v0.19.0 $(PY019) -m pytest -q --durations=5 $(MOE_CORE_TESTS)
 
 # the inner loop: everything but the slow tests (Megatron-LM launches, tests over 5 s)
 test-fast: $(STAMP)

@@ -10,6 +10,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from tests.harness import preload_megatron  # noqa: E402
+from tests.leak_guard import leaves_no_state  # noqa: E402,F401  (autouse: every test)
 from tests.megatron_lm_release import ENV as RELEASE_ENV, RELEASE, TAG_COMMIT  # noqa: E402
 
 torch.set_num_threads(1)
