@@ -14,7 +14,10 @@ source "$(dirname "${BASH_SOURCE[0]}")/models/qwen3-30b-a3b.sh"
 : "${RECOMPUTE_GRANULARITY:=full}" "${RECOMPUTE_METHOD:=uniform}" "${RECOMPUTE_NUM_LAYERS:=1}"
 : "${METP_OFFLOAD_ACTIVATIONS:=1}"
 : "${MICRO_BATCH_SIZE:=1}" "${GLOBAL_BATCH_SIZE:=8}"
-EXTRA_ARGS=("${MOE_ARGS[@]}" --expert-model-parallel-size "$EP" --optimizer-cpu-offload
+# EP 8 over TP 4 × CP 2 = 8 GPUs: each expert whole on one rank (expert TP 1; Megatron's default
+# expert TP is TP = 4, and 4 × 8 does not fit 8 GPUs), as metp plan counts the stock experts
+EXTRA_ARGS=("${MOE_ARGS[@]}" --expert-model-parallel-size "$EP" --expert-tensor-parallel-size 1
+            --optimizer-cpu-offload
             --optimizer-offload-fraction 1.0 --use-precision-aware-optimizer
             ${EXTRA_ARGS[@]+"${EXTRA_ARGS[@]}"})
 TWIN_CONFIG=qwen3-30b-a3b-1m-metp4-cp2.sh

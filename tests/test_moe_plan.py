@@ -287,3 +287,31 @@ def test_each_fake_measurement_starts_with_an_empty_moe_aux_loss_log():
             moe_utils.save_to_aux_losses_tracker("load_balancing_loss", one, 3, 3)
     finally:
         log.clear()
+
+
+def test_stock_moe_twin_dry_run_builds_whole_experts_under_tp_sp(patched_megatron_lm,
+                                                                  monkeypatch):
+    """configs/qwen3-30b-a3b-1m-tp4-cp2-ep8.sh (shrunk as above, 8 experts): stock TP 4 + SP × CP 2
+    × EP 8 with whole experts (expert TP 1) through Megatron-LM's dry run. Its MoE block spec
+    gets the CPU stand-ins the dense local spec gets (Megatron's torch norms, q/k norms included,
+    refuse sequence parallelism: the dry run failed with that assertion before, and with
+    Megatron's expert TP = TP, 4 × 8 ranks on 8, before the config set expert TP 1). The
+    parameters and gradients it builds are the plan's (mode cp) within 0.5 %; negative control:
+    experts split over TP as well (expert TP 4) is a quarter of the expert bytes, not them. The
+    optimizer is on the host (--optimizer-cpu-offload, on a later line of the config's
+    EXTRA_ARGS): none on the device in either."""
+    from megatron_metp.tools import agreement as A
+
+    for k, v in dict(SMALL_QWEN3_MOE, NUM_EXPERTS="8").items():  # EP 8: 8 experts at least
+        monkeypatch.setenv(k, v)
+    cfg = os.path.join(REPO, "configs", "qwen3-30b-a3b-1m-tp4-cp2-ep8.sh")
+    model, job = A.model_job(cfg)
+    assert A.mode_of(job, cfg) == "cp" and (job.tp, job.metp, job.ep) == (4, 2, 8), job
+    static = P.static_memory(model, job, "cp")
+    dry = A.dry_run(cfg, patched_megatron_lm)["bytes"]
+    print(f"dry run {dry}; plan {static}")
+    assert dry["optimizer"] == 0 == static["optimizer"]
+    assert abs(dry["params"] / static["params"] - 1) <= 0.005, (dry, static)
+    assert abs(dry["grads"] / static["grads"] - 1) <= 0.005, (dry, static)
+    experts = model.layers * (model.experts // job.ep) * 3 * model.hidden * model.moe_ffn * 2
+    assert static["params"] - dry["params"] < experts * 3 / 4  # not split 4 more ways

@@ -413,3 +413,21 @@ def test_plan_token_chunk_is_the_ops_chunk():
 
     assert PV.TOKEN_CHUNK_ELEMENTS == V.TOKEN_CHUNK_ELEMENTS
     assert PV.token_chunk(10 ** 6, 16128) == V.resolve_token_chunk(None, 16128) < 10 ** 6
+
+
+def test_a_bash_array_over_several_lines_is_read_whole(tmp_path):
+    """``EXTRA_ARGS=(...)`` continued over lines (configs/qwen3-30b-a3b-1m-tp4-cp2-ep8.sh): a
+    flag on a later line counts (only the first line was read before, which dropped
+    ``--optimizer-cpu-offload`` from the plan of that config)."""
+    sh = tmp_path / "job.sh"
+    sh.write_text(': "${HIDDEN_SIZE:=256}" "${NUM_LAYERS:=2}"\n'
+                  'EXTRA_ARGS=(--expert-tensor-parallel-size 1  # whole experts\n'
+                  '            --optimizer-cpu-offload "$(echo x)"\n'
+                  '            ${EXTRA_ARGS[@]+"${EXTRA_ARGS[@]}"})\n'
+                  'TWIN_CONFIG=other.sh\n')
+    kv = P.read_config(str(sh))
+    assert "--optimizer-cpu-offload" in kv["extra_args"] and kv["twin_config"] == "other.sh"
+    assert P.from_config(str(sh))[1].get("optimizer_offload") is True
+    # negative control: the flag on no line at all
+    sh.write_text(sh.read_text().replace("--optimizer-cpu-offload", ""))
+    assert "optimizer_offload" not in P.from_config(str(sh))[1]

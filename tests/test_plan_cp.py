@@ -315,3 +315,37 @@ def test_dry_run_plan_and_measure_agree_on_metp_cp(patched_megatron_lm, monkeypa
     row = A.compare(cfg, patched_megatron_lm)
     assert row["mode"] == "metp" and row["layout"] == "METP=2×CP=2", row
     assert abs(row["plan_vs_dry_run"]) <= 0.03 and abs(row["measure_vs_dry_run"]) <= 0.03, row
+
+
+def test_measure_of_a_config_measures_the_mode_it_runs(monkeypatch, capsys):
+    """``metp measure --config`` without ``--modes`` measures the config's own layout: a stock
+    CP twin's ring, a stock TP × CP twin's cp, a TP twin's TP+SP, a METP job's metp. Negative
+    control: every mode of a CP 32 twin's width (``metp plan --config``'s default) is refused,
+    TP 32 not dividing 8 query groups, which is what ``metp measure`` did before."""
+    import os
+
+    from megatron_metp.tools import cli as tools_cli, measure as M
+
+    configs = os.path.join(os.path.dirname(__file__), "..", "configs")
+    expect = {"llama3-8b-16m-cp32.sh": "ring", "llama3-8b-4m-cp8.sh": "ring",
+              "qwen3-30b-a3b-1m-tp4-cp2-ep8.sh": "cp", "gpt-7b-128k-tp8.sh": "tp-sp",
+              "llama3-8b-6m-metp8.sh": "metp", "llama3-8b-16m-metp8-cp4.sh": "metp"}
+    for name, mode in expect.items():
+        assert tools_cli.config_modes(os.path.join(configs, name)) == [mode], name
+    cp32 = os.path.join(configs, "llama3-8b-16m-cp32.sh")
+    with pytest.raises(ValueError, match="--query-groups 8 is not divisible by --metp = 32"):
+        tools_cli.build_from_argv(["--config", cp32])
+
+    asked = []
+
+    def record(model, job, modes, **kw):  # what cmd_measure asks for; nothing is measured
+        asked.append(list(modes))
+        return [{"mode": m, "error": "not measured by this test"} for m in modes]
+
+    monkeypatch.setattr(M, "measure", record)
+    assert cli.main(["measure", "--config", cp32]) == 1  # the recorded "error" rows
+    assert asked == [["ring"]]
+    assert "runs mode ring" in capsys.readouterr().err
+    twin = os.path.join(configs, "llama3-8b-4m-cp8.sh")
+    assert cli.main(["measure", "--config", twin, "--modes", "ring", "metp"]) == 1
+    assert asked[-1] == ["ring", "metp"]  # --modes still chooses

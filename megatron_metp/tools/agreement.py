@@ -66,8 +66,10 @@ def model_job(config: str):
 
     kv = P.read_config(config)
     argv = ["--config", config]
-    if _stock_cp(config) > 1 and int(kv.get("tp") or 1) > 1 and int(kv.get("metp") or 1) <= 1:
-        argv += ["--modes", "cp"]  # a stock TP × CP twin (the other modes' sizes may not divide)
+    if _stock_cp(config) > 1 and int(kv.get("metp") or 1) <= 1:
+        # a stock CP twin, TP × CP or CP alone: its own mode only (the other modes' sizes may not
+        # divide: TP 32 over 8 query groups for a CP 32 twin)
+        argv += ["--modes", "cp" if int(kv.get("tp") or 1) > 1 else "ring"]
     model, job, _ = build_from_argv(argv)
     return model, job
 

@@ -177,7 +177,8 @@ def _add_common(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--modes", nargs="+", default=None, metavar="MODE",
                     help=f"modes to show (default all: {' '.join(P.MODES)}; cp only with tp>1; "
                          f"alst (ALST's published recipe on the same GPUs) on request; "
-                         f"metp only with --vocab-parallel)")
+                         f"metp only with --vocab-parallel; metp measure --config: only the "
+                         f"mode the config runs)")
     ap.add_argument("--json", help="also write the results as JSON")
 
 
@@ -386,9 +387,23 @@ def measure_table(model, job, modes, results) -> str:
     return "\n".join(lines)
 
 
+def config_modes(config: str) -> List[str]:
+    """The mode a ``configs/*.sh`` job runs, as a list (``metp measure --config`` without
+    ``--modes``): a config is one job, so measure its layout (``agreement.mode_of``, the mode
+    the dry run is compared with), not every mode of its width as ``metp plan --config`` shows
+    them (those may not even divide: TP 32 over a CP 32 twin's 8 query groups)."""
+    from .agreement import mode_of, model_job
+
+    return [mode_of(model_job(config)[1], config)]
+
+
 def cmd_measure(args) -> int:
     from . import measure as M
 
+    if args.config and not args.modes:
+        args.modes = config_modes(args.config)
+        print(f"measure: --config {args.config} runs mode {args.modes[0]} (--modes "
+              f"{' '.join(P.MODES)} measures the others)", file=sys.stderr, flush=True)
     model, job, modes = build(args)
     t0 = time.perf_counter()
     results = M.measure(model, job, modes, jobs=args.jobs, timeout=args.timeout,

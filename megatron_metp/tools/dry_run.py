@@ -321,6 +321,7 @@ def _build_and_measure(args, pretrain_gpt, ps, te_absent: bool, notes: List[str]
 
     from megatron.core import tensor_parallel
     from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.spec_utils import ModuleSpec
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -340,19 +341,36 @@ def _build_and_measure(args, pretrain_gpt, ps, te_absent: bool, notes: List[str]
         flash = flash_core_attention_class() if te_absent else None
         norm = sp_norm_class()
 
-        def local_substituted(*a, **k):
-            spec = local_spec(*a, **k)
+        def substitute(spec):
             if flash is not None:
                 spec.submodules.self_attention.submodules.core_attention = \
                     ModuleSpec(module=flash)
             spec.submodules.input_layernorm = norm
             spec.submodules.pre_mlp_layernorm = norm
+            if sp_wanted:  # Megatron's torch q/k norms refuse SP as the layer norms do
+                attn = spec.submodules.self_attention.submodules
+                for qk in ("q_layernorm", "k_layernorm"):
+                    if getattr(attn, qk, None) not in (None, IdentityOp):
+                        setattr(attn, qk, norm)
             return spec
+
+        def local_substituted(*a, **k):
+            return substitute(local_spec(*a, **k))
+
+        block_spec = gpt_builders.get_gpt_decoder_block_spec
+
+        def block_substituted(*a, **k):  # MoE models: a block of dense and MoE layer specs
+            block = block_spec(*a, **k)
+            for spec in block.layer_specs:
+                substitute(spec)
+            block.layer_norm = norm
+            return block
 
         from megatron.core.transformer import transformer_block
 
         transformer_block.LayerNormImpl = norm  # the final norm
         gpt_builders.get_gpt_layer_local_spec = local_substituted
+        gpt_builders.get_gpt_decoder_block_spec = block_substituted
         if te_absent:
             args.transformer_impl = "local"
             notes.append("Transformer Engine is not installed here: the TE layer spec is "

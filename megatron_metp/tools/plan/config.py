@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 #: config keys → Model fields / Job fields (``--config`` files: key=value, YAML ``key: value``
 #: or the repo's ``configs/*.sh`` with ``: "${KEY:=value}"`` lines and ``source`` of a model file)
@@ -49,6 +49,24 @@ def _coerce(v: str):
         return v
 
 
+def _logical_lines(text: str) -> List[str]:
+    """The non-empty lines of a config, comments dropped, a bash array assignment that spans
+    lines (``EXTRA_ARGS=(a b`` ... ``c)``) joined into one line."""
+    out: List[str] = []
+    open_parens = 0
+    for raw in text.splitlines():
+        line = raw.split("#", 1)[0].strip() if not raw.strip().startswith("#") else ""
+        if not line:
+            continue
+        if open_parens > 0:
+            out[-1] += " " + line
+        else:
+            out.append(line)
+        if open_parens > 0 or re.match(r'^(?:export\s+)?[A-Za-z_][A-Za-z0-9_]*\+?=\(', line):
+            open_parens += line.count("(") - line.count(")")
+    return out
+
+
 def read_config(path: str, _seen: Optional[set] = None,
                 _into: Optional[Dict[str, object]] = None) -> Dict[str, object]:
     """Key/values of a config file: ``key=value`` / ``key: value`` lines (YAML-like, one level),
@@ -69,10 +87,7 @@ def read_config(path: str, _seen: Optional[set] = None,
     base = os.path.dirname(path)
     with open(path, encoding="utf-8") as fh:
         text = fh.read()
-    for raw in text.splitlines():
-        line = raw.split("#", 1)[0].strip() if not raw.strip().startswith("#") else ""
-        if not line:
-            continue
+    for line in _logical_lines(text):
         m = re.match(r'^(?:source|\.)\s+(.+)$', line)
         if m:
             target = m.group(1).strip()
