@@ -336,7 +336,7 @@ def _build_and_measure(args, pretrain_gpt, ps, te_absent: bool, notes: List[str]
         args.tensor_model_parallel_size > 1
     no_apex = importlib.util.find_spec("apex") is None
     if not metp and (te_absent or (sp_wanted and no_apex and args.transformer_impl == "local")):
-        from .standins import flash_core_attention_class, sp_norm_class
+        from .standins import flash_core_attention_class, put_norms, sp_norm_class
 
         flash = flash_core_attention_class() if te_absent else None
         norm = sp_norm_class()
@@ -345,13 +345,8 @@ def _build_and_measure(args, pretrain_gpt, ps, te_absent: bool, notes: List[str]
             if flash is not None:
                 spec.submodules.self_attention.submodules.core_attention = \
                     ModuleSpec(module=flash)
-            spec.submodules.input_layernorm = norm
-            spec.submodules.pre_mlp_layernorm = norm
-            if sp_wanted:  # Megatron's torch q/k norms refuse SP as the layer norms do
-                attn = spec.submodules.self_attention.submodules
-                for qk in ("q_layernorm", "k_layernorm"):
-                    if getattr(attn, qk, None) not in (None, IdentityOp):
-                        setattr(attn, qk, norm)
+            q_norm = getattr(spec.submodules.self_attention.submodules, "q_layernorm", None)
+            put_norms(spec, norm, sp_wanted and q_norm not in (None, IdentityOp))
             return spec
 
         def local_substituted(*a, **k):

@@ -130,7 +130,7 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
         recompute_num_layers=job.recompute_num_layers if job.recompute == "full" else None,
         params_dtype=torch.bfloat16, bf16=True, pipeline_dtype=torch.bfloat16,
         attention_softmax_in_fp32=False, batch_p2p_sync=False, **_moe_config(model, job, ep))
-    from .standins import flash_core_attention_class, sp_norm_class
+    from .standins import flash_core_attention_class, put_norms, sp_norm_class
 
     CpuSPNorm, SDPAFlash = sp_norm_class(), flash_core_attention_class()
     if model.moe and mode == "metp" and not job.moe_token_tiles:  # --no-moe-token-tiles
@@ -151,14 +151,10 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
     block = spec
     if lay.sp and model.moe:
         for ls in spec.layer_specs:
-            _sp_norms(ls, CpuSPNorm, model.qk_layernorm)
+            put_norms(ls, CpuSPNorm, model.qk_layernorm)
         spec.layer_norm = CpuSPNorm
     elif lay.sp:
-        spec.submodules.input_layernorm = CpuSPNorm
-        spec.submodules.pre_mlp_layernorm = CpuSPNorm
-        if model.qk_layernorm:  # the local spec's torch norms refuse SP (GPU runs use TE's)
-            spec.submodules.self_attention.submodules.q_layernorm = CpuSPNorm
-            spec.submodules.self_attention.submodules.k_layernorm = CpuSPNorm
+        put_norms(spec, CpuSPNorm, model.qk_layernorm)
         block = TransformerBlockSubmodules(layer_specs=[spec] * layers_here, layer_norm=CpuSPNorm)
 
     n = model.seq // lay.c  # this rank's tokens (METP × CP: s/(p·c))
@@ -295,14 +291,6 @@ def _init_stock_ep(lay, job, ep: int):
     torch.manual_seed(1234)
     model_parallel_cuda_manual_seed(1234)
     return METPGroups.from_parallel_state()
-
-
-def _sp_norms(spec, norm, qk_layernorm: bool) -> None:
-    spec.submodules.input_layernorm = norm
-    spec.submodules.pre_mlp_layernorm = norm
-    if qk_layernorm:  # the local spec's torch norms refuse SP (GPU runs use TE's)
-        spec.submodules.self_attention.submodules.q_layernorm = norm
-        spec.submodules.self_attention.submodules.k_layernorm = norm
 
 
 def _moe_block_spec(cfg, groups, mode: str, job: "P.Job", model: "P.Model"):

@@ -9,7 +9,7 @@
   (chosen by ``normalization`` or the config) that, unlike ``WrappedTorchNorm``, accepts sequence
   parallelism; its parameters are tagged ``sequence_parallel`` as TE's and apex's norms are.
   Under :func:`megatron_metp.tools.cuda_accounting.cuda_kernels` its RMSNorm keeps what CUDA's
-  fused kernel keeps.
+  fused kernel keeps. :func:`put_norms` puts it into a layer spec.
 """
 
 from __future__ import annotations
@@ -55,3 +55,14 @@ def sp_norm_class():
             return self.norm(x)
 
     return SPNorm
+
+
+def put_norms(spec, norm, qk_layernorm: bool) -> None:
+    """Put ``norm`` (:func:`sp_norm_class`) in a transformer layer spec's input and pre-MLP norm
+    slots, and in its q/k norm slots when ``qk_layernorm`` (the local spec's torch norms refuse
+    sequence parallelism; GPU runs use TE's or apex's)."""
+    spec.submodules.input_layernorm = norm
+    spec.submodules.pre_mlp_layernorm = norm
+    if qk_layernorm:
+        spec.submodules.self_attention.submodules.q_layernorm = norm
+        spec.submodules.self_attention.submodules.k_layernorm = norm
