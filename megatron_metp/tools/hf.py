@@ -63,6 +63,8 @@ from .hf_config import (HFConfigError, LlamaGeometry, geometry_from_hf, gpt_mode
                         set_yarn_config, transformer_config_kwargs)
 from .hf_layout import hf_to_megatron, megatron_shapes, megatron_to_hf
 from .hf_moe import MOE_FAMILIES, moe_args_problems
+from .hf_output import staged_dir
+from .hf_weights_check import checkpoint_files, read_checked_safetensors, read_header
 
 META = "metp_hf.json"
 #: files copied along with config.json (when present) so that export can restore them
@@ -83,29 +85,15 @@ def _safetensors():
 
 def read_safetensors(hf_dir: str) -> Dict[str, torch.Tensor]:
     """All tensors of ``hf_dir``: ``model.safetensors``, or the files a
-    ``model.safetensors.index.json`` lists."""
+    ``model.safetensors.index.json`` lists, each file's header checked first (a truncated or
+    garbled file is refused naming it: :mod:`.hf_weights_check`). ``import`` reads through
+    :func:`.hf_weights_check.read_checked_safetensors` (names, shapes, dtypes and values
+    checked against config.json too)."""
     load_file = _safetensors().load_file
-
-    index = os.path.join(hf_dir, "model.safetensors.index.json")
-    single = os.path.join(hf_dir, "model.safetensors")
-    if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f).get("weight_map", {}).values()))
-        if not files:
-            raise HFConfigError(f"{index!r} has an empty weight_map")
-    elif os.path.isfile(single):
-        files = ["model.safetensors"]
-    else:
-        bins = [n for n in os.listdir(hf_dir) if n.endswith(".bin")]
-        hint = (" (it holds PyTorch .bin files: re-save with save_pretrained(..., "
-                "safe_serialization=True))" if bins else "")
-        raise HFConfigError(f"{hf_dir!r} has neither model.safetensors nor "
-                            f"model.safetensors.index.json{hint}")
+    files, _ = checkpoint_files(hf_dir)
     out: Dict[str, torch.Tensor] = {}
-    for name in files:
-        path = os.path.join(hf_dir, name)
-        if not os.path.isfile(path):
-            raise HFConfigError(f"{path!r}, listed in the safetensors index, is missing")
+    for path in files:
+        read_header(path)
         out.update(load_file(path))
     return out
 
@@ -246,6 +234,30 @@ def _check_out(out_dir: str, force: bool, keep) -> None:
                             f"or pass --force to replace it")
 
 
+def _write_import(stage: str, hf_dir: str, g: LlamaGeometry, params, out_dir: str, *,
+                  tp: int, metp: int) -> None:
+    """Write the import's files (module docstring) into ``stage``, which becomes ``out_dir``."""
+    with _single_process_megatron():
+        _write_checkpoint(g, params, os.path.join(stage, "release"))
+    with open(os.path.join(stage, TRACKER), "w") as f:
+        f.write("release")
+    side = os.path.join(stage, "hf")
+    os.makedirs(side)
+    shutil.copyfile(os.path.join(hf_dir, "config.json"), os.path.join(side, "config.json"))
+    for name in SIDE_FILES:
+        if os.path.isfile(os.path.join(hf_dir, name)):
+            shutil.copyfile(os.path.join(hf_dir, name), os.path.join(side, name))
+    flags = megatron_args(g)
+    with open(os.path.join(stage, META), "w") as f:
+        json.dump({"source": os.path.abspath(hf_dir), "geometry": g.to_json(),
+                   "megatron_args": flags, "tensor_model_parallel_size": tp,
+                   "metp_parallel_size": metp}, f, indent=1)
+    with open(os.path.join(stage, "megatron_args.txt"), "w") as f:
+        f.write(" ".join(flags) + "\n")
+    with open(os.path.join(stage, "model.sh"), "w") as f:
+        f.write(pretrain_gpt_sh_model(g, os.path.abspath(out_dir), tp=tp, metp=metp))
+
+
 def import_hf(hf_dir: str, out_dir: str, *, make_vocab_size_divisible_by: int = 128,
               tensor_model_parallel_size: int = 1, metp_parallel_size: int = 1,
               force: bool = False, seq_length: Optional[int] = None,
@@ -257,36 +269,16 @@ def import_hf(hf_dir: str, out_dir: str, *, make_vocab_size_divisible_by: int = 
                          tensor_model_parallel_size=tensor_model_parallel_size,
                          metp_parallel_size=metp_parallel_size, seq_length=seq_length)
     _check_out(out_dir, force, keep=(hf_dir,))
-    hf = read_safetensors(hf_dir)
-    params = hf_to_megatron(hf, g)  # checks names, shapes and dtypes first
+    hf = read_checked_safetensors(hf_dir, g, cfg)  # files, index, names, shapes, dtypes, values
+    params = hf_to_megatron(hf, g)
     dtype = next(iter(hf.values())).dtype
     if str(dtype).replace("torch.", "") != g.dtype:
         g = dataclasses.replace(g, dtype=str(dtype).replace("torch.", ""))
     del hf
-    if os.path.exists(out_dir):
-        shutil.rmtree(out_dir)
-    os.makedirs(out_dir)
-    with _single_process_megatron():
-        _write_checkpoint(g, params, os.path.join(out_dir, "release"))
-    with open(os.path.join(out_dir, TRACKER), "w") as f:
-        f.write("release")
-    side = os.path.join(out_dir, "hf")
-    os.makedirs(side)
-    shutil.copyfile(os.path.join(hf_dir, "config.json"), os.path.join(side, "config.json"))
-    for name in SIDE_FILES:
-        if os.path.isfile(os.path.join(hf_dir, name)):
-            shutil.copyfile(os.path.join(hf_dir, name), os.path.join(side, name))
+    with staged_dir(out_dir) as stage:  # out_dir appears whole, or is left as it was
+        _write_import(stage, hf_dir, g, params, out_dir,
+                      tp=tensor_model_parallel_size, metp=metp_parallel_size)
     flags = megatron_args(g)
-    with open(os.path.join(out_dir, META), "w") as f:
-        json.dump({"source": os.path.abspath(hf_dir), "geometry": g.to_json(),
-                   "megatron_args": flags,
-                   "tensor_model_parallel_size": tensor_model_parallel_size,
-                   "metp_parallel_size": metp_parallel_size}, f, indent=1)
-    with open(os.path.join(out_dir, "megatron_args.txt"), "w") as f:
-        f.write(" ".join(flags) + "\n")
-    with open(os.path.join(out_dir, "model.sh"), "w") as f:
-        f.write(pretrain_gpt_sh_model(g, os.path.abspath(out_dir), tp=tensor_model_parallel_size,
-                                      metp=metp_parallel_size))
     log(f"wrote {out_dir}: {g.num_layers} layers, hidden {g.hidden_size}, "
         f"{g.num_attention_heads} heads / {g.num_query_groups} K/V groups, FFN "
         f"{g.ffn_hidden_size}, vocabulary {g.vocab_size} padded to {g.padded_vocab_size} "
