@@ -20,8 +20,8 @@ anything.
 * **non-finite values** (NaN, ±Inf) in any tensor, counted, with the first index.
 
 All header checks run on every file before any tensor data is read; the values are then checked
-file by file as they are loaded. Cost: one pass of ``torch.isfinite`` over the data on top of
-reading it (docs/huggingface.md, "Weights checked on the way in", gives the measured figures).
+file by file as they are loaded. Cost: one ``aminmax`` pass over the data on top of reading
+it (docs/huggingface.md, "Weights checked on the way in", gives the measured figures).
 """
 
 from __future__ import annotations
@@ -256,9 +256,13 @@ def check_headers(hf_dir: str, g: LlamaGeometry, cfg: dict) -> Dict[str, Tuple[s
 
 
 def _nonfinite(name: str, t: torch.Tensor) -> Optional[str]:
-    bad = ~torch.isfinite(t)
-    if not bool(bad.any()):
+    """``None`` if every value of ``t`` is finite, else what is not. The test is one
+    ``aminmax`` pass (NaN propagates into both, an infinity is the min or the max; no mask is
+    allocated: about 30x faster than ``isfinite(t).all()`` on CPU); the mask is built only to
+    describe a tensor that fails."""
+    if t.numel() == 0 or all(bool(torch.isfinite(x)) for x in torch.aminmax(t)):
         return None
+    bad = ~torch.isfinite(t)
     count = int(bad.sum())
     first = [int(i) for i in torch.nonzero(bad)[0]]
     kinds = [w for w, m in (("NaN", torch.isnan(t)), ("+Inf", t == math.inf),
