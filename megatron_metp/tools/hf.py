@@ -64,12 +64,12 @@ from .hf_config import (HFConfigError, LlamaGeometry, geometry_from_hf, gpt_mode
 from .hf_layout import hf_to_megatron, megatron_shapes, megatron_to_hf
 from .hf_moe import MOE_FAMILIES, moe_args_problems
 from .hf_output import staged_dir
+from .hf_tokenizer_export import TOKENIZER_FILES, plan_tokenizer
 from .hf_weights_check import checkpoint_files, read_checked_safetensors, read_header
 
 META = "metp_hf.json"
 #: files copied along with config.json (when present) so that export can restore them
-SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
-              "special_tokens_map.json", "tokenizer.model")
+SIDE_FILES = ("generation_config.json",) + TOKENIZER_FILES
 
 
 # ---------------------------------------------------------------- safetensors in and out
@@ -332,10 +332,11 @@ def _find_hf_config(load: str, hf_config: Optional[str]) -> Optional[str]:
     return None
 
 
-def _export_config(path: str, cfg_dir: Optional[str]) -> dict:
+def _export_config(path: str, cfg_dir: Optional[str]):
     """config.json to export the checkpoint directory ``path`` with: read from ``cfg_dir``, or
-    written from the checkpoint's saved Megatron-LM arguments (:mod:`.hf_from_args`). A model
-    whose saved arguments have no Hugging Face family is refused either way, naming why."""
+    written from the checkpoint's saved Megatron-LM arguments (:mod:`.hf_from_args`), and those
+    arguments (``None`` if it has none). A model whose saved arguments have no Hugging Face
+    family is refused either way, naming why."""
     from ..megatron_lm.saved_args import read_saved_args
     from .hf_from_args import family_problems, hf_config_from_args
 
@@ -345,7 +346,7 @@ def _export_config(path: str, cfg_dir: Optional[str]) -> dict:
             raise HFConfigError(f"{path!r} holds no saved Megatron-LM arguments (and its --load "
                                 f"has no hf/config.json from an import); pass --hf-config with "
                                 f"the Hugging Face model's config.json")
-        return hf_config_from_args(saved)
+        return hf_config_from_args(saved), saved
     cfg = read_hf_config(cfg_dir)
     problems = family_problems(saved) if saved is not None else []
     if saved is not None and cfg.get("model_type") in MOE_FAMILIES:
@@ -357,7 +358,7 @@ def _export_config(path: str, cfg_dir: Optional[str]) -> dict:
         raise HFConfigError(f"{path!r} was trained as a model with no Hugging Face family "
                             f"(its saved Megatron-LM arguments), whatever config.json says: "
                             + "; ".join(problems))
-    return cfg
+    return cfg, saved
 
 
 def _write_file(path: str, write) -> None:
@@ -369,17 +370,22 @@ def _write_file(path: str, write) -> None:
 
 def export_hf(load: str, out_dir: str, *, hf_config: Optional[str] = None,
               iteration: Optional[int] = None, dtype: Optional[str] = None,
-              force: bool = False, log=print) -> LlamaGeometry:
-    """Write ``out_dir/model.safetensors`` + ``config.json`` (+ the tokenizer files kept at
-    import) from the Megatron checkpoint ``load``; ``hf_config`` (a directory or its
-    config.json) is optional (module docstring)."""
+              tokenizer: Optional[str] = None, force: bool = False,
+              log=print) -> LlamaGeometry:
+    """Write ``out_dir/model.safetensors`` + ``config.json`` + the tokenizer files
+    (:mod:`.hf_tokenizer_export`: ``tokenizer``, else the run's ``--tokenizer-model``, else the
+    import's) from the Megatron checkpoint ``load``; ``hf_config`` (a directory or its
+    config.json) is optional (module docstring). Every check runs before anything is written,
+    and ``out_dir`` appears whole or not at all (:mod:`.hf_output`)."""
     save_file = _safetensors().save_file
     cfg_dir = _find_hf_config(load, hf_config)
     path = checkpoint_dir(load, iteration)
-    cfg = _export_config(path, cfg_dir)
+    cfg, saved = _export_config(path, cfg_dir)
     # seq_length=1: export only re-lays tensors (a sliding window cannot bind; the config is copied)
     g = geometry_from_hf(cfg, make_vocab_size_divisible_by=1, seq_length=1)
-    _check_out(out_dir, force, keep=(load,) + ((cfg_dir,) if cfg_dir is not None else ()))
+    _check_out(out_dir, force, keep=(load,) + ((cfg_dir,) if cfg_dir is not None else ()) +
+               ((tokenizer,) if tokenizer is not None else ()))
+    tok = plan_tokenizer(saved, cfg_dir, tokenizer, g.vocab_size, out_dir)
     mg = megatron_params_from_checkpoint(path, g.num_layers)
     emb = mg.get("embedding.word_embeddings.weight")
     if emb is None:
@@ -401,26 +407,28 @@ def export_hf(load: str, out_dir: str, *, hf_config: Optional[str] = None,
     target = getattr(torch, dtype) if dtype is not None else emb.dtype
     hf = {k: v.to(target) for k, v in hf.items()}
     written = str(target).replace("torch.", "")
-    if os.path.exists(out_dir):
-        shutil.rmtree(out_dir)
-    os.makedirs(out_dir)
-    _write_file(os.path.join(out_dir, "model.safetensors"),
-                lambda p: save_file({k: v.contiguous() for k, v in hf.items()}, p,
-                                    metadata={"format": "pt"}))
     cfg = dict(cfg)
     cfg["dtype" if "dtype" in cfg else "torch_dtype"] = written
 
     def dump(p):
         with open(p, "w") as f:
             json.dump(cfg, f, indent=2)
-    _write_file(os.path.join(out_dir, "config.json"), dump)
-    for name in SIDE_FILES if cfg_dir is not None else ():
-        src = os.path.join(cfg_dir, name)
-        if os.path.isfile(src):
-            _write_file(os.path.join(out_dir, name), lambda p, s=src: shutil.copyfile(s, p))
+    with staged_dir(out_dir) as stage:  # out_dir appears whole, or is left as it was
+        _write_file(os.path.join(stage, "model.safetensors"),
+                    lambda p: save_file({k: v.contiguous() for k, v in hf.items()}, p,
+                                        metadata={"format": "pt"}))
+        _write_file(os.path.join(stage, "config.json"), dump)
+        if cfg_dir is not None and os.path.isfile(os.path.join(cfg_dir, "generation_config.json")):
+            src = os.path.join(cfg_dir, "generation_config.json")
+            _write_file(os.path.join(stage, "generation_config.json"),
+                        lambda p: shutil.copyfile(src, p))
+        for name in tok.files:
+            src = os.path.join(tok.source, name)
+            _write_file(os.path.join(stage, name), lambda p, s=src: shutil.copyfile(s, p))
     source = "config.json from " + (cfg_dir if cfg_dir is not None else "its saved arguments")
     log(f"wrote {out_dir}: {len(hf)} tensors ({written}) from {path}, vocabulary rows "
         f"{g.padded_vocab_size} -> {g.vocab_size}, {g.family} {source}")
+    log(tok.line)
     return g
 
 
@@ -458,6 +466,9 @@ def main(argv: Optional[List[str]] = None, prog: str = "python -m megatron_metp.
     ex.add_argument("--iteration", type=int, help="iteration to export (default: the tracker's)")
     ex.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                     help="dtype of the written tensors (default: the checkpoint's embedding's)")
+    ex.add_argument("--tokenizer", help="Hugging Face tokenizer folder to write beside the "
+                                        "weights; default the run's --tokenizer-model (a "
+                                        "HuggingFaceTokenizer folder), else LOAD/hf/'s")
     ex.add_argument("--force", action="store_true", help="replace a non-empty --out")
     fl = sub.add_parser("flags", help="print the Megatron-LM flags of a Hugging Face config")
     fl.add_argument("--hf-dir", required=True)
@@ -472,7 +483,7 @@ def main(argv: Optional[List[str]] = None, prog: str = "python -m megatron_metp.
                       seq_length=args.seq_length)
         elif args.cmd == "export":
             export_hf(args.load, args.out, hf_config=args.hf_config, iteration=args.iteration,
-                      dtype=args.dtype, force=args.force)
+                      dtype=args.dtype, tokenizer=args.tokenizer, force=args.force)
         else:
             g = geometry_from_hf(read_hf_config(args.hf_dir),
                                  make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
