@@ -48,9 +48,11 @@ def _launch(config: str, megatron_lm_dir: str, **env_vars: str) -> str:
     return log
 
 
-def _mock_batches(n: int, vocab: int = TINY["vocab_size"], split: int = 0):
+def _mock_batches(n: int, vocab: int = TINY["vocab_size"], split: int = 0, eod: int = None,
+                  pad: int = -1):
     """The first ``n`` samples of the training (``split`` 0; 1: validation) set of Megatron's
-    mock GPT data for this run (NullTokenizer of ``vocab - 1`` tokens + end-of-document, seed
+    mock GPT data for this run (NullTokenizer of ``vocab - 1`` tokens + end-of-document, or a
+    tokenizer of ``vocab`` tokens with end-of-document id ``eod`` and padding id ``pad``; seed
     1234, split 1,1,1), as ``pretrain_gpt.py`` builds them (2 iterations, one of evaluation):
     ``(tokens, labels, loss_mask)`` each ``[n, SEQ]``."""
     from megatron.core.datasets.blended_megatron_dataset_builder import \
@@ -58,7 +60,7 @@ def _mock_batches(n: int, vocab: int = TINY["vocab_size"], split: int = 0):
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
 
     V = vocab
-    tok = SimpleNamespace(vocab_size=V, eod=V - 1, pad=-1, bos=None,
+    tok = SimpleNamespace(vocab_size=V, eod=V - 1 if eod is None else eod, pad=pad, bos=None,
                           unique_identifiers={"class": "NullTokenizer"})
     cfg = GPTDatasetConfig(random_seed=1234, sequence_length=SEQ, blend=None,
                            blend_per_split=None, split="1,1,1", path_to_cache=None,
@@ -143,15 +145,27 @@ def test_pretrain_gpt_loads_the_import_and_trains_from_it(patched_megatron_lm, t
 
 def test_from_scratch_llama_exports_without_hf_config(patched_megatron_lm, tmp_path):
     """configs/tiny-cpu-llama-metp2.sh trained from scratch (METP 2, 2 iterations; the learning
-    rate warms up from 0, so iteration 1 leaves Megatron's random init as it is and saves it),
-    exported by ``hf export`` with no ``--hf-config`` (config.json from the saved args):
+    rate warms up from 0, so iteration 1 leaves Megatron's random init as it is and saves it)
+    with a Hugging Face tokenizer (``TOKENIZER_TYPE=HuggingFaceTokenizer``, a 1000-token BPE built
+    here: tests/test_hf_tokenizer.py), exported by ``hf export`` with no ``--hf-config``
+    (config.json from the saved args, the tokenizer from the run's ``--tokenizer-model``):
     transformers' loss of the iteration-1 export on the first batch equals the loss Megatron-LM
-    printed for it; the iteration-2 export (trained) has learned the second batch; every
-    exported file is mode 0644 under a 077 umask. (The validation split is not used: core_v0.19.0
-    builds mock validation samples this test does not rebuild.)"""
+    printed for it; the iteration-2 export (trained) has learned the second batch;
+    ``AutoTokenizer`` and ``AutoModelForCausalLM`` load the export, give a sentence the tokens of
+    the ``tokenizers`` library and score them with the METP model's loss (METP 2, from the run's
+    checkpoint); every exported file is mode 0644 under a 077 umask. (The validation split is
+    not used: core_v0.19.0 builds mock validation samples this test does not rebuild.)"""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megatron_metp.tools.hf_config import geometry_from_hf
+    from tests.test_hf import _metp_run
+    from tests.test_hf_tokenizer import EOS, PAD, SENTENCE, make_tokenizer, reference_ids
+
     run = str(tmp_path / "run")
+    tok_dir = make_tokenizer(str(tmp_path / "tokenizer"))
     log = _launch("configs/tiny-cpu-llama-metp2.sh", patched_megatron_lm, TRAIN_ITERS="2",
-                  LR_WARMUP_ITERS="1", SAVE_INTERVAL="1", CHECKPOINT_PATH=run)
+                  LR_WARMUP_ITERS="1", SAVE_INTERVAL="1", CHECKPOINT_PATH=run,
+                  TOKENIZER_TYPE="HuggingFaceTokenizer", TOKENIZER_MODEL=tok_dir)
     # (Megatron prints the learning rate of the next iteration: 3e-4 after the one warm-up step)
     first = re.findall(r"iteration +1/ +2 \|.*?lm loss: ([0-9.E+-]+)", log)
     assert len(first) == 1, log[-4000:]
@@ -164,10 +178,11 @@ def test_from_scratch_llama_exports_without_hf_config(patched_megatron_lm, tmp_p
         finally:
             os.umask(umask)
         modes = {n: oct(os.stat(os.path.join(out, n)).st_mode & 0o777) for n in os.listdir(out)}
-        assert modes == {"model.safetensors": "0o644", "config.json": "0o644"}, modes
+        assert modes == {n: "0o644" for n in ("model.safetensors", "config.json",
+                                              "tokenizer.json", "tokenizer_config.json")}, modes
     with open(os.path.join(exported[1], "config.json")) as f:
         cfg = json.load(f)
-    # configs/models/tiny-llama.sh; vocabulary 1000 + end-of-document padded to 1024 (128 x 2)
+    # configs/models/tiny-llama.sh; vocabulary 1000 padded to 1024 (128 x 2)
     assert {k: cfg[k] for k in ("model_type", "vocab_size", "hidden_size", "intermediate_size",
                                 "num_hidden_layers", "num_attention_heads",
                                 "num_key_value_heads", "head_dim", "rope_theta", "rms_norm_eps",
@@ -176,7 +191,7 @@ def test_from_scratch_llama_exports_without_hf_config(patched_megatron_lm, tmp_p
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
         max_position_embeddings=SEQ)
-    tokens, labels, mask = _mock_batches(2 * GBS, vocab=1001)
+    tokens, labels, mask = _mock_batches(2 * GBS, vocab=1000, eod=EOS, pad=PAD)
     b1, b2 = (slice(0, GBS), slice(GBS, 2 * GBS))
     ref = _transformers_loss(exported[1], tokens[b1], labels[b1], mask[b1])
     other = _transformers_loss(exported[1], tokens[b2], labels[b2], mask[b2])
@@ -188,3 +203,16 @@ def test_from_scratch_llama_exports_without_hf_config(patched_megatron_lm, tmp_p
     assert abs(megatron - ref) <= 1e-5 * ref  # Megatron prints 7 significant digits
     assert abs(other - ref) > 1e-4 * ref  # the comparison depends on the batch it rebuilt
     assert trained < other  # the iteration-2 export holds the trained weights
+
+    ids = AutoTokenizer.from_pretrained(exported[2])(SENTENCE).input_ids
+    assert ids == reference_ids(tok_dir)
+    sentence = torch.tensor([ids[:13]])  # 12 positions: divisible by 2 x METP 2
+    model = AutoModelForCausalLM.from_pretrained(exported[2], dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    with torch.no_grad():
+        hf_loss = model(sentence, labels=sentence).loss.item()
+    g = geometry_from_hf(cfg, make_vocab_size_divisible_by=1, metp_parallel_size=2)
+    _, metp_loss = _metp_run(2, run, g.to_json(), sentence)  # the run's latest: iteration 2
+    print(f"the sentence's first 13 tokens: transformers {hf_loss:.7f}, METP 2 from the run's "
+          f"checkpoint {metp_loss:.7f} (rel. {abs(metp_loss - hf_loss) / hf_loss:.1e})")
+    assert abs(metp_loss - hf_loss) <= 1e-5 * hf_loss
