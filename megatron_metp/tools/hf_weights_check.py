@@ -50,8 +50,8 @@ _ITEM_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0
 FLOAT_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 #: larger than any real header (the format itself caps it at 100 MB)
 _MAX_HEADER = 100_000_000
-_REDOWNLOAD = ("re-download or re-copy the file (or re-save the model with "
-               "save_pretrained(..., safe_serialization=True))")
+_REDOWNLOAD = ("re-download or re-copy the file, or re-save the model with "
+               "save_pretrained(..., safe_serialization=True)")
 
 
 @dataclass(frozen=True)
@@ -303,6 +303,6 @@ def read_checked_safetensors(hf_dir: str, g: LlamaGeometry, cfg: dict) -> Dict[s
             raise HFConfigError(f"{path}: " + "; ".join(problems[:6]) +
                                 (f"; and {len(problems) - 6} more tensors" if len(problems) > 6
                                  else "") +
-                                ": the file is corrupt (" + _REDOWNLOAD + ") or the model "
-                                "diverged (convert an earlier checkpoint)")
+                                ": either the file is corrupt (re-download or re-copy it) or "
+                                "the model diverged (convert an earlier checkpoint)")
     return out
