@@ -98,7 +98,8 @@ def test_which_tokenizer_export_writes(tok_dir, tmp_path):
                          f"--tokenizer-model {tok_dir}")
     null = dict(tokenizer_type="NullTokenizer", tokenizer_model=None)
     plan = plan_tokenizer(null, hf_side, None, 1024, "X")
-    assert plan.source == hf_side and "(the run's --tokenizer-type NullTokenizer has no" in plan.line
+    assert plan.source == hf_side
+    assert "(the run's --tokenizer-type NullTokenizer has no" in plan.line
     plan = plan_tokenizer(null, str(tmp_path), None, 1024, "X")  # no tokenizer files there
     assert plan.source is None and plan.files == []
     assert plan.line.startswith("no tokenizer written: the run's --tokenizer-type NullTokenizer "

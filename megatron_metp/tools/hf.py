@@ -8,7 +8,8 @@ Mixtral: :mod:`.hf_moe`) in and out of Megatron/METP (``torch_dist``) checkpoint
     python -m megatron_metp.tools.hf flags --hf-dir HF_DIR      # the Megatron-LM flags only
 
 ``import`` reads ``config.json`` + ``*.safetensors`` (one file or a sharded index), checks the
-config (:mod:`.hf_config`) and the tensors, re-lays them out (:mod:`.hf_layout`), puts them into a
+config (:mod:`.hf_config`) and the files and tensors (:mod:`.hf_weights_check`: truncated or
+garbled files, the index, names, shapes, dtypes, non-finite values), re-lays them out (:mod:`.hf_layout`), puts them into a
 stock megatron-core ``GPTModel`` (TP = 1, local layer spec, same geometry) and saves its
 ``sharded_state_dict`` with ``dist_checkpointing`` as Megatron-LM's ``torch_dist`` save lays it
 out::
@@ -32,7 +33,9 @@ of size ``TP × METP``): give the converter the run's numbers (the padded rows a
 training: ``--load`` is the save directory, ``--iteration`` picks one) straight from the
 ``torch_dist`` files (:mod:`.hf_checkpoint`), without building a model or unpickling anything
 beyond the checked ``.metadata``, drops the padded rows and writes ``model.safetensors`` +
-``config.json`` that the family's ``*ForCausalLM.from_pretrained`` reads. The config comes
+``config.json`` that the family's ``*ForCausalLM.from_pretrained`` reads, and the run's Hugging
+Face tokenizer files (:mod:`.hf_tokenizer_export`). Both write their output folder whole or not
+at all (:mod:`.hf_output`). The config comes
 from ``--hf-config``, else
 ``CKPT/hf/`` (an import's), else it is written from the Megatron-LM arguments the checkpoint saved
 (a model trained from scratch, :mod:`.hf_from_args`: llama, mistral, qwen2 or qwen3, every row of
@@ -459,7 +462,8 @@ def main(argv: Optional[List[str]] = None, prog: str = "python -m megatron_metp.
     _add_padding_args(im)
     ex = sub.add_parser("export", help="Megatron torch_dist checkpoint -> Hugging Face Llama")
     ex.add_argument("--load", required=True, help="checkpoint directory (as pretrain_gpt.py --load/--save)")
-    ex.add_argument("--out", required=True, help="directory for model.safetensors + config.json")
+    ex.add_argument("--out", required=True, help="directory for model.safetensors + config.json "
+                                                "(+ the tokenizer files)")
     ex.add_argument("--hf-config", help="config.json (or its directory) of the model; default "
                                         "LOAD/hf/ written by import, else one written from the "
                                         "checkpoint's saved Megatron-LM arguments")

@@ -148,10 +148,10 @@ def checkpoint_files(hf_dir: str) -> Tuple[List[str], Optional[Dict[str, str]]]:
         files = sorted(set(wmap.values()))
         for name in files:
             if not os.path.isfile(os.path.join(hf_dir, name)):
-                owner = next(k for k, v in wmap.items() if v == name)
+                owners = [k for k, v in wmap.items() if v == name]
                 raise HFConfigError(f"{os.path.join(hf_dir, name)}, the shard {INDEX} names for "
-                                    f"tensor {owner} (and {sum(v == name for v in wmap.values()) - 1} "
-                                    f"more), is missing: copy every shard of the checkpoint")
+                                    f"tensor {owners[0]} (and {len(owners) - 1} more), is "
+                                    f"missing: copy every shard of the checkpoint")
         return [os.path.join(hf_dir, n) for n in files], wmap
     if os.path.isfile(single):
         return [single], None
