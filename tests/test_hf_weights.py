@@ -90,6 +90,11 @@ def test_intact_single_and_sharded_files_import_alike(hf_dirs, tmp_path):
         assert sorted(os.listdir(tmp_path / kind)) == sorted(
             ["hf", "latest_checkpointed_iteration.txt", "megatron_args.txt", "metp_hf.json",
              "model.sh", "release"])
+    stray = os.path.join(outs["sharded"], "stray")  # --force replaces the whole folder
+    open(stray, "w").close()
+    run_ranks(_import_on_a_rank, 1, hf_dirs["sharded"], outs["sharded"],
+              {"make_vocab_size_divisible_by": 1, "force": True})
+    assert not os.path.exists(stray) and os.path.isdir(os.path.join(outs["sharded"], "release"))
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # no staging left
     a, b = (H.read_checkpoint_tensors(H.checkpoint_dir(outs[k])) for k in ("single", "sharded"))
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
