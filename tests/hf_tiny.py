@@ -27,7 +27,8 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
 FAMILIES = {
     "qwen3_yarn": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, rope_scaling=YARN)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
-    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),
+    # Mistral: head_dim 16 != hidden / heads (as Mistral-Nemo), no window
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None, head_dim=16)),
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   dict(num_hidden_layers=3, num_experts=4, num_experts_per_tok=2,

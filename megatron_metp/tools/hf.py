@@ -63,6 +63,7 @@ from .hf_config import (HFConfigError, LlamaGeometry, geometry_from_hf, gpt_mode
                         set_yarn_config, transformer_config_kwargs)
 from .hf_layout import hf_to_megatron, megatron_shapes, megatron_to_hf
 from .hf_moe import MOE_FAMILIES, moe_args_problems
+from .hf_versions import export_layout
 
 META = "metp_hf.json"
 #: files copied along with config.json (when present) so that export can restore them
@@ -377,7 +378,8 @@ def _write_file(path: str, write) -> None:
 
 def export_hf(load: str, out_dir: str, *, hf_config: Optional[str] = None,
               iteration: Optional[int] = None, dtype: Optional[str] = None,
-              force: bool = False, log=print) -> LlamaGeometry:
+              force: bool = False, log=print,
+              transformers_layout: Optional[int] = None) -> LlamaGeometry:
     """Write ``out_dir/model.safetensors`` + ``config.json`` (+ the tokenizer files kept at
     import) from the Megatron checkpoint ``load``; ``hf_config`` (a directory or its
     config.json) is optional (module docstring)."""
@@ -415,8 +417,8 @@ def export_hf(load: str, out_dir: str, *, hf_config: Optional[str] = None,
     _write_file(os.path.join(out_dir, "model.safetensors"),
                 lambda p: save_file({k: v.contiguous() for k, v in hf.items()}, p,
                                     metadata={"format": "pt"}))
-    cfg = dict(cfg)
-    cfg["dtype" if "dtype" in cfg else "torch_dtype"] = written
+    cfg, layout = export_layout(cfg, transformers_layout)  # hf_versions
+    cfg["dtype" if "dtype" in cfg or layout == 5 else "torch_dtype"] = written
 
     def dump(p):
         with open(p, "w") as f:
@@ -428,7 +430,8 @@ def export_hf(load: str, out_dir: str, *, hf_config: Optional[str] = None,
             _write_file(os.path.join(out_dir, name), lambda p, s=src: shutil.copyfile(s, p))
     source = "config.json from " + (cfg_dir if cfg_dir is not None else "its saved arguments")
     log(f"wrote {out_dir}: {len(hf)} tensors ({written}) from {path}, vocabulary rows "
-        f"{g.padded_vocab_size} -> {g.vocab_size}, {g.family} {source}")
+        f"{g.padded_vocab_size} -> {g.vocab_size}, {g.family} {source}, in transformers "
+        f"{layout}.x's config.json layout")
     return g
 
 
@@ -467,6 +470,10 @@ def main(argv: Optional[List[str]] = None, prog: str = "python -m megatron_metp.
     ex.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                     help="dtype of the written tensors (default: the checkpoint's embedding's)")
     ex.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    ex.add_argument("--transformers-layout", type=int, choices=[4, 5],
+                    help="write config.json as transformers 4.x (rope_theta, rope_scaling) or "
+                         "5.x (rope_parameters) writes it (default: the installed "
+                         "transformers' major version)")
     fl = sub.add_parser("flags", help="print the Megatron-LM flags of a Hugging Face config")
     fl.add_argument("--hf-dir", required=True)
     _add_padding_args(fl)
@@ -480,7 +487,8 @@ def main(argv: Optional[List[str]] = None, prog: str = "python -m megatron_metp.
                       seq_length=args.seq_length)
         elif args.cmd == "export":
             export_hf(args.load, args.out, hf_config=args.hf_config, iteration=args.iteration,
-                      dtype=args.dtype, force=args.force)
+                      dtype=args.dtype, force=args.force,
+                      transformers_layout=args.transformers_layout)
         else:
             g = geometry_from_hf(read_hf_config(args.hf_dir),
                                  make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,

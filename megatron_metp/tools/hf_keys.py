@@ -129,6 +129,11 @@ _FAMILY_CHECKED = {"qwen2": ("layer_types", "use_sliding_window"),
                    "qwen3": ("layer_types", "use_sliding_window"),
                    "qwen3_moe": ("use_sliding_window",), "mixtral": ("router_jitter_noise",)}
 _ONLY_SOME = {"layer_types", "use_sliding_window", "router_jitter_noise"}
+#: family -> checked keys of that family alone, as CHECKED
+CHECKED_BY_FAMILY = {
+    "llama": {"sliding_window": ("null (transformers' Llama has no sliding window: a set one "
+                                 "means a model of another family)", (None,))},
+}
 
 #: rope_type -> the keys its rope_scaling / rope_parameters may hold (the values: .hf_config,
 #: .hf_yarn)
@@ -143,6 +148,7 @@ def family_keys(family: str) -> dict:
     family."""
     checked = {k: v[0] for k, v in CHECKED.items() if k not in _ONLY_SOME}
     checked.update({k: CHECKED[k][0] for k in _FAMILY_CHECKED.get(family, ())})
+    checked.update({k: v[0] for k, v in CHECKED_BY_FAMILY.get(family, {}).items()})
     harmless = dict(HARMLESS)
     harmless.update(HARMLESS_BY_FAMILY.get(family, {}))
     return {"mapped": {**MAPPED, **MAPPED_BY_FAMILY.get(family, {})}, "checked": checked,
@@ -168,7 +174,7 @@ def check_keys(cfg: dict, family: str, *, rope_source: str = "rope_scaling") -> 
                    f"it could change the model unseen; a model that needs it cannot convert "
                    f"until the converter implements it; if it is truly inert, delete it from "
                    f"config.json")
-    for key, (want, allowed) in CHECKED.items():
+    for key, (want, allowed) in {**CHECKED, **CHECKED_BY_FAMILY.get(family, {})}.items():
         if key in cfg and allowed is not None and key in table["checked"] and \
                 not any(cfg[key] == a and type(cfg[key]) is type(a) for a in allowed):
             raise _err(f"config.json: {key} = {cfg[key]!r} is not supported: it must be {want}")

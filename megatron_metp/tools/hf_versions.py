@@ -4,17 +4,19 @@ user's transformers writes them.
 What differs (checked against what 4.57.6 and 5.25.0 ``save_pretrained`` write for tiny Llama,
 Mistral, Qwen2, Qwen3 with YaRN, Qwen3-MoE and Mixtral: ``tests/data/hf_configs/``):
 
-======================  ====================================  =========================================
-setting                 transformers 4.x                      transformers 5.x
-======================  ====================================  =========================================
-RoPE base               ``rope_theta``                        ``rope_parameters.rope_theta``
-RoPE scaling            ``rope_scaling`` (null, or a dict     ``rope_parameters`` (``rope_type``
-                        with ``rope_type``/``type``)          ``default``, or the scaling's keys)
-per-layer-type RoPE     —                                     ``rope_parameters`` keyed by the
-                                                              ``layer_types`` names
-Qwen3-MoE experts       ``num_experts``                       ``num_local_experts``
-dtype                   ``torch_dtype``                       ``dtype``
-======================  ====================================  =========================================
+=====================  ==================================  ====================================
+setting                transformers 4.x                    transformers 5.x
+=====================  ==================================  ====================================
+RoPE base              ``rope_theta``                      ``rope_parameters.rope_theta``
+RoPE scaling           ``rope_scaling`` (null, or a dict   ``rope_parameters`` (``rope_type``
+                       with ``rope_type``/``type``)        ``default``, or the scaling's keys)
+per-layer-type RoPE    —                                   ``rope_parameters`` keyed by the
+                                                           ``layer_types`` names
+Qwen3-MoE experts      ``num_experts``                     ``num_local_experts``
+=====================  ==================================  ====================================
+
+(Both write the dtype as ``dtype``; older 4.x releases wrote ``torch_dtype``, which both read.
+Qwen2/Qwen3 ``layer_types`` and the token ids are written by both; 5.x adds ``pad_token_id``.)
 
 :func:`canonical` turns either into one form (4.x names: ``rope_theta``, ``rope_scaling``,
 ``num_experts`` for Qwen3-MoE) before anything is checked, naming the source key (``rope_scaling``
@@ -82,21 +84,37 @@ def _same(a, b) -> bool:
     return a == b
 
 
+def _kind(d: dict) -> dict:
+    """A RoPE dict for comparison: ``type`` as ``rope_type``, without the base."""
+    d = {k: v for k, v in d.items() if k not in ("rope_theta", "type")}
+    d.setdefault("rope_type", (d.get("rope_type") or "default"))
+    return d
+
+
 def canonical(cfg: dict) -> dict:
     """``cfg`` with the 5.x layout read into the 4.x names (see the module docstring); a
-    config already in 4.x layout comes back unchanged (plus ``_rope_source``)."""
+    config already in 4.x layout comes back unchanged (plus ``_rope_source``).
+
+    Where both forms are present: a truthy ``rope_scaling`` is the RoPE in either version (5.x
+    replaces ``rope_parameters`` by it, 4.x never reads ``rope_parameters``), so a
+    ``rope_parameters`` with another scaling is refused; the base may be written as
+    ``rope_theta``, ``rope_parameters.rope_theta`` or ``rope_scaling.rope_theta``, and every one
+    present must be the same number (the versions read them in different orders)."""
     out = dict(cfg)
     rp, where = _rope_settings(cfg)
     rs = cfg.get("rope_scaling")
+    if rs is not None and not isinstance(rs, dict):
+        raise _err(f"config.json: rope_scaling = {rs!r} must be null or an object")
     source = "rope_scaling"
+    thetas = {}
+    if "rope_theta" in cfg:
+        thetas["rope_theta"] = cfg["rope_theta"]
+    if rs and "rope_theta" in rs:
+        thetas["rope_scaling.rope_theta"] = rs["rope_theta"]
+        out["rope_scaling"] = rs = {k: v for k, v in rs.items() if k != "rope_theta"}
     if rp is not None:
-        theta_in = rp.pop("rope_theta", None)
-        if "rope_theta" in cfg and theta_in is not None and not _same(cfg["rope_theta"], theta_in):
-            raise _err(f"config.json: rope_theta = {cfg['rope_theta']!r} and {where}.rope_theta "
-                       f"= {theta_in!r} differ (transformers 5 takes the second, 4.x the "
-                       f"first); keep one")
-        if theta_in is not None:
-            out["rope_theta"] = theta_in
+        if "rope_theta" in rp:
+            thetas[f"{where}.rope_theta"] = rp.pop("rope_theta")
         prf = rp.pop("partial_rotary_factor", None)
         if prf is not None:
             if "partial_rotary_factor" in cfg and not _same(cfg["partial_rotary_factor"], prf):
@@ -104,16 +122,21 @@ def canonical(cfg: dict) -> dict:
                            f"{cfg['partial_rotary_factor']!r} and {where}.partial_rotary_factor "
                            f"= {prf!r} differ; keep one")
             out["partial_rotary_factor"] = prf
-        kind = rp.get("rope_type", rp.get("type", "default"))
-        scaling = None if kind == "default" and set(rp) <= {"rope_type", "type"} else rp
-        if rs and scaling != rs and not (scaling is None and
-                                         rs.get("rope_type", rs.get("type")) == "default"):
-            raise _err(f"config.json: rope_scaling = {rs!r} and {where} = "
-                       f"{cfg['rope_parameters']!r} differ (transformers 5 takes rope_scaling, "
-                       f"4.x ignores rope_parameters); keep one")
+        scaling = None if _kind(rp) == {"rope_type": "default"} else rp
+        if rs and scaling is not None and _kind(scaling) != _kind(rs):
+            raise _err(f"config.json: rope_scaling = {rs!r} and {where} = {rp!r} differ "
+                       f"(transformers 5 takes rope_scaling, 4.x ignores rope_parameters); "
+                       f"keep one")
         if not rs:
             out["rope_scaling"], source = scaling, where
         out.pop("rope_parameters")
+    values = list(thetas.values())
+    if any(not _same(v, values[0]) for v in values[1:]):
+        raise _err(f"config.json: the RoPE base is written differently in "
+                   f"{', '.join(f'{k} = {v!r}' for k, v in thetas.items())} (transformers 4.x "
+                   f"and 5.x read them in different orders); keep one")
+    if values:
+        out["rope_theta"] = values[0]
     out[ROPE_SOURCE] = source
     if cfg.get("model_type") == "qwen3_moe" and "num_local_experts" in cfg:
         n = cfg["num_local_experts"]
@@ -146,7 +169,7 @@ def installed_layout() -> Optional[int]:
 
 def source_layout(cfg: dict) -> int:
     """The layout a ``config.json`` is in (5 if it has any 5.x-only key, else 4)."""
-    if "rope_parameters" in cfg or "dtype" in cfg or (
+    if "rope_parameters" in cfg or (
             cfg.get("model_type") == "qwen3_moe" and "num_local_experts" in cfg):
         return 5
     return 4
@@ -160,22 +183,26 @@ def to_layout(cfg: dict, layout: int) -> dict:
         raise _err(f"--transformers-layout {layout!r}: choose 4 or 5")
     c = canonical(cfg)
     c.pop(ROPE_SOURCE, None)
-    out = {k: v for k, v in c.items() if k not in ("rope_theta", "rope_scaling", "torch_dtype",
-                                                    "dtype")}
-    dtype = c.get("torch_dtype", c.get("dtype"))
+    out = {k: v for k, v in c.items() if k not in ("rope_theta", "rope_scaling")}
     theta = c.get("rope_theta", 10000.0)
     scaling = c.get("rope_scaling")
     if layout == 4:
         out.update(rope_theta=theta, rope_scaling=scaling)
-        if dtype is not None:
-            out["torch_dtype"] = dtype
     else:
         rp = {"rope_type": "default"} if not scaling else \
             {k: v for k, v in scaling.items() if k != "type"} | \
             {"rope_type": scaling.get("rope_type", scaling.get("type"))}
         out["rope_parameters"] = dict(rp, rope_theta=theta)
-        if dtype is not None:
-            out["dtype"] = dtype
+        if "torch_dtype" in out:  # 5.x writes (and prefers) dtype
+            out["dtype"] = out.pop("torch_dtype")
         if out.get("model_type") == "qwen3_moe" and "num_experts" in out:
             out["num_local_experts"] = out.pop("num_experts")
     return dict(sorted(out.items()))
+
+
+def export_layout(cfg: dict, layout: Optional[int] = None) -> tuple:
+    """``(config, layout)`` for ``hf export``: ``cfg`` in ``layout`` (4 or 5), by default the
+    installed transformers', else the layout ``cfg`` is in."""
+    if layout is None:
+        layout = installed_layout() or source_layout(cfg)
+    return to_layout(cfg, layout), layout
