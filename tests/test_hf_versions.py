@@ -297,3 +297,15 @@ def test_export_writes_the_installed_layout_bit_exact(tiny, case, tmp_path):
         assert _flags(cfg) == EXPECTED[case]
     logits, loss = reference(str(tmp_path / "out-None"), _family(case), _ids(case), _seq(case))
     assert torch.equal(logits, m.logits) and loss == m.loss
+
+
+def test_the_docs_key_table_is_current():
+    """docs/huggingface.md prints the key table as megatron_metp/tools/hf_keys.py holds it."""
+    from megatron_metp.tools.hf_keys import markdown_table
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "docs", "huggingface.md")) as f:
+        doc = f.read()
+    table = markdown_table()
+    assert table in doc
+    assert table.replace("| `use_cache` | harmless", "| `use_cache` | mapped") not in doc

@@ -22,9 +22,9 @@ from .hf_yarn import _KEYS as YARN_KEYS
 _SHAPE = "the model's shape (Megatron flag of the same name)"
 #: key -> what it maps to (every family has these)
 MAPPED = {
-    "model_type": "the family (:mod:`.hf_families`)",
-    "architectures": "must name the family's *ForCausalLM",
-    "vocab_size": "--vocab-size / the embedding and output rows",
+    "model_type": "the family (one of the six)",
+    "architectures": "must hold the family's causal LM (LlamaForCausalLM, ...)",
+    "vocab_size": "the embedding and output rows (Megatron pads them)",
     "hidden_size": "--hidden-size",
     "intermediate_size": "--ffn-hidden-size (Mixtral: --moe-ffn-hidden-size)",
     "num_hidden_layers": "--num-layers",
@@ -44,7 +44,8 @@ MAPPED = {
 MAPPED_BY_FAMILY = {
     "mistral": {"sliding_window": "caps --max-position-embeddings (see Sliding windows)"},
     "qwen2": {"sliding_window": "as Mistral's, where use_sliding_window / layer_types use it",
-              "max_window_layers": "which layers slide (4.x Qwen2/Qwen3)"},
+              "max_window_layers": "which layers slide, through layer_types (a file without "
+                                   "layer_types: the window counts for every layer)"},
     "qwen3_moe": {"sliding_window": "as Mistral's, when use_sliding_window",
                   "num_experts": "--num-experts (5.x: num_local_experts)",
                   "num_experts_per_tok": "--moe-router-topk",
@@ -186,3 +187,28 @@ def check_keys(cfg: dict, family: str, *, rope_source: str = "rope_scaling") -> 
             raise _err(f"config.json: {rope_source} has {extra} besides the keys of rope_type "
                        f"{kind!r} {sorted(ROPE_KEYS[kind])}: it cannot be reproduced; remove "
                        f"them")
+
+
+def markdown_table() -> str:
+    """The key table as docs/huggingface.md prints it (tests/test_hf_versions.py checks that
+    the doc holds exactly this): the keys of every family, then each family's own."""
+    fams = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+    tables = {f: family_keys(f) for f in fams}
+    kinds = ("mapped", "checked", "harmless")
+    common = {kind: {k: v for k, v in tables["llama"][kind].items()
+                     if all(tables[f][kind].get(k) == v for f in fams)} for kind in kinds}
+    rows = ["| key | kind | maps to / must be / why harmless |", "|---|---|---|"]
+    for kind in kinds:
+        by_why = {}
+        for k, v in common[kind].items():
+            by_why.setdefault(v, []).append(k)
+        for v, keys in by_why.items():
+            rows.append(f"| {', '.join(f'`{k}`' for k in keys)} | {kind} | {v} |")
+    out = ["Every family:", ""] + rows
+    for f in fams:
+        own = [f"| `{k}` | {kind} | {v} |" for kind in kinds
+               for k, v in tables[f][kind].items() if k not in common[kind]]
+        if own:
+            out += ["", f"`{f}` also:", "", "| key | kind | maps to / must be / why |",
+                    "|---|---|---|"] + own
+    return "\n".join(out) + "\n"
