@@ -11,6 +11,7 @@ checkpoint as that transformers writes it, holding the same tensors in any versi
 
 from __future__ import annotations
 
+import copy
 import os
 import tempfile
 import zlib
@@ -72,7 +73,8 @@ def save_tiny(path: str, family: str, **change) -> dict:
     from safetensors.torch import save_file
 
     cfg_cls, model_cls, extra = classes(family)
-    cfg = cfg_cls(**{**BASE, **extra, **change}, dtype="float32")
+    # a copy: transformers 5 writes rope_theta into the rope_scaling dict it is given
+    cfg = cfg_cls(**copy.deepcopy({**BASE, **extra, **change}), dtype="float32")
     model = model_cls(cfg)
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
