@@ -17,6 +17,10 @@ which is what megatron-core 0.16.1's ``--use-rope-scaling`` implements, or ``yar
 any ``head_dim`` (``--kv-channels``), Qwen2's q/k/v bias (``--add-qkv-bias``), Qwen3's q/k norms
 (``--qk-layernorm``), tied or untied embeddings; and the mixture-of-experts families
 ``qwen3_moe`` and ``mixtral`` (:mod:`.hf_moe`: experts, top-k routing, which layers are MoE).
+
+The config may be in transformers 4.x's or 5.x's layout (``rope_parameters``, ...): it is read
+into one form first (:mod:`.hf_versions`), and every key is mapped, checked or known to be
+harmless, any other refused (:mod:`.hf_keys`).
 """
 
 from __future__ import annotations
