@@ -24,6 +24,34 @@ MEGATRON_LM_ARCHIVE = os.path.join(os.path.dirname(REPO), "shared", "megatron-lm
                                    f"{RELEASE.tag}.git.tar")
 
 
+#: the Hugging Face tests that ``make test-019`` runs against transformers 5 (.venv-019) too
+#: (marker ``hf``; node ids as in tests/markers.py): every family's import, logits and export
+#: in the installed transformers' layout (tests/test_hf_versions.py, ~10 s) and the config
+#: checks built from the installed transformers' configs; the rest of tests/test_hf*.py runs
+#: on 4.57 only (their Megatron-LM ones on both releases as release_sensitive)
+HF_TESTS = (
+    "tests/test_hf_versions.py::",
+    "tests/test_hf_from_args.py::",
+    "tests/test_hf.py::test_bad_configs_are_refused_naming_the_field",
+    "tests/test_hf_families.py::test_family_fields_are_refused_or_accepted_naming_the_field",
+    "tests/test_hf_families.py::test_cli_refuses_before_reading_the_weights",
+    "tests/test_hf_moe.py::test_bad_moe_configs_are_refused_naming_the_field",
+    "tests/test_hf_moe.py::test_flags_of_the_published_models",
+    "tests/test_hf_moe.py::test_config_from_saved_moe_arguments",
+    "tests/test_hf_yarn.py::test_every_family_takes_yarn",
+)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "hf: a Hugging Face test that `make test-019` runs "
+                                       "against transformers 5 too (tests/conftest.py HF_TESTS)")
+
+
+def _hf_test(nodeid: str) -> bool:
+    return any(nodeid.startswith(e) and (e.endswith("::") or nodeid == e or
+                                         nodeid[len(e)] == "[") for e in HF_TESTS)
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m / -k deselect: every entry is checked
 def pytest_collection_modifyitems(config, items):
     """Every test that needs a Megatron-LM checkout (directly or through a fixture) carries the
@@ -33,6 +61,8 @@ def pytest_collection_modifyitems(config, items):
     from tests import markers
 
     for item in items:
+        if _hf_test(item.nodeid):
+            item.add_marker(pytest.mark.hf)
         if "megatron_lm_checkout" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.megatron_lm)
             item.add_marker(pytest.mark.slow)
@@ -45,8 +75,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
     # (a run of single node ids collects part of a file: nothing to check then)
     stale = [] if any("::" in a for a in config.args) else markers.stale(items)
+    files = {i.nodeid.split("::", 1)[0] for i in items}
+    if not any("::" in a for a in config.args):
+        stale += [e for e in HF_TESTS if e.split("::", 1)[0] in files and
+                  not any(i.nodeid.startswith(e) for i in items)]
     if stale:
-        raise pytest.UsageError("tests/markers.py names tests that were not collected from "
+        raise pytest.UsageError("tests/markers.py (or HF_TESTS here) names tests that were not "
+                                "collected from "
                                 f"their collected files (renamed? update it): {stale}")
 
 

@@ -110,6 +110,7 @@ SLOW_FIXTURES = {
     "tests/test_plan.py::measured": 40.4,
     "tests/test_recompute.py::metp2": 19.5,
     "tests/test_hf.py::models": 9.3,
+    "tests/test_hf_versions.py::tiny": 5.4,
     "tests/test_families_plan.py::measured": 5.5,
     "tests/test_plan_cp.py::cp_measured": 5.1,
     "tests/test_offload.py::metp2_offload": 8.6,

@@ -4,6 +4,7 @@ logits and loss (fp32, 1e-5); export → import round-trips bit-exactly; bad inp
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -42,7 +43,9 @@ def _make_hf(path: str, tied: bool, seed: int, qk_gain: float = 1.0, **extra) ->
     projections (sharper attention: position encoding matters more)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(**{**TINY, **extra}, tie_word_embeddings=tied, dtype="float32")
+    # a copy: transformers 5 writes rope_theta into the rope_scaling dict it is given
+    cfg = LlamaConfig(**copy.deepcopy({**TINY, **extra}), tie_word_embeddings=tied,
+                      dtype="float32")
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg).float()
     with torch.no_grad():  # random norms too, so a swapped norm would show

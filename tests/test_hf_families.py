@@ -5,6 +5,7 @@ cannot convert is refused before anything is read, naming it."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from types import SimpleNamespace
@@ -47,7 +48,8 @@ def _make(path, family, seed, **change):
     """A random fp32 model of ``family`` saved as safetensors; norms and biases random too (so
     a swapped or dropped one shows), q/k projections sharpened (positions matter more)."""
     cfg_cls, model_cls, extra = _classes(family)
-    cfg = cfg_cls(**{**BASE, **extra, **change}, dtype="float32")
+    # a copy: transformers 5 writes rope_theta into the rope_scaling dict it is given
+    cfg = cfg_cls(**copy.deepcopy({**BASE, **extra, **change}), dtype="float32")
     torch.manual_seed(seed)
     model = model_cls(cfg).float()
     with torch.no_grad():

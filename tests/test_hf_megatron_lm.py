@@ -22,6 +22,7 @@ from types import SimpleNamespace
 import torch
 
 from megatron_metp.tools import hf as H
+from megatron_metp.tools.hf_versions import canonical
 from tests.harness import free_port, run_ranks
 from tests.test_hf import _import_on_a_rank, _safetensors
 
@@ -131,7 +132,7 @@ def test_pretrain_gpt_loads_the_import_and_trains_from_it(patched_megatron_lm, t
     again = _safetensors(auto)
     assert sorted(again) == sorted(out) and all(torch.equal(again[k], out[k]) for k in out)
     with open(os.path.join(auto, "config.json")) as f:
-        written = json.load(f)
+        written = canonical(json.load(f))  # either transformers' layout (hf_versions)
     assert {k: written[k] for k in TINY} == TINY and written["model_type"] == "llama"
 
     # the walk-through's next launch: the same command resumes the run
@@ -181,7 +182,7 @@ def test_from_scratch_llama_exports_without_hf_config(patched_megatron_lm, tmp_p
         assert modes == {n: "0o644" for n in ("model.safetensors", "config.json",
                                               "tokenizer.json", "tokenizer_config.json")}, modes
     with open(os.path.join(exported[1], "config.json")) as f:
-        cfg = json.load(f)
+        cfg = canonical(json.load(f))
     # configs/models/tiny-llama.sh; vocabulary 1000 padded to 1024 (128 x 2)
     assert {k: cfg[k] for k in ("model_type", "vocab_size", "hidden_size", "intermediate_size",
                                 "num_hidden_layers", "num_attention_heads",

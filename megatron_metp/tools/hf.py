@@ -69,6 +69,7 @@ from .hf_moe import MOE_FAMILIES, moe_args_problems
 from .hf_output import staged_dir
 from .hf_tokenizer_export import TOKENIZER_FILES, plan_tokenizer
 from .hf_weights_check import checkpoint_files, read_checked_safetensors, read_header
+from .hf_versions import export_layout
 
 META = "metp_hf.json"
 #: files copied along with config.json (when present) so that export can restore them
@@ -374,8 +375,9 @@ def _write_file(path: str, write) -> None:
 def export_hf(load: str, out_dir: str, *, hf_config: Optional[str] = None,
               iteration: Optional[int] = None, dtype: Optional[str] = None,
               tokenizer: Optional[str] = None, force: bool = False,
-              log=print) -> LlamaGeometry:
-    """Write ``out_dir/model.safetensors`` + ``config.json`` + the tokenizer files
+              log=print, transformers_layout: Optional[int] = None) -> LlamaGeometry:
+    """Write ``out_dir/model.safetensors`` + ``config.json`` (in the layout of the installed
+    transformers, or of ``transformers_layout``: :mod:`.hf_versions`) + the tokenizer files
     (:mod:`.hf_tokenizer_export`: ``tokenizer``, else the run's ``--tokenizer-model``, else the
     import's) from the Megatron checkpoint ``load``; ``hf_config`` (a directory or its
     config.json) is optional (module docstring). Every check runs before anything is written,
@@ -410,8 +412,8 @@ def export_hf(load: str, out_dir: str, *, hf_config: Optional[str] = None,
     target = getattr(torch, dtype) if dtype is not None else emb.dtype
     hf = {k: v.to(target) for k, v in hf.items()}
     written = str(target).replace("torch.", "")
-    cfg = dict(cfg)
-    cfg["dtype" if "dtype" in cfg else "torch_dtype"] = written
+    cfg, layout = export_layout(dict(cfg), transformers_layout)  # hf_versions
+    cfg["dtype" if "dtype" in cfg or layout == 5 else "torch_dtype"] = written
 
     def dump(p):
         with open(p, "w") as f:
@@ -430,7 +432,8 @@ def export_hf(load: str, out_dir: str, *, hf_config: Optional[str] = None,
             _write_file(os.path.join(stage, name), lambda p, s=src: shutil.copyfile(s, p))
     source = "config.json from " + (cfg_dir if cfg_dir is not None else "its saved arguments")
     log(f"wrote {out_dir}: {len(hf)} tensors ({written}) from {path}, vocabulary rows "
-        f"{g.padded_vocab_size} -> {g.vocab_size}, {g.family} {source}")
+        f"{g.padded_vocab_size} -> {g.vocab_size}, {g.family} {source}, in transformers "
+        f"{layout}.x's config.json layout")
     log(tok.line)
     return g
 
@@ -474,6 +477,10 @@ def main(argv: Optional[List[str]] = None, prog: str = "python -m megatron_metp.
                                         "weights; default the run's --tokenizer-model (a "
                                         "HuggingFaceTokenizer folder), else LOAD/hf/'s")
     ex.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    ex.add_argument("--transformers-layout", type=int, choices=[4, 5],
+                    help="write config.json as transformers 4.x (rope_theta, rope_scaling) or "
+                         "5.x (rope_parameters) writes it (default: the installed "
+                         "transformers' major version)")
     fl = sub.add_parser("flags", help="print the Megatron-LM flags of a Hugging Face config")
     fl.add_argument("--hf-dir", required=True)
     _add_padding_args(fl)
@@ -487,7 +494,8 @@ def main(argv: Optional[List[str]] = None, prog: str = "python -m megatron_metp.
                       seq_length=args.seq_length)
         elif args.cmd == "export":
             export_hf(args.load, args.out, hf_config=args.hf_config, iteration=args.iteration,
-                      dtype=args.dtype, tokenizer=args.tokenizer, force=args.force)
+                      dtype=args.dtype, tokenizer=args.tokenizer, force=args.force,
+                      transformers_layout=args.transformers_layout)
         else:
             g = geometry_from_hf(read_hf_config(args.hf_dir),
                                  make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,

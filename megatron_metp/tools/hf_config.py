@@ -17,6 +17,10 @@ which is what megatron-core 0.16.1's ``--use-rope-scaling`` implements, or ``yar
 any ``head_dim`` (``--kv-channels``), Qwen2's q/k/v bias (``--add-qkv-bias``), Qwen3's q/k norms
 (``--qk-layernorm``), tied or untied embeddings; and the mixture-of-experts families
 ``qwen3_moe`` and ``mixtral`` (:mod:`.hf_moe`: experts, top-k routing, which layers are MoE).
+
+The config may be in transformers 4.x's or 5.x's layout (``rope_parameters``, ...): it is read
+into one form first (:mod:`.hf_versions`), and every key is mapped, checked or known to be
+harmless, any other refused (:mod:`.hf_keys`).
 """
 
 from __future__ import annotations
@@ -129,12 +133,12 @@ def _int_field(cfg: dict, name: str, *, minimum: int = 1) -> int:
     return v
 
 
-def _rope_scaling_factor(cfg: dict) -> Optional[float]:
+def _rope_scaling_factor(cfg: dict, where: str = "rope_scaling") -> Optional[float]:
     rs = cfg.get("rope_scaling")
     if rs is None:
         return None
     if not isinstance(rs, dict):
-        raise HFConfigError(f"config.json: rope_scaling = {rs!r} must be null or an object")
+        raise HFConfigError(f"config.json: {where} = {rs!r} must be null or an object")
     kind = rs.get("rope_type", rs.get("type"))
     if kind in (None, "default"):
         return None
@@ -142,18 +146,18 @@ def _rope_scaling_factor(cfg: dict) -> Optional[float]:
         return None  # geometry_from_hf reads it (hf_yarn.yarn_from_hf)
     if kind != "llama3":
         raise HFConfigError(
-            f"config.json: rope_scaling type {kind!r} is not supported: megatron-core (and METP, "
+            f"config.json: {where} type {kind!r} is not supported: megatron-core (and METP, "
             f"which uses its rotary embeddings) implements only the 'llama3' scaling "
             f"(--use-rope-scaling) and 'yarn' (--position-embedding-type yarn); remove "
-            f"rope_scaling or convert a model without it")
+            f"{where} or convert a model without it")
     factor = rs.get("factor")
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
-        raise HFConfigError(f"config.json: rope_scaling.factor = {factor!r} must be a number > 0")
+        raise HFConfigError(f"config.json: {where}.factor = {factor!r} must be a number > 0")
     for key, want in MEGATRON_LLAMA3_ROPE.items():
         got = rs.get(key)
         if not isinstance(got, (int, float)) or isinstance(got, bool) or float(got) != want:
             raise HFConfigError(
-                f"config.json: rope_scaling.{key} = {got!r}: megatron-core 0.16.1's "
+                f"config.json: {where}.{key} = {got!r}: megatron-core 0.16.1's "
                 f"--use-rope-scaling fixes it at {want:g} (Llama 3.1's value; only "
                 f"--rope-scaling-factor is a flag), so this model's RoPE cannot be reproduced")
     return float(factor)
@@ -182,8 +186,13 @@ def geometry_from_hf(cfg: dict, *, make_vocab_size_divisible_by: int = 128,
                                    not isinstance(seq_length, int) or seq_length < 1):
         raise HFConfigError(f"--seq-length must be an integer >= 1, got {seq_length!r}")
     from .hf_families import check_family, family_fields
+    from .hf_keys import check_keys
+    from .hf_versions import canonical, rope_source
 
+    cfg = canonical(cfg)  # transformers 5.x's layout read as 4.x's (hf_versions)
+    where = rope_source(cfg)
     family = check_family(cfg)
+    check_keys(cfg, family, rope_source=where)
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise HFConfigError(f"config.json: hidden_act {act!r} is not supported: Megatron's "
@@ -232,13 +241,14 @@ def geometry_from_hf(cfg: dict, *, make_vocab_size_divisible_by: int = 128,
             float(theta) != int(theta):
         raise HFConfigError(f"config.json: rope_theta = {theta!r}: Megatron's --rotary-base is an "
                             f"integer; only integral bases convert exactly")
-    scaling = _rope_scaling_factor(cfg)
+    scaling = _rope_scaling_factor(cfg, where)
     max_pos = cfg.get("max_position_embeddings", 2048)
     if isinstance(max_pos, bool) or not isinstance(max_pos, int) or max_pos < 1:
         raise HFConfigError(f"config.json: max_position_embeddings = {max_pos!r} must be an "
                             f"integer >= 1")
     rs = cfg.get("rope_scaling") or {}
-    yarn = yarn_from_hf(rs, max_pos) if rs.get("rope_type", rs.get("type")) == "yarn" else None
+    yarn = (yarn_from_hf(rs, max_pos, where=where) if rs.get("rope_type", rs.get("type")) == "yarn"
+            else None)
     fam = family_fields(cfg, family, hidden=hidden, heads=heads, max_pos=max_pos,
                         seq_length=seq_length)
     max_pos = fam["max_position_embeddings"]

@@ -23,6 +23,9 @@ so the softmax runs over the same rows as Megatron's and the losses are equal), 
 ``tie_word_embeddings``, ``max_position_embeddings`` and ``rope_scaling`` (``llama3`` for
 ``--use-rope-scaling``, ``yarn`` for ``--position-embedding-type yarn``).
 
+The dict is in transformers 4.x's names (``rope_theta``, ``rope_scaling``); ``hf export``
+writes it in the installed transformers' layout (:func:`.hf_versions.export_layout`).
+
 There is no second table of names: the config is then read back by the import's own
 :func:`~.hf_config.geometry_from_hf` and :func:`~.hf_config.megatron_args`, and each flag those
 give must equal the saved value (:func:`check_against_args`), so the written config builds the

@@ -22,6 +22,12 @@ Qwen3-MoE layer ``i`` (from 0) when ``(i + 1) % decoder_sparse_step == 0`` and `
 printed as the list (``--moe-layer-freq [0,1,0,1]``), which megatron-core then checkpoints per
 layer (``decoder.layers.<i>.…``) instead of stacked.
 
+Top-1 routing (``num_experts_per_tok`` 1): megatron-core refuses a top-1 softmax router
+without ``--moe-router-pre-softmax``, which weights the expert by ``softmax(z)`` over all ``E``.
+That is Qwen3-MoE's routing with ``norm_topk_prob`` false (converted); renormalised top-1
+(Mixtral, Qwen3-MoE with ``norm_topk_prob`` true) weights it by exactly 1, which no Megatron
+router gives, and is refused naming ``num_experts_per_tok``.
+
 Refused (naming the field): ``router_jitter_noise`` ≠ 0 (transformers scales the experts' input
 too, Megatron's ``--moe-input-jitter-eps`` only the router's), ``num_experts_per_tok`` > ``E``,
 no MoE layer at all, and ``E`` not divisible by the METP size (the experts are sharded over the
@@ -94,6 +100,13 @@ def moe_fields(cfg: dict, family: str, *, num_layers: int, hidden: int,
     topk = _pos_int(cfg, "num_experts_per_tok", 2)
     if topk > experts:
         raise _err(f"config.json: num_experts_per_tok {topk} is more than the {experts} experts")
+    if topk == 1 and not pre_softmax:
+        what = "norm_topk_prob true" if family == "qwen3_moe" else "Mixtral"
+        raise _err(f"config.json: num_experts_per_tok = 1 with {what}: transformers weights "
+                   f"each token's one expert by 1 (its top-1 probability divided by itself); "
+                   f"megatron-core's top-1 softmax router takes only --moe-router-pre-softmax, "
+                   f"which weights it by the softmax probability, so the logits would differ "
+                   f"(Qwen3-MoE top-1 with norm_topk_prob false converts)")
     if experts % metp_parallel_size:
         raise _err(f"config.json: {experts} experts are not divisible by --metp-parallel-size "
                    f"{metp_parallel_size}: METP shards the experts over its ranks (expert "

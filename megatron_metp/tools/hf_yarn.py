@@ -56,13 +56,14 @@ def _err(msg: str):
     return HFConfigError(msg)
 
 
-def _number(rs: dict, key: str, *, positive: bool = False) -> Optional[float]:
+def _number(rs: dict, key: str, *, positive: bool = False,
+            where: str = "rope_scaling") -> Optional[float]:
     v = rs.get(key)
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or \
             (positive and not v > 0):
-        raise _err(f"config.json: rope_scaling.{key} = {v!r} must be a "
+        raise _err(f"config.json: {where}.{key} = {v!r} must be a "
                    f"{'positive ' if positive else ''}finite number")
     return float(v)
 
@@ -80,27 +81,31 @@ def attention_factor(y: dict) -> float:
     return float(mscale_factor(f, y["yarn_mscale"]) / mscale_factor(f, y["yarn_mscale_all_dim"]))
 
 
-def yarn_from_hf(rs: dict, max_position_embeddings: int) -> dict:
+def yarn_from_hf(rs: dict, max_position_embeddings: int, *, where: str = "rope_scaling") -> dict:
     """Megatron's ``yarn_*`` ``TransformerConfig`` attributes of a ``rope_scaling`` of type
-    ``yarn`` (:class:`~.hf_config.HFConfigError` naming the key for anything else)."""
+    ``yarn`` (:class:`~.hf_config.HFConfigError` naming the key for anything else); ``where``
+    names the dict in messages (transformers 5.x: ``rope_parameters``)."""
+    import functools
+
+    _num = functools.partial(_number, where=where)
     unknown = sorted(set(rs) - _KEYS)
     if unknown:
-        raise _err(f"config.json: rope_scaling has {unknown} besides YaRN's keys "
+        raise _err(f"config.json: {where} has {unknown} besides YaRN's keys "
                    f"{sorted(_KEYS)}: it cannot be reproduced; remove them")
-    factor = _number(rs, "factor", positive=True)
+    factor = _num(rs, "factor", positive=True)
     if factor is None:
-        raise _err("config.json: rope_scaling type 'yarn' needs a 'factor'")
+        raise _err(f"config.json: {where} type 'yarn' needs a 'factor'")
     orig = rs.get("original_max_position_embeddings") or max_position_embeddings
     if isinstance(orig, bool) or not isinstance(orig, int) or orig < 1:
-        raise _err(f"config.json: rope_scaling.original_max_position_embeddings = {orig!r} "
+        raise _err(f"config.json: {where}.original_max_position_embeddings = {orig!r} "
                    f"must be an integer >= 1")
-    beta_fast = _number(rs, "beta_fast") or 32.0  # transformers' `or`: 0 and null mean default
-    beta_slow = _number(rs, "beta_slow") or 1.0
+    beta_fast = _num(rs, "beta_fast") or 32.0  # transformers' `or`: 0 and null mean default
+    beta_slow = _num(rs, "beta_slow") or 1.0
     truncate = rs.get("truncate", True)
     if not isinstance(truncate, bool):
-        raise _err(f"config.json: rope_scaling.truncate = {truncate!r} must be true or false")
-    mscale, mscale_all = _number(rs, "mscale"), _number(rs, "mscale_all_dim")
-    a = _number(rs, "attention_factor", positive=True)
+        raise _err(f"config.json: {where}.truncate = {truncate!r} must be true or false")
+    mscale, mscale_all = _num(rs, "mscale"), _num(rs, "mscale_all_dim")
+    a = _num(rs, "attention_factor", positive=True)
     y = dict(yarn_rotary_scaling_factor=factor, yarn_original_max_position_embeddings=orig,
              yarn_beta_fast=beta_fast, yarn_beta_slow=beta_slow,
              yarn_mscale=1.0, yarn_mscale_all_dim=0.0,
@@ -108,13 +113,13 @@ def yarn_from_hf(rs: dict, max_position_embeddings: int) -> dict:
     if a is not None:
         if factor <= 1:
             if a != 1.0:
-                raise _err(f"config.json: rope_scaling.attention_factor = {a!r} with factor "
+                raise _err(f"config.json: {where}.attention_factor = {a!r} with factor "
                            f"{factor!r} <= 1: Megatron's YaRN fixes the factor at 1 there "
                            f"(mscale does not apply), so it cannot be reproduced")
         else:
             y["yarn_mscale"] = (a - 1.0) / (0.1 * math.log(factor))
             if abs(attention_factor(y) - a) > 1e-12 * a:
-                raise _err(f"config.json: rope_scaling.attention_factor = {a!r} is not "
+                raise _err(f"config.json: {where}.attention_factor = {a!r} is not "
                            f"reproduced by Megatron's mscale formula within 1e-12")
     elif mscale and mscale_all:  # transformers' truthiness: both set and non-zero
         y["yarn_mscale"], y["yarn_mscale_all_dim"] = mscale, mscale_all

@@ -1,0 +1,42 @@
+"""Write ``tests/data/hf_configs/<transformers version>/<family>.json``: the ``config.json`` that
+the installed transformers' ``save_pretrained`` writes for each tiny model of tests/hf_tiny.py.
+
+Run once per environment (the committed files came from transformers 4.57.6 and 5.25.0)::
+
+    PYTHONPATH=. .venv/bin/python tests/data/hf_configs/make_fixtures.py
+    PYTHONPATH=. .venv-019/bin/python tests/data/hf_configs/make_fixtures.py
+"""
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(HERE))))
+
+
+def main():
+    import transformers
+
+    from tests.hf_tiny import FAMILIES, save_tiny
+
+    out = os.path.join(HERE, transformers.__version__)
+    os.makedirs(out, exist_ok=True)
+    for family in FAMILIES:
+        tmp = tempfile.mkdtemp()
+        try:
+            save_tiny(tmp, family)
+            with open(os.path.join(tmp, "config.json")) as f:
+                cfg = json.load(f)
+        finally:
+            shutil.rmtree(tmp)
+        with open(os.path.join(out, f"{family}.json"), "w") as f:
+            json.dump(cfg, f, indent=2, sort_keys=True)
+            f.write("\n")
+        print(f"wrote {out}/{family}.json")
+
+
+if __name__ == "__main__":
+    main()
