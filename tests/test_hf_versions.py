@@ -248,7 +248,8 @@ def test_unknown_key_is_refused_before_any_weight_is_read(tiny, tmp_path, capsys
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(cfg, f)
     reads = []
-    monkeypatch.setattr(H, "read_safetensors", lambda *a, **k: reads.append(a) or {})
+    # hf import reads its weights through hf_weights_check.read_checked_safetensors
+    monkeypatch.setattr(H, "read_checked_safetensors", lambda *a, **k: reads.append(a) or {})
     assert H.main(["import", "--hf-dir", d, "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert "attn_temperature = 0.7: not a key of a 'llama' config" in err
