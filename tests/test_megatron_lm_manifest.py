@@ -90,7 +90,7 @@ def test_each_damage_is_named_with_the_newest_intact_iteration(tmp_path, damage,
     assert all(victim in per_rank[r][0] and needle in per_rank[r][0] for r in named)
 
 
-def test_no_older_intact_iteration_and_an_unreadable_manifest_are_said(tmp_path):
+def test_no_older_intact_iteration_and_an_unreadable_manifest_are_said(tmp_path, capsys):
     load = str(tmp_path)
     _iteration(load, 1, FILES, manifest=False)
     d = _iteration(load, 2, FILES)
@@ -102,9 +102,13 @@ def test_no_older_intact_iteration_and_an_unreadable_manifest_are_said(tmp_path)
         fh.write("{not json")
     (out,) = cm.load_problems(load)
     assert f"{os.path.join(d, cm.MANIFEST)} is unreadable (JSONDecodeError" in out
+    # by hand: python -m megatron_metp.megatron_lm.ckpt_manifest LOAD [--ckpt-step N]
+    assert cm.main([load]) == 1 and cm.main([load, "--ckpt-step", "1"]) == 0
+    assert "is unreadable" in capsys.readouterr().err
 
 
-def test_a_checkpoint_without_manifest_loads_with_the_unverified_line(tmp_path, capsys):
+def test_a_checkpoint_without_manifest_loads_with_the_unverified_line(tmp_path, capsys,
+                                                                      monkeypatch):
     load = str(tmp_path)
     _iteration(load, 5, FILES, manifest=False)
     notes = []
@@ -114,9 +118,16 @@ def test_a_checkpoint_without_manifest_loads_with_the_unverified_line(tmp_path, 
                      f"loads as before, unverified"]
     # inside the ranks: rank 0 prints it, once per args
     args = argparse.Namespace(load=load, rank=0, world_size=2)
-    assert cm.rank_load_problems(args) == [] and cm.rank_load_problems(args) == []
+    assert cm.rank_checkpoint_problems(args) == [] and cm.rank_checkpoint_problems(args) == []
     assert capsys.readouterr().out.count("unverified") == 1
     assert vars(args) == {"load": load, "rank": 0, "world_size": 2}  # Megatron saves its args
+    # a checkout that would save without the manifest is said at the start (rank 0)
+    monkeypatch.setattr(cm, "_checkout_publishes", lambda: False)
+    cm.rank_checkpoint_problems(argparse.Namespace(load=None, save=load, rank=0, world_size=2))
+    assert "0002-metp-checkpoint-manifest.patch is not applied" in capsys.readouterr().out
+    monkeypatch.setattr(cm, "_checkout_publishes", lambda: True)
+    cm.rank_checkpoint_problems(argparse.Namespace(load=None, save=load, rank=0, world_size=2))
+    assert capsys.readouterr().out == ""
     # nothing to check: no --load, a first run's empty --save directory
     assert cm.load_problems(None) == [] and cm.load_problems(str(tmp_path / "none")) == []
 

@@ -130,6 +130,7 @@ def test_resume_in_the_same_layout_is_bit_exact(patched_megatron_lm, saved, name
     _, log = _train(patched_megatron_lm, run["config"], 6, *extra, CHECKPOINT_PATH=ck,
                     SAVE_INTERVAL=3)
     assert f"--load {ck}: iter_0000003 verified against its manifest" in log
+    assert "saves without the checkpoint manifest" not in log  # the patched checkout does
     resumed = _iterations(log)
     assert sorted(resumed) == [4, 5, 6]
     for k in (4, 6):
@@ -364,7 +365,7 @@ def test_a_damaged_shard_is_refused_naming_it_and_the_intact_iteration(saved, tm
     assert f"{victim} {what}" in out, out
     assert "the newest intact iteration is 3" in out and "--ckpt-step 3" in out, out
     assert problems("--ckpt-step", "3") == []
-    in_ranks = [ckpt_manifest.rank_load_problems(argparse.Namespace(load=ck, rank=r,
+    in_ranks = [ckpt_manifest.rank_checkpoint_problems(argparse.Namespace(load=ck, rank=r,
                                                                     world_size=2))
                 for r in (0, 1)]
     assert sum(len(p) for p in in_ranks) == (1 if how.endswith("bit") else 2), in_ranks

@@ -8,9 +8,9 @@ format: one or more ``__R_I.distcp`` shards per rank, ``.metadata``, ``common.pt
 says what the shards should hold: a truncated shard fails every rank minutes later with a bare
 ``EOFError``, a deleted one with a ``FileNotFoundError``, and a flipped bit loads in silence.
 
-**Save.** The patched ``save_checkpoint`` (``patches/<tag>/0001-metp.patch``) calls
-:func:`publish_checkpoint_manifest` on rank 0 inside Megatron's own tracker-writing step, just
-before the tracker is written. Megatron runs that step only once every rank's shards are on disk:
+**Save.** The patched ``save_checkpoint`` (``patches/<tag>/0002-metp-checkpoint-manifest.patch``)
+calls :func:`publish_checkpoint_manifest` on rank 0 inside Megatron's own tracker-writing step,
+just before the tracker is written. Megatron runs that step only once every rank's shards are on disk:
 after its ``torch.distributed.barrier()`` for a synchronous save, and, for ``--async-save``, as a
 finalize function that its async queue calls only after an all-reduce has confirmed that every
 rank's write finished (the checkpoint's own ``.metadata`` is written by an earlier finalize
@@ -30,8 +30,8 @@ checkpoint once. An iteration without a manifest (saved before this existed, or 
 Megatron-LM) loads as before, with one line saying it is unverified.
 
 Why SHA-256: with the SHA extensions of current x86 (Intel since Ice Lake, AMD since Zen) and
-ARMv8 CPUs, :mod:`hashlib`'s SHA-256 runs at about twice BLAKE2b's speed (1.7 GB/s against 0.87 on
-one core of the machine the figures in docs/megatron-lm.md were measured on), it is a
+ARMv8 CPUs, :mod:`hashlib`'s SHA-256 runs at about twice BLAKE2b's speed (1.8 GB/s against 0.9
+on one core of the machine of docs/megatron-lm.md, section 8), it is a
 cryptographic hash (no corruption collides by chance), :mod:`hashlib` releases the GIL while it
 hashes (threads over the files scale over cores), and ``sha256sum`` checks a file by hand.
 """
@@ -49,8 +49,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["MANIFEST", "HASH", "publish_checkpoint_manifest", "write_manifest", "hash_file",
-           "list_files", "verify_iteration", "load_problems", "rank_load_problems", "shares",
-           "iteration_name", "newest_intact_iteration"]
+           "list_files", "verify_iteration", "load_problems", "rank_checkpoint_problems",
+           "shares", "iteration_name", "newest_intact_iteration"]
 
 #: the manifest's file name inside each iteration folder
 MANIFEST = "metp_manifest.json"
@@ -308,10 +308,27 @@ def load_problems(load: Optional[str], ckpt_step=None, rank: int = 0, world: int
     return problems
 
 
-def rank_load_problems(args) -> List[str]:
+def _checkout_publishes() -> Optional[bool]:
+    """Whether the imported Megatron-LM's ``save_checkpoint`` calls
+    :func:`publish_checkpoint_manifest` (``0002-metp-checkpoint-manifest.patch`` applied);
+    ``None`` when there is no Megatron-LM to ask."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("megatron.training.checkpointing")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.origin or not os.path.isfile(spec.origin):
+        return None
+    with open(spec.origin, encoding="utf-8") as fh:
+        return "publish_checkpoint_manifest(" in fh.read()
+
+
+def rank_checkpoint_problems(args) -> List[str]:
     """:func:`load_problems` inside a rank of ``pretrain_gpt.py`` (from ``validate_metp_args``,
     before Megatron reads the checkpoint): this rank's share of the digests; rank 0 prints the
-    line of an unverified or verified iteration. Checked once per ``args``."""
+    line of an unverified or verified iteration, and, with ``--save``, a line when the
+    Megatron-LM checkout would save without a manifest. Checked once per ``args``."""
     if _CHECKED.get(id(args)) is args:
         return []
     rank, world = int(getattr(args, "rank", 0) or 0), int(getattr(args, "world_size", 1) or 1)
@@ -319,6 +336,10 @@ def rank_load_problems(args) -> List[str]:
     problems = load_problems(getattr(args, "load", None), getattr(args, "ckpt_step", None),
                              rank=rank, world=world, notes=notes)
     _CHECKED[id(args)] = args  # (not an attribute: Megatron prints and saves its args)
+    if rank == 0 and getattr(args, "save", None) and _checkout_publishes() is False:
+        notes.append(f"--save {args.save}: this Megatron-LM checkout saves without the "
+                     f"checkpoint manifest (0002-metp-checkpoint-manifest.patch is not applied): "
+                     f"its checkpoints will load unverified; run scripts/apply_patches.sh on it")
     if rank == 0:
         for note in notes:
             print(f"> METP: {note}", flush=True)
@@ -339,6 +360,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     opts = ap.parse_args(argv)
     notes: List[str] = []
     problems = load_problems(opts.load, opts.ckpt_step, notes=notes)
+    if not notes and not problems:
+        notes.append(f"--load {opts.load}: no checkpoint there to check (no {_TRACKER}, or the "
+                     f"iteration it names is missing)")
     for line in notes + problems:
         print(line, file=sys.stderr)
     return 1 if problems else 0
