@@ -174,3 +174,25 @@ def test_the_manifest_patch_calls_only_the_hook_before_the_tracker_write(tag):
     tracker_write = next(i for i, ln in enumerate(hunk.lines)
                          if re.search(r"open\w*\(tracker_filename, 'w'\)", ln))
     assert call < tracker_write  # published before the tracker moves
+
+
+def test_the_optimizer_layout_check_reads_the_ckpt_step_iteration(tmp_path):
+    """--ckpt-step N: the saved args the resume check reads are iteration N's, as Megatron-LM
+    then loads N whatever the tracker says."""
+    import torch
+
+    from megatron_metp.megatron_lm.resume import resume_layout_problems
+
+    load = str(tmp_path)
+    for it, dist in ((3, False), (6, True)):
+        d = os.path.join(load, cm.iteration_name(it))
+        os.makedirs(d)
+        torch.save({"args": argparse.Namespace(metp_parallel_size=2,
+                                               use_distributed_optimizer=dist)},
+                   os.path.join(d, "common.pt"))
+    with open(os.path.join(load, "latest_checkpointed_iteration.txt"), "w") as fh:
+        fh.write("6")
+    plain = dict(load=load, metp_parallel_size=2, use_distributed_optimizer=False)
+    (out,) = resume_layout_problems(argparse.Namespace(**plain))
+    assert "iter_0000006 holds the distributed optimizer's" in out
+    assert resume_layout_problems(argparse.Namespace(**plain, ckpt_step=3)) == []
