@@ -120,8 +120,17 @@ def test_resume_in_the_same_layout_is_bit_exact(patched_megatron_lm, saved, name
     _, runs = saved
     run = runs[name]
     ck = str(tmp_path / "resume")
-    _rewind(run["ckpt"], ck, 3)
-    _, log = _train(patched_megatron_lm, run["config"], 6, CHECKPOINT_PATH=ck, SAVE_INTERVAL=3)
+    if name == "tp":  # back to iteration 3 by the tracker edit
+        _rewind(run["ckpt"], ck, 3)
+        extra = ()
+    else:  # by --ckpt-step 3, past a damaged iteration 6 (the way out its refusal names)
+        shutil.copytree(run["ckpt"], ck)
+        _damage(ck, "optimizer-bit")
+        extra = ("--ckpt-step", "3")
+    _, log = _train(patched_megatron_lm, run["config"], 6, *extra, CHECKPOINT_PATH=ck,
+                    SAVE_INTERVAL=3)
+    assert f"--load {ck}: iter_0000003 verified against its manifest" in log
+    assert "saves without the checkpoint manifest" not in log  # the patched checkout does
     resumed = _iterations(log)
     assert sorted(resumed) == [4, 5, 6]
     for k in (4, 6):
@@ -141,6 +150,8 @@ def test_weights_cross_layouts_and_optimizer_state_is_refused(patched_megatron_l
     for src, dst in (("metp", "tp"), ("tp", "metp")):
         ck = str(tmp_path / f"{src}-to-{dst}")
         _rewind(runs[src]["ckpt"], ck, 3)
+        if src == "metp":  # as saved before the manifest existed: loads as before, said so
+            os.remove(os.path.join(ck, "iter_0000003", "metp_manifest.json"))
         # with the optimizer state: refused during argument validation, naming the way out
         rc, log = _train(patched_megatron_lm, runs[dst]["config"], 6, check=False,
                          CHECKPOINT_PATH=ck)
@@ -150,6 +161,8 @@ def test_weights_cross_layouts_and_optimizer_state_is_refused(patched_megatron_l
         _, log = _train(patched_megatron_lm, runs[dst]["config"], 6, "--no-load-optim",
                         "--no-load-rng", CHECKPOINT_PATH=ck)
         losses[(src, dst)] = _iterations(log)
+        said = f"--load {ck}: iter_0000003 has no checkpoint manifest"
+        assert (f"preflight: {said}" in log and f"> METP: {said}" in log) == (src == "metp")
     # iteration 4 runs the saved weights before any update: the uninterrupted run's loss
     for pair, log in losses.items():
         assert log[4][0] == runs[pair[0]]["log"][4][0], pair
@@ -261,3 +274,130 @@ def test_a_rank_stalled_in_a_barrier_is_named_within_the_timeout(patched_megatro
     assert wall < 240, wall  # start-up + 5 s + grace, never gloo's 600 s
     print(f"\n[stall] rank 0 waited {waited:.2f} s (timeout {timeout:g} s); run ended with rc "
           f"{rc} after {wall:.1f} s")
+
+
+# ------------------------------------------------------- the checkpoint manifest (issue 39)
+
+def _shard_of(iteration_dir, kind):
+    """(file, offset) of a byte inside a weight's (``weight``) or an Adam moment's
+    (``optimizer``) bytes in a torch_dist iteration, from its ``.metadata``."""
+    from megatron_metp.megatron.checkpoint import read_metadata
+
+    md = read_metadata(os.path.join(iteration_dir, ".metadata"))
+    for key, info in sorted(md.storage_data.items(), key=lambda kv: kv[0].fqn):
+        is_optim = "exp_avg" in key.fqn
+        if (is_optim if kind == "optimizer" else
+                key.fqn.endswith("linear_fc1.weight") and not is_optim):
+            if info.relative_path.endswith(".distcp") and info.length > 1000:
+                return info.relative_path, info.offset + info.length // 2
+    raise AssertionError(f"no {kind} tensor in {iteration_dir}/.metadata")
+
+
+def _damage(ck, how):
+    """Damage iteration 6 of the checkpoint copy ``ck``; the path of the file damaged."""
+    d = os.path.join(ck, "iter_0000006")
+    if how in ("weight-bit", "optimizer-bit"):
+        rel, at = _shard_of(d, how.split("-")[0])
+        with open(os.path.join(d, rel), "r+b") as fh:
+            fh.seek(at)
+            byte = fh.read(1)[0]
+            fh.seek(at)
+            fh.write(bytes([byte ^ 0x04]))
+        return os.path.join(d, rel)
+    path = os.path.join(d, "__1_0.distcp")
+    if how == "truncated":
+        os.truncate(path, 100_000)
+    else:
+        os.remove(path)
+    return path
+
+
+def test_each_save_publishes_a_manifest_of_every_file_before_the_tracker(saved):
+    """Both twins (METP and stock TP through scripts/pretrain_gpt.sh): each --save writes
+    metp_manifest.json, the SHA-256 of every file of the iteration, before the tracker moves."""
+    import hashlib
+    import json
+
+    root, runs = saved
+    for name, run in runs.items():
+        log = (root / "cmp" / f"{name}.log").read_text()
+        for it in (3, 6):
+            d = os.path.join(run["ckpt"], f"iter_{it:07d}")
+            with open(os.path.join(d, "metp_manifest.json")) as fh:
+                files = json.load(fh)["files"]
+            on_disk = sorted(os.listdir(d))
+            assert sorted(files) == [f for f in on_disk if f != "metp_manifest.json"]
+            assert {".metadata", "common.pt", "metadata.json"} <= set(files) or \
+                {".metadata", "metadata.json"} <= set(files), sorted(files)
+            assert sum(f.endswith(".distcp") for f in files) >= 2
+            for rel, entry in files.items():
+                with open(os.path.join(d, rel), "rb") as fh:
+                    data = fh.read()
+                assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            published = log.index(f"> METP: checkpoint manifest {d}/metp_manifest.json")
+            tracked = log.index(f"successfully saved checkpoint from iteration {it:7d}")
+            assert published < tracked, (name, it)
+
+
+@pytest.mark.parametrize("how", ["truncated", "deleted", "weight-bit", "optimizer-bit"])
+def test_a_damaged_shard_is_refused_naming_it_and_the_intact_iteration(saved, tmp_path, how):
+    """Iteration 6 of a copy of the METP run damaged: the preflight's checkpoint check (what the
+    launcher runs before any rank) and the ranks' check (each rank its share of the digests)
+    name the file and iteration 3 with --ckpt-step 3, which then passes; the intact copy passes
+    (negative control)."""
+    import argparse
+
+    from megatron_metp.megatron_lm import ckpt_manifest, preflight
+
+    _, runs = saved
+    ck = str(tmp_path / "ck")
+    shutil.copytree(runs["metp"]["ckpt"], ck)
+
+    def problems(*extra):
+        return preflight.checkpoint_problems(
+            preflight.parse_megatron_args(["--load", ck, "--save", ck, *extra], world_size=2))
+
+    assert problems() == []  # intact
+    victim = _damage(ck, how)
+    (out,) = problems()
+    what = {"truncated": "is truncated: 100000 bytes", "deleted": "is missing",
+            "weight-bit": "has altered contents", "optimizer-bit": "has altered contents"}[how]
+    assert f"{victim} {what}" in out, out
+    assert "the newest intact iteration is 3" in out and "--ckpt-step 3" in out, out
+    assert problems("--ckpt-step", "3") == []
+    in_ranks = [ckpt_manifest.rank_checkpoint_problems(argparse.Namespace(load=ck, rank=r,
+                                                                    world_size=2))
+                for r in (0, 1)]
+    assert sum(len(p) for p in in_ranks) == (1 if how.endswith("bit") else 2), in_ranks
+    assert all(f"{victim} {what}" in p[0] for p in in_ranks if p)
+
+
+def test_the_launcher_refuses_a_truncated_shard_before_any_rank(patched_megatron_lm, saved,
+                                                               tmp_path):
+    """The issue's case through scripts/pretrain_gpt.sh: the preflight names the file in
+    seconds instead of a bare EOFError from every rank 79 s later."""
+    _, runs = saved
+    ck = str(tmp_path / "ck")
+    shutil.copytree(runs["metp"]["ckpt"], ck)
+    victim = _damage(ck, "truncated")
+    rc, log = _train(patched_megatron_lm, "tiny-cpu-metp2.sh", 8, check=False,
+                     CHECKPOINT_PATH=ck)
+    assert rc != 0 and "no rank was started" in log, log[-3000:]
+    assert f"{victim} is truncated" in log and "--ckpt-step 3" in log
+    assert "EOFError" not in log and "building GPT model" not in log
+
+
+def test_the_ranks_refuse_a_flipped_bit_when_started_without_the_preflight(patched_megatron_lm,
+                                                                           saved, tmp_path):
+    """PREFLIGHT=0 (pretrain_gpt.py as Megatron-LM's own launchers start it): the rank whose
+    share holds the altered optimizer shard refuses during argument validation, naming it,
+    before Megatron reads the checkpoint (a flipped bit otherwise loads in silence)."""
+    _, runs = saved
+    ck = str(tmp_path / "ck")
+    shutil.copytree(runs["metp"]["ckpt"], ck)
+    victim = _damage(ck, "optimizer-bit")
+    rc, log = _train(patched_megatron_lm, "tiny-cpu-metp2.sh", 8, check=False,
+                     CHECKPOINT_PATH=ck, PREFLIGHT=0)
+    assert rc != 0 and "preflight" not in log, log[-3000:]
+    assert f"{victim} has altered contents" in log and "--ckpt-step 3" in log, log[-3000:]
+    assert "building GPT model" not in log and "iteration        7/" not in log

@@ -219,7 +219,10 @@ def validate_metp_args(args):
     from .yarn_args import yarn_release_problem
 
     # YaRN's release check reads the installed Megatron-LM's parser output (inside the ranks only)
-    problems = [x for x in (yarn_release_problem(args),) if x] + metp_arg_problems(args)
+    from .ckpt_manifest import rank_checkpoint_problems  # the --load shards against their manifest
+
+    problems = [x for x in (yarn_release_problem(args),) if x] + metp_arg_problems(args) + \
+        rank_checkpoint_problems(args)
     if problems:
         raise ValueError("; ".join(problems))
     p = getattr(args, "metp_parallel_size", 1)

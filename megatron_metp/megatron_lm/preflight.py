@@ -17,7 +17,9 @@ arguments. It checks:
 * the tokenizer's files (an HF folder needs ``tokenizer.json`` and ``tokenizer_config.json``;
   GPT2BPE its vocab and merge files; SentencePiece/TikToken their model file);
 * the checkpoint to ``--load``: its tracker names an iteration that exists, and its optimizer
-  state fits this run (METP against stock, distributed against plain optimizer).
+  state fits this run (METP against stock, distributed against plain optimizer); the iteration
+  it resumes from (or ``--ckpt-step``'s) matches the checksums of its manifest, file by file
+  (:mod:`.ckpt_manifest`; one without a manifest passes with a line saying it is unverified).
 
 Nothing is built, no process group made, Megatron not imported: the flags are read by a small
 parser that knows only the flags checked, with Megatron-LM's defaults (the same in core_v0.16.1
@@ -46,7 +48,7 @@ _INT_NONE = ("--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-pe
              "--num-experts", "--expert-tensor-parallel-size", "--mtp-num-layers",
              "--num-attention-heads", "--ffn-hidden-size", "--hidden-size", "--micro-batch-size",
              "--global-batch-size", "--train-iters", "--train-samples", "--eval-interval",
-             "--vocab-size")
+             "--vocab-size", "--ckpt-step")
 _INT_DEFAULT = {"--pipeline-model-parallel-size": 1, "--tensor-model-parallel-size": 1,
                 "--context-parallel-size": 1, "--expert-model-parallel-size": 1,
                 "--num-query-groups": 1, "--distributed-timeout-minutes": 10,
@@ -261,10 +263,12 @@ def tokenizer_problems(args) -> List[str]:
 
 # ------------------------------------------------------------------------------ checkpoint
 
-def checkpoint_problems(args) -> List[str]:
+def checkpoint_problems(args, notes: Optional[List[str]] = None) -> List[str]:
     """A ``--load`` that names nothing loadable where a checkpoint is expected: a missing path
     other than ``--save`` (a first run's empty ``--save`` directory is fine), a tracker whose
-    iteration directory is gone. Optimizer-layout mismatches are
+    iteration directory is gone, an iteration whose files do not match its manifest
+    (:func:`.ckpt_manifest.load_problems`; the line of one without a manifest goes to
+    ``notes``). Optimizer-layout mismatches are
     :func:`megatron_metp.megatron_lm.resume.resume_layout_problems` (in the METP checks)."""
     from .resume import checkpoint_dir
 
@@ -292,7 +296,9 @@ def checkpoint_problems(args) -> List[str]:
         return [f"--load {load}: latest_checkpointed_iteration.txt names iteration {text!r}, "
                 f"whose directory is missing (an interrupted save?); point the tracker at an "
                 f"iteration directory that is there, or give another --load"]
-    return []
+    from .ckpt_manifest import load_problems
+
+    return load_problems(load, getattr(args, "ckpt_step", None), notes=notes)
 
 
 # ------------------------------------------------------------------------------ batch size
@@ -332,9 +338,11 @@ def _layout_problems(args) -> List[str]:
 
 # ------------------------------------------------------------------------------------ main
 
-def job_problems(argv: Sequence[str], world_size: int, cpu: bool = False) -> List[str]:
+def job_problems(argv: Sequence[str], world_size: int, cpu: bool = False,
+                 notes: Optional[List[str]] = None) -> List[str]:
     """Every problem of the job ``pretrain_gpt.py argv`` on ``world_size`` ranks (``cpu``: on
-    CPU ranks), each naming the flag and the fix; empty for a good job."""
+    CPU ranks), each naming the flag and the fix; empty for a good job. Lines worth saying that
+    are no problem (a checkpoint loaded unverified) go to ``notes``."""
     from .checks import metp_arg_problems
 
     try:
@@ -346,7 +354,7 @@ def job_problems(argv: Sequence[str], world_size: int, cpu: bool = False) -> Lis
         from .cpu import cpu_arg_problems
 
         out += [f"on CPU ranks (METP_CPU=1): {p}" for p in cpu_arg_problems(args)]
-    out += data_problems(args) + tokenizer_problems(args) + checkpoint_problems(args)
+    out += data_problems(args) + tokenizer_problems(args) + checkpoint_problems(args, notes)
     return out
 
 
@@ -367,13 +375,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--cpu", action="store_true", help="the job runs on CPU ranks (METP_CPU=1)")
     opts = ap.parse_args(own)
     start = time.perf_counter()
+    notes: List[str] = []
     try:
-        problems = job_problems(megatron, opts.world_size, cpu=opts.cpu)
+        problems = job_problems(megatron, opts.world_size, cpu=opts.cpu, notes=notes)
     except Exception as exc:  # noqa: BLE001 - a bug here must not stop a job the ranks check
         print(f"preflight: warning: the check itself failed ({type(exc).__name__}: {exc}); "
               f"going on, the ranks check the flags again", file=sys.stderr)
         return 0
     took = time.perf_counter() - start
+    for note in notes:
+        print(f"preflight: {note}", file=sys.stderr)
     if not problems:
         ranks = f"{opts.world_size} rank{'s' if opts.world_size != 1 else ''}"
         print(f"preflight: OK ({ranks}; checked in {took:.1f} s)",

@@ -35,9 +35,13 @@ _FIELDS = ("metp_parallel_size", "tensor_model_parallel_size", "pipeline_model_p
            "context_parallel_size", "use_distributed_optimizer")
 
 
-def checkpoint_dir(load: str) -> Optional[str]:
+def checkpoint_dir(load: str, ckpt_step: Optional[int] = None) -> Optional[str]:
     """The iteration directory ``--load load`` resumes from (Megatron-LM's
-    ``latest_checkpointed_iteration.txt``), or ``None`` when there is no checkpoint yet."""
+    ``latest_checkpointed_iteration.txt``, or ``--ckpt-step``'s iteration, which Megatron-LM
+    takes over the tracker when set and not 0), or ``None`` when there is no checkpoint yet."""
+    if ckpt_step:
+        path = os.path.join(load, f"iter_{int(ckpt_step):07d}")
+        return path if os.path.isdir(path) else None
     tracker = os.path.join(load, "latest_checkpointed_iteration.txt")
     if not os.path.isfile(tracker):
         return None
@@ -126,7 +130,7 @@ def resume_layout_problems(args) -> List[str]:
     load = getattr(args, "load", None)
     if not load or getattr(args, "no_load_optim", False) or getattr(args, "finetune", False):
         return []
-    d = checkpoint_dir(load)
+    d = checkpoint_dir(load, getattr(args, "ckpt_step", None))
     if d is None:
         return []
     saved = saved_args(d)
