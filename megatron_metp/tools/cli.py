@@ -273,6 +273,14 @@ _REACH_SEARCHED = ("seq", "tp", "metp", "cp", "pp", "dp", "recompute", "recomput
                    "vocab_parallel", "modes", "config")
 
 
+def _width(args) -> Optional[int]:
+    """The columns ``metp plan`` fits its text to: 100 (``textwidth.DEFAULT_WIDTH``), or none
+    with ``--wide``."""
+    from .plan.textwidth import DEFAULT_WIDTH
+
+    return None if args.wide else DEFAULT_WIDTH
+
+
 def cmd_reach(args) -> int:
     for f in ("png", "json"):
         if getattr(args, f, None):
@@ -307,7 +315,7 @@ def cmd_reach(args) -> int:
     moe = {k: v for _, k, v in given}
     res = P.reach(model, args.gpus, args.hardware, args.reserve_gib, moe=moe)
     print(P.reach_report(model, args.gpus, args.hardware, args.reserve_gib, top=args.reach_top,
-                         res=res))
+                         res=res, width=_width(args)))
     if args.write_config:
         cand = P.search.best_launch(model, res)
         if cand is None:
@@ -334,7 +342,7 @@ def cmd_plan(args) -> int:
         raise ValueError("--gpus is the GPU count of --reach; a single plan takes the layout "
                          "(--tp, --metp, --cp, --pp, --dp); add --reach or drop --gpus")
     model, job, modes = build(args)
-    print(P.report(model, job, modes))
+    print(P.report(model, job, modes, width=_width(args)))
     if args.png:
         paths = P.charts(model, job, args.png, modes)
         print("\nwrote " + ", ".join(paths))
@@ -458,6 +466,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                          "Megatron (TP+SP×CP×PP×DP) on --gpus GPUs, with recompute none / full "
                          "/ full + offload and optimizer CPU offload off / on, and print the "
                          "longest sequence of each family's best layouts")
+    pl.add_argument("--wide", action="store_true",
+                    help="print the table with every mode's column side by side and every line "
+                         "whole (default: fit 100 columns: the table in blocks of columns, long "
+                         "lines wrapped)")
     pl.add_argument("--gpus", type=int, default=None, help="GPUs of the job (--reach)")
     pl.add_argument("--reach-top", type=int, default=3,
                     help="layouts shown per family (--reach; default 3)")
