@@ -28,6 +28,7 @@ import time
 from dataclasses import asdict
 from typing import List, Optional
 
+from .helptext import FAMILIES_TEXT, plain
 
 
 class _Plan:
@@ -48,8 +49,8 @@ SUBCOMMANDS = {
     "plan": "per-rank memory, traffic, overlap, longest sequence; what to change when it does "
             "not fit; --reach: the best layouts on N GPUs",
     "measure": "measure rank 0 on CPU (fake group) next to the plan",
-    "hf": "Hugging Face Llama checkpoints in and out: metp hf {import,export,flags} "
-          "(docs/huggingface.md)",
+    "hf": "Hugging Face checkpoints in and out (" + FAMILIES_TEXT + "): metp hf "
+          "{import,export,flags} (docs/huggingface.md)",
 }
 
 
@@ -445,11 +446,11 @@ def cmd_measure(args) -> int:
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["hf"]:  # metp hf import|export|flags: Hugging Face Llama in and out
+    if argv[:1] == ["hf"]:  # metp hf import|export|flags: Hugging Face checkpoints in and out
         from .hf import main as hf_main
 
         return hf_main(argv[1:], prog="metp hf")
-    ap = argparse.ArgumentParser(prog="metp", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="metp", description=plain(__doc__.split("\n\n")[0]))
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="{" + ",".join(SUBCOMMANDS) + "}")
     if argv[:1] not in (["plan"], ["measure"]):  # --help, or a usage error: no planner needed
         for name, text in SUBCOMMANDS.items():
@@ -457,7 +458,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         ap.parse_args(argv)
         return 2  # not reached: argparse exits on --help and on a missing / unknown command
     pl = sub.add_parser("plan", help=SUBCOMMANDS["plan"],
-                        description=P.__doc__.split("\n\n")[0])
+                        description=plain(P.__doc__.split("\n\n")[0]))
     _add_common(pl)
     pl.add_argument("--png", help="write memory-vs-sequence (PATH) and longest-sequence "
                                   "(PATH-longest.png) charts")
