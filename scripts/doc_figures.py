@@ -168,7 +168,17 @@ def dry_run_output(config: str, megatron_lm_dir: Optional[str] = None) -> str:
     return "```\n" + "\n".join(lines[start:]) + "\n```\n"
 
 
+def kernel_order() -> str:
+    """The run-time block kernel order (``megatron_metp/ops/kernel_choice.py`` ``KERNELS``, as
+    its log line prints it)."""
+    from megatron_metp.ops.kernel_choice import KERNELS
+
+    return " > ".join(KERNELS)
+
+
 FIGURES: Dict[str, Figure] = {f.name: f for f in [
+    Figure("kernel-order", "METP_ATTENTION_KERNEL=auto: [METP] attention kernel: ... order ...",
+           kernel_order),
     Figure("moe-reach", "metp plan --reach --preset {qwen3-30b-a3b,mixtral-8x7b} --gpus {8,32}",
            moe_reach_table),
     Figure("qwen3-30b-a3b-8-stock-best", "metp plan --reach --preset qwen3-30b-a3b --gpus 8",

@@ -103,3 +103,30 @@ def test_measured_figures_name_date_machine_and_command_and_wait_for_slow(D):
     # not re-run without --slow: a changed measured figure is no error of --check
     doctored = text.replace("= 35.3 GiB", "= 35.9 GiB")
     assert D.problems(doctored, doc, only=["dry-run-gpt-7b-128k-metp8"]) == []
+
+
+def test_the_kernel_order_is_stated_as_the_run_time_choice_takes_it(D, capsys):
+    """One order everywhere (ops/kernel_choice.py KERNELS): the docs' marked statements, the
+    planner's table (its names through KERNEL_ALIASES), its docstring and ``metp plan --help``;
+    a doctored order is caught."""
+    from megatron_metp.ops.kernel_choice import KERNELS
+    from megatron_metp.tools import cli
+    from megatron_metp.tools.plan import rates
+
+    order = " > ".join(KERNELS)
+    names = {v: k for k, v in rates.KERNEL_ALIASES.items()}
+    assert tuple(names.get(k, k) for k in rates.KERNELS) == KERNELS
+    assert order in " ".join(rates.__doc__.split())
+    for doc in ("README.md", "docs/megatron-lm.md"):
+        text = _text(doc)
+        assert [f.body for f in D.find(text, doc) if f.name == "kernel-order"] == [order], doc
+        assert D.problems(text, doc, only=["kernel-order"]) == []
+        bad = text.replace(order, "cudnn > flash_attn > flash_attn_3 > torch_flash > reference")
+        assert D.problems(bad, doc, only=["kernel-order"]) == [
+            f"{doc}: figure kernel-order ({D.FIGURES['kernel-order'].command}): line 1: the doc "
+            f"has 'cudnn > flash_attn > flash_attn_3 > torch_flash > reference', the tool prints "
+            f"'{order}'"]
+    with pytest.raises(SystemExit):
+        cli.main(["plan", "--help"])
+    flat = " ".join(capsys.readouterr().out.split())
+    assert order in flat and "cudnn > fa3 > fa2 > torch_flash > unfused" in flat

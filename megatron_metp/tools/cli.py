@@ -127,10 +127,11 @@ def _add_common(ap: argparse.ArgumentParser) -> None:
                    default=None,
                    help="attention kernel (default flash; a configs/*.sh with "
                         "TRANSFORMER_IMPL=local plans stock layers unfused, as Megatron's local "
-                        "spec runs them). A flash kernel's name (cudnn, fa3, fa2, torch_flash) "
-                        "(flash_attn_3 = fa3, flash_attn = fa2: the run-time names) "
-                        "plans flash memory and that kernel's published rates (default: the "
-                        "hardware's first, cudnn on Hopper; mode alst: fa2, ALST's)")
+                        "spec runs them). A flash kernel's name plans flash memory and that "
+                        "kernel's published rates; the run-time order is cudnn > flash_attn_3 > "
+                        "flash_attn > torch_flash > reference, here cudnn > fa3 > fa2 > "
+                        "torch_flash > unfused (default: the first the hardware preset has "
+                        "rates for: cudnn on H100/H200, fa2 on A100; mode alst: fa2, ALST's)")
     j.add_argument("--rates", default=None, metavar="FILE",
                    help="measured rates (JSON: hardware, kernel, gemm_tflops, "
                         "attention_fwd_tflops, attention_bwd_tflops, pcie_gbs, source, "
