@@ -153,7 +153,8 @@ def _cfg(name: str, config: str, **kw) -> Figure:
 
 def dry_run_output(config: str, megatron_lm_dir: Optional[str] = None) -> str:
     """What ``scripts/pretrain_gpt.sh --config configs/CONFIG --dry-run`` prints from its first
-    report line, the checkout's path written as ``/home/me/Megatron-LM`` (as the doc shows it)."""
+    report line but its ``command:`` line, the checkout's path written as ``/home/me/Megatron-LM``
+    (as the doc shows it)."""
     if not megatron_lm_dir:
         raise SystemExit("doc_figures.py --slow: the dry run needs --megatron-lm-dir DIR (a "
                          "patched Megatron-LM checkout, docs/megatron-lm.md section 1)")
@@ -165,7 +166,9 @@ def dry_run_output(config: str, megatron_lm_dir: Optional[str] = None) -> str:
     text = out.stdout.replace(os.path.abspath(megatron_lm_dir), "/home/me/Megatron-LM")
     lines = text.splitlines()
     start = next(i for i, x in enumerate(lines) if x.startswith(("METP dry run", "layout:")))
-    return "```\n" + "\n".join(lines[start:]) + "\n```\n"
+    # the doc leaves out the pretrain_gpt.py command line ("the command line is cut here")
+    return "```\n" + "\n".join(x for x in lines[start:] if not x.startswith("command: ")) + \
+        "\n```\n"
 
 
 def kernel_order() -> str:
@@ -203,6 +206,11 @@ FIGURES: Dict[str, Figure] = {f.name: f for f in [
     _cfg("plan-llama3-8b-16m-metp8-cp4", "llama3-8b-16m-metp8-cp4.sh"),
     _cfg("plan-qwen3-30b-a3b-1m-metp4-cp2", "qwen3-30b-a3b-1m-metp4-cp2.sh"),
     _cfg("plan-qwen3-30b-a3b-1m-tp4-cp2-ep8", "qwen3-30b-a3b-1m-tp4-cp2-ep8.sh"),
+    _cfg("plan-llama3-8b-4m-metp8-2", "llama3-8b-4m-metp8.sh", digits=2),
+    _cfg("plan-llama3-8b-6m-metp8-2", "llama3-8b-6m-metp8.sh", digits=2),
+    _cfg("plan-llama3-8b-16m-metp8-cp4-2", "llama3-8b-16m-metp8-cp4.sh", digits=2),
+    Figure("llama3-8b-8-metp-best", "metp plan --reach --gpus 8 --preset llama3-8b",
+           lambda: seq_of("llama3-8b", 8, "metp")),
     _cfg("plan-qwen3-30b-a3b-1m-metp4-cp2-2", "qwen3-30b-a3b-1m-metp4-cp2.sh", digits=2),
     _cfg("plan-qwen3-30b-a3b-1m-tp4-cp2-ep8-2", "qwen3-30b-a3b-1m-tp4-cp2-ep8.sh", digits=2),
     Figure("qwen3-30b-a3b-8-metp-best", "metp plan --reach --preset qwen3-30b-a3b --gpus 8",
@@ -244,7 +252,8 @@ def first_difference(doc_text: str, tool_text: str) -> str:
     a, b = NUMBER.findall(doc_text), NUMBER.findall(tool_text)
     pairs = [(x, y) for x, y in zip(a, b) if x != y]
     if pairs:
-        return "; ".join(f"the doc says {x!r}, the tool prints {y!r}" for x, y in pairs)
+        more = f"; and {len(pairs) - 3} more" if len(pairs) > 3 else ""
+        return "; ".join(f"the doc says {x!r}, the tool prints {y!r}" for x, y in pairs[:3]) + more
     if len(a) != len(b):
         return f"the doc has {len(a)} figures, the tool prints {len(b)}"
     for i, (x, y) in enumerate(zip(doc_text.splitlines(), tool_text.splitlines())):
@@ -282,11 +291,21 @@ def rewrite(text: str, doc: str, slow: bool = False, only: Optional[List[str]] =
         text = text[:f.span[0]] + body + text[f.span[1]:]
         if not f.inline:
             when = (f"{datetime.date.today():%Y-%m-%d}, {platform.node() or 'this machine'} "
-                    f"({os.cpu_count()} CPUs)") if fig.measured else ""
+                    f"({os.cpu_count()} CPUs){_release(kw.get('megatron_lm_dir'))}"
+                    if fig.measured else "")
             start = text.rindex("<!-- figures: ", 0, f.span[0])
             end = text.index(" -->\n", start)
             text = text[:start] + f"<!-- figures: {f.name} ({fig.note(when)})" + text[end:]
     return text
+
+
+def _release(megatron_lm_dir: Optional[str]) -> str:
+    """``, Megatron-LM <tag>`` of a checkout (its ``git describe``), or nothing."""
+    if not megatron_lm_dir:
+        return ""
+    out = subprocess.run(["git", "-C", megatron_lm_dir, "describe", "--tags", "--always"],
+                         capture_output=True, text=True)
+    return f", Megatron-LM {out.stdout.strip()}" if out.returncode == 0 else ""
 
 
 def main(argv: Optional[List[str]] = None) -> int:

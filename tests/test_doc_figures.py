@@ -95,7 +95,7 @@ def test_measured_figures_name_date_machine_and_command_and_wait_for_slow(D):
     text = _text(doc)
     measured = [f for f in D.find(text, doc) if D.FIGURES[f.name].measured]
     assert [f.name for f in measured] == ["dry-run-gpt-7b-128k-metp8"]
-    assert re.match(r"measured \d{4}-\d\d-\d\d .*: scripts/pretrain_gpt.sh --config "
+    assert re.match(r"measured \d{4}-\d\d-\d\d, .*: scripts/pretrain_gpt.sh --config "
                     r"configs/gpt-7b-128k-metp8.sh --dry-run; python scripts/doc_figures.py "
                     r"--slow dry-run-gpt-7b-128k-metp8$", measured[0].note), measured[0].note
     # its sample output and the planned column agree (the issue: 59.9 next to a sample of 35.3)
@@ -130,3 +130,25 @@ def test_the_kernel_order_is_stated_as_the_run_time_choice_takes_it(D, capsys):
         cli.main(["plan", "--help"])
     flat = " ".join(capsys.readouterr().out.split())
     assert order in flat and "cudnn > fa3 > fa2 > torch_flash > unfused" in flat
+
+
+def test_slow_rewrites_a_measured_block_and_dates_its_marker(D, monkeypatch):
+    """``--slow``: the measured block gets what its command printed (here a generator standing in
+    for the dry run's minutes) and its marker today's date and this machine; ``--check --slow``
+    names it while it differs. Without ``--slow`` it is left as it is."""
+    import datetime
+
+    doc = "docs/megatron-lm.md"
+    text = _text(doc)
+    fig = D.FIGURES["dry-run-gpt-7b-128k-metp8"]
+    monkeypatch.setattr(fig, "make", lambda megatron_lm_dir=None: "```\ntotal 1 MiB\n```\n")
+    only = ["dry-run-gpt-7b-128k-metp8"]
+    assert D.rewrite(text, doc, only=only) == text
+    (line,) = D.problems(text, doc, slow=True, only=only)
+    assert line.startswith(f"{doc}: figure dry-run-gpt-7b-128k-metp8 ({fig.command}): the doc "
+                           f"says '8', the tool prints '1 MiB'"), line
+    new = D.rewrite(text, doc, slow=True, only=only)
+    (found,) = [f for f in D.find(new, doc) if f.name == only[0]]
+    assert found.body == "```\ntotal 1 MiB\n```\n"
+    assert found.note.startswith(f"measured {datetime.date.today():%Y-%m-%d}, ")
+    assert D.problems(new, doc, slow=True, only=only) == []
