@@ -59,3 +59,16 @@ def test_negative_controls_catch_markup_and_a_missing_family():
     assert missing_families(old) == ["Mistral", "Qwen2.5", "Qwen3", "Qwen3-MoE", "Mixtral"]
     # Qwen3 is not named by Qwen3-MoE alone
     assert missing_families("Llama, Mistral, Qwen2.5, Qwen3-MoE, Mixtral") == ["Qwen3"]
+
+
+def test_the_python_m_entry_points_helps_are_plain_text(capsys):
+    """The demo (README: ``python -m megatron_metp.demo --help`` lists the sizes) and the
+    agreement table's entry point, whose descriptions are their module docstrings."""
+    from megatron_metp.tools import agreement, demo
+
+    for main in (demo.main, agreement.main):
+        with pytest.raises(SystemExit) as e:
+            main(["--help"])
+        assert e.value.code == 0
+        text = capsys.readouterr().out
+        assert text.startswith("usage:") and markup(text) == [], (main, markup(text))
