@@ -147,6 +147,15 @@ def config_total(config: str, vocab_parallel: Optional[bool] = None, digits: int
     return f"{P.worst_total(model, job, mode) / P.GiB:,.{digits}f}"
 
 
+def config_layer_transient(config: str) -> str:
+    """``metp plan --config configs/CONFIG``'s row "largest single-layer transient" (GiB)."""
+    from megatron_metp.tools.agreement import mode_of, model_job
+
+    path = os.path.join(REPO, "configs", config)
+    model, job = model_job(path)
+    return f"{P.memory(model, job, mode_of(job, path)).act.layer_transient / P.GiB:,.2f}"
+
+
 def _cfg(name: str, config: str, **kw) -> Figure:
     return Figure(name, f"metp plan --config configs/{config}", lambda: config_total(config, **kw))
 
@@ -211,6 +220,8 @@ FIGURES: Dict[str, Figure] = {f.name: f for f in [
     _cfg("plan-llama3-8b-4m-metp8-2", "llama3-8b-4m-metp8.sh", digits=2),
     _cfg("plan-llama3-8b-6m-metp8-2", "llama3-8b-6m-metp8.sh", digits=2),
     _cfg("plan-llama3-8b-16m-metp8-cp4-2", "llama3-8b-16m-metp8-cp4.sh", digits=2),
+    Figure("transient-llama3-8b-6m-metp8", "metp plan --config configs/llama3-8b-6m-metp8.sh",
+           lambda: config_layer_transient("llama3-8b-6m-metp8.sh")),
     Figure("llama3-8b-8-metp-best", "metp plan --reach --gpus 8 --preset llama3-8b",
            lambda: seq_of("llama3-8b", 8, "metp")),
     _cfg("plan-qwen3-30b-a3b-1m-metp4-cp2-2", "qwen3-30b-a3b-1m-metp4-cp2.sh", digits=2),
