@@ -44,8 +44,8 @@ DOCS_ROOT = REPO
 from megatron_metp.tools import plan as P  # noqa: E402
 
 #: the docs that may hold marked figures
-DOCS = ["README.md"] + sorted(os.path.join("docs", f) for f in os.listdir(os.path.join(REPO, "docs"))
-                             if f.endswith(".md"))
+DOCS = ["README.md"] + sorted(os.path.join("docs", f)
+                             for f in os.listdir(os.path.join(REPO, "docs")) if f.endswith(".md"))
 BLOCK = re.compile(r"<!-- figures: (?P<name>[\w.-]+) \((?P<note>[^\n]*?)\) -->\n(?P<body>.*?)"
                    r"<!-- /figures -->", re.S)
 INLINE = re.compile(r"<!-- figure: (?P<name>[\w.-]+) -->(?P<body>.*?)<!-- /figure -->")
@@ -65,7 +65,8 @@ class Figure:
 
     def note(self, when: str = "") -> str:
         if self.measured:
-            return f"measured {when}: {self.command}; python scripts/doc_figures.py --slow {self.name}"
+            return (f"measured {when}: {self.command}; python scripts/doc_figures.py --slow "
+                    f"{self.name}")
         return f"planned: {self.command}; python scripts/doc_figures.py"
 
 
@@ -89,7 +90,8 @@ def compact(c, layers: int) -> str:
     when partial (``METP 8, 31 of 32 layers offloaded``)."""
     j = c.job
     if c.family == "metp":
-        parts = [f"TP {j.tp}" if j.tp > 1 else "", f"METP {j.metp}", f"CP {j.cp}" if j.cp > 1 else ""]
+        parts = [f"TP {j.tp}" if j.tp > 1 else "", f"METP {j.metp}",
+                 f"CP {j.cp}" if j.cp > 1 else ""]
     else:
         cp = j.metp if c.mode == "cp" else 1
         parts = [f"TP {j.tp}" + ("+SP" if j.tp > 1 else ""), f"CP {cp}" if cp > 1 else ""]
@@ -119,8 +121,8 @@ def moe_reach_table() -> str:
 def llama_reach_lines() -> str:
     b = reach_best("llama3-8b", 32)
     m, s = b["metp"], b["stock"]
-    return (f"- best METP layout: {P.fmt_tokens(m.seq)} tokens, TP {m.job.tp} × METP {m.job.metp} × "
-            f"CP {m.job.cp} (exact RoPE angles past 2^24);\n"
+    return (f"- best METP layout: {P.fmt_tokens(m.seq)} tokens, TP {m.job.tp} × METP "
+            f"{m.job.metp} × CP {m.job.cp} (exact RoPE angles past 2^24);\n"
             f"- best stock layout: {P.fmt_tokens(s.seq)} tokens (memory-bound there; the family's "
             f"line states the 2^24 cap).\n")
 
@@ -135,8 +137,9 @@ def ratio_of(preset: str, gpus: int) -> str:
 
 
 def config_total(config: str, vocab_parallel: Optional[bool] = None, digits: int = 1) -> str:
-    """The planned per-rank total (GiB, the larger pipeline stage) of ``configs/CONFIG`` (``metp plan --config``, the mode the
-    config runs); ``vocab_parallel=False``: as with ``METP_VOCAB_PARALLEL=0``."""
+    """The planned per-rank total (GiB, the larger pipeline stage) of ``configs/CONFIG``
+    (``metp plan --config``, the mode the config runs); ``vocab_parallel=False``: as with
+    ``METP_VOCAB_PARALLEL=0``."""
     from megatron_metp.tools.agreement import mode_of, model_job
 
     path = os.path.join(REPO, "configs", config)

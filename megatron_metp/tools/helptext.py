@@ -15,7 +15,8 @@ FAMILY_NAMES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2.5", "qwe
 FAMILIES_TEXT = ", ".join(list(FAMILY_NAMES.values())[:-1]) + " and " + \
     list(FAMILY_NAMES.values())[-1]
 
-_ROLE = re.compile(r":(?:func|mod|class|data|meth|attr|obj|exc|ref|doc):`~?\.?([^`<]*?)(?: <[^>]*>)?`")
+_ROLE = re.compile(r":(?:func|mod|class|data|meth|attr|obj|exc|ref|doc):`~?\.?([^`<]*?)"
+                   r"(?: <[^>]*>)?`")
 
 
 def plain(text: str) -> str:
