@@ -165,10 +165,17 @@ def _cfg(name: str, config: str, **kw) -> Figure:
 
 # --- measured figures (dry run; --slow) --------------------------------------------------------
 
-def dry_run_output(config: str, megatron_lm_dir: Optional[str] = None) -> str:
+def _twin_excerpt(line: str) -> bool:
+    """The lines the doc shows of the stock-TP twin's dry run: its layout, batch, parameters and
+    memory breakdown."""
+    return line.startswith(("layout:", "batch:", "parameters on this rank", "  "))
+
+
+def dry_run_output(config: str, megatron_lm_dir: Optional[str] = None,
+                   keep: Optional[Callable[[str], bool]] = None) -> str:
     """What ``scripts/pretrain_gpt.sh --config configs/CONFIG --dry-run`` prints from its first
-    report line but its ``command:`` line, the checkout's path written as ``/home/me/Megatron-LM``
-    (as the doc shows it)."""
+    report line but its ``command:`` line (or the lines ``keep`` keeps), the checkout's path
+    written as ``/home/me/Megatron-LM`` (as the doc shows it)."""
     if not megatron_lm_dir:
         raise SystemExit("doc_figures.py --slow: the dry run needs --megatron-lm-dir DIR (a "
                          "patched Megatron-LM checkout, docs/megatron-lm.md section 1)")
@@ -181,8 +188,8 @@ def dry_run_output(config: str, megatron_lm_dir: Optional[str] = None) -> str:
     lines = text.splitlines()
     start = next(i for i, x in enumerate(lines) if x.startswith(("METP dry run", "layout:")))
     # the doc leaves out the pretrain_gpt.py command line ("the command line is cut here")
-    return "```\n" + "\n".join(x for x in lines[start:] if not x.startswith("command: ")) + \
-        "\n```\n"
+    keep = keep or (lambda x: not x.startswith("command: "))
+    return "```\n" + "\n".join(x for x in lines[start:] if keep(x)) + "\n```\n"
 
 
 def kernel_order() -> str:
@@ -234,6 +241,11 @@ FIGURES: Dict[str, Figure] = {f.name: f for f in [
     Figure("dry-run-gpt-7b-128k-metp8",
            "scripts/pretrain_gpt.sh --config configs/gpt-7b-128k-metp8.sh --dry-run",
            lambda megatron_lm_dir=None: dry_run_output("gpt-7b-128k-metp8.sh", megatron_lm_dir),
+           measured=True),
+    Figure("dry-run-gpt-7b-128k-tp8",
+           "scripts/pretrain_gpt.sh --config configs/gpt-7b-128k-tp8.sh --dry-run (excerpt)",
+           lambda megatron_lm_dir=None: dry_run_output("gpt-7b-128k-tp8.sh", megatron_lm_dir,
+                                                       keep=_twin_excerpt),
            measured=True),
 ]}
 

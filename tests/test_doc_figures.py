@@ -94,7 +94,14 @@ def test_measured_figures_name_date_machine_and_command_and_wait_for_slow(D):
     doc = "docs/megatron-lm.md"
     text = _text(doc)
     measured = [f for f in D.find(text, doc) if D.FIGURES[f.name].measured]
-    assert [f.name for f in measured] == ["dry-run-gpt-7b-128k-metp8"]
+    assert [f.name for f in measured] == ["dry-run-gpt-7b-128k-metp8", "dry-run-gpt-7b-128k-tp8"]
+    for f in measured:
+        assert re.match(r"measured \d{4}-\d\d-\d\d, ", f.note), f.note
+    # each sample's total is the configs table's planned figure (the issue: 59.9 next to 35.3)
+    found = {f.name: f.body for f in D.find(text, doc)}
+    for config in ("gpt-7b-128k-metp8", "gpt-7b-128k-tp8"):
+        total = re.search(r"= ([\d.]+) GiB", found[f"dry-run-{config}"]).group(1)
+        assert found[f"plan-{config}"] == total, config
     assert re.match(r"measured \d{4}-\d\d-\d\d, .*: scripts/pretrain_gpt.sh --config "
                     r"configs/gpt-7b-128k-metp8.sh --dry-run; python scripts/doc_figures.py "
                     r"--slow dry-run-gpt-7b-128k-metp8$", measured[0].note), measured[0].note
