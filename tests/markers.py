@@ -115,6 +115,7 @@ SLOW_FIXTURES = {
     "tests/test_plan_cp.py::cp_measured": 5.1,
     "tests/test_offload.py::metp2_offload": 8.6,
     "tests/test_checkpoint.py::saved": 6.0,
+    "tests/test_doc_figures.py::tool_figures": 40.0,
 }
 
 

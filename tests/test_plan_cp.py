@@ -12,6 +12,7 @@ import pytest
 from megatron_metp import cli
 from megatron_metp.tools import plan as P
 from megatron_metp.tools.plan import search as R
+from megatron_metp.tools.plan.textwidth import unwrap
 
 LLAMA8 = P.PRESETS["llama3-8b"]
 SMALL = P.Model(name="small", hidden=256, layers=2, heads=4, query_groups=2, ffn=512,
@@ -122,7 +123,7 @@ def test_cli_plan_with_cp_reports_the_internode_hop(capsys):
     rc = cli.main(["plan", "--preset", "llama3-8b", "--seq", "16777216", "--metp", "8", "--cp",
                    "4", "--vocab-parallel", "--distributed-optimizer", "--recompute", "full",
                    "--offload-activations", "--optimizer-cpu-offload"])
-    out = capsys.readouterr().out
+    out = unwrap(capsys.readouterr().out)  # its lines whole (wrapped to 100 columns)
     assert rc == 0
     assert "METP=8×CP=4+vocab" in out and "K/V bytes over the inter-node hop" in out
     assert "4 of its hops cross nodes" in out and "optimizer on host (CPU Adam)" in out

@@ -13,6 +13,7 @@ import sys
 
 from megatron_metp.tools import cli
 from megatron_metp.tools import plan as P
+from megatron_metp.tools.plan.textwidth import unwrap
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: the issue's job: Llama-3-8B at 1M tokens on METP 8, NO in every column as it is
@@ -20,13 +21,20 @@ JOB = ["--preset", "llama3-8b", "--seq", "1048576", "--metp", "8"]
 
 
 def _plan(argv, capsys):
+    """The text of ``metp plan argv``, its wrapped lines joined back (the table fits 100 columns
+    in blocks of columns: :func:`_cells` reads a row across them)."""
     assert cli.main(["plan"] + argv) == 0
-    return capsys.readouterr().out
+    return unwrap(capsys.readouterr().out)
+
+
+def _cells(out, label):
+    """The cells of the table row starting with ``label``, every block of columns in turn."""
+    return [c for line in out.splitlines() if line.startswith(label)
+            for c in line.split("|")[1:]]
 
 
 def _fits_row(out):
-    row = next(line for line in out.splitlines() if line.startswith("fits "))
-    return [c.strip() for c in row.split("|")[1:]]
+    return [c.strip() for c in _cells(out, "fits ")]
 
 
 def test_a_job_that_does_not_fit_prints_flags_under_which_it_fits(capsys, tmp_path):
@@ -73,9 +81,8 @@ def test_largest_single_layer_transient_is_not_negative(capsys):
     """It was −63.03 GiB on TP 8: the head's activations (freed by the last layer's backward)
     were subtracted from the layer's own buffers."""
     out = _plan(JOB, capsys)
-    row = next(line for line in out.splitlines() if line.startswith("largest single-layer"))
-    cells = row.split("|")[1:]
-    assert len(cells) == 5 and "-" not in row.split("|", 1)[1]
+    cells = _cells(out, "largest single-layer")
+    assert len(cells) == 5 and not any("-" in c for c in cells)
     model = P.PRESETS["llama3-8b"].with_seq(1 << 20)
     for mode in ("tp", "tp-sp", "ring", "metp", "metp+vocab"):
         act = P.memory(model, P.Job(metp=8), mode).act

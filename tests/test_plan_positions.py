@@ -8,6 +8,7 @@ from megatron_metp import cli
 from megatron_metp.tools import plan as P
 from megatron_metp.tools.plan import positions
 from megatron_metp.tools.plan import search as R
+from megatron_metp.tools.plan.textwidth import unwrap
 
 SMALL = P.Model(name="small", hidden=256, layers=2, heads=4, query_groups=2, ffn=512,
                 vocab=1000, seq=4096, swiglu=True, tied=False)
@@ -40,7 +41,7 @@ def test_cli_reach_llama3_8b_32_gpus(capsys):
     family carries the line saying why it is capped."""
     assert cli.main(["plan", "--reach", "--gpus", "32", "--preset", "llama3-8b",
                      "--reach-top", "1"]) == 0
-    out = capsys.readouterr().out
+    out = unwrap(capsys.readouterr().out)  # its lines whole (wrapped to 100 columns)
     metp, stock = out.split("## stock Megatron")
     best = next(line for line in metp.splitlines() if line.strip().startswith("best"))
     assert "(exact RoPE angles past 2^24)" in best and "METP 8" in best

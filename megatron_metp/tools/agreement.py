@@ -35,6 +35,7 @@ import tempfile
 from typing import Dict, List, Optional
 
 from . import plan as P
+from .helptext import plain
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOLERANCE = 0.03
@@ -142,7 +143,7 @@ def table(rows: List[Dict], tolerance: float = TOLERANCE) -> str:
 
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m megatron_metp.tools.agreement",
-                                 description=__doc__.split("\n\n")[0])
+                                 description=plain(__doc__.split("\n\n")[0]))
     ap.add_argument("configs", nargs="*", help="configs/*.sh (default: all of them)")
     ap.add_argument("--megatron-lm-dir", default=os.environ.get("MEGATRON_LM_DIR"),
                     help="patched Megatron-LM checkout at core_v0.16.1 (default $MEGATRON_LM_DIR)")

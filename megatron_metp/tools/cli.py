@@ -28,6 +28,7 @@ import time
 from dataclasses import asdict
 from typing import List, Optional
 
+from .helptext import FAMILIES_TEXT, plain
 
 
 class _Plan:
@@ -48,8 +49,8 @@ SUBCOMMANDS = {
     "plan": "per-rank memory, traffic, overlap, longest sequence; what to change when it does "
             "not fit; --reach: the best layouts on N GPUs",
     "measure": "measure rank 0 on CPU (fake group) next to the plan",
-    "hf": "Hugging Face Llama checkpoints in and out: metp hf {import,export,flags} "
-          "(docs/huggingface.md)",
+    "hf": "Hugging Face checkpoints in and out (" + FAMILIES_TEXT + "): metp hf "
+          "{import,export,flags} (docs/huggingface.md)",
 }
 
 
@@ -126,10 +127,11 @@ def _add_common(ap: argparse.ArgumentParser) -> None:
                    default=None,
                    help="attention kernel (default flash; a configs/*.sh with "
                         "TRANSFORMER_IMPL=local plans stock layers unfused, as Megatron's local "
-                        "spec runs them). A flash kernel's name (cudnn, fa3, fa2, torch_flash) "
-                        "(flash_attn_3 = fa3, flash_attn = fa2: the run-time names) "
-                        "plans flash memory and that kernel's published rates (default: the "
-                        "hardware's first, cudnn on Hopper; mode alst: fa2, ALST's)")
+                        "spec runs them). A flash kernel's name plans flash memory and that "
+                        "kernel's published rates; the run-time order is cudnn > flash_attn_3 > "
+                        "flash_attn > torch_flash > reference, here cudnn > fa3 > fa2 > "
+                        "torch_flash > unfused (default: the first the hardware preset has "
+                        "rates for: cudnn on H100/H200, fa2 on A100; mode alst: fa2, ALST's)")
     j.add_argument("--rates", default=None, metavar="FILE",
                    help="measured rates (JSON: hardware, kernel, gemm_tflops, "
                         "attention_fwd_tflops, attention_bwd_tflops, pcie_gbs, source, "
@@ -273,6 +275,14 @@ _REACH_SEARCHED = ("seq", "tp", "metp", "cp", "pp", "dp", "recompute", "recomput
                    "vocab_parallel", "modes", "config")
 
 
+def _width(args) -> Optional[int]:
+    """The columns ``metp plan`` fits its text to: 100 (``textwidth.DEFAULT_WIDTH``), or none
+    with ``--wide``."""
+    from .plan.textwidth import DEFAULT_WIDTH
+
+    return None if args.wide else DEFAULT_WIDTH
+
+
 def cmd_reach(args) -> int:
     for f in ("png", "json"):
         if getattr(args, f, None):
@@ -307,7 +317,7 @@ def cmd_reach(args) -> int:
     moe = {k: v for _, k, v in given}
     res = P.reach(model, args.gpus, args.hardware, args.reserve_gib, moe=moe)
     print(P.reach_report(model, args.gpus, args.hardware, args.reserve_gib, top=args.reach_top,
-                         res=res))
+                         res=res, width=_width(args)))
     if args.write_config:
         cand = P.search.best_launch(model, res)
         if cand is None:
@@ -334,7 +344,7 @@ def cmd_plan(args) -> int:
         raise ValueError("--gpus is the GPU count of --reach; a single plan takes the layout "
                          "(--tp, --metp, --cp, --pp, --dp); add --reach or drop --gpus")
     model, job, modes = build(args)
-    print(P.report(model, job, modes))
+    print(P.report(model, job, modes, width=_width(args)))
     if args.png:
         paths = P.charts(model, job, args.png, modes)
         print("\nwrote " + ", ".join(paths))
@@ -437,11 +447,11 @@ def cmd_measure(args) -> int:
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["hf"]:  # metp hf import|export|flags: Hugging Face Llama in and out
+    if argv[:1] == ["hf"]:  # metp hf import|export|flags: Hugging Face checkpoints in and out
         from .hf import main as hf_main
 
         return hf_main(argv[1:], prog="metp hf")
-    ap = argparse.ArgumentParser(prog="metp", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="metp", description=plain(__doc__.split("\n\n")[0]))
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="{" + ",".join(SUBCOMMANDS) + "}")
     if argv[:1] not in (["plan"], ["measure"]):  # --help, or a usage error: no planner needed
         for name, text in SUBCOMMANDS.items():
@@ -449,7 +459,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         ap.parse_args(argv)
         return 2  # not reached: argparse exits on --help and on a missing / unknown command
     pl = sub.add_parser("plan", help=SUBCOMMANDS["plan"],
-                        description=P.__doc__.split("\n\n")[0])
+                        description=plain(P.__doc__.split("\n\n")[0]))
     _add_common(pl)
     pl.add_argument("--png", help="write memory-vs-sequence (PATH) and longest-sequence "
                                   "(PATH-longest.png) charts")
@@ -458,6 +468,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                          "Megatron (TP+SP×CP×PP×DP) on --gpus GPUs, with recompute none / full "
                          "/ full + offload and optimizer CPU offload off / on, and print the "
                          "longest sequence of each family's best layouts")
+    pl.add_argument("--wide", action="store_true",
+                    help="print the table with every mode's column side by side and every line "
+                         "whole (default: fit 100 columns: the table in blocks of columns, long "
+                         "lines wrapped)")
     pl.add_argument("--gpus", type=int, default=None, help="GPUs of the job (--reach)")
     pl.add_argument("--reach-top", type=int, default=3,
                     help="layouts shown per family (--reach; default 3)")

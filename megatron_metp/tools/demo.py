@@ -79,7 +79,10 @@ class DemoConfig:
 
 def _parse(argv=None) -> DemoConfig:
     d = DemoConfig()
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    from .helptext import plain
+
+    ap = argparse.ArgumentParser(description=plain(__doc__),
+                                 formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--iters", type=int, default=d.iters, help="training iterations per run")
     ap.add_argument("--layers", type=int, default=d.layers, help="transformer layers")
     ap.add_argument("--hidden", type=int, default=d.hidden, help="hidden size (FFN = 4x)")

@@ -65,6 +65,7 @@ from .hf_config import (HFConfigError, LlamaGeometry, geometry_from_hf, gpt_mode
                         megatron_args, pretrain_gpt_sh_model, read_hf_config,
                         set_yarn_config, transformer_config_kwargs)
 from .hf_layout import hf_to_megatron, megatron_shapes, megatron_to_hf
+from .helptext import HF_DESCRIPTION
 from .hf_moe import MOE_FAMILIES, moe_args_problems
 from .hf_output import staged_dir
 from .hf_tokenizer_export import TOKENIZER_FILES, plan_tokenizer
@@ -456,14 +457,14 @@ def _add_padding_args(ap: argparse.ArgumentParser) -> None:
 
 
 def main(argv: Optional[List[str]] = None, prog: str = "python -m megatron_metp.tools.hf") -> int:
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog=prog, description=HF_DESCRIPTION)  # plain text (helptext)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    im = sub.add_parser("import", help="Hugging Face Llama -> Megatron torch_dist checkpoint")
+    im = sub.add_parser("import", help="Hugging Face checkpoint -> Megatron torch_dist checkpoint")
     im.add_argument("--hf-dir", required=True, help="config.json + *.safetensors")
     im.add_argument("--out", required=True, help="checkpoint directory to write (pretrain_gpt.py --load)")
     im.add_argument("--force", action="store_true", help="replace a non-empty --out")
     _add_padding_args(im)
-    ex = sub.add_parser("export", help="Megatron torch_dist checkpoint -> Hugging Face Llama")
+    ex = sub.add_parser("export", help="Megatron torch_dist checkpoint -> Hugging Face checkpoint")
     ex.add_argument("--load", required=True, help="checkpoint directory (as pretrain_gpt.py --load/--save)")
     ex.add_argument("--out", required=True, help="directory for model.safetensors + config.json "
                                                 "(+ the tokenizer files)")

@@ -118,6 +118,8 @@ as when the plan was one module:
 ``launch``               a planned job as ``scripts/pretrain_gpt.sh`` settings, Megatron-LM
                          flags and a ``configs/*.sh``-style file
 ``summary``              ``plan()`` (the ``--json`` dict) and ``report()`` (the printed text)
+``textwidth``            the units legend under the tables, the table in blocks of columns and
+                         long lines wrapped to 100 columns (``--wide``: whole), ``unwrap()``
 ``figures``              ``charts()`` (``--png``)
 =======================  ====================================================================
 

@@ -49,10 +49,12 @@ largest lengths published, i.e. the plateau the plan's million-token rings run a
   count, clocks and tensor cores per the datasheets); A100: 70 % of its datasheet rate (218), the
   plan's previous rule, not measured here.
 
-Which kernel a GPU runs (:func:`default_kernel`): the first one available in the run-time order
-cuDNN fused attention > FlashAttention-3 > FlashAttention-2 > torch's flash kernel (the order the
-run-time choice takes, ``METP_ATTENTION_KERNEL`` overriding it); the plan assumes the first that
-the hardware supports and the table has figures for. ``--kernel NAME`` forces another (e.g.
+Which kernel a GPU runs (:func:`default_kernel`): the run-time choice takes the first available
+in the order cudnn > flash_attn_3 > flash_attn > torch_flash > reference
+(``megatron_metp/ops/kernel_choice.py``, ``METP_ATTENTION_KERNEL`` overriding it; here named
+cudnn, fa3, fa2, torch_flash, unfused: :data:`KERNEL_ALIASES`); the plan assumes the first of that
+order the table has figures for: cudnn on H100 and H200, fa2 on A100 (no cuDNN A100 figures are
+cited here, though the run-time choice would take cudnn there). ``--kernel NAME`` forces another (e.g.
 ``fa2`` for a like-for-like with ALST, which ran FlashAttention-2).
 """
 

@@ -249,11 +249,14 @@ def best_launch(model: Model, res: Dict[str, List["Candidate"]]) -> Optional[Can
 def reach_report(model: Model, gpus: int, hardware: str = "H100-80GB", reserve_gib: float = 2.0,
                  host_gib: float = DEFAULT_HOST_GIB_PER_NODE, top: int = 3,
                  limit: int = 1 << 28,
-                 res: Optional[Dict[str, List[Candidate]]] = None) -> str:
+                 res: Optional[Dict[str, List[Candidate]]] = None,
+                 width: Optional[int] = None) -> str:
     """The text ``metp plan --reach`` prints: per family the ``top`` layouts, the best one's
     Megatron-LM flags and ``scripts/pretrain_gpt.sh`` line, and the ratio of the two families'
-    best (``res``: :func:`reach`'s result, computed here when not given)."""
+    best (``res``: :func:`reach`'s result, computed here when not given), with the units
+    legend; long lines wrapped to ``width`` columns (None: whole, ``metp plan --reach --wide``)."""
     from .launch import launch_line, megatron_flags
+    from .textwidth import LEGEND, wrap_lines
     from .summary import fmt_bytes, fmt_tokens
 
     if res is None:
@@ -304,7 +307,8 @@ def reach_report(model: Model, gpus: int, hardware: str = "H100-80GB", reserve_g
         lines.append("")
         lines.append(f"# best METP ÷ best stock Megatron: {fmt_tokens(m)} / {fmt_tokens(s)} = "
                      f"{m / s:.2f}×" if s else f"# best METP {fmt_tokens(m)}; stock: nothing fits")
-    return "\n".join(lines)
+    lines.append(LEGEND)
+    return "\n".join(wrap_lines(lines, width))
 
 
 def sequence_time(model: Model, cand: Candidate) -> float:

@@ -118,8 +118,13 @@ def fit_lines(res: Dict, job: Job, seq: int) -> List[str]:
     return lines
 
 
-def report(model: Model, job: Job, modes: Sequence[str] = MODES) -> str:
-    """The text ``metp plan`` prints."""
+def report(model: Model, job: Job, modes: Sequence[str] = MODES,
+           width: Optional[int] = None) -> str:
+    """The text ``metp plan`` prints: fitted to ``width`` columns (``metp plan``'s default
+    :data:`.textwidth.DEFAULT_WIDTH`: the table in blocks of columns, long lines wrapped), or
+    with ``width=None`` (``--wide``) one table with every column and every line whole."""
+    from .textwidth import LEGEND, table_lines, wrap_lines
+
     res = plan(model, job, modes)
     hw = HARDWARE[job.hardware]
     lines = []
@@ -219,18 +224,13 @@ def report(model: Model, job: Job, modes: Sequence[str] = MODES) -> str:
     row("est. time / iteration", lambda r: f"{r['cost']['iteration_s']:.2f} s "
         f"({r['cost']['microbatches']} micro-batch{'es' if r['cost']['microbatches'] > 1 else ''})")
     row("longest sequence that fits", lambda r: fmt_tokens(r["longest_seq"]))
-    w0 = max(len(r[0]) for r in rows)
-    ws = [max(len(str(r[i + 1])) for r in rows + [[""] + cols]) for i in range(len(cols))]
-    lines.append(" " * w0 + " | " + " | ".join(c.rjust(w) for c, w in zip(cols, ws)))
-    lines.append("-" * (w0 + 3 + sum(ws) + 3 * (len(ws) - 1)))
-    for r in rows:
-        lines.append(r[0].ljust(w0) + " | " + " | ".join(str(v).rjust(w) for v, w in zip(r[1:], ws)))
-    lines.append("")
-    lines += fit_lines(res, job, model.seq)
+    lines = wrap_lines(lines, width) + table_lines(rows, cols, width)
+    tail = [LEGEND, ""]
+    tail += fit_lines(res, job, model.seq)
     for mode, r in res["modes"].items():
         if r["offload_auto"]:
             n, L = r["offloaded_layers"], r["layers"]
-            lines.append(f"# {mode}: the node's host memory "
+            tail.append(f"# {mode}: the node's host memory "
                          f"({fmt_bytes(r['host_capacity_per_node'])}) does not hold every layer "
                          f"of the offload: planned with {n} of {L} layers per stage offloaded "
                          f"and {L - n} kept on the device (Megatron-LM: --metp-offload-activations"
@@ -241,7 +241,7 @@ def report(model: Model, job: Job, modes: Sequence[str] = MODES) -> str:
                          f"(or recompute chunk) of the offload: planned without it (drop "
                          f"--metp-offload-activations)")
     ov = res["overlap"]
-    lines.append(f"# full-overlap thresholds on {hw.name} (F/B = {ov['F/B (FLOP per byte)']:,.0f} "
+    tail.append(f"# full-overlap thresholds on {hw.name} (F/B = {ov['F/B (FLOP per byte)']:,.0f} "
                  f"FLOP/byte, datasheet rates): tokens per rank s·b/p")
     for key, v in ov.items():
         if key.startswith("F/B"):
@@ -249,15 +249,15 @@ def report(model: Model, job: Job, modes: Sequence[str] = MODES) -> str:
         extra = ""
         if "overlap_measured" in res:
             extra = f"   (measured {hw.measured_tflops:g} TFLOP/s: {res['overlap_measured'][key]:,.0f})"
-        lines.append(f"  {key:<40s} {v:>10,.0f}{extra}")
+        tail.append(f"  {key:<40s} {v:>10,.0f}{extra}")
     if job.width > GPUS_PER_NODE:
-        lines.append(f"  (a group of {job.width} GPUs crosses nodes: the inter-node link, not "
+        tail.append(f"  (a group of {job.width} GPUs crosses nodes: the inter-node link, not "
                      f"NVLink, sets B for the ring steps that cross it)")
     for mode, r in res["modes"].items():
         x = r["internode"]
         if not x or not x["crosses"]:
             continue
-        lines.append(f"# {mode}: the K/V ring over {x['ring']} ranks spans {x['span']} GPUs = "
+        tail.append(f"# {mode}: the K/V ring over {x['ring']} ranks spans {x['span']} GPUs = "
                      f"{x['nodes']} nodes of {GPUS_PER_NODE}: {x['crossing_hops']} of its hops "
                      f"cross nodes ({x['internode_gbps']:g} GB/s per GPU and direction, "
                      f"InfiniBand NDR/HDR per the preset's source); per forward step "
@@ -269,19 +269,19 @@ def report(model: Model, job: Job, modes: Sequence[str] = MODES) -> str:
                      f"{1e3 * x['step_transfer_s']:.2f} ms transfer vs "
                      f"{1e3 * x['step_compute_s']:.2f} ms attention per step)")
         if x["metp_group_crosses"]:
-            lines.append(f"# {mode}: WARNING the METP group (TP×METP = {job.width} GPUs) spans "
+            tail.append(f"# {mode}: WARNING the METP group (TP×METP = {job.width} GPUs) spans "
                          f"nodes: its weight ring would run on the inter-node link; use "
                          f"TP×METP ≤ {GPUS_PER_NODE} and CP for the rest")
     if any(m in VOCAB_MODES for m in modes):
         n = model.seq * job.micro_batch // (job.metp * job.cp)
-        lines.append(f"  this job: s·b/p = {n:,} tokens per METP rank "
+        tail.append(f"  this job: s·b/p = {n:,} tokens per METP rank "
                      f"({'above' if n >= ov['MLP weight ring, forward: tokens/rank'] else 'below'} "
                      f"the MLP threshold)")
     for mode, r in res["modes"].items():
         c = r["cost"]
         rt = c["rates"]
         comp = ", ".join(f"{k} {v:,.1f}" for k, v in c["components"].items() if v)
-        lines.append(f"# {mode} time: kernel {rt['kernel']} (attention {rt['attention_fwd_tflops']:,.0f} "
+        tail.append(f"# {mode} time: kernel {rt['kernel']} (attention {rt['attention_fwd_tflops']:,.0f} "
                      f"forward / {rt['attention_bwd_tflops']:,.0f} backward TFLOP/s, backward "
                      f"2.5× the forward's FLOPs), GEMM {rt['gemm_tflops']:,.0f} TFLOP/s, host link "
                      f"{rt['host_gbs']:,.1f} GB/s per GPU"
@@ -289,27 +289,27 @@ def report(model: Model, job: Job, modes: Sequence[str] = MODES) -> str:
                         " (published figures: tools/plan/rates.py)")
                      + f"; ring imbalance {c['ring_imbalance']:.3f}; seconds: {comp}")
         if c["host_passes"]:
-            lines.append(f"# {mode}: host copies per offloaded layer, pass by pass, at "
+            tail.append(f"# {mode}: host copies per offloaded layer, pass by pass, at "
                          f"{rt['host_gbs']:,.1f} GB/s per GPU (8 GPUs sharing the node's host "
                          f"memory: tools/plan/host_link.py): copy vs compute, ms each")
             for x in c["host_passes"]:
                 bound = "COPY-BOUND" if x["exposed_s"] else "hidden"
-                lines.append(f"  {x['pass']:<52s} ×{x['count']:<2d} {fmt_bytes(x['bytes']):>12} "
+                tail.append(f"  {x['pass']:<52s} ×{x['count']:<2d} {fmt_bytes(x['bytes']):>12} "
                              f"{1e3 * x['copy_s']:9,.1f} vs {1e3 * x['compute_s']:10,.1f}  {bound}")
-    lines.append("# time estimates: attention causal (half the square), at the kernel's published "
+    tail.append("# time estimates: attention causal (half the square), at the kernel's published "
                  "rates × the ring's busiest-rank imbalance; copies and ring hops counted where "
                  "nothing hides them; per iteration: (micro-batches + PP − 1) × micro-batch + "
                  "optimizer step")
     if res.get("crossover_vs_tp_sp") is not None:
-        lines.append(f"# METP sends fewer bytes per layer than TP+SP from s ≈ "
+        tail.append(f"# METP sends fewer bytes per layer than TP+SP from s ≈ "
                      f"{res['crossover_vs_tp_sp']:,} tokens on")
     from .positions import REASON, refused_modes
 
     refused = refused_modes(res["modes"], job, model.seq)
     if refused:
-        lines.append(f"# {', '.join(refused)}: REFUSED at s = {model.seq:,} (positions reach "
+        tail.append(f"# {', '.join(refused)}: REFUSED at s = {model.seq:,} (positions reach "
                      f"2^24): {REASON}")
-    return "\n".join(lines)
+    return "\n".join(lines + wrap_lines(tail, width))
 
 
 def moe_describe(model: Model, job: Job, mode: str, asked: str) -> str:
