@@ -17,7 +17,10 @@ arguments. It checks:
 * the tokenizer's files (an HF folder needs ``tokenizer.json`` and ``tokenizer_config.json``;
   GPT2BPE its vocab and merge files; SentencePiece/TikToken their model file);
 * the checkpoint to ``--load``: its tracker names an iteration that exists, and its optimizer
-  state fits this run (METP against stock, distributed against plain optimizer).
+  state fits this run (METP against stock, distributed against plain optimizer);
+* flags the checkout's release lacks (YaRN on core_v0.16.1:
+  :func:`megatron_metp.megatron_lm.launch_checks.release_problems`), from the settings or
+  after ``--`` alike.
 
 Nothing is built, no process group made, Megatron not imported: the flags are read by a small
 parser that knows only the flags checked, with Megatron-LM's defaults (the same in core_v0.16.1
@@ -347,6 +350,9 @@ def job_problems(argv: Sequence[str], world_size: int, cpu: bool = False) -> Lis
 
         out += [f"on CPU ranks (METP_CPU=1): {p}" for p in cpu_arg_problems(args)]
     out += data_problems(args) + tokenizer_problems(args) + checkpoint_problems(args)
+    from .launch_checks import release_problems  # flags this checkout's release lacks (YaRN)
+
+    out += release_problems(argv)
     return out
 
 
