@@ -54,7 +54,7 @@ def test_the_rendezvous_port_is_free_or_refused_naming_the_fix():
                          MASTER_PORT=taken)
         assert proc.returncode == 1 and "Traceback" not in proc.stderr
         assert f"MASTER_PORT={taken} is taken on {socket.gethostname()}" in proc.stderr
-        assert "unset MASTER_PORT (one node: the launcher picks a free port)" in proc.stderr
+        assert "unset MASTER_PORT (one node: the launcher then picks a free port)" in proc.stderr
         launcher, _ = _print_cmd(TINY)  # unset: a free port, not the taken one
         port = int(launcher[launcher.index("--master_port") + 1])
         assert port != taken and not launch_checks.port_taken(port)
@@ -65,7 +65,7 @@ def test_the_rendezvous_port_is_free_or_refused_naming_the_fix():
         launcher, _ = _print_cmd(TINY, NNODES=2, NODE_RANK=1, MASTER_ADDR="node0")
         assert launcher[launcher.index("--master_port") + 1] == "6000"
         port, problem = launch_checks.choose_port(str(taken), 2, 0, "localhost")
-        assert port is None and "set MASTER_PORT to a free port on every node" in problem
+        assert port is None and "set MASTER_PORT to a port free on every node" in problem
 
 
 # ------------------------------------------------------------------------------ paths
@@ -139,7 +139,7 @@ def test_gpu_ranks_without_a_gpu_are_refused_naming_metp_cpu(tmp_path):
         assert proc.returncode == 0, proc.stderr
     else:
         assert proc.returncode == 1 and "set METP_CPU=1 to train on CPU ranks" in proc.stderr
-        assert f"GPU ranks (METP_CPU unset) but {sys.executable}" in proc.stderr
+        assert f"GPU ranks (METP_CPU is not 1) but {sys.executable}" in proc.stderr
         assert not (tmp_path / "torchrun.called").exists()
     proc = _launcher("--config", TINY, METP_CPU=1, **env)  # the control
     assert proc.returncode == 0, proc.stderr

@@ -99,8 +99,8 @@ def choose_port(port: Optional[str], nnodes: int, node_rank: int,
             return None, f"MASTER_PORT={port} is not a port number (1 to 65535)"
         given = f"MASTER_PORT={port}"
     if node_rank == 0 and is_local(master_addr) and port_taken(chosen):
-        fix = "unset MASTER_PORT (one node: the launcher picks a free port)" if nnodes == 1 \
-            else "set MASTER_PORT to a free port on every node"
+        fix = "unset MASTER_PORT (one node: the launcher then picks a free port) or give a " \
+            "free one" if nnodes == 1 else "set MASTER_PORT to a port free on every node"
         return None, (f"{given} is taken on {socket.gethostname()} by another process (another "
                       f"job's rendezvous?), so torchrun would fail with EADDRINUSE; {fix}, e.g. "
                       f"MASTER_PORT={free_port()} (free here now)")
@@ -174,7 +174,7 @@ def node_problems(cpu: bool, slurm: bool, python: str) -> Tuple[str, List[str]]:
         why = "has a torch built without CUDA" if not gpu_build else \
             "sees no GPU (CUDA_VISIBLE_DEVICES hides them)" if _hidden_by_env() and gpus else \
             "sees no GPU on this node"
-        out.append(f"GPU ranks (METP_CPU unset) but {python} {why} (torch {version}); set "
+        out.append(f"GPU ranks (METP_CPU is not 1) but {python} {why} (torch {version}); set "
                    f"METP_CPU=1 to train on CPU ranks (gloo), or run on a GPU node with a "
                    f"CUDA build of torch (PYTHON)")
     return env, out
