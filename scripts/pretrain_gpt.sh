@@ -211,7 +211,13 @@ done
 [[ ${#BAD[@]} -eq 0 ]] || die "not a whole number: ${BAD[*]} (give each as digits, e.g. SEQ_LENGTH=131072 for 128K)"
 WORLD_SIZE=$((GPUS_PER_NODE * NNODES))
 # The node's checks (no package import: in milliseconds, torch only for `node`)
-LAUNCH_CHECKS=("$PYTHON" "$SCRIPT_DIR/../megatron_metp/megatron_lm/launch_checks.py")
+CHECK_PYTHON="$PYTHON"
+if ! command -v "$PYTHON" >/dev/null 2>&1; then  # --print-cmd only prints it: any python3 checks
+    [[ "$MODE" == print ]] ||
+        die "PYTHON=$PYTHON not found: make venv (or make venv-019), or set PYTHON to the interpreter that has megatron-metp and torch"
+    CHECK_PYTHON=python3
+fi
+LAUNCH_CHECKS=("$CHECK_PYTHON" "$SCRIPT_DIR/../megatron_metp/megatron_lm/launch_checks.py")
 if [[ "$MODE" == dry-run ]]; then
     : "${MASTER_PORT:=6000}"  # no rendezvous
 else  # one node: a free port when unset; a taken one refused here, naming a free one

@@ -41,6 +41,11 @@ def test_a_missing_or_malformed_setting_is_named_with_its_fix(tmp_path):
     assert proc.returncode == 1 and "not a whole number: SEQ_LENGTH=4k" in proc.stderr
     _, argv = _print_cmd(str(config), SEQ_LENGTH=128)  # the negative control
     assert _flags(argv)["--seq-length"] == ["128"]
+    # an interpreter that is not there: named before anything runs (--print-cmd only prints it)
+    proc = _launcher("--config", TINY, "--preflight", MEGATRON_LM_DIR="/m", PYTHON="/no/python")
+    assert proc.returncode == 1 and "PYTHON=/no/python not found: make venv" in proc.stderr
+    launcher, _ = _print_cmd(TINY, PYTHON="/no/python")
+    assert launcher[:3] == ["/no/python", "-m", "torch.distributed.run"]
 
 
 # ------------------------------------------------------------------------------ port
