@@ -73,6 +73,24 @@ def test_the_rendezvous_port_is_free_or_refused_naming_the_fix():
         assert port is None and "set MASTER_PORT to a port free on every node" in problem
 
 
+def test_a_port_left_by_a_finished_job_is_free_again():
+    """A rendezvous store that has just closed (SO_REUSEADDR, as torch's store listens) leaves
+    its connections in TIME_WAIT: the same port is free for the next (or requeued) job."""
+    store = socket.socket()
+    store.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    store.bind(("127.0.0.1", 0))
+    store.listen()
+    port = store.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    accepted, _ = store.accept()
+    assert launch_checks.port_taken(port)  # while it listens
+    store.close()
+    accepted.close()  # the store's side closes first: its end waits in TIME_WAIT
+    client.close()
+    assert not launch_checks.port_taken(port)
+    assert launch_checks.choose_port(str(port), 1, 0, "localhost") == (port, None)
+
+
 # ------------------------------------------------------------------------------ paths
 
 def test_relative_paths_are_taken_from_the_submit_folder(tmp_path):

@@ -51,9 +51,12 @@ def free_port() -> int:
 
 
 def port_taken(port: int) -> bool:
-    """Whether another process holds ``port`` here (binding it fails with EADDRINUSE), as
-    torchrun's rendezvous store would find it."""
+    """Whether another process listens on ``port`` here (binding it fails with EADDRINUSE), as
+    torchrun's rendezvous store would find it. ``SO_REUSEADDR``, as the store sets it: the
+    connections of a job that just ended on the port (TIME_WAIT, e.g. a requeued Slurm job's
+    same port) do not count."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("", port))
         except OSError as exc:
