@@ -98,17 +98,18 @@
 #                                           which applies the CPU shims and runs pretrain_gpt.py;
 #                                           refused where CUDA is available
 #   PREFLIGHT [1]                           0: skip the preflight (the ranks check the flags anyway)
-#
-# Relative paths in CHECKPOINT_PATH, DATA_PATH, TOKENIZER_MODEL, VOCAB_FILE, MERGE_FILE,
-# TENSORBOARD_DIR (and in --save, --load, --data-path, --tokenizer-model, --vocab-file,
-# --merge-file, --tensorboard-dir after '--') are taken from the submit folder ($SLURM_SUBMIT_DIR
-# under Slurm, else the current directory), not from the Megatron-LM checkout the ranks run in.
-# Before the ranks start (default mode), every node checks that the ranks' Python sees a GPU
-# (else METP_CPU=1 is named), that under Slurm it is not a CPU-only torch on a node with NVIDIA
-# GPUs, and that the rendezvous port is free; its start line names the environment used.
 #   PYTHON [the project's venv: .venv-019/bin/python when MEGATRON_LM_DIR is core_v0.19.0, else
 #           .venv/bin/python, when there; else python on PATH]
 #   TORCHRUN [the torchrun next to $PYTHON, else $PYTHON -m torch.distributed.run]
+#
+# Relative paths in CHECKPOINT_PATH, DATA_PATH, TOKENIZER_MODEL, VOCAB_FILE, MERGE_FILE,
+# TENSORBOARD_DIR (and in --save, --load, --pretrained-checkpoint, --data-path, --data-cache-path,
+# --tokenizer-model, --vocab-file, --merge-file, --tensorboard-dir after '--') are taken from the
+# submit folder ($SLURM_SUBMIT_DIR under Slurm, else the current directory), not from the
+# Megatron-LM checkout the ranks run in.
+# Before the ranks start (default mode), every node checks that the ranks' Python sees a GPU
+# (else METP_CPU=1 is named), that under Slurm it is not a CPU-only torch on a node with NVIDIA
+# GPUs, and that the rendezvous port is free; its start line names the environment used.
 set -euo pipefail
 
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -257,7 +258,8 @@ PATH_FLAG=""
 for i in "${!USER_ARGS[@]}"; do  # the same for the path flags after '--'
     a="${USER_ARGS[$i]}"
     case "$a" in
-        --save|--load|--tokenizer-model|--vocab-file|--merge-file|--tensorboard-dir|--data-path)
+        --save|--load|--pretrained-checkpoint|--tokenizer-model|--vocab-file|--merge-file|\
+        --tensorboard-dir|--data-cache-path|--data-path)
             PATH_FLAG=$a; continue ;;
         --*) PATH_FLAG=""; continue ;;
     esac

@@ -98,7 +98,7 @@ def test_relative_paths_are_taken_from_the_submit_folder(tmp_path):
     common = dict(CHECKPOINT_PATH="ckpt", DATA_PATH="0.5 data/a 0.5 /abs/b",
                   TOKENIZER_MODEL="tok", TENSORBOARD_DIR="./tb")
     proc = _launcher("--config", TINY, "--print-cmd", "--", "--load", "old", "--data-path",
-                     "1.0", "d/x", "2", "d/y", "--tokenizer-model", "org/name", cwd=tmp_path,
+                     "1.0", "d/x", "2", "d/y", "--tokenizer-model", "org/name", "--pretrained-checkpoint", "imported", cwd=tmp_path,
                      MEGATRON_LM_DIR="/m", **common)
     assert proc.returncode == 0, proc.stderr
     argv = shlex.split(proc.stdout.splitlines()[-1])
@@ -108,6 +108,7 @@ def test_relative_paths_are_taken_from_the_submit_folder(tmp_path):
     assert f["--load"] == [f"{here}/old"]  # after '--' (the last --load wins)
     assert f["--data-path"] == ["1.0", f"{here}/d/x", "2", f"{here}/d/y"]
     assert f["--tokenizer-model"] == ["org/name"]  # a hub name stays one
+    assert f["--pretrained-checkpoint"] == [f"{here}/imported"]
     assert argv[argv.index("--data-path") + 1:argv.index("--data-path") + 5] == \
         ["0.5", f"{here}/data/a", "0.5", "/abs/b"]
     assert argv[argv.index("--tokenizer-model") + 1] == f"{here}/tok"
