@@ -183,15 +183,21 @@ if [[ "$PYTHON" == */* && "$PYTHON" != /* ]]; then  # a relative path: absolute 
     PYTHON="$(cd "$(dirname "$PYTHON")" && pwd)/$(basename "$PYTHON")"
 fi
 if [[ -d "$MEGATRON_LM_DIR" ]]; then MEGATRON_LM_DIR="$(cd "$MEGATRON_LM_DIR" && pwd)"; fi
-if [[ -z "${SEQUENCE_PARALLEL:-}" ]]; then
-    if [[ "$TP" -gt 1 && "$METP" -eq 1 ]]; then SEQUENCE_PARALLEL=1; else SEQUENCE_PARALLEL=0; fi
-fi
 MISSING=()
 for v in NUM_LAYERS HIDDEN_SIZE NUM_ATTENTION_HEADS SEQ_LENGTH; do
     [[ -n "${!v:-}" ]] || MISSING+=("$v")
 done
 [[ ${#MISSING[@]} -eq 0 ]] ||
     die "not set: ${MISSING[*]} (neither the config $CONFIG nor the environment sets it); give each in the environment (e.g. ${MISSING[0]}=<value> scripts/pretrain_gpt.sh ...) or in the config (: \"\${${MISSING[0]}:=<value>}\")"
+BAD=()  # numbers the script computes with (bash arithmetic would fail on them, unnamed)
+for v in NUM_LAYERS HIDDEN_SIZE NUM_ATTENTION_HEADS SEQ_LENGTH NNODES GPUS_PER_NODE NODE_RANK TP \
+         PP METP CP FFN_HIDDEN_SIZE MICRO_BATCH_SIZE GLOBAL_BATCH_SIZE TRAIN_ITERS; do
+    [[ -z "${!v:-}" || "${!v}" =~ ^[0-9]+$ ]] || BAD+=("$v=${!v}")
+done
+[[ ${#BAD[@]} -eq 0 ]] || die "not a whole number: ${BAD[*]} (give each as digits, e.g. SEQ_LENGTH=131072 for 128K)"
+if [[ -z "${SEQUENCE_PARALLEL:-}" ]]; then
+    if [[ "$TP" -gt 1 && "$METP" -eq 1 ]]; then SEQUENCE_PARALLEL=1; else SEQUENCE_PARALLEL=0; fi
+fi
 : "${FFN_HIDDEN_SIZE:=$((4 * HIDDEN_SIZE))}" "${NUM_QUERY_GROUPS:=}"
 : "${MAX_POSITION_EMBEDDINGS:=$SEQ_LENGTH}" "${POSITION_EMBEDDING_TYPE:=rope}" "${ROTARY_BASE:=10000}"
 : "${SWIGLU:=0}" "${NORMALIZATION:=LayerNorm}" "${UNTIE_EMBEDDINGS:=0}" "${DISABLE_BIAS_LINEAR:=0}"
@@ -204,12 +210,6 @@ done
 : "${EVAL_INTERVAL:=1000}" "${EVAL_ITERS:=10}"
 : "${TRANSFORMER_IMPL:=auto}" "${METP_ATTENTION_KERNEL:=auto}"
 : "${METP_DISABLE_WEIGHT_RING:=0}" "${METP_KEEP_INTERMEDIATE:=0}" "${METP_VOCAB_PARALLEL:=0}"
-BAD=()
-for v in NUM_LAYERS HIDDEN_SIZE NUM_ATTENTION_HEADS SEQ_LENGTH FFN_HIDDEN_SIZE NNODES GPUS_PER_NODE \
-         NODE_RANK TP PP METP CP MICRO_BATCH_SIZE GLOBAL_BATCH_SIZE TRAIN_ITERS; do
-    [[ "${!v}" =~ ^[0-9]+$ ]] || BAD+=("$v=${!v}")
-done
-[[ ${#BAD[@]} -eq 0 ]] || die "not a whole number: ${BAD[*]} (give each as digits, e.g. SEQ_LENGTH=131072 for 128K)"
 WORLD_SIZE=$((GPUS_PER_NODE * NNODES))
 # The node's checks (no package import: in milliseconds, torch only for `node`)
 CHECK_PYTHON="$PYTHON"

@@ -37,8 +37,9 @@ def test_a_missing_or_malformed_setting_is_named_with_its_fix(tmp_path):
     assert "not set: SEQ_LENGTH (neither the config" in proc.stderr, proc.stderr
     assert "SEQ_LENGTH=<value> scripts/pretrain_gpt.sh" in proc.stderr
     proc = _launcher("--config", str(config), "--print-cmd", MEGATRON_LM_DIR="/m",
-                     SEQ_LENGTH="4k")
-    assert proc.returncode == 1 and "not a whole number: SEQ_LENGTH=4k" in proc.stderr
+                     SEQ_LENGTH="4k", HIDDEN_SIZE="1k", TP="2x")
+    assert proc.returncode == 1, proc.stderr
+    assert "not a whole number: HIDDEN_SIZE=1k SEQ_LENGTH=4k TP=2x" in proc.stderr
     _, argv = _print_cmd(str(config), SEQ_LENGTH=128)  # the negative control
     assert _flags(argv)["--seq-length"] == ["128"]
     # an interpreter that is not there: named before anything runs (--print-cmd only prints it)
