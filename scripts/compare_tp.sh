@@ -14,7 +14,8 @@
 #   --parse-only    do not train: tabulate the logs already in --out (metp.log, tp.log)
 #
 # Both runs use scripts/pretrain_gpt.sh, so every environment variable it reads applies to both
-# (MEGATRON_LM_DIR, NNODES, GPUS_PER_NODE, DATA_PATH, ...). For multi-node configs run the two
+# (MEGATRON_LM_DIR, NNODES, GPUS_PER_NODE, DATA_PATH, ...); both configs' settings are checked
+# (pretrain_gpt.sh --print-cmd) before the first run starts. For multi-node configs run the two
 # Slurm jobs (scripts/slurm/pretrain_gpt.sbatch) and then
 #   python -m megatron_metp.compare --log metp=<job1 node0 log> --log tp=<job2 node0 log> --out DIR
 # (Megatron prints the iteration lines on the last rank: the last node's log).
@@ -79,6 +80,11 @@ run_one() {  # label config
 }
 
 if [[ "$PARSE_ONLY" == 0 ]]; then
+    for c in "$CONFIG" "$TWIN"; do  # both runs' settings, before the first one starts
+        TRAIN_ITERS="$ITERS" bash "$SCRIPT_DIR/pretrain_gpt.sh" --config "$c" --print-cmd \
+            ${PASS[@]+-- "${PASS[@]}"} >/dev/null ||
+            die "the launcher refused the settings of $(basename "$c") (above); nothing was run"
+    done
     run_one metp "$CONFIG" || die "the METP run failed; see $OUT/metp.log"
     run_one tp "$TWIN" || die "the TP run failed; see $OUT/tp.log"
 fi

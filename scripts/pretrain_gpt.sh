@@ -15,6 +15,7 @@
 #                      tokenizer's files, the checkpoint to load (python -m
 #                      megatron_metp.megatron_lm.preflight); every problem is listed at once
 #   --print-cmd        print the environment and the exact torchrun command, run nothing
+#   --check-node       only check this node (the port, the ranks' Python environment: below)
 #   --dry-run          on a CPU (login node): parse and validate the exact same arguments with the
 #                      real Megatron-LM parser, build rank 0's model (or --rank N) under a fake
 #                      process group and fake tensors, run one micro-batch forward+backward and
@@ -33,7 +34,8 @@
 # Every setting is an environment variable; a config file only fills in those not set, and this
 # script the rest. The main ones (defaults in brackets):
 #   NNODES [1] GPUS_PER_NODE [8] NODE_RANK [$SLURM_NODEID or 0] MASTER_ADDR [localhost]
-#   MASTER_PORT [6000]                      torchrun rendezvous (one torchrun per node)
+#   MASTER_PORT [one node: a port free here; several: 6000]   torchrun rendezvous (one torchrun
+#                                           per node); a taken one is refused, naming a free one
 #   MEGATRON_LM_DIR [/opt/Megatron-LM]      patched checkout at core_v0.19.0 or core_v0.16.1
 #   TP PP METP [1 1 1] SEQUENCE_PARALLEL [1 when TP>1 and METP=1]   model parallelism
 #   CP [1] VPP [unset]                      Megatron context parallelism (with METP > 1: the outer
@@ -99,6 +101,15 @@
 #   PYTHON [the project's venv: .venv-019/bin/python when MEGATRON_LM_DIR is core_v0.19.0, else
 #           .venv/bin/python, when there; else python on PATH]
 #   TORCHRUN [the torchrun next to $PYTHON, else $PYTHON -m torch.distributed.run]
+#
+# Relative paths in CHECKPOINT_PATH, DATA_PATH, TOKENIZER_MODEL, VOCAB_FILE, MERGE_FILE,
+# TENSORBOARD_DIR (and in --save, --load, --pretrained-checkpoint, --data-path, --data-cache-path,
+# --tokenizer-model, --vocab-file, --merge-file, --tensorboard-dir after '--') are taken from the
+# submit folder ($SLURM_SUBMIT_DIR under Slurm, else the current directory), not from the
+# Megatron-LM checkout the ranks run in.
+# Before the ranks start (default mode), every node checks that the ranks' Python sees a GPU
+# (else METP_CPU=1 is named), that under Slurm it is not a CPU-only torch on a node with NVIDIA
+# GPUs, and that the rendezvous port is free; its start line names the environment used.
 set -euo pipefail
 
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -130,6 +141,7 @@ while [[ $# -gt 0 ]]; do
         --dry-run) MODE=dry-run ;;
         --print-cmd) MODE=print ;;
         --preflight) MODE=preflight ;;
+        --check-node) MODE=check-node ;;
         --rank) [[ $# -ge 2 ]] || die "--rank needs a value"; DRY_RUN_OPTS+=(--rank "$2"); shift ;;
         --json) [[ $# -ge 2 ]] || die "--json needs a file"; DRY_RUN_OPTS+=(--json "$2"); shift ;;
         --cpu-kernels) DRY_RUN_OPTS+=(--cpu-kernels) ;;
@@ -156,7 +168,7 @@ fi
 source "$CONFIG"
 
 : "${NNODES:=1}" "${GPUS_PER_NODE:=8}" "${NODE_RANK:=${SLURM_NODEID:-0}}"
-: "${MASTER_ADDR:=localhost}" "${MASTER_PORT:=6000}"
+: "${MASTER_ADDR:=localhost}"
 : "${MEGATRON_LM_DIR:=/opt/Megatron-LM}" "${METP_CPU:=0}"
 if [[ -z "${PYTHON:-}" ]]; then  # the project's venv (make venv / make venv-019), else PATH's
     PYTHON=python
@@ -171,10 +183,21 @@ if [[ "$PYTHON" == */* && "$PYTHON" != /* ]]; then  # a relative path: absolute 
     PYTHON="$(cd "$(dirname "$PYTHON")" && pwd)/$(basename "$PYTHON")"
 fi
 if [[ -d "$MEGATRON_LM_DIR" ]]; then MEGATRON_LM_DIR="$(cd "$MEGATRON_LM_DIR" && pwd)"; fi
+MISSING=()
+for v in NUM_LAYERS HIDDEN_SIZE NUM_ATTENTION_HEADS SEQ_LENGTH; do
+    [[ -n "${!v:-}" ]] || MISSING+=("$v")
+done
+[[ ${#MISSING[@]} -eq 0 ]] ||
+    die "not set: ${MISSING[*]} (neither the config $CONFIG nor the environment sets it); give each in the environment (e.g. ${MISSING[0]}=<value> scripts/pretrain_gpt.sh ...) or in the config (: \"\${${MISSING[0]}:=<value>}\")"
+BAD=()  # numbers the script computes with (bash arithmetic would fail on them, unnamed)
+for v in NUM_LAYERS HIDDEN_SIZE NUM_ATTENTION_HEADS SEQ_LENGTH NNODES GPUS_PER_NODE NODE_RANK TP \
+         PP METP CP FFN_HIDDEN_SIZE MICRO_BATCH_SIZE GLOBAL_BATCH_SIZE TRAIN_ITERS; do
+    [[ -z "${!v:-}" || "${!v}" =~ ^[0-9]+$ ]] || BAD+=("$v=${!v}")
+done
+[[ ${#BAD[@]} -eq 0 ]] || die "not a whole number: ${BAD[*]} (give each as digits, e.g. SEQ_LENGTH=131072 for 128K)"
 if [[ -z "${SEQUENCE_PARALLEL:-}" ]]; then
     if [[ "$TP" -gt 1 && "$METP" -eq 1 ]]; then SEQUENCE_PARALLEL=1; else SEQUENCE_PARALLEL=0; fi
 fi
-: "${NUM_LAYERS:?set in the config}" "${HIDDEN_SIZE:?}" "${NUM_ATTENTION_HEADS:?}" "${SEQ_LENGTH:?}"
 : "${FFN_HIDDEN_SIZE:=$((4 * HIDDEN_SIZE))}" "${NUM_QUERY_GROUPS:=}"
 : "${MAX_POSITION_EMBEDDINGS:=$SEQ_LENGTH}" "${POSITION_EMBEDDING_TYPE:=rope}" "${ROTARY_BASE:=10000}"
 : "${SWIGLU:=0}" "${NORMALIZATION:=LayerNorm}" "${UNTIE_EMBEDDINGS:=0}" "${DISABLE_BIAS_LINEAR:=0}"
@@ -188,12 +211,66 @@ fi
 : "${TRANSFORMER_IMPL:=auto}" "${METP_ATTENTION_KERNEL:=auto}"
 : "${METP_DISABLE_WEIGHT_RING:=0}" "${METP_KEEP_INTERMEDIATE:=0}" "${METP_VOCAB_PARALLEL:=0}"
 WORLD_SIZE=$((GPUS_PER_NODE * NNODES))
+# The node's checks (no package import: in milliseconds, torch only for `node`)
+CHECK_PYTHON="$PYTHON"
+if ! command -v "$PYTHON" >/dev/null 2>&1; then  # --print-cmd only prints it: any python3 checks
+    [[ "$MODE" == print ]] ||
+        die "PYTHON=$PYTHON not found: make venv (or make venv-019), or set PYTHON to the interpreter that has megatron-metp and torch"
+    CHECK_PYTHON=python3
+fi
+LAUNCH_CHECKS=("$CHECK_PYTHON" "$SCRIPT_DIR/../megatron_metp/megatron_lm/launch_checks.py")
+if [[ "$MODE" == dry-run ]]; then
+    : "${MASTER_PORT:=6000}"  # no rendezvous
+else  # one node: a free port when unset; a taken one refused here, naming a free one
+    MASTER_PORT="$("${LAUNCH_CHECKS[@]}" port --nnodes "$NNODES" --node-rank "$NODE_RANK" \
+                   --master-addr "$MASTER_ADDR" --master-port "${MASTER_PORT:-}")" || exit 1
+fi
 # YaRN: Megatron-LM core_v0.19.0 has the flags; core_v0.16.1's pretrain_gpt.py rejects the choice
 # while parsing, before any METP hook can name the release, so refuse it here
 if [[ "$POSITION_EMBEDDING_TYPE" == yarn && -f "$MEGATRON_LM_DIR/megatron/training/arguments.py" ]] &&
         ! grep -q -- "--yarn-beta-fast" "$MEGATRON_LM_DIR/megatron/training/arguments.py"; then
-    die "POSITION_EMBEDDING_TYPE=yarn (--position-embedding-type yarn) needs Megatron-LM core_v0.19.0: $MEGATRON_LM_DIR has no --yarn-* flags (core_v0.16.1); use a core_v0.19.0 checkout or POSITION_EMBEDDING_TYPE=rope"
+    die "POSITION_EMBEDDING_TYPE=yarn (--position-embedding-type yarn) needs Megatron-LM core_v0.19.0: $MEGATRON_LM_DIR has no --yarn-* flags (core_v0.16.1); point MEGATRON_LM_DIR at a core_v0.19.0 checkout patched by scripts/apply_patches.sh (its environment: make venv-019). Another position embedding (rope) would train a different model, with positions a YaRN checkpoint was not trained on"
 fi
+
+# Relative paths: from the submit folder (the ranks run in the Megatron-LM checkout)
+SUBMIT_DIR="${SLURM_SUBMIT_DIR:-$PWD}"
+from_submit_dir() {  # a path as given when absolute (or empty), else under $SUBMIT_DIR
+    if [[ -z "$1" || "$1" == /* ]]; then echo "$1"; else echo "$SUBMIT_DIR/${1#./}"; fi
+}
+local_tokenizer() {  # a --tokenizer-model that is a path here (not a hub name such as org/name)
+    [[ "$1" == ./* || "$1" == ../* || -e "$SUBMIT_DIR/$1" ]]
+}
+for v in CHECKPOINT_PATH VOCAB_FILE MERGE_FILE TENSORBOARD_DIR; do
+    [[ -n "${!v:-}" ]] && printf -v "$v" '%s' "$(from_submit_dir "${!v}")"
+done
+if [[ -n "${TOKENIZER_MODEL:-}" ]] && local_tokenizer "$TOKENIZER_MODEL"; then
+    TOKENIZER_MODEL="$(from_submit_dir "$TOKENIZER_MODEL")"
+fi
+if [[ -n "${DATA_PATH:-}" ]]; then  # "[weight] prefix ..." : the prefixes
+    read -r -a DATA_PATH_WORDS <<< "$DATA_PATH"
+    for i in "${!DATA_PATH_WORDS[@]}"; do
+        [[ "${DATA_PATH_WORDS[$i]}" =~ ^[0-9.eE+-]+$ ]] ||
+            DATA_PATH_WORDS[i]="$(from_submit_dir "${DATA_PATH_WORDS[$i]}")"
+    done
+    DATA_PATH="${DATA_PATH_WORDS[*]}"
+fi
+PATH_FLAG=""
+for i in "${!USER_ARGS[@]}"; do  # the same for the path flags after '--'
+    a="${USER_ARGS[$i]}"
+    case "$a" in
+        --save|--load|--pretrained-checkpoint|--tokenizer-model|--vocab-file|--merge-file|\
+        --tensorboard-dir|--data-cache-path|--data-path)
+            PATH_FLAG=$a; continue ;;
+        --*) PATH_FLAG=""; continue ;;
+    esac
+    case "$PATH_FLAG" in
+        "") ;;
+        --tokenizer-model) local_tokenizer "$a" && USER_ARGS[i]="$(from_submit_dir "$a")" ;;
+        --data-path) [[ "$a" =~ ^[0-9.eE+-]+$ ]] || USER_ARGS[i]="$(from_submit_dir "$a")" ;;
+        *) USER_ARGS[i]="$(from_submit_dir "$a")" ;;
+    esac
+    [[ "$PATH_FLAG" == --data-path ]] || PATH_FLAG=""
+done
 
 IMPL_NOTE=""
 if [[ "$TRANSFORMER_IMPL" == auto ]]; then
@@ -398,6 +475,19 @@ if [[ "$MODE" == print ]]; then
     exit 0
 fi
 
+# The ranks' Python environment on this node (which one; a GPU, or METP_CPU=1; under Slurm no
+# CPU-only torch on a GPU node)
+check_node() {
+    local cmd=("${LAUNCH_CHECKS[@]}" node)
+    [[ "$METP_CPU" == 1 ]] && cmd+=(--cpu)
+    ENVIRONMENT="$("${cmd[@]}")" || exit 1
+}
+if [[ "$MODE" == check-node ]]; then
+    check_node
+    echo "pretrain_gpt.sh: node $NODE_RANK of $NNODES ($(hostname)): $ENVIRONMENT; rendezvous $MASTER_ADDR:$MASTER_PORT" >&2
+    exit 0
+fi
+
 [[ -f "$MEGATRON_LM_DIR/pretrain_gpt.py" ]] ||
     die "MEGATRON_LM_DIR=$MEGATRON_LM_DIR is not a Megatron-LM checkout"
 grep -q megatron_metp "$MEGATRON_LM_DIR/pretrain_gpt.py" ||
@@ -410,6 +500,7 @@ if [[ "$MODE" == preflight || "${PREFLIGHT:-1}" != 0 ]]; then
         die "the preflight refused this job (above; PREFLIGHT=0 skips it)"
     [[ "$MODE" == preflight ]] && exit 0
 fi
+check_node
 if [[ "$METP_CPU" == 1 ]]; then RANKS="$GPUS_PER_NODE CPU ranks"; else RANKS="$GPUS_PER_NODE GPUs"; fi
-echo "pretrain_gpt.sh: node $NODE_RANK of $NNODES, $RANKS, config $(basename "$CONFIG"), $PYTHON" >&2
+echo "pretrain_gpt.sh: node $NODE_RANK of $NNODES, $RANKS, config $(basename "$CONFIG"), $ENVIRONMENT, rendezvous $MASTER_ADDR:$MASTER_PORT" >&2
 exec "${CMD[@]}"

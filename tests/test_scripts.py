@@ -228,6 +228,9 @@ def _fake_launch(tmp_path):
         (bin_dir / tool).write_text(f'#!/bin/sh\necho "PREFLIGHT=$PREFLIGHT $*" > '
                                     f'"{tmp_path}/{tool}.called"\n')
         (bin_dir / tool).chmod(0o755)
+    # a node without NVIDIA GPUs, whatever this machine has (the Slurm node check asks it)
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\nexit 0\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
     return mlm, bin_dir
 
 

@@ -40,7 +40,9 @@ def test_core_v0_16_1_parses_yarn_only_to_refuse_it_naming_the_release():
     with pytest.raises(ValueError) as err:  # any run, METP or not
         megatron_lm.validate_metp_args(_args(position_embedding_type=args.position_embedding_type))
     assert f"needs Megatron-LM core_v0.19.0: this is {for_megatron_core().tag}" in str(err.value)
-    assert "--position-embedding-type rope" in str(err.value)
+    # only what trains the same model: not another position embedding
+    assert "--position-embedding-type rope" not in str(err.value)
+    assert "would train a different model" in str(err.value)
     new = _megatron_parser(with_yarn=True)
     before = list(new._option_string_actions["--position-embedding-type"].choices)
     offer_yarn_choice(new)

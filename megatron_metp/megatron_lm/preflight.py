@@ -19,7 +19,10 @@ arguments. It checks:
 * the checkpoint to ``--load``: its tracker names an iteration that exists, and its optimizer
   state fits this run (METP against stock, distributed against plain optimizer); the iteration
   it resumes from (or ``--ckpt-step``'s) matches the checksums of its manifest, file by file
-  (:mod:`.ckpt_manifest`; one without a manifest passes with a line saying it is unverified).
+  (:mod:`.ckpt_manifest`; one without a manifest passes with a line saying it is unverified);
+* flags the checkout's release lacks (YaRN on core_v0.16.1:
+  :func:`megatron_metp.megatron_lm.launch_checks.release_problems`), from the settings or
+  after ``--`` alike.
 
 Nothing is built, no process group made, Megatron not imported: the flags are read by a small
 parser that knows only the flags checked, with Megatron-LM's defaults (the same in core_v0.16.1
@@ -355,6 +358,9 @@ def job_problems(argv: Sequence[str], world_size: int, cpu: bool = False,
 
         out += [f"on CPU ranks (METP_CPU=1): {p}" for p in cpu_arg_problems(args)]
     out += data_problems(args) + tokenizer_problems(args) + checkpoint_problems(args, notes)
+    from .launch_checks import release_problems  # flags this checkout's release lacks (YaRN)
+
+    out += release_problems(argv)
     return out
 
 

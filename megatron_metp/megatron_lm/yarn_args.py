@@ -65,8 +65,9 @@ def yarn_release_problem(args) -> Optional[str]:
     tag = for_megatron_core().tag
     return (f"--position-embedding-type yarn needs Megatron-LM core_v0.19.0: this is {tag}, "
             f"whose pretrain_gpt.py has no --yarn-* flags and never fills megatron-core's YaRN "
-            f"settings; use core_v0.19.0 (make venv-019, METP_MEGATRON_LM_RELEASE=core_v0.19.0) "
-            f"or --position-embedding-type rope")
+            f"settings; use core_v0.19.0 (make venv-019, METP_MEGATRON_LM_RELEASE=core_v0.19.0); "
+            f"another position embedding (rope) would train a different model, with positions a "
+            f"YaRN checkpoint was not trained on")
 
 
 def yarn_problems(args) -> List[str]:

@@ -22,6 +22,10 @@
 # Before srun starts any task, the job is checked once here (scripts/pretrain_gpt.sh --preflight:
 # flags, data, tokenizer, checkpoint, every problem at once, in seconds); with CONTAINER_IMAGE
 # the check runs inside each node's task instead, before its torchrun. PREFLIGHT=0 skips it.
+# Then this node is checked (scripts/pretrain_gpt.sh --check-node): the Python environment the
+# ranks use is named, and refused when its torch has no CUDA on a node with NVIDIA GPUs (a
+# CPU-only venv made on a login node), or sees no GPU without METP_CPU=1; the rendezvous port
+# must be free. Each node's task checks its own node again before its torchrun.
 set -euo pipefail
 
 die() {
@@ -134,6 +138,10 @@ if [[ -z "${CONTAINER_IMAGE:-}" && "${PREFLIGHT:-1}" != 0 ]]; then
         --preflight ${PASS[@]+-- "${PASS[@]}"} ||
         die "the preflight refused this job (above); nothing was started (PREFLIGHT=0 skips it)"
     export PREFLIGHT=0  # checked once for every node (the same files on the shared file system)
+fi
+if [[ -z "${CONTAINER_IMAGE:-}" ]]; then  # the ranks' environment, on this node (node 0)
+    NODE_RANK=0 SLURM_NODEID=0 bash "$HOST_SCRIPTS/pretrain_gpt.sh" --config "$CONFIG_ON_HOST" \
+        --check-node || die "this node refused the job (above); nothing was started"
 fi
 mkdir -p "$LOG_DIR"
 describe | tee "$LOG_DIR/commands.txt"

@@ -194,17 +194,25 @@ def _model_file_values(model: Model) -> Dict[str, str]:
 
 
 def launch_line(model: Model, job: Job, mode: str) -> str:
-    """One ``scripts/pretrain_gpt.sh`` command line: the settings as environment variables
-    (those the model file already gives left out) and ``--config`` the model file."""
+    """One command line: the settings as environment variables (those the model file already
+    gives left out) and the model file as the config. On one node ``scripts/pretrain_gpt.sh
+    --config FILE``; on several, ``CONFIG=FILE sbatch --nodes=N scripts/slurm/pretrain_gpt.sbatch``
+    (Slurm starts one torchrun per node and sets ``NNODES``; the script also needs
+    ``MEGATRON_LM_DIR`` or ``CONTAINER_IMAGE`` and names them when missing)."""
     path = model_file(model)
     given = dict(LAUNCHER_DEFAULTS, **_model_file_values(model))
     every = settings(model, job, mode)
     values = {name: value for name, value, _ in every}
     given["SEQUENCE_PARALLEL"] = str(int(values["TP"] != "1" and values["METP"] == "1"))
-    env = [f"{name}={shlex.quote(value)}" for name, value, _ in every if given.get(name) != value]
-    config = f" --config configs/models/{model.name}.sh" if path else \
-        " --config configs/models/tiny.sh"  # every geometry value is set above
-    return " ".join(env) + " scripts/pretrain_gpt.sh" + config
+    nnodes = int(values["NNODES"])
+    env = [f"{name}={shlex.quote(value)}" for name, value, _ in every
+           if given.get(name) != value and not (name == "NNODES" and nnodes > 1)]
+    config = f"configs/models/{model.name}.sh" if path else \
+        "configs/models/tiny.sh"  # every geometry value is set above
+    if nnodes > 1:
+        return " ".join(env + [f"CONFIG={config}"]) + \
+            f" sbatch --nodes={nnodes} scripts/slurm/pretrain_gpt.sbatch"
+    return " ".join(env) + " scripts/pretrain_gpt.sh --config " + config
 
 
 def config_text(model: Model, job: Job, mode: str, title: str) -> str:
