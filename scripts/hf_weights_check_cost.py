@@ -2,7 +2,7 @@
 in"): a random Llama-shaped ``model.safetensors`` of each size and dtype is written to a
 temporary folder and read (page-cached, best of 5) as the import read it before the checks
 (``safetensors.torch.load_file`` + a copy of every tensor) and as it reads it now
-(:func:`megatron_metp.tools.hf_weights_check.read_checked_safetensors` + the same copy).
+(:func:`megatron_metp.tools.hf.weights_check.read_checked_safetensors` + the same copy).
 
     OMP_NUM_THREADS=1 python scripts/hf_weights_check_cost.py
 """
@@ -15,9 +15,9 @@ import time
 import torch
 from safetensors.torch import load_file, save_file
 
-from megatron_metp.tools.hf_config import geometry_from_hf
-from megatron_metp.tools.hf_layout import _hf_names
-from megatron_metp.tools.hf_weights_check import (_nonfinite, check_headers,
+from megatron_metp.tools.hf.config import geometry_from_hf
+from megatron_metp.tools.hf.layout import _hf_names
+from megatron_metp.tools.hf.weights_check import (_nonfinite, check_headers,
                                                   read_checked_safetensors)
 
 BASE = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_act="silu",

@@ -5,7 +5,8 @@ import re
 
 import pytest
 
-from megatron_metp.tools import cli, hf_families, hf
+from megatron_metp.tools import cli, hf
+from megatron_metp.tools.hf import families as hf_families
 from megatron_metp.tools.helptext import FAMILY_NAMES, plain
 
 #: every ``metp`` command line whose ``--help`` a user reads

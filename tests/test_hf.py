@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from megatron_metp.tools import hf as H
-from megatron_metp.tools import hf_layout as L
-from megatron_metp.tools.hf_config import LlamaGeometry, geometry_from_hf
+from megatron_metp.tools.hf import convert
+from megatron_metp.tools.hf import layout as L
+from megatron_metp.tools.hf.config import LlamaGeometry, geometry_from_hf
 from tests.harness import assert_messages, run_ranks, value_errors
 from tests.numerics import rel_err
 
@@ -151,7 +152,7 @@ def models(tmp_path_factory):
                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
             assert cli.returncode == 0, cli.stderr
             assert "--untie-embeddings-and-output-weights" not in cli.stdout
-            with open(os.path.join(ckpt, H.META)) as f:
+            with open(os.path.join(ckpt, convert.META)) as f:
                 geometry = json.load(f)["geometry"]
         else:
             geometry = run_ranks(_import_on_a_rank, 1, hf_dir, ckpt,

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from megatron_metp.tools import hf as H
-from megatron_metp.tools import hf_layout as L
-from megatron_metp.tools.hf_config import geometry_from_hf
+from megatron_metp.tools.hf import layout as L
+from megatron_metp.tools.hf.config import geometry_from_hf
 from tests.harness import assert_messages, run_ranks, value_errors
 from tests.numerics import rel_err
 from tests.test_hf import BATCH, SEQ, _batch, _import_on_a_rank, _metp_run

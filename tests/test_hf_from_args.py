@@ -1,5 +1,5 @@
 """``hf export`` without ``--hf-config``: the config.json written from a checkpoint's saved
-Megatron-LM arguments (:mod:`megatron_metp.tools.hf_from_args`), the inert reader of those
+Megatron-LM arguments (:mod:`megatron_metp.tools.hf.from_args`), the inert reader of those
 arguments (:mod:`megatron_metp.megatron_lm.saved_args`) and the refusal of a model with no Hugging
 Face family. No training here: ``tests/test_hf_megatron_lm.py`` exports a from-scratch run and
 checks transformers' loss against Megatron-LM's."""
@@ -15,8 +15,8 @@ import torch
 
 from megatron_metp.megatron_lm.saved_args import read_saved_args
 from megatron_metp.tools import hf as H
-from megatron_metp.tools.hf_config import HFConfigError
-from megatron_metp.tools.hf_from_args import check_against_args, hf_config_from_args
+from megatron_metp.tools.hf.config import HFConfigError
+from megatron_metp.tools.hf.from_args import check_against_args, hf_config_from_args
 
 #: the saved args of configs/tiny-cpu-llama-metp2.sh (the fields export reads), as Megatron-LM
 #: core_v0.16.1 saves them

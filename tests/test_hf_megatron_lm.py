@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import torch
 
 from megatron_metp.tools import hf as H
-from megatron_metp.tools.hf_versions import canonical
+from megatron_metp.tools.hf.versions import canonical
 from tests.harness import free_port, run_ranks
 from tests.test_hf import _import_on_a_rank, _safetensors
 
@@ -132,7 +132,7 @@ def test_pretrain_gpt_loads_the_import_and_trains_from_it(patched_megatron_lm, t
     again = _safetensors(auto)
     assert sorted(again) == sorted(out) and all(torch.equal(again[k], out[k]) for k in out)
     with open(os.path.join(auto, "config.json")) as f:
-        written = canonical(json.load(f))  # either transformers' layout (hf_versions)
+        written = canonical(json.load(f))  # either transformers' layout (hf.versions)
     assert {k: written[k] for k in TINY} == TINY and written["model_type"] == "llama"
 
     # the walk-through's next launch: the same command resumes the run
@@ -158,7 +158,7 @@ def test_from_scratch_llama_exports_without_hf_config(patched_megatron_lm, tmp_p
     not used: core_v0.19.0 builds mock validation samples this test does not rebuild.)"""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from megatron_metp.tools.hf_config import geometry_from_hf
+    from megatron_metp.tools.hf.config import geometry_from_hf
     from tests.test_hf import _metp_run
     from tests.test_hf_tokenizer import EOS, PAD, SENTENCE, make_tokenizer, reference_ids
 

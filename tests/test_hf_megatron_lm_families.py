@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from megatron_metp.tools.hf_versions import installed_layout
+from megatron_metp.tools.hf.versions import installed_layout
 from tests.harness import free_port, run_ranks
 from tests.megatron_lm_release import RELEASE
 from tests.test_hf import _import_on_a_rank

@@ -17,7 +17,7 @@ import re
 import torch
 
 from megatron_metp.tools import hf as H
-from megatron_metp.tools.hf_versions import canonical
+from megatron_metp.tools.hf.versions import canonical
 from tests.harness import run_ranks
 from tests.test_hf import _import_on_a_rank
 from tests.test_hf_megatron_lm import GBS, TINY, _launch
@@ -63,7 +63,7 @@ def test_pretrain_gpt_loads_a_qwen3_moe_import(patched_megatron_lm, tmp_path):
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
     assert sum(".mlp.experts." in k for k in a) == 2 * 4 * 3  # layers 0 and 2, 4 experts
     with open(os.path.join(from_args, "config.json")) as f:
-        cfg = canonical(json.load(f))  # either transformers' layout (hf_versions)
+        cfg = canonical(json.load(f))  # either transformers' layout (hf.versions)
     assert {k: cfg[k] for k in ("model_type", "num_experts", "num_experts_per_tok",
                                 "moe_intermediate_size", "mlp_only_layers", "norm_topk_prob",
                                 "intermediate_size")} == dict(

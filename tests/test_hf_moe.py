@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from megatron_metp.tools import hf as H
-from megatron_metp.tools.hf_config import LlamaGeometry, geometry_from_hf, megatron_args
+from megatron_metp.tools.hf.config import LlamaGeometry, geometry_from_hf, megatron_args
 from tests.harness import assert_messages, run_ranks, value_errors
 from tests.numerics import rel_err
 from tests.test_hf import SEQ, TINY, _batch, _import_on_a_rank, _metp_run
@@ -351,7 +351,7 @@ def test_bad_moe_configs_are_refused_naming_the_field():
 def test_export_checks_the_saved_moe_arguments():
     """Exporting a Megatron-LM MoE checkpoint with a config.json: every MoE flag the run saved
     must match it (which layers are MoE from either form of --moe-layer-freq)."""
-    from megatron_metp.tools.hf_moe import moe_args_problems
+    from megatron_metp.tools.hf.moe import moe_args_problems
 
     cfg = _cfg("qwen3_moe")
     ok = dict(num_experts=6, moe_router_topk=2, moe_ffn_hidden_size=16,
@@ -379,7 +379,7 @@ def test_config_from_saved_moe_arguments():
     Qwen3-MoE (dense layers as mlp_only_layers, --moe-router-pre-softmax as norm_topk_prob
     false), without it a Mixtral (every layer MoE); the written config imports back to the saved
     flags; what neither family has is refused naming the flag."""
-    from megatron_metp.tools.hf_from_args import hf_config_from_args
+    from megatron_metp.tools.hf.from_args import hf_config_from_args
 
     q = hf_config_from_args(SAVED)
     assert (q["model_type"], q["num_experts"], q["moe_intermediate_size"], q["mlp_only_layers"],

@@ -1,5 +1,5 @@
 """``hf export`` writes the run's Hugging Face tokenizer beside the weights
-(:mod:`megatron_metp.tools.hf_tokenizer_export`): the import's tokenizer comes back, so that
+(:mod:`megatron_metp.tools.hf.tokenizer_export`): the import's tokenizer comes back, so that
 ``AutoTokenizer`` and ``AutoModelForCausalLM`` load the export and score a sentence with the METP
 model's loss on the same tokens; ``--tokenizer`` and the run's ``--tokenizer-model`` are
 preferred in that order; a run whose tokenizer has no Hugging Face form says so and the weights
@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from megatron_metp.tools import hf as H
-from megatron_metp.tools.hf_config import HFConfigError, geometry_from_hf
-from megatron_metp.tools.hf_tokenizer_export import plan_tokenizer
+from megatron_metp.tools.hf.config import HFConfigError, geometry_from_hf
+from megatron_metp.tools.hf.tokenizer_export import plan_tokenizer
 from tests.harness import run_ranks
 from tests.test_hf import _import_on_a_rank, _metp_run
 

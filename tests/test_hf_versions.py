@@ -18,9 +18,10 @@ import pytest
 import torch
 
 from megatron_metp.tools import hf as H
-from megatron_metp.tools import hf_versions as V
-from megatron_metp.tools.hf_config import LlamaGeometry, geometry_from_hf, megatron_args
-from megatron_metp.tools.hf_layout import hf_to_megatron
+from megatron_metp.tools.hf import convert
+from megatron_metp.tools.hf import versions as V
+from megatron_metp.tools.hf.config import LlamaGeometry, geometry_from_hf, megatron_args
+from megatron_metp.tools.hf.layout import hf_to_megatron
 from tests.harness import assert_messages, run_ranks, value_errors
 from tests.hf_tiny import FAMILIES, reference, save_tiny, weight
 from tests.numerics import rel_err
@@ -158,7 +159,7 @@ def test_reverted_fix_drops_yarn_negative_control(monkeypatch):
     """Negative control: read as before this fix (no 5.x layout, no key table), 5.25.0's YaRN
     Qwen3 loses YaRN and its base (--rotary-base 10000), its Mixtral the base, its Qwen3-MoE
     its experts, so the tests above would fail on that code."""
-    from megatron_metp.tools import hf_keys
+    from megatron_metp.tools.hf import keys as hf_keys
 
     def load(family):
         with open(os.path.join(DATA, "5.25.0", f"{family}.json")) as f:
@@ -248,8 +249,9 @@ def test_unknown_key_is_refused_before_any_weight_is_read(tiny, tmp_path, capsys
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(cfg, f)
     reads = []
-    # hf import reads its weights through hf_weights_check.read_checked_safetensors
-    monkeypatch.setattr(H, "read_checked_safetensors", lambda *a, **k: reads.append(a) or {})
+    # hf import reads its weights through weights_check.read_checked_safetensors, looked up in
+    # hf.convert (patching the package's name would not reach import_hf)
+    monkeypatch.setattr(convert, "read_checked_safetensors", lambda *a, **k: reads.append(a) or {})
     assert H.main(["import", "--hf-dir", d, "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert "attn_temperature = 0.7: not a key of a 'llama' config" in err
@@ -267,7 +269,7 @@ def test_top1_routing_converts_only_as_megatron_core_takes_it(tiny):
     pre-softmax top-1 router (its logits: test_metp_logits_equal_transformers)."""
     from megatron.core.transformer import TransformerConfig
 
-    from megatron_metp.tools.hf_config import transformer_config_kwargs
+    from megatron_metp.tools.hf.config import transformer_config_kwargs
 
     g = LlamaGeometry(**tiny["qwen3_moe_top1"].geometry)
     assert (g.moe_router_topk, g.moe_router_pre_softmax) == (1, True)
@@ -312,8 +314,8 @@ def test_export_writes_the_installed_layout_bit_exact(tiny, case, tmp_path):
 
 
 def test_the_docs_key_table_is_current():
-    """docs/huggingface.md prints the key table as megatron_metp/tools/hf_keys.py holds it."""
-    from megatron_metp.tools.hf_keys import markdown_table
+    """docs/huggingface.md prints the key table as megatron_metp/tools/hf/keys.py holds it."""
+    from megatron_metp.tools.hf.keys import markdown_table
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with open(os.path.join(root, "docs", "huggingface.md")) as f:

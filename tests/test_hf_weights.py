@@ -1,8 +1,8 @@
-"""``hf import`` checks the weights on the way in (:mod:`megatron_metp.tools.hf_weights_check`):
+"""``hf import`` checks the weights on the way in (:mod:`megatron_metp.tools.hf.weights_check`):
 non-finite values, truncated or garbled safetensors files, a stale or broken index, missing or
 unexpected tensors, shapes and dtypes other than config.json implies are each refused naming
 the file, the tensor (where there is one) and the fix, and no output folder is created or left
-behind (:mod:`megatron_metp.tools.hf_output`). Negative control: the intact files, single and
+behind (:mod:`megatron_metp.tools.hf.output`). Negative control: the intact files, single and
 sharded, import (and to the same checkpoint)."""
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from megatron_metp.tools import hf as H
-from megatron_metp.tools.hf_config import HFConfigError
-from megatron_metp.tools.hf_weights_check import read_header
+from megatron_metp.tools.hf import convert
+from megatron_metp.tools.hf.config import HFConfigError
+from megatron_metp.tools.hf.weights_check import read_header
 from tests.harness import run_ranks
 from tests.test_hf import _import_on_a_rank
 
@@ -260,7 +261,7 @@ def test_a_failure_while_writing_leaves_no_output(hf_dirs, tmp_path, monkeypatch
         open(os.path.join(stage, "release", "__0_0.distcp"), "w").close()
         raise OSError("disk full")
 
-    monkeypatch.setattr(H, "_write_import", half_written)
+    monkeypatch.setattr(convert, "_write_import", half_written)
     out = tmp_path / "deep" / "out"
     with pytest.raises(OSError, match="disk full"):
         H.import_hf(hf_dirs["single"], str(out), make_vocab_size_divisible_by=1,

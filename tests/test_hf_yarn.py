@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from megatron_metp.tools import hf as H
-from megatron_metp.tools.hf_config import geometry_from_hf, megatron_args
-from megatron_metp.tools.hf_versions import canonical
+from megatron_metp.tools.hf.config import geometry_from_hf, megatron_args
+from megatron_metp.tools.hf.versions import canonical
 from tests.harness import run_ranks
 from tests.test_hf import _gather, _import_on_a_rank, _metp_forward
 from tests.test_hf_families import _make
@@ -207,7 +207,7 @@ def test_export_writes_rope_scaling_back_and_prints_flags(qwen3_yarn, tmp_path, 
     exported = str(tmp_path / "exported")
     H.export_hf(m.ckpt, exported, log=lambda _msg: None)
     with open(os.path.join(m.hf_dir, "config.json")) as f:
-        src = canonical(json.load(f))  # either transformers' layout (hf_versions)
+        src = canonical(json.load(f))  # either transformers' layout (hf.versions)
     with open(os.path.join(exported, "config.json")) as f:
         out = canonical(json.load(f))
     assert out["rope_scaling"] == src["rope_scaling"] and out["rope_scaling"]["factor"] == 4.0

@@ -7,6 +7,7 @@ sit above everything; the root ``__init__`` exports the runtime's public names o
 """
 
 import ast
+import importlib
 import pathlib
 
 import pytest
@@ -122,6 +123,12 @@ def test_the_old_flat_modules_are_gone():
     for name in ["groups", "ring", "watchdog", "agree", "finite", "offload", "cpu",
                  "megatron_lm_cpu", "megatron_lm_resume"]:
         assert not (ROOT / f"{name}.py").exists(), name
+    # the Hugging Face converter is one package, tools/hf/, one module per concern
+    for name in ["hf", "hf_checkpoint", "hf_config", "hf_families", "hf_from_args", "hf_keys",
+                 "hf_layout", "hf_moe", "hf_moe_layout", "hf_output", "hf_tokenizer_export",
+                 "hf_versions", "hf_weights_check", "hf_yarn"]:
+        assert not (ROOT / "tools" / f"{name}.py").exists(), name
+    assert (ROOT / "tools" / "hf" / "__init__.py").is_file()
 
 
 @pytest.mark.parametrize("module, source, expected", [
@@ -140,6 +147,13 @@ def test_public_names_keep_working():
     import megatron_metp.megatron_lm as mlm
     import megatron_metp.ops as ops
     assert megatron_metp.METPGroup.__module__ == "megatron_metp.runtime.groups"
+    import megatron_metp.tools.hf as hf
+    assert hf.import_hf.__module__ == "megatron_metp.tools.hf.convert"
+    assert hf.main.__module__ == "megatron_metp.tools.hf.cli"
+    for name in hf.__all__:
+        assert callable(getattr(hf, name)), name
+    for path in sorted((ROOT / "tools" / "hf").glob("[!_]*.py")):  # each imports (the relative
+        importlib.import_module(f"megatron_metp.tools.hf.{path.stem}")  # imports resolve)
     for name in ["metp_mlp", "metp_attention", "ring_attention", "metp_embedding",
                  "metp_output_cross_entropy"]:
         assert callable(getattr(ops, name))

@@ -1,7 +1,7 @@
 """Plain text for the ``metp`` commands' ``--help``: the module docstrings are written for Sphinx
 (````x````, ``:func:`x```, ``::`` before a literal block); :func:`plain` turns such text into what a
 terminal shows, and :data:`FAMILY_NAMES` names every Hugging Face family ``metp hf`` converts, in
-one place (``tests/test_help.py`` checks it against :data:`.hf_families.FAMILIES` and scans every
+one place (``tests/test_help.py`` checks it against :data:`.hf.families.FAMILIES` and scans every
 subcommand's ``--help`` for markup). Imports nothing heavy: ``metp --help`` stays fast."""
 
 from __future__ import annotations

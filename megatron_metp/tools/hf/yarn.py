@@ -51,7 +51,7 @@ _KEYS = {"type", "rope_type", "factor", "original_max_position_embeddings", "bet
 
 
 def _err(msg: str):
-    from .hf_config import HFConfigError
+    from .config import HFConfigError
 
     return HFConfigError(msg)
 
@@ -83,7 +83,7 @@ def attention_factor(y: dict) -> float:
 
 def yarn_from_hf(rs: dict, max_position_embeddings: int, *, where: str = "rope_scaling") -> dict:
     """Megatron's ``yarn_*`` ``TransformerConfig`` attributes of a ``rope_scaling`` of type
-    ``yarn`` (:class:`~.hf_config.HFConfigError` naming the key for anything else); ``where``
+    ``yarn`` (:class:`~.config.HFConfigError` naming the key for anything else); ``where``
     names the dict in messages (transformers 5.x: ``rope_parameters``)."""
     import functools
 

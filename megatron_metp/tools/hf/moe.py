@@ -32,7 +32,7 @@ Refused (naming the field): ``router_jitter_noise`` ≠ 0 (transformers scales t
 too, Megatron's ``--moe-input-jitter-eps`` only the router's), ``num_experts_per_tok`` > ``E``,
 no MoE layer at all, and ``E`` not divisible by the METP size (the experts are sharded over the
 METP ranks: EP = METP). Any other MoE family (``qwen2_moe`` with its shared expert,
-``deepseek_v3`` with its grouped sigmoid router, ...) is refused by :mod:`.hf_families`.
+``deepseek_v3`` with its grouped sigmoid router, ...) is refused by :mod:`.families`.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ MOE_MARKERS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_inte
 
 
 def _err(msg: str):
-    from .hf_config import HFConfigError
+    from .config import HFConfigError
 
     return HFConfigError(msg)
 
@@ -77,7 +77,7 @@ def moe_layers(cfg: dict, family: str, num_layers: int) -> List[int]:
 
 def moe_fields(cfg: dict, family: str, *, num_layers: int, hidden: int,
                metp_parallel_size: int) -> dict:
-    """The :class:`~.hf_config.LlamaGeometry` MoE fields of a ``qwen3_moe`` / ``mixtral``
+    """The :class:`~.config.LlamaGeometry` MoE fields of a ``qwen3_moe`` / ``mixtral``
     config: ``num_experts``, ``moe_router_topk``, ``moe_ffn_hidden_size``, ``moe_layers``
     (0/1 per layer), ``moe_router_pre_softmax``, ``moe_aux_loss_coeff``; every field that cannot
     convert refused."""
@@ -260,7 +260,7 @@ def moe_args_problems(cfg: dict, saved: dict) -> List[str]:
     """Where the MoE of a ``qwen3_moe`` / ``mixtral`` ``config.json`` differs from a checkpoint's
     saved Megatron-LM arguments (empty when they agree): experts, top-k, expert width, which
     layers are MoE and the routing normalisation, each naming the flag."""
-    from .hf_config import geometry_from_hf
+    from .config import geometry_from_hf
 
     g = geometry_from_hf(cfg, make_vocab_size_divisible_by=1, seq_length=1)
     if not saved.get("num_experts"):

@@ -1,5 +1,5 @@
 """Hugging Face Llama-family checkpoints (Llama, Mistral, Qwen2, Qwen3, and the MoE Qwen3-MoE and
-Mixtral: :mod:`.hf_moe`) in and out of Megatron/METP (``torch_dist``) checkpoints.
+Mixtral: :mod:`.moe`) in and out of Megatron/METP (``torch_dist``) checkpoints.
 
 ::
 
@@ -8,8 +8,8 @@ Mixtral: :mod:`.hf_moe`) in and out of Megatron/METP (``torch_dist``) checkpoint
     python -m megatron_metp.tools.hf flags --hf-dir HF_DIR      # the Megatron-LM flags only
 
 ``import`` reads ``config.json`` + ``*.safetensors`` (one file or a sharded index), checks the
-config (:mod:`.hf_config`) and the files and tensors (:mod:`.hf_weights_check`: truncated or
-garbled files, the index, names, shapes, dtypes, non-finite values), re-lays them out (:mod:`.hf_layout`), puts them into a
+config (:mod:`.config`) and the files and tensors (:mod:`.weights_check`: truncated or
+garbled files, the index, names, shapes, dtypes, non-finite values), re-lays them out (:mod:`.layout`), puts them into a
 stock megatron-core ``GPTModel`` (TP = 1, local layer spec, same geometry) and saves its
 ``sharded_state_dict`` with ``dist_checkpointing`` as Megatron-LM's ``torch_dist`` save lays it
 out::
@@ -31,46 +31,43 @@ of size ``TP × METP``): give the converter the run's numbers (the padded rows a
 
 ``export`` reads the model tensors of any such checkpoint (ours, or one Megatron-LM saved after
 training: ``--load`` is the save directory, ``--iteration`` picks one) straight from the
-``torch_dist`` files (:mod:`.hf_checkpoint`), without building a model or unpickling anything
+``torch_dist`` files (:mod:`.checkpoint`), without building a model or unpickling anything
 beyond the checked ``.metadata``, drops the padded rows and writes ``model.safetensors`` +
 ``config.json`` that the family's ``*ForCausalLM.from_pretrained`` reads, and the run's Hugging
-Face tokenizer files (:mod:`.hf_tokenizer_export`). Both write their output folder whole or not
-at all (:mod:`.hf_output`). The config comes
+Face tokenizer files (:mod:`.tokenizer_export`). Both write their output folder whole or not
+at all (:mod:`.output`). The config comes
 from ``--hf-config``, else
 ``CKPT/hf/`` (an import's), else it is written from the Megatron-LM arguments the checkpoint saved
-(a model trained from scratch, :mod:`.hf_from_args`: llama, mistral, qwen2 or qwen3, every row of
+(a model trained from scratch, :mod:`.from_args`: llama, mistral, qwen2 or qwen3, every row of
 Megatron's padded vocabulary kept). A model with no Hugging Face family (LayerNorm, GeLU, biases,
 ...) is refused naming each mismatch. Every written file is mode 0644.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import json
 import os
 import shutil
-import sys
 import tempfile
 import warnings
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import torch
 
-from .hf_checkpoint import (TRACKER, _checked_metadata, checkpoint_dir,  # noqa: F401
-                            checkpoint_tensor_keys, megatron_params_from_checkpoint,
-                            read_checkpoint_tensors)
-from .hf_config import (HFConfigError, LlamaGeometry, geometry_from_hf, gpt_model_kwargs,
-                        megatron_args, pretrain_gpt_sh_model, read_hf_config,
-                        set_yarn_config, transformer_config_kwargs)
-from .hf_layout import hf_to_megatron, megatron_shapes, megatron_to_hf
-from .helptext import HF_DESCRIPTION
-from .hf_moe import MOE_FAMILIES, moe_args_problems
-from .hf_output import staged_dir
-from .hf_tokenizer_export import TOKENIZER_FILES, plan_tokenizer
-from .hf_weights_check import checkpoint_files, read_checked_safetensors, read_header
-from .hf_versions import export_layout
+from .checkpoint import (TRACKER, _checked_metadata, checkpoint_dir,  # noqa: F401
+                         checkpoint_tensor_keys, megatron_params_from_checkpoint,
+                         read_checkpoint_tensors)
+from .config import (HFConfigError, LlamaGeometry, geometry_from_hf, gpt_model_kwargs,
+                     megatron_args, pretrain_gpt_sh_model, read_hf_config,
+                     set_yarn_config, transformer_config_kwargs)
+from .layout import hf_to_megatron, megatron_shapes, megatron_to_hf
+from .moe import MOE_FAMILIES, moe_args_problems
+from .output import staged_dir
+from .tokenizer_export import TOKENIZER_FILES, plan_tokenizer
+from .weights_check import checkpoint_files, read_checked_safetensors, read_header
+from .versions import export_layout
 
 META = "metp_hf.json"
 #: files copied along with config.json (when present) so that export can restore them
@@ -91,8 +88,8 @@ def _safetensors():
 def read_safetensors(hf_dir: str) -> Dict[str, torch.Tensor]:
     """All tensors of ``hf_dir``: ``model.safetensors``, or the files a
     ``model.safetensors.index.json`` lists, each file's header checked first (a truncated or
-    garbled file is refused naming it: :mod:`.hf_weights_check`). ``import`` reads through
-    :func:`.hf_weights_check.read_checked_safetensors` (names, shapes, dtypes and values
+    garbled file is refused naming it: :mod:`.weights_check`). ``import`` reads through
+    :func:`.weights_check.read_checked_safetensors` (names, shapes, dtypes and values
     checked against config.json too)."""
     load_file = _safetensors().load_file
     files, _ = checkpoint_files(hf_dir)
@@ -142,13 +139,13 @@ def build_model(g: LlamaGeometry, *, groups=None, vocab_parallel: bool = False,
             spec = get_gpt_layer_local_spec(normalization="RMSNorm",
                                             qk_layernorm=g.qk_layernorm)
         return GPTModel(transformer_layer_spec=spec, **kwargs)
-    from ..megatron.spec import get_gpt_layer_metp_spec
-    from ..megatron.vocab import METPGPTModel
+    from ...megatron.spec import get_gpt_layer_metp_spec
+    from ...megatron.vocab import METPGPTModel
 
-    from ..megatron.rope import rope_recipe, use_exact_angles
+    from ...megatron.rope import rope_recipe, use_exact_angles
 
     if g.num_experts:  # METP attention around megatron-core's MoELayer, experts over METP (EP = p)
-        from ..megatron.moe import get_gpt_decoder_block_metp_spec
+        from ...megatron.moe import get_gpt_decoder_block_metp_spec
 
         spec = get_gpt_decoder_block_metp_spec(cfg, groups, normalization="RMSNorm")
     else:
@@ -182,7 +179,7 @@ def _single_process_megatron():
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from ..megatron import cpu
+    from ...megatron import cpu
 
     if not torch.cuda.is_available():
         cpu.enable()
@@ -339,11 +336,11 @@ def _find_hf_config(load: str, hf_config: Optional[str]) -> Optional[str]:
 
 def _export_config(path: str, cfg_dir: Optional[str]):
     """config.json to export the checkpoint directory ``path`` with: read from ``cfg_dir``, or
-    written from the checkpoint's saved Megatron-LM arguments (:mod:`.hf_from_args`), and those
+    written from the checkpoint's saved Megatron-LM arguments (:mod:`.from_args`), and those
     arguments (``None`` if it has none). A model whose saved arguments have no Hugging Face
     family is refused either way, naming why."""
-    from ..megatron_lm.saved_args import read_saved_args
-    from .hf_from_args import family_problems, hf_config_from_args
+    from ...megatron_lm.saved_args import read_saved_args
+    from .from_args import family_problems, hf_config_from_args
 
     saved = read_saved_args(path)
     if cfg_dir is None:
@@ -378,11 +375,11 @@ def export_hf(load: str, out_dir: str, *, hf_config: Optional[str] = None,
               tokenizer: Optional[str] = None, force: bool = False,
               log=print, transformers_layout: Optional[int] = None) -> LlamaGeometry:
     """Write ``out_dir/model.safetensors`` + ``config.json`` (in the layout of the installed
-    transformers, or of ``transformers_layout``: :mod:`.hf_versions`) + the tokenizer files
-    (:mod:`.hf_tokenizer_export`: ``tokenizer``, else the run's ``--tokenizer-model``, else the
+    transformers, or of ``transformers_layout``: :mod:`.versions`) + the tokenizer files
+    (:mod:`.tokenizer_export`: ``tokenizer``, else the run's ``--tokenizer-model``, else the
     import's) from the Megatron checkpoint ``load``; ``hf_config`` (a directory or its
     config.json) is optional (module docstring). Every check runs before anything is written,
-    and ``out_dir`` appears whole or not at all (:mod:`.hf_output`)."""
+    and ``out_dir`` appears whole or not at all (:mod:`.output`)."""
     save_file = _safetensors().save_file
     cfg_dir = _find_hf_config(load, hf_config)
     path = checkpoint_dir(load, iteration)
@@ -413,7 +410,7 @@ def export_hf(load: str, out_dir: str, *, hf_config: Optional[str] = None,
     target = getattr(torch, dtype) if dtype is not None else emb.dtype
     hf = {k: v.to(target) for k, v in hf.items()}
     written = str(target).replace("torch.", "")
-    cfg, layout = export_layout(dict(cfg), transformers_layout)  # hf_versions
+    cfg, layout = export_layout(dict(cfg), transformers_layout)  # versions
     cfg["dtype" if "dtype" in cfg or layout == 5 else "torch_dtype"] = written
 
     def dump(p):
@@ -439,81 +436,6 @@ def export_hf(load: str, out_dir: str, *, hf_config: Optional[str] = None,
     return g
 
 
-# ---------------------------------------------------------------- command line
-
-def _add_padding_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
-                    help="as the run's Megatron flag (default 128)")
-    ap.add_argument("--tensor-model-parallel-size", type=int, default=1,
-                    help="TP of the run (default 1)")
-    ap.add_argument("--metp-parallel-size", type=int, default=1,
-                    help="METP size of the run (default 1). Megatron pads the vocabulary to a "
-                         "multiple of divisible-by x TP x METP; heads, K/V groups and FFN must "
-                         "divide by TP x METP")
-    ap.add_argument("--seq-length", type=int, default=None,
-                    help="the longest sequence the run trains on; needed only for a model with "
-                         "a sliding window shorter than max_position_embeddings (then at most "
-                         "the window; the run's --max-position-embeddings becomes the window)")
-
-
-def main(argv: Optional[List[str]] = None, prog: str = "python -m megatron_metp.tools.hf") -> int:
-    ap = argparse.ArgumentParser(prog=prog, description=HF_DESCRIPTION)  # plain text (helptext)
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    im = sub.add_parser("import", help="Hugging Face checkpoint -> Megatron torch_dist checkpoint")
-    im.add_argument("--hf-dir", required=True, help="config.json + *.safetensors")
-    im.add_argument("--out", required=True, help="checkpoint directory to write (pretrain_gpt.py --load)")
-    im.add_argument("--force", action="store_true", help="replace a non-empty --out")
-    _add_padding_args(im)
-    ex = sub.add_parser("export", help="Megatron torch_dist checkpoint -> Hugging Face checkpoint")
-    ex.add_argument("--load", required=True, help="checkpoint directory (as pretrain_gpt.py --load/--save)")
-    ex.add_argument("--out", required=True, help="directory for model.safetensors + config.json "
-                                                "(+ the tokenizer files)")
-    ex.add_argument("--hf-config", help="config.json (or its directory) of the model; default "
-                                        "LOAD/hf/ written by import, else one written from the "
-                                        "checkpoint's saved Megatron-LM arguments")
-    ex.add_argument("--iteration", type=int, help="iteration to export (default: the tracker's)")
-    ex.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
-                    help="dtype of the written tensors (default: the checkpoint's embedding's)")
-    ex.add_argument("--tokenizer", help="Hugging Face tokenizer folder to write beside the "
-                                        "weights; default the run's --tokenizer-model (a "
-                                        "HuggingFaceTokenizer folder), else LOAD/hf/'s")
-    ex.add_argument("--force", action="store_true", help="replace a non-empty --out")
-    ex.add_argument("--transformers-layout", type=int, choices=[4, 5],
-                    help="write config.json as transformers 4.x (rope_theta, rope_scaling) or "
-                         "5.x (rope_parameters) writes it (default: the installed "
-                         "transformers' major version)")
-    fl = sub.add_parser("flags", help="print the Megatron-LM flags of a Hugging Face config")
-    fl.add_argument("--hf-dir", required=True)
-    _add_padding_args(fl)
-    args = ap.parse_args(argv)
-    try:
-        if args.cmd == "import":
-            import_hf(args.hf_dir, args.out,
-                      make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                      tensor_model_parallel_size=args.tensor_model_parallel_size,
-                      metp_parallel_size=args.metp_parallel_size, force=args.force,
-                      seq_length=args.seq_length)
-        elif args.cmd == "export":
-            export_hf(args.load, args.out, hf_config=args.hf_config, iteration=args.iteration,
-                      dtype=args.dtype, tokenizer=args.tokenizer, force=args.force,
-                      transformers_layout=args.transformers_layout)
-        else:
-            g = geometry_from_hf(read_hf_config(args.hf_dir),
-                                 make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                                 tensor_model_parallel_size=args.tensor_model_parallel_size,
-                                 metp_parallel_size=args.metp_parallel_size,
-                                 seq_length=args.seq_length)
-            print(" ".join(megatron_args(g)))
-    except ValueError as exc:
-        print(f"{prog} {args.cmd}: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
 __all__ = ["import_hf", "export_hf", "build_model", "load_model_weights", "read_safetensors",
            "checkpoint_dir", "checkpoint_tensor_keys",
-           "read_checkpoint_tensors", "megatron_params_from_checkpoint", "megatron_shapes",
-           "main"]
-
-if __name__ == "__main__":
-    sys.exit(main())
+           "read_checkpoint_tensors", "megatron_params_from_checkpoint", "megatron_shapes"]

@@ -28,7 +28,7 @@ from typing import Dict
 
 import torch
 
-from .hf_moe import hf_expert_names, hf_moe_prefix
+from .moe import hf_expert_names, hf_moe_prefix
 
 Tensor = torch.Tensor
 

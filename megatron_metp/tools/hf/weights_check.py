@@ -35,7 +35,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .hf_config import HFConfigError, LlamaGeometry
+from .config import HFConfigError, LlamaGeometry
 
 __all__ = ["SafetensorsHeader", "read_header", "checkpoint_files", "check_headers",
            "read_checked_safetensors", "FLOAT_DTYPES"]
@@ -167,7 +167,7 @@ _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
 def _config_dtype(cfg: dict) -> Optional[str]:
-    from .hf_config import _DTYPES
+    from .config import _DTYPES
 
     stated = cfg.get("torch_dtype", cfg.get("dtype"))
     return _DTYPES.get(stated) if isinstance(stated, str) else None
@@ -177,7 +177,7 @@ def check_headers(hf_dir: str, g: LlamaGeometry, cfg: dict) -> Dict[str, Tuple[s
     """Check every header (and the index) against each other and against what ``config.json``
     implies (the geometry ``g`` and its stated dtype); returns tensor -> (file, float dtype
     name) of the tensors to read. No tensor data is read."""
-    from .hf_layout import _hf_names
+    from .layout import _hf_names
 
     files, wmap = checkpoint_files(hf_dir)
     config = os.path.join(hf_dir, "config.json")
@@ -273,7 +273,7 @@ def _nonfinite(name: str, t: torch.Tensor) -> Optional[str]:
 
 def read_checked_safetensors(hf_dir: str, g: LlamaGeometry, cfg: dict) -> Dict[str, torch.Tensor]:
     """The tensors the geometry ``g`` needs from ``hf_dir``, every check of the module
-    docstring passed (:class:`~.hf_config.HFConfigError` naming file, tensor and fix
+    docstring passed (:class:`~.config.HFConfigError` naming file, tensor and fix
     otherwise)."""
     try:
         from safetensors import safe_open

@@ -7,8 +7,8 @@ llama      ``LlamaForCausalLM``    —
 mistral    ``MistralForCausalLM``  ``sliding_window``: null, or at least the sequence (see below)
 qwen2      ``Qwen2ForCausalLM``    bias on q, k and v (``--add-qkv-bias``), none elsewhere
 qwen3      ``Qwen3ForCausalLM``    per-head RMSNorm of q and k before RoPE (``--qk-layernorm``)
-qwen3_moe  ``Qwen3MoeForCausalLM`` Qwen3's attention, MoE MLPs (:mod:`.hf_moe`)
-mixtral    ``MixtralForCausalLM``  Mistral's attention, MoE MLPs in every layer (:mod:`.hf_moe`)
+qwen3_moe  ``Qwen3MoeForCausalLM`` Qwen3's attention, MoE MLPs (:mod:`.moe`)
+mixtral    ``MixtralForCausalLM``  Mistral's attention, MoE MLPs in every layer (:mod:`.moe`)
 =========  ======================  ==========================================================
 
 All four: ``head_dim`` may differ from ``hidden_size / num_attention_heads`` (``--kv-channels``;
@@ -21,19 +21,19 @@ changes nothing while every sequence is at most ``W`` tokens, so a model with on
 ``min(max_position_embeddings, W)``, and Megatron-LM refuses any ``--seq-length`` above it.
 
 :func:`family_fields` checks every family-specific field before anything is read and raises
-:class:`~.hf_config.HFConfigError` naming the field, its value and the reason.
+:class:`~.config.HFConfigError` naming the field, its value and the reason.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
-from .hf_moe import MOE_FAMILIES, MOE_MARKERS, moe_family_hint
+from .moe import MOE_FAMILIES, MOE_MARKERS, moe_family_hint
 
 #: dense model_type → the causal-LM architecture that converts
 DENSE_FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-#: every model_type that converts (the MoE ones: :mod:`.hf_moe`)
+#: every model_type that converts (the MoE ones: :mod:`.moe`)
 FAMILIES = {**DENSE_FAMILIES, **MOE_FAMILIES}
 
 _DENSE_ONLY = ("mixture-of-experts fields in a dense family's config (only model_type "
@@ -53,7 +53,7 @@ UNSUPPORTED_FIELDS = {
 
 
 def _err(msg: str):
-    from .hf_config import HFConfigError
+    from .config import HFConfigError
 
     return HFConfigError(msg)
 
@@ -74,7 +74,7 @@ def check_family(cfg: dict) -> str:
                    f"head converts")
     for name, why in UNSUPPORTED_FIELDS.items():
         if model_type in MOE_FAMILIES and name in MOE_MARKERS:
-            continue  # read by hf_moe.moe_fields
+            continue  # read by moe.moe_fields
         if cfg.get(name) not in (None, 0, False, 0.0):
             raise _err(f"config.json: {name} = {cfg[name]!r} is not supported: {why}")
     return model_type

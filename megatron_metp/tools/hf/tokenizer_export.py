@@ -27,7 +27,7 @@ import os
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from .hf_config import HFConfigError
+from .config import HFConfigError
 
 __all__ = ["TOKENIZER_FILES", "TokenizerPlan", "plan_tokenizer", "tokenizer_files"]
 

@@ -42,7 +42,7 @@ ROPE_SOURCE = "_rope_source"
 
 
 def _err(msg: str):
-    from .hf_config import HFConfigError
+    from .config import HFConfigError
 
     return HFConfigError(msg)
 

@@ -1,6 +1,6 @@
 """Every ``config.json`` key of a supported family: mapped, checked, harmless, or refused.
 
-:func:`check_keys` runs on the canonical config (:func:`.hf_versions.canonical`: transformers
+:func:`check_keys` runs on the canonical config (:func:`.versions.canonical`: transformers
 4.x names) before any tensor is read. Per family (:func:`family_keys`) a key is
 
 * **mapped**: it becomes a Megatron-LM flag or decides a weight's layout (:data:`MAPPED`);
@@ -17,7 +17,7 @@ config.json keys").
 
 from __future__ import annotations
 
-from .hf_yarn import _KEYS as YARN_KEYS
+from .yarn import _KEYS as YARN_KEYS
 
 _SHAPE = "the model's shape (Megatron flag of the same name)"
 #: key -> what it maps to (every family has these)
@@ -83,7 +83,7 @@ CHECKED = {
     "add_cross_attention": ("false (no cross-attention)", (False,)),
     "tie_encoder_decoder": ("false (no encoder)", (False,)),
     "cross_attention_hidden_size": ("null (no cross-attention)", (None,)),
-    # other variants' features (hf_families.UNSUPPORTED_FIELDS refuses them when set)
+    # other variants' features (families.UNSUPPORTED_FIELDS refuses them when set)
     "attn_logit_softcapping": ("null or 0 (Gemma 2's soft-capping)", _OFF),
     "final_logit_softcapping": ("null or 0 (Gemma 2's soft-capping)", _OFF),
     "query_pre_attn_scalar": ("null (Gemma 2's softmax scale)", _OFF),
@@ -136,8 +136,8 @@ CHECKED_BY_FAMILY = {
                                  "means a model of another family)", (None,))},
 }
 
-#: rope_type -> the keys its rope_scaling / rope_parameters may hold (the values: .hf_config,
-#: .hf_yarn)
+#: rope_type -> the keys its rope_scaling / rope_parameters may hold (the values: .config,
+#: .yarn)
 ROPE_KEYS = {"default": {"rope_type", "type"},
              "llama3": {"rope_type", "type", "factor", "low_freq_factor", "high_freq_factor",
                         "original_max_position_embeddings"},
@@ -157,7 +157,7 @@ def family_keys(family: str) -> dict:
 
 
 def _err(msg: str):
-    from .hf_config import HFConfigError
+    from .config import HFConfigError
 
     return HFConfigError(msg)
 

@@ -36,10 +36,10 @@ from typing import Dict, Tuple
 
 import torch
 
-from .hf_config import HFConfigError, LlamaGeometry
-from .hf_moe import is_moe_layer
-from .hf_moe_layout import (hf_moe_shapes, megatron_moe_shapes, moe_hf_to_megatron,
-                            moe_megatron_to_hf)
+from .config import HFConfigError, LlamaGeometry
+from .moe import is_moe_layer
+from .moe_layout import (hf_moe_shapes, megatron_moe_shapes, moe_hf_to_megatron,
+                         moe_megatron_to_hf)
 
 Tensor = torch.Tensor
 

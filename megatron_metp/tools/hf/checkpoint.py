@@ -20,7 +20,7 @@ from typing import Dict, Iterable, List, Optional
 
 import torch
 
-from .hf_config import HFConfigError
+from .config import HFConfigError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -70,7 +70,7 @@ _TOP_KEYS = ("embedding.word_embeddings.weight", "decoder.final_layernorm.weight
 def _checked_metadata(path: str) -> None:
     """Refuse a ``.metadata`` pickle that references anything but torch's checkpoint classes
     (the allow-list of :mod:`megatron_metp.megatron.checkpoint`), before torch unpickles it."""
-    from ..megatron.checkpoint import CheckpointError, _check_metadata_pickle
+    from ...megatron.checkpoint import CheckpointError, _check_metadata_pickle
 
     meta_file = os.path.join(path, ".metadata")
     if not os.path.isfile(meta_file):

@@ -3,7 +3,7 @@
 ``hf export`` of a model trained from scratch has no Hugging Face config to start from; the
 checkpoint's saved ``args`` (:func:`megatron_metp.megatron_lm.saved_args.read_saved_args`) say
 what was trained. :func:`hf_config_from_args` picks the family the way the import tells them
-apart (:mod:`.hf_families`):
+apart (:mod:`.families`):
 
 ==========================================  =========  ===========================================
 saved args                                  family     extra ``config.json`` fields
@@ -24,14 +24,14 @@ so the softmax runs over the same rows as Megatron's and the losses are equal), 
 ``--use-rope-scaling``, ``yarn`` for ``--position-embedding-type yarn``).
 
 The dict is in transformers 4.x's names (``rope_theta``, ``rope_scaling``); ``hf export``
-writes it in the installed transformers' layout (:func:`.hf_versions.export_layout`).
+writes it in the installed transformers' layout (:func:`.versions.export_layout`).
 
 There is no second table of names: the config is then read back by the import's own
-:func:`~.hf_config.geometry_from_hf` and :func:`~.hf_config.megatron_args`, and each flag those
+:func:`~.config.geometry_from_hf` and :func:`~.config.megatron_args`, and each flag those
 give must equal the saved value (:func:`check_against_args`), so the written config builds the
 model that was trained. A model with no Hugging Face family (LayerNorm, GeLU, biases on every
 layer, learned absolute positions, shared experts, ...) is refused first, every mismatch named
-at once. The MoE flags are compared by :func:`.hf_moe.moe_args_problems` (which layers are MoE,
+at once. The MoE flags are compared by :func:`.moe.moe_args_problems` (which layers are MoE,
 expanded from either form of ``--moe-layer-freq``).
 """
 
@@ -40,16 +40,16 @@ from __future__ import annotations
 import math
 from typing import List
 
-from .hf_config import MEGATRON_LLAMA3_ROPE, HFConfigError, LlamaGeometry, geometry_from_hf, \
+from .config import MEGATRON_LLAMA3_ROPE, HFConfigError, LlamaGeometry, geometry_from_hf, \
     megatron_args
-from .hf_families import FAMILIES
-from .hf_moe import (MOE_FLAGS, moe_args_problems, moe_config_from_args,
-                     moe_family_problems)
-from .hf_yarn import mscale_factor
+from .families import FAMILIES
+from .moe import (MOE_FLAGS, moe_args_problems, moe_config_from_args,
+                  moe_family_problems)
+from .yarn import mscale_factor
 
 __all__ = ["hf_config_from_args", "check_against_args", "family_problems"]
 
-#: Megatron-LM flags of :func:`~.hf_config.megatron_args` whose ``args`` attribute is not the flag
+#: Megatron-LM flags of :func:`~.config.megatron_args` whose ``args`` attribute is not the flag
 #: name with dashes as underscores: flag -> (attribute, value the flag sets)
 _DEST = {"--disable-bias-linear": ("add_bias_linear", False),
          "--norm-epsilon": ("layernorm_epsilon", None),
@@ -60,7 +60,7 @@ _NOT_COMPARED = {"--make-vocab-size-divisible-by", "--attention-dropout", "--hid
 
 def family_problems(a: dict) -> List[str]:
     """Why the saved ``args`` ``a`` have no Hugging Face Llama-family model (empty if they do),
-    each naming the flag and what the family uses (MoE: :func:`.hf_moe.moe_family_problems`)."""
+    each naming the flag and what the family uses (MoE: :func:`.moe.moe_family_problems`)."""
     out = moe_family_problems(a)
     fam = "Hugging Face Llama-family models (llama, mistral, qwen2, qwen3)"
     norm = a.get("normalization", "LayerNorm")
@@ -127,7 +127,7 @@ def _rope_scaling(a: dict):
 
 def hf_config_from_args(a: dict) -> dict:
     """The ``config.json`` (a dict) of the model the saved ``args`` ``a`` describe; raises
-    :class:`~.hf_config.HFConfigError` listing every reason when it has no Hugging Face family,
+    :class:`~.config.HFConfigError` listing every reason when it has no Hugging Face family,
     or when the config would not rebuild the saved flags."""
     problems = family_problems(a)
     if problems:

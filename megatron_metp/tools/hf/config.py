@@ -9,18 +9,18 @@ tensor is read. From a geometry come Megatron-LM's ``pretrain_gpt.py`` flags
 file (:func:`pretrain_gpt_sh_model`).
 
 Supported: ``model_type`` ``llama``, ``mistral``, ``qwen2``, ``qwen3`` (their ``*ForCausalLM``;
-what differs between them: :mod:`.hf_families`) with SiLU-gated MLP (SwiGLU), RMSNorm, RoPE (any
+what differs between them: :mod:`.families`) with SiLU-gated MLP (SwiGLU), RMSNorm, RoPE (any
 integer ``rope_theta``; ``rope_scaling`` none/default, ``llama3`` with Llama 3.1's
 ``low_freq_factor`` 1, ``high_freq_factor`` 4 and ``original_max_position_embeddings`` 8192,
 which is what megatron-core 0.16.1's ``--use-rope-scaling`` implements, or ``yarn``:
-:mod:`.hf_yarn`), grouped-query attention,
+:mod:`.yarn`), grouped-query attention,
 any ``head_dim`` (``--kv-channels``), Qwen2's q/k/v bias (``--add-qkv-bias``), Qwen3's q/k norms
 (``--qk-layernorm``), tied or untied embeddings; and the mixture-of-experts families
-``qwen3_moe`` and ``mixtral`` (:mod:`.hf_moe`: experts, top-k routing, which layers are MoE).
+``qwen3_moe`` and ``mixtral`` (:mod:`.moe`: experts, top-k routing, which layers are MoE).
 
 The config may be in transformers 4.x's or 5.x's layout (``rope_parameters``, ...): it is read
-into one form first (:mod:`.hf_versions`), and every key is mapped, checked or known to be
-harmless, any other refused (:mod:`.hf_keys`).
+into one form first (:mod:`.versions`), and every key is mapped, checked or known to be
+harmless, any other refused (:mod:`.keys`).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import os
 from dataclasses import asdict, dataclass
 from typing import List, Optional
 
-from .hf_moe import moe_config_kwargs, moe_flags
-from .hf_yarn import yarn_flags, yarn_from_hf
+from .moe import moe_config_kwargs, moe_flags
+from .yarn import yarn_flags, yarn_from_hf
 
 #: what megatron-core 0.16.1's RotaryEmbedding._apply_scaling hard-codes for --use-rope-scaling
 MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -79,9 +79,9 @@ class LlamaGeometry:
     qkv_bias: bool = False
     sliding_window: Optional[int] = None
     #: YaRN (``rope_scaling`` type ``yarn``): Megatron's ``yarn_*`` config attributes
-    #: (:mod:`.hf_yarn`), None without it
+    #: (:mod:`.yarn`), None without it
     yarn: Optional[dict] = None
-    #: mixture of experts (``qwen3_moe``, ``mixtral``: :mod:`.hf_moe`), None / unused when dense:
+    #: mixture of experts (``qwen3_moe``, ``mixtral``: :mod:`.moe`), None / unused when dense:
     #: ``E`` experts, ``k`` per token, expert FFN width ``f'``, 0/1 per layer (1 = MoE; the
     #: dense layers have ``ffn_hidden_size``), softmax before top-k (no renormalisation),
     #: auxiliary load-balancing loss coefficient
@@ -143,7 +143,7 @@ def _rope_scaling_factor(cfg: dict, where: str = "rope_scaling") -> Optional[flo
     if kind in (None, "default"):
         return None
     if kind == "yarn":
-        return None  # geometry_from_hf reads it (hf_yarn.yarn_from_hf)
+        return None  # geometry_from_hf reads it (yarn.yarn_from_hf)
     if kind != "llama3":
         raise HFConfigError(
             f"config.json: {where} type {kind!r} is not supported: megatron-core (and METP, "
@@ -170,7 +170,7 @@ def geometry_from_hf(cfg: dict, *, make_vocab_size_divisible_by: int = 128,
     """Check a ``config.json`` of a supported family and return its Megatron geometry.
 
     ``seq_length``: the longest sequence the run will train on (only needed for a model with a
-    sliding window shorter than ``max_position_embeddings``, :mod:`.hf_families`).
+    sliding window shorter than ``max_position_embeddings``, :mod:`.families`).
 
     The vocabulary is padded as Megatron-LM (patched for METP) pads it for the run that will load
     the checkpoint: to a multiple of ``make_vocab_size_divisible_by × TP × METP`` (a METP run pads
@@ -185,11 +185,11 @@ def geometry_from_hf(cfg: dict, *, make_vocab_size_divisible_by: int = 128,
     if seq_length is not None and (isinstance(seq_length, bool) or
                                    not isinstance(seq_length, int) or seq_length < 1):
         raise HFConfigError(f"--seq-length must be an integer >= 1, got {seq_length!r}")
-    from .hf_families import check_family, family_fields
-    from .hf_keys import check_keys
-    from .hf_versions import canonical, rope_source
+    from .families import check_family, family_fields
+    from .keys import check_keys
+    from .versions import canonical, rope_source
 
-    cfg = canonical(cfg)  # transformers 5.x's layout read as 4.x's (hf_versions)
+    cfg = canonical(cfg)  # transformers 5.x's layout read as 4.x's (versions)
     where = rope_source(cfg)
     family = check_family(cfg)
     check_keys(cfg, family, rope_source=where)
@@ -216,7 +216,7 @@ def geometry_from_hf(cfg: dict, *, make_vocab_size_divisible_by: int = 128,
         raise HFConfigError(f"config.json: num_attention_heads {heads} is not divisible by "
                             f"num_key_value_heads {groups} (grouped-query attention needs whole "
                             f"groups)")
-    from .hf_moe import MOE_FAMILIES, moe_fields
+    from .moe import MOE_FAMILIES, moe_fields
 
     moe = (moe_fields(cfg, family, num_layers=layers, hidden=hidden,
                       metp_parallel_size=metp_parallel_size) if family in MOE_FAMILIES else {})
@@ -302,7 +302,7 @@ def transformer_config_kwargs(g: LlamaGeometry, *, tp: int = 1, metp: int = 1,
                               ep: int = 1, dispatcher: str = "allgather") -> dict:
     """``TransformerConfig`` fields of this geometry for a CPU build (no fusions, fp32 unless
     the checkpoint's dtype says otherwise); a MoE geometry's with ``ep`` expert-parallel ranks
-    and Megatron's ``dispatcher`` (:func:`.hf_moe.moe_config_kwargs`)."""
+    and Megatron's ``dispatcher`` (:func:`.moe.moe_config_kwargs`)."""
     import torch
     import torch.nn.functional as F
 
