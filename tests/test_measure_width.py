@@ -58,7 +58,7 @@ def test_default_output_fits_100_columns_and_states_its_units(capsys, monkeypatc
     wcols, wrows = _table(wide)
     assert cols == wcols == T.HEAD and rows == wrows and list(rows) == ["tp-sp", "metp"]
     assert all(len(r) == len(T.HEAD) for r in rows.values())
-    assert rows["metp"][0] == "METP=2" and rows["metp"][2] != rows["metp"][1]  # planned ≠ measured
+    assert rows["metp"][0] == "METP=2" and rows["metp"][2] != rows["metp"][1]
     headers = [x for x in text.splitlines() if " | " in x and not x.split(" | ")[0].strip()]
     assert len(headers) > 1  # in blocks of columns
     whole = [x for x in wide.splitlines() if x.startswith("mode ")]
