@@ -159,6 +159,29 @@ def config_layer_transient(config: str) -> str:
     return f"{P.memory(model, job, mode_of(job, path)).act.layer_transient / P.GiB:,.2f}"
 
 
+#: the job of docs/megatron-lm.md's fit-hint example (``metp plan`` ARGV, one mode that does not fit)
+FIT_HINT_ARGV = ["--preset", "llama3-8b", "--seq", "1048576", "--metp", "8", "--modes", "metp"]
+
+
+def fit_hint_lines(argv: List[str] = FIT_HINT_ARGV) -> str:
+    """The two lines ``metp plan ARGV --wide`` prints for a mode that does not fit (the cheapest
+    options under which it fits, and its launch line), as a code block."""
+    from megatron_metp.tools import cli
+
+    model, job, modes = cli.build_from_argv(argv)
+    lines = P.report(model, job, modes).splitlines()
+    i = next(k for k, x in enumerate(lines) if x.startswith(f"# {modes[0]}: does not fit"))
+    return "```\n" + "\n".join(lines[i:i + 2]) + "\n```\n"
+
+
+def fit_hint_total(argv: List[str] = FIT_HINT_ARGV) -> str:
+    """``metp plan ARGV``'s "TOTAL per rank" of its one mode (GiB, two decimals)."""
+    from megatron_metp.tools import cli
+
+    model, job, modes = cli.build_from_argv(argv)
+    return f"{P.worst_total(model, job, modes[0]) / P.GiB:,.2f}"
+
+
 def _cfg(name: str, config: str, **kw) -> Figure:
     return Figure(name, f"metp plan --config configs/{config}", lambda: config_total(config, **kw))
 
@@ -238,6 +261,10 @@ FIGURES: Dict[str, Figure] = {f.name: f for f in [
     _cfg("plan-qwen3-30b-a3b-1m-tp4-cp2-ep8-2", "qwen3-30b-a3b-1m-tp4-cp2-ep8.sh", digits=2),
     Figure("qwen3-30b-a3b-8-metp-best", "metp plan --reach --preset qwen3-30b-a3b --gpus 8",
            lambda: seq_of("qwen3-30b-a3b", 8, "metp")),
+    Figure("fit-hint-llama3-8b-1m-metp8", "metp plan " + " ".join(FIT_HINT_ARGV) + " --wide",
+           fit_hint_lines),
+    Figure("plan-llama3-8b-1m-metp8-total", "metp plan " + " ".join(FIT_HINT_ARGV),
+           fit_hint_total),
     Figure("dry-run-gpt-7b-128k-metp8",
            "scripts/pretrain_gpt.sh --config configs/gpt-7b-128k-metp8.sh --dry-run",
            lambda megatron_lm_dir=None: dry_run_output("gpt-7b-128k-metp8.sh", megatron_lm_dir),

@@ -276,8 +276,8 @@ _REACH_SEARCHED = ("seq", "tp", "metp", "cp", "pp", "dp", "recompute", "recomput
 
 
 def _width(args) -> Optional[int]:
-    """The columns ``metp plan`` fits its text to: 100 (``textwidth.DEFAULT_WIDTH``), or none
-    with ``--wide``."""
+    """The columns ``metp plan`` / ``metp measure`` fit their text to: 100
+    (``textwidth.DEFAULT_WIDTH``), or none with ``--wide``."""
     from .plan.textwidth import DEFAULT_WIDTH
 
     return None if args.wide else DEFAULT_WIDTH
@@ -355,48 +355,6 @@ def cmd_plan(args) -> int:
     return 0
 
 
-def measure_table(model, job, modes, results) -> str:
-    """The table ``metp measure`` prints: measured next to planned, per mode."""
-    lines = []
-    lines.append(f"# measured vs planned, rank 0: {model.name} h={model.hidden} L={model.layers} "
-                 f"a={model.heads} ffn={model.ffn} vocab={model.vocab} s={model.seq:,} "
-                 f"b={job.micro_batch}, {job.kernel} attention, tp={job.tp} metp={job.metp} "
-                 + (f"cp={job.cp} " if job.cp > 1 else "")
-                 + f"pp={job.pp}" + (", METP vocabulary split" if job.vocab_parallel else ""))
-    lines.append("# measured: torch fake process group + FakeTensorMode + MemTracker, one "
-                 "micro-batch fwd+bwd (×PP in flight) of megatron-core GPTModel, params + fp32 "
-                 "main_grad + activations; optimizer states are planned (not measured)")
-    head = ["mode", "layout", "measured peak", "planned", "diff", "+ optimizer (plan)",
-            "= total", "stored meas/plan", "layer transient meas/plan (% of total)",
-            "sent/rank", "peak at (meas)"]
-    rows = []
-    for mode, r in zip(modes, results):
-        lay = P.layout(mode, job).describe()
-        if "error" in r:
-            rows.append([mode, lay, "ERROR: " + r["error"].strip().splitlines()[-1][:120]]
-                        + [""] * (len(head) - 3))
-            continue
-        mem = P.memory(model, job, mode)
-        plan_b = mem.measured_part
-        diff = 100 * (plan_b / r["peak"] - 1)
-        opt = mem.static["optimizer"]
-        stored_p = mem.act.stored + mem.act.persistent
-        lt = r.get("layer_transient")
-        lt_txt = "—" if lt is None else \
-            (f"{P.fmt_bytes(lt)} / {P.fmt_bytes(mem.act.layer_transient)} "
-             f"({100 * lt / (r['peak'] + opt):.1f} %)")
-        rows.append([mode, lay, P.fmt_bytes(r["peak"]), P.fmt_bytes(plan_b), f"{diff:+.2f} %",
-                     P.fmt_bytes(opt), P.fmt_bytes(r["peak"] + opt),
-                     f"{P.fmt_bytes(r['stored'])} / {P.fmt_bytes(stored_p)}", lt_txt,
-                     P.fmt_bytes(r["sent"]), r["peak_phase"]])
-    ws = [max(len(str(x[i])) for x in rows + [head]) for i in range(len(head))]
-    lines.append(" | ".join(h.ljust(w) for h, w in zip(head, ws)))
-    lines.append("-+-".join("-" * w for w in ws))
-    for r in rows:
-        lines.append(" | ".join(str(v).ljust(w) for v, w in zip(r, ws)))
-    return "\n".join(lines)
-
-
 def config_modes(config: str) -> List[str]:
     """The mode a ``configs/*.sh`` job runs, as a list (``metp measure --config`` without
     ``--modes``): a config is one job, so measure its layout (``agreement.mode_of``, the mode
@@ -409,6 +367,7 @@ def config_modes(config: str) -> List[str]:
 
 def cmd_measure(args) -> int:
     from . import measure as M
+    from . import measure_table as T
 
     if args.config and not args.modes:
         args.modes = config_modes(args.config)
@@ -419,19 +378,10 @@ def cmd_measure(args) -> int:
     results = M.measure(model, job, modes, jobs=args.jobs, timeout=args.timeout,
                         cpu_matmul=args.cpu_matmul, measure_layers=args.measure_layers,
                         measure_tiles=args.measure_tiles)
-    print(measure_table(model, job, modes, results))
-    for mode, r in zip(modes, results):
-        if "method" in r:
-            print(f"# {mode}: {r['method']}")
-        if job.offload and "error" not in r:
-            from .plan.host import host_report
-
-            act = P.memory(model, job, mode).act
-            print(f"# {mode}: {act.offloaded_layers} of {act.layers} layers per stage offloaded, "
-                  f"{act.layers - act.offloaded_layers} kept on the device"
-                  + (" (as many as the node's host memory holds)"
-                     if job.offload_layers is None and act.offloaded_layers < act.layers else ""))
-            print(f"# {mode}: " + host_report(job, r.get("host_peak"), act.host))
+    print(T.measure_table(model, job, modes, results, width=_width(args)))
+    tail = T.notes(model, job, modes, results, width=_width(args))
+    if tail:
+        print(tail)
     print(f"\n{len(results)} measurements in {time.perf_counter() - t0:.1f} s")
     if args.json:
         out = []
@@ -492,6 +442,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                          "repeating tile loop of the streaming METP layer (every pass allocates "
                          "the same; the traffic counts every pass) and one step of each run of "
                          "like K/V ring steps; 'full' runs every pass and step")
+    ms.add_argument("--wide", action="store_true",
+                    help="print the table with every column side by side, one line per mode, "
+                         "and every line whole (default: fit 100 columns: the table in blocks of "
+                         "columns, long lines wrapped)")
     ms.add_argument("--cpu-matmul", action="store_true",
                     help="keep the METP ops' CPU matmul branch (default: emulate the CUDA one)")
     args = ap.parse_args(argv)
