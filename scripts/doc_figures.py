@@ -194,6 +194,11 @@ def _twin_excerpt(line: str) -> bool:
     return line.startswith(("layout:", "batch:", "parameters on this rank", "  "))
 
 
+def _memory_excerpt(line: str) -> bool:
+    """The lines the doc shows of a long job's dry run: its memory breakdown."""
+    return line.startswith("  ")
+
+
 def dry_run_output(config: str, megatron_lm_dir: Optional[str] = None,
                    keep: Optional[Callable[[str], bool]] = None) -> str:
     """What ``scripts/pretrain_gpt.sh --config configs/CONFIG --dry-run`` prints from its first
@@ -257,6 +262,7 @@ FIGURES: Dict[str, Figure] = {f.name: f for f in [
            lambda: config_layer_transient("llama3-8b-6m-metp8.sh")),
     Figure("llama3-8b-8-metp-best", "metp plan --reach --gpus 8 --preset llama3-8b",
            lambda: seq_of("llama3-8b", 8, "metp")),
+    _cfg("plan-qwen3-8b-4m-metp8-2", "qwen3-8b-4m-metp8.sh", digits=2),
     _cfg("plan-qwen3-30b-a3b-1m-metp4-cp2-2", "qwen3-30b-a3b-1m-metp4-cp2.sh", digits=2),
     _cfg("plan-qwen3-30b-a3b-1m-tp4-cp2-ep8-2", "qwen3-30b-a3b-1m-tp4-cp2-ep8.sh", digits=2),
     Figure("qwen3-30b-a3b-8-metp-best", "metp plan --reach --preset qwen3-30b-a3b --gpus 8",
@@ -268,6 +274,11 @@ FIGURES: Dict[str, Figure] = {f.name: f for f in [
     Figure("dry-run-gpt-7b-128k-metp8",
            "scripts/pretrain_gpt.sh --config configs/gpt-7b-128k-metp8.sh --dry-run",
            lambda megatron_lm_dir=None: dry_run_output("gpt-7b-128k-metp8.sh", megatron_lm_dir),
+           measured=True),
+    Figure("dry-run-qwen3-8b-4m-metp8",
+           "scripts/pretrain_gpt.sh --config configs/qwen3-8b-4m-metp8.sh --dry-run (memory)",
+           lambda megatron_lm_dir=None: dry_run_output("qwen3-8b-4m-metp8.sh", megatron_lm_dir,
+                                                       keep=_memory_excerpt),
            measured=True),
     Figure("dry-run-gpt-7b-128k-tp8",
            "scripts/pretrain_gpt.sh --config configs/gpt-7b-128k-tp8.sh --dry-run (excerpt)",

@@ -94,7 +94,8 @@ def test_measured_figures_name_date_machine_and_command_and_wait_for_slow(D):
     doc = "docs/megatron-lm.md"
     text = _text(doc)
     measured = [f for f in D.find(text, doc) if D.FIGURES[f.name].measured]
-    assert [f.name for f in measured] == ["dry-run-gpt-7b-128k-metp8", "dry-run-gpt-7b-128k-tp8"]
+    assert [f.name for f in measured] == ["dry-run-gpt-7b-128k-metp8", "dry-run-gpt-7b-128k-tp8",
+                                          "dry-run-qwen3-8b-4m-metp8"]
     for f in measured:
         assert re.match(r"measured \d{4}-\d\d-\d\d, ", f.note), f.note
     # each sample's total is the configs table's planned figure (the issue: 59.9 next to 35.3)
@@ -102,6 +103,9 @@ def test_measured_figures_name_date_machine_and_command_and_wait_for_slow(D):
     for config in ("gpt-7b-128k-metp8", "gpt-7b-128k-tp8"):
         total = re.search(r"= ([\d.]+) GiB", found[f"dry-run-{config}"]).group(1)
         assert found[f"plan-{config}"] == total, config
+    # the Qwen3-8B 4M dry run (its memory report) and the plan's total agree within 1 %
+    qwen = float(re.search(r"= ([\d.]+) GiB", found["dry-run-qwen3-8b-4m-metp8"]).group(1))
+    assert abs(qwen / float(found["plan-qwen3-8b-4m-metp8-2"]) - 1) < 0.01, qwen
     assert re.match(r"measured \d{4}-\d\d-\d\d, .*: scripts/pretrain_gpt.sh --config "
                     r"configs/gpt-7b-128k-metp8.sh --dry-run; python scripts/doc_figures.py "
                     r"--slow dry-run-gpt-7b-128k-metp8$", measured[0].note), measured[0].note
