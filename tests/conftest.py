@@ -32,6 +32,8 @@ MEGATRON_LM_ARCHIVE = os.path.join(os.path.dirname(REPO), "shared", "megatron-lm
 HF_TESTS = (
     "tests/test_hf_versions.py::",
     "tests/test_hf_from_args.py::",
+    "tests/test_hf_weights.py::",
+    "tests/test_hf_tokenizer.py::",
     "tests/test_hf.py::test_bad_configs_are_refused_naming_the_field",
     "tests/test_hf_families.py::test_family_fields_are_refused_or_accepted_naming_the_field",
     "tests/test_hf_families.py::test_cli_refuses_before_reading_the_weights",
