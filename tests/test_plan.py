@@ -223,7 +223,8 @@ def test_config_files(tmp_path):
     # the distributed optimizer, DP from 1 node × 8 GPUs
     assert model == {"hidden": 2048, "layers": 24, "heads": 16, "seq": 32768, "ffn": 8192,
                      "swiglu": False, "tied": True, "vocab": 32001}
-    assert job == {"metp": 8, "tp": 1, "pp": 1, "distributed_optimizer": True, "dp": 1}
+    assert job == {"metp": 8, "tp": 1, "pp": 1, "distributed_optimizer": True, "dp": 1,
+                   "global_batch": 8}  # GLOBAL_BATCH_SIZE: scripts/pretrain_gpt.sh's default
     sh.write_text(sh.read_text() + ': "${TRANSFORMER_IMPL:=local}" '
                   '"${NNODES:=2}" "${TOKENIZER_TYPE:=HuggingFaceTokenizer}" "${VOCAB_SIZE:=50000}"\n'
                   'METP=1\n')

@@ -121,7 +121,8 @@ def _add_common(ap: argparse.ArgumentParser) -> None:
     j.add_argument("--dp", type=int, help="data-parallel size (default 1)")
     j.add_argument("--micro-batch", type=int, help="micro-batch size (default 1)")
     j.add_argument("--microbatches", type=int, default=0,
-                   help="micro-batches per step (PP in-flight count; default: fill the pipe)")
+                   help="micro-batches per iteration (PP in-flight count; default: a --config's "
+                        "GLOBAL_BATCH_SIZE / (micro-batch x DP), else fill the pipe)")
     j.add_argument("--kernel", choices=["flash", "unfused", "cudnn", "fa3", "fa2",
                                         "torch_flash", "flash_attn_3", "flash_attn"],
                    default=None,
@@ -235,8 +236,13 @@ def build(args) -> tuple:
         job_fields["optimizer_offload"] = True
     if args.no_offload_prefetch:
         job_fields["offload_prefetch"] = False
+    global_batch = job_fields.pop("global_batch", None)  # --config's GLOBAL_BATCH_SIZE
+    micro = args.microbatches
+    if not micro and global_batch is not None:  # the iteration of the config's global batch
+        micro = P.microbatches(global_batch, job_fields.get("micro_batch") or 1,
+                               job_fields.get("dp") or 1)
     named = args.kernel not in (None, "flash", "unfused")  # a flash kernel by name
-    job = P.Job(microbatches=args.microbatches,
+    job = P.Job(microbatches=micro,
                 kernel="flash" if named else (args.kernel or job_fields.pop("kernel", "flash")),
                 attention_kernel=args.kernel if named else None, rates_file=args.rates,
                 keep_intermediate=args.keep_intermediate or job_fields.pop("keep_intermediate",

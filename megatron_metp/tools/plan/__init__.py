@@ -117,6 +117,8 @@ as when the plan was one module:
                          not fit does
 ``launch``               a planned job as ``scripts/pretrain_gpt.sh`` settings, Megatron-LM
                          flags and a ``configs/*.sh``-style file
+``recipe``               ``recipe_flags()``: the model file's ``MOE_ARGS`` (the load-balancing
+                         loss, ...), carried by every launch line and written config
 ``summary``              ``plan()`` (the ``--json`` dict) and ``report()`` (the printed text)
 ``textwidth``            the units legend under the tables, the table in blocks of columns and
                          long lines wrapped to 100 columns (``--wide``: whole), ``unwrap()``
@@ -135,7 +137,7 @@ import types
 from .hardware import HARDWARE, Hardware
 from .model import (BF16, FP32, GiB, MiB, MODE_NAMES, MODES, PEER_MODES, PRESETS, VOCAB_MODES, Job, Layout,
                     Model, canonical, layout, padded_vocab, validate)
-from .config import _JOB_KEYS, _MODEL_KEYS, _coerce, from_config, read_config  # noqa: F401
+from .config import _JOB_KEYS, _MODEL_KEYS, _coerce, from_config, microbatches, read_config  # noqa: F401
 from .parameters import Params, _layer_weights, params, static_memory  # noqa: F401
 from .ring import ring_backward_buffers, ring_forward_buffers
 from .stock import _mlp_part, _ring_core_bwd, _stock_phases  # noqa: F401
@@ -155,15 +157,16 @@ from .summary import fmt_bytes, fmt_tokens, plan, report
 from .search import reach, reach_report
 from .fit import FitHint, fit_hint
 from .launch import config_text, launch_line, megatron_flags
+from .recipe import merge_recipe, recipe_flags
 from .figures import COLORS, charts
 from . import (activation_memory, alst, alst_time, config, cost, figures, fit, hardware,
-               host_link, imbalance, internode, launch, metp, model, moe, overlap, partial, rates, search,
-               parameters, rank_memory, recompute, ring, stock, summary, traffic, vocab)
+               host_link, imbalance, internode, launch, metp, model, moe, overlap, partial, rates,
+               recipe, search, parameters, rank_memory, recompute, ring, stock, summary, traffic, vocab)
 
 __all__ = [
     "GiB", "MiB", "BF16", "FP32", "MODES", "MODE_NAMES", "VOCAB_MODES", "PEER_MODES",
     "Model", "PRESETS", "Job", "Layout", "layout", "canonical", "padded_vocab", "validate",
-    "read_config", "from_config", "Hardware", "HARDWARE",
+    "read_config", "from_config", "microbatches", "Hardware", "HARDWARE",
     "Params", "params", "static_memory",
     "ring_forward_buffers", "ring_backward_buffers", "unfused_live_block",
     "vocab_loss_phases", "vocab_embedding_forward", "vocab_embedding_backward",
@@ -173,14 +176,15 @@ __all__ = [
     "recompute_and_offload", "layer_flops", "step_cost", "internode_hop", "step_time",
     "RATES", "Rates", "default_kernel", "load_rates", "resolve_rates",
     "fmt_bytes", "fmt_tokens", "plan", "report", "COLORS", "charts", "reach", "reach_report",
-    "FitHint", "fit_hint", "config_text", "launch_line", "megatron_flags",
+    "FitHint", "fit_hint", "config_text", "launch_line", "megatron_flags", "merge_recipe",
+    "recipe_flags",
 ]
 
 #: the modules whose names :class:`_Package` rebinds
 _step_time_module = sys.modules[__name__ + ".step_time"]  # (the name is the function's)
 _MODULES = (hardware, model, config, moe, parameters, ring, stock, metp, vocab, recompute,
             activation_memory, partial, rank_memory, traffic, cost, overlap, internode, summary, figures,
-            search, fit, launch, rates, host_link, imbalance, alst, alst_time, _step_time_module)
+            search, fit, launch, recipe, rates, host_link, imbalance, alst, alst_time, _step_time_module)
 _UNSET = object()
 
 

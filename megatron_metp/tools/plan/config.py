@@ -33,6 +33,7 @@ _JOB_KEYS = {
     "vocab_parallel": "vocab_parallel", "metp_vocab_parallel": "vocab_parallel",
     "ep": "ep", "expert_model_parallel_size": "ep",
     "moe_token_dispatcher": "moe_dispatcher", "moe_token_dispatcher_type": "moe_dispatcher",
+    "global_batch": "global_batch", "global_batch_size": "global_batch",
 }
 
 
@@ -141,6 +142,17 @@ def from_config(path: str) -> Tuple[Dict[str, object], Dict[str, object]]:
     return model, job
 
 
+def microbatches(global_batch: int, micro_batch: int, dp: int) -> int:
+    """Micro-batches per iteration of a config's global batch: ``global / (micro-batch × DP)``
+    (Megatron's count); ``ValueError`` naming ``GLOBAL_BATCH_SIZE`` when it does not divide."""
+    global_batch, per = int(global_batch), int(micro_batch) * int(dp)
+    if global_batch < 1 or global_batch % per:
+        raise ValueError(f"GLOBAL_BATCH_SIZE={global_batch} in the config: Megatron needs a "
+                         f"multiple of micro-batch × DP = {micro_batch} × {dp} = {per}; set "
+                         f"GLOBAL_BATCH_SIZE to one (e.g. {per * max(1, global_batch // per)})")
+    return global_batch // per
+
+
 def _launcher_settings(kv: Dict[str, object], model: Dict[str, object],
                        job: Dict[str, object]) -> None:
     """What ``scripts/pretrain_gpt.sh`` adds when it launches a ``configs/*.sh`` of this repo, so
@@ -153,6 +165,7 @@ def _launcher_settings(kv: Dict[str, object], model: Dict[str, object],
     ``METP_KEEP_INTERMEDIATE``, ``--optimizer-cpu-offload`` in ``EXTRA_ARGS``, a stock ``CP``
     as the ring size (plan it with ``--modes ring``),
     data parallelism from ``NNODES × GPUS_PER_NODE`` (default 1 × 8),
+    ``GLOBAL_BATCH_SIZE`` (default 8: the iteration's micro-batches, :func:`microbatches`),
     and Megatron's ``NullTokenizer`` (mock data, no ``TOKENIZER_TYPE``), which adds an
     end-of-document token to ``VOCAB_SIZE`` (default 32000) at core_v0.16.1, not at core_v0.19.0
     (the release of the installed megatron-core)."""
@@ -205,6 +218,7 @@ def _launcher_settings(kv: Dict[str, object], model: Dict[str, object],
         job["metp"] = cp                           # mode ring (K/V ring over CP, weights whole)
     elif cp > 1:  # METP × CP: CP the outer factor of Megatron's CP group of METP·CP ranks
         job["cp"] = cp
+    job.setdefault("global_batch", 8)  # scripts/pretrain_gpt.sh's GLOBAL_BATCH_SIZE default
     world = int(kv.get("nnodes") or 1) * int(kv.get("gpus_per_node") or 8)
     per_replica = int(job.get("tp") or 1) * int(job.get("metp") or 1) * \
         int(job.get("cp") or 1) * int(job.get("pp") or 1)

@@ -25,6 +25,7 @@ import shlex
 from typing import Dict, List, Optional, Tuple
 
 from .config import read_config
+from .recipe import merge_recipe, recipe_flags
 from .model import Job, Model, canonical, layout
 
 #: the repository's model files (``configs/models/<name>.sh``)
@@ -39,7 +40,8 @@ Setting = Tuple[str, str, List[str]]
 #: ``scripts/pretrain_gpt.sh``'s own defaults (a launch line leaves these out; its
 #: ``SEQUENCE_PARALLEL`` default, 1 when TP > 1 and METP = 1, is checked in :func:`launch_line`)
 LAUNCHER_DEFAULTS = {"NNODES": "1", "GPUS_PER_NODE": "8", "TP": "1", "METP": "1", "CP": "1",
-                     "PP": "1", "MICRO_BATCH_SIZE": "1", "DISTRIBUTED_OPTIMIZER": "1",
+                     "PP": "1", "MICRO_BATCH_SIZE": "1", "GLOBAL_BATCH_SIZE": "8",
+                     "DISTRIBUTED_OPTIMIZER": "1",
                      "SWIGLU": "0", "UNTIE_EMBEDDINGS": "0", "QK_LAYERNORM": "0",
                      "ADD_QKV_BIAS": "0"}
 
@@ -87,6 +89,12 @@ def geometry(model: Model) -> List[Setting]:
     return out
 
 
+def global_batch(job: Job) -> int:
+    """The global batch the plan's iteration trains: micro-batch × DP × the iteration's
+    micro-batches (``--microbatches``, else PP, as :func:`.step_time.step_time` counts them)."""
+    return job.micro_batch * job.dp * (job.microbatches or job.pp)
+
+
 def job_settings(job: Job, mode: str) -> List[Setting]:
     """The layout and the training options of ``mode`` (see the module's table); ``ValueError``
     for mode ``alst`` (ALST's recipe, not a Megatron-LM job)."""
@@ -108,6 +116,8 @@ def job_settings(job: Job, mode: str) -> List[Setting]:
         ("PP", str(job.pp), ["--pipeline-model-parallel-size", str(job.pp)]),
         ("SEQUENCE_PARALLEL", str(int(lay.sp)), _flag(lay.sp, "--sequence-parallel")),
         ("MICRO_BATCH_SIZE", str(job.micro_batch), ["--micro-batch-size", str(job.micro_batch)]),
+        ("GLOBAL_BATCH_SIZE", str(global_batch(job)), ["--global-batch-size",
+                                                       str(global_batch(job))]),
         ("DISTRIBUTED_OPTIMIZER", str(int(job.distributed_optimizer)),
          _flag(job.distributed_optimizer, "--use-distributed-optimizer")),
     ]
@@ -143,20 +153,20 @@ def moe_flags(model: Model, job: Job, mode: str) -> List[str]:
     """A MoE model's ``pretrain_gpt.py`` flags (``scripts/pretrain_gpt.sh`` takes them in
     ``EXTRA_ARGS``, as the ``configs/*-moe.sh`` do): experts, top-k, expert FFN, MoE layer
     frequency, dispatcher; stock modes add ``--expert-model-parallel-size`` (METP sets EP = p
-    itself)."""
+    itself); then the rest of the model file's recipe (:func:`.recipe.recipe_flags`: the
+    load-balancing loss and its coefficient, ...), which the plan does not set itself."""
     if not model.moe:
         return []
     out = ["--num-experts", str(model.experts), "--moe-router-topk", str(model.topk)]
     if model.moe_ffn:
         out += ["--moe-ffn-hidden-size", str(model.moe_ffn)]
-    if model.moe_layer_freq != 1:
-        out += ["--moe-layer-freq", str(model.moe_layer_freq)]
+    out += ["--moe-layer-freq", str(model.moe_layer_freq)]
     out += ["--moe-token-dispatcher-type", job.moe_dispatcher]
     if job.moe_grouped_gemm:
         out.append("--moe-grouped-gemm")
     if canonical(mode, job)[0] != "metp" and (job.ep or 1) > 1:
         out += ["--expert-model-parallel-size", str(job.ep)]
-    return out
+    return merge_recipe(out, recipe_flags(model_file(model)))
 
 
 def settings(model: Model, job: Job, mode: str) -> List[Setting]:
@@ -238,5 +248,6 @@ def config_text(model: Model, job: Job, mode: str, title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["LAUNCHER_DEFAULTS", "MODELS_DIR", "OPTIMIZER_OFFLOAD_ARGS", "config_text", "geometry", "job_settings",
+__all__ = ["LAUNCHER_DEFAULTS", "MODELS_DIR", "OPTIMIZER_OFFLOAD_ARGS", "config_text", "geometry",
+           "global_batch", "job_settings",
            "launch_line", "megatron_flags", "model_file", "settings"]
