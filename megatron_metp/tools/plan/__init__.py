@@ -137,7 +137,8 @@ import types
 from .hardware import HARDWARE, Hardware
 from .model import (BF16, FP32, GiB, MiB, MODE_NAMES, MODES, PEER_MODES, PRESETS, VOCAB_MODES, Job, Layout,
                     Model, canonical, layout, padded_vocab, validate)
-from .config import _JOB_KEYS, _MODEL_KEYS, _coerce, from_config, microbatches, read_config  # noqa: F401
+from .config import (_JOB_KEYS, _MODEL_KEYS, _coerce, from_config, microbatches,  # noqa: F401
+                     read_config)
 from .parameters import Params, _layer_weights, params, static_memory  # noqa: F401
 from .ring import ring_backward_buffers, ring_forward_buffers
 from .stock import _mlp_part, _ring_core_bwd, _stock_phases  # noqa: F401
@@ -161,7 +162,8 @@ from .recipe import merge_recipe, recipe_flags
 from .figures import COLORS, charts
 from . import (activation_memory, alst, alst_time, config, cost, figures, fit, hardware,
                host_link, imbalance, internode, launch, metp, model, moe, overlap, partial, rates,
-               recipe, search, parameters, rank_memory, recompute, ring, stock, summary, traffic, vocab)
+               recipe, search, parameters, rank_memory, recompute, ring, stock, summary, traffic,
+               vocab)
 
 __all__ = [
     "GiB", "MiB", "BF16", "FP32", "MODES", "MODE_NAMES", "VOCAB_MODES", "PEER_MODES",
@@ -184,7 +186,8 @@ __all__ = [
 _step_time_module = sys.modules[__name__ + ".step_time"]  # (the name is the function's)
 _MODULES = (hardware, model, config, moe, parameters, ring, stock, metp, vocab, recompute,
             activation_memory, partial, rank_memory, traffic, cost, overlap, internode, summary, figures,
-            search, fit, launch, recipe, rates, host_link, imbalance, alst, alst_time, _step_time_module)
+            search, fit, launch, recipe, rates, host_link, imbalance, alst, alst_time,
+            _step_time_module)
 _UNSET = object()
 
 
