@@ -216,3 +216,16 @@ def assert_messages(msgs: dict, expect: dict) -> None:
     """Every case raised, and its message contains the expected fragment."""
     for name, needle in expect.items():
         assert msgs[name] is not None and needle in msgs[name], (name, msgs[name])
+
+
+def flag_values(argv) -> dict:
+    """A Megatron argv -> ``{flag: [values]}`` (the last occurrence wins, as argparse does;
+    values before the first flag are left out)."""
+    out, key = {}, None
+    for a in argv:
+        if a.startswith("--"):
+            key = a
+            out[key] = []
+        elif key is not None:
+            out[key].append(a)
+    return out

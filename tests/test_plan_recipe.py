@@ -16,6 +16,7 @@ import pytest
 
 from megatron_metp.tools import cli
 from megatron_metp.tools import plan as P
+from tests.harness import flag_values as _flags  # Megatron argv -> {flag: [values]}
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QWEN = P.PRESETS["qwen3-30b-a3b"]
@@ -27,18 +28,6 @@ def _env(**kw):
            "PYTHON": sys.executable, "LC_ALL": "C.UTF-8", "MEGATRON_LM_DIR": "/m"}
     env.update({k: str(v) for k, v in kw.items()})
     return env
-
-
-def _flags(argv):
-    """argv -> {flag: [values]} (the last occurrence wins, as argparse does)."""
-    out, key = {}, None
-    for a in argv:
-        if a.startswith("--"):
-            key = a
-            out[key] = []
-        elif key is not None:
-            out[key].append(a)
-    return out
 
 
 def _print_cmd(config, **env):

@@ -23,6 +23,7 @@ import pytest
 from megatron_metp.megatron_lm import hooks as megatron_lm
 from megatron_metp.megatron_lm import releases
 from megatron_metp.tools import compare, dry_run
+from tests.harness import flag_values as _flags  # Megatron argv -> {flag: [values]}
 from tests.megatron_lm_release import TAG_COMMIT  # the session's release (METP_MEGATRON_LM_RELEASE)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -101,18 +102,6 @@ def _print_cmd(config, *extra, **env):
     argv = shlex.split(lines[2])
     script = argv.index(f"{env['MEGATRON_LM_DIR']}/pretrain_gpt.py")
     return argv[:script], argv[script + 1:]
-
-
-def _flags(argv):
-    """Megatron argv -> {flag: [values]} (last occurrence wins, as argparse does)."""
-    out, key = {}, None
-    for a in argv:
-        if a.startswith("--"):
-            key = a
-            out[key] = []
-        else:
-            out[key].append(a)
-    return out
 
 
 def test_tiny_config_command():
