@@ -43,7 +43,8 @@ def test_manifest_lists_every_file_with_its_sha256(tmp_path, capsys):
     assert doc["hash"] == "sha256" and doc["iteration"] == 4
     assert doc["files"] == {rel: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
                             for rel, data in FILES.items()}
-    assert not os.path.exists(os.path.join(d, cm.MANIFEST + ".tmp"))
+    # nothing but the files and the manifest: no temporary file left behind
+    assert sorted(os.listdir(d)) == sorted({r.split("/")[0] for r in FILES} | {cm.MANIFEST})
     assert cm.verify_iteration(d) == ("ok", [])
 
 

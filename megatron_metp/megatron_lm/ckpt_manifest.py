@@ -48,6 +48,8 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from ..megatron.checkpoint_layout import write_json_durably
+
 __all__ = ["MANIFEST", "HASH", "publish_checkpoint_manifest", "write_manifest", "hash_file",
            "list_files", "verify_iteration", "load_problems", "rank_checkpoint_problems",
            "shares", "iteration_name", "newest_intact_iteration"]
@@ -56,6 +58,8 @@ __all__ = ["MANIFEST", "HASH", "publish_checkpoint_manifest", "write_manifest", 
 MANIFEST = "metp_manifest.json"
 #: the :mod:`hashlib` algorithm of the manifest
 HASH = "sha256"
+#: the temporary name :func:`write_json_durably` writes the manifest under before its rename
+_MANIFEST_TMP = f".{MANIFEST}.tmp-"
 _FORMAT = "megatron-metp checkpoint manifest"
 _VERSION = 1
 _CHUNK = 8 << 20
@@ -100,7 +104,7 @@ def list_files(folder: str) -> List[str]:
         dirs.sort()
         for name in files:
             rel = os.path.relpath(os.path.join(root, name), folder).replace(os.sep, "/")
-            if rel not in (MANIFEST, MANIFEST + ".tmp"):
+            if rel != MANIFEST and not rel.startswith(_MANIFEST_TMP):
                 out.append(rel)
     return sorted(out)
 
@@ -121,13 +125,7 @@ def write_manifest(folder: str, iteration=None) -> Tuple[str, int, int, float]:
     doc = {"format": _FORMAT, "version": _VERSION, "hash": HASH, "iteration": iteration,
            "files": {r: {"bytes": sizes[r], HASH: digests[r]} for r in rels}}
     path = os.path.join(folder, MANIFEST)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as fh:
-        json.dump(doc, fh, indent=1, sort_keys=True)
-        fh.write("\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    write_json_durably(path, doc)  # temporary file, fsync, os.replace, fsync of the folder
     return path, len(rels), sum(sizes.values()), time.perf_counter() - start
 
 
