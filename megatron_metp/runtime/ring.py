@@ -99,7 +99,7 @@ class RingExchanger:
             works = dist.batch_isend_irecv(ops)
         except Exception as exc:  # noqa: BLE001
             raise RingPeerError(f"METP ring {g.name!r}: posting step {step} of {self.what!r} to "
-                                f"{g.next_rank}/from {g.prev_rank} failed: {exc}") from exc
+                                f"peer {g.next_rank}/from peer {g.prev_rank} failed: {exc}") from exc
         g.stats.steps += weight()
         g.stats.bytes_sent += nbytes * weight()
         g.stats.bytes_received += nbytes * weight()
