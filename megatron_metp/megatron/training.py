@@ -22,6 +22,7 @@ from ..runtime.finite import set_iteration
 from ..runtime.watchdog import bounded
 from .groups import METPGroups
 from .linear import is_metp_sharded
+from ..ops.rope import rope_recipe
 
 
 @dataclass
@@ -52,6 +53,16 @@ class GPTSize:
 RECOMPUTE = (None, "full")
 #: values of :attr:`Layout.recompute_method` (Megatron's ``recompute_method``)
 RECOMPUTE_METHODS = ("uniform", "block")
+
+
+#: the ``Layout`` field behind each :class:`~.settings.METPSettings` field (what a refusal names)
+LAYOUT_FIELDS = {"metp": "Layout.metp", "context": "Layout.cp", "tp": "Layout.tp",
+                 "pp": "Layout.pp", "mode": "Layout.mode", "kernel": "Layout.kernel",
+                 "vocab_parallel": "Layout.vocab_parallel",
+                 "offload_activations": "Layout.offload_activations",
+                 "rope_recipe": "Layout.rope_fp32_recipe",
+                 "transformer_impl": "Layout.transformer_impl",
+                 "packed": "Layout.packed_eod", "packed_eod": "Layout.packed_eod"}
 
 
 @dataclass
@@ -171,6 +182,24 @@ class Layout:
         check_offload_layers(n, num_layers // self.pp, cfg, what="Layout.offload_activations")
         return n
 
+    def settings(self, num_layers: Optional[int] = None):
+        """This layout as :class:`~.settings.METPSettings` (``num_layers`` checks an
+        ``offload_activations`` count against the layers of a stage); refusals name the
+        ``Layout`` fields."""
+        from .settings import METPSettings
+
+        if num_layers is not None:
+            self.offload_layers(num_layers)  # refused here when N does not fit a stage
+        settings = METPSettings(
+            mode=self.mode, metp=self.metp, context=self.cp, tp=self.tp, pp=self.pp,
+            kernel=self.kernel, vocab_parallel=self.vocab_parallel,
+            offload_activations=self.offload_activations,
+            rope_recipe=rope_recipe(self.rope_fp32_recipe),
+            rope_recipe_source="Layout.rope_fp32_recipe", transformer_impl=self.transformer_impl,
+            packed=self.packed_eod is not None, packed_eod=self.packed_eod)
+        settings.check(names=LAYOUT_FIELDS)
+        return settings
+
     def describe(self) -> str:
         name = {"metp": f"METP={self.metp}", "tp": "stock", "ring": f"ring-SA={self.metp}"}[self.mode]
         if self.vocab_parallel:
@@ -231,69 +260,26 @@ def transformer_config(size: GPTSize, layout: Layout):
 
 
 def build_model(size: GPTSize, layout: Layout, groups: METPGroups):
-    """This pipeline stage's ``GPTModel`` (tied embeddings only if ``size.tie_embeddings``).
+    """This pipeline stage's ``GPTModel`` (tied embeddings only if ``size.tie_embeddings``),
+    built by :func:`.build.build_metp_gpt` from :meth:`Layout.settings`.
 
     ``layout.vocab_parallel`` (METP mode only) builds a :class:`~.vocab.METPGPTModel`: word
     embedding and output layer + loss sharded over TP×METP.
     """
     from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from .gpu_stack import select_norm
-    from .spec import get_gpt_layer_metp_spec
-    from .vocab import METPGPTModel
+    from .build import build_metp_gpt
 
     cfg = transformer_config(size, layout)
     if layout.vocab_parallel and layout.mode != "metp":
         raise ValueError(f"vocab_parallel needs mode='metp', got mode={layout.mode!r}")
-    if layout.mode == "tp" and cfg.num_moe_experts:
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-
-        spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False,
-                                          normalization=size.normalization)
-    elif layout.mode == "tp":
-        spec = get_gpt_layer_local_spec(normalization=size.normalization,
-                                        qk_layernorm=cfg.qk_layernorm)
-    elif cfg.num_moe_experts:
-        from .moe import get_gpt_decoder_block_metp_spec
-
-        spec = get_gpt_decoder_block_metp_spec(
-            cfg, groups, normalization=size.normalization, kernel=layout.kernel,
-            norm=select_norm(layout.transformer_impl, size.normalization).module,
-            weight_ring=layout.mode == "metp")
-    else:
-        norm = select_norm(layout.transformer_impl, size.normalization).module
-        spec = get_gpt_layer_metp_spec(groups, weight_ring=layout.mode == "metp",
-                                       normalization=size.normalization, kernel=layout.kernel,
-                                       norm=norm, qk_layernorm=cfg.qk_layernorm)
-    cls, extra = (METPGPTModel, {"metp_groups": groups}) if layout.vocab_parallel else (GPTModel, {})
-    model = cls(config=cfg, transformer_layer_spec=spec, vocab_size=size.vocab_size,
-                max_sequence_length=size.seq_length,
-                pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-                share_embeddings_and_output_weights=size.tie_embeddings,
-                position_embedding_type=size.position_embedding_type, **extra)
-    from .rope import check_reach, rope_recipe, use_exact_angles
-
-    # exact RoPE angles for this rank's tokens (stock TP keeps Megatron's); past 2^24 refused
-    # on Megatron's recipe
-    recipe = "megatron" if layout.mode == "tp" else rope_recipe(layout.rope_fp32_recipe)
-    check_reach(model, use_exact_angles(model, recipe), size.seq_length,
-                "stock TP" if layout.mode == "tp" else "Layout.rope_fp32_recipe")
-    if layout.mode == "metp":
-        from .streaming import prepare_recompute
-
-        prepare_recompute(model.decoder)
-    if layout.offload_activations:
-        from ..runtime.offload import ActivationOffloader
-
-        ActivationOffloader(layers=layout.offload_layers(size.num_layers)).attach(model.decoder)
-    if layout.packed_eod is not None and layout.mode != "tp":
-        from .packing import DocumentBoundaries
-
-        DocumentBoundaries(groups.metp.sequence_ring, eod_token=layout.packed_eod,
-                           full_rope=layout.mode == "metp").attach(model)
-    return model
+    return build_metp_gpt(cfg, groups, layout.settings(size.num_layers),
+                          vocab_size=size.vocab_size, max_sequence_length=size.seq_length,
+                          pre_process=ps.is_pipeline_first_stage(),
+                          post_process=ps.is_pipeline_last_stage(),
+                          share_embeddings_and_output_weights=size.tie_embeddings,
+                          position_embedding_type=size.position_embedding_type,
+                          normalization=size.normalization)
 
 
 # ---------------------------------------------------------------- same weights in every layout

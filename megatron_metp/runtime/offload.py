@@ -185,6 +185,11 @@ class ActivationOffloader:
         block._metp_offloader = self
         return self
 
+    @staticmethod
+    def attached_to(block: torch.nn.Module) -> Optional["ActivationOffloader"]:
+        """The offloader :meth:`attach` hooked onto ``block`` (``None``: none)."""
+        return getattr(block, "_metp_offloader", None)
+
     @contextlib.contextmanager
     def saving(self):
         """Inside: saved tensors go to the host (a new forward: a new first group)."""

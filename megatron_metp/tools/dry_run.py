@@ -326,6 +326,7 @@ def _build_and_measure(args, pretrain_gpt, ps, te_absent: bool, notes: List[str]
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ..megatron_lm import hooks as megatron_lm
+    from ..megatron.build import model_tree_summary
     from ..megatron.linear import is_metp_sharded
 
     import gpt_builders
@@ -449,6 +450,7 @@ def _build_and_measure(args, pretrain_gpt, ps, te_absent: bool, notes: List[str]
             t_build = time.perf_counter()
             chunks = build()
             build_s = time.perf_counter() - t_build
+            tree = "; ".join(model_tree_summary(m) for m, _, _ in chunks)
             params = [p for m, _, _ in chunks for p in m.parameters()]
             n_layers = sum(len(m.decoder.layers) for m, _, _ in chunks if hasattr(m, "decoder"))
             reducible = not vpp and not any(
@@ -550,7 +552,7 @@ def _build_and_measure(args, pretrain_gpt, ps, te_absent: bool, notes: List[str]
         "static_detail": {k: v for k, v in static.items()
                           if k not in ("params", "grads", "optimizer")},
         "optimizer": args.optimizer, "distributed_optimizer": bool(args.use_distributed_optimizer),
-        "seconds_build": build_s, "seconds_fwd_bwd": run_s,
+        "seconds_build": build_s, "model_tree": tree, "seconds_fwd_bwd": run_s,
     }
 
 
@@ -694,6 +696,8 @@ def format_report(r: Dict, gpu_memory_gib: Optional[float] = None,
     lines.append(f"activations {a['method']}; fake process group + FakeTensorMode + MemTracker, "
                  f"build {r['seconds_build']:.1f} s, fwd+bwd {r['seconds_fwd_bwd']:.1f} s, "
                  f"total {r['seconds_total']:.1f} s")
+    if r.get("model_tree"):  # what metp measure and a training log print for the same model
+        lines.append(f"model: {r['model_tree']}")
     for n in r["notes"]:
         lines.append(f"note: {n}")
     return "\n".join(lines)

@@ -90,16 +90,12 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
     FR.fake_world(world)
 
     from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.pipeline_parallel.schedules import custom_backward, deallocate_output_tensor
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from ..megatron.spec import get_gpt_layer_metp_spec
+    from ..megatron.build import build_metp_gpt, model_tree_summary
     from ..megatron.training import Layout as TrainingLayout
     from ..megatron.training import init_parallel
-    from ..megatron.vocab import METPGPTModel
     from ..runtime.offload import ActivationOffloader
 
     # METP folds its groups into parallel_state; the stock modes are TP(+SP) x CP there
@@ -120,66 +116,37 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
         ffn_hidden_size=model.ffn, tensor_model_parallel_size=lay.t,
         pipeline_model_parallel_size=job.pp, context_parallel_size=lay.c,
         sequence_parallel=lay.sp, use_cpu_initialization=True, perform_initialization=False,
-        attention_dropout=0.0, hidden_dropout=0.0, add_bias_linear=False,
+        attention_dropout=0.0, hidden_dropout=0.0, add_bias_linear=model.bias,
         gated_linear_unit=model.swiglu, activation_func=Fn.silu if model.swiglu else Fn.gelu,
         bias_activation_fusion=model.swiglu, masked_softmax_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False,
-        normalization=getattr(model, "normalization", "LayerNorm"),
+        normalization=model.normalization,
         recompute_granularity=None if job.recompute == "none" else job.recompute,
         recompute_method=job.recompute_method if job.recompute == "full" else None,
         recompute_num_layers=job.recompute_num_layers if job.recompute == "full" else None,
         params_dtype=torch.bfloat16, bf16=True, pipeline_dtype=torch.bfloat16,
         attention_softmax_in_fp32=False, batch_p2p_sync=False, **_moe_config(model, job, ep))
-    from .standins import flash_core_attention_class, put_norms, sp_norm_class
+    from .plan.settings import settings_for
 
-    CpuSPNorm, SDPAFlash = sp_norm_class(), flash_core_attention_class()
-    if model.moe and mode == "metp" and not job.moe_token_tiles:  # --no-moe-token-tiles
-        import os
-
-        os.environ["METP_MOE_TOKEN_TILES"] = "1"  # (this forked child's environment only)
-    if model.moe:  # the block's layer specs (dense and MoE layers: --moe-layer-freq)
-        spec = _moe_block_spec(cfg, groups, mode, job, model)
-    elif mode in ("tp", "tp-sp"):
-        spec = get_gpt_layer_local_spec(qk_layernorm=model.qk_layernorm)
-        if job.kernel == "flash":
-            spec.submodules.self_attention.submodules.core_attention = SDPAFlash
-    else:
-        spec = get_gpt_layer_metp_spec(groups, weight_ring=mode == "metp",
-                                       kernel="torch_flash" if job.kernel == "flash" else "reference",
-                                       keep_intermediate=job.keep_intermediate,
-                                       qk_layernorm=model.qk_layernorm)
-    block = spec
-    if lay.sp and model.moe:
-        for ls in spec.layer_specs:
-            put_norms(ls, CpuSPNorm, model.qk_layernorm)
-        spec.layer_norm = CpuSPNorm
-    elif lay.sp:
-        put_norms(spec, CpuSPNorm, model.qk_layernorm)
-        block = TransformerBlockSubmodules(layer_specs=[spec] * layers_here, layer_norm=CpuSPNorm)
-
+    # the ops' CPU stand-in for a GPU flash kernel (torch's fused kernel; fp32 blocks: unfused)
+    settings = settings_for(asked, job).replace(
+        kernel="torch_flash" if job.kernel == "flash" else "reference")
+    if lay.mode not in ("metp", "metp+vocab") and model.moe and mode not in ("tp", "tp-sp"):
+        raise ValueError(f"metp measure: mode {mode} with experts is not measured (modes metp, "
+                         f"tp, tp-sp)")
+    spec_transform = _standins(lay, job, model, layers_here)
     n = model.seq // lay.c  # this rank's tokens (METP × CP: s/(p·c))
     b = job.micro_batch
     first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
     inflight = job.inflight
     t0 = time.perf_counter()
     with FakeTensorMode():
-        cls, extra = (METPGPTModel, {"metp_groups": groups}) if lay.vocab else (GPTModel, {})
-        gpt = cls(config=cfg, transformer_layer_spec=block, vocab_size=vocab,
-                  max_sequence_length=model.seq, pre_process=first, post_process=last,
-                  share_embeddings_and_output_weights=model.tied and job.pp == 1,
-                  position_embedding_type="rope", **extra)
-        if mode in ("metp", "ring"):  # as the METP builders (training, Megatron-LM hooks) do
-            from ..megatron.rope import use_exact_angles
-            from ..ops.rope import rope_recipe
-
-            use_exact_angles(gpt, rope_recipe())  # this rank's angles, not the whole table
-        offloader = ActivationOffloader(prefetch=job.offload_prefetch,
-                                        layers=job.offload_layers).attach(gpt.decoder) \
-            if job.offload else None
-        if lay.mode in ("metp", "metp+vocab"):
-            from ..megatron.streaming import prepare_recompute
-
-            prepare_recompute(gpt.decoder)
+        gpt = build_metp_gpt(cfg, groups, settings, vocab_size=vocab,
+                             max_sequence_length=model.seq, pre_process=first, post_process=last,
+                             share_embeddings_and_output_weights=model.tied and job.pp == 1,
+                             position_embedding_type="rope", spec_transform=spec_transform)
+        offloader = ActivationOffloader.attached_to(gpt.decoder) if job.offload else None
+        tree = model_tree_summary(gpt)
         params = list(gpt.parameters())
         n_params = sum(p.numel() for p in params)
         main_grad = FR.main_grad_buffer(params)
@@ -253,7 +220,7 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
         "host_peak": offloader.stats.host_peak if offloader else 0,
         "offloaded_bytes": offloader.stats.offloaded_bytes if offloader else 0,
         "seconds": round(seconds, 3),
-        "tiles": FR.sampled_text(sampled),
+        "tiles": FR.sampled_text(sampled), "model_tree": tree,
     }
 
 
@@ -293,28 +260,35 @@ def _init_stock_ep(lay, job, ep: int):
     return METPGroups.from_parallel_state()
 
 
-def _moe_block_spec(cfg, groups, mode: str, job: "P.Job", model: "P.Model"):
-    """The decoder block of a MoE model: METP attention around Megatron's ``MoELayer``
-    (:func:`megatron_metp.megatron.moe.get_gpt_decoder_block_metp_spec`) for mode ``metp``,
-    Megatron's local block spec for the stock modes (flash core attention as for dense)."""
-    if mode == "metp":
-        from ..megatron.moe import get_gpt_decoder_block_metp_spec
+def _standins(lay, job: "P.Job", model: "P.Model", layers_here: int):
+    """The ``spec_transform`` that puts the CPU stand-ins of GPU modules into the spec the
+    builder chose (:mod:`.standins`): with ``kernel="flash"`` stock layers' ``core_attention``
+    becomes PyTorch's fused causal kernel (as TE's and flash-attn's); with sequence parallelism
+    the norms become ones that accept it (a dense layer spec then becomes the stage's block)."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-        return get_gpt_decoder_block_metp_spec(
-            cfg, groups, kernel="torch_flash" if job.kernel == "flash" else "reference")
-    if mode not in ("tp", "tp-sp"):
-        raise ValueError(f"metp measure: mode {mode} with experts is not measured (modes metp, "
-                         f"tp, tp-sp)")
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from .standins import flash_core_attention_class, put_norms, sp_norm_class
 
-    from .standins import flash_core_attention_class
+    stock = lay.mode in ("tp", "tp-sp")
 
-    block = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False)
-    if job.kernel == "flash":
-        for ls in block.layer_specs:
-            ls.submodules.self_attention.submodules.core_attention = \
-                flash_core_attention_class()
-    return block
+    def transform(spec):
+        layer_specs = getattr(spec, "layer_specs", None)
+        for ls in layer_specs if layer_specs is not None else [spec]:
+            if stock and job.kernel == "flash":
+                ls.submodules.self_attention.submodules.core_attention = \
+                    flash_core_attention_class()
+        if not lay.sp:
+            return spec
+        norm = sp_norm_class()
+        if layer_specs is not None:
+            for ls in layer_specs:
+                put_norms(ls, norm, model.qk_layernorm)
+            spec.layer_norm = norm
+            return spec
+        put_norms(spec, norm, model.qk_layernorm)
+        return TransformerBlockSubmodules(layer_specs=[spec] * layers_here, layer_norm=norm)
+
+    return transform
 
 
 # ----------------------------------------------------------------------------- driver (forks)

@@ -115,8 +115,6 @@ def build_model(g: LlamaGeometry, *, groups=None, vocab_parallel: bool = False,
     and Megatron's ``moe_token_dispatcher`` (``allgather`` or ``alltoall``). Weights are left
     uninitialised (load them)."""
     from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     tp = ps.get_tensor_model_parallel_world_size()
@@ -125,38 +123,21 @@ def build_model(g: LlamaGeometry, *, groups=None, vocab_parallel: bool = False,
     cfg = TransformerConfig(**transformer_config_kwargs(g, tp=tp, metp=metp, ep=ep,
                                                         dispatcher=moe_token_dispatcher))
     set_yarn_config(cfg, g)
-    kwargs = dict(config=cfg, pre_process=ps.is_pipeline_first_stage(),
-                  post_process=ps.is_pipeline_last_stage(), **gpt_model_kwargs(g))
-    if groups is None:
-        if vocab_parallel:
-            raise ValueError("vocab_parallel needs the METP groups")
-        if g.num_experts:  # dense and MoE layers as config.moe_layer_freq says
-            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    if groups is None and vocab_parallel:
+        raise ValueError("vocab_parallel needs the METP groups")
+    from ...megatron.build import build_metp_gpt
+    from ...megatron.settings import METPSettings
+    from ...ops.rope import rope_recipe
 
-            spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False,
-                                              normalization="RMSNorm")
-        else:
-            spec = get_gpt_layer_local_spec(normalization="RMSNorm",
-                                            qk_layernorm=g.qk_layernorm)
-        return GPTModel(transformer_layer_spec=spec, **kwargs)
-    from ...megatron.spec import get_gpt_layer_metp_spec
-    from ...megatron.vocab import METPGPTModel
-
-    from ...megatron.rope import rope_recipe, use_exact_angles
-
-    if g.num_experts:  # METP attention around megatron-core's MoELayer, experts over METP (EP = p)
-        from ...megatron.moe import get_gpt_decoder_block_metp_spec
-
-        spec = get_gpt_decoder_block_metp_spec(cfg, groups, normalization="RMSNorm")
-    else:
-        spec = get_gpt_layer_metp_spec(groups, normalization="RMSNorm",
-                                       qk_layernorm=g.qk_layernorm)
-    if vocab_parallel:
-        model = METPGPTModel(transformer_layer_spec=spec, metp_groups=groups, **kwargs)
-    else:
-        model = GPTModel(transformer_layer_spec=spec, **kwargs)
-    use_exact_angles(model, rope_recipe())  # METP's default (plain RoPE and YaRN)
-    return model
+    # METP's default angles (plain RoPE and YaRN) unless $METP_ROPE_RECIPE=megatron
+    settings = METPSettings(mode="tp", tp=tp) if groups is None else \
+        METPSettings(mode="metp", metp=groups.metp.size, tp=groups.tp_size,
+                     vocab_parallel=vocab_parallel, rope_recipe=rope_recipe(),
+                     rope_recipe_source="METP_ROPE_RECIPE=megatron")
+    model_kwargs = gpt_model_kwargs(g)
+    return build_metp_gpt(cfg, groups, settings, normalization="RMSNorm",
+                          pre_process=ps.is_pipeline_first_stage(),
+                          post_process=ps.is_pipeline_last_stage(), **model_kwargs)
 
 
 @contextlib.contextmanager

@@ -52,6 +52,10 @@ class Model:
     topk: int = 0                      # experts per token (--moe-router-topk)
     moe_ffn: Optional[int] = None      # one expert's FFN (--moe-ffn-hidden-size; None: ffn)
     moe_layer_freq: int = 1            # --moe-layer-freq N: layers 0, N, 2N, ... are MoE
+    # what metp measure builds (so that it builds the model training builds); the plan's own
+    # arithmetic keeps LayerNorm without linear biases (see the presets' note below)
+    normalization: str = "LayerNorm"   # --normalization LayerNorm | RMSNorm
+    bias: bool = False                 # linear biases (Megatron's default; --disable-bias-linear)
 
     @property
     def moe(self) -> bool:

@@ -1,0 +1,52 @@
+"""A planner job as :class:`megatron_metp.megatron.settings.METPSettings`: what ``metp plan``
+prices and what ``metp measure`` builds (through :func:`megatron_metp.megatron.build.build_metp_gpt`)
+are the same settings, checked by the same rules."""
+
+from __future__ import annotations
+
+from ...megatron.settings import METPSettings
+from .model import Job, canonical, layout
+
+#: the planner flag behind each settings field (what a refusal names)
+PLANNER_FLAGS = {"metp": "--metp", "context": "--cp", "tp": "--tp", "pp": "--pp",
+                 "mode": "--modes", "kernel": "--kernel", "vocab_parallel": "--modes metp+vocab",
+                 "keep_intermediate": "--keep-intermediate",
+                 "mlp_token_tile": "--metp-mlp-token-tile",
+                 "moe_token_tiles": "--no-moe-token-tiles",
+                 "offload_activations": "--offload-layers", "offload_prefetch": "--no-prefetch",
+                 "rope_recipe": "METP_ROPE_RECIPE"}
+
+#: the planner's modes as settings modes (``tp-sp``: stock TP + SP; ``cp``: TP × the K/V ring
+#: with replicated weights, the ring baseline's settings at TP > 1)
+SETTINGS_MODE = {"tp": "tp", "tp-sp": "tp", "cp": "ring", "ring": "ring", "metp": "metp"}
+
+
+def settings_for(mode: str, job: Job, *, kernel=None) -> METPSettings:
+    """The settings of planner mode ``mode`` (``metp+vocab`` included) for ``job``.
+
+    ``kernel``: the K/V ring's block kernel (``None``: chosen by the device). Peer modes
+    (``alst``) have no METP settings (``ValueError``).
+    """
+    from ...ops.rope import rope_recipe
+
+    mode, job = canonical(mode, job)
+    if mode not in SETTINGS_MODE:
+        raise ValueError(f"mode {mode!r} is not built with METP settings (modes: "
+                         f"{', '.join(SETTINGS_MODE)}, metp+vocab)")
+    lay = layout(mode, job)
+    kind = SETTINGS_MODE[mode]
+    metp = lay.p if kind == "metp" else (lay.c if kind == "ring" else 1)
+    rows = getattr(job, "mlp_token_tile", None)
+    tiles = getattr(job, "moe_token_tile_count", None)
+    if kind == "metp" and getattr(job, "moe_token_tiles", True) is False:
+        tiles = 1  # --no-moe-token-tiles: the routed part whole
+    offload = (job.offload_layers or True) if job.offload else False
+    settings = METPSettings(
+        mode=kind, metp=metp, context=lay.cp if kind == "metp" else 1, tp=lay.t, pp=job.pp,
+        kernel=kernel, vocab_parallel=lay.vocab, keep_intermediate=job.keep_intermediate,
+        mlp_token_tile=rows if kind == "metp" else None,
+        moe_token_tiles=tiles if kind == "metp" else None,
+        offload_activations=offload, offload_prefetch=job.offload_prefetch if job.offload else None,
+        rope_recipe=rope_recipe(), rope_recipe_source="METP_ROPE_RECIPE=megatron")
+    settings.check(names=PLANNER_FLAGS)
+    return settings
