@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from megatron_metp import METPGroup
-from megatron_metp.megatron_lm import hooks as megatron_lm
+from megatron_metp import megatron_lm
 from megatron_metp.runtime.groups import DEFAULT_RING_TIMEOUT_S, ring_timeout_from_env
 from megatron_metp.tools import plan as P
 from megatron_metp.tools.demo import _parse as demo_args

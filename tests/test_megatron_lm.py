@@ -14,8 +14,8 @@ import subprocess
 import pytest
 
 import megatron_metp.megatron_lm as megatron_lm_package
-from megatron_metp.megatron_lm import hooks as megatron_lm
-from megatron_metp.megatron_lm import releases
+from megatron_metp import megatron_lm
+from megatron_metp.megatron_lm import checks, releases
 from tests.harness import run_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -494,7 +494,7 @@ def test_megatron_flags_metp_cannot_honour_are_refused(kw, needles):
 
 def test_megatron_flags_metp_honours_are_mapped_with_a_note(capsys, monkeypatch):
     # --use-flash-attn selects the flash-attn block kernel (when flash-attn is importable)
-    monkeypatch.setattr(megatron_lm, "_have_module", lambda name: True)
+    monkeypatch.setattr(checks, "_have_module", lambda name: True)
     from megatron_metp.megatron import gpu_stack
 
     monkeypatch.setattr(gpu_stack, "have_transformer_engine", lambda: False)
@@ -506,7 +506,7 @@ def test_megatron_flags_metp_honours_are_mapped_with_a_note(capsys, monkeypatch)
     assert "--transformer-impl transformer_engine: transformer-engine is not installed here" in out
     assert "--sequence-parallel with TP 1: Megatron turns it off" in out
     # without flash-attn installed the flag is refused, naming the package
-    monkeypatch.setattr(megatron_lm, "_have_module", lambda name: name != "flash_attn")
+    monkeypatch.setattr(checks, "_have_module", lambda name: name != "flash_attn")
     with pytest.raises(ValueError, match="flash-attn package is not installed"):
         megatron_lm.validate_metp_args(_args(metp_parallel_size=8, use_flash_attn=True))
     # the recompute that works: full, whole layers

@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from megatron_metp.megatron_lm import hooks
+from megatron_metp import megatron_lm as hooks
 from megatron_metp.megatron_lm.preflight import job_problems
 from tests.test_megatron_lm_train import REPO, _env, _iterations, _rewind, _tensors, _train
 

@@ -345,7 +345,8 @@ def test_megatron_lm_flag_sets_the_count_or_is_refused(monkeypatch):
     import os
     from types import SimpleNamespace
 
-    from megatron_metp.megatron_lm import hooks, tiles
+    from megatron_metp import megatron_lm as hooks
+    from megatron_metp.megatron_lm import tiles
 
     parser = hooks.add_metp_args(argparse.ArgumentParser())
     assert parser.parse_args(["--metp-moe-token-tiles", "4"]).metp_moe_token_tiles == 4

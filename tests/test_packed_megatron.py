@@ -10,7 +10,7 @@ import argparse
 import pytest
 import torch
 
-from megatron_metp.megatron_lm import hooks as megatron_lm
+from megatron_metp import megatron_lm
 from megatron_metp.megatron import packing
 from megatron_metp.megatron.packing import (DocumentBoundaries, METPDocuments,
                                             boundaries_from_eod, documents_from_tokens)

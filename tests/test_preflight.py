@@ -216,7 +216,7 @@ def test_inside_the_ranks_every_problem_is_refused_at_once():
     """validate_metp_args (the patched validate_args, for pretrain_gpt.py started directly) runs
     the preflight's METP checks: METP 3's sequence, heads and FFN problems in one refusal, with
     nothing mapped."""
-    from megatron_metp.megatron_lm import hooks
+    from megatron_metp import megatron_lm as hooks
 
     args = preflight.parse_megatron_args([*MODEL, "--metp-parallel-size", "3"], 3)
     with pytest.raises(ValueError) as err:

@@ -20,7 +20,7 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_metp.megatron_lm import hooks as megatron_lm
+from megatron_metp import megatron_lm
 from megatron_metp.megatron.training import (GPTSize, Layout, init_parallel, setup,
                                              transformer_config)
 from tests.gpt_cases import SIZE

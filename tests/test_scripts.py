@@ -20,7 +20,7 @@ import zlib
 
 import pytest
 
-from megatron_metp.megatron_lm import hooks as megatron_lm
+from megatron_metp import megatron_lm
 from megatron_metp.megatron_lm import releases
 from megatron_metp.tools import compare, dry_run
 from tests.harness import flag_values as _flags  # Megatron argv -> {flag: [values]}

@@ -117,8 +117,8 @@ def test_under_megatron_lm_the_distributed_timeout_is_the_one_setting(monkeypatc
     it (the process group would end the wait first) is refused naming both settings."""
     from types import SimpleNamespace
 
-    from megatron_metp.megatron_lm import hooks as megatron_lm
-    from megatron_metp.runtime.watchdog import megatron_lm_timeout_s
+    from megatron_metp import megatron_lm
+    from megatron_metp.megatron_lm.timeouts import megatron_lm_timeout_s
 
     unset_env(monkeypatch, "METP_RING_TIMEOUT_S")
     args = SimpleNamespace(distributed_timeout_minutes=2, metp_ring_timeout=None)

@@ -144,7 +144,7 @@ def test_plan_matches_measurement_in_tiles(monkeypatch):
 def test_megatron_lm_flag_sets_the_tile_or_is_refused(monkeypatch):
     import argparse
 
-    from megatron_metp.megatron_lm import hooks
+    from megatron_metp import megatron_lm as hooks
     from tests.test_megatron_lm import _args
 
     parser = hooks.add_metp_args(argparse.ArgumentParser())

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from megatron_metp.megatron_lm import hooks as megatron_lm
+from megatron_metp import megatron_lm
 from megatron_metp.megatron_lm.releases import for_megatron_core
 from megatron_metp.megatron_lm.yarn_args import offer_yarn_choice, yarn_problems
 from tests.harness import unset_env

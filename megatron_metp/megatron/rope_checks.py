@@ -4,7 +4,7 @@
 so the same check runs in the launcher's preflight (:mod:`megatron_metp.megatron_lm.preflight`,
 through :func:`megatron_metp.megatron_lm.checks.metp_arg_problems`) and inside the ranks
 (Megatron-LM's ``validate_args``, through
-:func:`megatron_metp.megatron_lm.hooks.validate_metp_args`; :func:`.rope.check_args_reach`).
+:func:`megatron_metp.megatron_lm.validate.validate_metp_args`; :func:`.rope.check_args_reach`).
 """
 
 from __future__ import annotations

@@ -1,23 +1,29 @@
 """Every METP precondition of a Megatron-LM command line, collected on a plain namespace.
 
-:func:`metp_arg_problems` is what :func:`megatron_metp.megatron_lm.hooks.validate_metp_args`
+:func:`metp_arg_problems` is what :func:`megatron_metp.megatron_lm.validate.validate_metp_args`
 refuses inside the ranks (all problems in one ``ValueError``) and what the launcher's preflight
 (:mod:`megatron_metp.megatron_lm.preflight`) prints before any rank starts: the same checks,
-reading ``args`` only, importing neither Megatron nor megatron-core.
+reading ``args`` only, importing neither Megatron nor megatron-core. The rules of each kind are
+one function each here (:func:`metp_flag_problems`, :func:`kernel_problems`,
+:func:`recompute_problems`, :func:`check_offload_layers_args`) or in the module named at the call.
 """
 
 from __future__ import annotations
 
+import argparse
+import math
 from typing import List
 
 from ..megatron.packing_checks import mock_document_length_problems
 from ..megatron.parallel import metp_config_problems
-from .hooks import _MAPPED, CP_OUTER, _metp_problems, check_offload_layers_args
+from .flags import CP_OUTER, MAPPED
 from .resume import resume_layout_problems
 from ..megatron.rope_checks import rope_reach_problems
 from .tiles import tile_arg_problems
+from .timeouts import megatron_lm_timeout_s
 
-__all__ = ["metp_arg_problems"]
+__all__ = ["metp_arg_problems", "metp_flag_problems", "kernel_problems", "recompute_problems",
+           "check_offload_layers_args"]
 
 
 def metp_arg_problems(args) -> List[str]:
@@ -51,7 +57,7 @@ def metp_arg_problems(args) -> List[str]:
         return out
     tp = args.tensor_model_parallel_size
     cp = args.context_parallel_size
-    if getattr(args, _MAPPED, False):
+    if getattr(args, MAPPED, False):
         cp = getattr(args, CP_OUTER, 1)  # mapped by an earlier call: Megatron's CP is p·c
     if cp > 1 and getattr(args, "metp_disable_weight_ring", False):
         out.append(f"--metp-disable-weight-ring (ring self-attention) with "
@@ -68,7 +74,7 @@ def metp_arg_problems(args) -> List[str]:
     if any("must be >= 1" in x for x in layout):
         return out  # no divisibility to check against a size below 1
     out.extend(f"--metp-parallel-size {p} cannot be used with: {problem}"
-               for problem in _metp_problems(args, p, tp))
+               for problem in metp_flag_problems(args, p, tp))
     out.extend(_moe_problems(args, p))
     return out
 
@@ -81,3 +87,168 @@ def _moe_problems(args, p: int) -> List[str]:
     from .moe_args import release_moe_problems
 
     return moe_args_problems(args, p, on_cpu=False) + release_moe_problems(args, p)
+
+
+def check_offload_layers_args(args) -> None:
+    """``ValueError`` naming ``--metp-offload-activations N`` when ``N`` does not fit the job's
+    pipeline stages or recompute chunks (before any model is built)."""
+    n = getattr(args, "metp_offload_activations", False)
+    if n is True or not n:
+        return
+    if getattr(args, "num_layers_per_virtual_pipeline_stage", None) or \
+            getattr(args, "num_virtual_stages_per_pipeline_rank", None):
+        raise ValueError(f"--metp-offload-activations {n} with a virtual pipeline: every model "
+                         f"chunk of a stage has its own layers and offloader; give no N (every "
+                         f"layer) or drop the virtual pipeline")
+    pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
+    layers = args.num_layers // pp
+    for flag in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
+        if getattr(args, flag, None):
+            layers = min(layers, getattr(args, flag))
+    from ..runtime.offload import check_offload_layers
+
+    cfg = argparse.Namespace(recompute_granularity=getattr(args, "recompute_granularity", None),
+                             recompute_method=getattr(args, "recompute_method", None),
+                             recompute_num_layers=getattr(args, "recompute_num_layers", None))
+    check_offload_layers(n, layers, cfg, what=f"--metp-offload-activations {n}")
+
+
+def metp_flag_problems(args, p: int, tp: int) -> List[str]:
+    """Everything in ``args`` METP cannot honour, each naming the flag and the fix."""
+    out = []
+
+    def flag(name, default=None):
+        return getattr(args, name, default)
+
+    if flag("use_legacy_models"):
+        out.append("--use-legacy-models (METP needs megatron-core models)")
+    experts = bool(flag("num_experts"))  # MoE: EP / ETP are checked by .moe_args
+    if not experts and (flag("expert_model_parallel_size", 1) or 1) != 1:
+        out.append(f"--expert-model-parallel-size {flag('expert_model_parallel_size')} (METP uses "
+                   f"the expert groups for its weight gradients; leave it at 1)")
+    etp = flag("expert_tensor_parallel_size")
+    if not experts and etp is not None and etp != tp:
+        out.append(f"--expert-tensor-parallel-size {etp} (must equal "
+                   f"--tensor-model-parallel-size {tp} or be unset)")
+    if flag("hierarchical_context_parallel_sizes"):
+        out.append("--hierarchical-context-parallel-sizes")
+    if flag("hybrid_context_parallel"):
+        out.append("--hybrid-context-parallel")
+    if flag("attention_dropout"):
+        out.append(f"--attention-dropout {flag('attention_dropout')} (the METP K/V ring has no "
+                   f"attention dropout; pass --attention-dropout 0)")
+    if flag("window_size") is not None:
+        out.append(f"--window-size {flag('window_size')} (sliding-window attention; the METP K/V "
+                   f"ring attends causally over the whole sequence: drop it, which equals a "
+                   f"window >= --seq-length)")
+    if flag("spec") is not None:
+        out.append("--spec (METP builds its own layer spec)")
+    for name, opt in (("experimental_attention_variant", "--experimental-attention-variant"),
+                      ("heterogeneous_layers_config_path", "--heterogeneous-layers-config-path"),
+                      ("mtp_num_layers", "--mtp-num-layers")):
+        if flag(name) is not None:
+            out.append(opt)
+    for name, opt in (("multi_latent_attention", "--multi-latent-attention"),
+                      ("qk_l2_norm", "--qk-l2-norm (METP's attention takes --qk-layernorm)"),
+                      ("rotary_interleaved", "--rotary-interleaved"),
+                      ("squared_relu", "--squared-relu (METP supports GeLU and --swiglu)")):
+        if flag(name):
+            out.append(opt)
+    if not flag("no_persist_layer_norm", True) and \
+            (flag("normalization") == "RMSNorm" or not _have_module("apex")):
+        out.append("persistent layer norm: pass --no-persist-layer-norm (METP's layers use "
+                   "Megatron's local norms, torch's LayerNorm/RMSNorm without apex)")
+    shards = tp * p
+    heads = flag("num_attention_heads")
+    if heads is not None and heads % shards:
+        out.append(f"--num-attention-heads {heads} (not divisible by TP x METP = {shards})")
+    groups = flag("num_query_groups") if flag("group_query_attention") else None
+    if groups is not None and groups % shards:
+        out.append(f"--num-query-groups {groups} (not divisible by TP x METP = {shards})")
+    ffn = flag("ffn_hidden_size")
+    if ffn is not None and ffn % shards:
+        out.append(f"--ffn-hidden-size {ffn} (not divisible by TP x METP = {shards})")
+    timeout = flag("metp_ring_timeout")
+    if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
+        out.append(f"--metp-ring-timeout {timeout} (must be a positive, finite number of "
+                   f"seconds)")
+    else:  # the one timeout is --distributed-timeout-minutes; a longer ring timeout is refused
+        try:
+            megatron_lm_timeout_s(args)
+        except ValueError as exc:
+            out.append(str(exc))
+    out.extend(recompute_problems(args))
+    out.extend(kernel_problems(args))
+    from .yarn_args import yarn_problems
+
+    out.extend(yarn_problems(args))
+    from ..megatron.packing_checks import packing_problems
+
+    out.extend(packing_problems(args))
+    return out
+
+
+def kernel_problems(args) -> List[str]:
+    """Megatron's kernel and precision flags METP cannot honour (the others are mapped with a
+    note by :mod:`.validate`)."""
+    out = []
+    if getattr(args, "fp8", None):
+        out.append(f"--fp8-format {args.fp8} (METP's shard GEMMs run in bf16/fp16 with fp32 "
+                   f"accumulation, not under Transformer Engine's fp8 recipe; drop --fp8-format "
+                   f"and the other --fp8-* flags)")
+    if getattr(args, "fp4", None):
+        out.append(f"--fp4-format {args.fp4} (no fp4 shard GEMMs in METP; drop it)")
+    if getattr(args, "tp_comm_overlap", False):
+        out.append("--tp-comm-overlap (Transformer Engine's userbuffer overlap of TP all-gathers "
+                   "and reduce-scatters; METP has none of those and overlaps its own ring "
+                   "transfers with compute already: drop it)")
+    kernel = getattr(args, "metp_attention_kernel", "auto")
+    if getattr(args, "use_flash_attn", False) and kernel not in ("auto", "flash_attn"):
+        out.append(f"--use-flash-attn with --metp-attention-kernel {kernel} (with METP, "
+                   f"--use-flash-attn means --metp-attention-kernel flash_attn; keep one)")
+    if getattr(args, "use_flash_attn", False) and not _have_module("flash_attn"):
+        out.append("--use-flash-attn (the flash-attn package is not installed here; drop the "
+                   "flag: --metp-attention-kernel auto uses PyTorch's flash kernel)")
+    return out
+
+
+def recompute_problems(args) -> List[str]:
+    """Megatron's activation recompute/offload flags METP refuses (``--recompute-granularity
+    full`` works: whole layers, rings included, re-run in backward)."""
+    out = []
+    # validate_metp_args runs before validate_args turns --recompute-activations into
+    # recompute_granularity='selective' (and --cpu-offloading-num-layers into --cpu-offloading)
+    if getattr(args, "recompute_granularity", None) == "selective" or \
+            getattr(args, "recompute_activations", False):
+        given = ("--recompute-activations" if getattr(args, "recompute_activations", False)
+                 else "--recompute-granularity selective")
+        modules = getattr(args, "recompute_modules", None)
+        out.append(f"{given}{' --recompute-modules ' + ' '.join(modules) if modules else ''} "
+                   f"(selective recompute, also --recompute-granularity selective / "
+                   f"--recompute-activations with any --recompute-modules: METP's attention and "
+                   f"MLP are fused ring ops that already recompute per weight shard, Q/K/V and "
+                   f"the MLP intermediate, and never store s x s scores, so it would save "
+                   f"nothing; use --recompute-granularity full with --recompute-method "
+                   f"uniform|block and --recompute-num-layers N instead)")
+    if getattr(args, "distribute_saved_activations", False):
+        out.append("--distribute-saved-activations (it splits the checkpointed layer inputs over "
+                   "TP only and needs TP > 1; with METP they are already sharded over the METP "
+                   "ring: drop the flag)")
+    if getattr(args, "cpu_offloading", False) or \
+            (getattr(args, "cpu_offloading_num_layers", 0) or 0) > 0:
+        out.append("--cpu-offloading / --cpu-offloading-num-layers (Megatron's activation "
+                   "offload; with METP use METP's own offload, --metp-offload-activations, "
+                   "instead)")
+    if getattr(args, "fine_grained_activation_offloading", False):  # core_v0.19.0's flag
+        out.append("--fine-grained-activation-offloading (Megatron's per-module offload, not "
+                   "wired into the METP layers; use --metp-offload-activations instead)")
+    return out
+
+
+def _have_module(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False

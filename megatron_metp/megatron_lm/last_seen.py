@@ -4,7 +4,7 @@ Megatron-LM's ``pretrain()`` marks nothing, so a rank stuck in its code (the dat
 looping on rank 0, a rank that never reaches a barrier) used to leave its peers waiting the
 process group's timeout and then failing with gloo's ``Timed out waiting …ms for recv``, naming
 nobody. :func:`install` (called on every rank by the patched ``initialize.py``, through
-:func:`megatron_metp.megatron_lm.hooks.metp_expert_model_parallel_size`, right after
+:func:`megatron_metp.megatron_lm.parallel_state.install_stall_watch`, right after
 ``init_process_group``) wraps the cheap points of that loop so that each rank records where it is
 in the job's store (torch's default ``TCPStore``; :func:`megatron_metp.runtime.watchdog.enter`,
 one ~100-byte ``set``):
@@ -24,7 +24,7 @@ one ~100-byte ``set``):
 A transport error (timeout, closed connection) raised inside the last three becomes a
 ``StalledRankError`` too (:func:`~megatron_metp.runtime.watchdog.bounded`); their collectives
 wait the process group's timeout (``--distributed-timeout-minutes``), the barriers the job
-timeout: :func:`~megatron_metp.runtime.watchdog.megatron_lm_timeout_s` (60 ×
+timeout: :func:`~megatron_metp.megatron_lm.timeouts.megatron_lm_timeout_s` (60 ×
 ``--distributed-timeout-minutes``, or a shorter ``--metp-ring-timeout`` /
 ``METP_RING_TIMEOUT_S``). On NCCL a collective that never completes is ended by NCCL's watchdog
 at the process group's timeout; the barriers here end at the job timeout with the rank named.
@@ -45,6 +45,7 @@ from typing import List
 import torch.distributed as dist
 
 from ..runtime import watchdog
+from .timeouts import megatron_lm_timeout_s
 
 __all__ = ["install", "remember_groups", "installed"]
 
@@ -160,7 +161,7 @@ def install(args) -> bool:
         from megatron.training import training
     except ImportError:
         return False
-    timeout_s = watchdog.megatron_lm_timeout_s(args)
+    timeout_s = megatron_lm_timeout_s(args)
     watchdog.set_job_timeout(timeout_s)
     dist.barrier = _bounded_barrier(dist.barrier, timeout_s)
     training.build_train_valid_test_datasets = _marked(

@@ -7,7 +7,7 @@ over the outer context-parallel factor × DP. Two places must agree on ``EP = p`
 
 * ``parallel_state`` (the expert groups = the METP rings): the patched
   ``initialize_model_parallel`` call takes
-  :func:`megatron_metp.megatron_lm.hooks.metp_expert_model_parallel_size`;
+  :func:`megatron_metp.megatron_lm.parallel_state.metp_expert_model_parallel_size`;
 * ``args.expert_model_parallel_size``, which ``core_transformer_config_from_args`` copies into
   the ``TransformerConfig``: left at 1, Megatron marks the expert weights as dense and reduces
   their gradients over the wrong ranks, with no error. :func:`fold_expert_parallel` sets it to

@@ -85,8 +85,8 @@ class _Parser(argparse.ArgumentParser):
 def megatron_parser() -> argparse.ArgumentParser:
     """A parser for the ``pretrain_gpt.py`` flags the preflight checks (Megatron-LM's names,
     destinations and defaults, read from both supported releases' parsers) and the METP flags
-    (:func:`megatron_metp.megatron_lm.hooks.add_metp_args`)."""
-    from .hooks import add_metp_args
+    (:func:`megatron_metp.megatron_lm.flags.add_metp_args`)."""
+    from .flags import add_metp_args
 
     ap = _Parser(prog="pretrain_gpt.py", allow_abbrev=False, add_help=False)
     for opt in _INT_NONE:

@@ -32,9 +32,11 @@ import functools
 import importlib.metadata
 from typing import Callable, Optional, Tuple
 
+from .yarn_args import has_yarn_flags
+
 __all__ = ["Release", "RELEASES", "by_tag", "by_commit", "for_megatron_core",
            "route_model_provider", "validate_args_owner", "vocab_size_with_padding",
-           "disable_gloo_process_groups"]
+           "disable_gloo_process_groups", "yarn_release_problem"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +88,19 @@ def for_megatron_core(version: Optional[str] = None) -> Release:
                      f"(supported lines: {', '.join(r.megatron_core for r in RELEASES)})")
 
 
+def yarn_release_problem(args) -> Optional[str]:
+    """The refusal of ``--position-embedding-type yarn`` on a Megatron-LM release without YaRN's
+    flags (any run, METP or not), or None."""
+    if getattr(args, "position_embedding_type", None) != "yarn" or has_yarn_flags(args):
+        return None
+    tag = for_megatron_core().tag
+    return (f"--position-embedding-type yarn needs Megatron-LM core_v0.19.0: this is {tag}, "
+            f"whose pretrain_gpt.py has no --yarn-* flags and never fills megatron-core's YaRN "
+            f"settings; use core_v0.19.0 (make venv-019, METP_MEGATRON_LM_RELEASE=core_v0.19.0); "
+            f"another position embedding (rope) would train a different model, with positions a "
+            f"YaRN checkpoint was not trained on")
+
+
 def route_model_provider(args, cfg_container, model_provider: Callable, gpt_builder: Callable):
     """core_v0.19.0's hook in ``pretrain_gpt.py``: return ``(cfg_container, provider)`` for
     ``pretrain(cfg_container, ..., model_provider=provider)``.
@@ -95,7 +110,8 @@ def route_model_provider(args, cfg_container, model_provider: Callable, gpt_buil
     builds it, and the container's model config is cleared (``pretrain()`` builds from the config
     when there is one, else from the provider). Otherwise the container comes back unchanged with
     no provider: stock Megatron-LM's ``GPTModelBuilder`` path."""
-    from .hooks import metp_enabled, wrap_gpt_builder
+    from .build import wrap_gpt_builder
+    from .flags import metp_enabled
 
     if not (metp_enabled(args) or getattr(args, "metp_offload_activations", False)):
         return cfg_container, None

@@ -10,11 +10,11 @@ attention folds the config's attention factor into the softmax scale
 
 core_v0.16.1's ``pretrain_gpt.py`` has no ``yarn`` choice and no ``--yarn-*`` flags (megatron-core
 0.16.1's ``GPTModel`` does have YaRN, but nothing fills its settings). :func:`offer_yarn_choice`
-lets a parser that takes METP's flags accept ``yarn`` so that :func:`yarn_release_problem`
-refuses it naming the release (the dry run parses that way) instead of argparse's bare "invalid
-choice". core_v0.16.1's ``pretrain_gpt.py`` itself parses once without METP's flags first (for
-its in-process restart), so ``scripts/pretrain_gpt.sh`` refuses ``POSITION_EMBEDDING_TYPE=yarn``
-with a core_v0.16.1 checkout before launching it.
+lets a parser that takes METP's flags accept ``yarn`` so that
+:func:`.releases.yarn_release_problem` refuses it naming the release (the dry run parses that way)
+instead of argparse's bare "invalid choice". core_v0.16.1's ``pretrain_gpt.py`` itself parses
+once without METP's flags first (for its in-process restart), so ``scripts/pretrain_gpt.sh``
+refuses ``POSITION_EMBEDDING_TYPE=yarn`` with a core_v0.16.1 checkout before launching it.
 
 Refused with METP (:func:`yarn_problems`), naming the flag: YaRN's flags without
 ``--position-embedding-type yarn`` (Megatron ignores them there), and with it
@@ -25,7 +25,7 @@ Refused with METP (:func:`yarn_problems`), naming the flag: YaRN's flags without
 from __future__ import annotations
 
 import argparse
-from typing import List, Optional
+from typing import List
 
 #: (args attribute, flag, Megatron-LM's default) of YaRN's settings
 YARN_FLAGS = (
@@ -39,7 +39,8 @@ YARN_FLAGS = (
 )
 
 
-def _has_yarn_flags(args_or_parser) -> bool:
+def has_yarn_flags(args_or_parser) -> bool:
+    """Whether ``args`` (or a parser) come from a Megatron-LM release with YaRN's flags."""
     if isinstance(args_or_parser, argparse.ArgumentParser):
         return "--yarn-beta-fast" in args_or_parser._option_string_actions
     return hasattr(args_or_parser, "yarn_beta_fast")
@@ -47,27 +48,13 @@ def _has_yarn_flags(args_or_parser) -> bool:
 
 def offer_yarn_choice(parser: argparse.ArgumentParser) -> None:
     """On a Megatron-LM without YaRN flags (core_v0.16.1), add ``yarn`` to
-    ``--position-embedding-type``'s choices; :func:`yarn_release_problem` then refuses it."""
+    ``--position-embedding-type``'s choices; :func:`.releases.yarn_release_problem` then
+    refuses it."""
     action = parser._option_string_actions.get("--position-embedding-type")
-    if action is None or _has_yarn_flags(parser) or action.choices is None or \
+    if action is None or has_yarn_flags(parser) or action.choices is None or \
             "yarn" in action.choices:
         return
     action.choices = list(action.choices) + ["yarn"]
-
-
-def yarn_release_problem(args) -> Optional[str]:
-    """The refusal of ``--position-embedding-type yarn`` on a Megatron-LM release without YaRN's
-    flags (any run, METP or not), or None."""
-    if getattr(args, "position_embedding_type", None) != "yarn" or _has_yarn_flags(args):
-        return None
-    from .releases import for_megatron_core
-
-    tag = for_megatron_core().tag
-    return (f"--position-embedding-type yarn needs Megatron-LM core_v0.19.0: this is {tag}, "
-            f"whose pretrain_gpt.py has no --yarn-* flags and never fills megatron-core's YaRN "
-            f"settings; use core_v0.19.0 (make venv-019, METP_MEGATRON_LM_RELEASE=core_v0.19.0); "
-            f"another position embedding (rope) would train a different model, with positions a "
-            f"YaRN checkpoint was not trained on")
 
 
 def yarn_problems(args) -> List[str]:

@@ -15,7 +15,8 @@ the checkpoint agreements. Which setting it is:
   which Megatron already gives the default group and every group it makes. The ring timeout is
   derived from it (60 × minutes); a ``--metp-ring-timeout`` / ``METP_RING_TIMEOUT_S`` above it is
   refused (the process group would end the wait first, so the setting would be a lie), one below
-  it is honoured for ring steps and Megatron-LM's barriers only (:func:`megatron_lm_timeout_s`;
+  it is honoured for ring steps and Megatron-LM's barriers only
+  (:func:`megatron_metp.megatron_lm.timeouts.megatron_lm_timeout_s`;
   :mod:`megatron_metp.megatron_lm.last_seen`).
 
 **Naming the rank.** gloo's timeout (``Timed out waiting 1000ms for recv operation to complete``)
@@ -102,32 +103,6 @@ def apply_to_process_groups(timeout_s: float, groups=()) -> None:
             dist.distributed_c10d._set_pg_timeout(td, g)
         except (AttributeError, ValueError):  # older torch / the fake backend / not a member
             pass
-
-
-def megatron_lm_timeout_s(args) -> float:
-    """The ring timeout under Megatron-LM: ``--distributed-timeout-minutes`` × 60 (Megatron's
-    default 30 minutes), or a ``--metp-ring-timeout`` / ``METP_RING_TIMEOUT_S`` at most that;
-    ``ValueError`` naming both settings when one is larger (contradictory)."""
-    minutes = getattr(args, "distributed_timeout_minutes", None)
-    minutes = 30 if minutes is None else minutes
-    pg_s = float(minutes) * 60.0
-    import os
-
-    given = [("--metp-ring-timeout", getattr(args, "metp_ring_timeout", None))]
-    if os.environ.get("METP_RING_TIMEOUT_S", "").strip():
-        given.append(("METP_RING_TIMEOUT_S", ring_timeout_from_env()))
-    for name, value in given:
-        if value is not None and value > pg_s:
-            raise ValueError(
-                f"{name} {value:g} s is longer than --distributed-timeout-minutes {minutes:g} "
-                f"({pg_s:g} s): under Megatron-LM every process group waits at most "
-                f"--distributed-timeout-minutes, so a ring step could never wait that long. Set "
-                f"--distributed-timeout-minutes (the one timeout; the ring timeout defaults to "
-                f"it) and drop {name}, or give {name} at most {pg_s:g}")
-    for _, value in given:
-        if value is not None:
-            return float(value)
-    return pg_s
 
 
 # ---------------------------------------------------------------- progress records
@@ -277,5 +252,5 @@ def bounded(what: str):
 
 
 __all__ = ["StalledRankError", "apply_to_process_groups", "bounded", "diagnose", "enter",
-           "explain", "grace_s", "is_transport_error", "job_timeout_s", "megatron_lm_timeout_s",
+           "explain", "grace_s", "is_transport_error", "job_timeout_s",
            "set_job_timeout", "DEFAULT_RING_TIMEOUT_S"]

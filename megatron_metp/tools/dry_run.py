@@ -229,7 +229,7 @@ def run(megatron_lm_dir: str, megatron_argv: List[str], *, world_size: int, rank
 
     import torch
 
-    from ..megatron_lm import hooks as megatron_lm
+    from .. import megatron_lm
     from ..megatron_lm import releases
 
     torch.set_num_threads(1)
@@ -325,13 +325,14 @@ def _build_and_measure(args, pretrain_gpt, ps, te_absent: bool, notes: List[str]
     from megatron.core.transformer.spec_utils import ModuleSpec
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ..megatron_lm import hooks as megatron_lm
+    from .. import megatron_lm
     from ..megatron.build import model_tree_summary
+    from ..megatron_lm.flags import metp_enabled
     from ..megatron.linear import is_metp_sharded
 
     import gpt_builders
 
-    metp = megatron_lm.metp_enabled(args)
+    metp = metp_enabled(args)
     local_spec = gpt_builders.get_gpt_layer_local_spec
     sp_wanted = bool(getattr(args, "sequence_parallel", False)) and \
         args.tensor_model_parallel_size > 1
