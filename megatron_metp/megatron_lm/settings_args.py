@@ -9,11 +9,7 @@ context-parallel size (after it, ``args.context_parallel_size`` is ``p·c`` and 
 from __future__ import annotations
 
 from ..megatron.settings import METPSettings
-
-#: set on ``args`` by ``validate_metp_args``: METP is mapped onto Megatron's CP (size ``p·c``)
-MAPPED = "metp_context_parallel_mapped"
-#: set on ``args`` by ``validate_metp_args``: the outer context-parallel factor ``c``
-CP_OUTER = "metp_context_parallel_outer"
+from .flags import CP_OUTER, MAPPED
 
 
 def _flag(args, name: str, default=None):

@@ -553,7 +553,8 @@ def _build_and_measure(args, pretrain_gpt, ps, te_absent: bool, notes: List[str]
         "static_detail": {k: v for k, v in static.items()
                           if k not in ("params", "grads", "optimizer")},
         "optimizer": args.optimizer, "distributed_optimizer": bool(args.use_distributed_optimizer),
-        "seconds_build": build_s, "model_tree": tree, "seconds_fwd_bwd": run_s,
+        "seconds_build": build_s, "model_tree": tree,
+        "padded_vocab_size": int(args.padded_vocab_size), "seconds_fwd_bwd": run_s,
     }
 
 
