@@ -4,8 +4,8 @@
 For rank 0 of ``p`` ranks this counts one forward and one backward of one Megatron
 ``TransformerLayer`` (RMSNorm, causal self-attention with RoPE, SwiGLU MLP, no biases, bf16):
 
-* ``metp``   ``get_gpt_layer_metp_spec`` (METP attention and MLP, ``torch_flash`` block kernel),
-             this rank's ``s/p`` tokens;
+* ``metp``   the METP layer spec (``megatron_metp.megatron.build.layer_spec``: METP attention
+             and MLP, ``torch_flash`` block kernel), this rank's ``s/p`` tokens;
 * ``tp-sp``  Megatron's local spec with TP=``p`` and sequence parallelism (input ``[s/p, b, h]``)
              and a flash ``core_attention`` (PyTorch's fused causal kernel, grouped K/V read
              without repeating them, as TE's and flash-attn's kernels do).
@@ -295,7 +295,8 @@ def build_stack(mode: str, seq: int, p: int, *, hidden=4096, heads=32, groups=No
 
     from megatron_metp.megatron.groups import METPGroups
     from megatron_metp.megatron.parallel import initialize_model_parallel
-    from megatron_metp.megatron.spec import get_gpt_layer_metp_spec
+    from megatron_metp.megatron.build import layer_spec
+    from megatron_metp.megatron.settings import METPSettings
     from megatron_metp.tools.standins import flash_core_attention_class, sp_norm_class
 
     if mode not in ("metp", "tp-sp", "tp"):
@@ -325,7 +326,8 @@ def build_stack(mode: str, seq: int, p: int, *, hidden=4096, heads=32, groups=No
         bf16=True, pipeline_dtype=torch.bfloat16, attention_softmax_in_fp32=False)
     norm = sp_norm_class()
     if metp:
-        spec = get_gpt_layer_metp_spec(mgroups, kernel=None if gpu else "torch_flash")
+        spec = layer_spec(cfg, mgroups, METPSettings(metp=p, context=cp,
+                                                     kernel=None if gpu else "torch_flash"))
         block = TransformerBlockSubmodules(layer_specs=[spec] * layers)
     else:
         spec = get_gpt_layer_local_spec(normalization="RMSNorm")

@@ -120,9 +120,10 @@ class METPSettings:
                  names: Optional[Mapping[str, str]] = None) -> List[str]:
         """Every reason these settings cannot run, each naming the flag (``names``: field →
         what the user set it with; Megatron-LM's flags by default) and the fix; ``[]`` when they
-        can. ``world_size``, ``seq_length``, ``num_experts`` and ``sequence_parallel`` are the
-        job's facts the layout arithmetic of a sequence-sharded mode needs
-        (:func:`.parallel.metp_config_problems`); ``None`` skips the rules that need them."""
+        can. ``world_size``, ``seq_length`` and ``sequence_parallel`` are the job's facts the
+        layout arithmetic of a sequence-sharded mode needs (:func:`.parallel.metp_config_problems`;
+        the experts' own divisibility is :mod:`.moe_checks`'), ``num_experts`` (``0``: a dense
+        model) the MoE tiles'; ``None`` skips the rules that need them."""
         flag = dict(MEGATRON_LM_FLAGS)
         flag.update(names or {})
         out: List[str] = []
@@ -131,7 +132,7 @@ class METPSettings:
         for field in ("metp", "context", "tp", "pp"):
             value = getattr(self, field)
             if not _is_int(value) or value < 1:
-                out.append(f"{flag[field]} must be an int >= 1, got {value!r}")
+                out.append(f"{flag[field]} must be >= 1, got {value!r}")
         if out:
             return out
         from ..ops.kernel_choice import KERNELS
@@ -170,8 +171,7 @@ class METPSettings:
                 self.tp * self.ring_size * self.pp,
                 tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
                 metp_parallel_size=self.metp, context_parallel_size=self.context,
-                seq_length=seq_length, num_experts=num_experts,
-                sequence_parallel=sequence_parallel)
+                seq_length=seq_length, sequence_parallel=sequence_parallel)
         return out
 
     def _tile_problems(self, flag, num_experts) -> List[str]:

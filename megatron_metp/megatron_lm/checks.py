@@ -15,11 +15,9 @@ import math
 from typing import List
 
 from ..megatron.packing_checks import mock_document_length_problems
-from ..megatron.parallel import metp_config_problems
-from .flags import CP_OUTER, MAPPED
 from .resume import resume_layout_problems
 from ..megatron.rope_checks import rope_reach_problems
-from .tiles import tile_arg_problems
+from .settings_args import metp_settings
 from .timeouts import megatron_lm_timeout_s
 
 __all__ = ["metp_arg_problems", "metp_flag_problems", "kernel_problems", "recompute_problems",
@@ -47,31 +45,21 @@ def metp_arg_problems(args) -> List[str]:
                    "offloads; keep one (--metp-offload-activations also works with "
                    "--recompute-granularity full, Megatron's does not)")
     out.extend(mock_document_length_problems(args))
-    out.extend(tile_arg_problems(args, p is not None and p > 1))
+    on = p is not None and p != 1
+    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    # METP's own rules, held once by the settings (the training loop and the planner ask them
+    # too): tiles, the vocabulary ring, the ring baseline, the layout arithmetic
+    rules = metp_settings(args).problems(
+        num_experts=getattr(args, "num_experts", None) or 0,
+        **(dict(world_size=args.world_size, seq_length=getattr(args, "seq_length", None),
+                # Megatron switches sequence parallelism off by itself when TP is 1
+                sequence_parallel=bool(getattr(args, "sequence_parallel", False)) and tp > 1)
+           if on else {}))
+    out.extend(rules)
     out.extend(rope_reach_problems(args))
-    if p is None or p == 1:
-        if getattr(args, "metp_vocab_parallel", False):
-            out.append("--metp-vocab-parallel needs --metp-parallel-size > 1 (with METP off the "
-                       "vocabulary is Megatron's, split over TP only); drop the flag or set "
-                       "--metp-parallel-size")
+    if not on:
         return out
-    tp = args.tensor_model_parallel_size
-    cp = args.context_parallel_size
-    if getattr(args, MAPPED, False):
-        cp = getattr(args, CP_OUTER, 1)  # mapped by an earlier call: Megatron's CP is p·c
-    if cp > 1 and getattr(args, "metp_disable_weight_ring", False):
-        out.append(f"--metp-disable-weight-ring (ring self-attention) with "
-                   f"--context-parallel-size {cp}: the ring baseline runs over the METP group "
-                   f"only; drop --context-parallel-size (or use stock --context-parallel-size "
-                   f"without METP)")
-    layout = metp_config_problems(
-        world_size=args.world_size, tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size, metp_parallel_size=p,
-        context_parallel_size=cp, seq_length=getattr(args, "seq_length", None),
-        # Megatron switches sequence parallelism off by itself when TP is 1
-        sequence_parallel=bool(getattr(args, "sequence_parallel", False)) and tp > 1)
-    out.extend(layout)
-    if any("must be >= 1" in x for x in layout):
+    if any("must be >= 1" in x for x in rules):
         return out  # no divisibility to check against a size below 1
     out.extend(f"--metp-parallel-size {p} cannot be used with: {problem}"
                for problem in metp_flag_problems(args, p, tp))

@@ -25,7 +25,7 @@ def metp_settings(args) -> METPSettings:
     p = _flag(args, "metp_parallel_size", 1)
     c = getattr(args, CP_OUTER, 1) if getattr(args, MAPPED, False) else \
         _flag(args, "context_parallel_size", 1)
-    if not (isinstance(p, int) and p > 1):
+    if p == 1:
         mode = "tp"
     else:
         mode = "ring" if getattr(args, "metp_disable_weight_ring", False) else "metp"
