@@ -17,7 +17,8 @@ def initial_weights(rank, world, size: GPTSize, layout: Layout, like_tp: bool, c
 
     cpu.enable()
     # the project's tests build with use_cpu_initialization; Megatron-LM's default is False
-    layout = Layout(**{**layout.__dict__, "extra": {"use_cpu_initialization": cpu_init}})
+    layout = Layout(**{**layout.__dict__, "init_like_tp": like_tp,
+                       "extra": {"use_cpu_initialization": cpu_init}})
     groups = init_parallel(layout, size.seq_length)
     model = build_model(size, layout, groups)
     did = initialize_like_tp(model, groups) if like_tp and layout.mode == "metp" else None

@@ -161,7 +161,8 @@ def finish(model, groups: Optional[METPGroups], settings: METPSettings, *, seq_l
         from .init import initialize_like_tp
         from .streaming import prepare_recompute
 
-        initialize_like_tp(model, groups)  # the same global weights as stock TP of size TP x METP
+        if settings.init_like_tp:  # the same global weights as stock TP of size TP x METP
+            initialize_like_tp(model, groups)
         # full recompute: the streaming layer op, else freed re-formed chunk outputs (METP layers
         # only: stock and ring layers keep Megatron's checkpoint as it is, as metp plan prices)
         prepare_recompute(model.decoder)

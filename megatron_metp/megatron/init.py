@@ -124,7 +124,9 @@ def initialize_like_tp(model, groups) -> bool:
     """Re-draw ``model``'s TP- and METP-sharded weights as stock TP of size ``t·p`` draws them.
 
     ``model``: one megatron-core ``GPTModel`` chunk with METP layers, just built (call it for
-    each virtual-pipeline chunk in order). Returns whether it did; it does nothing (returns
+    each virtual-pipeline chunk in order; :func:`.build.build_metp_gpt` does). Returns whether
+    the weights are now stock TP's (a model re-drawn before is left as it is and gives ``True``);
+    it does nothing (returns
     ``False``) with ``perform_initialization`` off or ``use_cpu_initialization`` on (then the
     construction already matched), and warns and returns ``False`` if Megatron's RNG tracker
     does not record its seeds (e.g. Transformer Engine's tracker).
@@ -137,6 +139,8 @@ def initialize_like_tp(model, groups) -> bool:
     config = model.config
     if not config.perform_initialization or config.use_cpu_initialization:
         return False
+    if getattr(model, "metp_initialized_like_tp", False):
+        return True  # re-drawn already (by the builder): a second draw would move the streams
     base = tp_base_seed(groups.tp_rank)
     if base is None:
         warnings.warn("METP: Megatron's RNG tracker does not record its seeds, so the METP "
@@ -185,4 +189,5 @@ def initialize_like_tp(model, groups) -> bool:
                     piece = torch.empty_like(w[j * block:(j + 1) * block])
                     streams.draw(streams.first + j, piece, init)
                     w[j * block:(j + 1) * block].copy_(piece)
+    model.metp_initialized_like_tp = True
     return True

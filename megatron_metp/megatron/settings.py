@@ -27,6 +27,9 @@ heads, experts) stays in megatron-core's ``TransformerConfig``; how METP runs it
 ``packed``                    packed documents: boundaries derived from the EOD tokens
 ``packed_eod``                the EOD token id (``None``: Megatron-LM's tokenizer's)
 ``packed_layout``             ``"dual_chunk"`` or ``"balanced"`` (:mod:`.packing`)
+``init_like_tp``              the sharded weights re-drawn as stock TP of size TP × METP draws
+                              them (where the config initialises on the device); ``False`` keeps
+                              megatron-core's own per-rank draws
 ============================  =============================================================
 
 :meth:`METPSettings.problems` holds the rules of these choices once; the preflight, the ranks
@@ -83,6 +86,7 @@ class METPSettings:
     packed: bool = False
     packed_eod: Optional[int] = None
     packed_layout: str = "dual_chunk"
+    init_like_tp: bool = True
 
     # ---------------------------------------------------------------- derived facts
     @property
@@ -144,10 +148,16 @@ class METPSettings:
             out.append(f"{flag['vocab_parallel']} needs {flag['metp']} > 1 (with METP off the "
                        f"vocabulary is Megatron's, split over TP only); drop the flag or set "
                        f"{flag['metp']}")
+        if self.context > 1 and self.mode == "tp":
+            out.append(f"{flag['context']}={self.context} (METP x CP, the outer factor) needs "
+                       f"METP with the weight ring (mode='metp'), got {flag['mode']} "
+                       f"{self.mode!r}; stock Megatron CP is Megatron's own context parallelism "
+                       f"without METP")
         if self.context > 1 and self.mode == "ring":
             out.append(f"{flag['mode']} (ring self-attention) with {flag['context']} "
-                       f"{self.context}: the ring baseline runs over the METP group only; drop "
-                       f"{flag['context']} (or use stock {flag['context']} without METP)")
+                       f"{self.context}: the ring baseline runs over the METP group only "
+                       f"(METP x CP needs the weight ring, mode='metp'); drop {flag['context']} "
+                       f"(or use stock {flag['context']} without METP)")
         out += self._tile_problems(flag, num_experts)
         out += self._offload_problems(flag)
         from ..ops.rope import RECIPES
@@ -161,7 +171,7 @@ class METPSettings:
             out.append(f"{flag['packed_layout']} must be one of {PACKED_LAYOUTS}, got "
                        f"{self.packed_layout!r}")
         if self.packed_eod is not None and (not _is_int(self.packed_eod) or self.packed_eod < 0):
-            out.append(f"{flag['packed_eod']} must be a token id (an int >= 0), got "
+            out.append(f"{flag['packed_eod']} must be a token id (an int >= 0) or None, got "
                        f"{self.packed_eod!r}")
         if self.sequence_sharded and (world_size is not None or seq_length is not None):
             from .parallel import metp_config_problems
@@ -204,8 +214,8 @@ class METPSettings:
     def _offload_problems(self, flag) -> List[str]:
         n = self.offload_activations
         if not isinstance(n, (bool, int)) or (not isinstance(n, bool) and n < 1):
-            return [f"{flag['offload_activations']} must be on (every layer), off or the layers "
-                    f"per pipeline stage to offload (an int >= 1), got {n!r}"]
+            return [f"{flag['offload_activations']} must be True (every layer), False or the "
+                    f"layers per pipeline stage to offload (an int >= 1), got {n!r}"]
         p = self.offload_prefetch
         if p is not None and not isinstance(p, bool):
             return [f"{flag['offload_prefetch']} must be on or off, got {p!r}"]

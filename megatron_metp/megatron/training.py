@@ -89,7 +89,9 @@ class Layout:
     weights over the METP group only (world = TP × METP × CP × PP × DP). ``rope_fp32_recipe``
     (Megatron-LM: ``--metp-rope-fp32-recipe``): METP and ring models keep Megatron's fp32 RoPE
     angles instead of exact ones for this rank's tokens (:mod:`.rope`; also
-    ``METP_ROPE_RECIPE=megatron``); stock TP always has Megatron's.
+    ``METP_ROPE_RECIPE=megatron``); stock TP always has Megatron's. ``init_like_tp``: METP's
+    sharded weights re-drawn as stock TP of size TP × METP draws them when the config initialises
+    on the device (``extra={"use_cpu_initialization": False}``; :func:`.init.initialize_like_tp`).
     """
 
     tp: int = 1
@@ -110,15 +112,10 @@ class Layout:
     transformer_impl: str = "local"
     packed_eod: Optional[int] = None
     rope_fp32_recipe: bool = False
+    init_like_tp: bool = True
     extra: Dict = field(default_factory=dict)
 
     def __post_init__(self):
-        if isinstance(self.cp, bool) or not isinstance(self.cp, int) or self.cp < 1:
-            raise ValueError(f"Layout.cp must be an int >= 1, got {self.cp!r}")
-        if self.cp > 1 and self.mode != "metp":
-            raise ValueError(f"Layout.cp={self.cp} (METP × CP) needs mode='metp', got "
-                             f"mode={self.mode!r}; stock Megatron CP is context_parallel_size="
-                             f"metp with mode='tp'")
         if self.recompute not in RECOMPUTE:
             hint = (" (selective recompute is refused with METP: its attention and MLP already "
                     "recompute per weight shard; pass recompute='full')"
@@ -128,20 +125,11 @@ class Layout:
         if self.recompute_method not in RECOMPUTE_METHODS:
             raise ValueError(f"Layout.recompute_method must be one of {RECOMPUTE_METHODS}, got "
                              f"{self.recompute_method!r}")
-        if self.packed_eod is not None and (isinstance(self.packed_eod, bool) or
-                                            not isinstance(self.packed_eod, int) or
-                                            self.packed_eod < 0):
-            raise ValueError(f"Layout.packed_eod must be a token id (an int >= 0) or None, got "
-                             f"{self.packed_eod!r}")
-        if not isinstance(self.offload_activations, (bool, int)) or \
-                (not isinstance(self.offload_activations, bool) and self.offload_activations < 1):
-            raise ValueError(f"Layout.offload_activations must be True (every layer), False or "
-                             f"the layers per pipeline stage to offload (an int >= 1), got "
-                             f"{self.offload_activations!r}")
         if isinstance(self.recompute_num_layers, bool) or \
                 not isinstance(self.recompute_num_layers, int) or self.recompute_num_layers < 1:
             raise ValueError(f"Layout.recompute_num_layers must be an int >= 1, got "
                              f"{self.recompute_num_layers!r}")
+        self.settings()  # METP's own rules (METPSettings.problems), naming these fields
 
     @property
     def model_ranks(self) -> int:
@@ -196,7 +184,8 @@ class Layout:
             offload_activations=self.offload_activations,
             rope_recipe=rope_recipe(self.rope_fp32_recipe),
             rope_recipe_source="Layout.rope_fp32_recipe", transformer_impl=self.transformer_impl,
-            packed=self.packed_eod is not None, packed_eod=self.packed_eod)
+            packed=self.packed_eod is not None, packed_eod=self.packed_eod,
+            init_like_tp=self.init_like_tp)
         settings.check(names=LAYOUT_FIELDS)
         return settings
 
