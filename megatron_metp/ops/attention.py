@@ -77,6 +77,7 @@ from ._grads import weight_grad
 from .attention_kernels import select_kernel
 from .attention_prep import HeadGeometry, heads_first, project_block, project_block_backward
 from .attention_weights import block_weights, deliver_flat, deliver_grads, keep_owned
+from .cuda_emulation import emulating_cuda
 from .documents import cu_seqlens_digest, document_positions
 from .head_norm import check_head_norm, head_norm_grads
 from .ring_attention import (check_packed, post_first_kv_packed, ring_attention_backward,
@@ -163,12 +164,10 @@ def head_block_size(p: int, heads_local: int, rows: int, device, requested=None)
     block has at most :data:`HEAD_BLOCK_ROWS` query-head rows, so that where ``s/p`` is short
     few, larger blocks keep the GPU busy with fewer launches; elsewhere 1 (the smallest
     transient memory; what ``metp plan`` models)."""
-    from . import attention_kernels
-
     if requested is None:
         requested = os.environ.get("METP_HEAD_BLOCK", "").strip() or "auto"
     if requested == "auto":
-        if not (getattr(device, "type", None) == "cuda" or attention_kernels._emulate_cuda):
+        if not (getattr(device, "type", None) == "cuda" or emulating_cuda("kernels")):
             return 1
         kb = 1
         for c in range(1, p + 1):
