@@ -33,12 +33,11 @@ from typing import Optional
 
 import torch
 
-from .kernel_layout import (expand_kv, fold_heads, fold_kv, gqa_fold,  # noqa: F401
-                             last_dim_dense, unfold_heads)
 from .cuda_emulation import gpu_path
 from .gpu_kernels import CudnnKernel, FlashAttn3Kernel, FlashAttnKernel
-from .kernel_choice import (ENV, KERNELS, available_kernels, chosen_kernel,  # noqa: F401
+from .kernel_choice import (KERNELS, available_kernels, chosen_kernel,  # noqa: F401 (ops API)
                             kernel_names, select_name)
+from .kernel_layout import expand_kv, fold_heads, fold_kv, gqa_fold, last_dim_dense, unfold_heads
 
 
 def _causal_mask(n: int, m: int, device) -> torch.Tensor:

@@ -57,7 +57,7 @@ import torch
 from ..runtime.agree import (agreement_checks_enabled, check_group_agrees, needs_grad, op_label,
                              refuse_together)
 from ..runtime.finite import check_finite
-from ..runtime.groups import METPGroup, as_metp_group
+from ..runtime.groups import as_metp_group
 from ..runtime import loop_sample
 from ..runtime.host_stash import Stash
 from . import activations as act

@@ -32,7 +32,7 @@ broadcasts and gradient reductions :mod:`.attention_weights`', as in :mod:`.atte
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List
 
 import torch
 
@@ -47,7 +47,7 @@ from .attention_prep import (HeadGeometry, heads_first, norm_rope, norm_rope_bac
 from .attention_weights import deliver_flat, keep_owned
 from .ring_attention import ring_attention_backward, ring_attention_forward
 from .rope import rope_tables
-from .balance import as_tile, kv_blocks, tile_parts, tile_rows
+from .balance import as_tile, tile_parts, tile_rows
 
 
 class Rows:
@@ -338,13 +338,6 @@ def deliver(group: METPGroup, i: int, grads: GroupGrads, in_flight, acc):
     if group.size == 1:
         return [], [grads.flat, None, None]
     return deliver_flat(RingExchanger(group, "attention weight grads (bwd)"), i, grads.flat), acc
-
-
-def kv_sub_blocks(n: int, rows: Optional[int], layout: str = "dual_chunk",
-                  causal: bool = True, packed: bool = False):
-    """Key sub-blocks of the ``n`` local keys, each a tuple of row ranges
-    (:func:`.balance.kv_blocks`; one: the whole block)."""
-    return kv_blocks(n, rows, layout, causal, packed)
 
 
 def _after(tiles, i: int):
