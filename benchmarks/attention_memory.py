@@ -409,9 +409,9 @@ def _build_ring(case, group):
 def _gpumm_patch():
     """Make the METP ops' ``mm_acc`` take its CUDA branch (runs on CPU fakes); returns the undo
     callables."""
-    from megatron_metp.ops._accum import emulate_cuda_branch
+    from megatron_metp.ops.cuda_emulation import emulate_cuda
 
-    return [emulate_cuda_branch()]
+    return [emulate_cuda(kernels=False)]
 
 
 def _measure(case):

@@ -146,11 +146,11 @@ def _cpu_instrument_peak(mode, seq, p, layers, geo, cp=1) -> int:
     import launches
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from megatron_metp.ops import attention_kernels
+    from megatron_metp.ops.cuda_emulation import emulate_cuda
 
     mode, cp, world = _stack_mode(mode, cp)
     FR.fake_world(p * world)
-    undo = attention_kernels.emulate_cuda_branch()  # the GPU code paths (head-group blocks)
+    undo = emulate_cuda(matmul=False)  # the GPU code paths (head-group blocks)
     try:
         with FakeTensorMode():
             model, x, freqs, grad, _ = launches.build_stack(mode, seq, p, layers=layers, cp=cp,

@@ -244,11 +244,10 @@ class _Patched:
 
         import torch.distributed as dist
 
-        from megatron_metp.ops import _accum, attention_kernels
+        from megatron_metp.ops.cuda_emulation import emulate_cuda
         from megatron_metp.tools import cuda_accounting as CA
 
-        self.undo.append(_accum.emulate_cuda_branch())
-        self.undo.append(attention_kernels.emulate_cuda_branch())
+        self.undo.append(emulate_cuda())
         self._wrap_fused(CA.CudaRMSNorm, "forward", "fused_rms_norm", True)
         self._wrap_fused(CA.CudaRMSNorm, "backward", "fused_rms_norm_backward", True)
         mod = importlib.import_module("megatron.core.fusions.fused_bias_swiglu")

@@ -323,9 +323,9 @@ def _measure(case):
     if is_metp:
         group = METPGroup.from_process_group(dist.group.WORLD, name="bench")
         if m.endswith("gpumm"):
-            from megatron_metp.ops._accum import emulate_cuda_branch
+            from megatron_metp.ops.cuda_emulation import emulate_cuda
 
-            restore.append(emulate_cuda_branch())
+            restore.append(emulate_cuda(kernels=False))
     else:
         import megatron.core.parallel_state as ps
         ps.destroy_global_memory_buffer()  # a fresh (fake) all-gather buffer per case

@@ -331,9 +331,9 @@ def _build_megatron(case, V, t):
 
 def _gpu_matmul_branch():
     """Make the METP ops' ``mm_acc`` take its CUDA branch; returns undo."""
-    from megatron_metp.ops._accum import emulate_cuda_branch
+    from megatron_metp.ops.cuda_emulation import emulate_cuda
 
-    return emulate_cuda_branch()
+    return emulate_cuda(kernels=False)
 
 
 def _run_once(case, V, measure_memory):

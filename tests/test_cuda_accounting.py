@@ -101,14 +101,14 @@ def test_stand_in_stores_only_input_and_rstd_under_memtracker():
 
 
 def test_cpu_branch_of_matmul_is_restored():
-    from megatron_metp.ops import _accum
+    from megatron_metp.ops.cuda_emulation import emulating_cuda
 
-    assert not _accum._emulate_cuda
+    assert not emulating_cuda("matmul")
     with cuda_kernels():
-        assert _accum._emulate_cuda
-    assert not _accum._emulate_cuda
+        assert emulating_cuda("matmul")
+    assert not emulating_cuda("matmul")
     with cuda_kernels(matmul=False):
-        assert not _accum._emulate_cuda
+        assert not emulating_cuda("matmul")
 
 
 def test_direct_apply_matches_module_path():
@@ -188,3 +188,29 @@ def test_megatron_fused_activations_are_chunked_and_equal(monkeypatch):
     # negative control: a chunked evaluation that drops the last chunk is caught
     broken = CA._row_chunked(lambda t: eager(S.swiglu)(t) * (t.shape[0] == 5), (0,))
     assert not torch.equal(broken(y), ref["swiglu"])
+
+
+def test_one_cuda_emulation_switch_reaches_every_op():
+    """ops/cuda_emulation.py is the one switch: its "kernels" part turns on the GPU paths of the
+    block kernels and the head-group blocks together, its "matmul" part mm_acc's CUDA branch;
+    each undo puts back only what it turned on; an unknown part is refused."""
+    from megatron_metp.ops.attention import head_block_size
+    from megatron_metp.ops.attention_kernels import TorchFlashKernel
+    from megatron_metp.ops.cuda_emulation import cuda_emulated, emulate_cuda, emulating_cuda
+
+    q, cpu = torch.empty(1, 2, 4, 8), torch.device("cpu")
+    assert TorchFlashKernel.takes_mask(q) and head_block_size(4, 1, 8, cpu, "auto") == 1
+    with cuda_emulated():
+        assert emulating_cuda("matmul") and emulating_cuda("kernels")
+        assert not TorchFlashKernel.takes_mask(q) and head_block_size(4, 1, 8, cpu, "auto") == 4
+    assert not emulating_cuda("matmul") and not emulating_cuda("kernels")
+    undo_k = emulate_cuda(matmul=False)
+    undo_m = emulate_cuda(kernels=False)
+    assert emulating_cuda("matmul") and head_block_size(4, 1, 8, cpu, "auto") == 4
+    undo_k()  # out of order: the matmul part stays on
+    assert emulating_cuda("matmul") and not emulating_cuda("kernels")
+    assert TorchFlashKernel.takes_mask(q)
+    undo_m()
+    assert not emulating_cuda("matmul")
+    with pytest.raises(ValueError, match="one of"):
+        emulating_cuda("gemm")

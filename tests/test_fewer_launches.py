@@ -182,6 +182,7 @@ def test_mm_acc_cuda_branch_is_in_place_and_an_error_is_not_taken_for_a_missing_
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from megatron_metp.ops import _accum
+    from megatron_metp.ops.cuda_emulation import emulate_cuda
 
     class Ops(TorchDispatchMode):
         def __init__(self):
@@ -192,7 +193,7 @@ def test_mm_acc_cuda_branch_is_in_place_and_an_error_is_not_taken_for_a_missing_
             self.seen.append((str(func), kwargs.get("out") is not None if kwargs else False))
             return func(*args, **(kwargs or {}))
 
-    undo = _accum.emulate_cuda_branch()
+    undo = emulate_cuda(kernels=False)
     try:
         with FakeTensorMode():
             acc = torch.zeros(8, 4)

@@ -599,19 +599,19 @@ def test_packed_benchmark_quick_and_its_arithmetic_is_what_the_ranks_do(capsys):
 # ---------------------------------------------------------------- GPU paths, bf16, head blocks
 
 def test_cuda_kernels_get_per_document_pieces_without_a_mask():
-    """No GPU here: with the CUDA branches selected (:func:`emulate_cuda_branch`, the launch
+    """No GPU here: with the CUDA branches selected (:func:`emulate_cuda`, the launch
     benchmark's mode) on fake tensors, the packed ring (p = 1) runs torch_flash's CUDA calling
     convention with full/causal pieces only (it takes no mask; a mask is refused) and the
     shapes come out."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from megatron_metp.ops.attention_kernels import (FlashAttnKernel, TorchFlashKernel,
-                                                     emulate_cuda_branch)
+    from megatron_metp.ops.attention_kernels import FlashAttnKernel, TorchFlashKernel
+    from megatron_metp.ops.cuda_emulation import emulate_cuda
     from megatron_metp.ops.ring_attention import ring_attention_backward, ring_attention_forward
 
     cu = (0, 5, 6, 16, 32)
     grp = METPGroup.single("fake")
-    undo = emulate_cuda_branch()
+    undo = emulate_cuda(matmul=False)
     try:
         with FakeTensorMode():
             q = torch.empty(1, 4, 32, 8, dtype=torch.bfloat16)

@@ -4,33 +4,12 @@ from __future__ import annotations
 
 import torch
 
+from .cuda_emulation import emulating_cuda
+
 # Per CUDA device index: whether ``addmm(..., out_dtype=, out=)`` has a kernel there (probed once
 # on tiny tensors, so that a failure of a real call, an out-of-memory say, is never taken for a
 # missing kernel).
 _cuda_out_dtype_ok: dict = {}
-# Memory measurement on CPU fake tensors: take the CUDA branch (see emulate_cuda_branch).
-_emulate_cuda = False
-
-
-def emulate_cuda_branch():
-    """Make :func:`mm_acc` take its CUDA branch (``torch.addmm(acc, a, b, out_dtype=, out=acc)``:
-    one GEMM accumulating in fp32 in place, no fp32 temporary, no fp32 operand copies) for every
-    tensor, so that memory measured on CPU fake tensors is what a GPU allocates. Returns a
-    callable that undoes it."""
-    global _emulate_cuda
-    before = _emulate_cuda
-    _emulate_cuda = True
-
-    def undo():
-        global _emulate_cuda
-        _emulate_cuda = before
-
-    return undo
-
-
-def cuda_branch(t: torch.Tensor) -> bool:
-    """Whether ops on ``t`` take their CUDA code path (a CUDA tensor, or the emulation is on)."""
-    return t.is_cuda or _emulate_cuda
 
 
 def _out_dtype_supported(a: torch.Tensor, acc_dtype: torch.dtype) -> bool:
@@ -61,7 +40,7 @@ def mm_acc(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     if acc.dtype == a.dtype:
         acc.addmm_(a, b)
         return
-    if _emulate_cuda or (a.is_cuda and _out_dtype_supported(a, acc.dtype)):
+    if emulating_cuda("matmul") or (a.is_cuda and _out_dtype_supported(a, acc.dtype)):
         torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
         return
     acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
@@ -73,7 +52,7 @@ def mm_new(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
     matmul of fp32 copies elsewhere."""
     if dtype == a.dtype:
         return torch.mm(a, b)
-    if _emulate_cuda or (a.is_cuda and _out_dtype_supported(a, dtype)):
+    if emulating_cuda("matmul") or (a.is_cuda and _out_dtype_supported(a, dtype)):
         return torch.mm(a, b, out_dtype=dtype)
     return torch.mm(a.to(dtype), b.to(dtype))
 
@@ -83,6 +62,6 @@ def mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor
     rounded once into ``out``'s dtype; no zero fill beforehand, no temporary on CUDA."""
     if out.dtype == a.dtype:
         return torch.mm(a, b, out=out)
-    if _emulate_cuda or (a.is_cuda and _out_dtype_supported(a, out.dtype)):
+    if emulating_cuda("matmul") or (a.is_cuda and _out_dtype_supported(a, out.dtype)):
         return torch.mm(a, b, out_dtype=out.dtype, out=out)
     return torch.mm(a.to(out.dtype), b.to(out.dtype), out=out)

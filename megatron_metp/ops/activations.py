@@ -27,7 +27,7 @@ def fc1_rows_per_ffn(activation: str) -> int:
 def _fused_swiglu(z: torch.Tensor):
     """Megatron's compiled SwiGLU module (``megatron.core.fusions.fused_bias_swiglu``: one
     kernel each way on a GPU) for ``z`` on the GPU code path, else ``None`` (eager ops)."""
-    from .attention_kernels import gpu_path
+    from .cuda_emulation import gpu_path
 
     if not gpu_path(z):
         return None

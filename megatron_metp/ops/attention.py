@@ -52,6 +52,9 @@ weights, or ``s×s`` scores).
 Traffic per rank and call (``W`` = one head group's weight shard, ``KV`` = one K/V block of one head
 group): forward ``(p−1)·W`` received + ``p(p−1)·KV``; backward ``(p−1)·W`` received,
 ``(p−1)·W`` (fp32) sent to owners, and ``p(p−1)·(KV + KV fp32)``.
+
+The projection → q/k norm → RoPE step and its backward (shared with the streaming layer):
+:mod:`.attention_prep`; the weight broadcasts and gradient reductions: :mod:`.attention_weights`.
 """
 
 from __future__ import annotations
@@ -72,36 +75,15 @@ from ._first_order import first_order_only
 from ._flat import FlatLayout
 from ._grads import weight_grad
 from .attention_kernels import select_kernel
+from .attention_prep import HeadGeometry, heads_first, project_block, project_block_backward
+from .attention_weights import block_weights, deliver_flat, deliver_grads, keep_owned
+from .cuda_emulation import emulating_cuda
 from .documents import cu_seqlens_digest, document_positions
 from .head_norm import check_head_norm, head_norm_grads
 from .ring_attention import (check_packed, post_first_kv_packed, ring_attention_backward,
                              ring_attention_forward, shape_layout)
-from .rope import apply_rope, rope_tables
+from .rope import rope_tables
 from .sequence import LAYOUTS, local_positions
-
-
-class _Geometry:
-    """Head bookkeeping of one rank's shard: ``A`` heads, ``G`` groups, head dim ``d``, ``p``."""
-
-    def __init__(self, num_heads, num_query_groups, head_dim, p):
-        self.A, self.G, self.d, self.p = num_heads, num_query_groups, head_dim, p
-        self.q_per_group = num_heads // num_query_groups
-        self.groups_local = num_query_groups // p       # query groups per shard
-        self.heads_local = num_heads // p               # query heads per shard
-        self.qkv_rows = self.groups_local * (self.q_per_group + 2) * head_dim
-
-    def split(self, qkv: torch.Tensor):
-        """``[n, b, rows]`` → ``q [n,b,heads_local,d]``, ``k, v [n,b,groups_local,d]``."""
-        n, b = qkv.shape[:2]
-        t = qkv.view(n, b, self.groups_local, (self.q_per_group + 2) * self.d)
-        q, k, v = torch.split(t, [self.q_per_group * self.d, self.d, self.d], dim=-1)
-        return (q.reshape(n, b, self.heads_local, self.d), k, v)
-
-    def join(self, dq, dk, dv) -> torch.Tensor:
-        """Inverse of :meth:`split` (for gradients): ``[n, b, rows]``."""
-        n, b = dq.shape[:2]
-        dq = dq.reshape(n, b, self.groups_local, self.q_per_group * self.d)
-        return torch.cat([dq, dk, dv], dim=-1).reshape(n, b, self.qkv_rows)
 
 
 def _check_inputs(x, wqkv, wo, bqkv, bo, group: METPGroup, A, G, layout, causal, freqs,
@@ -182,12 +164,10 @@ def head_block_size(p: int, heads_local: int, rows: int, device, requested=None)
     block has at most :data:`HEAD_BLOCK_ROWS` query-head rows, so that where ``s/p`` is short
     few, larger blocks keep the GPU busy with fewer launches; elsewhere 1 (the smallest
     transient memory; what ``metp plan`` models)."""
-    from . import attention_kernels
-
     if requested is None:
         requested = os.environ.get("METP_HEAD_BLOCK", "").strip() or "auto"
     if requested == "auto":
-        if not (getattr(device, "type", None) == "cuda" or attention_kernels._emulate_cuda):
+        if not (getattr(device, "type", None) == "cuda" or emulating_cuda("kernels")):
             return 1
         kb = 1
         for c in range(1, p + 1):
@@ -204,160 +184,9 @@ def head_block_size(p: int, heads_local: int, rows: int, device, requested=None)
     return kb
 
 
-def _block_weights(group: METPGroup, wqkv, bqkv, wo, phase: str, kb: int):
-    """Yield ``(i, (WQ, BQ, WOT))`` for the ``p/kb`` blocks of ``kb`` consecutive head groups, on
-    every rank: ``WQ [kb·rows, h]`` and ``BQ [kb·rows]`` (or ``None``) the block's ``linear_qkv``
-    rows, ``WOT [kb·A/p·d, h]`` its ``linear_proj`` columns transposed, each group's rows
-    back to back, so that one GEMM serves the whole block.
-
-    Group ``g``'s pieces come from their owner (broadcasts; one all-gather per piece when the
-    block holds every group); block ``i+1``'s transfers are posted before block ``i`` is yielded
-    (two sets of receive buffers, used alternately), so they overlap block ``i``'s compute. An
-    all-gather reads the owner's parameters as they are; a broadcast sends a copy (its root's
-    buffer is written by the collective).""" 
-    p, r = group.size, group.rank
-    if p == 1:
-        yield 0, (wqkv, bqkv, wo.t())
-        return
-    ring = RingExchanger(group, f"attention weights ({phase})")
-    if kb == 1:  # one message per head group: its pieces packed back to back
-        yield from _group_weights(ring, group, (wqkv, bqkv, wo.t()))
-        return
-    own = (wqkv, bqkv, wo.t().contiguous())
-    sets = [None, None]
-
-    def buffers(i):
-        if sets[i % 2] is None:
-            sets[i % 2] = tuple(None if t is None else
-                                torch.empty((kb * t.shape[0],) + tuple(t.shape[1:]),
-                                            dtype=t.dtype, device=t.device) for t in own)
-        return sets[i % 2]
-
-    def post(i):
-        if kb == p:  # every group in this block: one all-gather per piece
-            bufs = buffers(i)
-            return bufs, [ring.all_gather(buf, t, step=i) for buf, t in zip(bufs, own)
-                          if t is not None]
-        bufs = buffers(i)
-        pend = []
-        for gi in range(kb):
-            g = i * kb + gi
-            for buf, t in zip(bufs, own):
-                if t is None:
-                    continue
-                view = buf[gi * t.shape[0]:(gi + 1) * t.shape[0]]
-                if g == r:
-                    view.copy_(t)
-                pend.append(ring.broadcast(view, g, step=g))
-        return bufs, pend
-
-    pending = post(0)
-    for i in range(p // kb):
-        bufs, works = pending
-        for w in works:
-            w.wait()
-        if i + 1 < p // kb:
-            pending = post(i + 1)
-        yield i, bufs
-
-
-def _group_weights(ring: RingExchanger, group: METPGroup, own):
-    """:func:`_block_weights` for blocks of one head group: group ``g``'s ``(Wqkv, bqkv, Woᵀ)``
-    packed in one buffer and broadcast from its owner, the next group's posted before this
-    one is yielded (two receive buffers, used alternately)."""
-    p, r = group.size, group.rank
-    layout = FlatLayout.of(own)
-    packed_own = layout.pack(own)
-    spare = [None, None]
-
-    def post(g):
-        if g == r:
-            buf = packed_own
-        else:
-            if spare[g % 2] is None:
-                spare[g % 2] = torch.empty_like(packed_own)
-            buf = spare[g % 2]
-        return ring.broadcast(buf, g, step=g)
-
-    pending = post(0)
-    for g in range(p):
-        buf = pending.wait()
-        if g + 1 < p:
-            pending = post(g + 1)
-        yield g, (own if g == r else tuple(layout.unpack(buf)))
-
-
-def _qkv_block(x2, WQ, BQ, freqs, geo: "_Geometry", n, b, kb, tables, head_norm=None,
-               keep_pre=None):
-    """Heads-first ``q [b, H, n, d]``, ``k, v [b, Gb, n, d]`` of a block of ``kb`` head groups
-    for this rank's tokens (one GEMM, the per-head q/k norm if any (:mod:`.head_norm`), RoPE
-    applied), with ``k`` and ``v`` packed back to back in ``kv`` (the K/V ring's own block):
-    ``H``/``Gb`` query/key heads of the block. ``keep_pre``: a list that receives the block's
-    pre-norm projection ``[n, b, Gb, A/G+2, d]`` (backward of the norm)."""
-    d, qpg = geo.d, geo.q_per_group
-    qkv = torch.addmm(BQ, x2, WQ.t()) if BQ is not None else torch.mm(x2, WQ.t())
-    G = kb * geo.groups_local
-    t = qkv.view(n, b, G, qpg + 2, d)
-    q_src, k_src = t[:, :, :, :qpg], t[:, :, :, qpg]
-    if head_norm is not None:
-        q_src, k_src = head_norm.forward(q_src, k_src)
-        if keep_pre is not None:
-            keep_pre.append(t)
-    q = torch.empty(b, G * qpg, n, d, dtype=x2.dtype, device=x2.device)
-    kv = torch.empty(2 * b * G * n * d, dtype=x2.dtype, device=x2.device)
-    k, v = kv[:b * G * n * d].view(b, G, n, d), kv[b * G * n * d:].view(b, G, n, d)
-    q_dst = q.view(b, G, qpg, n, d).permute(3, 0, 1, 2, 4)  # [n, b, G, qpg, d]
-    k_dst = k.permute(2, 0, 1, 3)
-    if freqs is not None:
-        apply_rope(q_src, freqs, out=q_dst, tables=tables)
-        apply_rope(k_src, freqs, out=k_dst, tables=tables)
-    else:
-        q_dst.copy_(q_src)
-        k_dst.copy_(k_src)
-    v.permute(2, 0, 1, 3).copy_(t[:, :, :, qpg + 1])
-    return q, k, v, kv
-
-
-def _heads_first_view(t: torch.Tensor, H: int, d: int) -> torch.Tensor:
-    """``[n, b, H·d]`` → a ``[b, H, n, d]`` view (last dim dense)."""
-    n, b = t.shape[:2]
-    return t.view(n, b, H, d).permute(1, 2, 0, 3)
-
-
-def _deliver_grads(ring: RingExchanger, group: METPGroup, kb: int, i: int, pieces):
-    """Post the reduce of block ``i``'s fp32 gradient ``pieces`` (``[kb·rows_piece, ...]``
-    each, or ``None``) to their owners: one reduce-scatter per piece when the block holds
-    every group, else one reduce per group and piece. Returns ``[(piece, owner, pending, out)]``."""
-    out = []
-    p = group.size
-    for j, t in enumerate(pieces):
-        if t is None:
-            continue
-        rows = t.shape[0] // kb
-        if kb == p:
-            mine = torch.empty((rows,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-            out.append((j, group.rank, ring.reduce_scatter(mine, t, step=i), mine))
-            continue
-        for gi in range(kb):
-            g = i * kb + gi
-            view = t[gi * rows:(gi + 1) * rows]
-            out.append((j, g, ring.reduce(view, g, step=g), view))
-    return out
-
-
-def _keep_owned(in_flight, rank, acc):
-    """Wait for every reduce in ``in_flight``; those whose destination is this rank are its
-    shard's complete gradient pieces."""
-    for j, g, pending, view in in_flight:
-        pending.wait()
-        if g == rank:
-            acc[j] = view
-    return acc
-
-
 class _METPAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, wqkv, bqkv, wo, bo, freqs, group: METPGroup, geo: _Geometry, causal, layout,
+    def forward(ctx, x, wqkv, bqkv, wo, bo, freqs, group: METPGroup, geo: HeadGeometry, causal, layout,
                 scale, kernel, label, kb, grad_dtype, cu, seq: METPGroup, head_norm, qn_w, qn_b,
                 kn_w, kn_b):
         check_finite(f"{label} (forward)", group, x=x, qkv_weight=wqkv, proj_weight=wo,
@@ -372,12 +201,12 @@ class _METPAttentionFunction(torch.autograd.Function):
         y = None
         outs, lses = [], []
         tables = rope_tables(freqs, x.dtype) if freqs is not None else None
-        for _, (WQ, BQ, WOT) in _block_weights(group, wqkv, bqkv, wo, "fwd", kb):
-            q, k, v, kv = _qkv_block(x2, WQ, BQ, freqs, geo, n, b, kb, tables, head_norm)
+        for _, (WQ, BQ, WOT) in block_weights(group, wqkv, bqkv, wo, "fwd", kb):
+            q, k, v, kv = project_block(x2, WQ, BQ, geo, n, b, kb, (freqs, tables), head_norm)
             o = torch.empty(n, b, H * geo.d, dtype=x.dtype, device=x.device)
             _, lse = ring_attention_forward(q, k, v, seq, causal, layout, scale, kernel,
                                             kv_packed=kv, defer_merge=kb > 1,
-                                            out=_heads_first_view(o, H, geo.d), cu_seqlens=cu)
+                                            out=heads_first(o, H, geo.d), cu_seqlens=cu)
             outs.append(o)
             lses.append(lse)
             o2 = o.view(N, -1)
@@ -427,8 +256,9 @@ class _METPAttentionFunction(torch.autograd.Function):
         tables = rope_tables(freqs, x.dtype) if freqs is not None else None
         gw = dict(dtype=grad_dtype or acc_dtype, device=x.device)
         head_norm, norm_acc, pre = ctx.head_norm, [None] * 4, []
-        for i, (WQ, BQ, WOT) in _block_weights(group, wqkv, bqkv, wo, "bwd", kb):
-            q, k, v, kv = _qkv_block(x2, WQ, BQ, freqs, geo, n, b, kb, tables, head_norm, pre)
+        for i, (WQ, BQ, WOT) in block_weights(group, wqkv, bqkv, wo, "bwd", kb):
+            q, k, v, kv = project_block(x2, WQ, BQ, geo, n, b, kb, (freqs, tables), head_norm,
+                                        pre)
             first = post_first_kv_packed(kv, ctx.seq)  # hidden behind the dO / dWo GEMMs
             o2 = outs[i].view(N, -1)
             d_o = torch.mm(gy, WOT.t())
@@ -448,26 +278,16 @@ class _METPAttentionFunction(torch.autograd.Function):
                 return made[0].view(n, b, G, qpg + 2, d)[:, :, :, qpg + 1].permute(1, 2, 0, 3)
 
             dq, dk, dv = ring_attention_backward(
-                _heads_first_view(d_o.view(n, b, -1), H, d), q, k, v,
-                _heads_first_view(outs[i], H, d), lses[i], ctx.seq, causal, layout, scale, kernel,
+                heads_first(d_o.view(n, b, -1), H, d), q, k, v,
+                heads_first(outs[i], H, d), lses[i], ctx.seq, causal, layout, scale, kernel,
                 first=first, dv_out=dqkv_dv, cu_seqlens=ctx.cu)
             del q, k, v, kv, d_o, first, dv  # dv: written into dqkv already
             dqkv = made[0]
-            t = dqkv.view(n, b, G, qpg + 2, d)
-            dq_sf = dq.permute(2, 0, 1, 3).unflatten(2, (G, qpg))
-            dk_sf = dk.permute(2, 0, 1, 3)
-            if freqs is not None:
-                apply_rope(dq_sf, freqs, transpose=True, out=t[:, :, :, :qpg], tables=tables)
-                apply_rope(dk_sf, freqs, transpose=True, out=t[:, :, :, qpg], tables=tables)
-            else:
-                t[:, :, :, :qpg].copy_(dq_sf)
-                t[:, :, :, qpg].copy_(dk_sf)
-            del dq, dk, dq_sf, dk_sf
-            if head_norm is not None:  # through the per-head norm, in place; weight grads summed
-                raw = pre.pop()
-                head_norm.backward(raw[:, :, :, :qpg], raw[:, :, :, qpg], t[:, :, :, :qpg],
-                                   t[:, :, :, qpg], norm_acc)
-                del raw
+            # dq, dk: RoPE transposed, through the q/k norm (weight grads summed), into dqkv
+            project_block_backward(dq, dk, dqkv.view(n, b, G, qpg + 2, d), geo, (freqs, tables),
+                                   head_norm, pre.pop() if head_norm is not None else None,
+                                   norm_acc)
+            del dq, dk
             dWQ = mm_into(g_wq, dqkv.t(), x2)
             dBQ = torch.sum(dqkv, 0, dtype=g_bq.dtype, out=g_bq) if has_bq else None
             if nb == 1:
@@ -477,16 +297,16 @@ class _METPAttentionFunction(torch.autograd.Function):
             else:
                 mm_acc(dx, dqkv, WQ)
             made.clear()
-            del dqkv, t  # not alive during the next block's ring
+            del dqkv  # not alive during the next block's ring
             if p == 1:
                 acc = [dWQ, dBQ, dWOT]
                 continue
-            acc = _keep_owned(in_flight, r, acc)
+            acc = keep_owned(in_flight, r, acc)
             if flat is not None:
-                in_flight = [(0, i, grad_ring.reduce(flat, i, step=i), flat)]
+                in_flight = deliver_flat(grad_ring, i, flat)
             else:
-                in_flight = _deliver_grads(grad_ring, group, kb, i, (dWQ, dBQ, dWOT))
-        acc = _keep_owned(in_flight, r, acc)
+                in_flight = deliver_grads(grad_ring, group, kb, i, (dWQ, dBQ, dWOT))
+        acc = keep_owned(in_flight, r, acc)
         if p > 1 and kb == 1:
             acc = grad_layout.unpack(acc[0])
         dwq, dbq, dwot = acc
@@ -652,7 +472,7 @@ def metp_attention(x: torch.Tensor, qkv_weight: torch.Tensor, proj_weight: torch
                            q_norm_bias=q_norm_bias, k_norm_bias=k_norm_bias,
                            needs_grad=needs_grad(x, qkv_weight, proj_weight, qkv_bias, proj_bias,
                                                  q_norm_weight, k_norm_weight))
-    geo = _Geometry(num_heads, num_query_groups, d, group.size)
+    geo = HeadGeometry(num_heads, num_query_groups, d, group.size)
     return _METPAttentionFunction.apply(x, qkv_weight, qkv_bias, proj_weight, proj_bias, freqs,
                                         group, geo, bool(causal), layout, float(scale), kern,
                                         label, kb, grad_reduce_dtype, cu, seq, head_norm,

@@ -33,40 +33,11 @@ from typing import Optional
 
 import torch
 
-from ._kernel_layout import (_expand_kv, _fold_heads, _fold_kv, _gqa_fold,  # noqa: F401
-                             _last_dim_dense, _unfold_heads)
+from .cuda_emulation import gpu_path
 from .gpu_kernels import CudnnKernel, FlashAttn3Kernel, FlashAttnKernel
-from .kernel_choice import (ENV, KERNELS, available_kernels, chosen_kernel,  # noqa: F401
+from .kernel_choice import (KERNELS, available_kernels, chosen_kernel,  # noqa: F401 (ops API)
                             kernel_names, select_name)
-
-# Counting on CPU fake tensors: take the CUDA kernels' calling convention (see emulate_cuda_branch).
-_emulate_cuda = False
-
-
-def emulate_cuda_branch():
-    """Make the METP ops take their GPU code paths (:func:`gpu_path`) for every tensor:
-    :class:`TorchFlashKernel` calls the CUDA flash ops with their layouts, METP attention picks
-    its head-group block as on a GPU, SwiGLU runs as Megatron's fused functions; so that ops
-    counted on CPU fake tensors are what a GPU runs. Returns a callable that undoes it."""
-    global _emulate_cuda
-    before = _emulate_cuda
-    _emulate_cuda = True
-
-    def undo():
-        global _emulate_cuda
-        _emulate_cuda = before
-
-    return undo
-
-
-def gpu_path(t: torch.Tensor) -> bool:
-    """Whether the METP ops take their GPU code paths for ``t`` (flash kernels' calling
-    convention, head-group blocks, Megatron's fused SwiGLU): a CUDA tensor, or
-    :func:`emulate_cuda_branch` is on (the launch-counting benchmark)."""
-    return t.is_cuda or _emulate_cuda
-
-
-_cuda_path = gpu_path
+from .kernel_layout import expand_kv, fold_heads, fold_kv, gqa_fold, last_dim_dense, unfold_heads
 
 
 def _causal_mask(n: int, m: int, device) -> torch.Tensor:
@@ -86,7 +57,7 @@ class ReferenceKernel:
 
     @staticmethod
     def _scores(q, k, causal, scale, mask):
-        s = torch.matmul(q.float(), _expand_kv(k, q.shape[1]).float().transpose(-1, -2)) * scale
+        s = torch.matmul(q.float(), expand_kv(k, q.shape[1]).float().transpose(-1, -2)) * scale
         if causal:
             s.masked_fill_(~_causal_mask(s.shape[-2], s.shape[-1], s.device), float("-inf"))
         if mask is not None:
@@ -99,13 +70,13 @@ class ReferenceKernel:
         s = ReferenceKernel._scores(q, k, causal, scale, mask)
         lse = torch.logsumexp(s, dim=-1)
         shift = lse if mask is None else lse.masked_fill(lse == float("-inf"), 0.0)
-        out = torch.matmul(torch.exp(s - shift.unsqueeze(-1)), _expand_kv(v, hq).float())
+        out = torch.matmul(torch.exp(s - shift.unsqueeze(-1)), expand_kv(v, hq).float())
         return out, lse
 
     @staticmethod
     def backward(dout, q, k, v, out, lse, causal: bool, scale: float, workspace=None, mask=None):
         hq, hkv = q.shape[1], k.shape[1]
-        qf, kf, vf = q.float(), _expand_kv(k, hq).float(), _expand_kv(v, hq).float()
+        qf, kf, vf = q.float(), expand_kv(k, hq).float(), expand_kv(v, hq).float()
         s = ReferenceKernel._scores(q, k, causal, scale, mask)
         prob = torch.exp(s - lse.unsqueeze(-1))
         do = dout.float()
@@ -114,7 +85,7 @@ class ReferenceKernel:
         ds = prob * (torch.matmul(do, vf.transpose(-1, -2)) - delta)
         dq = torch.matmul(ds, kf) * scale
         dk = torch.matmul(ds.transpose(-1, -2), qf) * scale
-        return dq, _fold_kv(dk, hkv), _fold_kv(dv, hkv)
+        return dq, fold_kv(dk, hkv), fold_kv(dv, hkv)
 
 
 def _additive(mask, dtype):
@@ -132,7 +103,7 @@ class TorchFlashKernel:
     """PyTorch's fused flash-attention kernels (they return the log-sum-exp).
 
     CPU: ``_scaled_dot_product_flash_attention_for_cpu``; CUDA: ``_scaled_dot_product_flash_attention``.
-    GQA: a full block folds the query heads of each K/V head into rows (:func:`_gqa_fold`: no
+    GQA: a full block folds the query heads of each K/V head into rows (:func:`gqa_fold`: no
     K/V copy); a causal or masked block expands K/V locally for the kernel (never before
     sending).
     """
@@ -142,20 +113,20 @@ class TorchFlashKernel:
     @staticmethod
     def takes_mask(q) -> bool:
         """The CPU kernel takes an additive mask; the CUDA one does not."""
-        return not _cuda_path(q)
+        return not gpu_path(q)
 
     @staticmethod
     def forward(q, k, v, causal: bool, scale: float, mask=None):
         hq = q.shape[1]
-        cuda = _cuda_path(q)
+        cuda = gpu_path(q)
         if mask is not None and cuda:
             _refuse_mask_on_cuda()
-        if _gqa_fold(q, k, causal, mask):
-            out, lse = TorchFlashKernel.forward(_fold_heads(q, k.shape[1]), k, v, False, scale)
-            return _unfold_heads(out, hq), _unfold_heads(lse, hq)
-        q = _last_dim_dense(q) if cuda else q.contiguous()
-        k, v = _expand_kv(k, hq), _expand_kv(v, hq)
-        k, v = (_last_dim_dense(k), _last_dim_dense(v)) if cuda else (k.contiguous(), v.contiguous())
+        if gqa_fold(q, k, causal, mask):
+            out, lse = TorchFlashKernel.forward(fold_heads(q, k.shape[1]), k, v, False, scale)
+            return unfold_heads(out, hq), unfold_heads(lse, hq)
+        q = last_dim_dense(q) if cuda else q.contiguous()
+        k, v = expand_kv(k, hq), expand_kv(v, hq)
+        k, v = (last_dim_dense(k), last_dim_dense(v)) if cuda else (k.contiguous(), v.contiguous())
         if cuda:
             res = torch.ops.aten._scaled_dot_product_flash_attention(
                 q, k, v, 0.0, causal, False, scale=scale)
@@ -173,16 +144,16 @@ class TorchFlashKernel:
         RNG-state arguments are made once there, not per block). ``out``/``dout`` in ``q``'s
         dtype and ``lse`` contiguous are used as given (no copies); others are converted."""
         hq, hkv = q.shape[1], k.shape[1]
-        if _gqa_fold(q, k, causal, mask):
-            f = lambda t: _fold_heads(t if t.dtype == q.dtype else t.to(q.dtype), hkv)  # noqa: E731
+        if gqa_fold(q, k, causal, mask):
+            f = lambda t: fold_heads(t if t.dtype == q.dtype else t.to(q.dtype), hkv)  # noqa: E731
             dq, dk, dv = TorchFlashKernel.backward(f(dout), f(q), k, v, f(out),
-                                                   _fold_heads(lse, hkv), False, scale,
+                                                   fold_heads(lse, hkv), False, scale,
                                                    workspace)
-            return _unfold_heads(dq, hq), dk, dv
-        cuda = _cuda_path(q)
-        dense = _last_dim_dense if cuda else (lambda t: t.contiguous())
+            return unfold_heads(dq, hq), dk, dv
+        cuda = gpu_path(q)
+        dense = last_dim_dense if cuda else (lambda t: t.contiguous())
         q = dense(q)
-        ke, ve = dense(_expand_kv(k, hq)), dense(_expand_kv(v, hq))
+        ke, ve = dense(expand_kv(k, hq)), dense(expand_kv(v, hq))
         out = dense(out if out.dtype == q.dtype else out.to(q.dtype))
         dout = dense(dout if dout.dtype == q.dtype else dout.to(q.dtype))
         lse = lse if lse.is_contiguous() else lse.contiguous()
@@ -202,7 +173,7 @@ class TorchFlashKernel:
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 dout, q, ke, ve, out, lse, 0.0, causal,
                 attn_mask=None if mask is None else _additive(mask, q.dtype), scale=scale)
-        return dq, _fold_kv(dk, hkv), _fold_kv(dv, hkv)
+        return dq, fold_kv(dk, hkv), fold_kv(dv, hkv)
 
 
 _BY_NAME = {"cudnn": CudnnKernel, "flash_attn_3": FlashAttn3Kernel, "flash_attn": FlashAttnKernel,

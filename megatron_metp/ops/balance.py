@@ -217,9 +217,3 @@ def imbalance_figures(n: int, ring: int, tiles, causal: bool = True,
                 worst = max(worst, m / avg)
     return {"imbalance": busiest / mean if mean else 1.0, "worst_step": worst,
             "tiles": len(work), "steps": len(work[0]) if work else 0}
-
-
-def worst_step_ratio(n: int, ring: int, tiles, causal: bool = True, layout: str = "dual_chunk",
-                     kv_blocks: Optional[Sequence] = None) -> float:
-    """The largest ``max_r work / mean_r work`` of any ring step with work."""
-    return imbalance_figures(n, ring, tiles, causal, layout, kv_blocks)["worst_step"]

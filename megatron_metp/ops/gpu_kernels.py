@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from ._kernel_layout import _expand_kv, _fold_heads, _fold_kv, _gqa_fold, _unfold_heads
+from .kernel_layout import expand_kv, fold_heads, fold_kv, gqa_fold, unfold_heads
 
 
 def cudnn_ops():
@@ -96,11 +96,11 @@ class CudnnKernel:
     def forward(q, k, v, causal: bool, scale: float, mask=None):
         _refuse_mask("cudnn", mask)
         hq, hkv = q.shape[1], k.shape[1]
-        if _gqa_fold(q, k, causal, mask):
-            out, lse = CudnnKernel.forward(_fold_heads(q, hkv), k, v, False, scale)
-            return _unfold_heads(out, hq), _unfold_heads(lse, hq)
+        if gqa_fold(q, k, causal, mask):
+            out, lse = CudnnKernel.forward(fold_heads(q, hkv), k, v, False, scale)
+            return unfold_heads(out, hq), unfold_heads(lse, hq)
         q = q.contiguous()
-        k, v = _expand_kv(k, hq).contiguous(), _expand_kv(v, hq).contiguous()
+        k, v = expand_kv(k, hq).contiguous(), expand_kv(v, hq).contiguous()
         fwd, _ = cudnn_ops()
         res = fwd(q, k, v, None, True, 0.0, bool(causal), False, scale=scale)
         b, _, n, _ = q.shape
@@ -112,13 +112,13 @@ class CudnnKernel:
         tensors are made once there)."""
         _refuse_mask("cudnn", mask)
         hq, hkv = q.shape[1], k.shape[1]
-        if _gqa_fold(q, k, causal, mask):
-            f = lambda t: _fold_heads(_like_q(t, q), hkv)  # noqa: E731
-            dq, dk, dv = CudnnKernel.backward(f(dout), f(q), k, v, f(out), _fold_heads(lse, hkv),
+        if gqa_fold(q, k, causal, mask):
+            f = lambda t: fold_heads(_like_q(t, q), hkv)  # noqa: E731
+            dq, dk, dv = CudnnKernel.backward(f(dout), f(q), k, v, f(out), fold_heads(lse, hkv),
                                               False, scale, workspace)
-            return _unfold_heads(dq, hq), dk, dv
+            return unfold_heads(dq, hq), dk, dv
         q = q.contiguous()
-        ke, ve = _expand_kv(k, hq).contiguous(), _expand_kv(v, hq).contiguous()
+        ke, ve = expand_kv(k, hq).contiguous(), expand_kv(v, hq).contiguous()
         out, dout = _like_q(out, q).contiguous(), _like_q(dout, q).contiguous()
         lse4 = lse.float().contiguous().unsqueeze(-1)  # the forward's [b, h, n, 1]
         ws = workspace if workspace is not None else {}
@@ -128,7 +128,7 @@ class CudnnKernel:
         seed = ws["philox"]
         dq, dk, dv = bwd(dout, q, ke, ve, out, lse4, seed, seed, None, None, None,
                          q.shape[2], k.shape[2], 0.0, bool(causal), scale=scale)
-        return dq, _fold_kv(dk, hkv), _fold_kv(dv, hkv)
+        return dq, fold_kv(dk, hkv), fold_kv(dv, hkv)
 
 
 def _tokens_first(*ts):

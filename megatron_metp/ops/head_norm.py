@@ -58,20 +58,18 @@ class HeadNorm:
             return F.rms_norm(t, (d,), w, self.eps)
         return F.layer_norm(t, (d,), w, b, self.eps)
 
-    def forward(self, q_pre: torch.Tensor, k_pre: torch.Tensor):
-        """``q_pre [..., d]``, ``k_pre [..., d]`` (any strides) → new normalised ``(q, k)``."""
-        return (self._norm(q_pre, self.q_weight, self.q_bias),
-                self._norm(k_pre, self.k_weight, self.k_bias))
-
-    def backward(self, q_pre, k_pre, dq, dk, acc: list) -> None:
-        """Overwrite ``dq``/``dk`` (gradients of the normalised q/k, any strides) with the
-        gradients of ``q_pre``/``k_pre``, and add the weight (and bias) gradients into ``acc``
-        (``[dq_w, dq_b, dk_w, dk_b]``, entries ``None`` until the first block)."""
-        self.backward_one("q", q_pre, dq, acc)
-        self.backward_one("k", k_pre, dk, acc)
+    def norm_one(self, which: str, pre: torch.Tensor) -> torch.Tensor:
+        """The queries' (``which="q"``) or the keys' (``"k"``) norm of ``pre [..., d]`` (any
+        strides), new."""
+        if which == "q":
+            return self._norm(pre, self.q_weight, self.q_bias)
+        return self._norm(pre, self.k_weight, self.k_bias)
 
     def backward_one(self, which: str, pre, grad, acc: list) -> None:
-        """:meth:`backward` of the queries (``which="q"``) or of the keys (``"k"``) alone."""
+        """Overwrite ``grad`` (the gradient of the normalised queries, ``which="q"``, or keys,
+        ``"k"``; any strides) with the gradient of ``pre``, and add the weight (and bias)
+        gradients into ``acc`` (``[dq_w, dq_b, dk_w, dk_b]``, entries ``None`` until the first
+        block)."""
         j = 0 if which == "q" else 1
         w, b = (self.q_weight, self.q_bias) if j == 0 else (self.k_weight, self.k_bias)
         with torch.enable_grad():

@@ -57,13 +57,15 @@ import torch
 from ..runtime.agree import (agreement_checks_enabled, check_group_agrees, needs_grad, op_label,
                              refuse_together)
 from ..runtime.finite import check_finite
-from ..runtime.groups import METPGroup, as_metp_group
+from ..runtime.groups import as_metp_group
 from ..runtime import loop_sample
 from ..runtime.host_stash import Stash
 from . import activations as act
 from ._first_order import first_order_only
 from ._grads import weight_grad
-from .attention import _block_weights, _Geometry, _keep_owned, prepare_attention
+from .attention import prepare_attention
+from .attention_prep import HeadGeometry
+from .attention_weights import block_weights, keep_owned
 from .head_norm import head_norm_grads
 from .balance import kv_blocks as balanced_kv_blocks, query_tiles
 from .layer_attention import (GroupGrads, Rows, backward_group, deliver, forward_group,
@@ -116,7 +118,7 @@ def _attention_outputs(spec, src: Rows, wqkv, bqkv, wo, o_stash, lses, keep=None
     ``keep``: per group ``(q stash, k/v stash)`` the projections also go to
     (:mod:`.layer_reads`)."""
     b = src.b
-    for g, (WQ, BQ, _) in _block_weights(spec.group, wqkv, bqkv, wo, "fwd", 1):
+    for g, (WQ, BQ, _) in block_weights(spec.group, wqkv, bqkv, wo, "fwd", 1):
         stash = o_stash[g]
         forward_group(src, spec.q_tiles, WQ, BQ, spec.geo, spec.seq, spec.attn, spec.head_norm,
                       lambda t, o, s=stash: _write_tile(s, t, b, o), lses[g],
@@ -248,7 +250,7 @@ class _METPLayerFunction(torch.autograd.Function):
         norm_acc = [None] * 4
         in_flight, owned, grad_layout = [], [None, None, None], None
         kv_blocks = spec.kv_blocks
-        for g, (WQ, BQ, WOT) in _block_weights(group, wqkv, bqkv, wo, "bwd", 1):
+        for g, (WQ, BQ, WOT) in block_weights(group, wqkv, bqkv, wo, "bwd", 1):
             grads = GroupGrads(wqkv, bqkv, wo, geo, gdt, dy.device)
             stash = o_stash[g]
             backward_group(src, spec.q_tiles, kv_blocks, WQ, BQ, WOT, geo, spec.seq, spec.attn,
@@ -262,7 +264,7 @@ class _METPLayerFunction(torch.autograd.Function):
             in_flight, owned = deliver(group, g, grads, in_flight, owned)
             grad_layout = grads.layout
             del grads
-        owned = _keep_owned(in_flight, group.rank, owned)
+        owned = keep_owned(in_flight, group.rank, owned)
         dwq, dbq, dwot = grad_layout.unpack(owned[0])
 
         # 4. dx = dh1 + norm1ᵀ(d(qkv)·Wqkv), row tile by row tile
@@ -291,7 +293,7 @@ class _METPLayerFunction(torch.autograd.Function):
                 *spec.norm1.param_grads(), *spec.norm2.param_grads())
 
 
-def _qkv_rows_by_part(w_all: torch.Tensor, geo: _Geometry, p: int) -> torch.Tensor:
+def _qkv_rows_by_part(w_all: torch.Tensor, geo: HeadGeometry, p: int) -> torch.Tensor:
     """The gathered ``linear_qkv`` rows (``p`` shards, each in Megatron's interleaved per-group
     layout) reordered as every shard's q rows, then every shard's k/v rows: the column order of
     the d(qkv) tile the ``dx`` pass assembles from the stashes."""
@@ -342,7 +344,7 @@ def metp_layer(x: torch.Tensor, *, group, num_heads: int, num_query_groups: int,
         context_group=context_group, qk_norm=qk_norm, qk_norm_eps=qk_norm_eps,
         q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, q_norm_bias=q_norm_bias,
         k_norm_bias=k_norm_bias, label=label, op="metp_layer")
-    geo = _Geometry(num_heads, num_query_groups, d, group.size)
+    geo = HeadGeometry(num_heads, num_query_groups, d, group.size)
     n, b, h = x.shape
     try:
         if activation not in act.ACTIVATIONS:

@@ -25,11 +25,14 @@ layout each is two mirrored row ranges, ``[a, b)`` of the first chunk and ``[n �
 the second, so that every rank does the same work at every ring step; a tile's tensors (``q``,
 ``O``, ``dO``, ``lse``, ``dq``, ``d(qkv)`` rows) hold its ranges' rows concatenated, and are
 read from / written to the stashes range by range (:func:`token_rows`).
+
+The projection → q/k norm → RoPE step and its backward are :mod:`.attention_prep`'s, the weight
+broadcasts and gradient reductions :mod:`.attention_weights`', as in :mod:`.attention`.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List
 
 import torch
 
@@ -39,10 +42,12 @@ from ..runtime.host_stash import PREFETCH_DEPTH
 from ..runtime.ring import RingExchanger
 from ._accum import mm_acc, mm_into
 from ._flat import FlatLayout
-from .attention import _Geometry, _heads_first_view, _keep_owned
+from .attention_prep import (HeadGeometry, heads_first, norm_rope, norm_rope_backward, project,
+                             seq_first, seq_first_q, split_qkv_rows)
+from .attention_weights import deliver_flat, keep_owned
 from .ring_attention import ring_attention_backward, ring_attention_forward
-from .rope import apply_rope, rope_tables
-from .balance import as_tile, kv_blocks, tile_parts, tile_rows
+from .rope import rope_tables
+from .balance import as_tile, tile_parts, tile_rows
 
 
 class Rows:
@@ -119,27 +124,7 @@ class Rows:
         return f, rope_tables(f, self.dtype)
 
 
-def _split(WQ: torch.Tensor, geo: _Geometry):
-    """A head group's ``linear_qkv`` rows ``[G_g·(A/G+2)·d, h]`` as ``(q rows, k/v rows)``:
-    ``[G_g·qpg·d, h]`` and ``[G_g·2·d, h]`` (copies when ``G_g > 1``: interleaved)."""
-    Gl, qpg, d = geo.groups_local, geo.q_per_group, geo.d
-    w = WQ.view(Gl, qpg + 2, d, -1)
-    return w[:, :qpg].reshape(Gl * qpg * d, -1), w[:, qpg:].reshape(Gl * 2 * d, -1)
-
-
-def _split_bias(BQ, geo: _Geometry):
-    if BQ is None:
-        return None, None
-    Gl, qpg, d = geo.groups_local, geo.q_per_group, geo.d
-    b = BQ.view(Gl, qpg + 2, d)
-    return b[:, :qpg].reshape(-1), b[:, qpg:].reshape(-1)
-
-
-def _proj(rows, w, bias):
-    return torch.addmm(bias, rows, w.t()) if bias is not None else torch.mm(rows, w.t())
-
-
-def q_tile(src: Rows, t, WQq, BQq, geo: _Geometry, head_norm, keep_pre=None, then=None,
+def q_tile(src: Rows, t, WQq, BQq, geo: HeadGeometry, head_norm, keep_pre=None, then=None,
            proj=None, proj_out=None):
     """Heads-first ``q`` ``[b, H, |t|, d]`` of the tile ``t`` (its ranges' tokens in order; q
     norm, RoPE), projected chunk by chunk (:meth:`Rows.chunks`; ``then``: the tile read next);
@@ -148,7 +133,7 @@ def q_tile(src: Rows, t, WQq, BQq, geo: _Geometry, head_norm, keep_pre=None, the
     ``proj``: such a stash, read instead of projecting (:mod:`.layer_reads`)."""
     nt, b, d, Gl, qpg = tile_rows(t), src.b, geo.d, geo.groups_local, geo.q_per_group
     q = torch.empty(b, Gl * qpg, nt, d, dtype=WQq.dtype, device=WQq.device)
-    dst_all = q.view(b, Gl, qpg, nt, d).permute(3, 0, 1, 2, 4)
+    dst_all = seq_first_q(q, qpg)
     pre_all = None
     if head_norm is not None and keep_pre is not None:
         pre_all = torch.empty(nt, b, Gl, qpg, d, dtype=WQq.dtype, device=WQq.device)
@@ -159,24 +144,17 @@ def q_tile(src: Rows, t, WQq, BQq, geo: _Geometry, head_norm, keep_pre=None, the
         if proj is not None:
             pre = src.read(proj, c).view(nc, b, Gl, qpg, d)
         else:
-            pre = _proj(src.normed(c), WQq, BQq).view(nc, b, Gl, qpg, d)
+            pre = project(src.normed(c), WQq, BQq).view(nc, b, Gl, qpg, d)
             if proj_out is not None:
                 proj_out.write(src._rows(c), pre)
-        q_src = pre
-        if head_norm is not None:
-            if pre_all is not None:
-                pre_all[rel].copy_(pre)
-            q_src = head_norm._norm(pre, head_norm.q_weight, head_norm.q_bias)
-        freqs, tables = src.rope(c)
-        if freqs is not None:
-            apply_rope(q_src, freqs, out=dst_all[rel], tables=tables)
-        else:
-            dst_all[rel].copy_(q_src)
-        del pre, q_src
+        if pre_all is not None:
+            pre_all[rel].copy_(pre)
+        norm_rope(pre, "q", head_norm, src.rope(c), dst_all[rel])
+        del pre
     return q
 
 
-def group_kv(src: Rows, WQkv, BQkv, geo: _Geometry, head_norm, keep_pre: bool = False,
+def group_kv(src: Rows, WQkv, BQkv, geo: HeadGeometry, head_norm, keep_pre: bool = False,
              then=None, proj=None, proj_out=None):
     """``(k, v, k_pre)``: heads-first ``K_g``, ``V_g`` ``[b, G_g, n, d]`` of every local token
     (k norm and RoPE applied), formed chunk by chunk (``then``: the tile read next); ``k_pre``
@@ -194,34 +172,26 @@ def group_kv(src: Rows, WQkv, BQkv, geo: _Geometry, head_norm, keep_pre: bool = 
         if proj is not None:
             kv = src.read(proj, t).view(nt, b, Gl, 2, d)
         else:
-            kv = _proj(src.normed(t), WQkv, BQkv).view(nt, b, Gl, 2, d)
+            kv = project(src.normed(t), WQkv, BQkv).view(nt, b, Gl, 2, d)
             if proj_out is not None:
                 proj_out.write(src._rows(t), kv)
-        k_src = kv[:, :, :, 0]
-        if head_norm is not None:
-            if k_pre is not None:
-                k_pre[t].copy_(k_src)
-            k_src = head_norm._norm(k_src, head_norm.k_weight, head_norm.k_bias)
-        freqs, tables = src.rope(t)
-        k_dst = k[:, :, t].permute(2, 0, 1, 3)
-        if freqs is not None:
-            apply_rope(k_src, freqs, out=k_dst, tables=tables)
-        else:
-            k_dst.copy_(k_src)
-        v[:, :, t].permute(2, 0, 1, 3).copy_(kv[:, :, :, 1])
-        del kv, k_src
+        if k_pre is not None:
+            k_pre[t].copy_(kv[:, :, :, 0])
+        norm_rope(kv[:, :, :, 0], "k", head_norm, src.rope(t), seq_first(k[:, :, t]))
+        seq_first(v[:, :, t]).copy_(kv[:, :, :, 1])
+        del kv
     return k, v, k_pre
 
 
-def forward_group(src: Rows, q_tiles, WQ, BQ, geo: _Geometry, seq: METPGroup, attn, head_norm,
+def forward_group(src: Rows, q_tiles, WQ, BQ, geo: HeadGeometry, seq: METPGroup, attn, head_norm,
                   write_o, lse: torch.Tensor, proj_out=None) -> None:
     """Head group ``g``'s attention output for every query tile (:func:`.balance.query_tiles`:
     each a tuple of row ranges): ``write_o(t, O_t)`` with ``O_t`` ``[|t|·b, H·d]`` (seq-first,
     the ranges' rows in order), and ``lse`` (fp32 ``[b, H, n]``) filled at the tile's rows.
     ``proj_out``: ``(q stash, k/v stash)`` the projections are also written to
     (:mod:`.layer_reads`: the group's backward reads them instead of ``x``)."""
-    WQq, WQkv = _split(WQ, geo)
-    BQq, BQkv = _split_bias(BQ, geo)
+    WQq, WQkv = split_qkv_rows(WQ, geo)
+    BQq, BQkv = split_qkv_rows(BQ, geo)
     q_out, kv_out = proj_out if proj_out is not None else (None, None)
     k, v, _ = group_kv(src, WQkv, BQkv, geo, head_norm, then=q_tiles[0], proj_out=kv_out)
     H, d, b = geo.heads_local, geo.d, src.b
@@ -230,7 +200,7 @@ def forward_group(src: Rows, q_tiles, WQ, BQ, geo: _Geometry, seq: METPGroup, at
         q = q_tile(src, t, WQq, BQq, geo, head_norm, then=_after(q_tiles, i), proj_out=q_out)
         o = torch.empty(nt, b, H * d, dtype=q.dtype, device=q.device)
         _, lse_t = ring_attention_forward(q, k, v, seq, attn.causal, attn.layout, attn.scale,
-                                          attn.kernel, out=_heads_first_view(o, H, d),
+                                          attn.kernel, out=heads_first(o, H, d),
                                           cu_seqlens=attn.cu, q_rows=t,
                                           key_tile=attn.key_tile)
         for r, off in tile_parts(t):
@@ -244,7 +214,7 @@ class GroupGrads:
     """One head group's weight gradients (``d linear_qkv`` rows, bias, ``d linear_projᵀ``) in one
     flat buffer (the layout :mod:`.attention` reduces to the owner), filled tile by tile."""
 
-    def __init__(self, wqkv, bqkv, wo, geo: _Geometry, dtype, device):
+    def __init__(self, wqkv, bqkv, wo, geo: HeadGeometry, dtype, device):
         self.layout = FlatLayout([wqkv.shape, None if bqkv is None else bqkv.shape,
                                   (wo.shape[1], wo.shape[0])])
         self.flat = torch.empty(self.layout.numel, dtype=dtype, device=device)
@@ -284,7 +254,7 @@ class GroupGrads:
         self._add("o", self.wot, o_t.t(), dh1_t)
 
 
-def backward_group(src: Rows, q_tiles, kv_blocks, WQ, BQ, WOT, geo: _Geometry, seq: METPGroup,
+def backward_group(src: Rows, q_tiles, kv_blocks, WQ, BQ, WOT, geo: HeadGeometry, seq: METPGroup,
                    attn, head_norm, norm_acc: list, read_o, dh1, lse: torch.Tensor,
                    write_dq, write_dkv, grads: GroupGrads, proj=None) -> None:
     """Head group ``g``'s backward (``q_tiles``, ``kv_blocks``: tiles of row ranges,
@@ -292,11 +262,11 @@ def backward_group(src: Rows, q_tiles, kv_blocks, WQ, BQ, WOT, geo: _Geometry, s
     ``dh1`` ``[n·b, h]``: the gradient of the attention block's output (after the residual);
     ``write_dq(t, rows)``/``write_dkv(t, rows)``: d(qkv)'s q ``[|t|·b, G_g·qpg·d]`` and k/v
     ``[|t|·b, G_g·2·d]`` columns; ``norm_acc``: the q/k norm weights' gradient sums
-    (:meth:`HeadNorm.backward`). ``proj``: ``(q stash, k/v stash)`` holding the recompute's
+    (:meth:`HeadNorm.backward_one`). ``proj``: ``(q stash, k/v stash)`` holding the recompute's
     projections (:func:`forward_group`'s ``proj_out``; ``write_dq``/``write_dkv`` write over
     them after reading them), read instead of ``x``."""
-    WQq, WQkv = _split(WQ, geo)
-    BQq, BQkv = _split_bias(BQ, geo)
+    WQq, WQkv = split_qkv_rows(WQ, geo)
+    BQq, BQkv = split_qkv_rows(BQ, geo)
     q_in, kv_in = proj if proj is not None else (None, None)
     k, v, k_pre = group_kv(src, WQkv, BQkv, geo, head_norm, keep_pre=True, proj=kv_in,
                            then=q_tiles[0] if q_in is None else None)
@@ -312,8 +282,7 @@ def backward_group(src: Rows, q_tiles, kv_blocks, WQ, BQ, WOT, geo: _Geometry, s
             src.warm(src.x, t)
         o = read_o(t)
         d_o = _proj_grads(grads, o, dh1, t, b, WOT)
-        o_hf, do_hf = _heads_first_view(o.view(nt, b, -1), H, d), \
-            _heads_first_view(d_o.view(nt, b, -1), H, d)
+        o_hf, do_hf = heads_first(o.view(nt, b, -1), H, d), heads_first(d_o.view(nt, b, -1), H, d)
         dq = None
         lse_t = take_rows(lse, t)
         for _, ks in loop_sample.tiles(kv_blocks):
@@ -337,15 +306,9 @@ def backward_group(src: Rows, q_tiles, kv_blocks, WQ, BQ, WOT, geo: _Geometry, s
         del q, o, d_o, o_hf, do_hf, lse_t
         # dq: RoPE transposed, through the q norm, into d(qkv)'s q columns
         d_rows = torch.empty(nt, b, Gl, qpg, d, dtype=WQ.dtype, device=WQ.device)
-        dq_sf = dq.view(b, Gl, qpg, nt, d).permute(3, 0, 1, 2, 4)
-        freqs, tables = src.rope(t)
-        if freqs is not None:
-            apply_rope(dq_sf, freqs, transpose=True, out=d_rows, tables=tables)
-        else:
-            d_rows.copy_(dq_sf)
-        del dq, dq_sf
-        if head_norm is not None:
-            head_norm.backward_one("q", pre.pop(), d_rows, norm_acc)
+        norm_rope_backward(seq_first_q(dq, qpg), "q", head_norm, pre.pop() if pre else None,
+                           src.rope(t), d_rows, norm_acc)
+        del dq
         d_rows = d_rows.view(nt * b, Gl, qpg, d)
         for c, off in src.chunks(t, then if then is not None else slice(0, n)):
             rel = slice(off * b, (off + c.stop - c.start) * b)
@@ -356,15 +319,10 @@ def backward_group(src: Rows, q_tiles, kv_blocks, WQ, BQ, WOT, geo: _Geometry, s
     for t, _ in src.chunks(slice(0, n)):
         nt = t.stop - t.start
         d_rows = torch.empty(nt, b, Gl, 2, d, dtype=k.dtype, device=k.device)
-        dk_sf = dk[:, :, t].permute(2, 0, 1, 3)
-        freqs, tables = src.rope(t)
-        if freqs is not None:
-            apply_rope(dk_sf, freqs, transpose=True, out=d_rows[:, :, :, 0], tables=tables)
-        else:
-            d_rows[:, :, :, 0].copy_(dk_sf)
-        d_rows[:, :, :, 1].copy_(dv[:, :, t].permute(2, 0, 1, 3))
-        if head_norm is not None:
-            head_norm.backward_one("k", k_pre[t], d_rows[:, :, :, 0], norm_acc)
+        norm_rope_backward(seq_first(dk[:, :, t]), "k", head_norm,
+                           None if k_pre is None else k_pre[t], src.rope(t), d_rows[:, :, :, 0],
+                           norm_acc)
+        d_rows[:, :, :, 1].copy_(seq_first(dv[:, :, t]))
         d_rows = d_rows.view(nt * b, Gl, 2, d)
         grads.add_qkv("kv", d_rows, src.normed(t))
         write_dkv(t, d_rows.view(nt * b, -1))
@@ -376,18 +334,10 @@ def deliver(group: METPGroup, i: int, grads: GroupGrads, in_flight, acc):
     """Post the reduce of group ``i``'s flat gradients to owner ``i`` (waiting for the previous
     one first: at most one in flight); returns ``(in_flight, acc)`` as :mod:`.attention` keeps
     them (``acc[0]``: the owned flat gradient once it arrived)."""
-    acc = _keep_owned(in_flight, group.rank, acc)
+    acc = keep_owned(in_flight, group.rank, acc)
     if group.size == 1:
         return [], [grads.flat, None, None]
-    ring = RingExchanger(group, "attention weight grads (bwd)")
-    return [(0, i, ring.reduce(grads.flat, i, step=i), grads.flat)], acc
-
-
-def kv_sub_blocks(n: int, rows: Optional[int], layout: str = "dual_chunk",
-                  causal: bool = True, packed: bool = False):
-    """Key sub-blocks of the ``n`` local keys, each a tuple of row ranges
-    (:func:`.balance.kv_blocks`; one: the whole block)."""
-    return kv_blocks(n, rows, layout, causal, packed)
+    return deliver_flat(RingExchanger(group, "attention weight grads (bwd)"), i, grads.flat), acc
 
 
 def _after(tiles, i: int):

@@ -16,7 +16,7 @@ kernel allocates (``docs/cpu-cuda-kernels.md`` lists every difference found, wit
 METP's fp32-accumulating matmul (``ops._accum.mm_acc``)
     CPU: fp32 copies of both operands, then an fp32 ``addmm``. CUDA: one fp32 product
     (``mm(out_dtype=float32)``) added into the accumulator. Stand-in: the CUDA branch
-    (:func:`megatron_metp.ops._accum.emulate_cuda_branch`).
+    (:mod:`megatron_metp.ops.cuda_emulation`'s ``"matmul"`` part).
 
 ``layer_norm`` (``torch.nn.LayerNorm``, ``F.layer_norm``) with a 16-bit input
     Both keep the input, weight, bias and a mean and rstd per row; CPU keeps the statistics in
@@ -249,9 +249,9 @@ def cuda_kernels(matmul: bool = True):
     """Inside: CPU (fake) tensors allocate and keep what the CUDA kernels would.
 
     ``matmul=False`` keeps ``mm_acc``'s CPU branch (for measuring what a CPU run holds)."""
-    from ..ops._accum import emulate_cuda_branch
+    from ..ops.cuda_emulation import emulate_cuda
 
-    undo = emulate_cuda_branch() if matmul else None
+    undo = emulate_cuda(matmul=True, kernels=False) if matmul else None
     try:
         with _fused_activations(), _functional_stand_ins():
             yield

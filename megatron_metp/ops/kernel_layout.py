@@ -9,25 +9,25 @@ from __future__ import annotations
 import torch
 
 
-def _last_dim_dense(t: torch.Tensor) -> torch.Tensor:
+def last_dim_dense(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself when its last dim is dense (all the CUDA flash kernels need: they take the
     other strides as given), else a contiguous copy."""
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _expand_kv(t: torch.Tensor, hq: int) -> torch.Tensor:
+def expand_kv(t: torch.Tensor, hq: int) -> torch.Tensor:
     """``[b, hkv, m, d]`` → ``[b, hq, m, d]``: query head ``i`` uses KV head ``i // (hq/hkv)``."""
     hkv = t.shape[1]
     return t if hkv == hq else t.repeat_interleave(hq // hkv, dim=1)
 
 
-def _fold_kv(t: torch.Tensor, hkv: int) -> torch.Tensor:
-    """Inverse of :func:`_expand_kv` for gradients: sum the query heads of each KV head."""
+def fold_kv(t: torch.Tensor, hkv: int) -> torch.Tensor:
+    """Inverse of :func:`expand_kv` for gradients: sum the query heads of each KV head."""
     b, hq, m, d = t.shape
     return t if hkv == hq else t.view(b, hkv, hq // hkv, m, d).sum(2)
 
 
-def _fold_heads(t: torch.Tensor, hkv: int) -> torch.Tensor:
+def fold_heads(t: torch.Tensor, hkv: int) -> torch.Tensor:
     """``[b, hq, n(, d)]`` → ``[b, hkv, (hq/hkv)·n(, d)]``: the query heads of each K/V head laid
     end to end as rows (query head ``i`` uses K/V head ``i // (hq/hkv)``, so a contiguous
     ``t`` folds as a view)."""
@@ -35,13 +35,13 @@ def _fold_heads(t: torch.Tensor, hkv: int) -> torch.Tensor:
     return t.contiguous().view(b, hkv, (hq // hkv) * n, *t.shape[3:])
 
 
-def _unfold_heads(t: torch.Tensor, hq: int) -> torch.Tensor:
-    """Inverse of :func:`_fold_heads` (a view where the layout allows, else a copy)."""
+def unfold_heads(t: torch.Tensor, hq: int) -> torch.Tensor:
+    """Inverse of :func:`fold_heads` (a view where the layout allows, else a copy)."""
     b, hkv, rows = t.shape[:3]
     return t.reshape(b, hq, rows * hkv // hq, *t.shape[3:])
 
 
-def _gqa_fold(q, k, causal: bool, mask) -> bool:
+def gqa_fold(q, k, causal: bool, mask) -> bool:
     """Whether a call takes GQA by folding query heads into rows instead of expanding K/V: a
     full (non-causal, unmasked) block, where every row attends every key on its own, so the
     ``hq/hkv`` query heads of one K/V head are just more rows of it (no K/V copy per query head,
