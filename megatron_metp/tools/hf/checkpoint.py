@@ -70,13 +70,13 @@ _TOP_KEYS = ("embedding.word_embeddings.weight", "decoder.final_layernorm.weight
 def _checked_metadata(path: str) -> None:
     """Refuse a ``.metadata`` pickle that references anything but torch's checkpoint classes
     (the allow-list of :mod:`megatron_metp.megatron.checkpoint`), before torch unpickles it."""
-    from ...megatron.checkpoint import CheckpointError, _check_metadata_pickle
+    from ...megatron.checkpoint import CheckpointError, check_metadata_pickle
 
     meta_file = os.path.join(path, ".metadata")
     if not os.path.isfile(meta_file):
         raise HFConfigError(f"{path!r} has no .metadata: not a torch_dist checkpoint")
     try:
-        _check_metadata_pickle(meta_file)
+        check_metadata_pickle(meta_file)
     except CheckpointError as exc:
         raise HFConfigError(str(exc)) from exc
 

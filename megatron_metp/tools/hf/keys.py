@@ -17,7 +17,7 @@ config.json keys").
 
 from __future__ import annotations
 
-from .yarn import _KEYS as YARN_KEYS
+from .yarn import YARN_KEYS
 
 _SHAPE = "the model's shape (Megatron flag of the same name)"
 #: key -> what it maps to (every family has these)
