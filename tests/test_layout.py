@@ -315,11 +315,12 @@ def import_circles(modules):
 
 
 def private_module_refused(name: str, importer: str) -> bool:
-    """A private module ``p._m`` belongs to package ``p``: modules inside ``p`` may import it,
-    modules of other packages may not."""
+    """A private module ``p._m`` belongs to package ``p``: ``p/__init__.py`` and the modules
+    inside ``p`` may import it, modules of other packages may not."""
     parts = name.split(".")
     for i, part in enumerate(parts):
-        if is_private(part) and not importer.startswith(".".join(parts[:i]) + "."):
+        owner = ".".join(parts[:i])
+        if is_private(part) and importer != owner and not importer.startswith(owner + "."):
             return True
     return False
 
@@ -433,7 +434,7 @@ def test_negative_controls_for_private_names(tmp_path):
         "b.py": "from .a import _x, y, __doc__\n",
         "c.py": "from . import a\ndef f():\n    return a._x + a.y + getattr(a, '_x')\n",
         "d.py": "import pkg.a\nimport pkg.a as alias\nprint(pkg.a._x, alias._x, alias.__name__)\n",
-        "ops/__init__.py": "",
+        "ops/__init__.py": "from ._m import f\n",  # the package's own __init__: allowed
         "ops/_m.py": "def f(): pass\n",
         "ops/e.py": "from ._m import f\nfrom . import _m\n",  # inside its package: allowed
         "ops/deep/__init__.py": "",
@@ -445,7 +446,7 @@ def test_negative_controls_for_private_names(tmp_path):
     assert bad["pkg.b"] == [("pkg.b:1", "pkg.a._x")]
     assert bad["pkg.c"] == [("pkg.c:3", "pkg.a._x")]
     assert bad["pkg.d"] == [("pkg.d:3", "pkg.a._x")]
-    assert bad["pkg.ops.e"] == bad["pkg.ops.deep.g"] == bad["pkg.a"] == []
+    assert bad["pkg.ops.e"] == bad["pkg.ops.deep.g"] == bad["pkg.ops"] == bad["pkg.a"] == []
     assert bad["pkg.h"] == [("pkg.h:1", "pkg.ops._m")]
     assert bad["pkg.i"] == [("pkg.i:1", "pkg.ops._m"), ("pkg.i:2", "pkg.ops._m"),
                             ("pkg.i:4", "pkg.ops._m")]
