@@ -31,6 +31,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import List, Optional
 
+from .errors import HFConfigError
 from .moe import moe_config_kwargs, moe_flags
 from .yarn import yarn_flags, yarn_from_hf
 
@@ -40,10 +41,6 @@ MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
 
 DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16",
            "float16": "float16", "half": "float16"}
-
-
-class HFConfigError(ValueError):
-    """The Hugging Face checkpoint cannot be converted; the message names the field and the fix."""
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,8 @@ from .config import (HFConfigError, LlamaGeometry, geometry_from_hf, gpt_model_k
                      megatron_args, pretrain_gpt_sh_model, read_hf_config,
                      set_yarn_config, transformer_config_kwargs)
 from .layout import hf_to_megatron, megatron_shapes, megatron_to_hf
-from .moe import MOE_FAMILIES, moe_args_problems
+from .from_args import moe_args_problems
+from .moe import MOE_FAMILIES
 from .output import staged_dir
 from .tokenizer_export import TOKENIZER_FILES, plan_tokenizer
 from .weights_check import checkpoint_files, read_checked_safetensors, read_header

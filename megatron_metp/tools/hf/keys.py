@@ -17,6 +17,7 @@ config.json keys").
 
 from __future__ import annotations
 
+from .errors import HFConfigError
 from .yarn import YARN_KEYS
 
 _SHAPE = "the model's shape (Megatron flag of the same name)"
@@ -157,8 +158,6 @@ def family_keys(family: str) -> dict:
 
 
 def _err(msg: str):
-    from .config import HFConfigError
-
     return HFConfigError(msg)
 
 

@@ -43,6 +43,8 @@ from __future__ import annotations
 import math
 from typing import List, Optional
 
+from .errors import HFConfigError
+
 #: the Megatron-LM release whose pretrain_gpt.py first takes --position-embedding-type yarn
 YARN_RELEASE = "core_v0.19.0"
 
@@ -51,8 +53,6 @@ YARN_KEYS = {"type", "rope_type", "factor", "original_max_position_embeddings", 
 
 
 def _err(msg: str):
-    from .config import HFConfigError
-
     return HFConfigError(msg)
 
 
