@@ -249,7 +249,7 @@ def cuda_kernels(matmul: bool = True):
     """Inside: CPU (fake) tensors allocate and keep what the CUDA kernels would.
 
     ``matmul=False`` keeps ``mm_acc``'s CPU branch (for measuring what a CPU run holds)."""
-    from ..ops import emulate_cuda_branch
+    from ..ops._accum import emulate_cuda_branch
 
     undo = emulate_cuda_branch() if matmul else None
     try:
