@@ -56,7 +56,7 @@ from typing import Dict, Optional
 
 import torch
 
-from .checkpoint import (TRACKER, _checked_metadata, checkpoint_dir,  # noqa: F401
+from .checkpoint import (TRACKER, checked_metadata, checkpoint_dir,  # noqa: F401
                          checkpoint_tensor_keys, megatron_params_from_checkpoint,
                          read_checkpoint_tensors)
 from .config import (HFConfigError, LlamaGeometry, geometry_from_hf, gpt_model_kwargs,
@@ -307,7 +307,7 @@ def load_model_weights(model, load: str, iteration: Optional[int] = None) -> Non
     from megatron.core import dist_checkpointing
 
     path = checkpoint_dir(load, iteration)
-    _checked_metadata(path)
+    checked_metadata(path)
     template = {k: v for k, v in model.sharded_state_dict().items()
                 if not k.endswith("._extra_state")}
     loaded = dist_checkpointing.load({"model": template}, path)["model"]
