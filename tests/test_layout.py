@@ -15,15 +15,15 @@ Two more rules read the same imports (``read_package``):
   before it, so a module's ``from .sibling import f`` is no edge to its own ``__init__``, while
   ``from . import name`` taking a name the ``__init__`` defines or re-exports is. Any strongly
   connected set of two or more files fails, lazy imports inside functions included, a package
-  ``__init__`` included (one that merely re-exports its children closes no circle unless a child
-  imports from it): an import circle is what a lazy import hides, and each such pair of files is
+  ``__init__`` included (one that re-exports its children closes a circle only when one of those
+  children imports from it): an import circle is what a lazy import hides, and each such pair of files is
   one concern split in two or two concerns that lean on each other; the shared piece belongs in a
   module both import.
 * **No private name from another module.** ``from .m import _x``, ``m._x`` or
   ``getattr(m, "_x")`` on an imported module of the package, for any ``_x`` but a dunder, is
   refused: a name used by another module is public (rename it), or belongs in that module (move
-  it). A private *module* ``p/_m.py`` is internal to package ``p``: modules inside ``p`` (at any
-  depth) may import it, modules of other packages may not. Third-party private names are out of
+  it). A private *module* ``p/_m.py`` is internal to package ``p``: ``p/__init__.py`` and the
+  modules inside ``p`` (at any depth) may import it, modules of other packages may not. Third-party private names are out of
   scope.
 """
 
