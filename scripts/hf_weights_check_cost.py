@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megatron_metp.tools.hf.config import geometry_from_hf
-from megatron_metp.tools.hf.layout import _hf_names
+from megatron_metp.tools.hf.layout import hf_names
 from megatron_metp.tools.hf.weights_check import (_nonfinite, check_headers,
                                                   read_checked_safetensors)
 
@@ -53,7 +53,7 @@ def main():
                 torch.manual_seed(0)
                 path = os.path.join(d, "model.safetensors")
                 save_file({k: torch.randn(s).to(getattr(torch, dtype))
-                           for k, s in _hf_names(g).items()}, path)
+                           for k, s in hf_names(g).items()}, path)
                 size = os.path.getsize(path)
                 before = best(lambda: [v.clone() for v in load_file(path).values()])
                 now = best(lambda: [v.clone() for v in

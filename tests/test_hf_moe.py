@@ -351,7 +351,7 @@ def test_bad_moe_configs_are_refused_naming_the_field():
 def test_export_checks_the_saved_moe_arguments():
     """Exporting a Megatron-LM MoE checkpoint with a config.json: every MoE flag the run saved
     must match it (which layers are MoE from either form of --moe-layer-freq)."""
-    from megatron_metp.tools.hf.moe import moe_args_problems
+    from megatron_metp.tools.hf.from_args import moe_args_problems
 
     cfg = _cfg("qwen3_moe")
     ok = dict(num_experts=6, moe_router_topk=2, moe_ffn_hidden_size=16,

@@ -72,10 +72,10 @@ def _metadata_global_allowed(module: str, name: str) -> bool:
 def read_metadata(path: str):
     """torch's ``Metadata`` of a ``.metadata`` file, unpickled with only the allowed globals
     (``CheckpointError`` otherwise)."""
-    return _check_metadata_pickle(path)
+    return check_metadata_pickle(path)
 
 
-def _check_metadata_pickle(path: str):
+def check_metadata_pickle(path: str):
     """Unpickle ``.metadata`` with only the allowed globals; returns torch's ``Metadata``."""
     import io
     import pickle
@@ -357,7 +357,7 @@ def save_checkpoint(directory: str, state, iteration: int, layout_description: s
     _, error = _attempt(dist_checkpointing.save, sd, staging)
     agree(f"{what} (writing shards into {staging!r})", error, outcome=kept)
     _, error = _attempt(lambda: write_manifest(
-        staging, _check_metadata_pickle(os.path.join(staging, ".metadata")), rank))
+        staging, check_metadata_pickle(os.path.join(staging, ".metadata")), rank))
     agree(f"{what} (checksumming the shards in {staging!r})", error, outcome=kept)
     meta = {"format": META_FORMAT, "iteration": iteration, "layout": layout_description,
             "world_size": world, "rng": sorted(sd["rng_state"]),
@@ -388,7 +388,7 @@ def _prepare_load(directory: str, load_rng: bool):
     if why is not None:
         raise CheckpointError(f"{path!r} {why}")
     meta = read_meta(path)
-    metadata = _check_metadata_pickle(os.path.join(path, ".metadata"))
+    metadata = check_metadata_pickle(os.path.join(path, ".metadata"))
     rng_keys = None
     if load_rng:
         rng_keys = meta.get("rng")

@@ -58,6 +58,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from . import compat
+from .cpu_stream import CpuStream
 
 __all__ = ["enable", "disable", "is_enabled", "cuda_to_cpu", "CpuRNGStatesTracker",
            "CudaToCpuMode"]
@@ -247,21 +248,8 @@ def _no_sync(device=None) -> None:
     """``torch.cuda.synchronize`` on CPU: nothing to wait for."""
 
 
-class _CpuStream:
-    """Shim (i): ``torch.cuda.current_stream()`` on CPU; CPU work is already ordered."""
-
-    def wait_event(self, event=None) -> None:
-        pass
-
-    def wait_stream(self, stream=None) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-
-def _cpu_current_stream(device=None) -> _CpuStream:
-    return _CpuStream()
+def _cpu_current_stream(device=None) -> CpuStream:
+    return CpuStream()
 
 
 _WRITE_QUEUE = None
@@ -279,7 +267,7 @@ def _in_process_queue(*_args, **_kwargs):
 _MISSING = object()  # an attribute the installed megatron-core never defined
 
 
-def _patch(owner, name, value) -> None:
+def patch(owner, name, value) -> None:
     _SAVED.append((owner, name, getattr(owner, name, _MISSING)))
     setattr(owner, name, value)
 
@@ -314,25 +302,25 @@ def enable(force: bool = False) -> None:
 
         _tracker_class()
         try:
-            _patch(torch.cuda, "current_device", _cpu_current_device)  # (c)
-            _patch(mrandom, "initialize_rng_tracker", _initialize_cpu_rng_tracker)  # (b)
-            _patch(mrandom, "_get_cuda_rng_state", _get_cpu_rng_state)
-            _patch(mrandom, "_set_cuda_rng_state", _set_cpu_rng_state)
-            _patch(schedules, "torch", _SchedulesTorch())  # (d)
+            patch(torch.cuda, "current_device", _cpu_current_device)  # (c)
+            patch(mrandom, "initialize_rng_tracker", _initialize_cpu_rng_tracker)  # (b)
+            patch(mrandom, "_get_cuda_rng_state", _get_cpu_rng_state)
+            patch(mrandom, "_set_cuda_rng_state", _set_cpu_rng_state)
+            patch(schedules, "torch", _SchedulesTorch())  # (d)
             for mod in (rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding):  # (e)
-                _patch(mod, "get_pos_emb_on_this_cp_rank", _pos_emb_on_this_cp_rank)
+                patch(mod, "get_pos_emb_on_this_cp_rank", _pos_emb_on_this_cp_rank)
             for mod in (tutils, fused_softmax):  # (g)
-                _patch(mod, "get_default_causal_mask", _default_causal_mask)
-                _patch(mod, "get_sliding_window_causal_mask", _sliding_window_causal_mask)
-            _patch(torch.cuda, "synchronize", _no_sync)  # (h)
-            _patch(torch.cuda, "current_stream", _cpu_current_stream)  # (i)
-            _patch(filesystem_async, compat.write_results_queue_name(filesystem_async),
+                patch(mod, "get_default_causal_mask", _default_causal_mask)
+                patch(mod, "get_sliding_window_causal_mask", _sliding_window_causal_mask)
+            patch(torch.cuda, "synchronize", _no_sync)  # (h)
+            patch(torch.cuda, "current_stream", _cpu_current_stream)  # (i)
+            patch(filesystem_async, compat.write_results_queue_name(filesystem_async),
                    _in_process_queue)
             if not getattr(filesystem_async, "HAVE_PSUTIL", True):
-                _patch(filesystem_async, "_process_memory", lambda: 0)
+                patch(filesystem_async, "_process_memory", lambda: 0)
             from .moe_cpu import patch_moe  # (j) Megatron's MoE layer
 
-            patch_moe(_patch)
+            patch_moe(patch)
         except BaseException:
             _restore()
             raise

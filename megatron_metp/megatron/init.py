@@ -18,8 +18,8 @@ streams:
 So METP and its TP twin start from the same global weight matrices and print the same losses
 from the first iteration. With ``use_cpu_initialization`` Megatron draws each full matrix from
 the default CPU generator on every rank; the METP modules then take their shard of it at
-construction (:func:`init_cpu_shard`) and nothing else is needed. The stream of a pipeline
-stage continues across its virtual-pipeline chunks, as in stock Megatron.
+construction (:func:`.linear.init_cpu_shard`) and nothing else is needed. The stream of a
+pipeline stage continues across its virtual-pipeline chunks, as in stock Megatron.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-__all__ = ["initialize_like_tp", "init_cpu_shard", "tp_base_seed"]
+__all__ = ["initialize_like_tp", "tp_base_seed"]
 
 #: stream registry: (id(tracker.states_), device) -> (tracker.states_, {k: generator state})
 _STREAMS: Dict[Tuple[int, str], Tuple[dict, Dict[int, torch.Tensor]]] = {}
@@ -46,21 +46,6 @@ def tp_base_seed(tp_rank: int) -> Optional[int]:
         return None
     found = [s for s in seeds if s + 2718 + tp_rank in seeds]
     return found[0] if len(found) == 1 else None
-
-
-def init_cpu_shard(weight: torch.Tensor, init_method: Callable, *, output_size: int,
-                   input_size: int, partition_dim: int, stride: int, rank: int,
-                   world_size: int) -> None:
-    """``use_cpu_initialization``: the full ``[output_size, input_size]`` matrix drawn from the
-    default CPU generator (as Megatron's CPU initialisation draws it on every rank), and
-    ``weight`` set to stock TP rank ``rank``'s piece of it for TP size ``world_size``."""
-    from megatron.core.tensor_parallel.layers import _initialize_affine_weight_cpu
-
-    per_partition = weight.shape[partition_dim]
-    _initialize_affine_weight_cpu(weight, output_size, input_size, per_partition, partition_dim,
-                                  init_method, stride=stride, params_dtype=weight.dtype,
-                                  rank=rank, world_size=world_size,
-                                  skip_set_tensor_parallel_attributes=True)
 
 
 class _Streams:
@@ -134,7 +119,7 @@ def initialize_like_tp(model, groups) -> bool:
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
 
     from .linear import METPLinear
-    from .vocab import _VocabShard
+    from .vocab import VocabShard
 
     config = model.config
     if not config.perform_initialization or config.use_cpu_initialization:
@@ -151,7 +136,7 @@ def initialize_like_tp(model, groups) -> bool:
     tp_only = _tp_only_modules(model)
     plan: List[Tuple[str, torch.nn.Module]] = []
     for name, module in model.named_modules():
-        if isinstance(module, (METPLinear, _VocabShard)) and module.weight is not None:
+        if isinstance(module, (METPLinear, VocabShard)) and module.weight is not None:
             plan.append(("metp", module))
         elif id(module) in tp_only:
             if not isinstance(module, (VocabParallelEmbedding, ColumnParallelLinear)):

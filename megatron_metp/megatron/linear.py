@@ -21,26 +21,42 @@ parameter under Megatron's context parallelism.
 from __future__ import annotations
 
 import zlib
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch.nn import Parameter
 
 from .groups import METPGroups
-from .init import init_cpu_shard
 
 #: attribute set on every METP-sharded parameter
 METP_SHARDED = "metp_sharded"
 
 
-def _divide(n: int, parts: int, what: str, flag: str) -> int:
+def divide(n: int, parts: int, what: str, flag: str) -> int:
+    """``n // parts``; ``ValueError`` naming ``what`` and the ``flag`` to change when it is not
+    exact."""
     if n % parts:
         raise ValueError(f"{what} ({n}) is not divisible by TP×METP = {parts}; change {flag}")
     return n // parts
 
 
-def _init_shard(weight: torch.Tensor, init_method, groups: METPGroups, name: str) -> None:
+def init_cpu_shard(weight: torch.Tensor, init_method: Callable, *, output_size: int,
+                   input_size: int, partition_dim: int, stride: int, rank: int,
+                   world_size: int) -> None:
+    """``use_cpu_initialization``: the full ``[output_size, input_size]`` matrix drawn from the
+    default CPU generator (as Megatron's CPU initialisation draws it on every rank), and
+    ``weight`` set to stock TP rank ``rank``'s piece of it for TP size ``world_size``."""
+    from megatron.core.tensor_parallel.layers import _initialize_affine_weight_cpu
+
+    per_partition = weight.shape[partition_dim]
+    _initialize_affine_weight_cpu(weight, output_size, input_size, per_partition, partition_dim,
+                                  init_method, stride=stride, params_dtype=weight.dtype,
+                                  rank=rank, world_size=world_size,
+                                  skip_set_tensor_parallel_attributes=True)
+
+
+def init_shard(weight: torch.Tensor, init_method, groups: METPGroups, name: str) -> None:
     """Initialise this rank's shard from a stream distinct per (TP rank, METP rank).
 
     Used at construction; a model built for training is then re-drawn as stock TP of size
@@ -87,9 +103,9 @@ class METPLinear(torch.nn.Module):
         flag = "--num-attention-heads/--num-query-groups" if self.name in ("qkv", "proj") \
             else "--ffn-hidden-size"
         if mode == "column":
-            shape = (_divide(output_size, n, f"{self.name} output size", flag), input_size)
+            shape = (divide(output_size, n, f"{self.name} output size", flag), input_size)
         else:
-            shape = (output_size, _divide(input_size, n, f"{self.name} input size", flag))
+            shape = (output_size, divide(input_size, n, f"{self.name} input size", flag))
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
         self.weight = Parameter(torch.empty(shape, dtype=config.params_dtype, device=device))
         self.init_method = init_method
@@ -99,13 +115,13 @@ class METPLinear(torch.nn.Module):
                                input_size=input_size, partition_dim=0 if mode == "column" else 1,
                                stride=stride, rank=groups.shard_index, world_size=n)
             else:  # re-drawn as stock TP of size t·p draws it by init.initialize_like_tp
-                _init_shard(self.weight.data, init_method, groups, self.name)
-        _mark_sharded(self.weight, partition_dim=0 if mode == "column" else 1, stride=stride)
+                init_shard(self.weight.data, init_method, groups, self.name)
+        mark_sharded(self.weight, partition_dim=0 if mode == "column" else 1, stride=stride)
         if bias:
             bshape = (shape[0],) if mode == "column" else (output_size,)
             self.bias = Parameter(torch.zeros(bshape, dtype=config.params_dtype, device=device))
             if mode == "column":
-                _mark_sharded(self.bias, partition_dim=0, stride=stride)
+                mark_sharded(self.bias, partition_dim=0, stride=stride)
         else:
             self.register_parameter("bias", None)
 
@@ -163,7 +179,7 @@ class METPLinear(torch.nn.Module):
                 f"bias={self.bias is not None}")
 
 
-def _mark_sharded(param: Parameter, *, partition_dim: int, stride: int) -> None:
+def mark_sharded(param: Parameter, *, partition_dim: int, stride: int) -> None:
     param.tensor_model_parallel = True
     param.partition_dim = partition_dim
     param.partition_stride = stride

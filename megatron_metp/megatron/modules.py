@@ -11,7 +11,7 @@
 Gradients of the METP-sharded weights travel the ring in the dtype of Megatron's ``main_grad``
 buffer (fp32 by default, bf16 with ``--grad-reduce-in-bf16``: what Megatron's own reduce would
 send) and are added into ``main_grad`` by the ops directly, without a rounding to bf16 first
-(:mod:`megatron_metp.ops._grads`); without Megatron's DDP they travel in fp32.
+(:func:`megatron_metp.ops.wire_dtype`); without Megatron's DDP they travel in fp32.
 
 Why whole-block forwards rather than five swapped linears: the METP schedule recomputes each weight
 shard's intermediate as the shard passes (``f(x·W1_j)`` in the MLP, ``Q/K/V`` of head group ``j`` in
@@ -48,8 +48,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
 
-from ..ops import metp_attention, metp_mlp, ring_attention
-from ..ops._grads import wire_dtype
+from ..ops import metp_attention, metp_mlp, ring_attention, wire_dtype
 from .groups import METPGroups
 from .head_norm import head_norm_kwargs
 from .packing import METPDocuments

@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from .cpu import _CpuStream
+from .cpu_stream import CpuStream
 
 
 class _HostEvent:
@@ -33,7 +33,7 @@ class _HostEvent:
         pass
 
 
-class _HostStream(_CpuStream):
+class _HostStream(CpuStream):
     """The alltoall dispatcher's device-to-host stream on CPU."""
 
     def record_event(self, event=None) -> _HostEvent:

@@ -51,7 +51,7 @@ from ..ops.documents import (PACKED_LAYOUTS, check_cu_seqlens, document_position
                              shard_documents, unshard_documents)
 from ..ops.sequence import unshard_sequence
 from .packing_checks import mock_document_length_problems, packing_problems  # noqa: F401
-from .rope import ExactRotaryEmbedding, angles_of
+from .exact_rope import ExactRotaryEmbedding, angles_of
 
 
 @dataclass

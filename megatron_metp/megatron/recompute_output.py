@@ -24,7 +24,11 @@ from typing import List
 import torch
 
 
-def _free_output(module, args, output):
+def free_output(module, args, output):
+    """A forward hook (``module``, ``args`` unused): under Megatron's recompute, with grad
+    enabled, the layer's output hidden states ``[s, b, h]`` (or the first of a tuple) keep their
+    shape and autograd node but free their storage (a one-element view expanded to the shape);
+    nothing otherwise. Returns ``None`` (the output is not replaced)."""
     from megatron.core.tensor_parallel.random import is_checkpointing
 
     if not (is_checkpointing() and torch.is_grad_enabled()):
@@ -34,6 +38,10 @@ def _free_output(module, args, output):
             and hs._base is None and hs.numel() > 1):
         hs.data = torch.empty((1,), dtype=hs.dtype, device=hs.device).expand(hs.shape)
     return None
+
+
+#: the hook :func:`free_recomputed_outputs` registers (a test rebinds it to count the frees)
+_free_output = free_output
 
 
 def free_recomputed_outputs(block) -> List:

@@ -96,7 +96,7 @@ class METPTransformerLayer(TransformerLayer):
         """Megatron's full recompute of this one layer (a MoE layer in a streaming block)."""
         from megatron.core import tensor_parallel
 
-        from .recompute_output import _free_output
+        from .recompute_output import free_output
 
         hidden_states = kwargs.pop("hidden_states", None)
         if hidden_states is None:
@@ -106,7 +106,7 @@ class METPTransformerLayer(TransformerLayer):
         def run(x):
             out, ctx = TransformerLayer.forward(self, x, *args, **kwargs)
             context[:] = [ctx]
-            _free_output(None, None, out)  # in the backward's re-run only
+            free_output(None, None, out)  # in the backward's re-run only
             return out
         out = tensor_parallel.checkpoint(run, False, hidden_states)
         return out, context[0] if context else kwargs.get("context")

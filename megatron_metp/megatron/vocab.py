@@ -29,8 +29,7 @@ from torch.nn import Parameter
 from ..ops import metp_embedding, metp_output_cross_entropy, metp_output_logits
 from ..ops.vocab import loss_grad_into_hidden_env
 from .groups import METPGroups
-from .init import init_cpu_shard
-from .linear import _divide, _init_shard, _mark_sharded
+from .linear import divide, init_cpu_shard, init_shard, mark_sharded
 
 
 def _vocab_sharded_tensor(key, param, groups: METPGroups, sharded_offsets, replica_first=0):
@@ -45,7 +44,7 @@ def _vocab_sharded_tensor(key, param, groups: METPGroups, sharded_offsets, repli
         allow_shape_mismatch=True)
 
 
-class _VocabShard(torch.nn.Module):
+class VocabShard(torch.nn.Module):
     """Holds this rank's ``[V/(t·p), h]`` rows of a vocabulary table."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, config, init_method,
@@ -53,7 +52,7 @@ class _VocabShard(torch.nn.Module):
         super().__init__()
         self.groups, self.config = groups, config
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.rows = _divide(num_embeddings, groups.shards, "padded vocabulary size",
+        self.rows = divide(num_embeddings, groups.shards, "padded vocabulary size",
                             "--make-vocab-size-divisible-by (Megatron pads the vocabulary to a "
                             "multiple of it x TP x METP)")
         #: first row of this METP group's contiguous range (TP rank τ holds rows τ·p·v onwards)
@@ -72,8 +71,8 @@ class _VocabShard(torch.nn.Module):
                                input_size=embedding_dim, partition_dim=0, stride=1,
                                rank=groups.shard_index, world_size=groups.shards)
             else:  # re-drawn as stock TP of size t·p draws it by init.initialize_like_tp
-                _init_shard(self.weight.data, init_method, groups, name)
-        _mark_sharded(self.weight, partition_dim=0, stride=1)
+                init_shard(self.weight.data, init_method, groups, name)
+        mark_sharded(self.weight, partition_dim=0, stride=1)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: Optional[dict] = None) -> dict:
@@ -87,7 +86,7 @@ class _VocabShard(torch.nn.Module):
                 f"(shard {self.groups.shard_index} of {self.groups.shards})")
 
 
-class METPVocabEmbedding(_VocabShard):
+class METPVocabEmbedding(VocabShard):
     """Drop-in for Megatron's ``VocabParallelEmbedding`` inside ``LanguageModelEmbedding``.
 
     ``input_ids [b, s/p]`` → ``[b, s/p, h]`` (summed over TP like ``VocabParallelEmbedding``).
@@ -108,7 +107,7 @@ class METPVocabEmbedding(_VocabShard):
         return out
 
 
-class METPOutputLayer(_VocabShard):
+class METPOutputLayer(VocabShard):
     """Drop-in for the ``GPTModel``'s output ``ColumnParallelLinear``.
 
     While the model computes a loss (:class:`METPGPTModel` sets :attr:`defer_to_loss`), the

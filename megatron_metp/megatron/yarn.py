@@ -32,7 +32,7 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
     YarnRotaryEmbedding, _yarn_get_concentration_factor)
 
-from .rope import ExactRotaryEmbedding
+from .exact_rope import ExactRotaryEmbedding
 
 
 def yarn_attention_factor(config) -> float:

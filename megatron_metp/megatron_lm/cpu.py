@@ -234,7 +234,7 @@ def enable_training(force: bool = False) -> None:
                            "the CPU training shims are for machines without a GPU. Unset "
                            "METP_CPU (or set it to 0) and run on the GPUs")
     stub_batch_invariant_kernels()
-    from ..megatron.cpu import _patch  # recorded with megatron-core's shims (cpu.disable undoes both)
+    from ..megatron.cpu import patch  # recorded with megatron-core's shims (cpu.disable undoes both)
 
     cpu.enable(force=force)
     for name, value in (("device_count", lambda: 1), ("set_device", _no_op),
@@ -245,7 +245,7 @@ def enable_training(force: bool = False) -> None:
                         ("memory_allocated", _rss_bytes), ("max_memory_allocated", _rss_bytes),
                         ("memory_reserved", _rss_bytes), ("max_memory_reserved", _rss_bytes),
                         ("reset_peak_memory_stats", _no_op)):
-        _patch(torch.cuda, name, value)
+        patch(torch.cuda, name, value)
     from megatron.training import arguments, initialize, training
 
     def initialize_megatron(*args, **kwargs):
@@ -254,21 +254,21 @@ def enable_training(force: bool = False) -> None:
 
     original = initialize.initialize_megatron
     for mod in (initialize, training):
-        _patch(mod, "initialize_megatron", initialize_megatron)
-    _patch(arguments, "get_device_arch_version", lambda: 0)  # "no GPU architecture"
+        patch(mod, "initialize_megatron", initialize_megatron)
+    patch(arguments, "get_device_arch_version", lambda: 0)  # "no GPU architecture"
     try:
         from megatron.legacy import fused_kernels
     except ImportError:
         fused_kernels = None
     if fused_kernels is not None:
-        _patch(fused_kernels, "load", _no_op)
+        patch(fused_kernels, "load", _no_op)
     from megatron.core.datasets import utils as dataset_utils
 
-    _patch(dataset_utils, "compile_helpers", _compile_helpers)
+    patch(dataset_utils, "compile_helpers", _compile_helpers)
     _helpers_importable()  # every rank
-    _patch(training, "set_jit_fusion_options", _no_op)  # warms up CUDA kernels
+    patch(training, "set_jit_fusion_options", _no_op)  # warms up CUDA kernels
     owner = releases.validate_args_owner()
-    _patch(owner, "validate_args", _validating(owner.validate_args))
+    patch(owner, "validate_args", _validating(owner.validate_args))
     _ENABLED = True
 
 

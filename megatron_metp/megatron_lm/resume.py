@@ -54,7 +54,7 @@ def checkpoint_dir(load: str, ckpt_step: Optional[int] = None) -> Optional[str]:
     return path if os.path.isdir(path) else None
 
 
-def _common_state(iteration_dir: str):
+def common_state_file(iteration_dir: str):
     """The ``torch.save`` zip holding the checkpoint's common state (with the saved ``args``), as
     a path or a file-like object, or ``None``: ``common.pt`` (core_v0.16.1), else the
     ``common_state`` byte object inside rank 0's ``.distcp`` shard (core_v0.19.0), located through
@@ -82,7 +82,7 @@ def _common_state(iteration_dir: str):
 def saved_args(iteration_dir: str) -> Dict[str, object]:
     """Integer/boolean fields of the ``args`` saved in ``iteration_dir``'s common state (those of
     ``_FIELDS`` found; empty if it is not a readable ``torch.save`` zip)."""
-    source = _common_state(iteration_dir)
+    source = common_state_file(iteration_dir)
     if source is None:
         return {}
     try:

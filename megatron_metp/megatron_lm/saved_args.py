@@ -3,7 +3,7 @@ without running any code from the checkpoint.
 
 Megatron-LM keeps its ``argparse.Namespace`` in the checkpoint's common state (``common.pt`` in
 core_v0.16.1, a byte object of rank 0's shard in core_v0.19.0: located by
-:func:`megatron_metp.megatron_lm.resume._common_state`), a ``torch.save`` zip whose ``data.pkl``
+:func:`megatron_metp.megatron_lm.resume.common_state_file`), a ``torch.save`` zip whose ``data.pkl``
 is a pickle. :func:`read_saved_args` unpickles it with an unpickler that resolves *no* global:
 every class or function the pickle names (``argparse.Namespace``, megatron enums, torch's tensor
 rebuild functions) becomes an inert :class:`_Opaque` record of its arguments and state, tensor
@@ -85,9 +85,9 @@ def read_saved_args(iteration_dir: str) -> Optional[dict]:
     ``iter_NNNNNNN`` or ``release`` directory), e.g. ``{"num_layers": 2, "normalization":
     "RMSNorm", "window_size": None, ...}``; ``None`` when the directory holds no saved args (a
     checkpoint written by ``megatron_metp.tools.hf import``, or an unreadable one)."""
-    from .resume import _common_state
+    from .resume import common_state_file
 
-    source = _common_state(iteration_dir)
+    source = common_state_file(iteration_dir)
     if source is None:
         return None
     try:

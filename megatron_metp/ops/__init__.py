@@ -1,5 +1,6 @@
 """METP operators: autograd functions over explicit METP process groups."""
 
+from ._grads import wire_dtype
 from .attention import metp_attention
 from .attention_kernels import available_kernels, chosen_kernel, kernel_names, select_kernel
 from .cross_entropy import metp_output_cross_entropy, metp_output_logits
@@ -12,4 +13,4 @@ from .vocab import padded_vocab_size
 __all__ = ["metp_mlp", "metp_attention", "ring_attention", "metp_embedding",
            "metp_output_cross_entropy", "metp_output_logits", "padded_vocab_size",
            "shard_sequence", "unshard_sequence", "local_positions", "available_kernels",
-           "select_kernel", "chosen_kernel", "kernel_names"]
+           "select_kernel", "chosen_kernel", "kernel_names", "wire_dtype"]

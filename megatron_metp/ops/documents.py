@@ -51,6 +51,7 @@ from typing import List, NamedTuple, Sequence, Tuple
 
 import torch
 
+from .ring_blocks import block_plan
 from .sequence import LAYOUTS, local_positions, unshard_sequence
 
 #: Layouts of a packed sequence: the plain ones and ``balanced`` (long documents dual-chunked
@@ -362,8 +363,6 @@ def block_pieces(cu: Tuple[int, ...], r: int, j: int, n: int, p: int, layout: st
     :data:`MASK_WASTE` times its visible pairs, one masked piece per group of several); else
     one full/causal piece per rectangle. Cached (the same plan serves every head-group block,
     layer and step)."""
-    from .ring_attention import block_plan
-
     rects, cut = _rectangles(cu, r, j, n, p, layout)
     if not rects:
         return ()

@@ -8,7 +8,7 @@ local). So for a tile ``T`` of token rows (``R = |T|·b`` rows of ``[·, h]``)::
                 y_T  = h1_T + MLP(norm2(h1_T)) + b2    (:func:`mlp.forward_rows`, one ring pass)
 
     backward    (dy_T given)   h1_T, n2_T = norm2(h1_T) recomputed
-                dn2_T = MLPᵀ(dy_T)                      (:func:`mlp._backward_pass`, one ring pass:
+                dn2_T = MLPᵀ(dy_T)                      (:func:`mlp.backward_pass`, one ring pass:
                                                          the MLP weights' gradients travel home)
                 dh1_T = dy_T + norm2ᵀ(dn2_T)            written over dy_T
 
@@ -134,9 +134,9 @@ class MLPBackward:
     def tile(self, n2_rows: torch.Tensor, dy_rows: torch.Tensor) -> torch.Tensor:
         """``d n2`` ``[R, h]`` (fp32 accumulation dtype) of the tile whose norm output is
         ``n2_rows`` and output gradient ``dy_rows`` (``[R, h]`` each)."""
-        dx, acc_t = mlp_ops._backward_pass(self.ctx, self.group, self.ring, self.layout, n2_rows,
-                                           dy_rows, self.w1, self.b1, self.w2, None, None,
-                                           self.acc_dtype, self.grad_dtype)
+        dx, acc_t = mlp_ops.backward_pass(self.ctx, self.group, self.ring, self.layout, n2_rows,
+                                          dy_rows, self.w1, self.b1, self.w2, None, None,
+                                          self.acc_dtype, self.grad_dtype)
         total = torch.promote_types(self.grad_dtype, self.acc_dtype)
         if self.acc is None:
             self.acc = acc_t if acc_t.dtype == total else acc_t.to(total)

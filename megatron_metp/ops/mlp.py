@@ -194,8 +194,8 @@ class _METPMLPFunction(torch.autograd.Function):
 
         if T == 1 or ctx.order == "inner":
             kept_of = (lambda i, j: kept[i * p + j]) if ctx.keep else None
-            dx, acc = _backward_pass(ctx, group, ring, w_layout, x2, g, w1, b1, w2, kept_of,
-                                     tiles if T > 1 else None, acc_dtype, grad_dtype)
+            dx, acc = backward_pass(ctx, group, ring, w_layout, x2, g, w1, b1, w2, kept_of,
+                                    tiles if T > 1 else None, acc_dtype, grad_dtype)
             dx = dx.to(x.dtype)
         else:  # tile-outer: the whole ring once per tile; the owners add up the tiles' sums
             dx = torch.empty(n_tok, h, dtype=x.dtype, device=x.device)
@@ -203,8 +203,8 @@ class _METPMLPFunction(torch.autograd.Function):
             total_dtype = torch.promote_types(grad_dtype, acc_dtype)
             for i, sl in enumerate(tiles):
                 kept_of = (lambda _i, j, i=i: kept[i * p + j]) if ctx.keep else None
-                dx_t, acc_t = _backward_pass(ctx, group, ring, w_layout, x2[sl], g[sl], w1, b1,
-                                             w2, kept_of, None, acc_dtype, grad_dtype)
+                dx_t, acc_t = backward_pass(ctx, group, ring, w_layout, x2[sl], g[sl], w1, b1,
+                                            w2, kept_of, None, acc_dtype, grad_dtype)
                 dx[sl].copy_(dx_t)
                 del dx_t
                 if acc is None:
@@ -253,8 +253,8 @@ def forward_rows(rows: torch.Tensor, w1, b1, w2, group: METPGroup, activation: s
     return y
 
 
-def _backward_pass(ctx, group: METPGroup, ring: RingExchanger, w_layout: FlatLayout, x2, g,
-                   w1, b1, w2, kept_of, tiles, acc_dtype, grad_dtype):
+def backward_pass(ctx, group: METPGroup, ring: RingExchanger, w_layout: FlatLayout, x2, g,
+                  w1, b1, w2, kept_of, tiles, acc_dtype, grad_dtype):
     """One backward pass of the weight ring over the rows ``x2``/``g`` ``[R, h]``: returns
     ``(dx [R, h] in acc_dtype, the complete flat (dW1, db1, dW2) of this rank's own shard)``.
     ``tiles``: row slices each ring step walks one by one (tile-inner), or ``None`` (all rows

@@ -64,25 +64,12 @@ from ..runtime.groups import METPGroup, as_metp_group
 from ..runtime.ring import RingExchanger
 from . import documents
 from . import lse as lse_ops
+from .ring_blocks import block_plan
 from ._first_order import first_order_only
 from ._flat import FlatLayout
 from .attention_kernels import select_kernel
 from .ring_checks import check_attention_inputs, check_packed, shape_layout  # noqa: F401
 from .windows import window_pieces
-
-
-def block_plan(r: int, j: int, n: int, causal: bool, layout: str):
-    """``(query rows, key rows, causal)`` of the block of rank ``r``'s queries against rank
-    ``j``'s keys, as slices of the local ``n`` tokens, or ``None`` when fully masked."""
-    every = slice(0, n)
-    if not causal:
-        return every, every, False
-    if j == r:
-        return every, every, True
-    if layout == "contiguous":
-        return (every, every, False) if j < r else None
-    c = n // 2
-    return (every, slice(0, c), False) if j < r else (slice(c, n), every, False)
 
 
 def _record_kernel(group: METPGroup, name: str) -> None:

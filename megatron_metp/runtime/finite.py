@@ -73,14 +73,15 @@ def check_finite(where: str, group=None, **tensors) -> None:
             raise NonFiniteError(f"METP: non-finite values entering {where} ({name}){when}: "
                                  f"{nan} NaN, {inf} Inf of {n} elements")
         return
-    from .agree import _all_gather
+    from .agree import all_gather_bounded
 
     names = list(tensors)
     mine = torch.tensor([-1, 0, 0, 0] if found is None else
                         [names.index(found[0]), found[1], found[2], found[3]], dtype=torch.int64)
     if "nccl" in (group.backend or ""):
         mine = mine.cuda()
-    rows = [r.tolist() for r in _all_gather(group, mine, "exchanging the finite check", where)]
+    rows = [r.tolist() for r in all_gather_bounded(group, mine, "exchanging the finite check",
+                                                     where)]
     bad = [(i, r) for i, r in enumerate(rows) if r[0] >= 0]
     if not bad:
         return

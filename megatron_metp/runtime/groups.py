@@ -38,6 +38,21 @@ def ring_timeout_from_env() -> float:
     return value
 
 
+_job_timeout_s: Optional[float] = None
+
+
+def set_job_timeout(seconds: Optional[float]) -> None:
+    """Record the job timeout (``None``: back to ``METP_RING_TIMEOUT_S``)."""
+    global _job_timeout_s
+    _job_timeout_s = None if seconds is None else float(seconds)
+
+
+def job_timeout_s() -> float:
+    """The one timeout: what :func:`set_job_timeout` recorded, else ``METP_RING_TIMEOUT_S``
+    (:mod:`.watchdog` applies it to the process groups and names the rank that stalled)."""
+    return _job_timeout_s if _job_timeout_s is not None else ring_timeout_from_env()
+
+
 @dataclass
 class RingStats:
     """Counters of one group's ring traffic, summed over every exchange issued on it.
@@ -140,9 +155,7 @@ class METPGroup:
         ``kv_group``: optionally a second process group of the same ranks (same order) for the
         attention's K/V ring (:meth:`with_kv_group`)."""
         if timeout_s is None:
-            from .watchdog import job_timeout_s  # the one timeout (METP_RING_TIMEOUT_S)
-
-            timeout_s = job_timeout_s()
+            timeout_s = job_timeout_s()  # the one timeout (METP_RING_TIMEOUT_S)
         if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or \
                 not math.isfinite(timeout_s) or timeout_s <= 0:
             raise ValueError(f"timeout_s must be a positive, finite number of seconds, got "

@@ -47,10 +47,9 @@ from typing import List, Optional, Tuple
 
 import torch.distributed as dist
 
-from .groups import DEFAULT_RING_TIMEOUT_S, ring_timeout_from_env
+from .groups import DEFAULT_RING_TIMEOUT_S, job_timeout_s, ring_timeout_from_env, set_job_timeout
 from .ring import RingError, RingTimeoutError
 
-_job_timeout_s: Optional[float] = None
 _seq = 0
 _KEY = "metp/progress/{}"
 
@@ -67,17 +66,6 @@ class StalledRankError(RingTimeoutError):
         super().__init__(message)
         self.stalled = list(stalled)
         self.failed = list(failed)
-
-
-def set_job_timeout(seconds: Optional[float]) -> None:
-    """Record the job timeout (``None``: back to ``METP_RING_TIMEOUT_S``)."""
-    global _job_timeout_s
-    _job_timeout_s = None if seconds is None else float(seconds)
-
-
-def job_timeout_s() -> float:
-    """The one timeout: what :func:`set_job_timeout` recorded, else ``METP_RING_TIMEOUT_S``."""
-    return _job_timeout_s if _job_timeout_s is not None else ring_timeout_from_env()
 
 
 def grace_s(timeout_s: Optional[float] = None) -> float:

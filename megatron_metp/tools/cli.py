@@ -361,13 +361,43 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def _stock_cp(config: str) -> int:
+    """The stock context-parallel size of a config (``CP``; 1 when it has none)."""
+    return int(P.read_config(config).get("cp") or 1)
+
+
+def mode_of(job: "P.Job", config: Optional[str] = None) -> str:
+    """The mode a config's rank 0 runs: METP (with the vocabulary ring when asked), a stock
+    context-parallel twin (``CP > 1``: weights replicated, the K/V ring over the CP ranks: mode
+    ``ring``), or a stock TP twin (TP+SP when TP > 1, as ``scripts/pretrain_gpt.sh`` sets
+    sequence parallelism unless the config sets ``SEQUENCE_PARALLEL=0``)."""
+    if config is not None and _stock_cp(config) > 1 and job.cp == 1:
+        # (METP × CP configs have job.cp = CP: they run mode metp); TP × CP: mode cp
+        return "ring" if job.tp == 1 else "cp"
+    if job.metp > 1:
+        return "metp"
+    sp = P.read_config(config).get("sequence_parallel") if config is not None else None
+    return "tp-sp" if job.tp > 1 and sp in (None, "", 1, "1") else "tp"
+
+
+def model_job(config: str):
+    """``(Model, Job)`` of a ``configs/*.sh``, as ``metp plan --config`` builds them (a stock
+    CP twin's CP size is the ring size)."""
+    kv = P.read_config(config)
+    argv = ["--config", config]
+    if _stock_cp(config) > 1 and int(kv.get("metp") or 1) <= 1:
+        # a stock CP twin, TP × CP or CP alone: its own mode only (the other modes' sizes may not
+        # divide: TP 32 over 8 query groups for a CP 32 twin)
+        argv += ["--modes", "cp" if int(kv.get("tp") or 1) > 1 else "ring"]
+    model, job, _ = build_from_argv(argv)
+    return model, job
+
+
 def config_modes(config: str) -> List[str]:
     """The mode a ``configs/*.sh`` job runs, as a list (``metp measure --config`` without
-    ``--modes``): a config is one job, so measure its layout (``agreement.mode_of``, the mode
+    ``--modes``): a config is one job, so measure its layout (:func:`mode_of`, the mode
     the dry run is compared with), not every mode of its width as ``metp plan --config`` shows
     them (those may not even divide: TP 32 over a CP 32 twin's 8 query groups)."""
-    from .agreement import mode_of, model_job
-
     return [mode_of(model_job(config)[1], config)]
 
 

@@ -7,6 +7,7 @@ and out of Megatron/METP (``torch_dist``) checkpoints: ``python -m megatron_metp
 :mod:`.convert`           :func:`import_hf`, :func:`export_hf`, :func:`build_model`,
                           :func:`load_model_weights`, :func:`read_safetensors`
 :mod:`.config`            config.json -> the geometry and the Megatron-LM flags
+:mod:`.errors`            :class:`HFConfigError`, the error every module raises
 :mod:`.families`          what tells the families apart; fields refused naming them
 :mod:`.keys`              every config.json key mapped, checked, harmless or refused
 :mod:`.versions`          transformers 4.x and 5.x config layouts

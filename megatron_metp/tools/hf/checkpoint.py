@@ -67,16 +67,16 @@ _TOP_KEYS = ("embedding.word_embeddings.weight", "decoder.final_layernorm.weight
              "output_layer.weight")
 
 
-def _checked_metadata(path: str) -> None:
+def checked_metadata(path: str) -> None:
     """Refuse a ``.metadata`` pickle that references anything but torch's checkpoint classes
     (the allow-list of :mod:`megatron_metp.megatron.checkpoint`), before torch unpickles it."""
-    from ...megatron.checkpoint import CheckpointError, _check_metadata_pickle
+    from ...megatron.checkpoint import CheckpointError, check_metadata_pickle
 
     meta_file = os.path.join(path, ".metadata")
     if not os.path.isfile(meta_file):
         raise HFConfigError(f"{path!r} has no .metadata: not a torch_dist checkpoint")
     try:
-        _check_metadata_pickle(meta_file)
+        check_metadata_pickle(meta_file)
     except CheckpointError as exc:
         raise HFConfigError(str(exc)) from exc
 
@@ -90,7 +90,7 @@ def read_checkpoint_tensors(path: str, keys: Optional[Iterable[str]] = None) -> 
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    _checked_metadata(path)
+    checked_metadata(path)
     reader = FileSystemReader(path)
     md = reader.read_metadata().state_dict_metadata
     wanted = set(keys) if keys is not None else None
@@ -114,7 +114,7 @@ def checkpoint_tensor_keys(path: str) -> List[str]:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    _checked_metadata(path)
+    checked_metadata(path)
     md = FileSystemReader(path).read_metadata().state_dict_metadata
     return [k for k, m in md.items() if isinstance(m, TensorStorageMetadata)]
 

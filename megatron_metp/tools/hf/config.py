@@ -31,6 +31,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import List, Optional
 
+from .errors import HFConfigError
 from .moe import moe_config_kwargs, moe_flags
 from .yarn import yarn_flags, yarn_from_hf
 
@@ -38,12 +39,8 @@ from .yarn import yarn_flags, yarn_from_hf
 MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
                         "original_max_position_embeddings": 8192}
 
-_DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16",
+DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16",
            "float16": "float16", "half": "float16"}
-
-
-class HFConfigError(ValueError):
-    """The Hugging Face checkpoint cannot be converted; the message names the field and the fix."""
 
 
 @dataclass(frozen=True)
@@ -253,9 +250,9 @@ def geometry_from_hf(cfg: dict, *, make_vocab_size_divisible_by: int = 128,
                         seq_length=seq_length)
     max_pos = fam["max_position_embeddings"]
     dtype = cfg.get("torch_dtype", cfg.get("dtype")) or "float32"
-    if dtype not in _DTYPES:
+    if dtype not in DTYPES:
         raise HFConfigError(f"config.json: torch_dtype {dtype!r} is not one of "
-                            f"{sorted(set(_DTYPES.values()))}")
+                            f"{sorted(set(DTYPES.values()))}")
     multiple = make_vocab_size_divisible_by * tensor_model_parallel_size * metp_parallel_size
     padded = int(math.ceil(vocab / multiple) * multiple)
     return LlamaGeometry(
@@ -264,7 +261,7 @@ def geometry_from_hf(cfg: dict, *, make_vocab_size_divisible_by: int = 128,
         vocab_multiple=multiple, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
         norm_epsilon=float(eps), rotary_base=int(theta), rope_scaling_factor=scaling,
         max_position_embeddings=max_pos, tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        dtype=_DTYPES[dtype], family=family,
+        dtype=DTYPES[dtype], family=family,
         head_dim=None if fam["head_dim"] * heads == hidden else fam["head_dim"],
         qk_layernorm=fam["qk_layernorm"], qkv_bias=fam["qkv_bias"],
         sliding_window=fam["sliding_window"], yarn=yarn, **moe)

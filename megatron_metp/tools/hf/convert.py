@@ -56,14 +56,15 @@ from typing import Dict, Optional
 
 import torch
 
-from .checkpoint import (TRACKER, _checked_metadata, checkpoint_dir,  # noqa: F401
+from .checkpoint import (TRACKER, checked_metadata, checkpoint_dir,  # noqa: F401
                          checkpoint_tensor_keys, megatron_params_from_checkpoint,
                          read_checkpoint_tensors)
 from .config import (HFConfigError, LlamaGeometry, geometry_from_hf, gpt_model_kwargs,
                      megatron_args, pretrain_gpt_sh_model, read_hf_config,
                      set_yarn_config, transformer_config_kwargs)
 from .layout import hf_to_megatron, megatron_shapes, megatron_to_hf
-from .moe import MOE_FAMILIES, moe_args_problems
+from .from_args import moe_args_problems
+from .moe import MOE_FAMILIES
 from .output import staged_dir
 from .tokenizer_export import TOKENIZER_FILES, plan_tokenizer
 from .weights_check import checkpoint_files, read_checked_safetensors, read_header
@@ -287,7 +288,7 @@ def load_model_weights(model, load: str, iteration: Optional[int] = None) -> Non
     from megatron.core import dist_checkpointing
 
     path = checkpoint_dir(load, iteration)
-    _checked_metadata(path)
+    checked_metadata(path)
     template = {k: v for k, v in model.sharded_state_dict().items()
                 if not k.endswith("._extra_state")}
     loaded = dist_checkpointing.load({"model": template}, path)["model"]

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from .errors import HFConfigError
 from .moe import MOE_FAMILIES, MOE_MARKERS, moe_family_hint
 
 #: dense model_type → the causal-LM architecture that converts
@@ -53,8 +54,6 @@ UNSUPPORTED_FIELDS = {
 
 
 def _err(msg: str):
-    from .config import HFConfigError
-
     return HFConfigError(msg)
 
 

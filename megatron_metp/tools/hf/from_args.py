@@ -31,7 +31,7 @@ There is no second table of names: the config is then read back by the import's 
 give must equal the saved value (:func:`check_against_args`), so the written config builds the
 model that was trained. A model with no Hugging Face family (LayerNorm, GeLU, biases on every
 layer, learned absolute positions, shared experts, ...) is refused first, every mismatch named
-at once. The MoE flags are compared by :func:`.moe.moe_args_problems` (which layers are MoE,
+at once. The MoE flags are compared by :func:`moe_args_problems` (which layers are MoE,
 expanded from either form of ``--moe-layer-freq``).
 """
 
@@ -43,11 +43,11 @@ from typing import List
 from .config import MEGATRON_LLAMA3_ROPE, HFConfigError, LlamaGeometry, geometry_from_hf, \
     megatron_args
 from .families import FAMILIES
-from .moe import (MOE_FLAGS, moe_args_problems, moe_config_from_args,
-                  moe_family_problems)
+from .moe import (MOE_FLAGS, moe_config_from_args, moe_family_problems,
+                  saved_moe_layers)
 from .yarn import mscale_factor
 
-__all__ = ["hf_config_from_args", "check_against_args", "family_problems"]
+__all__ = ["hf_config_from_args", "check_against_args", "family_problems", "moe_args_problems"]
 
 #: Megatron-LM flags of :func:`~.config.megatron_args` whose ``args`` attribute is not the flag
 #: name with dashes as underscores: flag -> (attribute, value the flag sets)
@@ -214,3 +214,27 @@ def check_against_args(cfg: dict, a: dict) -> LlamaGeometry:
                             "arguments would not rebuild its model: " + "; ".join(diffs) +
                             "; pass --hf-config")
     return g
+
+
+def moe_args_problems(cfg: dict, saved: dict) -> List[str]:
+    """Where the MoE of a ``qwen3_moe`` / ``mixtral`` ``config.json`` differs from a checkpoint's
+    saved Megatron-LM arguments (empty when they agree): experts, top-k, expert width, which
+    layers are MoE and the routing normalisation, each naming the flag."""
+    g = geometry_from_hf(cfg, make_vocab_size_divisible_by=1, seq_length=1)
+    if not saved.get("num_experts"):
+        return [f"--num-experts: the run has no experts, config.json ({g.family}) has "
+                f"{g.num_experts}"]
+    saved_layers = saved_moe_layers(saved, g.num_layers)
+    out = []
+    for flag, have, want in (
+            ("--num-experts", saved.get("num_experts"), g.num_experts),
+            ("--moe-router-topk", saved.get("moe_router_topk"), g.moe_router_topk),
+            ("--moe-ffn-hidden-size",  # Megatron-LM: the dense width when not given
+             saved.get("moe_ffn_hidden_size") or saved.get("ffn_hidden_size"),
+             g.moe_ffn_hidden_size),
+            ("--moe-layer-freq", saved_layers, list(g.moe_layers)),
+            ("--moe-router-pre-softmax", bool(saved.get("moe_router_pre_softmax")),
+             g.moe_router_pre_softmax)):
+        if have != want:
+            out.append(f"{flag}: saved {have!r}, config.json implies {want!r}")
+    return out

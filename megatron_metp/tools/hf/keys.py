@@ -17,7 +17,8 @@ config.json keys").
 
 from __future__ import annotations
 
-from .yarn import _KEYS as YARN_KEYS
+from .errors import HFConfigError
+from .yarn import YARN_KEYS
 
 _SHAPE = "the model's shape (Megatron flag of the same name)"
 #: key -> what it maps to (every family has these)
@@ -157,8 +158,6 @@ def family_keys(family: str) -> dict:
 
 
 def _err(msg: str):
-    from .config import HFConfigError
-
     return HFConfigError(msg)
 
 

@@ -98,7 +98,7 @@ def strip_vocab(table: Tensor, vocab: int) -> Tensor:
     return table[:vocab].clone()
 
 
-def _hf_names(g: LlamaGeometry) -> Dict[str, tuple]:
+def hf_names(g: LlamaGeometry) -> Dict[str, tuple]:
     h, f, d = g.hidden_size, g.ffn_hidden_size, g.kv_channels
     n, k = g.num_attention_heads, g.num_query_groups
     out = {"model.embed_tokens.weight": (g.vocab_size, h), "model.norm.weight": (h,)}
@@ -156,7 +156,7 @@ _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 def check_hf_tensors(hf: Dict[str, Tensor], g: LlamaGeometry) -> None:
     """Every tensor the geometry needs is there with its shape, and nothing else (clear
     :class:`HFConfigError` otherwise, naming the tensors)."""
-    want = _hf_names(g)
+    want = hf_names(g)
     names = {k for k in hf if not k.endswith(_IGNORED_SUFFIXES)}
     if g.tie_embeddings and "lm_head.weight" in names:
         # some tied checkpoints store the shared table twice: fine if it is the same table

@@ -39,6 +39,8 @@ from __future__ import annotations
 
 from typing import List, Optional
 
+from .errors import HFConfigError
+
 #: MoE model_type → the causal-LM architecture that converts
 MOE_FAMILIES = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
 
@@ -47,8 +49,6 @@ MOE_MARKERS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_inte
 
 
 def _err(msg: str):
-    from .config import HFConfigError
-
     return HFConfigError(msg)
 
 
@@ -254,29 +254,3 @@ def moe_config_from_args(a: dict, window) -> dict:
     return dict(common, model_type="mixtral", architectures=[MOE_FAMILIES["mixtral"]],
                 num_local_experts=experts, intermediate_size=ffn, router_jitter_noise=0.0,
                 sliding_window=None if window is None else int(window[0]) + 1)
-
-
-def moe_args_problems(cfg: dict, saved: dict) -> List[str]:
-    """Where the MoE of a ``qwen3_moe`` / ``mixtral`` ``config.json`` differs from a checkpoint's
-    saved Megatron-LM arguments (empty when they agree): experts, top-k, expert width, which
-    layers are MoE and the routing normalisation, each naming the flag."""
-    from .config import geometry_from_hf
-
-    g = geometry_from_hf(cfg, make_vocab_size_divisible_by=1, seq_length=1)
-    if not saved.get("num_experts"):
-        return [f"--num-experts: the run has no experts, config.json ({g.family}) has "
-                f"{g.num_experts}"]
-    saved_layers = saved_moe_layers(saved, g.num_layers)
-    out = []
-    for flag, have, want in (
-            ("--num-experts", saved.get("num_experts"), g.num_experts),
-            ("--moe-router-topk", saved.get("moe_router_topk"), g.moe_router_topk),
-            ("--moe-ffn-hidden-size",  # Megatron-LM: the dense width when not given
-             saved.get("moe_ffn_hidden_size") or saved.get("ffn_hidden_size"),
-             g.moe_ffn_hidden_size),
-            ("--moe-layer-freq", saved_layers, list(g.moe_layers)),
-            ("--moe-router-pre-softmax", bool(saved.get("moe_router_pre_softmax")),
-             g.moe_router_pre_softmax)):
-        if have != want:
-            out.append(f"{flag}: saved {have!r}, config.json implies {want!r}")
-    return out

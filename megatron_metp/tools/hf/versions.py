@@ -35,6 +35,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from .errors import HFConfigError
+
 #: the layouts :func:`to_layout` writes
 LAYOUTS = (4, 5)
 #: key that names the canonical config's RoPE source in messages (not a config.json key)
@@ -42,8 +44,6 @@ ROPE_SOURCE = "_rope_source"
 
 
 def _err(msg: str):
-    from .config import HFConfigError
-
     return HFConfigError(msg)
 
 

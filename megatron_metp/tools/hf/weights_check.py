@@ -167,17 +167,17 @@ _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
 def _config_dtype(cfg: dict) -> Optional[str]:
-    from .config import _DTYPES
+    from .config import DTYPES
 
     stated = cfg.get("torch_dtype", cfg.get("dtype"))
-    return _DTYPES.get(stated) if isinstance(stated, str) else None
+    return DTYPES.get(stated) if isinstance(stated, str) else None
 
 
 def check_headers(hf_dir: str, g: LlamaGeometry, cfg: dict) -> Dict[str, Tuple[str, str]]:
     """Check every header (and the index) against each other and against what ``config.json``
     implies (the geometry ``g`` and its stated dtype); returns tensor -> (file, float dtype
     name) of the tensors to read. No tensor data is read."""
-    from .layout import _hf_names
+    from .layout import hf_names
 
     files, wmap = checkpoint_files(hf_dir)
     config = os.path.join(hf_dir, "config.json")
@@ -205,7 +205,7 @@ def check_headers(hf_dir: str, g: LlamaGeometry, cfg: dict) -> Dict[str, Tuple[s
             raise HFConfigError(f"{where[extra[0]][0]} holds tensor {extra[0]} (and "
                                 f"{len(extra) - 1} more) that {index} does not list: the index "
                                 f"is stale; restore the checkpoint's own index")
-    want = _hf_names(g)
+    want = hf_names(g)
     names = {k for k in where if not k.endswith(_IGNORED_SUFFIXES)}
     if g.tie_embeddings and "lm_head.weight" in names:
         names.discard("lm_head.weight")  # a tied model may store its table twice (compared later)

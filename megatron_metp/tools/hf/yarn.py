@@ -43,16 +43,16 @@ from __future__ import annotations
 import math
 from typing import List, Optional
 
+from .errors import HFConfigError
+
 #: the Megatron-LM release whose pretrain_gpt.py first takes --position-embedding-type yarn
 YARN_RELEASE = "core_v0.19.0"
 
-_KEYS = {"type", "rope_type", "factor", "original_max_position_embeddings", "beta_fast",
+YARN_KEYS = {"type", "rope_type", "factor", "original_max_position_embeddings", "beta_fast",
          "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate"}
 
 
 def _err(msg: str):
-    from .config import HFConfigError
-
     return HFConfigError(msg)
 
 
@@ -88,10 +88,10 @@ def yarn_from_hf(rs: dict, max_position_embeddings: int, *, where: str = "rope_s
     import functools
 
     _num = functools.partial(_number, where=where)
-    unknown = sorted(set(rs) - _KEYS)
+    unknown = sorted(set(rs) - YARN_KEYS)
     if unknown:
         raise _err(f"config.json: {where} has {unknown} besides YaRN's keys "
-                   f"{sorted(_KEYS)}: it cannot be reproduced; remove them")
+                   f"{sorted(YARN_KEYS)}: it cannot be reproduced; remove them")
     factor = _num(rs, "factor", positive=True)
     if factor is None:
         raise _err(f"config.json: {where} type 'yarn' needs a 'factor'")

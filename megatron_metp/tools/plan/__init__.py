@@ -73,7 +73,8 @@ as when the plan was one module:
 =======================  ====================================================================
 ``hardware``             the hardware presets, each with its datasheet source
 ``model``                ``Model`` and ``PRESETS``, ``Job``, ``Layout`` / ``layout()``,
-                         ``canonical()``, ``padded_vocab()``, ``validate()``; byte sizes, modes
+                         ``canonical()``, ``padded_vocab()``; byte sizes, modes
+``job_checks``           ``validate()``: the flag of a size that cannot be laid out
 ``config``               ``--config`` files: ``read_config()``, ``from_config()``
 ``parameters``           parameters and static memory (bf16 weights, ``main_grad``, Adam)
 ``ring``                 the K/V ring's buffers (modes ``ring``, ``cp`` and ``metp``)
@@ -97,6 +98,7 @@ as when the plan was one module:
                          ``longest_seq()``
 ``traffic``              ``traffic_per_layer()``, ``forward_traffic_per_layer()``,
                          ``crossover_seq()``
+``flops``                ``layer_flops()``: one layer's FLOPs on one rank
 ``cost``                 ``step_cost()``: FLOPs, traffic and host bytes with recompute/offload,
                          and the step time (``step_time``)
 ``host_link``            the host link one GPU gets (PCIe sustained, the node's host memory
@@ -105,6 +107,7 @@ as when the plan was one module:
                          and kernel, with sources; ``--rates FILE``
 ``imbalance``            the K/V ring's per-step imbalance from the op's tile plan
                          (``ops/balance.py``)
+``optimizer_time``       ``optimizer_s()``: one Adam step, on the GPU or the host
 ``step_time``            ``step_time()``: one micro-batch's time by component, the iteration's
 ``alst``, ``alst_time``  mode ``alst``: ALST's published recipe (Ulysses + ZeRO-3 + CPU Adam +
                          host-offloaded checkpoints, FA2), memory and time
@@ -136,13 +139,13 @@ import types
 
 from .hardware import HARDWARE, Hardware
 from .model import (BF16, FP32, GiB, MiB, MODE_NAMES, MODES, PEER_MODES, PRESETS, VOCAB_MODES, Job, Layout,
-                    Model, canonical, layout, padded_vocab, validate)
-from .config import (_JOB_KEYS, _MODEL_KEYS, _coerce, from_config, microbatches,  # noqa: F401
-                     read_config)
-from .parameters import Params, _layer_weights, params, static_memory  # noqa: F401
+                    Model, canonical, layout, padded_vocab)
+from .job_checks import validate
+from .config import from_config, microbatches, read_config
+from .parameters import Params, layer_weights, params, static_memory  # noqa: F401
 from .ring import ring_backward_buffers, ring_forward_buffers
-from .stock import _mlp_part, _ring_core_bwd, _stock_phases  # noqa: F401
-from .metp import _metp_phases, unfused_live_block  # noqa: F401
+from .stock import stock_phases  # noqa: F401
+from .metp import metp_phases, unfused_live_block  # noqa: F401
 from .vocab import vocab_embedding_backward, vocab_embedding_forward, vocab_loss_phases
 from .activation_memory import Activations, activations
 from .rank_memory import (Memory, capacity_bytes, head_memory, longest_seq, memory, seq_step,
@@ -154,16 +157,17 @@ from .rates import RATES, Rates, default_kernel, load_rates, resolve_rates
 from .step_time import step_time
 from .overlap import overlap_thresholds
 from .internode import internode_hop
-from .summary import fmt_bytes, fmt_tokens, plan, report
+from .summary import plan, report
+from .textwidth import fmt_bytes, fmt_tokens
 from .search import reach, reach_report
 from .fit import FitHint, fit_hint
 from .launch import config_text, launch_line, megatron_flags
 from .recipe import merge_recipe, recipe_flags
 from .figures import COLORS, charts
-from . import (activation_memory, alst, alst_time, config, cost, figures, fit, hardware,
-               host_link, imbalance, internode, launch, metp, model, moe, overlap, partial, rates,
-               recipe, search, parameters, rank_memory, recompute, ring, stock, summary, traffic,
-               vocab)
+from . import (activation_memory, alst, alst_time, config, cost, figures, fit, flops, hardware,
+               host_link, imbalance, internode, job_checks, launch, metp, model, moe,
+               optimizer_time, overlap, partial, rates, recipe, search, parameters, rank_memory,
+               recompute, ring, stock, summary, traffic, vocab)
 
 __all__ = [
     "GiB", "MiB", "BF16", "FP32", "MODES", "MODE_NAMES", "VOCAB_MODES", "PEER_MODES",
@@ -182,12 +186,17 @@ __all__ = [
     "recipe_flags",
 ]
 
+#: the name tests/test_plan.py patches on the package (``monkeypatch.setattr(P, "_metp_phases",
+#: ...)``): :class:`_Package` rebinds :func:`.metp.metp_phases` for it
+_metp_phases = metp_phases
+_OLD_NAMES = {"_metp_phases": "metp_phases"}
+
 #: the modules whose names :class:`_Package` rebinds
 _step_time_module = sys.modules[__name__ + ".step_time"]  # (the name is the function's)
-_MODULES = (hardware, model, config, moe, parameters, ring, stock, metp, vocab, recompute,
-            activation_memory, partial, rank_memory, traffic, cost, overlap, internode, summary, figures,
-            search, fit, launch, recipe, rates, host_link, imbalance, alst, alst_time,
-            _step_time_module)
+_MODULES = (hardware, model, job_checks, config, moe, parameters, ring, stock, metp, vocab,
+            recompute, activation_memory, partial, rank_memory, traffic, flops, cost, overlap,
+            internode, summary, figures, search, fit, launch, recipe, rates, host_link, imbalance,
+            alst, alst_time, optimizer_time, _step_time_module)
 _UNSET = object()
 
 
@@ -202,6 +211,7 @@ class _Package(types.ModuleType):
         super().__setattr__(name, value)
         if old is _UNSET or isinstance(old, types.ModuleType):
             return
+        name = _OLD_NAMES.get(name, name)
         for mod in _MODULES:
             if mod.__dict__.get(name, _UNSET) is old:
                 setattr(mod, name, value)

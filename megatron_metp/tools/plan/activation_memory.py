@@ -7,12 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Optional
 
-from .metp import _metp_phases
+from .metp import metp_phases
 from .moe import dispatch_state, moe_layer
 from .streaming import streaming_applies, streaming_phases
 from .model import BF16, FP32, Job, Model, canonical, layout, padded_vocab
 from .recompute import recompute_and_offload
-from .stock import _stock_phases
+from .stock import stock_phases
 from .vocab import vocab_embedding_backward, vocab_embedding_forward, vocab_loss_phases
 
 #: the item of the last layer's phases that takes the head's activations out (gone by then)
@@ -114,7 +114,7 @@ def _metp_stored(model: Model, job: Job, g: _Geometry, S: Dict[str, float]):
     S["attention log-sum-exp (fp32)"] = FP32 * n * (model.heads // t)
     if job.keep_intermediate:
         S["MLP x·W1ᵀ of every shard (keep_intermediate)"] = BF16 * n * k * model.ffn // t
-    return _metp_phases(model, job, g.lay, n, S)
+    return metp_phases(model, job, g.lay, n, S)
 
 
 def _stock_stored(model: Model, job: Job, mode: str, g: _Geometry, S: Dict[str, float]):
@@ -179,7 +179,7 @@ def _stock_stored(model: Model, job: Job, mode: str, g: _Geometry, S: Dict[str, 
         sbh = s * b * h
         kor = (sbh * (10 + 24 / t) if not lay.sp else sbh * 34 / t) + \
             (5 * A * s * s * b / t if not flash else 0)
-    return _stock_phases(model, job, lay, n, g.nl, S, stock_core), persistent, kor
+    return stock_phases(model, job, lay, n, g.nl, S, stock_core), persistent, kor
 
 
 def _streaming_phases(model: Model, job: Job, g: _Geometry, off: int):

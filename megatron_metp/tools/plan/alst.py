@@ -35,8 +35,8 @@ from __future__ import annotations
 
 from typing import Dict
 
-from .model import BF16, FP32, Job, Layout, Model, padded_vocab
-from .parameters import _layer_weights
+from .model import BF16, FP32, Job, Model, alst_layout, padded_vocab
+from .parameters import layer_weights
 
 #: ALST's measured iteration times (seconds), one sequence per iteration: (model, GPUs, tokens)
 PUBLISHED = {("llama3-8b", 1, 500_000): 1010.0, ("llama3-8b", 8, 3_700_000): 6455.0,
@@ -45,15 +45,9 @@ PUBLISHED = {("llama3-8b", 1, 500_000): 1010.0, ("llama3-8b", 8, 3_700_000): 645
 HOST_OPTIMIZER_BYTES = 16
 
 
-def alst_layout(job: Job) -> Layout:
-    """Ulysses over every GPU of the job: ``c = W`` sequence shards, weights ZeRO-3-sharded."""
-    W = job.tp * job.metp * job.cp
-    return Layout("alst", 1, W, False, W)
-
-
 def alst_params(model: Model) -> int:
     """Parameter elements of the whole model (embedding and output layer, untied or tied)."""
-    attn, mlp, norms = _layer_weights(model)
+    attn, mlp, norms = layer_weights(model)
     V = padded_vocab(model.vocab, 1)
     return model.layers * (attn + mlp + norms) + V * model.hidden * (1 if model.tied else 2) \
         + 2 * model.hidden
@@ -87,7 +81,7 @@ def alst_activations(model: Model, job: Job):
     hk_w = max(hk // W, d) * W   # K/V heads replicated up to one per rank
     qkv, qkv_w = hq + 2 * hk, hq + 2 * hk_w
     k = 2 if model.swiglu else 1
-    attn, mlp, _ = _layer_weights(model)
+    attn, mlp, _ = layer_weights(model)
     V = padded_vocab(model.vocab, 1)
     e = BF16
     tile = min(n, h)  # TiledMLP: ceil(n/h) tiles of about h rows (ALST's default)
@@ -130,7 +124,7 @@ def alst_traffic(model: Model, job: Job) -> Dict[str, float]:
         return {}
     n, h, d = model.seq // W, model.hidden, model.head_dim
     hq, hk = model.heads * d, model.groups * d
-    attn, mlp, _ = _layer_weights(model)
+    attn, mlp, _ = layer_weights(model)
     f = (W - 1) / W
     a2a = BF16 * n * (hq + 2 * hk + hq) * f  # q/k/v out, o back (backward: dO out, dqkv back)
     return {"Ulysses all-to-all: q/k/v + o (forward, recompute), dO + dq/dk/dv (backward)":

@@ -11,7 +11,7 @@ components of :func:`.step_time.step_time`, with ALST's own schedule:
   rate for the share of peers on other nodes;
 * ZeRO-3's gathers and reduce-scatter, prefetched: exposed only past each layer's compute;
 * the checkpointed layer inputs to the host and back, overlapped with the layer's compute;
-* CPU Adam over ``N/W`` parameters (:func:`.step_time.optimizer_s`).
+* CPU Adam over ``N/W`` parameters (:func:`.optimizer_time.optimizer_s`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from .hardware import HARDWARE
 from .host_link import host_link
 from .internode import GPUS_PER_NODE
 from .model import BF16, Job, Model, padded_vocab
-from .parameters import _layer_weights
+from .optimizer_time import optimizer_s
+from .parameters import layer_weights
 from .rates import ATTENTION_BWD_FLOP_RATIO, resolve_rates
 
 #: the kernel ALST ran (its paper: FlashAttention-2)
@@ -31,14 +32,12 @@ ALST_KERNEL = "fa2"
 
 
 def alst_time(model: Model, job: Job) -> Dict:
-    from .step_time import optimizer_s
-
     rates = resolve_rates(job.hardware, job.attention_kernel or ALST_KERNEL, job.rates_file)
     hw = HARDWARE[job.hardware]
     lay = alst_layout(job)
     W, s, h, L = lay.c, model.seq, model.hidden, model.layers
     n = s // W
-    attn, mlp, _ = _layer_weights(model)
+    attn, mlp, _ = layer_weights(model)
     V = padded_vocab(model.vocab, 1)
     fa = 2 * s * s * model.heads * model.head_dim / W
     rf, rb, rg = (rates.attention_fwd_tflops * 1e12, rates.attention_bwd_tflops * 1e12,

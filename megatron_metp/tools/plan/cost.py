@@ -20,33 +20,13 @@ from __future__ import annotations
 
 from typing import Dict
 
+from .flops import layer_flops
 from .model import Job, Model, canonical, layout, padded_vocab
 from .rank_memory import memory
 from .moe import active_twin
 from .streaming import streaming_applies, streaming_host_bytes
 from .traffic import forward_traffic_per_layer, traffic_per_layer
 from .vocab import vocab_ring_traffic
-
-
-def layer_flops(model: Model, job: Job, mode: str) -> Dict[str, float]:
-    """Forward, backward and METP's own per-shard recompute FLOPs of one layer on one rank."""
-    mode, job = canonical(mode, job)
-    lay = layout(mode, job)
-    t, c = lay.t, lay.c
-    s, b = model.seq, job.micro_batch
-    h, A, G, d, F = model.hidden, model.heads, model.groups, model.head_dim, model.ffn
-    q, kv = A * d, G * d
-    k = 2 if model.swiglu else 1
-    n = s * b // c
-    w_attn, w_mlp = h * (q + 2 * kv) + q * h, k * h * F + F * h
-    attn = 2 * n * s * q / t
-    gemm = 2 * n * (w_attn + w_mlp) / t
-    fwd = gemm + attn
-    out = {"forward": fwd, "backward": 2 * gemm + 2.5 * attn, "METP per-shard recompute": 0.0,
-           "attention forward": 2 * n * w_attn / t + 2 * n * s * q / t}
-    if mode == "metp" and not job.keep_intermediate:
-        out["METP per-shard recompute"] = 2 * n * (h * (q + 2 * kv) + k * h * F) / t
-    return out
 
 
 def vocab_traffic(model: Model, job: Job, mode: str) -> Dict[str, float]:

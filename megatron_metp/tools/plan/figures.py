@@ -6,7 +6,8 @@ from __future__ import annotations
 import os
 from typing import Iterable, List, Optional, Sequence
 
-from .model import GiB, MODE_NAMES, MODES, Job, Model, layout, validate
+from .job_checks import validate
+from .model import GiB, MODE_NAMES, MODES, Job, Model, layout
 from .rank_memory import capacity_bytes, longest_seq, seq_step, worst_total
 
 #: one colour per mode in every chart

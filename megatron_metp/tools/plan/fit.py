@@ -21,9 +21,10 @@ from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Tuple
 
 from .host import host_capacity_bytes
-from .model import GiB, Job, Model, canonical, validate
+from .job_checks import validate
+from .model import GiB, Job, Model, canonical
 from .rank_memory import capacity_bytes, memory
-from .search import DEFAULT_HOST_GIB_PER_NODE, RECOMPUTE_OPTIONS, _host_per_node, _total
+from .search import DEFAULT_HOST_GIB_PER_NODE, RECOMPUTE_OPTIONS, node_host_bytes, rank_total
 
 
 @dataclass
@@ -88,8 +89,8 @@ def fits(model: Model, job: Job, mode: str) -> Tuple[bool, float, float]:
     """``(fits, per-rank total, host bytes per node)`` as the reach search counts them."""
     host_cap = host_capacity_bytes(job)
     host_cap = DEFAULT_HOST_GIB_PER_NODE * GiB if host_cap is None else host_cap
-    total = _total(model, job, mode, model.seq)
-    host = _host_per_node(model, job, mode, model.seq)
+    total = rank_total(model, job, mode, model.seq)
+    host = node_host_bytes(model, job, mode, model.seq)
     return total <= capacity_bytes(job) and host <= host_cap, total, host
 
 

@@ -11,7 +11,7 @@ from .ring import ring_backward_buffers, ring_forward_buffers
 from .tiles import mlp_tile_rows
 
 
-def _metp_phases(model, job, lay, n, S) -> Dict[str, Dict[str, float]]:
+def metp_phases(model, job, lay, n, S) -> Dict[str, Dict[str, float]]:
     """Backward transients of the last METP layer: the buffers ``ops/mlp.py`` and
     ``ops/attention.py`` allocate (see their docstrings and ``benchmarks/mlp_memory.py``'s
     ``metp_peak_model``), at each op's largest step. The ops' fp32-accumulating matmuls are taken

@@ -10,7 +10,7 @@ from .model import BF16, FP32, Job, Model, canonical, layout, padded_vocab
 from .moe import params_split as moe_params
 
 
-def _layer_weights(model: Model) -> Tuple[int, int, int]:
+def layer_weights(model: Model) -> Tuple[int, int, int]:
     """``(attention matrices, MLP matrices, norms)`` elements of one layer (no linear biases but
     ``--add-qkv-bias``'s, sharded with ``linear_qkv``; ``--qk-layernorm``'s two ``[d]`` norms are
     replicated like the layer norms)."""
@@ -52,7 +52,7 @@ def params(model: Model, job: Job, mode: str, stage: str = "first") -> Params:
     """Parameter elements held by one rank of ``stage`` ("first" or "last" pipeline stage)."""
     mode, job = canonical(mode, job)
     lay = layout(mode, job)
-    attn, mlp, norms = _layer_weights(model)
+    attn, mlp, norms = layer_weights(model)
     L = model.layers // job.pp
     moe = moe_params(model, job, lay, stage)
     # MoE layers (.moe): no dense MLP; the router replicated like the norms, experts apart

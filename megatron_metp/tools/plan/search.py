@@ -31,7 +31,8 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 from .hardware import HARDWARE
 from .internode import GPUS_PER_NODE, internode_hop
-from .model import GiB, Job, Model, validate
+from .job_checks import validate
+from .model import GiB, Job, Model
 from .positions import FP32_EXACT_POSITIONS, REASON as POSITIONS_REASON, position_cap
 from .rank_memory import capacity_bytes, memory, seq_step
 
@@ -98,7 +99,7 @@ class Candidate:
 def layouts(model: Model, gpus: int, family: str,
             gpus_per_node: int = GPUS_PER_NODE) -> Iterator[Tuple[str, Dict]]:
     """``(mode, Job fields)`` of every layout of ``family`` on ``gpus`` GPUs (before the checks
-    of :func:`.model.validate`, which :func:`candidates` applies)."""
+    of :func:`.job_checks.validate`, which :func:`candidates` applies)."""
     node = min(gpus, gpus_per_node)
     for t in _divisors(node):
         for pp in _divisors(gpus // t):
@@ -130,7 +131,9 @@ def layouts(model: Model, gpus: int, family: str,
                                  f"{', '.join(FAMILIES)}")
 
 
-def _host_per_node(model: Model, job: Job, mode: str, s: int) -> float:
+def node_host_bytes(model: Model, job: Job, mode: str, s: int) -> float:
+    """Host bytes of one node at sequence ``s``: the larger stage's offloaded
+    activations and host optimizer state per rank, times GPUS_PER_NODE ranks."""
     worst = 0.0
     for stage in (("first", "last") if job.pp > 1 else ("first",)):
         mem = memory(model, job, mode, s, stage)
@@ -138,11 +141,17 @@ def _host_per_node(model: Model, job: Job, mode: str, s: int) -> float:
     return GPUS_PER_NODE * worst
 
 
-def _total(model: Model, job: Job, mode: str, s: int) -> float:
+def rank_total(model: Model, job: Job, mode: str, s: int) -> float:
+    """The planned per-rank device total (bytes) at sequence ``s``, the larger of the first and
+    the last pipeline stage."""
     tot = memory(model, job, mode, s).total
     if job.pp > 1:
         tot = max(tot, memory(model, job, mode, s, "last").total)
     return tot
+
+
+#: the names tests/test_plan_cp.py calls them by
+_host_per_node, _total = node_host_bytes, rank_total
 
 
 def longest(model: Model, job: Job, mode: str, host_gib: float = DEFAULT_HOST_GIB_PER_NODE,
@@ -154,8 +163,8 @@ def longest(model: Model, job: Job, mode: str, host_gib: float = DEFAULT_HOST_GI
 
     def fits(k: int) -> bool:
         s = k * q
-        return _total(model, job, mode, s) <= cap and \
-            _host_per_node(model, job, mode, s) <= host_cap
+        return rank_total(model, job, mode, s) <= cap and \
+            node_host_bytes(model, job, mode, s) <= host_cap
 
     if not fits(1):
         return 0
@@ -213,8 +222,8 @@ def candidates(model: Model, gpus: int, family: str, hardware: str = "H100-80GB"
                 cand.capped = bool(cap and cap < limit and cand.seq + q > cap and
                                    longest(model, job, mode, host_gib, cand.seq + q) > cand.seq)
                 if cand.seq:
-                    cand.total = _total(model, job, mode, cand.seq)
-                    cand.host_per_node = _host_per_node(model, job, mode, cand.seq)
+                    cand.total = rank_total(model, job, mode, cand.seq)
+                    cand.host_per_node = node_host_bytes(model, job, mode, cand.seq)
                     cand.internode = internode_hop(model, job, mode, cand.seq)
                     cand.offload_layers = None if mode == "alst" else \
                         memory(model, job, mode, cand.seq).job.offload_layers
@@ -257,7 +266,7 @@ def reach_report(model: Model, gpus: int, hardware: str = "H100-80GB", reserve_g
     legend; long lines wrapped to ``width`` columns (None: whole, ``metp plan --reach --wide``)."""
     from .launch import launch_line, megatron_flags
     from .textwidth import LEGEND, wrap_lines
-    from .summary import fmt_bytes, fmt_tokens
+    from .textwidth import fmt_bytes, fmt_tokens
 
     if res is None:
         res = reach(model, gpus, hardware, reserve_gib, host_gib, limit=limit)

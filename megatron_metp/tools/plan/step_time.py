@@ -9,7 +9,7 @@ Per layer and rank (``n`` tokens through the rank, ``s`` the sequence, ``t`` TP,
   the backward imbalance; the recompute (full recompute, or the streaming layer's attention
   re-run, or ``--recompute selective``'s core attention) ``F_a`` again;
 * GEMMs (projections, MLP; METP's per-shard re-forming; recompute's share) at the GEMM rate
-  (:func:`.cost.layer_flops`);
+  (:func:`.flops.layer_flops`);
 * output layer and loss ``2·n·h·V/t`` forward, twice that backward, once more where the loss
   re-forms its logits in the backward (the METP vocabulary ring's loss);
 * host copies: the streaming layer, pass by pass (:func:`streaming_passes`): a pass that reads
@@ -20,7 +20,7 @@ Per layer and rank (``n`` tokens through the rank, ``s`` the sequence, ``t`` TP,
   to compute: pure transfer) per head group, query tile; the steps of the op's plan where no
   rank has work (pure transfer); a ring that crosses nodes: the excess of
   each step's inter-node transfer over its compute (:func:`.internode.internode_hop`);
-* the optimizer step (:func:`optimizer_s`), once per iteration.
+* the optimizer step (:func:`.optimizer_time.optimizer_s`), once per iteration.
 
 ``step_s`` = the sum of the components but the optimizer; ``iteration_s = (m + pp − 1)·step_s
 + optimizer`` for ``m`` micro-batches per iteration under 1F1B.
@@ -31,37 +31,18 @@ from __future__ import annotations
 from typing import Dict, List
 
 from .hardware import HARDWARE
-from .host_link import HOST_MEMORY_EFFICIENCY, host_link
+from .host_link import host_link
 from .imbalance import ring_imbalance
 from .internode import GPUS_PER_NODE
 from .model import BF16, FP32, Job, Model, canonical, layout, padded_vocab
+from .optimizer_time import optimizer_s
 from .rates import ATTENTION_BWD_FLOP_RATIO, Rates, resolve_rates
-
-#: HBM bandwidth (TB/s, datasheets: A100 80GB SXM 2.039, H100 SXM 3.35, H200 4.8), for the GPU
-#: Adam step (memory-bound), at 80 % sustained
-HBM_TBS = {"A100-80GB": 2.039, "H100-80GB": 3.35, "H200-141GB": 4.8}
-#: bytes an Adam step moves per parameter: fp32 gradient read, fp32 master / two moments read and
-#: written, bf16 parameter written (4 + 3·8 + 2)
-ADAM_BYTES = 30
-
 
 def job_rates(job: Job) -> Rates:
     """The rates of ``job``: ``--rates FILE``, else ``--kernel NAME``'s published figures, else
     the default kernel's (the memory kernel ``unfused`` plans the unfused rates)."""
     kernel = job.attention_kernel or ("unfused" if job.kernel == "unfused" else None)
     return resolve_rates(job.hardware, kernel, job.rates_file)
-
-
-def optimizer_s(n_params: float, job: Job, ranks_per_node: int, cpu: bool,
-                hardware: str) -> float:
-    """One Adam step over ``n_params`` parameters of a rank: on the GPU at 80 % of its HBM
-    bandwidth, or on the host (CPU Adam) at the rank's share of the node's host memory bandwidth
-    (:mod:`.host_link`) plus the fp32 gradients down and bf16 parameters up the host link."""
-    if not cpu:
-        return n_params * ADAM_BYTES / (0.8 * HBM_TBS[hardware] * 1e12)
-    link = host_link(hardware)
-    share = HOST_MEMORY_EFFICIENCY * link["host_memory_node_gbs"] / max(1, ranks_per_node)
-    return n_params * ADAM_BYTES / (share * 1e9) + n_params * (FP32 + BF16) / (link["gbs"] * 1e9)
 
 
 def streaming_passes(model: Model, job: Job, lay, n: int, rates: Rates,
@@ -119,7 +100,7 @@ def step_time(model: Model, job: Job, mode: str) -> Dict:
     """Components (seconds) of one micro-batch on rank 0 and of the iteration's optimizer step;
     the rates assumed, the ring's imbalance, the streaming layer's passes. See the module
     docstring. Mode ``alst``: :func:`.alst_time.alst_time`."""
-    from .cost import layer_flops
+    from .flops import layer_flops
     from .internode import internode_hop
     from .parameters import static_memory
     from .rank_memory import memory

@@ -13,7 +13,7 @@ def _mlp_part(S: Dict[str, float]) -> float:
     return sum(v for k, v in S.items() if k.startswith("MLP"))
 
 
-def _stock_phases(model, job, lay, n, nl, S, stock_core) -> Dict[str, Dict[str, float]]:
+def stock_phases(model, job, lay, n, nl, S, stock_core) -> Dict[str, Dict[str, float]]:
     """Backward transients of the last layer of a stock-layer mode (Megatron linears)."""
     t = lay.t
     h, A, G, d, F = model.hidden, model.heads, model.groups, model.head_dim, model.ffn

@@ -6,8 +6,10 @@ from dataclasses import asdict
 from typing import Dict, List, Optional, Sequence
 
 from .hardware import HARDWARE
-from .model import GiB, MiB, MODES, VOCAB_MODES, Job, Model, canonical, layout, validate
+from .job_checks import validate
+from .model import GiB, MiB, MODES, VOCAB_MODES, Job, Model, canonical, layout
 from .fit import fit_hint, fits
+from .textwidth import fmt_bytes, fmt_tokens
 from .overlap import overlap_thresholds
 from .internode import internode_hop
 from .rank_memory import capacity_bytes, head_memory, longest_seq, memory
@@ -17,23 +19,6 @@ from .moe import active_twin
 from .alst import alst_head, alst_traffic
 
 from .host import GPUS_PER_NODE, host_capacity_bytes, host_fits  # noqa: F401 (GPUS_PER_NODE)
-
-
-def fmt_bytes(x: float) -> str:
-    """Bytes in one format: two decimals and thousands separators, in GiB from 1 GiB (after
-    rounding: never ``1,024.00 MiB``), else in MiB."""
-    if abs(round(x / GiB, 2)) >= 1:
-        return f"{x / GiB:,.2f} GiB"
-    return f"{x / MiB:,.2f} MiB"
-
-
-def fmt_tokens(s: int) -> str:
-    """Tokens in K (1,024) with thousands separators, two decimals when not whole."""
-    if s >= 1024 and s % 1024 == 0:
-        return f"{s // 1024:,}K"
-    if s >= 1024:
-        return f"{s / 1024:,.2f}K"
-    return f"{s:,}"
 
 
 def plan(model: Model, job: Job, modes: Sequence[str] = MODES) -> Dict:

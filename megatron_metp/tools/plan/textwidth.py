@@ -12,6 +12,8 @@ from __future__ import annotations
 import textwrap
 from typing import List, Optional, Sequence
 
+from .model import GiB, MiB
+
 #: the default width of ``metp plan``'s output (columns)
 DEFAULT_WIDTH = 100
 #: the start of a wrapped ``#`` line's continuation (no line of the planner starts so otherwise)
@@ -86,3 +88,20 @@ def unwrap(text: str) -> str:
         else:
             out.append(line)
     return "\n".join(out)
+
+
+def fmt_bytes(x: float) -> str:
+    """Bytes in one format: two decimals and thousands separators, in GiB from 1 GiB (after
+    rounding: never ``1,024.00 MiB``), else in MiB."""
+    if abs(round(x / GiB, 2)) >= 1:
+        return f"{x / GiB:,.2f} GiB"
+    return f"{x / MiB:,.2f} MiB"
+
+
+def fmt_tokens(s: int) -> str:
+    """Tokens in K (1,024) with thousands separators, two decimals when not whole."""
+    if s >= 1024 and s % 1024 == 0:
+        return f"{s // 1024:,}K"
+    if s >= 1024:
+        return f"{s / 1024:,.2f}K"
+    return f"{s:,}"
