@@ -41,11 +41,12 @@ import importlib
 import importlib.util
 import inspect
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
 import torch
+
+from ..runtime import overrides
 
 #: kernel names, best first
 KERNELS = ("cudnn", "flash_attn_3", "flash_attn", "torch_flash", "reference")
@@ -267,7 +268,7 @@ def select_name(device, dtype: torch.dtype = torch.float32, requested: Optional[
     device = torch.device(device)
     how = "kernel= argument"
     if not requested:
-        requested = (os.environ.get(ENV) or "").strip() or None
+        requested = overrides.raw(ENV)
         how = f"{ENV}={requested}"
     if requested == "auto":
         requested = None

@@ -111,10 +111,10 @@ def megatron_lm_timeout_s(args) -> float:
     minutes = getattr(args, "distributed_timeout_minutes", None)
     minutes = 30 if minutes is None else minutes
     pg_s = float(minutes) * 60.0
-    import os
+    from . import overrides
 
     given = [("--metp-ring-timeout", getattr(args, "metp_ring_timeout", None))]
-    if os.environ.get("METP_RING_TIMEOUT_S", "").strip():
+    if overrides.is_set("METP_RING_TIMEOUT_S"):
         given.append(("METP_RING_TIMEOUT_S", ring_timeout_from_env()))
     for name, value in given:
         if value is not None and value > pg_s:
