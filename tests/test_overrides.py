@@ -91,6 +91,19 @@ def test_only_overrides_reads_the_environment_below_megatron_lm():
     assert _environment_uses('import os\nx = os.environ.get("METP_MLP_TOKEN_TILE")\n') == [2]
 
 
+def test_megatron_lm_writes_no_environment_and_reads_no_metp_variable():
+    writes, reads = {}, {}
+    for path in sorted((PKG / "megatron_lm").rglob("*.py")):
+        text = path.read_text()
+        if _environment_writes(text):
+            writes[path.name] = _environment_writes(text)
+        if re.search(r"environ(\.get\(|\[)\s*[\"']METP_", text):
+            reads[path.name] = True
+    assert writes == {} and reads == {}, (writes, reads)
+    assert _environment_writes('import os\nos.environ["METP_X"] = "1"\n') == [2]
+    assert _environment_writes('import os\nos.environ.update(A="1")\n') == [2]
+
+
 def test_parsers_name_the_variable_and_the_fix(monkeypatch):
     for name in ("METP_MLP_TOKEN_TILE", "METP_MOE_TOKEN_TILES", "METP_STREAMING_LAYER",
                  "METP_MLP_TILE_ORDER"):
