@@ -578,6 +578,7 @@ def build_metp_gpt_model(args, pre_process, post_process, vp_stage=None, config=
     from ..megatron.init import initialize_like_tp
     from ..megatron.spec import get_gpt_layer_metp_spec
     from ..megatron.vocab import METPGPTModel
+    from .tiles import tile_kwargs
 
     if config is None:
         config = _config_from_args(args)
@@ -601,7 +602,8 @@ def build_metp_gpt_model(args, pre_process, post_process, vp_stage=None, config=
         weight_ring=weight_ring, normalization=args.normalization,
         kernel=None if kernel in (None, "auto") else kernel,
         keep_intermediate=bool(getattr(args, "metp_keep_intermediate", False)),
-        norm=select_norm(getattr(args, "transformer_impl", "local"), args.normalization).module)
+        norm=select_norm(getattr(args, "transformer_impl", "local"), args.normalization).module,
+        **tile_kwargs(args))  # --metp-mlp-token-tile / --metp-moe-token-tiles as spec arguments
     if config.num_moe_experts:  # Megatron's MoELayer, experts over the METP ring (EP = p)
         from ..megatron.moe import (fold_expert_parallel_into_config,
                                     get_gpt_decoder_block_metp_spec)
