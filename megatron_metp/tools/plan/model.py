@@ -140,6 +140,11 @@ class Job:
     moe_imbalance: float = 1.0     # routed rows of the busiest EP rank over the mean (n·k)
     moe_token_tiles: bool = True   # METP: the routed part over token tiles (stock: never)
     moe_grouped_gemm: bool = False  # --moe-grouped-gemm: every expert's backward at once
+    # token tiles of the job (its --metp-mlp-token-tile / --metp-moe-token-tiles; a --config's
+    # EXTRA_ARGS or METP_MLP_TOKEN_TILE): None = the override (METP_MLP_TOKEN_TILE /
+    # METP_MOE_TOKEN_TILES in this environment), else auto from the budget, as the ops resolve it
+    mlp_token_tile: Optional[int] = None  # token rows per MLP ring pass (0 = whole)
+    moe_tile_count: Optional[int] = None  # token tiles per MoE layer (1 = whole)
 
     @property
     def width(self) -> int:
@@ -266,6 +271,21 @@ def validate(model: Model, job: Job, modes: Sequence[str] = MODES) -> None:
                          f"{model.groups}")
     if model.layers % job.pp:
         raise ValueError(f"--layers {model.layers} is not divisible by --pp {job.pp}")
+    from ...runtime.overrides import parse_int
+
+    if job.mlp_token_tile is not None:
+        parse_int(job.mlp_token_tile, "--metp-mlp-token-tile", minimum=0,
+                  unit="token rows per tile, 0 = whole")
+    if job.moe_tile_count is not None:
+        parse_int(job.moe_tile_count, "--metp-moe-token-tiles", minimum=1,
+                  unit="token tiles per MoE layer, 1 = whole")
+        if not model.moe:
+            raise ValueError(f"--metp-moe-token-tiles {job.moe_tile_count}: the model has no "
+                             f"experts (--num-experts); drop it")
+        if not job.moe_token_tiles:
+            raise ValueError(f"--metp-moe-token-tiles {job.moe_tile_count} with "
+                             f"--no-moe-token-tiles: drop one (--no-moe-token-tiles is "
+                             f"--metp-moe-token-tiles 1)")
     if job.kernel not in ("flash", "unfused"):
         raise ValueError(f"--kernel must be 'flash' or 'unfused', got {job.kernel!r}")
     from .rates import KERNEL_ALIASES, KERNELS, resolve_rates
