@@ -47,7 +47,8 @@ def test_doc_table_is_the_code_table():
     # negative controls: a row dropped, a default changed
     dropped = "\n".join(line for line in text.splitlines() if "`METP_TILE_BUDGET_MIB`" not in line)
     assert _differences(dropped) == ["METP_TILE_BUDGET_MIB: only in the code"]
-    changed = text.replace("| `METP_OFFLOAD_PREFETCH` | 0/1 | 1 |", "| `METP_OFFLOAD_PREFETCH` | 0/1 | 0 |")
+    changed = text.replace("| `METP_OFFLOAD_PREFETCH` | 0/1 | 1 |",
+                           "| `METP_OFFLOAD_PREFETCH` | 0/1 | 0 |")
     assert len(_differences(changed)) == 1 and "METP_OFFLOAD_PREFETCH" in _differences(changed)[0]
 
 

@@ -49,7 +49,8 @@ def test_config_extra_args_tile_is_the_plans_tile(tmp_path, monkeypatch, base):
     # METP_MLP_TOKEN_TILE in the config (pretrain_gpt.sh: the flag), and EXTRA_ARGS after it wins
     shell = _config(tmp_path, base, "METP_MLP_TOKEN_TILE=2048")
     assert cli.build_from_argv(["--config", shell])[1].mlp_token_tile == 2048
-    both = _config(tmp_path, base, "METP_MLP_TOKEN_TILE=4096\nEXTRA_ARGS=(--metp-mlp-token-tile=2048)")
+    both = _config(tmp_path, base,
+                   "METP_MLP_TOKEN_TILE=4096\nEXTRA_ARGS=(--metp-mlp-token-tile=2048)")
     assert cli.build_from_argv(["--config", both])[1].mlp_token_tile == 2048
     # the planner's own flag wins over the config's, and the launch line carries the tile
     j2 = cli.build_from_argv(["--config", tiled_cfg, "--metp-mlp-token-tile", "0"])[1]

@@ -59,7 +59,8 @@ def get_gpt_layer_metp_spec(groups: METPGroups, *, weight_ring: bool = True,
         mlp_token_tile: token rows per pass of the METP MLP's weight ring (``0``: whole;
             Megatron-LM's ``--metp-mlp-token-tile``), given to :class:`~.modules.METPMLP` and by
             it to the MLP op and the streaming layer's row passes; ``None``: the override
-            ``METP_MLP_TOKEN_TILE``, else auto from the tile budget (:mod:`megatron_metp.ops.tiles`).
+            ``METP_MLP_TOKEN_TILE``, else auto from the tile budget
+            (:mod:`megatron_metp.ops.tiles`).
             Refused with ``weight_ring=False`` (Megatron's own MLP has no tiles).
         moe_token_tiles: token tiles of every MoE layer (:mod:`.moe_tiles`); taken by
             :func:`~.moe.get_gpt_decoder_block_metp_spec`, refused here when not ``None`` (this
