@@ -104,3 +104,23 @@ def test_planner_kernel_names_come_from_kernel_choice():
     # negative control: a run-time kernel without a planner name is refused, naming it
     with pytest.raises(ValueError, match=r"\['new_kernel'\] have no planner name"):
         K.plan_kernel_names(K.KERNELS + ("new_kernel",))
+
+
+def test_measure_refuses_a_job_tile_it_would_not_build(tmp_path, monkeypatch, capsys):
+    """``metp measure`` builds its model with the overrides' tiles (tools/measure.py): a job tile
+    (flag or config) would be planned but not measured, so it is refused before any work."""
+    from megatron_metp.tools import measure as M
+
+    unset_env(monkeypatch, *TILE_VARS)
+    monkeypatch.setenv("PRECISION", "bf16")
+    ran = []
+    monkeypatch.setattr(M, "measure", lambda *a, **k: ran.append(a) or [])
+    cfg = _config(tmp_path, "tiny-cpu-metp2.sh", "EXTRA_ARGS=(--metp-mlp-token-tile 8)")
+    assert cli.main(["measure", "--config", cfg]) != 0
+    err = capsys.readouterr().err
+    assert "--metp-mlp-token-tile (the flag, or a --config's EXTRA_ARGS" in err and \
+        "metp measure builds its model with the overrides' tiles" in err, err
+    assert ran == []
+    # negative control: the same config without the tile reaches the measurement
+    cli.main(["measure", "--config", str(CONFIGS / "tiny-cpu-metp2.sh")])
+    assert len(ran) == 1
