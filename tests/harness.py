@@ -81,8 +81,8 @@ def free_port() -> int:
 def unset_env(monkeypatch, *names: str) -> None:
     """Remove ``names`` from the environment for one test and restore each afterwards, set or
     not. ``monkeypatch.delenv(name, raising=False)`` records nothing for an unset variable, so a
-    value the code under test then sets (``map_tile_args`` sets ``METP_MLP_TOKEN_TILE``) would
-    outlive the test and reach later tests in the same process."""
+    value the code under test then sets would outlive the test and reach later tests in the same
+    process."""
     for name in names:
         monkeypatch.setenv(name, "")  # recorded: undone (removed again) after the test
         monkeypatch.delenv(name)

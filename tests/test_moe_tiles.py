@@ -352,9 +352,13 @@ def test_megatron_lm_flag_sets_the_count_or_is_refused(monkeypatch):
     assert parser.parse_args(["--metp-moe-token-tiles", "4"]).metp_moe_token_tiles == 4
     assert parser.parse_args([]).metp_moe_token_tiles is None
     unset_env(monkeypatch, moe_tiles.MOE_TOKEN_TILES_ENV)
-    tiles.map_tile_args(SimpleNamespace(metp_moe_token_tiles=4, num_experts=8), True)
-    assert os.environ[moe_tiles.MOE_TOKEN_TILES_ENV] == "4"
-    assert moe_tiles.resolve_moe_tiles(1000, 10) == 4  # what every TiledMoELayer then runs
+    args = SimpleNamespace(metp_moe_token_tiles=4, num_experts=8)
+    tiles.map_tile_args(args, True)
+    # the flag reaches the spec as an argument (no longer through the environment)
+    assert tiles.tile_kwargs(args)["moe_token_tiles"] == 4
+    assert moe_tiles.MOE_TOKEN_TILES_ENV not in os.environ
+    # what every TiledMoELayer then runs (the spec builds it with moe_token_tiles)
+    assert moe_tiles.resolve_moe_tiles(1000, 10, tiles.tile_kwargs(args)["moe_token_tiles"]) == 4
     for kw, metp, needle in ((dict(num_experts=None), True, "needs --num-experts"),
                              (dict(num_experts=8), False, "needs --metp-parallel-size > 1"),
                              (dict(num_experts=8, metp_moe_token_tiles=0), True, ">= 1")):

@@ -151,11 +151,16 @@ def test_megatron_lm_flag_sets_the_tile_or_is_refused(monkeypatch):
     assert parser.parse_args(["--metp-mlp-token-tile", "4096"]).metp_mlp_token_tile == 4096
     assert parser.parse_args([]).metp_mlp_token_tile is None
     unset_env(monkeypatch, tiling.MLP_TOKEN_TILE_ENV)
-    hooks.validate_metp_args(_args(metp_parallel_size=8, metp_mlp_token_tile=4096))
+    args = hooks.validate_metp_args(_args(metp_parallel_size=8, metp_mlp_token_tile=4096))
     import os
 
-    assert os.environ[tiling.MLP_TOKEN_TILE_ENV] == "4096"
-    assert tiling.resolve_rows(None, 100_000, 8) == 4096  # what the METP MLP then uses
+    from megatron_metp.megatron_lm.tiles import tile_kwargs
+
+    # the flag reaches the spec as an argument (no longer through the environment)
+    assert tile_kwargs(args)["mlp_token_tile"] == 4096
+    assert tiling.MLP_TOKEN_TILE_ENV not in os.environ
+    # what the METP MLP then uses (the spec gives it to METPMLP, which gives it to the op)
+    assert tiling.resolve_rows(tile_kwargs(args)["mlp_token_tile"], 100_000, 8) == 4096
     for kw, needle in ((dict(metp_parallel_size=1), "needs --metp-parallel-size > 1"),
                        (dict(metp_parallel_size=8, metp_disable_weight_ring=True),
                         "--metp-disable-weight-ring"),

@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import datetime
 import math
-import os
 import zlib
 from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from ..runtime import overrides
 from .checkpoint_errors import CheckpointError
 
 #: environment variable bounding each agreement's wait, in seconds
@@ -46,8 +46,8 @@ def checkpoint_timeout_s() -> float:
     from ..runtime.watchdog import job_timeout_s
 
     job = job_timeout_s()
-    raw = os.environ.get(TIMEOUT_ENV)
-    if raw is None or raw.strip() == "":
+    raw = overrides.raw(TIMEOUT_ENV)
+    if raw is None:
         return job
     try:
         value = float(raw)
@@ -164,7 +164,7 @@ def agree(what: str, error: Optional[BaseException], ints: Sequence[int] = (), *
                  if stalled else "")
         raise CheckpointError(
             f"{what}: a peer rank died or hangs (it did not answer; the wait is bounded by "
-            f"{TIMEOUT_ENV if os.environ.get(TIMEOUT_ENV, '').strip() else 'the job timeout'}"
+            f"{TIMEOUT_ENV if overrides.is_set(TIMEOUT_ENV) else 'the job timeout'}"
             f"={timeout:g} s): {first}.{named} {who}{mine}{tail}".replace("  ", " ")
         ) from (error or exc)
     decoded = [_decode(b) for b in out]

@@ -39,6 +39,8 @@ within documents when boundaries are given.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
@@ -244,7 +246,7 @@ class METPMLP(MLP):
 
     def __init__(self, config, submodules, is_expert=False, input_size=None, ffn_hidden_size=None,
                  tp_group=None, *, groups: METPGroups, keep_intermediate=False,
-                 **megatron_kwargs):
+                 token_tile: Optional[int] = None, **megatron_kwargs):
         check_config(config)
         if is_expert:
             raise ValueError("METP MLP does not support MoE experts")
@@ -257,6 +259,7 @@ class METPMLP(MLP):
                          input_size=input_size, ffn_hidden_size=ffn, tp_group=groups.tp,
                          **megatron_kwargs)  # what the installed MLP takes beyond (0.19: name)
         self.groups, self.keep_intermediate = groups, keep_intermediate
+        self.token_tile = token_tile  # rows per ring pass (None: the override, else auto)
         self.layer_number = None
         self.ffn_tp = ffn // groups.tp_size
 
@@ -272,7 +275,7 @@ class METPMLP(MLP):
         y = metp_mlp(x, self.linear_fc1.weight, self.linear_fc2.weight, group=self.groups.metp,
                      activation=self.activation, fc1_bias=self.linear_fc1.bias, fc2_bias=None,
                      keep_intermediate=self.keep_intermediate, ffn_hidden_size=self.ffn_tp,
-                     label=f"layer {self.layer_number} mlp",
+                     token_tile=self.token_tile, label=f"layer {self.layer_number} mlp",
                      grad_reduce_dtype=wire_dtype(self.linear_fc1.weight,
                                                   self.linear_fc2.weight))
         if tp:

@@ -63,15 +63,19 @@ def fold_expert_parallel_into_config(config, metp_parallel_size: int):
 
 def get_gpt_decoder_block_metp_spec(config, groups: METPGroups, *, vp_stage=None, pp_rank=None,
                                     normalization: Optional[str] = None,
-                                    norm: Optional[type] = None, **metp_spec_kwargs):
+                                    norm: Optional[type] = None,
+                                    moe_token_tiles: Optional[int] = None, **metp_spec_kwargs):
     """A ``TransformerBlockSubmodules`` for this pipeline stage of a MoE GPT with METP.
 
     Megatron's ``get_gpt_decoder_block_spec`` (local backend) decides which layers have experts
     (``config.moe_layer_freq``) and which layers this stage builds; each dense layer becomes
     :func:`~.spec.get_gpt_layer_metp_spec`'s, each MoE layer the same with Megatron's ``MoELayer``
     as its MLP. ``metp_spec_kwargs`` go to ``get_gpt_layer_metp_spec`` (``kernel``,
-    ``keep_intermediate``; ``weight_ring`` must stay on; ``qk_layernorm`` defaults to the
-    config's). Refuses (``ValueError``) what :mod:`.moe_checks` lists."""
+    ``keep_intermediate``, ``mlp_token_tile`` for the dense layers' METP MLP; ``weight_ring`` must
+    stay on; ``qk_layernorm`` defaults to the config's). ``moe_token_tiles``: token tiles of
+    every MoE layer (:class:`~.moe_tiles.TiledMoELayer`; ``None``: the override
+    ``METP_MOE_TOKEN_TILES``, else auto from the tile budget). Refuses (``ValueError``) what
+    :mod:`.moe_checks` lists."""
     from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec,
                                                           get_gpt_layer_local_spec)
     from megatron.core.transformer.moe.moe_layer import MoELayer
@@ -99,7 +103,7 @@ def get_gpt_decoder_block_metp_spec(config, groups: METPGroups, *, vp_stage=None
                                   qk_layernorm=qk, **metp_spec_kwargs)
     # a fresh METP layer spec (it holds process groups); the MoELayer with token tiles
     # (:mod:`.moe_tiles`: one tile, stock's forward, when the rank's tokens fit the budget)
-    moe.submodules.mlp = tiled_moe_spec(moe_mlp)
+    moe.submodules.mlp = tiled_moe_spec(moe_mlp, moe_token_tiles=moe_token_tiles)
 
     def has_experts(layer_spec) -> bool:
         mlp = layer_spec.submodules.mlp  # a ModuleSpec (0.16) or a functools.partial (0.19)

@@ -35,8 +35,9 @@ dispatcher's buffers of one tile). One tile (``T = 1``) is exactly stock ``MoELa
 Tiled equals untiled to the order of fp32 sums: the router, the per-token expert math and the
 combine are row-wise, and every dropless dispatcher only permutes rows.
 
-Tile count, first that applies: the ``moe_token_tiles`` attribute of the layer (tests); the
-environment variable ``METP_MOE_TOKEN_TILES`` (``≥ 1``; Megatron-LM's ``--metp-moe-token-tiles``);
+Tile count, first that applies: the ``moe_token_tiles`` of the layer (the spec's
+:func:`tiled_moe_spec` argument, from Megatron-LM's ``--metp-moe-token-tiles``; tests set the
+attribute); the override ``METP_MOE_TOKEN_TILES`` (``≥ 1``);
 else auto, the fewest tiles whose routed transient stays within ``METP_TILE_BUDGET_MIB`` (1 GiB
 by default, the dense tiles' budget, :mod:`megatron_metp.ops.tiles`): ``T = ceil(N / ⌊budget /
 row⌋)``, one tile when the rank's tokens fit. ``T`` depends only on ``N`` (equal on every rank of a
@@ -75,6 +76,7 @@ from ..ops.moe_tile_count import (MOE_TOKEN_TILES_ENV, gated_activation, resolve
                                    routed_row_bytes, routed_transient_bytes)
 from ..ops.tiles import tile_slices
 from ..runtime import loop_sample
+from ..runtime.overrides import parse_int
 
 __all__ = ["MOE_TOKEN_TILES_ENV", "TiledMoELayer", "routed_row_bytes", "routed_transient_bytes",
            "resolve_moe_tiles", "tile_problems", "routed_tile", "routed_tiles", "tiled_moe_spec",
@@ -213,11 +215,19 @@ def _expert_params(layer: MoELayer) -> Sequence[torch.nn.Parameter]:
 class TiledMoELayer(MoELayer):
     """Megatron's ``MoELayer`` with its routed part in token tiles (module docstring).
 
-    ``moe_token_tiles``: the tile count (``None``: ``METP_MOE_TOKEN_TILES`` or auto). After each
-    forward ``last_tiles`` holds the count that ran."""
+    ``moe_token_tiles``: the tile count (keyword argument, from the spec's ``moe_token_tiles``;
+    ``None``: ``METP_MOE_TOKEN_TILES`` or auto). After each forward ``last_tiles`` holds the
+    count that ran."""
 
     moe_token_tiles: Optional[int] = None
     last_tiles: int = 0
+
+    def __init__(self, *args, moe_token_tiles: Optional[int] = None, **kwargs):
+        if moe_token_tiles is not None:  # refused before the layer is built
+            parse_int(moe_token_tiles, "moe_token_tiles", minimum=1,
+                      unit="token tiles per MoE layer, 1 = whole")
+        super().__init__(*args, **kwargs)
+        self.moe_token_tiles = moe_token_tiles
 
     def token_tiles(self, tokens: int, elem: int) -> int:
         """This layer's tile count for ``tokens`` local tokens of ``elem``-byte activations."""
@@ -270,20 +280,23 @@ class TiledMoELayer(MoELayer):
                            moe_token_tiles=int(count))
 
 
-def tiled_moe_spec(mlp_spec):
+def tiled_moe_spec(mlp_spec, moe_token_tiles: Optional[int] = None):
     """``mlp_spec`` (a MoE layer's ``TransformerLayerSubmodules.mlp``: a ``ModuleSpec`` in
     megatron-core 0.16, a ``functools.partial`` in 0.19) with :class:`TiledMoELayer` for
-    ``MoELayer``; anything else is returned unchanged."""
+    ``MoELayer``, built with ``moe_token_tiles`` (``None``: the override, else auto); anything
+    else is returned unchanged."""
     import functools
 
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     if isinstance(mlp_spec, functools.partial):
         if isinstance(mlp_spec.func, type) and issubclass(mlp_spec.func, MoELayer):
-            return functools.partial(TiledMoELayer, *mlp_spec.args, **mlp_spec.keywords)
+            return functools.partial(TiledMoELayer, *mlp_spec.args, **mlp_spec.keywords,
+                                     moe_token_tiles=moe_token_tiles)
         return mlp_spec
     if isinstance(mlp_spec, ModuleSpec) and isinstance(mlp_spec.module, type) and \
             issubclass(mlp_spec.module, MoELayer):
-        return ModuleSpec(module=TiledMoELayer, params=dict(mlp_spec.params or {}),
+        return ModuleSpec(module=TiledMoELayer,
+                          params={**(mlp_spec.params or {}), "moe_token_tiles": moe_token_tiles},
                           submodules=mlp_spec.submodules, metainfo=dict(mlp_spec.metainfo or {}))
     return mlp_spec

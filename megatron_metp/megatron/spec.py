@@ -10,6 +10,7 @@ from typing import Optional
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from ..runtime.overrides import parse_int
 from . import compat
 from .groups import METPGroups
 from .linear import METPLinear
@@ -32,7 +33,9 @@ def get_gpt_layer_metp_spec(groups: METPGroups, *, weight_ring: bool = True,
                             normalization: Optional[str] = None, kernel: Optional[str] = None,
                             keep_intermediate: bool = False,
                             norm: Optional[type] = None,
-                            qk_layernorm: bool = False) -> ModuleSpec:
+                            qk_layernorm: bool = False,
+                            mlp_token_tile: Optional[int] = None,
+                            moe_token_tiles: Optional[int] = None) -> ModuleSpec:
     """A ``TransformerLayer`` spec for megatron-core's ``GPTModel`` running METP.
 
     Starts from ``get_gpt_layer_local_spec(normalization=...)`` and keeps ``TransformerLayer``,
@@ -53,7 +56,27 @@ def get_gpt_layer_metp_spec(groups: METPGroups, *, weight_ring: bool = True,
         qk_layernorm: Megatron's ``--qk-layernorm`` (``config.qk_layernorm``): the local spec's
             per-head ``q_layernorm``/``k_layernorm``, which the METP attention applies inside its
             head-group loop (:mod:`.head_norm`) and the ring baseline's stock attention itself.
+        mlp_token_tile: token rows per pass of the METP MLP's weight ring (``0``: whole;
+            Megatron-LM's ``--metp-mlp-token-tile``), given to :class:`~.modules.METPMLP` and by
+            it to the MLP op and the streaming layer's row passes; ``None``: the override
+            ``METP_MLP_TOKEN_TILE``, else auto from the tile budget
+            (:mod:`megatron_metp.ops.tiles`).
+            Refused with ``weight_ring=False`` (Megatron's own MLP has no tiles).
+        moe_token_tiles: token tiles of every MoE layer (:mod:`.moe_tiles`); taken by
+            :func:`~.moe.get_gpt_decoder_block_metp_spec`, refused here when not ``None`` (this
+            spec has no MoE layer).
     """
+    if mlp_token_tile is not None:
+        parse_int(mlp_token_tile, "mlp_token_tile", minimum=0,
+                  unit="token rows per tile, 0 = whole")
+        if not weight_ring:
+            raise ValueError("mlp_token_tile tiles the METP MLP; with weight_ring=False (the "
+                             "ring self-attention baseline) the layer runs Megatron's own MLP, "
+                             "which has no token tiles: drop mlp_token_tile")
+    if moe_token_tiles is not None:
+        raise ValueError("moe_token_tiles tiles MoE layers; this dense layer spec has none: "
+                         "build a MoE model with get_gpt_decoder_block_metp_spec(..., "
+                         "moe_token_tiles=N), or drop moe_token_tiles")
     spec = copy.deepcopy(get_gpt_layer_local_spec(normalization=normalization,
                                                   qk_layernorm=qk_layernorm))
     layer = spec.submodules
@@ -75,7 +98,8 @@ def get_gpt_layer_metp_spec(groups: METPGroups, *, weight_ring: bool = True,
     mlp.linear_fc1 = _linear(groups, "column")
     mlp.linear_fc2 = _linear(groups, "row")
     layer.mlp = compat.layer_mlp(layer.mlp, METPMLP,
-                                 {"groups": groups, "keep_intermediate": keep_intermediate})
+                                 {"groups": groups, "keep_intermediate": keep_intermediate,
+                                  "token_tile": mlp_token_tile})
     return spec
 
 

@@ -87,7 +87,7 @@ class METPTransformerLayer(TransformerLayer):
                          fc2_bias=mlp.linear_fc2.bias, activation=mlp.activation,
                          norm1=self.input_layernorm, norm2=self.pre_mlp_layernorm,
                          host=host, offloader=off if host else None,
-                         in_place=True,
+                         in_place=True, mlp_token_tile=mlp.token_tile,
                          label=f"layer {self.layer_number}")
         return out, kwargs.get("context")
 

@@ -44,7 +44,7 @@ from typing import List
 
 import torch.distributed as dist
 
-from ..runtime import watchdog
+from ..runtime import overrides, watchdog
 from .timeouts import megatron_lm_timeout_s
 
 __all__ = ["install", "remember_groups", "installed"]
@@ -66,8 +66,8 @@ def remember_groups(groups) -> None:
 
 def _stall_if_asked(label: str) -> None:
     """The test hook (module docstring): called right after ``label`` was recorded."""
-    stall_rank = os.environ.get("METP_TEST_STALL_RANK", "")
-    at = os.environ.get("METP_TEST_STALL_AT", "")
+    stall_rank = overrides.raw("METP_TEST_STALL_RANK") or ""
+    at = overrides.raw("METP_TEST_STALL_AT") or ""
     if stall_rank and at and at in label and str(dist.get_rank()) == stall_rank:
         print(f"[METP_TEST_STALL] rank {stall_rank} stops for good at {label!r}", flush=True)
         while True:  # the test's stalled rank: ended by the launcher once its peer fails

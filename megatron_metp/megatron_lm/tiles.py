@@ -3,19 +3,16 @@
 (:mod:`megatron_metp.megatron.moe_tiles`, ``METP_MOE_TOKEN_TILES``; refused without
 ``--num-experts`` or METP, or below 1).
 
-The flag sets ``METP_MLP_TOKEN_TILE`` in every rank's environment during ``validate_args``
-(every rank parses the same command line), which the METP MLP reads when it resolves its tiles:
-``N`` token rows per tile, ``0`` whole; without the flag the variable (if set) or the auto tile
-from ``METP_TILE_BUDGET_MIB`` apply. Refused before any rank starts work where no METP MLP
+The flags reach the model as arguments of the layer spec (:func:`tile_kwargs`: the spec's
+``mlp_token_tile`` / ``moe_token_tiles``, then :class:`~megatron_metp.megatron.modules.METPMLP`
+and the ops): ``N`` token rows per tile, ``0`` whole; without the flag the override
+``METP_MLP_TOKEN_TILE`` (if set) or the auto tile from ``METP_TILE_BUDGET_MIB`` apply
+(:mod:`megatron_metp.runtime.overrides`). Refused before any rank starts work where no METP MLP
 runs: without ``--metp-parallel-size`` > 1 and with ``--metp-disable-weight-ring`` (Megatron's
 own MLP).
 """
 
 from __future__ import annotations
-
-import os
-
-from ..ops import tiles as tiling
 
 
 def add_tile_args(group) -> None:
@@ -72,16 +69,17 @@ def _moe_tile_problems(args, metp_on: bool) -> list:
 
 
 def map_tile_args(args, metp_on: bool) -> None:
-    """Check ``--metp-mlp-token-tile`` and hand it to the METP MLP (``ValueError`` naming the
-    flag and the alternative)."""
+    """Check ``--metp-mlp-token-tile`` and ``--metp-moe-token-tiles`` (``ValueError`` naming the
+    flag and the alternative); the values reach the model through :func:`tile_kwargs`."""
     problems = tile_arg_problems(args, metp_on)
     if problems:
         raise ValueError(problems[0])
-    rows = getattr(args, "metp_mlp_token_tile", None)
-    if rows is not None:
-        os.environ[tiling.MLP_TOKEN_TILE_ENV] = str(rows)
-    tiles = getattr(args, "metp_moe_token_tiles", None)
-    if tiles is not None:
-        from ..ops.moe_tile_count import MOE_TOKEN_TILES_ENV
 
-        os.environ[MOE_TOKEN_TILES_ENV] = str(tiles)
+
+def tile_kwargs(args) -> dict:
+    """The layer spec's tile arguments from ``args``: ``mlp_token_tile`` (``--metp-mlp-token-tile``)
+    and ``moe_token_tiles`` (``--metp-moe-token-tiles``), ``None`` where the flag is not given
+    (the override, else auto). For :func:`~megatron_metp.megatron.spec.get_gpt_layer_metp_spec`
+    / :func:`~megatron_metp.megatron.moe.get_gpt_decoder_block_metp_spec`."""
+    return {"mlp_token_tile": getattr(args, "metp_mlp_token_tile", None),
+            "moe_token_tiles": getattr(args, "metp_moe_token_tiles", None)}

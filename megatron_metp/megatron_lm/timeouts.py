@@ -9,8 +9,7 @@ Megatron-LM's flag.
 
 from __future__ import annotations
 
-import os
-
+from ..runtime import overrides
 from ..runtime.groups import ring_timeout_from_env
 
 __all__ = ["megatron_lm_timeout_s"]
@@ -24,7 +23,7 @@ def megatron_lm_timeout_s(args) -> float:
     minutes = 30 if minutes is None else minutes
     pg_s = float(minutes) * 60.0
     given = [("--metp-ring-timeout", getattr(args, "metp_ring_timeout", None))]
-    if os.environ.get("METP_RING_TIMEOUT_S", "").strip():
+    if overrides.is_set("METP_RING_TIMEOUT_S"):
         given.append(("METP_RING_TIMEOUT_S", ring_timeout_from_env()))
     for name, value in given:
         if value is not None and value > pg_s:

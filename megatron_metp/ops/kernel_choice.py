@@ -41,16 +41,33 @@ import importlib
 import importlib.util
 import inspect
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
 import torch
 
+from ..runtime import overrides
+
 #: kernel names, best first
 KERNELS = ("cudnn", "flash_attn_3", "flash_attn", "torch_flash", "reference")
 #: the environment variable that overrides the choice (``auto``: the best available)
 ENV = "METP_ATTENTION_KERNEL"
+#: the planner's name of each kernel (``metp plan --kernel``, its rate table: the names the
+#: published figures use); the planner derives its kernel vocabulary from this and :data:`KERNELS`
+PLAN_NAMES = {"cudnn": "cudnn", "flash_attn_3": "fa3", "flash_attn": "fa2",
+              "torch_flash": "torch_flash", "reference": "unfused"}
+
+
+def plan_kernel_names(kernels: Tuple[str, ...] = KERNELS,
+                      names: Optional[Dict[str, str]] = None) -> Tuple[str, ...]:
+    """The planner's names of ``kernels`` in their order (best first); ``ValueError`` naming a
+    kernel without a planner name (add it to :data:`PLAN_NAMES`)."""
+    names = PLAN_NAMES if names is None else names
+    missing = [k for k in kernels if k not in names]
+    if missing:
+        raise ValueError(f"attention kernel(s) {missing} have no planner name: add them to "
+                         f"megatron_metp.ops.kernel_choice.PLAN_NAMES")
+    return tuple(names[k] for k in kernels)
 
 _HALF = (torch.float16, torch.bfloat16)
 log = logging.getLogger("megatron_metp.attention_kernel")
@@ -267,7 +284,7 @@ def select_name(device, dtype: torch.dtype = torch.float32, requested: Optional[
     device = torch.device(device)
     how = "kernel= argument"
     if not requested:
-        requested = (os.environ.get(ENV) or "").strip() or None
+        requested = overrides.raw(ENV)
         how = f"{ENV}={requested}"
     if requested == "auto":
         requested = None

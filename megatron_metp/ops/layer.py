@@ -315,7 +315,8 @@ def metp_layer(x: torch.Tensor, *, group, num_heads: int, num_query_groups: int,
                k_norm_weight=None, q_norm_bias=None, k_norm_bias=None,
                grad_reduce_dtype: Optional[torch.dtype] = torch.float32,
                host: bool = False, offloader=None, in_place: bool = False,
-               token_tile: Optional[int] = None, label: str = "metp_layer") -> torch.Tensor:
+               token_tile: Optional[int] = None, mlp_token_tile: Optional[int] = None,
+               label: str = "metp_layer") -> torch.Tensor:
     """One pre-norm transformer layer ``y = h1 + MLP(norm2(h1)) + b2``,
     ``h1 = x + Attn(norm1(x))·Woᵀ + bo``, streamed (see the module docstring).
 
@@ -334,6 +335,9 @@ def metp_layer(x: torch.Tensor, *, group, num_heads: int, num_query_groups: int,
             only where safe (``x`` on the host first, or no backward).
         token_tile: tokens per row/query tile (``0``: whole); default
             :class:`~megatron_metp.ops.tiles.LayerTiles` from the budget.
+        mlp_token_tile: the row passes' tile in rows of tokens × batch, as the MLP op's
+            ``token_tile`` (the spec's ``mlp_token_tile``; ``None``: ``METP_MLP_TOKEN_TILE``,
+            else the budget); a ``token_tile`` wins.
     """
     group = as_metp_group(group)
     seq, d, kern, _, cu, freqs, head_norm = prepare_attention(
@@ -358,7 +362,8 @@ def metp_layer(x: torch.Tensor, *, group, num_heads: int, num_query_groups: int,
             raise ValueError("metp_layer takes a contiguous x [s/p, b, h]")
         elem = x.element_size()
         tiles = LayerTiles(n, b, h, geo.heads_local * d, geo.groups_local * d, elem,
-                           mlp_row_bytes(h, f, k, elem, 4 if elem < 4 else elem), token_tile)
+                           mlp_row_bytes(h, f, k, elem, 4 if elem < 4 else elem), token_tile,
+                           mlp_token_tile)
     except ValueError as exc:
         refuse_together(seq, op_label("metp_layer", label), exc)
         raise

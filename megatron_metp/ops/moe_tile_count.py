@@ -13,8 +13,8 @@ and the tile count ``T`` the MoE layers run (:mod:`megatron_metp.megatron.moe_ti
 from __future__ import annotations
 
 import math
-import os
 
+from ..runtime import overrides
 from .tiles import tile_budget_bytes
 
 __all__ = ["MOE_TOKEN_TILES_ENV", "gated_activation", "routed_row_bytes",
@@ -60,28 +60,15 @@ def routed_transient_bytes(tokens: int, hidden: int, moe_ffn: int, topk: int, *,
     return rows * routed_row_bytes(hidden, moe_ffn, topk, elem=elem, gated=gated)
 
 
-def _count(value, what: str) -> int:
-    ok = isinstance(value, int) and not isinstance(value, bool)
-    if isinstance(value, str) and value.strip().lstrip("+").isdigit():
-        value, ok = int(value), True
-    if not ok or value < 1:
-        raise ValueError(f"{what} must be a positive integer (token tiles per MoE layer, 1 = "
-                         f"whole), got {value!r}")
-    return value
-
-
 def resolve_moe_tiles(tokens: int, row_bytes: int, tiles=None) -> int:
-    """Token tiles of one MoE layer for ``tokens`` local tokens: ``tiles`` if given, else
-    ``METP_MOE_TOKEN_TILES``, else the fewest whose :func:`routed_transient_bytes` (``row_bytes``
-    per token) fits ``METP_TILE_BUDGET_MIB``; never more than ``tokens`` (at least 1)."""
+    """Token tiles of one MoE layer for ``tokens`` local tokens: ``tiles`` if given (the spec's
+    ``moe_token_tiles``), else ``METP_MOE_TOKEN_TILES``, else the fewest whose
+    :func:`routed_transient_bytes` (``row_bytes`` per token) fits ``METP_TILE_BUDGET_MIB``
+    (:func:`~megatron_metp.runtime.overrides.integer_setting`); never more than ``tokens``
+    (at least 1)."""
     tokens = int(tokens)
-    if tiles is not None:
-        count = _count(tiles, "moe_token_tiles")
-    else:
-        raw = os.environ.get(MOE_TOKEN_TILES_ENV, "").strip()
-        if raw:
-            count = _count(raw, f"the environment variable {MOE_TOKEN_TILES_ENV}")
-        else:
-            rows = max(1, tile_budget_bytes() // max(1, int(row_bytes)))
-            count = max(1, math.ceil(tokens / rows))
+    count = overrides.integer_setting(tiles, MOE_TOKEN_TILES_ENV, "moe_token_tiles")
+    if count is None:
+        rows = max(1, tile_budget_bytes() // max(1, int(row_bytes)))
+        count = max(1, math.ceil(tokens / rows))
     return max(1, min(count, tokens))

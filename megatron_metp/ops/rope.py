@@ -23,10 +23,12 @@ comparisons (``docs/positions.md``).
 
 from __future__ import annotations
 
-import os
 from typing import Optional, Tuple
 
 import torch
+
+from ..runtime import overrides
+
 
 def rope_tables(freqs: torch.Tensor, dtype: torch.dtype):
     """``(cos, sin)`` of ``freqs`` in ``dtype``: compute them once per op call and pass them to
@@ -100,10 +102,7 @@ RECIPE_ENV = "METP_ROPE_RECIPE"
 def rope_recipe(fp32_recipe: bool = False) -> str:
     """``"megatron"`` when ``fp32_recipe`` (``--metp-rope-fp32-recipe``) or
     ``$METP_ROPE_RECIPE=megatron``, else ``"exact"``; a bad value of the variable is refused."""
-    env = os.environ.get(RECIPE_ENV, "") or "exact"
-    if env not in RECIPES:
-        raise ValueError(f"{RECIPE_ENV}={env!r}: must be one of {RECIPES} (exact: METP's exact "
-                         f"RoPE angles, the default; megatron: Megatron's fp32 recipe)")
+    env = overrides.choice(RECIPE_ENV)  # one of RECIPES (exact, the default; megatron)
     return "megatron" if fp32_recipe or env == "megatron" else "exact"
 #: fp32 represents every integer only below this: Megatron's recipe is refused when a job's
 #: positions reach it (:func:`fp32_recipe_refusal`).

@@ -4,7 +4,7 @@ module so that the planner reads the same switch without importing megatron-core
 
 from __future__ import annotations
 
-import os
+from ..runtime import overrides
 
 #: ``0`` keeps Megatron's checkpoint and the separate METP ops under full recompute
 STREAMING_ENV = "METP_STREAMING_LAYER"
@@ -12,7 +12,4 @@ STREAMING_ENV = "METP_STREAMING_LAYER"
 
 def streaming_enabled() -> bool:
     """The switch's value; ``ValueError`` naming the variable for anything but 0 or 1."""
-    raw = os.environ.get(STREAMING_ENV, "").strip() or "1"
-    if raw not in ("0", "1"):
-        raise ValueError(f"the environment variable {STREAMING_ENV} must be 0 or 1, got {raw!r}")
-    return raw == "1"
+    return overrides.flag(STREAMING_ENV)

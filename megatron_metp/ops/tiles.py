@@ -20,9 +20,10 @@ which alone is more than the 15 % of a 76 GiB rank the 6M-token job allows a lay
 
 Tile size, first that applies:
 
-* the op's ``token_tile`` argument (rows per tile, a positive integer; ``0`` = whole);
-* the environment variable ``METP_MLP_TOKEN_TILE`` (same meaning), e.g. from Megatron-LM's
-  ``--metp-mlp-token-tile``;
+* the op's ``token_tile`` argument (rows per tile, a positive integer; ``0`` = whole), e.g.
+  from Megatron-LM's ``--metp-mlp-token-tile`` through the spec's ``mlp_token_tile`` and
+  :class:`~megatron_metp.megatron.modules.METPMLP`;
+* the override ``METP_MLP_TOKEN_TILE`` (same meaning; :mod:`megatron_metp.runtime.overrides`);
 * auto: the most rows whose token-proportional transient stays within
   ``METP_TILE_BUDGET_MIB`` (default 1024 MiB); a rank with fewer rows runs whole (one tile:
   exactly the untiled kernels and launches).
@@ -35,52 +36,22 @@ compares it (``token_tiles``), and a rank whose tile count differs is refused be
 from __future__ import annotations
 
 import math
-import operator
-import os
 from typing import List, Optional
+
+from ..runtime import overrides
 
 #: rows per MLP tile (0 = whole); overridden by the op's ``token_tile`` argument
 MLP_TOKEN_TILE_ENV = "METP_MLP_TOKEN_TILE"
 #: the byte budget of one tile's token-proportional transient, MiB
 TILE_BUDGET_ENV = "METP_TILE_BUDGET_MIB"
 DEFAULT_TILE_BUDGET_MIB = 1024
-
-
-def _nonneg_int(value, what: str) -> int:
-    if isinstance(value, bool):
-        raise ValueError(f"{what} must be a non-negative integer (token rows per tile, 0 = "
-                         f"whole), got {value!r}")
-    try:
-        n = operator.index(value)
-    except TypeError:
-        raise ValueError(f"{what} must be a non-negative integer (token rows per tile, 0 = "
-                         f"whole), got {value!r}") from None
-    if n < 0:
-        raise ValueError(f"{what} must be a non-negative integer (token rows per tile, 0 = "
-                         f"whole), got {value!r}")
-    return n
-
-
-def _env_int(env: str) -> Optional[int]:
-    raw = os.environ.get(env, "").strip()
-    if not raw:
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        value = raw
-    return _nonneg_int(value, f"the environment variable {env}")
+_ROWS = overrides.OVERRIDES[MLP_TOKEN_TILE_ENV].unit  # "token rows per tile, 0 = whole"
 
 
 def tile_budget_bytes() -> int:
     """The auto tile's budget: ``METP_TILE_BUDGET_MIB`` (a positive integer) or 1024 MiB."""
-    mib = _env_int(TILE_BUDGET_ENV)
-    if mib is None:
-        mib = DEFAULT_TILE_BUDGET_MIB
-    if mib < 1:
-        raise ValueError(f"the environment variable {TILE_BUDGET_ENV} must be a positive "
-                         f"number of MiB, got {mib}")
-    return mib << 20
+    mib = overrides.integer(TILE_BUDGET_ENV)
+    return (DEFAULT_TILE_BUDGET_MIB if mib is None else mib) << 20
 
 
 def mlp_row_bytes(h: int, ffn_shard: int, k: int, elem: int, acc_elem: int = 4,
@@ -96,14 +67,13 @@ def mlp_row_bytes(h: int, ffn_shard: int, k: int, elem: int, acc_elem: int = 4,
 
 def resolve_rows(token_tile, n_rows: int, row_bytes: int, env: str = MLP_TOKEN_TILE_ENV,
                  arg: str = "token_tile") -> int:
-    """Rows per tile for ``n_rows`` token rows (``n_rows`` itself = whole, one tile)."""
+    """Rows per tile for ``n_rows`` token rows (``n_rows`` itself = whole, one tile): the
+    argument ``token_tile``, else the override ``env``, else the budget
+    (:func:`~megatron_metp.runtime.overrides.integer_setting`; ``0`` = whole)."""
     n_rows = int(n_rows)
-    if token_tile is not None:
-        rows = _nonneg_int(token_tile, arg)
-    else:
-        rows = _env_int(env)
-        if rows is None:
-            rows = max(1, tile_budget_bytes() // max(1, int(row_bytes)))
+    rows = overrides.integer_setting(token_tile, env, arg)
+    if rows is None:
+        rows = max(1, tile_budget_bytes() // max(1, int(row_bytes)))
     if rows == 0 or rows >= n_rows:
         return max(n_rows, 1)
     return rows
@@ -126,11 +96,7 @@ TILE_ORDERS = ("outer", "inner")
 
 def tile_order() -> str:
     """``METP_MLP_TILE_ORDER`` (``outer``, the default, or ``inner``)."""
-    raw = os.environ.get(TILE_ORDER_ENV, "").strip().lower() or "outer"
-    if raw not in TILE_ORDERS:
-        raise ValueError(f"the environment variable {TILE_ORDER_ENV} must be one of "
-                         f"{TILE_ORDERS}, got {raw!r}")
-    return raw
+    return overrides.choice(TILE_ORDER_ENV)
 
 
 def agreement_fields(count: int, order: str) -> dict:
@@ -169,31 +135,33 @@ class LayerTiles:
                                                      q/O/dO copies; dq and a sub-block's (fp32)
         K/V ring     b·(4·G·d·e + 16·G·d)            own copy + held; two fp32 dK/dV sums
 
-    ``METP_MLP_TOKEN_TILE`` (``--metp-mlp-token-tile``, rows = tokens × micro-batch) sets the
-    row passes' tile, as it sets the separate MLP op's. A forced ``token_tile`` (or
+    ``mlp_token_tile`` (the spec's, from ``--metp-mlp-token-tile``; else
+    ``METP_MLP_TOKEN_TILE``; rows = tokens × micro-batch) sets the row passes' tile, as it sets
+    the separate MLP op's. A forced ``token_tile`` (or
     ``METP_LAYER_TOKEN_TILE``) sets ``rows`` and ``q`` (and leaves ``kv``/``keys`` whole), so the
     tests can cut tiny sequences; a dict sets each of the four."""
 
     def __init__(self, n: int, b: int, h: int, heads_dim: int, kv_dim: int, elem: int,
-                 mlp_bytes: int, token_tile=None):
+                 mlp_bytes: int, token_tile=None, mlp_token_tile: Optional[int] = None):
         if isinstance(token_tile, dict):  # every size given (tests): rows, q, kv, keys
             unknown = set(token_tile) - {"rows", "q", "kv", "keys"}
             if unknown:
                 raise ValueError(f"token_tile as a dict takes rows, q, kv, keys; got {unknown}")
             for name in ("rows", "q", "kv", "keys"):
-                v = _nonneg_int(token_tile.get(name, 0), f"token_tile[{name!r}]")
+                v = overrides.parse_int(token_tile.get(name, 0), f"token_tile[{name!r}]",
+                                        unit=_ROWS)
                 setattr(self, name, n if v == 0 or v >= n else v)
             return
-        forced = token_tile if token_tile is not None else _env_int(LAYER_TOKEN_TILE_ENV)
+        forced = overrides.integer_setting(token_tile, LAYER_TOKEN_TILE_ENV, "token_tile")
         if forced is not None:
-            forced = _nonneg_int(forced, "token_tile")
             whole = forced == 0 or forced >= n
             self.rows = self.q = n if whole else forced
             self.kv = self.keys = n
             return
         budget = tile_budget_bytes()
         per = lambda nbytes: max(1, int(nbytes))  # noqa: E731
-        mlp_rows = _env_int(MLP_TOKEN_TILE_ENV)  # --metp-mlp-token-tile: rows of tokens × batch
+        # --metp-mlp-token-tile (the spec's mlp_token_tile): rows of tokens × batch
+        mlp_rows = overrides.integer_setting(mlp_token_tile, MLP_TOKEN_TILE_ENV, "mlp_token_tile")
         if mlp_rows is not None:
             self.rows = n if mlp_rows == 0 else min(n, max(1, -(-mlp_rows // b)))
         else:

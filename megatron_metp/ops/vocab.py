@@ -10,13 +10,12 @@ vocabulary (:func:`padded_vocab_size`); the padding rows are ordinary rows, as i
 
 from __future__ import annotations
 
-import operator
-import os
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from ..runtime import overrides
 from ..runtime.groups import METPGroup
 from . import tiles as tiling
 
@@ -110,39 +109,21 @@ TOKEN_CHUNK_ELEMENTS = 1 << 28
 LOSS_TOKEN_CHUNK_ENV = "METP_LOSS_TOKEN_CHUNK"
 
 
-def _positive_int(value, what: str):
-    if isinstance(value, bool):
-        raise ValueError(f"{what} must be a positive integer (tokens per chunk), got {value!r}")
-    try:
-        n = operator.index(value)
-    except TypeError:
-        raise ValueError(f"{what} must be a positive integer (tokens per chunk), got "
-                         f"{value!r}") from None
-    if n < 1:
-        raise ValueError(f"{what} must be a positive integer (tokens per chunk), got {value!r}")
-    return n
-
-
 def resolve_token_chunk(token_chunk, width: int, env: Optional[str] = None,
                         arg: str = "token_chunk") -> int:
     """Rows of tokens per chunk of an op that tiles its tokens (``[token_chunk, width]`` blocks).
 
     ``token_chunk`` if given (a positive integer, else ``ValueError`` naming ``arg``); otherwise
-    the environment variable ``env`` if it is set and not empty (a positive integer, else
-    ``ValueError`` naming the variable); otherwise auto: the most rows whose ``[rows, width]``
-    block has at most :data:`TOKEN_CHUNK_ELEMENTS` elements (1 GiB in fp32), at least 1.
-    A chunk larger than the rank's token count means one chunk (no tiling).
+    the override ``env`` if it is set and not empty (a positive integer, else ``ValueError``
+    naming the variable; :func:`~megatron_metp.runtime.overrides.integer_setting`); otherwise
+    auto: the most rows whose ``[rows, width]`` block has at most :data:`TOKEN_CHUNK_ELEMENTS`
+    elements (1 GiB in fp32), at least 1. A chunk larger than the rank's token count means one
+    chunk (no tiling).
     """
-    if token_chunk is not None:
-        return _positive_int(token_chunk, arg)
-    if env is not None:
-        raw = os.environ.get(env, "").strip()
-        if raw:
-            try:
-                value = int(raw)
-            except ValueError:
-                value = raw
-            return _positive_int(value, f"the environment variable {env}")
+    if token_chunk is not None or env is not None:  # (no env: the argument's bounds alone)
+        chunk = overrides.integer_setting(token_chunk, env or LOSS_TOKEN_CHUNK_ENV, arg)
+        if chunk is not None:
+            return chunk
     return max(1, TOKEN_CHUNK_ELEMENTS // max(1, int(width)))
 
 
@@ -183,8 +164,4 @@ def loss_grad_into_hidden_env() -> bool:
     """``METP_LOSS_GRAD_INTO_HIDDEN``: ``1`` (or unset, the default) lets the METP GPT model's
     loss write its input gradient into the final hidden states (``grad_into_hidden``), ``0``
     does not; anything else is refused naming the variable."""
-    raw = os.environ.get(LOSS_GRAD_INTO_HIDDEN_ENV, "").strip()
-    if raw not in ("", "0", "1"):
-        raise ValueError(f"the environment variable {LOSS_GRAD_INTO_HIDDEN_ENV} must be 0 or 1, "
-                         f"got {raw!r}")
-    return raw != "0"
+    return overrides.flag(LOSS_GRAD_INTO_HIDDEN_ENV)

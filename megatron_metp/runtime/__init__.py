@@ -2,4 +2,5 @@
 ring exchange (:mod:`.ring`), the one timeout and stalled-rank naming (:mod:`.watchdog`), the
 cross-rank agreement check (:mod:`.agree`), the finite check (:mod:`.finite`), the METP × CP
 sequence ring (:mod:`.context`) and host offload of
-saved activations (:mod:`.offload`). Nothing here imports megatron-core or the ops."""
+saved activations (:mod:`.offload`); the documented ``METP_*`` overrides, read only in
+:mod:`.overrides`. Nothing here imports megatron-core or the ops."""

@@ -51,17 +51,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from . import overrides
 from .bounded_wait import group_text, wait_bounded, wait_error
 from .groups import METPGroup
 
 def _mode_from_env() -> str:
-    raw = os.environ.get("METP_CHECK_AGREEMENT", "").strip().lower()
+    raw = (overrides.raw("METP_CHECK_AGREEMENT") or "").lower()
     if raw in ("", "1", "true", "on", "yes"):
         return "cached"
     if raw in ("0", "false", "off", "no"):

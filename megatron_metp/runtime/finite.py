@@ -15,12 +15,13 @@ as a rank with them off never joins the exchange).
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 
-_enabled = os.environ.get("METP_CHECK_FINITE", "0") not in ("", "0", "false", "False")
+from . import overrides
+
+_enabled = overrides.raw("METP_CHECK_FINITE") not in (None, "0", "false", "False")
 _iteration: Optional[int] = None
 
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import datetime
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch.distributed as dist
+
+from . import overrides
 
 #: Default time a ring step may wait for its peer before the op fails with a message.
 #: Overridable per group or with the ``METP_RING_TIMEOUT_S`` environment variable (seconds).
@@ -24,8 +25,8 @@ DEFAULT_RING_TIMEOUT_S = 600.0
 def ring_timeout_from_env() -> float:
     """``METP_RING_TIMEOUT_S`` (seconds; default :data:`DEFAULT_RING_TIMEOUT_S`): a positive,
     finite number, else ``ValueError`` naming the variable."""
-    raw = os.environ.get("METP_RING_TIMEOUT_S", "").strip()
-    if not raw:
+    raw = overrides.raw("METP_RING_TIMEOUT_S")
+    if raw is None:
         return float(DEFAULT_RING_TIMEOUT_S)
     try:
         value = float(raw)

@@ -48,12 +48,13 @@ layer is its own chunk.
 from __future__ import annotations
 
 import contextlib
-import os
 import weakref
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 import torch
+
+from . import overrides
 
 #: tensors smaller than this stay on the device (norm statistics, RNG states, ids)
 DEFAULT_MIN_BYTES = 1 << 20
@@ -86,10 +87,7 @@ def offload_prefetch() -> bool:
     ``0`` brings each group back only when its backward first unpacks it (one group on the
     device; the copy of one layer input is then not hidden: at 64 GB/s 0.1 s for Llama-3-8B's
     6 GiB input at 768K tokens per rank, next to minutes of that layer's compute)."""
-    raw = os.environ.get(PREFETCH_ENV, "").strip() or "1"
-    if raw not in ("0", "1"):
-        raise ValueError(f"the environment variable {PREFETCH_ENV} must be 0 or 1, got {raw!r}")
-    return raw == "1"
+    return overrides.flag(PREFETCH_ENV)
 
 
 @dataclass(eq=False)

@@ -15,13 +15,13 @@ same text as a warning line and the job goes on.
 from __future__ import annotations
 
 import datetime
-import os
 import socket
 from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from . import overrides
 from .groups import METPGroup
 
 #: bytes of a host name carried by the check (longer names are compared by this prefix)
@@ -86,11 +86,7 @@ def check_metp_groups_on_one_node(metp: METPGroup, *, hostname: Optional[str] = 
             bad.append((ranks, on))
     if bad:
         text = _message(bad, hosts, host, gpus_per_node)
-        allow = os.environ.get("METP_ALLOW_CROSS_NODE_RING", "").strip()
-        if allow not in ("", "0", "1"):
-            raise ValueError(f"METP_ALLOW_CROSS_NODE_RING={allow!r}: must be 1 (accept a METP "
-                             f"ring across nodes) or 0/unset (refuse it)")
-        if allow == "1":
+        if overrides.flag("METP_ALLOW_CROSS_NODE_RING"):  # 1: accept; 0/unset: refuse
             if dist.get_rank() == 0:
                 print(f"> {text.split(' This is rank')[0]} Accepted: "
                       f"METP_ALLOW_CROSS_NODE_RING=1.", flush=True)

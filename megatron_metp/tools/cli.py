@@ -63,6 +63,14 @@ def _offload_count(raw: str) -> int:
     return int(raw)
 
 
+def _kernel_choices() -> List[str]:
+    """``--kernel``: ``flash`` / ``unfused`` (the memory model), or a kernel by its planner name
+    or its run-time name, both derived from ``ops/kernel_choice`` (``KERNELS``, ``PLAN_NAMES``:
+    ``reference`` is ``unfused``)."""
+    kernels, aliases = P.rates.KERNELS, P.rates.KERNEL_ALIASES
+    return ["flash", "unfused"] + [k for k in kernels if k != "unfused"] + list(aliases)
+
+
 def _add_common(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("model (preset, then --config, then these flags)")
     g.add_argument("--preset", choices=sorted(P.PRESETS), default=None,
@@ -110,6 +118,15 @@ def _add_common(ap: argparse.ArgumentParser) -> None:
     j.add_argument("--no-moe-token-tiles", action="store_true",
                    help="METP: plan the routed part of each MoE layer over the rank's whole "
                         "tokens (default: MoE token tiles sized by METP_TILE_BUDGET_MIB)")
+    j.add_argument("--metp-mlp-token-tile", type=int, default=None, metavar="ROWS",
+                   help="METP: token rows per pass of the MLP's weight ring, as Megatron-LM's "
+                        "flag of that name (0: whole; default: a --config's EXTRA_ARGS or "
+                        "METP_MLP_TOKEN_TILE, else $METP_MLP_TOKEN_TILE, else auto from "
+                        "METP_TILE_BUDGET_MIB)")
+    j.add_argument("--metp-moe-token-tiles", type=int, default=None, metavar="TILES",
+                   help="METP: token tiles of every MoE layer, as Megatron-LM's flag of that "
+                        "name (1: whole; default: a --config's EXTRA_ARGS, else "
+                        "$METP_MOE_TOKEN_TILES, else auto from METP_TILE_BUDGET_MIB)")
     j.add_argument("--tp", type=int, help="tensor-parallel size (default 1)")
     j.add_argument("--metp", type=int, help="METP / ring / CP size (default 8)")
     j.add_argument("--cp", type=int,
@@ -123,8 +140,7 @@ def _add_common(ap: argparse.ArgumentParser) -> None:
     j.add_argument("--microbatches", type=int, default=0,
                    help="micro-batches per iteration (PP in-flight count; default: a --config's "
                         "GLOBAL_BATCH_SIZE / (micro-batch x DP), else fill the pipe)")
-    j.add_argument("--kernel", choices=["flash", "unfused", "cudnn", "fa3", "fa2",
-                                        "torch_flash", "flash_attn_3", "flash_attn"],
+    j.add_argument("--kernel", choices=_kernel_choices(),
                    default=None,
                    help="attention kernel (default flash; a configs/*.sh with "
                         "TRANSFORMER_IMPL=local plans stock layers unfused, as Megatron's local "
@@ -224,6 +240,10 @@ def build(args) -> tuple:
         job_fields["moe_dispatcher"] = args.moe_token_dispatcher_type
     if args.no_moe_token_tiles:
         job_fields["moe_token_tiles"] = False
+    if args.metp_mlp_token_tile is not None:  # the job's flag (wins over a --config's)
+        job_fields["mlp_token_tile"] = args.metp_mlp_token_tile
+    if args.metp_moe_token_tiles is not None:
+        job_fields["moe_tile_count"] = args.metp_moe_token_tiles
     if args.moe_grouped_gemm:
         job_fields["moe_grouped_gemm"] = True
     if args.offload_activations:
@@ -241,6 +261,8 @@ def build(args) -> tuple:
     if not micro and global_batch is not None:  # the iteration of the config's global batch
         micro = P.microbatches(global_batch, job_fields.get("micro_batch") or 1,
                                job_fields.get("dp") or 1)
+    if args.kernel is not None and P.rates.kernel_name(args.kernel) == "unfused":
+        args.kernel = "unfused"  # reference (the run-time name) plans as unfused
     named = args.kernel not in (None, "flash", "unfused")  # a flash kernel by name
     job = P.Job(microbatches=micro,
                 kernel="flash" if named else (args.kernel or job_fields.pop("kernel", "flash")),
@@ -307,6 +329,11 @@ def cmd_reach(args) -> int:
         raise ValueError("--reach plans micro-batch 1, bf16, flash kernels, the METP MLP "
                          "intermediate recomputed; drop --kernel / --keep-intermediate / "
                          "--micro-batch / --microbatches / --precision")
+    for flag in ("metp_mlp_token_tile", "metp_moe_token_tiles"):
+        if getattr(args, flag, None) is not None:
+            raise ValueError(f"--{flag.replace('_', '-')}: --reach plans each layout with the "
+                             f"auto tiles (they follow its tokens per rank); drop it, or plan "
+                             f"one layout without --reach")
     model, _ = build_model(args)
     if args.ep is not None:
         raise ValueError("--ep: --reach searches the stock layouts' expert parallelism itself "
@@ -410,6 +437,14 @@ def cmd_measure(args) -> int:
         print(f"measure: --config {args.config} runs mode {args.modes[0]} (--modes "
               f"{' '.join(P.MODES)} measures the others)", file=sys.stderr, flush=True)
     model, job, modes = build(args)
+    given = [f for f, v in (("--metp-mlp-token-tile", job.mlp_token_tile),
+                            ("--metp-moe-token-tiles", job.moe_tile_count)) if v is not None]
+    if given:  # the measured model takes its tiles from METP_MLP_TOKEN_TILE / _MOE_TOKEN_TILES
+        raise ValueError(f"{given[0]} (the flag, or a --config's EXTRA_ARGS / "
+                         f"METP_MLP_TOKEN_TILE): metp measure builds its model with the "
+                         f"overrides' tiles, not the job's yet; give the tile as "
+                         f"METP_MLP_TOKEN_TILE / METP_MOE_TOKEN_TILES in the environment (plan "
+                         f"and measure both read it), or plan without measuring")
     t0 = time.perf_counter()
     results = M.measure(model, job, modes, jobs=args.jobs, timeout=args.timeout,
                         cpu_matmul=args.cpu_matmul, measure_layers=args.measure_layers,

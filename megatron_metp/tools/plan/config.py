@@ -34,7 +34,14 @@ _JOB_KEYS = {
     "ep": "ep", "expert_model_parallel_size": "ep",
     "moe_token_dispatcher": "moe_dispatcher", "moe_token_dispatcher_type": "moe_dispatcher",
     "global_batch": "global_batch", "global_batch_size": "global_batch",
+    # token tiles (scripts/pretrain_gpt.sh: METP_MLP_TOKEN_TILE -> --metp-mlp-token-tile)
+    "metp_mlp_token_tile": "mlp_token_tile", "mlp_token_tile": "mlp_token_tile",
+    "metp_moe_token_tiles": "moe_tile_count",
 }
+#: ``pretrain_gpt.py`` flags in a config's ``EXTRA_ARGS`` / ``MOE_ARGS`` → Job fields (the last
+#: occurrence wins, as in Megatron-LM's argument parser)
+_FLAG_KEYS = {"--metp-mlp-token-tile": "mlp_token_tile",
+              "--metp-moe-token-tiles": "moe_tile_count"}
 
 
 def _coerce(v: str):
@@ -137,9 +144,31 @@ def from_config(path: str) -> Tuple[Dict[str, object], Dict[str, object]]:
         model.pop("kv_channels")
     if "vocab_parallel" in job:
         job["vocab_parallel"] = bool(job["vocab_parallel"])
+    for key in ("mlp_token_tile", "moe_tile_count"):
+        if job.get(key) is False:  # METP_MLP_TOKEN_TILE= (unset in a configs/*.sh)
+            job.pop(key)
     if path.endswith(".sh"):
         _launcher_settings(kv, model, job)
     return model, job
+
+
+def flag_values(argv: List[str], flags: Dict[str, str]) -> Dict[str, int]:
+    """``{field: N}`` for each of ``flags`` (``--flag N`` or ``--flag=N``, an integer; the last
+    occurrence wins) in ``argv`` (a config's ``EXTRA_ARGS`` split); ``ValueError`` naming the
+    flag when its value is missing or not an integer."""
+    out: Dict[str, int] = {}
+    for i, word in enumerate(argv):
+        name, eq, value = word.partition("=")
+        if name not in flags:
+            continue
+        if not eq:
+            value = argv[i + 1] if i + 1 < len(argv) else ""
+        try:
+            out[flags[name]] = int(value)
+        except ValueError:
+            raise ValueError(f"{name} {value!r} in the config's EXTRA_ARGS: an integer is "
+                             f"needed (e.g. {name} 4096)") from None
+    return out
 
 
 def microbatches(global_batch: int, micro_batch: int, dp: int) -> int:
@@ -211,6 +240,7 @@ def _launcher_settings(kv: Dict[str, object], model: Dict[str, object],
         str(kv.get("moe_args") or "").strip("()").split()
     if "--optimizer-cpu-offload" in extra:
         job["optimizer_offload"] = True  # EXTRA_ARGS=(--optimizer-cpu-offload ...)
+    job.update(flag_values(extra, _FLAG_KEYS))  # after METP_MLP_TOKEN_TILE, as the launcher
     if "--moe-grouped-gemm" in extra:  # a MoE config's MOE_ARGS / EXTRA_ARGS
         job["moe_grouped_gemm"] = True
     cp = int(kv.get("cp") or 1)

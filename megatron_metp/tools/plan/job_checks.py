@@ -45,6 +45,21 @@ def validate(model: Model, job: Job, modes: Sequence[str] = MODES) -> None:
                          f"{model.groups}")
     if model.layers % job.pp:
         raise ValueError(f"--layers {model.layers} is not divisible by --pp {job.pp}")
+    from ...runtime.overrides import parse_int
+
+    if job.mlp_token_tile is not None:
+        parse_int(job.mlp_token_tile, "--metp-mlp-token-tile", minimum=0,
+                  unit="token rows per tile, 0 = whole")
+    if job.moe_tile_count is not None:
+        parse_int(job.moe_tile_count, "--metp-moe-token-tiles", minimum=1,
+                  unit="token tiles per MoE layer, 1 = whole")
+        if not model.moe:
+            raise ValueError(f"--metp-moe-token-tiles {job.moe_tile_count}: the model has no "
+                             f"experts (--num-experts); drop it")
+        if not job.moe_token_tiles:
+            raise ValueError(f"--metp-moe-token-tiles {job.moe_tile_count} with "
+                             f"--no-moe-token-tiles: drop one (--no-moe-token-tiles is "
+                             f"--metp-moe-token-tiles 1)")
     if job.kernel not in ("flash", "unfused"):
         raise ValueError(f"--kernel must be 'flash' or 'unfused', got {job.kernel!r}")
     from .rates import KERNEL_ALIASES, KERNELS, resolve_rates

@@ -144,8 +144,14 @@ def job_settings(job: Job, mode: str) -> List[Setting]:
                         ["--metp-offload-activations", str(job.offload_layers)]))
         if not job.offload_prefetch:
             out.append(("METP_OFFLOAD_PREFETCH", "0", []))
+    if job.mlp_token_tile is not None and mode == "metp":  # the tiles the plan assumed
+        out.append(("METP_MLP_TOKEN_TILE", str(job.mlp_token_tile),
+                    ["--metp-mlp-token-tile", str(job.mlp_token_tile)]))
     if job.optimizer_offload:
         out.append(("EXTRA_ARGS", " ".join(OPTIMIZER_OFFLOAD_ARGS), list(OPTIMIZER_OFFLOAD_ARGS)))
+    if job.moe_tile_count is not None and mode == "metp":  # (pretrain_gpt.sh: no variable)
+        flags = ["--metp-moe-token-tiles", str(job.moe_tile_count)]
+        out.append(("EXTRA_ARGS", " ".join(flags), flags))
     return out
 
 

@@ -32,7 +32,7 @@ def metp_phases(model, job, lay, n, S) -> Dict[str, Dict[str, float]]:
     # MLP: weight ring (own packed + held, bf16), travelling gradient sum (two fp32 buffers),
     # then one shard's z (recomputed unless kept), f(z), d(f(z)) and dz (the dx / dW GEMMs
     # accumulate in place); token tiles (.tiles): per tile of R rows, the whole dx output kept
-    R = mlp_tile_rows(n, h, f, k, job.keep_intermediate)
+    R = mlp_tile_rows(n, h, f, k, job.keep_intermediate, job.mlp_token_tile)
     tiled = R < n
     z = 0 if job.keep_intermediate else BF16 * R * k * f
     a = BF16 * R * f

@@ -142,6 +142,11 @@ class Job:
     moe_imbalance: float = 1.0     # routed rows of the busiest EP rank over the mean (n·k)
     moe_token_tiles: bool = True   # METP: the routed part over token tiles (stock: never)
     moe_grouped_gemm: bool = False  # --moe-grouped-gemm: every expert's backward at once
+    # token tiles of the job (its --metp-mlp-token-tile / --metp-moe-token-tiles; a --config's
+    # EXTRA_ARGS or METP_MLP_TOKEN_TILE): None = the override (METP_MLP_TOKEN_TILE /
+    # METP_MOE_TOKEN_TILES in this environment), else auto from the budget, as the ops resolve it
+    mlp_token_tile: Optional[int] = None  # token rows per MLP ring pass (0 = whole)
+    moe_tile_count: Optional[int] = None  # token tiles per MoE layer (1 = whole)
 
     @property
     def width(self) -> int:

@@ -135,7 +135,8 @@ def tiled(job: Job, lay) -> bool:
 def tile_count(model: Model, job: Job, lay, N: int) -> int:
     """MoE token tiles of a rank's ``N`` tokens: 1 (stock, or ``--no-moe-token-tiles`` =
     ``METP_MOE_TOKEN_TILES=1``), else as the METP MoE layer resolves them
-    (:func:`megatron_metp.megatron.moe_tiles.resolve_moe_tiles`: ``METP_MOE_TOKEN_TILES``, or the
+    (:func:`megatron_metp.megatron.moe_tiles.resolve_moe_tiles`: the job's
+    ``--metp-moe-token-tiles`` (``Job.moe_tile_count``), else ``METP_MOE_TOKEN_TILES``, or the
     fewest tiles whose routed bytes ``k·(4h + 12f′)`` per token fit ``METP_TILE_BUDGET_MIB``)."""
     if not tiled(job, lay):
         return 1
@@ -145,7 +146,7 @@ def tile_count(model: Model, job: Job, lay, N: int) -> int:
         warnings.simplefilter("ignore")
         from ...megatron.moe_tiles import resolve_moe_tiles, routed_row_bytes as row
     return resolve_moe_tiles(N, row(model.hidden, expert_ffn(model), model.topk, elem=BF16,
-                                    gated=model.swiglu))
+                                    gated=model.swiglu), job.moe_tile_count)
 
 
 def tile_tokens(model: Model, job: Job, lay, N: int) -> int:

@@ -65,15 +65,17 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Dict, Optional, Tuple
 
+from ...ops.kernel_choice import PLAN_NAMES, plan_kernel_names
 from .host_link import host_copy_gbps
 
 #: a flash backward's FLOPs over its forward's (five score-sized matmuls against two)
 ATTENTION_BWD_FLOP_RATIO = 2.5
-#: the kernel names, in the run-time choice's order of preference (then the CPU reference)
-KERNELS = ("cudnn", "fa3", "fa2", "torch_flash", "unfused")
+#: the kernel names, in the run-time choice's order of preference (then the CPU reference):
+#: ``ops/kernel_choice.KERNELS`` by their planner names (``kernel_choice.PLAN_NAMES``)
+KERNELS = plan_kernel_names()
 #: the run-time kernel registry's names (``METP_ATTENTION_KERNEL``, ``benchmarks/gpu_rates.py``)
-#: for the same kernels
-KERNEL_ALIASES = {"flash_attn_3": "fa3", "flash_attn": "fa2", "reference": "unfused"}
+#: for the same kernels, where they differ from the planner's
+KERNEL_ALIASES = {k: v for k, v in PLAN_NAMES.items() if k != v}
 
 
 def kernel_name(kernel: str) -> str:

@@ -67,7 +67,8 @@ def layer_tiles(model, job, lay, n: int):
     f = model.ffn // sh
     hqg, hkg = model.heads * d // sh, model.groups * d // sh
     return tiling.LayerTiles(n // b, b, h, hqg, hkg, BF16,
-                             tiling.mlp_row_bytes(h, f, k, BF16, FP32, False))
+                             tiling.mlp_row_bytes(h, f, k, BF16, FP32, False),
+                             mlp_token_tile=job.mlp_token_tile)
 
 
 def streaming_phases(model, job, lay, n: int, host: bool) -> Dict[str, Dict[str, float]]:

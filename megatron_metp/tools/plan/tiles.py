@@ -9,16 +9,22 @@ times."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 from ...ops import tiles as tiling
 from .model import BF16, FP32
 
 
-def mlp_tile_rows(n: int, h: int, f: int, k: int, keep: bool) -> int:
-    """Rows per MLP tile for ``n`` rows (``n`` = whole), from ``METP_MLP_TOKEN_TILE`` or the
-    auto budget, as the op resolves it."""
-    return tiling.resolve_rows(None, n, tiling.mlp_row_bytes(h, f, k, BF16, FP32, keep))
+def mlp_tile_rows(n: int, h: int, f: int, k: int, keep: bool,
+                  token_tile: Optional[int] = None) -> int:
+    """Rows per MLP tile for ``n`` rows (``n`` = whole) as the op resolves them: the job's
+    ``token_tile`` (``Job.mlp_token_tile``, its ``--metp-mlp-token-tile``), else
+    ``METP_MLP_TOKEN_TILE``, else the auto budget."""
+    return tiling.resolve_rows(token_tile, n, tiling.mlp_row_bytes(h, f, k, BF16, FP32, keep),
+                               arg="--metp-mlp-token-tile")
 
 
-def mlp_tile_count(n: int, h: int, f: int, k: int, keep: bool) -> int:
+def mlp_tile_count(n: int, h: int, f: int, k: int, keep: bool,
+                   token_tile: Optional[int] = None) -> int:
     """Passes of the MLP's weight ring per forward (and per backward)."""
-    return len(tiling.tile_slices(n, mlp_tile_rows(n, h, f, k, keep)))
+    return len(tiling.tile_slices(n, mlp_tile_rows(n, h, f, k, keep, token_tile)))

@@ -47,7 +47,7 @@ def traffic_per_layer(model: Model, job: Job, mode: str, seq: Optional[int] = No
         out["attention weights: bcast fwd+bwd, fp32 reduce"] = 4 * (p - 1) * wa
         out["attention K/V ring (every head group)"] = 4 * p * (c - 1) * kv
         # token tiles (.tiles): the MLP's ring goes round once per tile
-        tiles = mlp_tile_count(n, h, F // sh, k, job.keep_intermediate)
+        tiles = mlp_tile_count(n, h, F // sh, k, job.keep_intermediate, job.mlp_token_tile)
         out["MLP weight ring fwd+bwd, fp32 gradient ring"] = \
             tiles * (p - 1) * (2 * wm * BF16 + wm * FP32)
     return out
