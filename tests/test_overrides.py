@@ -13,9 +13,8 @@ from megatron_metp.runtime import overrides as O
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PKG = ROOT / "megatron_metp"
-#: ops/attention.py's METP_HEAD_BLOCK read moves onto overrides.head_block() with the attention
-#: rework (issue 40, deliverable 5a); until then it is the one read left outside
-PENDING = {"megatron_metp/ops/attention.py"}
+#: modules allowed to read the environment besides runtime/overrides.py (none)
+PENDING = set()
 
 
 def _doc_rows(text: str) -> dict:

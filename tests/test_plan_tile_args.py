@@ -106,21 +106,29 @@ def test_planner_kernel_names_come_from_kernel_choice():
         K.plan_kernel_names(K.KERNELS + ("new_kernel",))
 
 
-def test_measure_refuses_a_job_tile_it_would_not_build(tmp_path, monkeypatch, capsys):
-    """``metp measure`` builds its model with the overrides' tiles (tools/measure.py): a job tile
-    (flag or config) would be planned but not measured, so it is refused before any work."""
+def test_measure_builds_the_job_tile_as_the_override_would(monkeypatch):
+    """``metp measure`` builds its model from the job's settings (tools/plan/settings.py), so a
+    job tile (flag or a config's EXTRA_ARGS) is measured as the same tile given as
+    METP_MLP_TOKEN_TILE: the same bytes sent (one weight-ring pass per tile) and the same peak.
+    Negative control: without the tile (whole, one pass) the traffic is smaller."""
+    from dataclasses import replace
+
+    from megatron_metp.tools import fakerank as FR
     from megatron_metp.tools import measure as M
 
     unset_env(monkeypatch, *TILE_VARS)
-    monkeypatch.setenv("PRECISION", "bf16")
-    ran = []
-    monkeypatch.setattr(M, "measure", lambda *a, **k: ran.append(a) or [])
-    cfg = _config(tmp_path, "tiny-cpu-metp2.sh", "EXTRA_ARGS=(--metp-mlp-token-tile 8)")
-    assert cli.main(["measure", "--config", cfg]) != 0
-    err = capsys.readouterr().err
-    assert "--metp-mlp-token-tile (the flag, or a --config's EXTRA_ARGS" in err and \
-        "metp measure builds its model with the overrides' tiles" in err, err
-    assert ran == []
-    # negative control: the same config without the tile reaches the measurement
-    cli.main(["measure", "--config", str(CONFIGS / "tiny-cpu-metp2.sh")])
-    assert len(ran) == 1
+    model = P.Model(hidden=64, layers=1, heads=4, ffn=256, vocab=256, seq=256, name="tiny")
+    job = P.Job(tp=1, metp=2)
+    FR.preload_megatron()
+
+    def measured(j):
+        r = FR.run_isolated(lambda: M.measure_here(model, j, "metp"), timeout=300)
+        return r["sent"], r["peak"]
+
+    by_job = measured(replace(job, mlp_token_tile=32))
+    monkeypatch.setenv("METP_MLP_TOKEN_TILE", "32")
+    by_override = measured(job)
+    monkeypatch.delenv("METP_MLP_TOKEN_TILE")
+    whole = measured(replace(job, mlp_token_tile=0))
+    assert by_job == by_override
+    assert by_job[0] > whole[0]

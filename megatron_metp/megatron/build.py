@@ -54,7 +54,7 @@ def layer_spec(config, groups: Optional[METPGroups], settings: METPSettings, *,
 
     kwargs = dict(settings.spec_kwargs(), normalization=normalization,
                   norm=select_norm(settings.transformer_impl, normalization).module,
-                  **_tile_kwargs(settings))
+                  **settings.tile_kwargs())
     if config.num_moe_experts:  # Megatron's MoELayer, experts over the METP ring (EP = p)
         from .moe import get_gpt_decoder_block_metp_spec
 
@@ -62,16 +62,6 @@ def layer_spec(config, groups: Optional[METPGroups], settings: METPSettings, *,
     from .spec import get_gpt_layer_metp_spec
 
     return get_gpt_layer_metp_spec(groups, qk_layernorm=qk, **kwargs)
-
-
-def _tile_kwargs(settings: METPSettings) -> dict:
-    """The settings' tiles as spec arguments, for the spec functions that take them."""
-    import inspect
-
-    from .spec import get_gpt_layer_metp_spec
-
-    accepted = inspect.signature(get_gpt_layer_metp_spec).parameters
-    return {k: v for k, v in settings.tile_kwargs().items() if k in accepted}
 
 
 def build_metp_gpt(config, groups: Optional[METPGroups], settings: METPSettings, *,

@@ -60,11 +60,11 @@ The projection → q/k norm → RoPE step and its backward (shared with the stre
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional
 
 import torch
 
+from ..runtime import overrides
 from ..runtime.agree import (agreement_checks_enabled, check_group_agrees, needs_grad, op_label,
                      refuse_together)
 from ..runtime.finite import check_finite
@@ -165,7 +165,7 @@ def head_block_size(p: int, heads_local: int, rows: int, device, requested=None)
     few, larger blocks keep the GPU busy with fewer launches; elsewhere 1 (the smallest
     transient memory; what ``metp plan`` models)."""
     if requested is None:
-        requested = os.environ.get("METP_HEAD_BLOCK", "").strip() or "auto"
+        requested = overrides.head_block()
     if requested == "auto":
         if not (getattr(device, "type", None) == "cuda" or emulating_cuda("kernels")):
             return 1

@@ -54,7 +54,7 @@ def _count(value, what: str) -> int:
 
 
 def _contiguous(n: int, q: int) -> List[Tile]:
-    from .tiles import tile_slices
+    from .slices import tile_slices
 
     return [(s,) for s in tile_slices(n, q)]
 
@@ -72,7 +72,7 @@ def balances(n: int, layout: str = "dual_chunk", causal: bool = True,
 def _mirrored(n: int, half_rows: int) -> List[Tile]:
     """Tiles taking rows ``[a, b)`` of the first chunk and their mirror ``[n − b, n − a)`` of
     the second (one range ``[a, n − a)`` where the two meet at ``c = n/2``)."""
-    from .tiles import tile_slices
+    from .slices import tile_slices
 
     c = n // 2
     out: List[Tile] = []

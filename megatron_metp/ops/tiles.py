@@ -35,10 +35,10 @@ compares it (``token_tiles``), and a rank whose tile count differs is refused be
 
 from __future__ import annotations
 
-import math
 from typing import List, Optional
 
 from ..runtime import overrides
+from .slices import tile_slices  # noqa: F401  (the tiles cut here; also ops.tiles.tile_slices)
 
 #: rows per MLP tile (0 = whole); overridden by the op's ``token_tile`` argument
 MLP_TOKEN_TILE_ENV = "METP_MLP_TOKEN_TILE"
@@ -77,16 +77,6 @@ def resolve_rows(token_tile, n_rows: int, row_bytes: int, env: str = MLP_TOKEN_T
     if rows == 0 or rows >= n_rows:
         return max(n_rows, 1)
     return rows
-
-
-def tile_slices(n_rows: int, rows: int) -> List[slice]:
-    """Balanced tiles covering ``n_rows``: ``ceil(n/rows)`` slices of ``ceil(n/T)`` rows (one
-    slice of everything when ``rows >= n_rows``; one empty slice for ``n_rows = 0``)."""
-    if n_rows <= 0:
-        return [slice(0, 0)]
-    count = math.ceil(n_rows / max(1, rows))
-    size = math.ceil(n_rows / count)
-    return [slice(a, min(a + size, n_rows)) for a in range(0, n_rows, size)]
 
 
 #: ``outer`` (default) or ``inner``: see the module docstring

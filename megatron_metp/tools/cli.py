@@ -437,14 +437,6 @@ def cmd_measure(args) -> int:
         print(f"measure: --config {args.config} runs mode {args.modes[0]} (--modes "
               f"{' '.join(P.MODES)} measures the others)", file=sys.stderr, flush=True)
     model, job, modes = build(args)
-    given = [f for f, v in (("--metp-mlp-token-tile", job.mlp_token_tile),
-                            ("--metp-moe-token-tiles", job.moe_tile_count)) if v is not None]
-    if given:  # the measured model takes its tiles from METP_MLP_TOKEN_TILE / _MOE_TOKEN_TILES
-        raise ValueError(f"{given[0]} (the flag, or a --config's EXTRA_ARGS / "
-                         f"METP_MLP_TOKEN_TILE): metp measure builds its model with the "
-                         f"overrides' tiles, not the job's yet; give the tile as "
-                         f"METP_MLP_TOKEN_TILE / METP_MOE_TOKEN_TILES in the environment (plan "
-                         f"and measure both read it), or plan without measuring")
     t0 = time.perf_counter()
     results = M.measure(model, job, modes, jobs=args.jobs, timeout=args.timeout,
                         cpu_matmul=args.cpu_matmul, measure_layers=args.measure_layers,

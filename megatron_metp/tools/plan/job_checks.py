@@ -12,6 +12,10 @@ from .model import GiB, MODES, PEER_MODES, VOCAB_MODES, Job, Model, canonical, l
 from .moe import check as check_moe
 
 
+#: the planner modes built with METP settings (:mod:`.settings`)
+SETTINGS_MODES = ("tp", "tp-sp", "cp", "ring", "metp", "metp+vocab")
+
+
 def validate(model: Model, job: Job, modes: Sequence[str] = MODES) -> None:
     """``ValueError`` naming the flag for sizes that cannot be laid out."""
     for flag, v in (("--hidden", model.hidden), ("--layers", model.layers),
@@ -169,3 +173,7 @@ def validate(model: Model, job: Job, modes: Sequence[str] = MODES) -> None:
             raise ValueError(f"--seq {model.seq} is not divisible by the SP size --tp "
                              f"{'× --metp ' if mode == 'tp-sp' else ''}= {lay.t * lay.c} "
                              f"(mode {mode})")
+        if mode in SETTINGS_MODES:  # METP's own rules, as training and Megatron-LM ask them
+            from .settings import settings_for
+
+            settings_for(mode, job)

@@ -12,7 +12,7 @@ PLANNER_FLAGS = {"metp": "--metp", "context": "--cp", "tp": "--tp", "pp": "--pp"
                  "mode": "--modes", "kernel": "--kernel", "vocab_parallel": "--modes metp+vocab",
                  "keep_intermediate": "--keep-intermediate",
                  "mlp_token_tile": "--metp-mlp-token-tile",
-                 "moe_token_tiles": "--no-moe-token-tiles",
+                 "moe_token_tiles": "--metp-moe-token-tiles",
                  "offload_activations": "--offload-layers", "offload_prefetch": "--no-prefetch",
                  "rope_recipe": "METP_ROPE_RECIPE"}
 
@@ -36,9 +36,8 @@ def settings_for(mode: str, job: Job, *, kernel=None) -> METPSettings:
     lay = layout(mode, job)
     kind = SETTINGS_MODE[mode]
     metp = lay.p if kind == "metp" else (lay.c if kind == "ring" else 1)
-    rows = getattr(job, "mlp_token_tile", None)
-    tiles = getattr(job, "moe_token_tile_count", None)
-    if kind == "metp" and getattr(job, "moe_token_tiles", True) is False:
+    rows, tiles = job.mlp_token_tile, job.moe_tile_count
+    if kind == "metp" and not job.moe_token_tiles:
         tiles = 1  # --no-moe-token-tiles: the routed part whole
     offload = (job.offload_layers or True) if job.offload else False
     settings = METPSettings(
