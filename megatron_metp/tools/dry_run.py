@@ -53,6 +53,8 @@ from typing import Dict, List, Optional
 
 from ..megatron_lm.cpu import stub_batch_invariant_kernels
 from . import fakerank as FR
+from .dry_run_memory import inflight_microbatches, optimizer_bytes_per_param, static_memory
+from .dry_run_report import format_report
 from .progress import attach
 
 MiB = 2 ** 20
@@ -95,88 +97,6 @@ def _have_transformer_engine() -> bool:
         return importlib.util.find_spec("transformer_engine") is not None
     except (ImportError, ValueError):
         return False
-
-
-# ------------------------------------------------------------------------- memory arithmetic
-
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "uint8": 1}
-
-
-def _nbytes_of(dtype) -> int:
-    return _DTYPE_BYTES.get(str(dtype).replace("torch.", ""), 4)
-
-
-def optimizer_bytes_per_param(args) -> Dict[str, float]:
-    """Bytes of optimizer state per parameter, before distributed-optimizer sharding.
-
-    ``main``: fp32 (or ``--main-params-dtype``) master copy, kept when parameters are 16-bit;
-    ``state``: Adam's two moments (``--exp-avg(-sq)-dtype`` with the precision-aware optimizer)
-    or SGD's momentum buffer.
-    """
-    import torch
-
-    half = args.params_dtype in (torch.bfloat16, torch.float16)
-    aware = getattr(args, "use_precision_aware_optimizer", False)
-    main = 0.0
-    if half:
-        main = float(_nbytes_of(args.main_params_dtype)) if aware else 4.0
-    opt = getattr(args, "optimizer", "adam")
-    if opt == "sgd":
-        state = 4.0 if getattr(args, "sgd_momentum", 0.9) else 0.0
-    else:  # adam and its variants keep two moments
-        if aware:
-            state = float(_nbytes_of(args.exp_avg_dtype) + _nbytes_of(args.exp_avg_sq_dtype))
-        else:
-            state = 8.0
-    return {"main": main, "state": state}
-
-
-def static_memory(args, params: List, world: Dict[str, int]) -> Dict[str, float]:
-    """Parameters, gradient buffer and optimizer state of this rank, in bytes.
-
-    METP-sharded weights (``allreduce=False``) go through Megatron's expert path: their
-    distributed-optimizer shards span pure DP; every other parameter's span DP × CP (= DP × METP).
-    """
-    grad_bytes = 4 if getattr(args, "accumulate_allreduce_grads_in_fp32", False) else \
-        _nbytes_of(args.params_dtype)
-    per = optimizer_bytes_per_param(args)
-    inst = max(1, getattr(args, "num_distributed_optimizer_instances", 1) or 1)
-    n_dense = sum(p.numel() for p in params if getattr(p, "allreduce", True))
-    n_sharded = sum(p.numel() for p in params if not getattr(p, "allreduce", True))
-    if args.use_distributed_optimizer:
-        dense_shards = max(1, world["dp"] * world["cp"] // inst)
-        expert_shards = max(1, world["expert_dp"] // inst)
-    else:
-        dense_shards = expert_shards = 1
-    opt_per_param = per["main"] + per["state"]
-    # --optimizer-cpu-offload: that fraction of the optimizer's state lives on the host
-    on_host = float(getattr(args, "optimizer_offload_fraction", 1.0) or 0.0) \
-        if getattr(args, "optimizer_cpu_offload", False) else 0.0
-    return {
-        "params": float(sum(p.numel() * p.element_size() for p in params)),
-        "grads": float((n_dense + n_sharded) * grad_bytes),
-        "optimizer": (1.0 - on_host) * opt_per_param * (n_dense / dense_shards +
-                                                         n_sharded / expert_shards),
-        "optimizer_on_host_fraction": on_host,
-        "grad_dtype": "fp32" if grad_bytes == 4 else str(args.params_dtype).replace("torch.", ""),
-        "dense_shards": dense_shards,
-        "expert_shards": expert_shards,
-        "opt_bytes_per_param": opt_per_param,
-        "params_dtype": str(args.params_dtype).replace("torch.", ""),
-    }
-
-
-def inflight_microbatches(args, pp_rank: int, pp_size: int, num_microbatches: int) -> int:
-    """Micro-batches whose activations a pipeline stage holds at once (1F1B: ``pp - stage``;
-    interleaved: about ``pp`` more per extra chunk, bounded by the micro-batch count)."""
-    if pp_size <= 1:
-        return 1
-    n = pp_size - pp_rank
-    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
-    if vpp:
-        n = pp_size * vpp + (pp_size - 2 * pp_rank - 1)  # warm-up depth of the interleaved 1F1B
-        n = max(1, n) // vpp  # per model chunk; summed over the chunks below
-    return max(1, min(n, num_microbatches))
 
 
 # ------------------------------------------------------------------------------ the run
@@ -607,103 +527,7 @@ def _fwd_bwd(model, pre, post, args, mbs, n_local, sp, tp, dtype, tracker, docs=
     return stored
 
 
-# ------------------------------------------------------------------------------- output
-
-def _row(label: str, nbytes: float, extra: str = "") -> str:
-    v = nbytes / MiB
-    num = f"{v:>12,.0f}" if v >= 100 or v == 0 else f"{v:>12,.2f}"
-    return f"  {label:<34} {num} MiB" + (f"   {extra}" if extra else "")
-
-
-def format_report(r: Dict, gpu_memory_gib: Optional[float] = None,
-                  host_memory_gib: Optional[float] = None) -> str:
-    """The human-readable report of :func:`run`."""
-    w, b, a, s = r["world"], r["bytes"], r["activation_detail"], r["static_detail"]
-    kind = "METP" if r["metp"] else "CP"
-    mode = "stock Megatron"
-    if r["metp"]:
-        mode = (f"METP {r['metp_size']}: "
-                + ("weight ring + K/V ring" if r["weight_ring"] else "ring self-attention"))
-    stage = []
-    if r["pre_process"]:
-        stage.append("embedding")
-    if r["post_process"]:
-        stage.append("output layer + loss")
-    params = f"parameters on this rank: {r['params_total']:,}"
-    if r["metp"]:
-        params += f" (METP-sharded {r['params_metp_sharded']:,}"
-    else:
-        params += " ("
-    params += ("; " if r["metp"] else "") + f"embedding/output {r['params_embedding_output']:,})"
-    opt = f"{r['optimizer']}, {s['opt_bytes_per_param']:g} B/param, "
-    if r["distributed_optimizer"]:
-        opt += f"sharded {s['dense_shards']}-way"
-        if r["metp"]:
-            opt += f" (METP-sharded weights {s['expert_shards']}-way)"
-    else:
-        opt += "not distributed"
-    if s.get("optimizer_on_host_fraction"):
-        opt += f"; {s['optimizer_on_host_fraction']:g} of it on the host (--optimizer-cpu-offload)"
-    inflight = a["inflight_microbatches"]
-    lines = [
-        f"METP dry run: Megatron-LM {r['megatron_lm_dir']} (patched), megatron.core from "
-        f"{r['megatron_core']}",
-        f"command: pretrain_gpt.py {' '.join(r['argv'])}",
-        f"layout: world {w['world']} = TP {w['tp']} x "
-        + (f"METP {r['metp_size']} x CP {w['cp'] // r['metp_size']}"
-           f" (Megatron's CP group of {w['cp']}: the sequence over {w['cp']} ranks, the weights "
-           f"over METP {r['metp_size']})" if r["metp"] and w["cp"] > r["metp_size"] else
-           f"{kind} {w['cp']}")
-        + f" x PP {w['pp']} x DP {w['dp']} ({mode})",
-        f"batch: micro-batch {r['micro_batch_size']} x {r['seq_length']:,} tokens "
-        f"({r['tokens_per_rank']:,} per rank"
-        + (", sequence-parallel" if r["sequence_parallel"] else "")
-        + f"); global batch {r['global_batch_size']} = {r['num_microbatches']} micro-batches "
-          f"per step per DP rank",
-        f"rank {r['rank']}: TP rank {r['where']['tp_rank']}, {kind} rank {r['where']['cp_rank']}, "
-        f"PP stage {r['where']['pp_rank']} of {w['pp']}, DP rank {r['where']['dp_rank']}; "
-        f"{r['layers_on_rank']} of {r['num_layers']} layers ({r['layer_type']})"
-        + (", " + ", ".join(stage) if stage else "")
-        + f"; transformer-impl {r['transformer_impl']}",
-        params,
-        f"memory of rank {r['rank']}:",
-        _row(f"parameters ({s['params_dtype']})", b["params"]),
-        _row(f"gradient buffer ({s['grad_dtype']})", b["grads"]),
-        _row("optimizer state", b["optimizer"], opt),
-        _row("activations (fwd+bwd peak)", b["activations"],
-             f"{inflight} micro-batches in flight (1F1B)" if inflight > 1 else "one micro-batch"),
-        _row("  kept from forward for backward", a["stored_for_backward_one_mb"],
-             "per micro-batch"),
-        _row("total", b["total"], f"= {b['total'] / GiB:,.1f} GiB"),
-    ]
-    if b.get("host"):
-        lines.append(_row("host memory (offloaded activations)", b["host"],
-                          f"per rank, --metp-offload-activations; = {b['host'] / GiB:,.1f} GiB, "
-                          f"{b['host'] * r.get('gpus_per_node', 8) / GiB:,.0f} GiB per node "
-                          f"of {r.get('gpus_per_node', 8)}"))
-        from .plan.host import HOST_MEMORY_GIB
-
-        host_cap = (host_memory_gib or HOST_MEMORY_GIB["H100-80GB"]) * GiB
-        node = b["host"] * r.get("gpus_per_node", 8)
-        lines.append(f"{'fits' if node <= host_cap else 'DOES NOT FIT'} in "
-                     f"{host_cap / GiB:,.0f} GiB of host memory per node"
-                     + ("" if host_memory_gib else " (a DGX node's 2 TB; --host-memory-gib)")
-                     + f": {(host_cap - node) / GiB:+,.0f} GiB left")
-    if gpu_memory_gib:
-        cap = gpu_memory_gib * GiB
-        verdict = "fits" if b["total"] <= cap else "DOES NOT FIT"
-        lines.append(f"{verdict} in {gpu_memory_gib:g} GiB per GPU: {(cap - b['total']) / GiB:+,.1f} GiB "
-                     f"left for the CUDA context, NCCL buffers and allocator fragmentation "
-                     f"(not modelled; typically a few GiB)")
-    lines.append(f"activations {a['method']}; fake process group + FakeTensorMode + MemTracker, "
-                 f"build {r['seconds_build']:.1f} s, fwd+bwd {r['seconds_fwd_bwd']:.1f} s, "
-                 f"total {r['seconds_total']:.1f} s")
-    if r.get("model_tree"):  # what metp measure and a training log print for the same model
-        lines.append(f"model: {r['model_tree']}")
-    for n in r["notes"]:
-        lines.append(f"note: {n}")
-    return "\n".join(lines)
-
+# ------------------------------------------------------------------------- command line
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
