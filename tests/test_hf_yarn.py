@@ -54,11 +54,7 @@ def _ring_forward(rank, world, *args):
     own ``SelfAttention`` applying YaRN's attention factor to q and k, the K/V ring)."""
     import functools
 
-    from megatron_metp.megatron import spec
-
-    spec.get_gpt_layer_metp_spec = functools.partial(spec.get_gpt_layer_metp_spec,
-                                                     weight_ring=False)
-    build = H.build_model
+    build = functools.partial(H.build_model, weight_ring=False)
 
     def checked(*a, **k):
         model = build(*a, **k)

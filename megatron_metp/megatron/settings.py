@@ -158,7 +158,7 @@ class METPSettings:
                        f"{self.context}: the ring baseline runs over the METP group only "
                        f"(METP x CP needs the weight ring, mode='metp'); drop {flag['context']} "
                        f"(or use stock {flag['context']} without METP)")
-        out += self._tile_problems(flag, num_experts)
+        out += self.tile_problems(num_experts=num_experts, names=flag)
         out += self._offload_problems(flag)
         from ..ops.rope import RECIPES
 
@@ -184,7 +184,12 @@ class METPSettings:
                 seq_length=seq_length, sequence_parallel=sequence_parallel)
         return out
 
-    def _tile_problems(self, flag, num_experts) -> List[str]:
+    def tile_problems(self, *, num_experts: Optional[int] = None,
+                      names: Optional[Mapping[str, str]] = None) -> List[str]:
+        """The token tiles' part of :meth:`problems` (the MLP tile needs the METP weight ring;
+        the MoE tiles need experts and METP; their values)."""
+        flag = dict(MEGATRON_LM_FLAGS)
+        flag.update(names or {})
         out = []
         rows = self.mlp_token_tile
         if rows is not None:

@@ -110,8 +110,6 @@ def add_metp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "as int64, the angle reduced mod 2 pi before one fp32 rounding, for this rank's "
              "tokens only). Also $METP_ROPE_RECIPE=megatron. Refused when positions reach 2^24 "
              "(--seq-length > 16,777,216), where fp32 positions collide.")
-    from .tiles import add_tile_args
-
     add_tile_args(group)
     from .yarn_args import offer_yarn_choice
 
@@ -152,3 +150,21 @@ def compose_extra_args_providers(*providers: Optional[Callable]) -> Callable:
 
     extra_args_provider.providers = tuple(active)
     return extra_args_provider
+
+
+def add_tile_args(group) -> None:
+    group.add_argument(
+        "--metp-mlp-token-tile", type=int, default=None, metavar="ROWS",
+        help="Token rows (of this rank's s/p x micro-batch) per pass of the METP MLP's weight "
+             "ring: the MLP's fp32 accumulators and one shard's intermediates are [ROWS, .] "
+             "instead of [s/p, .], the weight ring goes round once per tile. 0: whole. "
+             "Default: $METP_MLP_TOKEN_TILE, else auto (the most rows within "
+             "$METP_TILE_BUDGET_MIB, 1024 MiB, of token-proportional transient; whole when "
+             "the rank's tokens fit).")
+    group.add_argument(
+        "--metp-moe-token-tiles", type=int, default=None, metavar="TILES",
+        help="Token tiles of every MoE layer's routed part (dispatch, experts, combine; the "
+             "router runs once over all local tokens): only one tile's routed tokens are kept "
+             "for backward. 1: whole. Default: $METP_MOE_TOKEN_TILES, else auto (the fewest "
+             "tiles whose routed tokens fit $METP_TILE_BUDGET_MIB, 1024 MiB; one when they "
+             "fit).")

@@ -41,9 +41,6 @@ def validate_metp_args(args):
     mock_note = apply_mock_document_length(args)
     if mock_note and getattr(args, "rank", 0) == 0:
         print(f"> METP: {mock_note}", flush=True)
-    from .tiles import map_tile_args
-
-    map_tile_args(args, p is not None and p > 1)
     if p is None or p == 1:
         return args
     cp = args.context_parallel_size

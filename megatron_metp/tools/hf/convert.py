@@ -104,7 +104,7 @@ def read_safetensors(hf_dir: str) -> Dict[str, torch.Tensor]:
 # ---------------------------------------------------------------- the Megatron model
 
 def build_model(g: LlamaGeometry, *, groups=None, vocab_parallel: bool = False,
-                moe_token_dispatcher: str = "allgather"):
+                moe_token_dispatcher: str = "allgather", weight_ring: bool = True):
     """The megatron-core ``GPTModel`` this geometry converts to, on the initialised parallel
     state: the stock local layer spec with ``groups=None``, METP's spec with ``groups``
     (:class:`megatron_metp.megatron.groups.METPGroups`; exact RoPE angles unless
@@ -113,8 +113,9 @@ def build_model(g: LlamaGeometry, *, groups=None, vocab_parallel: bool = False,
     ``mixtral``) gets megatron-core's ``MoELayer`` in its MoE layers (stock: Megatron's decoder
     block spec; METP: :func:`megatron_metp.megatron.moe.get_gpt_decoder_block_metp_spec`, the
     experts sharded over the METP ranks) with the expert-parallel size of the parallel state
-    and Megatron's ``moe_token_dispatcher`` (``allgather`` or ``alltoall``). Weights are left
-    uninitialised (load them)."""
+    and Megatron's ``moe_token_dispatcher`` (``allgather`` or ``alltoall``); ``weight_ring=False``
+    with ``groups``: the ring self-attention baseline (weights replicated, the K/V ring). Weights
+    are left uninitialised (load them)."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -132,7 +133,8 @@ def build_model(g: LlamaGeometry, *, groups=None, vocab_parallel: bool = False,
 
     # METP's default angles (plain RoPE and YaRN) unless $METP_ROPE_RECIPE=megatron
     settings = METPSettings(mode="tp", tp=tp) if groups is None else \
-        METPSettings(mode="metp", metp=groups.metp.size, tp=groups.tp_size,
+        METPSettings(mode="metp" if weight_ring else "ring", metp=groups.metp.size,
+                     tp=groups.tp_size,
                      vocab_parallel=vocab_parallel, rope_recipe=rope_recipe(),
                      rope_recipe_source="METP_ROPE_RECIPE=megatron")
     model_kwargs = gpt_model_kwargs(g)
