@@ -404,21 +404,22 @@ def test_the_ranks_refuse_a_flipped_bit_when_started_without_the_preflight(patch
     assert "building GPT model" not in log and "iteration        7/" not in log
 
 
-def test_training_the_dry_run_and_metp_measure_build_the_same_model(saved, patched_megatron_lm,
-                                                                    tmp_path):
-    """The tiny config's METP model as Megatron-LM training built it (the ``saved`` run's log),
-    as its dry run builds it and as ``metp measure`` builds it: one module tree, one set of
-    parameter shapes (issue 40; the 6M twin and the MoE config: tests/test_one_builder.py).
-    Negative control: measure without the tiny model's linear biases builds another model."""
+def test_training_and_metp_measure_build_the_same_model(saved):
+    """The tiny config's METP model as Megatron-LM training built it (the ``saved`` run's log)
+    and as ``metp measure`` builds it: one module tree, one set of parameter shapes (issue 40;
+    the dry run of the same config: tests/test_scripts.py::test_dry_run_end_to_end, the 6M twin
+    and the MoE config: tests/test_one_builder.py). Negative control: measure without the tiny
+    model's linear biases builds another model."""
     from tests import model_trees
     from megatron_metp.tools import plan as P
 
     root, _ = saved
-    trained = model_trees.in_log((root / "cmp" / "metp.log").read_text())
-    report = model_trees.of_dry_run(patched_megatron_lm, "tiny-cpu-metp2.sh", tmp_path / "r.json")
-    tiny = P.Model(hidden=64, layers=2, heads=4, ffn=256, vocab=report["padded_vocab_size"],
-                   seq=256, bias=True, name="tiny")
-    assert report["model_tree"] == trained
+    log = (root / "cmp" / "metp.log").read_text()
+    trained = model_trees.in_log(log)
+    vocab = int(re.search(r"padded vocab \(size: \d+\) with \d+ dummy tokens \(new size: (\d+)\)",
+                          log).group(1))  # Megatron-LM's own line
+    tiny = P.Model(hidden=64, layers=2, heads=4, ffn=256, vocab=vocab, seq=256, bias=True,
+                   name="tiny")
     assert model_trees.of_measure(tiny, P.Job(tp=1, metp=2)) == trained
     assert model_trees.of_measure(dataclasses.replace(tiny, bias=False),
                                   P.Job(tp=1, metp=2)) != trained

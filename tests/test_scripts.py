@@ -763,6 +763,14 @@ def test_dry_run_end_to_end(patched_clone, config, layers, tmp_path, request):
     r = json.loads(report.read_text())
     assert r["rank"] == 1 and r["bytes"]["total"] > r["bytes"]["activations"] > 0
     assert r["params_total"] > 0 and r["layers_on_rank"] == 2
+    if "metp" in config:  # one model (issue 40): rank 0's and rank 1's, and metp measure's
+        from megatron_metp.tools import plan as P
+        from tests import model_trees
+
+        tree = out.split("\nmodel: ", 1)[1].splitlines()[0]
+        tiny = P.Model(hidden=64, layers=2, heads=4, ffn=256, vocab=r["padded_vocab_size"],
+                       seq=256, bias=True, name="tiny")
+        assert r["model_tree"] == tree == model_trees.of_measure(tiny, P.Job(tp=1, metp=2))
 
 
 def test_dry_run_reports_megatron_validation_errors(patched_clone):
