@@ -56,6 +56,7 @@ from . import fakerank as FR
 from .dry_run_memory import inflight_microbatches, optimizer_bytes_per_param, static_memory
 from .dry_run_report import format_report
 from .progress import attach
+from .standins import stock_standins
 
 MiB = 2 ** 20
 GiB = 2 ** 30
@@ -232,67 +233,6 @@ def run(megatron_lm_dir: str, megatron_argv: List[str], *, world_size: int, rank
     return report
 
 
-def _stock_standins(args, te_absent: bool, notes: List[str]) -> None:
-    """The CPU stand-ins of a stock (non-METP) job, put into Megatron-LM's own spec functions
-    (``gpt_builders``: the stock model is Megatron-LM's builder, not METP's, so its specs are
-    changed where that builder takes them): without Transformer Engine a flash-attention core
-    and torch norms for TE's fused layers, without apex torch norms for its sequence-parallel
-    FusedLayerNorm. A METP job's CPU stand-ins go to the one builder as its ``spec_transform``."""
-    from megatron.core.transformer.identity_op import IdentityOp
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
-    import gpt_builders
-
-    local_spec = gpt_builders.get_gpt_layer_local_spec
-    sp_wanted = bool(getattr(args, "sequence_parallel", False)) and \
-        args.tensor_model_parallel_size > 1
-    no_apex = importlib.util.find_spec("apex") is None
-    if not (te_absent or (sp_wanted and no_apex and args.transformer_impl == "local")):
-        return
-    from .standins import flash_core_attention_class, put_norms, sp_norm_class
-
-    flash = flash_core_attention_class() if te_absent else None
-    norm = sp_norm_class()
-
-    def substitute(spec):
-        if flash is not None:
-            spec.submodules.self_attention.submodules.core_attention = \
-                ModuleSpec(module=flash)
-        q_norm = getattr(spec.submodules.self_attention.submodules, "q_layernorm", None)
-        put_norms(spec, norm, sp_wanted and q_norm not in (None, IdentityOp))
-        return spec
-
-    def local_substituted(*a, **k):
-        return substitute(local_spec(*a, **k))
-
-    block_spec = gpt_builders.get_gpt_decoder_block_spec
-
-    def block_substituted(*a, **k):  # MoE models: a block of dense and MoE layer specs
-        block = block_spec(*a, **k)
-        for spec in block.layer_specs:
-            substitute(spec)
-        block.layer_norm = norm
-        return block
-
-    from megatron.core.transformer import transformer_block
-
-    transformer_block.LayerNormImpl = norm  # the final norm
-    gpt_builders.get_gpt_layer_local_spec = local_substituted
-    gpt_builders.get_gpt_decoder_block_spec = block_substituted
-    if te_absent:
-        args.transformer_impl = "local"
-        notes.append("Transformer Engine is not installed here: the TE layer spec is "
-                     "approximated by Megatron's local spec with a flash-attention core "
-                     "(PyTorch's fused causal kernel) and torch norms accounted as CUDA's "
-                     "fused ones; they keep the tensors TE's fused layers keep, to within "
-                     "the norm statistics (8 bytes per token and norm); TE's own "
-                     "workspaces are not in the figure (not measurable without TE)")
-    else:
-        notes.append("apex is not installed here: its sequence-parallel FusedLayerNorm is "
-                     "approximated by torch norms (Megatron's torch fallback refuses "
-                     "sequence parallelism)")
-
-
 def _build_and_measure(args, pretrain_gpt, ps, te_absent: bool, notes: List[str],
                        measure_layers: str = "auto", cpu_kernels: bool = False,
                        measure_tiles: str = "sampled") -> Dict:
@@ -311,7 +251,7 @@ def _build_and_measure(args, pretrain_gpt, ps, te_absent: bool, notes: List[str]
 
     metp = metp_enabled(args)
     if not metp:
-        _stock_standins(args, te_absent, notes)
+        stock_standins(args, te_absent, notes)
     if cpu_kernels:
         notes.append("--cpu-kernels: bytes as this machine's CPU kernels keep them, not as a GPU "
                      "would (docs/cpu-cuda-kernels.md)")
