@@ -19,9 +19,8 @@ TWIN_JOB = P.Job(tp=1, metp=2, vocab_parallel=True, recompute="full", recompute_
                  recompute_num_layers=1, offload=True)
 
 
-def test_the_6m_twin_measured_is_the_model_the_dry_run_builds(patched_megatron_lm, tmp_path):
-    report = model_trees.of_dry_run(patched_megatron_lm, "llama3-8b-6m-metp8.sh",
-                                    tmp_path / "r.json", **TWIN_ENV)
+def test_the_6m_twin_measured_is_the_model_the_dry_run_builds(patched_megatron_lm):
+    report = model_trees.of_dry_run(patched_megatron_lm, "llama3-8b-6m-metp8.sh", **TWIN_ENV)
     twin = P.Model(hidden=256, layers=1, heads=4, ffn=512, vocab=report["padded_vocab_size"],
                    seq=2048, query_groups=2, swiglu=True, tied=False, normalization="RMSNorm",
                    name="6m-twin")
@@ -31,10 +30,8 @@ def test_the_6m_twin_measured_is_the_model_the_dry_run_builds(patched_megatron_l
         report["model_tree"]
 
 
-def test_the_tiny_moe_config_measured_is_the_model_the_dry_run_builds(patched_megatron_lm,
-                                                                      tmp_path):
-    report = model_trees.of_dry_run(patched_megatron_lm, "tiny-cpu-metp2-moe.sh",
-                                    tmp_path / "r.json")
+def test_the_tiny_moe_config_measured_is_the_model_the_dry_run_builds(patched_megatron_lm):
+    report = model_trees.of_dry_run(patched_megatron_lm, "tiny-cpu-metp2-moe.sh")
     tiny_moe = P.Model(hidden=64, layers=2, heads=4, ffn=256, vocab=report["padded_vocab_size"],
                        seq=256, bias=True, experts=4, topk=2, moe_ffn=128, moe_layer_freq=2,
                        name="tiny-moe")

@@ -53,8 +53,7 @@ def layer_spec(config, groups: Optional[METPGroups], settings: METPSettings, *,
     from .gpu_stack import select_norm
 
     kwargs = dict(settings.spec_kwargs(), normalization=normalization,
-                  norm=select_norm(settings.transformer_impl, normalization).module,
-                  **settings.tile_kwargs())
+                  norm=select_norm(settings.transformer_impl, normalization).module)
     if config.num_moe_experts:  # Megatron's MoELayer, experts over the METP ring (EP = p)
         from .moe import get_gpt_decoder_block_metp_spec
 
@@ -135,6 +134,18 @@ def model_tree_summary(model) -> str:
             f"{sum(p.numel() for p in params):,} parameters, tree {digest}")
 
 
+def attach_offloader(model, settings: METPSettings) -> None:
+    """The host offloader of ``settings.offload_activations`` on ``model``'s decoder (nothing
+    when off): every layer's saved tensors, or the first N layers' of the stage."""
+    n = settings.offload_activations
+    if not n:
+        return
+    from ..runtime.offload import ActivationOffloader
+
+    kwargs = {} if settings.offload_prefetch is None else {"prefetch": settings.offload_prefetch}
+    ActivationOffloader(layers=None if n is True else n, **kwargs).attach(model.decoder)
+
+
 def finish(model, groups: Optional[METPGroups], settings: METPSettings, *, seq_length: int,
            log: Optional[Callable[[str], None]] = None) -> None:
     """What a built METP model gets after construction (see the module docstring, step 4)."""
@@ -156,13 +167,7 @@ def finish(model, groups: Optional[METPGroups], settings: METPSettings, *, seq_l
         # full recompute: the streaming layer op, else freed re-formed chunk outputs (METP layers
         # only: stock and ring layers keep Megatron's checkpoint as it is, as metp plan prices)
         prepare_recompute(model.decoder)
-    if settings.offload_activations:  # stock TP too (the baseline of the same job)
-        from ..runtime.offload import ActivationOffloader
-
-        n = settings.offload_activations
-        kwargs = {} if settings.offload_prefetch is None else \
-            {"prefetch": settings.offload_prefetch}
-        ActivationOffloader(layers=None if n is True else n, **kwargs).attach(model.decoder)
+    attach_offloader(model, settings)  # stock TP too (the baseline of the same job)
     if settings.packed and settings.mode != "tp":  # packed documents: boundaries from the EOD tokens
         from .packing import DocumentBoundaries
 

@@ -60,6 +60,11 @@ MEGATRON_LM_FLAGS: Dict[str, str] = {
 }
 
 
+def _names(names: Optional[Mapping[str, str]]) -> Dict[str, str]:
+    """Megatron-LM's flag of each field, with ``names`` (another source's) over them."""
+    return {**MEGATRON_LM_FLAGS, **(names or {})}
+
+
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -109,9 +114,10 @@ class METPSettings:
         return dataclasses.replace(self, **changes)
 
     def spec_kwargs(self) -> Dict:
-        """The keyword arguments every METP layer spec takes from the settings."""
+        """The keyword arguments every METP layer spec takes from the settings (its tiles
+        included: :meth:`tile_kwargs`)."""
         return {"weight_ring": self.weight_ring, "kernel": self.kernel,
-                "keep_intermediate": self.keep_intermediate}
+                "keep_intermediate": self.keep_intermediate, **self.tile_kwargs()}
 
     def tile_kwargs(self) -> Dict:
         """The token tiles the METP spec hands down to its ops (``None``: the override, else
@@ -128,8 +134,7 @@ class METPSettings:
         layout arithmetic of a sequence-sharded mode needs (:func:`.parallel.metp_config_problems`;
         the experts' own divisibility is :mod:`.moe_checks`'), ``num_experts`` (``0``: a dense
         model) the MoE tiles'; ``None`` skips the rules that need them."""
-        flag = dict(MEGATRON_LM_FLAGS)
-        flag.update(names or {})
+        flag = _names(names)
         out: List[str] = []
         if self.mode not in MODES:
             return [f"{flag['mode']}: mode must be one of {MODES}, got {self.mode!r}"]
@@ -188,8 +193,7 @@ class METPSettings:
                       names: Optional[Mapping[str, str]] = None) -> List[str]:
         """The token tiles' part of :meth:`problems` (the MLP tile needs the METP weight ring;
         the MoE tiles need experts and METP; their values)."""
-        flag = dict(MEGATRON_LM_FLAGS)
-        flag.update(names or {})
+        flag = _names(names)
         out = []
         rows = self.mlp_token_tile
         if rows is not None:

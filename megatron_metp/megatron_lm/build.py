@@ -35,11 +35,9 @@ def wrap_gpt_builder(gpt_builder: Callable, spec_transform: Optional[Callable] =
                                         spec_transform=spec_transform)
         model = gpt_builder(args, pre_process, post_process, vp_stage, config=config,
                             pg_collection=pg_collection)
-        settings = metp_settings(args)
-        if settings.offload_activations:  # the stock baseline of the same job
-            from ..megatron.build import finish
+        from ..megatron.build import attach_offloader
 
-            finish(model, None, settings, seq_length=args.seq_length)
+        attach_offloader(model, metp_settings(args))  # the stock baseline of the same job
         return model
 
     builder.metp_wrapped_builder = gpt_builder

@@ -165,7 +165,7 @@ class ActivationOffloader:
         """Hook ``block`` (a Megatron ``TransformerBlock``: ``forward`` and ``layers``).
         ``ValueError`` when ``layers`` exceeds the block's layers or splits a uniform recompute
         chunk (see the module docstring: a chunk's input is saved in its last layer's group)."""
-        if getattr(block, "_metp_offloader", None) is not None:
+        if self.attached_to(block) is not None:
             raise ValueError("this block already has an ActivationOffloader attached")
         n_layers = len(getattr(block, "layers", []))
         if self.layers is not None:

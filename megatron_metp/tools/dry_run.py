@@ -248,6 +248,7 @@ def _build_and_measure(args, pretrain_gpt, ps, te_absent: bool, notes: List[str]
     from ..megatron.build import model_tree_summary
     from ..megatron_lm.flags import metp_enabled
     from ..megatron.linear import is_metp_sharded
+    from ..runtime.offload import ActivationOffloader
 
     metp = metp_enabled(args)
     if not metp:
@@ -307,7 +308,7 @@ def _build_and_measure(args, pretrain_gpt, ps, te_absent: bool, notes: List[str]
                                    docs)
         for k in tiles_run:
             tiles_run[k] += sampled[k] if sampled else 0
-        offloaders = [getattr(m.decoder, "_metp_offloader", None) for m, _, _ in chunks
+        offloaders = [ActivationOffloader.attached_to(m.decoder) for m, _, _ in chunks
                       if getattr(m, "decoder", None) is not None]
         host = sum(o.stats.host_peak for o in offloaders if o is not None)
         return {"stored": float(stored), "work_peak": float(tracker.work_peak),

@@ -131,7 +131,7 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
     # the ops' CPU stand-in for a GPU flash kernel (torch's fused kernel; fp32 blocks: unfused)
     settings = settings_for(asked, job).replace(
         kernel="torch_flash" if job.kernel == "flash" else "reference")
-    if lay.mode not in ("metp", "metp+vocab") and model.moe and mode not in ("tp", "tp-sp"):
+    if model.moe and mode not in ("metp", "tp", "tp-sp"):
         raise ValueError(f"metp measure: mode {mode} with experts is not measured (modes metp, "
                          f"tp, tp-sp)")
     spec_transform = _standins(lay, job, model, layers_here)
