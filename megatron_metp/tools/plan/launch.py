@@ -152,6 +152,9 @@ def job_settings(job: Job, mode: str) -> List[Setting]:
     if job.moe_tile_count is not None and mode == "metp":  # (pretrain_gpt.sh: no variable)
         flags = ["--metp-moe-token-tiles", str(job.moe_tile_count)]
         out.append(("EXTRA_ARGS", " ".join(flags), flags))
+    if job.keep_attention_output and mode == "metp":  # (pretrain_gpt.sh: no variable)
+        flags = ["--metp-keep-attention-output", str(job.keep_attention_output)]
+        out.append(("EXTRA_ARGS", " ".join(flags), flags))
     return out
 
 
@@ -184,7 +187,8 @@ def settings(model: Model, job: Job, mode: str) -> List[Setting]:
         out.append(("MOE_TOKEN_DISPATCHER", job.moe_dispatcher, []))
         if canonical(mode, job)[0] != "metp" and (job.ep or 1) > 1:
             out.append(("EP", str(job.ep), []))
-        extra = [f for name, _, fl in out if name == "EXTRA_ARGS" for f in fl]
+    extra = [f for name, _, fl in out if name == "EXTRA_ARGS" for f in fl]
+    if moe or sum(x[0] == "EXTRA_ARGS" for x in out) > 1:  # one EXTRA_ARGS array
         out = [x for x in out if x[0] != "EXTRA_ARGS"]
         out.append(("EXTRA_ARGS", " ".join(moe + extra), moe + extra))
     return out

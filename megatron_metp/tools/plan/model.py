@@ -147,6 +147,10 @@ class Job:
     # METP_MOE_TOKEN_TILES in this environment), else auto from the budget, as the ops resolve it
     mlp_token_tile: Optional[int] = None  # token rows per MLP ring pass (0 = whole)
     moe_tile_count: Optional[int] = None  # token tiles per MoE layer (1 = whole)
+    # METP layers under full recompute keep the attention output O and its log-sum-exp for the
+    # backward instead of re-running the attention forward (--metp-keep-attention-output N):
+    # None = off; N = the first N layers of each pipeline stage
+    keep_attention_output: Optional[int] = None
 
     @property
     def width(self) -> int:
