@@ -7,7 +7,7 @@ the layer's linear weights ``h·(q+2kv) + q·h + k·h·F + F·h``, ``q = a·d``)
   ``2·n·s·q/t`` (QKᵀ and P·V, each ``2·n·s·q/t`` over two);
 * backward twice the forward's GEMMs and 2.5× its attention (a flash backward, :mod:`.rates`);
   METP re-forms each shard's Q/K/V and MLP intermediate in its
-  backward (``2·n·(h·(q+2kv) + k·h·F)/t`` more; not with ``--keep-intermediate``);
+  backward (``2·n·(h·(q+2kv) + k·h·F)/t`` more; ``--keep-intermediate`` drops ``k·h·F``);
 * full recompute: one more forward of every recomputed layer (rings included: the forward share
   of the layer's traffic is sent again).
 

@@ -25,6 +25,7 @@ def layer_flops(model: Model, job: Job, mode: str) -> Dict[str, float]:
     fwd = gemm + attn
     out = {"forward": fwd, "backward": 2 * gemm + 2.5 * attn, "METP per-shard recompute": 0.0,
            "attention forward": 2 * n * w_attn / t + 2 * n * s * q / t}
-    if mode == "metp" and not job.keep_intermediate:
-        out["METP per-shard recompute"] = 2 * n * (h * (q + 2 * kv) + k * h * F) / t
+    if mode == "metp":  # Q/K/V always (ops/attention.py); x·W1ᵀ unless --keep-intermediate
+        out["METP per-shard recompute"] = 2 * n * (h * (q + 2 * kv) +
+                                                   (0 if job.keep_intermediate else k * h * F)) / t
     return out
