@@ -368,14 +368,21 @@ def cmd_reach(args) -> int:
 
 
 def cmd_plan(args) -> int:
+    if args.fastest:
+        from .fastest_cli import check_args, cmd_fastest
+
+        check_args(args)
+        return cmd_fastest(args, build_model(args)[0], _width(args))
     if args.reach:
         return cmd_reach(args)
     if args.write_config:
-        raise ValueError("--write-config writes the best layout of --reach; add --reach --gpus "
-                         "N, or launch this plan with the pretrain_gpt.sh line it prints")
+        raise ValueError("--write-config writes the best layout of --reach or --fastest; add "
+                         "--reach --gpus N (or --fastest --gpus N --seq S), or launch this plan "
+                         "with the pretrain_gpt.sh line it prints")
     if args.gpus:
-        raise ValueError("--gpus is the GPU count of --reach; a single plan takes the layout "
-                         "(--tp, --metp, --cp, --pp, --dp); add --reach or drop --gpus")
+        raise ValueError("--gpus is the GPU count of --reach and --fastest; a single plan takes "
+                         "the layout (--tp, --metp, --cp, --pp, --dp); add --reach or --fastest, "
+                         "or drop --gpus")
     model, job, modes = build(args)
     print(P.report(model, job, modes, width=_width(args)))
     if args.png:
@@ -481,17 +488,25 @@ def main(argv: Optional[List[str]] = None) -> int:
                          "Megatron (TP+SP×CP×PP×DP) on --gpus GPUs, with recompute none / full "
                          "/ full + offload and optimizer CPU offload off / on, and print the "
                          "longest sequence of each family's best layouts")
+    pl.add_argument("--fastest", action="store_true",
+                    help="at --seq S on --gpus N: search every valid layout of METP, stock "
+                         "Megatron and ALST's recipe with recompute none / selective / full / "
+                         "block N / full keeping the attention output, activation and optimizer "
+                         "CPU offload, and print each family's fastest layout that fits (time "
+                         "per sequence, tokens/s and model TFLOP/s per GPU, flags, launch line)")
     pl.add_argument("--wide", action="store_true",
                     help="print the table with every mode's column side by side and every line "
                          "whole (default: fit 100 columns: the table in blocks of columns, long "
                          "lines wrapped)")
-    pl.add_argument("--gpus", type=int, default=None, help="GPUs of the job (--reach)")
+    pl.add_argument("--gpus", type=int, default=None,
+                    help="GPUs of the job (--reach, --fastest)")
     pl.add_argument("--reach-top", type=int, default=3,
-                    help="layouts shown per family (--reach; default 3)")
+                    help="layouts shown per family (--reach, --fastest; default 3)")
     pl.add_argument("--write-config", metavar="FILE", default=None,
                     help="--reach: write the best layout of METP or stock Megatron (the longer "
-                         "sequence) as a configs/*.sh-style file for scripts/pretrain_gpt.sh "
-                         "--config FILE (metp plan --config FILE plans it again)")
+                         "sequence); --fastest: the faster of the two; as a configs/*.sh-style "
+                         "file for scripts/pretrain_gpt.sh --config FILE (metp plan --config "
+                         "FILE plans it again)")
     ms = sub.add_parser("measure", help=SUBCOMMANDS["measure"])
     _add_common(ms)
     ms.add_argument("--jobs", type=int, default=1, help="measurements at once (default 1)")

@@ -116,6 +116,8 @@ as when the plan was one module:
                          overlap threshold on the inter-node link)
 ``search``               ``reach()`` / ``reach_report()`` (``--reach``): the longest sequence
                          over every valid layout of METP and of stock Megatron
+``fastest``              ``fastest()`` / ``fastest_report()`` (``--fastest``): the fastest
+                         layout that fits at one length, per family
 ``fit``                  ``fit_hint()``: the cheapest options under which a layout that does
                          not fit does
 ``launch``               a planned job as ``scripts/pretrain_gpt.sh`` settings, Megatron-LM
@@ -164,7 +166,8 @@ from .fit import FitHint, fit_hint
 from .launch import config_text, launch_line, megatron_flags
 from .recipe import merge_recipe, recipe_flags
 from .figures import COLORS, charts
-from . import (activation_memory, alst, alst_time, config, cost, figures, fit, flops, hardware,
+from . import (activation_memory, alst, alst_time, config, cost, fastest, figures, fit, flops,
+               hardware,
                host_link, imbalance, internode, job_checks, launch, metp, model, moe,
                optimizer_time, overlap, partial, rates, recipe, search, parameters, rank_memory,
                recompute, ring, stock, summary, traffic, vocab)
@@ -195,7 +198,8 @@ _OLD_NAMES = {"_metp_phases": "metp_phases"}
 _step_time_module = sys.modules[__name__ + ".step_time"]  # (the name is the function's)
 _MODULES = (hardware, model, job_checks, config, moe, parameters, ring, stock, metp, vocab,
             recompute, activation_memory, partial, rank_memory, traffic, flops, cost, overlap,
-            internode, summary, figures, search, fit, launch, recipe, rates, host_link, imbalance,
+            internode, summary, figures, search, fastest, fit, launch, recipe, rates, host_link,
+            imbalance,
             alst, alst_time, optimizer_time, _step_time_module)
 _UNSET = object()
 
