@@ -49,6 +49,7 @@ from .job_checks import validate
 from .model import GiB, Job, Model
 from .moe import active_twin
 from .positions import position_cap
+from .partial import resolve_offload
 from .rank_memory import capacity_bytes, memory
 from .internode import GPUS_PER_NODE
 from .search import DEFAULT_HOST_GIB_PER_NODE, FAMILIES, FAMILY_NAMES, layouts
@@ -145,30 +146,36 @@ def _largest(fits: Callable[[int], bool], lo: int, hi: int) -> Optional[int]:
 class _Fit:
     """Fits, per-rank total and host bytes per node of jobs at one sequence length, each
     planned once (one :func:`.rank_memory.memory` per pipeline stage; the same figures as
-    :func:`.search.rank_total` and :func:`.search.node_host_bytes`)."""
+    :func:`.search.rank_total` and :func:`.search.node_host_bytes`), the offload split the
+    node's host allows resolved once (:func:`.partial.resolve_offload`)."""
 
     def __init__(self, model: Model, mode: str, cap: float, host_cap: float):
         self.model, self.mode, self.cap, self.host_cap = model, mode, cap, host_cap
-        self.planned: Dict[Job, Optional[Tuple[float, float]]] = {}
+        self.planned: Dict[Job, Optional[Tuple[float, float, Job]]] = {}
 
     @property
     def tried(self) -> int:
         return len(self.planned)
 
-    def plan(self, job: Job) -> Optional[Tuple[float, float]]:
-        """``(per-rank total, host bytes per node)``, or None when ``job`` is not valid."""
+    def plan(self, job: Job) -> Optional[Tuple[float, float, Job]]:
+        """``(per-rank total, host bytes per node, the job with its offload split)``, or None
+        when ``job`` is not valid or its offload holds no layer (the same job without it is
+        tried on its own)."""
         if job not in self.planned:
+            self.planned[job] = None
             try:
                 validate(self.model, job, [self.mode])
             except ValueError:
-                self.planned[job] = None
+                return None
+            planned = job if self.mode == "alst" else resolve_offload(self.model, job, self.mode)
+            if planned.offload and planned.offload_layers == 0:
                 return None
             total = host = 0.0
             for stage in (("first", "last") if job.pp > 1 else ("first",)):
-                mem = memory(self.model, job, self.mode, stage=stage)
+                mem = memory(self.model, planned, self.mode, stage=stage)
                 total = max(total, mem.total)
                 host = max(host, mem.act.host + mem.static["optimizer_host"])
-            self.planned[job] = (total, GPUS_PER_NODE * host)
+            self.planned[job] = (total, GPUS_PER_NODE * host, planned)
         return self.planned[job]
 
     def __call__(self, job: Job) -> bool:
@@ -216,11 +223,10 @@ def _label(label: str, job: Job, layers: int) -> str:
 
 
 def _choice(model: Model, family: str, mode: str, job: Job, label: str, fit: _Fit) -> Choice:
-    resolved = job if mode == "alst" else memory(model, job, mode).job
-    c = step_cost(model, job, mode)
+    total, host, planned = fit.plan(job)
+    c = step_cost(model, planned, mode)
     seqs = (c["microbatches"] if mode != "alst" else 1) * job.dp * job.micro_batch
-    total, host = fit.plan(job)
-    return Choice(family, mode, resolved, label, total, host, c["step_s"], c["iteration_s"],
+    return Choice(family, mode, planned, label, total, host, c["step_s"], c["iteration_s"],
                   seqs)
 
 
@@ -412,5 +418,5 @@ def fastest_report(model: Model, gpus: int, res: Dict, hardware: str = "H100-80G
     return "\n".join(wrap_lines(lines, width))
 
 
-__all__ = ["Choice", "best_overall", "choice_json", "family_choices", "fastest", "fastest_json",
+__all__ = ["Choice", "DEFAULT_HOST_GIB_PER_NODE", "best_overall", "choice_json", "family_choices", "fastest", "fastest_json",
            "fastest_report", "model_flops", "without_offload"]
