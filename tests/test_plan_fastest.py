@@ -155,3 +155,20 @@ def test_refuses_what_it_searches(capsys):
                         (["--gpus", "8", "--seq", "131072", "--reach"], "--reach")):
         assert cli.main(base + extra) == 2
         assert word in capsys.readouterr().err
+
+
+def test_a_config_gives_the_model_and_its_launch_sources_the_model_file(capsys, tmp_path):
+    """--config FILE: the model of the config; the launch lines source the model file the
+    config sources and name the tokenizer's vocabulary (the model file's, no VOCAB_SIZE); a
+    key=value file that sources none launches with every geometry value set (the control)."""
+    argv = ["--gpus", "2", "--seq", "32768", "--reach-top", "1"]
+    text, js = _fastest(argv + ["--config", "configs/gpt-1.3b-32k-metp8.sh"], capsys, tmp_path)
+    for fam in ("metp", "stock"):
+        launch = js["fastest"][fam]["launch"]
+        assert launch.endswith("--config configs/models/gpt-1.3b.sh"), launch
+        assert "VOCAB_SIZE=" not in launch and "HIDDEN_SIZE=" not in launch
+    kv = tmp_path / "model.cfg"
+    kv.write_text("hidden=2048\nlayers=24\nheads=16\nffn=8192\nvocab=32000\n")
+    text, js = _fastest(argv + ["--config", str(kv)], capsys, tmp_path)
+    launch = js["fastest"]["metp"]["launch"]
+    assert "HIDDEN_SIZE=2048" in launch and "VOCAB_SIZE=32000" in launch

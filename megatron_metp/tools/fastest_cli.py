@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+from dataclasses import replace
 from typing import Optional
 
 #: flags --fastest searches over itself (refused next to it: each would be ignored)
@@ -41,12 +44,46 @@ def check_args(args) -> None:
                              f"auto tiles (they follow its tokens per rank); drop it")
 
 
+def model_name(config: str) -> Optional[str]:
+    """The repository model a config sources (``source .../models/<name>.sh``), or the model
+    file itself: its name, so that a launch line sources that file (norm, RoPE base, biases)."""
+    from .plan.launch import MODELS_DIR
+
+    with open(config, encoding="utf-8") as fh:
+        text = fh.read()
+    names = re.findall(r"^\s*(?:source|\.)\s+.*models/([\w.-]+)\.sh", text, re.M)
+    stem = os.path.basename(config)[:-3] if config.endswith(".sh") else None
+    for name in names[-1:] + [stem]:
+        if name and os.path.isfile(os.path.join(MODELS_DIR, f"{name}.sh")):
+            return name
+    return None
+
+
+def tokenizer_adds(config: str) -> int:
+    """Tokens the launcher's tokenizer adds to a ``configs/*.sh``'s ``VOCAB_SIZE`` (Megatron's
+    NullTokenizer: its end-of-document token at core_v0.16.1), which ``--config`` planned."""
+    from .plan import read_config
+
+    kv = read_config(config)
+    if not config.endswith(".sh"):
+        return 0
+    tokenizer = kv.get("tokenizer_type") or ("HuggingFaceTokenizer" if kv.get("data_path")
+                                             else "NullTokenizer")
+    if tokenizer != "NullTokenizer":
+        return 0
+    from ..megatron_lm.releases import for_megatron_core
+
+    return int(for_megatron_core().null_tokenizer_adds_eod)
+
+
 def cmd_fastest(args, model, width: Optional[int]) -> int:
     """Run ``metp plan --fastest`` for ``model`` (``--preset`` / ``--config`` / the geometry
     flags; a config's layout and options are what the search replaces), after
     :func:`check_args`; ``width``: the text's columns, None for ``--wide``."""
     from . import plan as P
 
+    if args.config and not args.preset and model_name(args.config):
+        model = replace(model, name=model_name(args.config))
     given = [(flag, k, v) for flag, k, v in (
         ("--moe-token-dispatcher-type", "moe_dispatcher", args.moe_token_dispatcher_type),
         ("--moe-imbalance", "moe_imbalance", args.moe_imbalance),
@@ -66,6 +103,8 @@ def cmd_fastest(args, model, width: Optional[int]) -> int:
     res = P.fastest.fastest(model, args.gpus, args.hardware, args.reserve_gib, host,
                             moe={k: v for _, k, v in given}, kernel=kernel,
                             rates_file=args.rates)
+    if args.config:  # the launch names the tokenizer's vocabulary, as the config does
+        res["launch_model"] = replace(model, vocab=model.vocab - tokenizer_adds(args.config))
     print(P.fastest.fastest_report(model, args.gpus, res, args.hardware, args.reserve_gib, host,
                                    top=args.reach_top, width=width))
     if args.json:
@@ -78,9 +117,8 @@ def cmd_fastest(args, model, width: Optional[int]) -> int:
             raise ValueError(f"--write-config {args.write_config}: no layout of METP or stock "
                              f"Megatron fits {model.name} at {model.seq:,} tokens on "
                              f"{args.gpus} GPUs; nothing written")
-        from dataclasses import replace
-
         job = replace(c.job, host_memory_gib=None)
+        model = res.get("launch_model") or model
         title = (f"{model.name} at {model.seq:,} tokens on {args.gpus} × {args.hardware}: "
                  f"{c.describe()}; {c.time_s:,.2f} s per sequence, {P.fmt_bytes(c.total)} per "
                  f"rank planned (written by metp plan --fastest: the fastest layout)")

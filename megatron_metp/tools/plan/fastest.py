@@ -312,9 +312,13 @@ def _parallel(c: Choice) -> Dict[str, int]:
             "dp": j.dp, "ep": j.ep}
 
 
-def choice_json(model: Model, gpus: int, c: Optional[Choice]) -> Optional[Dict]:
+def choice_json(model: Model, gpus: int, c: Optional[Choice],
+                launch_model: Optional[Model] = None) -> Optional[Dict]:
     """``fastest.<family>`` of the JSON: ``step_s`` (time per sequence), ``tokens_per_s_per_gpu``,
-    ``layout``, ``flags`` (Megatron-LM's; None for ALST), ``total`` (bytes per rank), ..."""
+    ``layout``, ``flags`` (Megatron-LM's; None for ALST), ``total`` (bytes per rank), ...;
+    ``launch_model``: the model the flags and launch line name (a ``--config``'s, whose
+    vocabulary is the tokenizer's before Megatron adds its end-of-document token), else
+    ``model``."""
     if c is None:
         return None
     from .launch import launch_line, megatron_flags
@@ -322,6 +326,7 @@ def choice_json(model: Model, gpus: int, c: Optional[Choice]) -> Optional[Dict]:
     j = c.job
     launchable = c.family != "alst"
     job = replace(j, host_memory_gib=None) if launchable else j
+    lm = launch_model or model
     return {"step_s": c.time_s, "tokens_per_s_per_gpu": model.seq / (c.time_s * gpus),
             "model_tflops_per_gpu": model_flops(model) / (c.time_s * gpus) / 1e12,
             "layout": c.describe(), "mode": c.mode,
@@ -330,8 +335,8 @@ def choice_json(model: Model, gpus: int, c: Optional[Choice]) -> Optional[Dict]:
             "recompute_num_layers": j.recompute_num_layers, "offload": j.offload,
             "offload_layers": j.offload_layers, "optimizer_offload": j.optimizer_offload,
             "keep_attention_output": j.keep_attention_output,
-            "flags": megatron_flags(model, job, c.mode) if launchable else None,
-            "launch": launch_line(model, job, c.mode) if launchable else None,
+            "flags": megatron_flags(lm, job, c.mode) if launchable else None,
+            "launch": launch_line(lm, job, c.mode) if launchable else None,
             "total": c.total, "host_per_node": c.host_per_node,
             "micro_batch_s": c.micro_batch_s, "iteration_s": c.iteration_s,
             "sequences_per_iteration": c.sequences, "options": c.options}
@@ -347,11 +352,11 @@ def fastest_json(model: Model, gpus: int, res: Dict) -> Dict:
     """The ``--json`` dict: ``fastest.{metp,stock,alst}`` (None where nothing fits), the
     fastest without activation offload per family (``without_activation_offload``), the
     search's counts and runtime."""
-    ch = res["choices"]
+    ch, lm = res["choices"], res.get("launch_model")
     return {"seq": model.seq, "gpus": gpus, "model": model.name,
-            "fastest": {f: choice_json(model, gpus, ch[f][0] if ch[f] else None)
+            "fastest": {f: choice_json(model, gpus, ch[f][0] if ch[f] else None, lm)
                         for f in FAMILIES if f in ch},
-            "without_activation_offload": {f: choice_json(model, gpus, without_offload(ch[f]))
+            "without_activation_offload": {f: choice_json(model, gpus, without_offload(ch[f]), lm)
                                            for f in FAMILIES if f in ch and f != "alst"},
             "fitting": {f: len(c) for f, c in res["choices"].items()},
             "tried": res["tried"], "search_s": res["search_s"]}
@@ -386,7 +391,7 @@ def fastest_report(model: Model, gpus: int, res: Dict, hardware: str = "H100-80G
             lines.append(f"  {'fastest' if i == 0 else f'#{i + 1}     '} {c.time_s:,.2f} s per "
                          f"sequence  {c.describe()}: {fmt_bytes(c.total)} per rank, host "
                          f"{fmt_bytes(c.host_per_node)} per node")
-        d = choice_json(model, gpus, cands[0])
+        d = choice_json(model, gpus, cands[0], res.get("launch_model"))
         lines.append(f"  fastest: {d['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, "
                      f"{d['model_tflops_per_gpu']:,.0f} TFLOP/s per GPU (model FLOPs), "
                      f"iteration {d['iteration_s']:,.2f} s of {d['sequences_per_iteration']} "
@@ -418,5 +423,5 @@ def fastest_report(model: Model, gpus: int, res: Dict, hardware: str = "H100-80G
     return "\n".join(wrap_lines(lines, width))
 
 
-__all__ = ["Choice", "DEFAULT_HOST_GIB_PER_NODE", "best_overall", "choice_json", "family_choices", "fastest", "fastest_json",
-           "fastest_report", "model_flops", "without_offload"]
+__all__ = ["Choice", "DEFAULT_HOST_GIB_PER_NODE", "best_overall", "choice_json", "family_choices",
+           "fastest", "fastest_json", "fastest_report", "model_flops", "without_offload"]
