@@ -41,8 +41,7 @@ _JOB_KEYS = {
 #: ``pretrain_gpt.py`` flags in a config's ``EXTRA_ARGS`` / ``MOE_ARGS`` → Job fields (the last
 #: occurrence wins, as in Megatron-LM's argument parser)
 _FLAG_KEYS = {"--metp-mlp-token-tile": "mlp_token_tile",
-              "--metp-moe-token-tiles": "moe_tile_count",
-              "--metp-keep-attention-output": "keep_attention_output"}
+              "--metp-moe-token-tiles": "moe_tile_count"}
 
 
 def _coerce(v: str):
