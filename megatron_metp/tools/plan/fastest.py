@@ -258,17 +258,23 @@ def family_choices(model: Model, gpus: int, family: str, hardware: str = "H100-8
         for act in (False, True):
             for keep in ((False, True) if family == "metp" else (False,)):
                 host = {"offload": True, "host_memory_gib": host_gib} if act else {}
-                fitted = set()
-                # the optimizer on the host only adds time (CPU Adam, .optimizer_time): tried
-                # for the options that do not fit with it on the device
+                # the optimizer on the host only adds time (CPU Adam, .optimizer_time): with it
+                # the options are tried that do not fit without it, and block / kept attention
+                # again unless their count is already the best (the memory it frees may allow
+                # fewer recomputed layers or more kept ones)
+                done = set()
+
+                def skip(label: str) -> bool:  # without offload, none fitting is fastest
+                    return label in done or ("none" in done and not act)
+
                 for off in (False, True):
                     base = Job(**common, **fields, **moe, **host, optimizer_offload=off,
                                keep_intermediate=keep)
-                    def skip(label: str) -> bool:  # none fits without offload: all slower
-                        return label in fitted or ("none" in fitted and not act)
-
                     for label, job in _variants(fit, base, family, layers, skip):
-                        fitted.add(label)
+                        if label not in ("block", "keep") or \
+                                (job.recompute_num_layers if label == "block" else
+                                 layers + 1 - job.keep_attention_output) == 1:
+                            done.add(label)
                         out.append(_choice(model, family, mode, job,
                                            _label(label, job, layers), fit))
         tried += fit.tried
