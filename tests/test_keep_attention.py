@@ -277,3 +277,105 @@ def test_kept_attention_in_compositions(world, layout, size, per_stage):
     _assert_ring_once(out, "full", "keep", kept_layers=per_stage, blocks=layout.metp)
     if layout.pp > 1:  # 1F1B: the first stage runs two forwards before its first backward
         assert max(res["keep"]["stats"]["max_depth"] for res in out) == 2
+
+
+# ---------------------------------------------------------------- the flag, the settings, rules
+
+def _mlm(*argv, **megatron):
+    """Megatron-LM ``args`` of a METP 2 job (4 layers, 2 ranks) with the METP flags ``argv``
+    parsed, at Megatron's defaults otherwise."""
+    import argparse
+
+    from megatron_metp.megatron_lm.flags import add_metp_args
+    from tests.test_megatron_lm import _args
+
+    parsed = add_metp_args(argparse.ArgumentParser()).parse_args(list(argv))
+    base = dict(metp_parallel_size=2, world_size=2, num_layers=4, recompute_granularity=None,
+                recompute_method=None, recompute_num_layers=None, transformer_impl="local",
+                reset_attention_mask=False)
+    return _args(**{**{k: v for k, v in vars(parsed).items() if v is not None}, **base,
+                    **megatron})
+
+
+def test_the_flag_takes_an_optional_layer_count():
+    import argparse
+
+    from megatron_metp.megatron_lm.flags import add_metp_args
+
+    parser = add_metp_args(argparse.ArgumentParser())
+    assert parser.parse_args([]).metp_keep_attention_output is None
+    assert parser.parse_args(["--metp-keep-attention-output"]).metp_keep_attention_output is True
+    assert parser.parse_args(["--metp-keep-attention-output", "3"]).metp_keep_attention_output \
+        == 3
+    for bad in ("0", "-1", "all"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--metp-keep-attention-output", bad])
+
+
+@pytest.mark.parametrize("argv,layout_value,value", [
+    (["--metp-keep-attention-output"], True, True),
+    (["--metp-keep-attention-output", "1"], 1, 1),
+    ([], False, None),
+], ids=["every-layer", "first-1", "off"])
+def test_megatron_lm_args_and_the_layout_give_one_settings_value(argv, layout_value, value):
+    from megatron_metp.megatron_lm.settings_args import metp_settings
+
+    from_args = metp_settings(_mlm(*argv, "--metp-offload-activations", "2",
+                                   recompute_granularity="full"))
+    from_layout = Layout(metp=2, recompute="full", offload_activations=2,
+                         keep_attention_output=layout_value).settings()
+    same = dict(rope_recipe_source="")
+    assert from_args.replace(**same) == from_layout.replace(**same)
+    assert from_args.keep_attention_output == value
+    assert from_args.kept_attention_layers(4) == (4 if value is True else value or 0)
+    # negative control: another count is another value
+    other = Layout(metp=2, recompute="full", offload_activations=2, keep_attention_output=2)
+    assert other.settings().replace(**same) != from_layout.replace(**same)
+
+
+@pytest.mark.parametrize("kw,needles", [
+    (dict(metp_parallel_size=1), ["--metp-keep-attention-output keeps the METP attention's",
+                                  "--metp-parallel-size > 1"]),
+    (dict(metp_disable_weight_ring=True), ["--metp-keep-attention-output keeps the METP",
+                                           "without --metp-disable-weight-ring"]),
+    (dict(recompute_granularity=None), ["--metp-keep-attention-output keeps the attention "
+                                        "output of a recomputed layer",
+                                        "add --recompute-granularity full"]),
+    (dict(metp_keep_attention_output=5), ["--metp-keep-attention-output 5: 5 layers keep",
+                                          "a pipeline stage has 4 layers; give 1 to 4"]),
+    (dict(metp_keep_attention_output=2, num_layers_per_virtual_pipeline_stage=2),
+     ["--metp-keep-attention-output 2 with a virtual pipeline"]),
+], ids=["no-metp", "ring-baseline", "no-recompute", "more-than-a-stage", "virtual-pipeline"])
+def test_each_rule_refuses_the_megatron_lm_flags_before_any_rank(kw, needles):
+    from megatron_metp import megatron_lm
+
+    args = _mlm("--metp-keep-attention-output", **{"recompute_granularity": "full", **kw})
+    with pytest.raises(ValueError) as err:
+        megatron_lm.validate_metp_args(args)
+    for needle in needles:
+        assert needle in str(err.value), (needle, str(err.value))
+    # negative control: the same job with full recompute and METP passes
+    ok = _mlm("--metp-keep-attention-output", "4", recompute_granularity="full")
+    megatron_lm.validate_metp_args(ok)
+    assert ok.context_parallel_size == 2
+
+
+def test_each_rule_names_the_layout_fields():
+    from megatron_metp.megatron.settings import METPSettings
+    from megatron_metp.megatron.training import transformer_config
+
+    with pytest.raises(ValueError) as err:
+        Layout(metp=2, keep_attention_output=True)
+    assert "Layout.keep_attention_output" in str(err.value)
+    assert "add Layout.recompute='full'" in str(err.value)
+    with pytest.raises(ValueError, match="Layout.keep_attention_output keeps the METP"):
+        Layout(metp=2, mode="ring", recompute="full", keep_attention_output=True)
+    with pytest.raises(ValueError, match="Layout.keep_attention_output must be on"):
+        Layout(metp=2, recompute="full", keep_attention_output=-1)
+    with pytest.raises(ValueError, match="Layout.keep_attention_output: 3 layers keep"):
+        transformer_config(SIZE, Layout(metp=2, recompute="full", keep_attention_output=3))
+    # the settings alone: an unknown recompute (None) is not judged, a value is
+    assert METPSettings(metp=2, keep_attention_output=True).problems() == []
+    assert METPSettings(metp=2, keep_attention_output="2").problems(full_recompute=True)
+    assert "attention output kept under full recompute (first 1 layers of a stage)" in \
+        METPSettings(metp=2, keep_attention_output=1).describe()
