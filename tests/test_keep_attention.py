@@ -379,3 +379,94 @@ def test_each_rule_names_the_layout_fields():
     assert METPSettings(metp=2, keep_attention_output="2").problems(full_recompute=True)
     assert "attention output kept under full recompute (first 1 layers of a stage)" in \
         METPSettings(metp=2, keep_attention_output=1).describe()
+
+
+# ---------------------------------------------------------------- the op itself
+
+def _op_rank(rank, p, head_block, packed):
+    """One rank of ``metp_attention`` with GQA, a q/k RMSNorm, YaRN-like angles (scaled
+    frequencies) and softmax scale (A²/sqrt(d)), optionally packed documents: the plain call
+    with autograd, then a keeping call without autograd and the re-run from what it kept;
+    also the re-run from a perturbed LSE, and a kept set of the wrong shape."""
+    import torch.distributed as dist
+
+    import megatron_metp.ops.attention as attention
+    from megatron_metp import METPGroup
+    from megatron_metp.ops import metp_attention
+    from megatron_metp.ops.attention_keep import AttentionKeep
+
+    torch.manual_seed(7)
+    A, G, d, h, n, b = 8, 4, 4, 16, 8, 2
+    s = n * p
+    rows = (G // p) * (A // G + 2) * d
+    full = {"wq": torch.randn(G * (A // G + 2) * d, h) * 0.3, "wo": torch.randn(h, A * d) * 0.3,
+            "bq": torch.randn(G * (A // G + 2) * d) * 0.1,
+            "qn": 1 + 0.1 * torch.randn(d), "kn": 1 + 0.1 * torch.randn(d)}
+    x_all = torch.randn(n * p, b, h)
+    dy = torch.randn(n, b, h)
+    pos = torch.arange(s, dtype=torch.float32)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2) / d)) / torch.tensor([1.0, 4.0])  # YaRN-ish
+    angles = (pos[:, None] * inv_freq[None]).repeat(1, 2)[:, None, None, :]
+    from megatron_metp.ops import local_positions
+
+    x = x_all.index_select(0, local_positions(rank, p, n)).clone()
+    params = {"qkv_weight": full["wq"][rank * rows:(rank + 1) * rows].clone(),
+              "proj_weight": full["wo"][:, rank * (A // p) * d:(rank + 1) * (A // p) * d].clone(),
+              "qkv_bias": full["bq"][rank * rows:(rank + 1) * rows].clone(),
+              "q_norm_weight": full["qn"].clone(), "k_norm_weight": full["kn"].clone()}
+    grp = METPGroup.from_process_group(dist.group.WORLD, name="keep-attn")
+    kw = dict(group=grp, num_heads=A, num_query_groups=G, rotary_pos_emb=angles,
+              softmax_scale=1.3 ** 2 / d ** 0.5, head_block=head_block, qk_norm="RMSNorm",
+              cu_seqlens=(0, 5, 11, s) if packed else None)
+    calls = [0]
+    ring_forward = attention.ring_attention_forward
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return ring_forward(*args, **kwargs)
+
+    attention.ring_attention_forward = counted
+
+    def run(keep=None):
+        leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
+        xi = x.clone().requires_grad_()
+        calls[0] = 0
+        y = metp_attention(xi, leaves.pop("qkv_weight"), leaves.pop("proj_weight"), **kw,
+                           **leaves, keep=keep)
+        ran = calls[0]
+        y.backward(dy)
+        return y.detach(), [xi.grad] + [t.grad for t in leaves.values()], ran
+
+    y_ref, g_ref, ran_ref = run()
+    got = []
+    with torch.no_grad():
+        y_first = metp_attention(x, **params, **kw,
+                                 keep=AttentionKeep(sink=lambda o, lse: got.append((o, lse))))
+    outs, lses = got[0]
+    y_kept, g_kept, ran_kept = run(AttentionKeep(kept=(outs, lses)))
+    bumped = [lses[0] + 0.5] + list(lses[1:])
+    _, g_bad, _ = run(AttentionKeep(kept=(outs, bumped)))
+    try:
+        metp_attention(x, **params, **kw, keep=AttentionKeep(kept=(outs[:1] * 5, lses)))
+        wrong = None
+    except ValueError as exc:
+        wrong = str(exc)
+    err = max(((a - r).abs().max() / r.abs().max()).item() for a, r in zip(g_kept, g_ref))
+    bad = max(((a - r).abs().max() / r.abs().max()).item() for a, r in zip(g_bad, g_ref))
+    return {"y_same": torch.equal(y_kept, y_ref) and torch.equal(y_first, y_ref), "err": err,
+            "bad": bad, "rings": (ran_ref, ran_kept), "blocks": len(outs), "wrong": wrong}
+
+
+@pytest.mark.parametrize("head_block,packed", [(1, False), (2, True)],
+                         ids=["blocks-of-1", "one-block-packed"])
+def test_the_op_rerun_from_kept_outputs_equals_the_plain_call(head_block, packed):
+    """GQA, q/k norm, YaRN-like angles and scale; packed documents; head-group blocks of one
+    group (two ring passes) and of both (one): the re-run runs no ring, gives the same ``y``
+    bit for bit and the same gradients; a perturbed LSE changes them; a kept set of the wrong
+    shape is refused naming it."""
+    for res in run_ranks(_op_rank, 2, head_block, packed):
+        assert res["y_same"] and res["err"] <= SAME, res
+        assert res["rings"] == (2 // head_block, 0) and res["blocks"] == 2 // head_block, res
+        assert res["bad"] > 100 * SAME, res
+        assert res["wrong"] is not None and \
+            "kept attention outputs: 5 outputs and" in res["wrong"], res
