@@ -7,8 +7,9 @@ queues every head group's attention output ``O`` and fp32 LSE
 instead of running the K/V ring. Each forked group trains the same tiny GPT from the same weights
 with Megatron's DDP, optimizer and pipeline schedules (2 micro-batches per step), with full
 recompute and with the kept attention, and compares losses, grad norms and every gradient
-(fp32: within 1e-6) at METP 2 and 3, METP 2 x CP 2, METP 2 x PP 2 (1F1B: two micro-batches in
-flight per stage), packed documents and a MoE model, with and without the host offload. The
+(fp32: within 1e-6) at METP 2 and 3, METP 2 x CP 2, TP 2 x METP 2, METP 2 x PP 2 (1F1B: two
+micro-batches in flight per stage), packed documents and a MoE model, with and without the host
+offload. The
 point is counted: the attention forward's ring runs once per kept layer and micro-batch instead
 of twice. Negative controls: a perturbed kept ``O`` or LSE changes the gradients; a forward that
 has no backward keeps nothing; a re-run handed another micro-batch's ``O`` is refused.
@@ -262,9 +263,10 @@ def test_a_forward_without_backward_keeps_nothing_and_a_stray_entry_is_refused(m
 @pytest.mark.parametrize("world,layout,size,per_stage", [
     (3, Layout(metp=3, global_batch_size=MICRO), SIZE, 2),
     (4, Layout(metp=2, cp=2, global_batch_size=MICRO), SIZE, 2),
+    (4, Layout(metp=2, tp=2, global_batch_size=MICRO), SIZE, 2),
     (4, Layout(metp=2, pp=2, global_batch_size=MICRO), GPTSize(**{**SIZE.__dict__,
                                                                   "num_layers": 4}), 2),
-], ids=["metp3", "metp2xcp2", "metp2xpp2"])
+], ids=["metp3", "metp2xcp2", "metp2xtp2", "metp2xpp2"])
 def test_kept_attention_in_compositions(world, layout, size, per_stage):
     variants = [("full", {"layout": FULL, "size": size}),
                 ("keep", {"layout": {**FULL, "keep_attention_output": True}, "size": size})]
