@@ -158,6 +158,8 @@ def _keep_runs(rank, world, base, variants, steps=STEPS, unpaired=None):
             host_bytes=None if off is None else off.stats.host_bytes,
             host_peak=None if off is None else off.stats.host_peak,
             streaming=any(getattr(m, "stream", False) for m in decoder.layers),
+            ring={**state["groups"].metp.stats.snapshot(),
+                  "blocks": sum(state["groups"].metp.stats.blocks.values())},
             describe=layout.describe())
         if unpaired == name:
             out["unpaired"] = _unpaired(state, size, layout)
@@ -174,12 +176,16 @@ def _assert_same(per_rank, ref, names):
 
 def _assert_ring_once(per_rank, full, keep, kept_layers, blocks):
     """The kept run ran the attention forward's ring once fewer per kept layer, micro-batch and
-    head-group block than full recompute (which runs it twice per layer), and queued, took and
+    head-group block than full recompute (which runs it twice per layer), launched fewer
+    attention kernels, posted fewer ring exchanges and sent fewer bytes, and queued, took and
     freed one entry per kept layer and micro-batch."""
     for res in per_rank:
         saved = kept_layers * MICRO * STEPS * blocks
         assert res[full]["ring_calls"] - res[keep]["ring_calls"] == saved > 0, \
             (res[full]["ring_calls"], res[keep]["ring_calls"], saved)
+        # fewer attention kernel launches, ring exchanges and bytes (no K/V block travels)
+        for what in ("blocks", "steps", "bytes_sent"):
+            assert res[keep]["ring"][what] < res[full]["ring"][what], (what, res[keep]["ring"])
         st = res[keep]["stats"]
         assert st["kept"] == st["taken"] == kept_layers * MICRO * STEPS, st
         assert res[keep]["pending"] == 0 and not res[keep]["streaming"]
