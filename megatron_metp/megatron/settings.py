@@ -262,9 +262,8 @@ class METPSettings:
     def keep_attention_problems(self, *, full_recompute: Optional[bool] = None,
                                 names: Optional[Mapping[str, str]] = None) -> List[str]:
         """The kept attention's part of :meth:`problems`: its value, the METP weight ring (the
-        METP attention op keeps ``O`` and the LSE) and full recompute (without it nothing is
-        re-run, every layer keeps its attention output anyway; ``full_recompute=None``: not
-        known here, not checked)."""
+        METP attention op keeps ``O`` and the LSE) and full recompute (the layers it re-runs
+        whole are the ones that keep; ``full_recompute=None``: not known here, not checked)."""
         flag = _names(names)
         n = self.keep_attention_output
         if n is None or n is False:
@@ -281,9 +280,9 @@ class METPSettings:
                        + f"): drop {keep} or set METP")
         if full_recompute is False:
             out.append(f"{keep} keeps the attention output of a recomputed layer instead of "
-                       f"running attention again; without {flag['full_recompute']} no layer is "
-                       f"recomputed (each keeps everything already): add "
-                       f"{flag['full_recompute']} or drop {keep}")
+                       f"running attention again, for the layers Megatron's full recompute "
+                       f"re-runs whole (without it a layer keeps what its backward needs "
+                       f"anyway): add {flag['full_recompute']} or drop {keep}")
         return out
 
     def check(self, **facts) -> "METPSettings":
