@@ -91,9 +91,10 @@ class _Entry:
 
 
 def _to_host(t: torch.Tensor, offloader):
+    """A pinned host copy of ``t`` (on a GPU: a side-stream copy that overlaps the forward's next
+    layer; nothing writes ``t`` again and its memory is handed back only after the copy)."""
     stash = Stash(t.numel() // t.shape[-1], t.shape[-1], t, host=True, offloader=offloader)
     stash.write(slice(0, stash.rows), t.reshape(-1, t.shape[-1]))
-    stash.fence()
     return stash, tuple(t.shape)
 
 
