@@ -54,6 +54,7 @@ RELEASE_INDEPENDENT = {
 #: node id -> its time on 2 cores (s; the CI legs' --durations, the largest seen), for the tests
 #: over 5 s that use no Megatron-LM checkout
 SLOW = {
+    "tests/test_keep_attention.py::test_kept_attention_in_compositions": 7.3,
     "tests/test_leak_guard.py::test_a_test_that_leaves_a_variable_set_errors_and_the_next_one_"
     "passes": 8.1,
     "tests/test_measure_rope.py::test_measure_forms_only_this_ranks_rope_angles_as_training_"
@@ -116,6 +117,7 @@ SLOW_FIXTURES = {
     "tests/test_offload.py::metp2_offload": 8.6,
     "tests/test_checkpoint.py::saved": 6.0,
     "tests/test_doc_figures.py::tool_figures": 40.0,
+    "tests/test_keep_attention.py::metp2": 13.7,
 }
 
 

@@ -116,6 +116,23 @@ def test_compare_tp_trains_both_twins_with_the_same_losses(saved, tmp_path):
     assert "> METP_CPU: Megatron-LM on CPU ranks" in log
 
 
+def test_kept_attention_output_trains_with_the_same_losses(patched_megatron_lm, saved):
+    """--metp-keep-attention-output under --recompute-granularity full through pretrain_gpt.py
+    (issue 41): each layer's re-run takes the attention output its first forward kept instead of
+    running the attention forward again, and the run prints the losses and grad norms of the
+    ``saved`` METP run of the same config (no recompute, which full recompute equals exactly)."""
+    _, log = _train(patched_megatron_lm, "tiny-cpu-metp2.sh", 3, "--recompute-granularity",
+                    "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+                    "--metp-keep-attention-output", "--lr-decay-iters", "6")  # saved's LR
+    kept, plain = _iterations(log), saved[1]["metp"]["log"]
+    assert sorted(kept) == [1, 2, 3]
+    for k in kept:
+        for got, ref in zip(kept[k], plain[k]):
+            assert abs(got - ref) <= 1e-6 * abs(ref), (k, kept[k], plain[k])
+    assert "attention output kept under full recompute (every layer)" in log
+    assert re.search(r"\brecompute_granularity \.+ full\b", log)
+
+
 @pytest.mark.parametrize("name", ["metp", "tp"])
 def test_resume_in_the_same_layout_is_bit_exact(patched_megatron_lm, saved, name, tmp_path):
     _, runs = saved

@@ -15,8 +15,10 @@ the process groups and :class:`~.settings.METPSettings` (how METP runs it) it
 4. gives the model its RoPE angles (exact for this rank's tokens unless the settings ask for
    Megatron's recipe; Megatron's recipe refused where positions reach 2^24), Megatron-like
    initialisation of the sharded weights (:func:`.init.initialize_like_tp`, where the config
-   initialises) and the streaming layer / freed recompute outputs under full recompute
-   (:func:`.streaming.prepare_recompute`) for METP layers, the activation offloader (any mode)
+   initialises), the kept attention outputs of ``keep_attention_output``
+   (:func:`.keep_attention.attach_kept_attention`) and the streaming layer / freed recompute
+   outputs under full recompute (:func:`.streaming.prepare_recompute`) for METP layers, the
+   activation offloader (any mode)
    and the packed-document boundaries (METP and ring).
 """
 
@@ -164,6 +166,10 @@ def finish(model, groups: Optional[METPGroups], settings: METPSettings, *, seq_l
 
         if settings.init_like_tp:  # the same global weights as stock TP of size TP x METP
             initialize_like_tp(model, groups)
+        if settings.keep_attention_output:  # before the recompute set-up reads it
+            from .keep_attention import attach_kept_attention
+
+            attach_kept_attention(model.decoder, settings.keep_attention_output)
         # full recompute: the streaming layer op, else freed re-formed chunk outputs (METP layers
         # only: stock and ring layers keep Megatron's checkpoint as it is, as metp plan prices)
         prepare_recompute(model.decoder)

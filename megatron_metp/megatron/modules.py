@@ -28,7 +28,9 @@ exact: the modules and ops keep no state between a forward and its recompute (ea
 its own ring buffers and saves only its own inputs/outputs), and every rank recomputes the same
 layers in the same order, so the recomputed rings pair the same messages as the first forward.
 Selective recompute, ``distribute_saved_activations`` and Megatron's ``cpu_offloading`` are
-refused (:func:`recompute_problems`).
+refused (:func:`recompute_problems`). With ``--metp-keep-attention-output`` the attention's re-run
+takes the attention outputs its first forward kept (:mod:`.keep_attention`) instead of running
+the K/V rings again.
 
 Packed documents: ``packed_seq_params`` may be a :class:`~.packing.METPDocuments` (derived from
 the EOD tokens by :class:`~.packing.DocumentBoundaries`, Megatron-LM's
@@ -173,7 +175,11 @@ class METPSelfAttention(SelfAttention):
 
     ``hidden_states`` ``[s/p, b, h]`` (this METP rank's tokens, Megatron's CP order);
     returns ``(output [s/p, b, h], linear_proj.bias)`` exactly like ``SelfAttention``.
+    ``keeper``: an :class:`~.keep_attention.AttentionKeeper` when this layer keeps its attention
+    output under Megatron's full recompute (``--metp-keep-attention-output``), else ``None``.
     """
+
+    keeper = None
 
     def __init__(self, config, submodules, layer_number, attn_mask_type=AttnMaskType.causal,
                  cp_comm_type=None, pg_collection=None, *, groups: METPGroups, kernel=None,
@@ -232,7 +238,8 @@ class METPSelfAttention(SelfAttention):
                              **self.op_kwargs(rotary_pos_emb, rotary_pos_cos, rotary_pos_sin,
                                               packed_seq_params),
                              qkv_bias=self.linear_qkv.bias, proj_bias=None,
-                             label=f"layer {self.layer_number} self_attention")
+                             label=f"layer {self.layer_number} self_attention",
+                             keep=None if self.keeper is None else self.keeper.op_keep(x))
         if tp:
             out = reduce_from_tensor_model_parallel_region(out, group=tp)
         return out, self.linear_proj.bias

@@ -20,6 +20,10 @@ heads, experts) stays in megatron-core's ``TransformerConfig``; how METP runs it
 ``moe_token_tiles``           token tiles of each MoE layer (``None``: override or auto)
 ``offload_activations``       ``False``, ``True`` (every layer) or the first N layers of a stage
 ``offload_prefetch``          the offloader fetches the next layer ahead (``None``: its default)
+``keep_attention_output``     under full recompute, layers keep their attention output and
+                              LSE instead of re-running attention: ``None`` (off), ``True``
+                              (every layer) or the first N layers of each pipeline stage
+                              (:meth:`METPSettings.kept_attention_layers`)
 ``rope_recipe``               ``"exact"`` (this rank's angles, int64 positions) or
                               ``"megatron"`` (Megatron's fp32 table); stock TP is always Megatron's
 ``rope_recipe_source``        what chose Megatron's recipe, named when it is refused past 2^24
@@ -55,6 +59,8 @@ MEGATRON_LM_FLAGS: Dict[str, str] = {
     "mlp_token_tile": "--metp-mlp-token-tile", "moe_token_tiles": "--metp-moe-token-tiles",
     "offload_activations": "--metp-offload-activations",
     "offload_prefetch": "METP_OFFLOAD_PREFETCH", "rope_recipe": "--metp-rope-fp32-recipe",
+    "keep_attention_output": "--metp-keep-attention-output",
+    "full_recompute": "--recompute-granularity full",
     "transformer_impl": "--transformer-impl", "packed": "--reset-attention-mask",
     "packed_eod": "the tokenizer's EOD id", "packed_layout": "--metp-packed-layout",
 }
@@ -67,6 +73,16 @@ def _names(names: Optional[Mapping[str, str]]) -> Dict[str, str]:
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_kept_attention_layers(n, layers: int, what: str) -> None:
+    """``ValueError`` naming ``what`` unless ``n`` (``True`` or a count) layers of a pipeline
+    stage of ``layers`` layers can keep their attention output: ``1 <= n <= layers``."""
+    if n is True or n is None or n is False:
+        return
+    if not _is_int(n) or not 1 <= n <= layers:
+        raise ValueError(f"{what}: {n!r} layers keep their attention output, but a pipeline "
+                         f"stage has {layers} layers; give 1 to {layers} (or no N: every layer)")
 
 
 @dataclass(frozen=True)
@@ -85,6 +101,7 @@ class METPSettings:
     moe_token_tiles: Optional[int] = None
     offload_activations: Union[bool, int] = False
     offload_prefetch: Optional[bool] = None
+    keep_attention_output: Optional[int] = None  # None off, True every layer, N first N
     rope_recipe: str = "exact"
     rope_recipe_source: str = "--metp-rope-fp32-recipe or METP_ROPE_RECIPE=megatron"
     transformer_impl: str = "local"
@@ -109,6 +126,15 @@ class METPSettings:
         """Ranks of the K/V ring: ``p·c`` (Megatron's context-parallel size)."""
         return self.metp * self.context
 
+    def kept_attention_layers(self, layers_per_stage: int) -> int:
+        """How many layers of a pipeline stage of ``layers_per_stage`` keep their attention
+        output (``keep_attention_output``: ``True`` every layer, ``N`` the first ``N``, at most
+        the stage's; ``None`` 0)."""
+        n = self.keep_attention_output
+        if n is None or n is False:
+            return 0
+        return layers_per_stage if n is True else min(int(n), layers_per_stage)
+
     def replace(self, **changes) -> "METPSettings":
         """A copy with ``changes`` (the value itself is frozen)."""
         return dataclasses.replace(self, **changes)
@@ -127,13 +153,15 @@ class METPSettings:
     # ---------------------------------------------------------------------- rules
     def problems(self, *, world_size: Optional[int] = None, seq_length: Optional[int] = None,
                  num_experts: Optional[int] = None, sequence_parallel: bool = False,
+                 full_recompute: Optional[bool] = None,
                  names: Optional[Mapping[str, str]] = None) -> List[str]:
         """Every reason these settings cannot run, each naming the flag (``names``: field →
         what the user set it with; Megatron-LM's flags by default) and the fix; ``[]`` when they
         can. ``world_size``, ``seq_length`` and ``sequence_parallel`` are the job's facts the
         layout arithmetic of a sequence-sharded mode needs (:func:`.parallel.metp_config_problems`;
         the experts' own divisibility is :mod:`.moe_checks`'), ``num_experts`` (``0``: a dense
-        model) the MoE tiles'; ``None`` skips the rules that need them."""
+        model) the MoE tiles', ``full_recompute`` (Megatron's ``recompute_granularity`` is
+        ``'full'``) the kept attention's; ``None`` skips the rules that need them."""
         flag = _names(names)
         out: List[str] = []
         if self.mode not in MODES:
@@ -165,6 +193,7 @@ class METPSettings:
                        f"(or use stock {flag['context']} without METP)")
         out += self.tile_problems(num_experts=num_experts, names=flag)
         out += self._offload_problems(flag)
+        out += self.keep_attention_problems(full_recompute=full_recompute, names=flag)
         from ..ops.rope import RECIPES
 
         if self.rope_recipe not in RECIPES:
@@ -230,6 +259,32 @@ class METPSettings:
             return [f"{flag['offload_prefetch']} must be on or off, got {p!r}"]
         return []
 
+    def keep_attention_problems(self, *, full_recompute: Optional[bool] = None,
+                                names: Optional[Mapping[str, str]] = None) -> List[str]:
+        """The kept attention's part of :meth:`problems`: its value, the METP weight ring (the
+        METP attention op keeps ``O`` and the LSE) and full recompute (the layers it re-runs
+        whole are the ones that keep; ``full_recompute=None``: not known here, not checked)."""
+        flag = _names(names)
+        n = self.keep_attention_output
+        if n is None or n is False:
+            return []
+        keep = flag["keep_attention_output"]
+        if not isinstance(n, (bool, int)) or (not isinstance(n, bool) and n < 1):
+            return [f"{keep} must be on for every layer (True), off, or the layers per pipeline "
+                    f"stage that keep it (an int >= 1), got {n!r}"]
+        out = []
+        if self.mode != "metp":
+            out.append(f"{keep} keeps the METP attention's output; it needs METP with the weight "
+                       f"ring ({flag['metp']} > 1"
+                       + (f", without {flag['mode']}" if self.mode == "ring" else "")
+                       + f"): drop {keep} or set METP")
+        if full_recompute is False:
+            out.append(f"{keep} keeps the attention output of a recomputed layer instead of "
+                       f"running attention again, for the layers Megatron's full recompute "
+                       f"re-runs whole (without it a layer keeps what its backward needs "
+                       f"anyway): add {flag['full_recompute']} or drop {keep}")
+        return out
+
     def check(self, **facts) -> "METPSettings":
         """Raise ``ValueError`` with every :meth:`problems` (joined by ``; ``); return self."""
         problems = self.problems(**facts)
@@ -249,4 +304,9 @@ class METPSettings:
         parts.append(f"attention kernel {self.kernel or 'auto'}")
         parts.append("vocabulary sharded over TP x METP" if self.vocab_parallel
                      else "vocabulary sharded over TP only")
+        n = self.keep_attention_output
+        if n is not None and n is not False:
+            parts.append("attention output kept under full recompute ("
+                         + ("every layer" if n is True else f"first {n} layers of a stage")
+                         + ")")
         return ", ".join(parts)

@@ -147,6 +147,13 @@ def streaming_problems(block) -> List[str]:
         if layer.mlp.keep_intermediate:
             out.append("keep_intermediate (--metp-keep-intermediate)")
             break
+        if layer.self_attention.keeper is not None:
+            # TODO(issue 41, merge with the streaming layer's keep_attention): the layer op
+            # takes keep_attention=True for these layers; until then Megatron's checkpoint and
+            # the separate ops keep the attention output (.keep_attention)
+            out.append("kept attention output (--metp-keep-attention-output) with a layer op "
+                       "that does not keep it")
+            break
     return out
 
 

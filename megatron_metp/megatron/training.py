@@ -60,6 +60,8 @@ LAYOUT_FIELDS = {"metp": "Layout.metp", "context": "Layout.cp", "tp": "Layout.tp
                  "pp": "Layout.pp", "mode": "Layout.mode", "kernel": "Layout.kernel",
                  "vocab_parallel": "Layout.vocab_parallel",
                  "offload_activations": "Layout.offload_activations",
+                 "keep_attention_output": "Layout.keep_attention_output",
+                 "full_recompute": "Layout.recompute='full'",
                  "rope_recipe": "Layout.rope_fp32_recipe",
                  "transformer_impl": "Layout.transformer_impl",
                  "packed": "Layout.packed_eod", "packed_eod": "Layout.packed_eod"}
@@ -76,7 +78,11 @@ class Layout:
     ``offload_activations`` attaches :class:`megatron_metp.runtime.offload.ActivationOffloader` to the
     model's transformer block (Megatron-LM: ``--metp-offload-activations [N]``): what the layers keep
     for backward waits in host memory; ``True``: every layer's, an int ``N``: the first ``N``
-    layers' of each pipeline stage (the last ones keep theirs on the device). ``transformer_impl`` (``--transformer-impl``) picks the
+    layers' of each pipeline stage (the last ones keep theirs on the device).
+    ``keep_attention_output`` (Megatron-LM: ``--metp-keep-attention-output [N]``; needs
+    ``recompute="full"`` and METP): ``True`` every layer, an int ``N`` the first ``N`` layers of
+    each pipeline stage keep their attention output and log-sum-exp for the backward instead of
+    running attention again in the recompute (:mod:`.keep_attention`). ``transformer_impl`` (``--transformer-impl``) picks the
     METP layers' norms (:func:`megatron_metp.megatron.gpu_stack.select_norm`: Transformer
     Engine's where installed, else the local ones). ``packed_eod``: the token id that ends each
     packed document (Megatron-LM's ``--reset-position-ids --reset-attention-mask
@@ -109,6 +115,7 @@ class Layout:
     recompute_method: str = "uniform"
     recompute_num_layers: int = 1
     offload_activations: Union[bool, int] = False
+    keep_attention_output: Union[bool, int] = False
     transformer_impl: str = "local"
     packed_eod: Optional[int] = None
     rope_fp32_recipe: bool = False
@@ -170,6 +177,14 @@ class Layout:
         check_offload_layers(n, num_layers // self.pp, cfg, what="Layout.offload_activations")
         return n
 
+    def check_keep_layers(self, num_layers: int) -> None:
+        """``ValueError`` when :attr:`keep_attention_output` ``N`` exceeds the ``num_layers /
+        pp`` layers of a stage."""
+        from .settings import check_kept_attention_layers
+
+        check_kept_attention_layers(self.keep_attention_output, num_layers // self.pp,
+                                    "Layout.keep_attention_output")
+
     def settings(self, num_layers: Optional[int] = None):
         """This layout as :class:`~.settings.METPSettings` (``num_layers`` checks an
         ``offload_activations`` count against the layers of a stage); refusals name the
@@ -178,15 +193,19 @@ class Layout:
 
         if num_layers is not None:
             self.offload_layers(num_layers)  # refused here when N does not fit a stage
+            self.check_keep_layers(num_layers)
         settings = METPSettings(
             mode=self.mode, metp=self.metp, context=self.cp, tp=self.tp, pp=self.pp,
             kernel=self.kernel, vocab_parallel=self.vocab_parallel,
             offload_activations=self.offload_activations,
+            keep_attention_output=None if self.keep_attention_output is False
+            else self.keep_attention_output,
             rope_recipe=rope_recipe(self.rope_fp32_recipe),
             rope_recipe_source="Layout.rope_fp32_recipe", transformer_impl=self.transformer_impl,
             packed=self.packed_eod is not None, packed_eod=self.packed_eod,
             init_like_tp=self.init_like_tp)
-        settings.check(names=LAYOUT_FIELDS)
+        full = "full" in (self.recompute, self.extra.get("recompute_granularity"))
+        settings.check(names=LAYOUT_FIELDS, full_recompute=full)
         return settings
 
     def describe(self) -> str:
@@ -199,6 +218,9 @@ class Layout:
         if self.offload_activations:
             name += "+offload" + ("" if self.offload_activations is True
                                   else f"={self.offload_activations}")
+        if self.keep_attention_output:
+            name += "+keep-attention" + ("" if self.keep_attention_output is True
+                                         else f"={self.keep_attention_output}")
         parts = [name] + [f"{k}={v}" for k, v in (("CP", self.cp), ("TP", self.tp), ("PP", self.pp))
                           if v > 1]
         dp = dist.get_world_size() // self.model_ranks if dist.is_initialized() else 1
@@ -232,6 +254,7 @@ def transformer_config(size: GPTSize, layout: Layout):
         ffn_hidden_size=size.moe_ffn_hidden_size, layer_freq=size.moe_layer_freq,
         metp_parallel_size=layout.metp if layout.mode == "metp" else 1))
     layout.offload_layers(size.num_layers)  # refused here, before any model is built
+    layout.check_keep_layers(size.num_layers)
     if layout.packed_eod is not None:
         # the loss mask leaves EOD tokens out, so the ranks of a METP ring hold different token
         # counts: gradients are scaled by the global count (Megatron-LM's

@@ -5,7 +5,8 @@ refuses inside the ranks (all problems in one ``ValueError``) and what the launc
 (:mod:`megatron_metp.megatron_lm.preflight`) prints before any rank starts: the same checks,
 reading ``args`` only, importing neither Megatron nor megatron-core. The rules of each kind are
 one function each here (:func:`metp_flag_problems`, :func:`kernel_problems`,
-:func:`recompute_problems`, :func:`check_offload_layers_args`) or in the module named at the call.
+:func:`recompute_problems`, :func:`check_offload_layers_args`, :func:`check_keep_layers_args`) or
+in the module named at the call.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from .settings_args import metp_settings
 from .timeouts import megatron_lm_timeout_s
 
 __all__ = ["metp_arg_problems", "metp_flag_problems", "kernel_problems", "recompute_problems",
-           "check_offload_layers_args"]
+           "check_offload_layers_args", "check_keep_layers_args"]
 
 
 def metp_arg_problems(args) -> List[str]:
@@ -34,10 +35,11 @@ def metp_arg_problems(args) -> List[str]:
     """
     p = getattr(args, "metp_parallel_size", 1)
     out = list(resume_layout_problems(args))
-    try:
-        check_offload_layers_args(args)
-    except ValueError as exc:
-        out.append(str(exc))
+    for check in (check_offload_layers_args, check_keep_layers_args):
+        try:
+            check(args)
+        except ValueError as exc:
+            out.append(str(exc))
     if getattr(args, "metp_offload_activations", False) and (
             getattr(args, "cpu_offloading", False) or
             (getattr(args, "cpu_offloading_num_layers", 0) or 0) > 0):
@@ -51,6 +53,7 @@ def metp_arg_problems(args) -> List[str]:
     # too): tiles, the vocabulary ring, the ring baseline, the layout arithmetic
     rules = metp_settings(args).problems(
         num_experts=getattr(args, "num_experts", None) or 0,
+        full_recompute=getattr(args, "recompute_granularity", None) == "full",
         **(dict(world_size=args.world_size, seq_length=getattr(args, "seq_length", None),
                 # Megatron switches sequence parallelism off by itself when TP is 1
                 sequence_parallel=bool(getattr(args, "sequence_parallel", False)) and tp > 1)
@@ -88,17 +91,40 @@ def check_offload_layers_args(args) -> None:
         raise ValueError(f"--metp-offload-activations {n} with a virtual pipeline: every model "
                          f"chunk of a stage has its own layers and offloader; give no N (every "
                          f"layer) or drop the virtual pipeline")
-    pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
-    layers = args.num_layers // pp
-    for flag in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
-        if getattr(args, flag, None):
-            layers = min(layers, getattr(args, flag))
+    layers = _stage_layers(args)
     from ..runtime.offload import check_offload_layers
 
     cfg = argparse.Namespace(recompute_granularity=getattr(args, "recompute_granularity", None),
                              recompute_method=getattr(args, "recompute_method", None),
                              recompute_num_layers=getattr(args, "recompute_num_layers", None))
     check_offload_layers(n, layers, cfg, what=f"--metp-offload-activations {n}")
+
+
+def check_keep_layers_args(args) -> None:
+    """``ValueError`` naming ``--metp-keep-attention-output N`` when ``N`` exceeds the layers of
+    a pipeline stage or a virtual pipeline splits the stage into model chunks (before any model
+    is built)."""
+    n = getattr(args, "metp_keep_attention_output", None)
+    if n is True or not n:
+        return
+    if getattr(args, "num_layers_per_virtual_pipeline_stage", None) or \
+            getattr(args, "num_virtual_stages_per_pipeline_rank", None):
+        raise ValueError(f"--metp-keep-attention-output {n} with a virtual pipeline: every model "
+                         f"chunk of a stage has its own layers; give no N (every layer) or drop "
+                         f"the virtual pipeline")
+    from ..megatron.settings import check_kept_attention_layers
+
+    check_kept_attention_layers(n, _stage_layers(args), f"--metp-keep-attention-output {n}")
+
+
+def _stage_layers(args) -> int:
+    """The fewest layers a pipeline stage of ``args`` has."""
+    pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
+    layers = args.num_layers // pp
+    for flag in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
+        if getattr(args, flag, None):
+            layers = min(layers, getattr(args, flag))
+    return layers
 
 
 def metp_flag_problems(args, p: int, tp: int) -> List[str]:

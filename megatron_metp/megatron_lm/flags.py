@@ -83,6 +83,16 @@ def add_metp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "holds); no N: every layer. Works with and without METP; replaces Megatron's "
              "--cpu-offloading, which cannot be combined with recompute.")
     group.add_argument(
+        "--metp-keep-attention-output", nargs="?", const=True, default=None, metavar="N",
+        type=_keep_layers_arg,
+        help="With --recompute-granularity full: each METP layer keeps its attention output O "
+             "(activation dtype, the size of the layer input) and its fp32 log-sum-exp for the "
+             "backward, on the host where --metp-offload-activations sends the layer's input, "
+             "else on the GPU; the backward re-forms Q, K, V from the layer input and runs the "
+             "attention backward from them without running the attention forward (the K/V "
+             "ring) again. N: only the first N layers of each pipeline stage keep it; no N: "
+             "every layer.")
+    group.add_argument(
         "--metp-packed-layout", choices=("dual_chunk", "balanced"), default="dual_chunk",
         help="With --reset-attention-mask: how the packed documents' tokens are spread over the "
              "METP ring. dual_chunk (default): Megatron's CP split of the whole sequence. "
@@ -124,6 +134,16 @@ def _offload_layers_arg(raw: str) -> int:
         raise argparse.ArgumentTypeError(
             f"N must be a positive number of layers per pipeline stage, got {raw!r}; give no N "
             f"to offload every layer")
+    return int(raw)
+
+
+def _keep_layers_arg(raw: str) -> int:
+    """``--metp-keep-attention-output N``: a positive count (checked against the layers of a
+    pipeline stage by :func:`.checks.check_keep_layers_args`)."""
+    if not raw.isdigit() or int(raw) < 1:
+        raise argparse.ArgumentTypeError(
+            f"N must be a positive number of layers per pipeline stage, got {raw!r}; give no N "
+            f"to keep the attention output of every layer")
     return int(raw)
 
 

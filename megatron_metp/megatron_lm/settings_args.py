@@ -41,6 +41,7 @@ def metp_settings(args) -> METPSettings:
         mlp_token_tile=getattr(args, "metp_mlp_token_tile", None),
         moe_token_tiles=getattr(args, "metp_moe_token_tiles", None),
         offload_activations=offload,
+        keep_attention_output=getattr(args, "metp_keep_attention_output", None),
         rope_recipe=rope_recipe(bool(getattr(args, "metp_rope_fp32_recipe", False))),
         transformer_impl=_flag(args, "transformer_impl", "local"),
         packed=bool(getattr(args, "reset_attention_mask", False)),

@@ -47,7 +47,9 @@ one batched exchange per step (backward: the next K/V block together with the pr
 
 Saved for backward: ``x``, every head group's attention output ``O_g`` and its fp32 log-sum-exp:
 ``Q/K/V`` are recomputed from ``x`` as the weights pass (no rank ever holds whole Q/K/V, whole
-weights, or ``s×s`` scores).
+weights, or ``s×s`` scores). Under a full recompute the re-run of a forward may take ``O_g`` and
+its LSE from the first forward instead of running the K/V ring again (``keep``,
+:mod:`.attention_keep`).
 
 Traffic per rank and call (``W`` = one head group's weight shard, ``KV`` = one K/V block of one head
 group): forward ``(p−1)·W`` received + ``p(p−1)·KV``; backward ``(p−1)·W`` received,
@@ -74,6 +76,7 @@ from ._accum import mm_acc, mm_into, mm_new
 from ._first_order import first_order_only
 from ._flat import FlatLayout
 from ._grads import weight_grad
+from .attention_keep import AttentionKeep, check_kept
 from .attention_kernels import select_kernel
 from .attention_prep import HeadGeometry, heads_first, project_block, project_block_backward
 from .attention_weights import block_weights, deliver_flat, deliver_grads, keep_owned
@@ -188,7 +191,7 @@ class _METPAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, wqkv, bqkv, wo, bo, freqs, group: METPGroup, geo: HeadGeometry, causal, layout,
                 scale, kernel, label, kb, grad_dtype, cu, seq: METPGroup, head_norm, qn_w, qn_b,
-                kn_w, kn_b):
+                kn_w, kn_b, keep: Optional[AttentionKeep]):
         check_finite(f"{label} (forward)", group, x=x, qkv_weight=wqkv, proj_weight=wo,
                      qkv_bias=bqkv, proj_bias=bo)
         ctx.label = label
@@ -199,23 +202,37 @@ class _METPAttentionFunction(torch.autograd.Function):
         nb = group.size // kb
         H = kb * geo.heads_local
         y = None
-        outs, lses = [], []
-        tables = rope_tables(freqs, x.dtype) if freqs is not None else None
-        for _, (WQ, BQ, WOT) in block_weights(group, wqkv, bqkv, wo, "fwd", kb):
-            q, k, v, kv = project_block(x2, WQ, BQ, geo, n, b, kb, (freqs, tables), head_norm)
-            o = torch.empty(n, b, H * geo.d, dtype=x.dtype, device=x.device)
-            _, lse = ring_attention_forward(q, k, v, seq, causal, layout, scale, kernel,
-                                            kv_packed=kv, defer_merge=kb > 1,
-                                            out=heads_first(o, H, geo.d), cu_seqlens=cu)
-            outs.append(o)
-            lses.append(lse)
-            o2 = o.view(N, -1)
+
+        def project_out(o2, WOT):  # y += O_i·Wo_iᵀ
+            nonlocal y
             if nb == 1:  # one GEMM over every head: rounded once, like stock TP's
                 y = torch.mm(o2, WOT)
             elif y is None:
                 y = mm_new(o2, WOT, acc_dtype)
             else:
                 mm_acc(y, o2, WOT)
+
+        if keep is not None and not keep.runs_ring:
+            # the outputs an earlier forward kept (attention_keep): no K/V ring, no Q/K/V;
+            # only the output projections' weights pass
+            outs, lses = check_kept(keep.kept, nb, n, b, H, geo.d, x)
+            for i, (_, _, WOT) in block_weights(group, None, None, wo, "fwd", kb):
+                project_out(outs[i].view(N, -1), WOT)
+        else:
+            outs, lses = [], []
+            tables = rope_tables(freqs, x.dtype) if freqs is not None else None
+            for _, (WQ, BQ, WOT) in block_weights(group, wqkv, bqkv, wo, "fwd", kb):
+                q, k, v, kv = project_block(x2, WQ, BQ, geo, n, b, kb, (freqs, tables),
+                                            head_norm)
+                o = torch.empty(n, b, H * geo.d, dtype=x.dtype, device=x.device)
+                _, lse = ring_attention_forward(q, k, v, seq, causal, layout, scale, kernel,
+                                                kv_packed=kv, defer_merge=kb > 1,
+                                                out=heads_first(o, H, geo.d), cu_seqlens=cu)
+                outs.append(o)
+                lses.append(lse)
+                project_out(o.view(N, -1), WOT)
+            if keep is not None:
+                keep.sink(outs, lses)
         if bo is not None:
             y.add_(bo)
         ctx.save_for_backward(x, wqkv, bqkv, wo, freqs, *outs, *lses)
@@ -313,7 +330,7 @@ class _METPAttentionFunction(torch.autograd.Function):
         return (dx.to(x.dtype).view(n, b, h), weight_grad(wqkv, dwq), weight_grad(bqkv, dbq),
                 weight_grad(wo, dwot.t()), dbo,
                 None, None, None, None, None, None, None, None, None, None, None, None,
-                None, *head_norm_grads(head_norm, norm_acc))
+                None, *head_norm_grads(head_norm, norm_acc), None)
 
 
 def prepare_attention(x, qkv_weight, proj_weight, *, group: METPGroup, num_heads: int,
@@ -386,7 +403,8 @@ def metp_attention(x: torch.Tensor, qkv_weight: torch.Tensor, proj_weight: torch
                    q_norm_weight: Optional[torch.Tensor] = None,
                    k_norm_weight: Optional[torch.Tensor] = None,
                    q_norm_bias: Optional[torch.Tensor] = None,
-                   k_norm_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   k_norm_bias: Optional[torch.Tensor] = None,
+                   keep: Optional[AttentionKeep] = None) -> torch.Tensor:
     """The METP self-attention block (before the residual): ``y = Attn(x)·Woᵀ + bo``.
 
     Args:
@@ -443,6 +461,14 @@ def metp_attention(x: torch.Tensor, qkv_weight: torch.Tensor, proj_weight: torch
             ``s`` tokens); the weight broadcasts stay in ``group``; each head group's K/V ring
             (forward, and dK/dV home in backward) runs over the ``p·c`` ranks.
 
+        keep: kept attention outputs across a recompute (:mod:`.attention_keep`): with
+            ``AttentionKeep(sink=f)`` the call runs as usual and hands every head-group block's
+            ``O`` and fp32 ``LSE`` to ``f``; with ``AttentionKeep(kept=(outs, lses))`` (what an
+            earlier call with the same inputs handed over) it runs no K/V ring and no Q/K/V
+            projection, forms ``y`` from the kept ``O`` and saves them for its backward, which
+            re-forms Q/K/V from ``x`` as always. Every rank of the sequence ring must pass the
+            same kind. ``None`` (default): neither.
+
     Returns: ``y [s/p, b, h]`` (``[s/(p·c), b, h]`` under CP). Weight-shard gradients are
     complete over the tokens of ``group`` (under CP the caller sums them over the ``c`` METP
     groups of the context group, Megatron's expert-DP reduction); ``proj_bias``'s is this
@@ -470,10 +496,12 @@ def metp_attention(x: torch.Tensor, qkv_weight: torch.Tensor, proj_weight: torch
                            qk_norm=qk_norm, qk_norm_eps=float(qk_norm_eps) if qk_norm else None,
                            q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight,
                            q_norm_bias=q_norm_bias, k_norm_bias=k_norm_bias,
+                           runs_kv_ring=keep is None or keep.runs_ring,
                            needs_grad=needs_grad(x, qkv_weight, proj_weight, qkv_bias, proj_bias,
                                                  q_norm_weight, k_norm_weight))
     geo = HeadGeometry(num_heads, num_query_groups, d, group.size)
     return _METPAttentionFunction.apply(x, qkv_weight, qkv_bias, proj_weight, proj_bias, freqs,
                                         group, geo, bool(causal), layout, float(scale), kern,
                                         label, kb, grad_reduce_dtype, cu, seq, head_norm,
-                                        q_norm_weight, q_norm_bias, k_norm_weight, k_norm_bias)
+                                        q_norm_weight, q_norm_bias, k_norm_weight, k_norm_bias,
+                                        keep)
