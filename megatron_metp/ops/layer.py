@@ -24,7 +24,8 @@ of one layer per checkpoint (``--recompute-granularity full --recompute-method u
 * **Backward**, given ``dy`` (overwritten in place: it becomes ``dh1``, then ``dx``):
 
   1. the attention forward again, per group and query tile: ``O_g`` to the stash, ``lse_g``
-     kept (``[b, H, n]`` fp32 per group) — the recompute;
+     kept (``[b, H, n]`` fp32 per group) — the recompute; skipped with ``keep_attention``
+     (below);
   2. per row tile: ``h1`` recomputed from ``x`` and ``O``, ``dn2 = MLPᵀ(dy)`` (one backward
      pass of the MLP ring: its weight gradients travel home), ``dh1 = dy + norm2ᵀ(dn2)``;
   3. per group and query tile: ``dO_g = dh1·Wo_g``, the K/V ring backward (``dq`` of the tile
@@ -38,6 +39,16 @@ What the device holds, besides ``dy``: one head group's ``K_g, V_g`` and their f
 working set (:class:`~megatron_metp.ops.tiles.LayerTiles`: a budget, 1 GiB by default). The
 attention runs ``T_q`` rings per group instead of one (K/V traffic ×``T_q``, hidden while a
 tile's step outlasts its transfer: ``metp plan`` reports it), the MLP ``T_rows`` ring passes.
+
+**Kept attention** (``keep_attention=True``, ``--metp-keep-attention-output``): the forward keeps
+every group's ``O_g`` stash (``[n·b, H·d]``, the size of the layer input) and its ``lse_g``
+(fp32 ``[b, H, n]``, a stash of ``b·H`` rows of ``n``) for the backward, on the host where the
+layer input goes to the host (``host``), else on the device; the backward skips step 1 (the
+attention forward never runs a second time: one K/V ring per group and query tile per layer,
+not two) and runs steps 2–4 from the kept ``O`` and ``lse``, re-forming ``q``, ``K``, ``V`` from
+``x`` (norm, projection, q/k norm, RoPE) in step 3. Each group's kept ``O`` and ``lse`` are
+released once its step 3 is done. The gradients are the recompute's: the recompute forms ``O``
+and ``lse`` by the same code on the same inputs, bit for bit (``tests/test_layer_keep.py``).
 
 Exactness: the same arithmetic as the METP layer of :mod:`.attention` and :mod:`.mlp` plus
 Megatron's norms and bias-dropout-add, up to the order of fp32 sums (one GEMM over every head
@@ -113,16 +124,36 @@ def _o_stashes(spec, like, N):
                   offloader=spec.offloader) for _ in range(spec.group.size)]
 
 
-def _attention_outputs(spec, src: Rows, wqkv, bqkv, wo, o_stash, lses, keep=None) -> None:
+def _attention_outputs(spec, src: Rows, wqkv, bqkv, wo, o_stash, lses, keep=None,
+                       done=None) -> None:
     """Every head group's ``O_g`` into ``o_stash[g]`` (and ``lse_g`` into ``lses[g]``);
     ``keep``: per group ``(q stash, k/v stash)`` the projections also go to
-    (:mod:`.layer_reads`)."""
+    (:mod:`.layer_reads`); ``done(g)``: called once group ``g``'s tiles are all written."""
     b = src.b
     for g, (WQ, BQ, _) in block_weights(spec.group, wqkv, bqkv, wo, "fwd", 1):
         stash = o_stash[g]
         forward_group(src, spec.q_tiles, WQ, BQ, spec.geo, spec.seq, spec.attn, spec.head_norm,
                       lambda t, o, s=stash: _write_tile(s, t, b, o), lses[g],
                       proj_out=None if keep is None else keep[g])
+        if done is not None:
+            done(g)
+
+
+def _keep_lse(spec, lse: torch.Tensor) -> Stash:
+    """One group's ``lse_g`` (fp32 ``[b, H, n]``) kept for the backward (``keep_attention``):
+    a host stash of ``b·H`` rows of ``n`` where the layer input goes to the host, else the
+    device tensor itself."""
+    rows = lse.view(-1, lse.shape[-1])
+    if not spec.host:
+        return Stash.wrap(rows)
+    st = Stash(rows.shape[0], rows.shape[1], lse, host=True, offloader=spec.offloader)
+    st.write(slice(0, rows.shape[0]), rows)
+    return st
+
+
+def _kept_lse(st: Stash, b: int, n: int) -> torch.Tensor:
+    """A kept ``lse_g`` back on the device, ``[b, H, n]`` fp32."""
+    return st.read(slice(0, st.rows)).view(b, -1, n)
 
 
 def _dqkv_stashes(spec, like, N):
@@ -163,9 +194,18 @@ class _METPLayerFunction(torch.autograd.Function):
             xs.write(slice(0, N), x2)
         src = Rows(Stash.wrap(x2), spec.norm1, n, b, h, spec.freqs, x.dtype, spec.row_tokens)
         o_stash = _o_stashes(spec, x, N)
-        lse = torch.empty(b, spec.geo.heads_local, n, dtype=torch.float32, device=x.device)
-        _attention_outputs(spec, src, wqkv, bqkv, wo, o_stash, [lse] * spec.group.size)
-        del lse
+        kept = keep and spec.keep_attention  # O and lse kept for the backward
+        p = spec.group.size
+        lses = [torch.empty(b, spec.geo.heads_local, n, dtype=torch.float32, device=x.device)
+                for _ in range(p if kept else 1)] * (1 if kept else p)
+        kept_lse = [None] * p
+
+        def done(g):
+            if kept:
+                kept_lse[g] = _keep_lse(spec, lses[g])
+                lses[g] = None
+        _attention_outputs(spec, src, wqkv, bqkv, wo, o_stash, lses, done=done)
+        del lses
         wo_all_t = gather_rows(spec.group, wo.t(), "attention proj (gather)")
         in_place = spec.in_place and (xs is not None or not keep)
         if xs is not None:
@@ -178,8 +218,14 @@ class _METPLayerFunction(torch.autograd.Function):
             y[rows].copy_(mlp_forward(h1.view(-1, b, h), spec.norm2, w1, b1, w2, b2, spec.group,
                                       spec.activation, acc).view(-1, h))
             del h1
-        for s in o_stash:
-            s.release()
+        if kept:
+            for s in kept_lse:
+                s.fence()  # written before the lse tensors' device side is dropped
+            ctx.kept = (o_stash, kept_lse)
+        else:
+            for s in o_stash:
+                s.release()
+            ctx.kept = None
         del wo_all_t, o_stash
         ctx.spec, ctx.x_stash = spec, xs
         ctx.save_for_backward(x if keep and xs is None else None, wqkv, bqkv, wo, bo, w1, b1,
@@ -210,16 +256,25 @@ class _METPLayerFunction(torch.autograd.Function):
         spec.norm2.grads = [None] * len(spec.norm2.params)
 
         # 1. the attention forward again: O_g to the stashes, lse_g kept; with x on the host,
-        # every group's q and k/v projections kept in its d(qkv) stashes (.layer_reads)
-        o_stash = _o_stashes(spec, dy, N)
-        lses = [torch.empty(b, geo.heads_local, n, dtype=torch.float32, device=dy.device)
-                for _ in range(group.size)]
-        reuse = ctx.x_stash is not None
-        dq_st = dkv_st = None
-        if reuse:
-            dq_st, dkv_st = _dqkv_stashes(spec, dy, N)
-        _attention_outputs(spec, src, wqkv, bqkv, wo, o_stash, lses,
-                           keep=list(zip(dq_st, dkv_st)) if reuse else None)
+        # every group's q and k/v projections kept in its d(qkv) stashes (.layer_reads).
+        # With keep_attention: nothing to run, O_g and lse_g were kept by the forward.
+        dq_st = dkv_st = kept_lse = None
+        if ctx.kept is not None:
+            o_stash, kept_lse = ctx.kept
+            ctx.kept = None
+            lses = [lambda g=g: _kept_lse(kept_lse[g], b, n) for g in range(group.size)]
+            reuse = False
+        else:
+            o_stash = _o_stashes(spec, dy, N)
+            made = [torch.empty(b, geo.heads_local, n, dtype=torch.float32, device=dy.device)
+                    for _ in range(group.size)]
+            lses = [lambda t=t: t for t in made]
+            reuse = ctx.x_stash is not None
+            if reuse:
+                dq_st, dkv_st = _dqkv_stashes(spec, dy, N)
+            _attention_outputs(spec, src, wqkv, bqkv, wo, o_stash, made,
+                               keep=list(zip(dq_st, dkv_st)) if reuse else None)
+            del made
 
         # 2. MLP and projection backward, row tile by row tile: dy -> dh1
         wo_all_t = gather_rows(group, wo.t(), "attention proj (gather)")
@@ -255,12 +310,14 @@ class _METPLayerFunction(torch.autograd.Function):
             stash = o_stash[g]
             backward_group(src, spec.q_tiles, kv_blocks, WQ, BQ, WOT, geo, spec.seq, spec.attn,
                            spec.head_norm, norm_acc,
-                           lambda t, s=stash: _read_tile(s, t, b), dy2, lses[g],
+                           lambda t, s=stash: _read_tile(s, t, b), dy2, lses[g](),
                            lambda t, r, s=dq_st[g]: _write_tile(s, t, b, r),
                            lambda t, r, s=dkv_st[g]: _write_tile(s, t, b, r), grads,
                            proj=(dq_st[g], dkv_st[g]) if reuse else None)
             stash.release()
             lses[g] = None
+            if kept_lse is not None:
+                kept_lse[g].release()
             in_flight, owned = deliver(group, g, grads, in_flight, owned)
             grad_layout = grads.layout
             del grads
@@ -316,7 +373,7 @@ def metp_layer(x: torch.Tensor, *, group, num_heads: int, num_query_groups: int,
                grad_reduce_dtype: Optional[torch.dtype] = torch.float32,
                host: bool = False, offloader=None, in_place: bool = False,
                token_tile: Optional[int] = None, mlp_token_tile: Optional[int] = None,
-               label: str = "metp_layer") -> torch.Tensor:
+               keep_attention: bool = False, label: str = "metp_layer") -> torch.Tensor:
     """One pre-norm transformer layer ``y = h1 + MLP(norm2(h1)) + b2``,
     ``h1 = x + Attn(norm1(x))·Woᵀ + bo``, streamed (see the module docstring).
 
@@ -338,6 +395,10 @@ def metp_layer(x: torch.Tensor, *, group, num_heads: int, num_query_groups: int,
         mlp_token_tile: the row passes' tile in rows of tokens × batch, as the MLP op's
             ``token_tile`` (the spec's ``mlp_token_tile``; ``None``: ``METP_MLP_TOKEN_TILE``,
             else the budget); a ``token_tile`` wins.
+        keep_attention: keep every head group's attention output ``O_g`` and its fp32
+            log-sum-exp for the backward (on the host with ``host``, else on the device), so
+            the backward never runs the attention forward again (the module docstring's
+            "Kept attention"; ``--metp-keep-attention-output``).
     """
     group = as_metp_group(group)
     seq, d, kern, _, cu, freqs, head_norm = prepare_attention(
@@ -375,6 +436,7 @@ def metp_layer(x: torch.Tensor, *, group, num_heads: int, num_query_groups: int,
                            fc1_bias=fc1_bias, fc2_bias=fc2_bias, activation=activation,
                            causal=bool(causal), layout=layout, softmax_scale=float(scale),
                            kernel=kern.name, qk_norm=qk_norm, host=bool(host),
+                           keep_attention=bool(keep_attention),
                            needs_grad=needs_grad(x, qkv_weight, proj_weight, fc1_weight,
                                                  fc2_weight), **tiles.fields())
     # writing y over x: never over a view (autograd's view + in-place rules) nor a leaf that
@@ -384,7 +446,7 @@ def metp_layer(x: torch.Tensor, *, group, num_heads: int, num_query_groups: int,
     spec = _Spec(group=group, seq=seq, geo=geo, b=b, n=n, label=label, freqs=freqs,
                  head_norm=head_norm, norm1=n1, norm2=n2, activation=activation,
                  grad_dtype=grad_reduce_dtype, host=bool(host), offloader=offloader,
-                 in_place=in_place,
+                 in_place=in_place, keep_attention=bool(keep_attention),
                  q_tiles=query_tiles(n, tiles.q, layout, causal, packed=cu is not None),
                  kv_blocks=balanced_kv_blocks(n, tiles.kv, layout, causal,
                                               packed=cu is not None),
