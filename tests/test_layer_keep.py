@@ -14,6 +14,8 @@ from megatron_metp import METPGroup
 from megatron_metp.ops import layer_attention, shard_sequence
 from megatron_metp.ops.documents import shard_documents
 from megatron_metp.ops.layer import metp_layer
+from megatron_metp.ops.layer_reads import host_reads
+from megatron_metp.runtime import host_stash
 from megatron_metp.runtime.context import attach_context_group
 from tests.harness import run_ranks
 from tests.numerics import rel_err
@@ -77,14 +79,26 @@ def _run(grp, full, case, r, p, R, P, host, tiles, keep, perturb, rings):
         kept[0][0]._data[: x.shape[1]] += 0.5
     elif perturb == "lse":
         kept[1][0]._data += 0.3
-    y.backward(shard(full["gy"]))
+    N = x.shape[0] * x.shape[1]
+    reads = []  # rows of the layer input's host stash read by the backward
+    read = host_stash.Stash.read
+
+    def counting(self, rows):
+        if self.host and self.width == H and self.rows == N:
+            reads.append(rows.stop - rows.start)
+        return read(self, rows)
+    host_stash.Stash.read = counting
+    try:
+        y.backward(shard(full["gy"]))
+    finally:
+        host_stash.Stash.read = read
     if keep:  # released after the backward
         assert node.kept is None and all(s._released for s in kept[0] + kept[1])
     out = {"dx": x_leaf.grad, **{"d" + k: v.grad for k, v in params.items() if v is not None},
            **{f"dn1.{k}": v.grad for k, v in n1.named_parameters()},
            **{f"dn2.{k}": v.grad for k, v in n2.named_parameters()},
            **{"d" + k: qk[k].grad for k in ("q_norm_weight", "k_norm_weight") if k in qk}}
-    return out, fwd, len(rings), q_tiles
+    return out, fwd, len(rings), q_tiles, sum(reads) / N
 
 
 def _keep_rank(rank, world, p, case, host, tiles, controls):
@@ -124,8 +138,8 @@ CASES = [  # (METP, world, case overrides, host, tiles, negative controls)
 def test_kept_attention_gradients_equal_the_recompute(p, world, over, host, tiles, controls):
     case = dict(BASE, **over)
     for r, got in enumerate(run_ranks(_keep_rank, world, p, case, host, tiles, controls)):
-        ref, ref_fwd, ref_all, q_tiles = got["recompute"]
-        out, fwd, total, _ = got["keep"]
+        ref, ref_fwd, ref_all, q_tiles, ref_reads = got["recompute"]
+        out, fwd, total, _, reads = got["keep"]
         assert len(ref) >= 7 and ref.keys() == out.keys()
         errs = {k: rel_err(out[k], ref[k]) for k in ref}
         assert max(errs.values()) <= 1e-6, (r, errs)
@@ -133,6 +147,10 @@ def test_kept_attention_gradients_equal_the_recompute(p, world, over, host, tile
         # with kept attention; the recompute runs it a second time
         assert fwd == ref_fwd == p * q_tiles and q_tiles >= 2
         assert total == fwd and ref_all == 2 * ref_fwd
+        # passes over the host-resident input per backward (ops/layer_reads.host_reads): with
+        # kept attention 2p + 2 (q formed from x again, no recompute), else 2p + 3
+        assert reads == sum(host_reads(p, host, kept=True).values()) == (2 * p + 2) * host
+        assert ref_reads == sum(host_reads(p, host).values()) == (2 * p + 3) * host
         for c in controls:  # negative controls: the backward uses the kept O and lse
             bad = got[c][0]
             assert max(rel_err(bad[k], ref[k]) for k in ref) > 1e-3, (r, c)
