@@ -79,13 +79,13 @@ def test_check_exits_1_on_a_doctored_doc(D, tool_figures, tmp_path, monkeypatch,
     for name in D.DOCS:
         text = _text(name)
         if name == doc:
-            text = text.replace("31,912.75K tokens, TP 1", "22.3M tokens, TP 1", 1)
+            text = text.replace("32,356.50K tokens, TP 1", "22.3M tokens, TP 1", 1)
         (tmp_path / name).write_text(text, encoding="utf-8")
     monkeypatch.setattr(D, "DOCS_ROOT", str(tmp_path))
     assert D.main(["--check"]) == 1
     err = capsys.readouterr().err
     assert re.search(r"docs/positions.md: figure llama3-8b-32-reach .*the doc says '22.3M', the "
-                     r"tool prints '31,912.75K'", err), err
+                     r"tool prints '32,356.50K'", err), err
     monkeypatch.setattr(D, "DOCS_ROOT", ROOT)
     assert D.main(["--check"]) == 0
 

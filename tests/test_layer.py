@@ -264,12 +264,13 @@ def _host_reads_rank(rank, p, case, tiles):
 
 @pytest.mark.parametrize("p", [2, 3])
 def test_host_reads_of_the_layer_input_per_backward(p):
-    """With the input on the host, one layer's backward reads it ``4p + 2`` times
-    (``layer_reads.host_reads``: the recompute's K/V and q passes, the MLP's, the attention
-    backward's two weight-gradient passes, ``dx``; the backward's K/V and q come from the
-    recompute's kept projections), every host copy started ahead is read (none is left
-    holding a device tile), and passes run two chunks ahead; the results are the same as the
-    separate ops'."""
+    """With the input on the host, one layer's backward reads it ``2p + 3`` times
+    (``layer_reads.host_reads``: the recompute's first K/V pass and its p query-tile passes,
+    which also form the next group's K/V, the MLP's, the attention backward's p dWq passes,
+    which also reduce the previous group's d(kv) and form the next group's K/V, ``dx`` with
+    the last group's d(kv); the backward's q come from the recompute's kept projections),
+    every host copy started ahead is read (none is left holding a device tile), and passes run
+    two chunks ahead; the results are the same as the separate ops'."""
     from megatron_metp.ops.layer_reads import host_reads
 
     case = dict(BASE, A=6, G=3, d=2) if p == 3 else dict(BASE)
@@ -279,8 +280,8 @@ def test_host_reads_of_the_layer_input_per_backward(p):
         assert max(_compare(out, ops[r]).values()) <= 1e-5
         N = S // p * B
         passes = sum(b - a for a, b in reads) / N
-        assert passes == sum(host_reads(p).values()) == 4 * p + 2, passes
-        assert passes < 6 * p + 2  # negative control: what the backward read before
+        assert passes == sum(host_reads(p).values()) == 2 * p + 3, passes
+        assert passes < 4 * p + 2  # negative control: what the backward read before
         ahead = 0
         for i, (at, rows) in enumerate(fetched):
             assert rows in reads[at:], (i, at, rows)  # read after it was started

@@ -26,7 +26,7 @@ from ..runtime.ring import RingExchanger
 from ._flat import FlatLayout
 
 
-def block_weights(group: METPGroup, wqkv, bqkv, wo, phase: str, kb: int):
+def block_weights(group: METPGroup, wqkv, bqkv, wo, phase: str, kb: int, spares: int = 2):
     """Yield ``(i, (WQ, BQ, WOT))`` for the ``p/kb`` blocks of ``kb`` consecutive head groups, on
     every rank: ``WQ [kb·rows, h]`` and ``BQ [kb·rows]`` (or ``None``) the block's ``linear_qkv``
     rows, ``WOT [kb·A/p·d, h]`` its ``linear_proj`` columns transposed, each group's rows
@@ -36,14 +36,16 @@ def block_weights(group: METPGroup, wqkv, bqkv, wo, phase: str, kb: int):
     block holds every group); block ``i+1``'s transfers are posted before block ``i`` is yielded
     (two sets of receive buffers, used alternately), so they overlap block ``i``'s compute. An
     all-gather reads the owner's parameters as they are; a broadcast sends a copy (its root's
-    buffer is written by the collective)."""
+    buffer is written by the collective). ``spares``: receive buffers of one-group blocks
+    (``kb = 1``), used in turn (3: a caller that pulls group ``g + 1`` while it still uses
+    group ``g``'s, :func:`~megatron_metp.ops.layer_attention.weights_ahead`)."""
     p, r = group.size, group.rank
     if p == 1:
         yield 0, (wqkv, bqkv, wo.t())
         return
     ring = RingExchanger(group, f"attention weights ({phase})")
     if kb == 1:  # one message per head group: its pieces packed back to back
-        yield from _group_weights(ring, group, (wqkv, bqkv, wo.t()))
+        yield from _group_weights(ring, group, (wqkv, bqkv, wo.t()), spares)
         return
     own = (wqkv, bqkv, wo.t().contiguous())
     sets = [None, None]
@@ -83,22 +85,22 @@ def block_weights(group: METPGroup, wqkv, bqkv, wo, phase: str, kb: int):
         yield i, bufs
 
 
-def _group_weights(ring: RingExchanger, group: METPGroup, own):
+def _group_weights(ring: RingExchanger, group: METPGroup, own, spares: int = 2):
     """:func:`block_weights` for blocks of one head group: group ``g``'s ``(Wqkv, bqkv, Woᵀ)``
     packed in one buffer and broadcast from its owner, the next group's posted before this
-    one is yielded (two receive buffers, used alternately)."""
+    one is yielded (``spares`` receive buffers, used in turn)."""
     p, r = group.size, group.rank
     layout = FlatLayout.of(own)
     packed_own = layout.pack(own)
-    spare = [None, None]
+    spare = [None] * spares
 
     def post(g):
         if g == r:
             buf = packed_own
         else:
-            if spare[g % 2] is None:
-                spare[g % 2] = torch.empty_like(packed_own)
-            buf = spare[g % 2]
+            if spare[g % spares] is None:
+                spare[g % spares] = torch.empty_like(packed_own)
+            buf = spare[g % spares]
         return ring.broadcast(buf, g, step=g)
 
     pending = post(0)

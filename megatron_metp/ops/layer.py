@@ -24,20 +24,37 @@ of one layer per checkpoint (``--recompute-granularity full --recompute-method u
 * **Backward**, given ``dy`` (overwritten in place: it becomes ``dh1``, then ``dx``):
 
   1. the attention forward again, per group and query tile: ``O_g`` to the stash, ``lse_g``
-     kept (``[b, H, n]`` fp32 per group) — the recompute;
+     kept (``[b, H, n]`` fp32 per group) — the recompute; skipped with ``keep_attention``
+     (below). ``K_{g+1}, V_{g+1}`` are formed from the query tiles' ``norm1(x)`` of group
+     ``g`` (only group 0's have a pass of their own), the last group's forming the backward's
+     group 0 (:mod:`.layer_reads`);
   2. per row tile: ``h1`` recomputed from ``x`` and ``O``, ``dn2 = MLPᵀ(dy)`` (one backward
      pass of the MLP ring: its weight gradients travel home), ``dh1 = dy + norm2ᵀ(dn2)``;
   3. per group and query tile: ``dO_g = dh1·Wo_g``, the K/V ring backward (``dq`` of the tile
      complete; ``dK/dV`` of every rank's keys travel home and are summed over the tiles),
-     ``d(qkv)_g`` to a stash, ``dWqkv_g``, ``dWo_g`` reduced to their owner;
-  4. per row tile: ``dx = dh1 + norm1ᵀ(d(qkv)·Wqkv)`` (every group's ``d(qkv)``, one GEMM).
+     ``dq_g`` to a stash, ``dWq_g``, ``dWo_g``; the same reads of ``x`` reduce group
+     ``g − 1``'s ``d(kv)`` (``dWk/dWv``, its rows to a stash) and form ``K_{g+1}, V_{g+1}``;
+     group ``g``'s weight gradients go to their owner once its ``d(kv)`` is reduced;
+  4. per row tile: ``dx = dh1 + norm1ᵀ(d(qkv)·Wqkv)`` (every group's ``d(qkv)``, one GEMM),
+     the last group's ``d(kv)`` (still on the device) reduced in the same pass.
 
-What the device holds, besides ``dy``: one head group's ``K_g, V_g`` and their fp32 gradients
-(``n·G·d·(2+8)`` bytes per K/V head: 1.1 GiB for Llama-3-8B at 768K tokens per rank, against
+What the device holds, besides ``dy``: two head groups' ``K, V`` (the group's and the next
+one's, or the previous group's ``d(kv)`` in the same buffers) and one group's fp32 ``dK/dV``
+(``n·G·d·(4+8)`` bytes per K/V head: 1.3 GiB for Llama-3-8B at 768K tokens per rank, against
 6 GiB for one ``[n, h]`` activation), the ring buffers of one K/V sub-block, and one tile's
 working set (:class:`~megatron_metp.ops.tiles.LayerTiles`: a budget, 1 GiB by default). The
 attention runs ``T_q`` rings per group instead of one (K/V traffic ×``T_q``, hidden while a
 tile's step outlasts its transfer: ``metp plan`` reports it), the MLP ``T_rows`` ring passes.
+
+**Kept attention** (``keep_attention=True``, ``--metp-keep-attention-output``): the forward keeps
+every group's ``O_g`` stash (``[n·b, H·d]``, the size of the layer input) and its ``lse_g``
+(fp32 ``[b, H, n]``, a stash of ``b·H`` rows of ``n``) for the backward, on the host where the
+layer input goes to the host (``host``), else on the device; the backward skips step 1 (the
+attention forward never runs a second time: one K/V ring per group and query tile per layer,
+not two) and runs steps 2–4 from the kept ``O`` and ``lse``, re-forming ``q``, ``K``, ``V`` from
+``x`` (norm, projection, q/k norm, RoPE) in step 3. Each group's kept ``O`` and ``lse`` are
+released once its step 3 is done. The gradients are the recompute's: the recompute forms ``O``
+and ``lse`` by the same code on the same inputs, bit for bit (``tests/test_layer_keep.py``).
 
 Exactness: the same arithmetic as the METP layer of :mod:`.attention` and :mod:`.mlp` plus
 Megatron's norms and bias-dropout-add, up to the order of fp32 sums (one GEMM over every head
@@ -48,6 +65,7 @@ Not covered (the caller uses the separate ops instead): TP > 1 inside the layer,
 
 from __future__ import annotations
 
+import itertools
 import math
 from types import SimpleNamespace
 from typing import Optional
@@ -68,8 +86,8 @@ from .attention_prep import HeadGeometry
 from .attention_weights import block_weights, keep_owned
 from .head_norm import head_norm_grads
 from .balance import kv_blocks as balanced_kv_blocks, query_tiles
-from .layer_attention import (GroupGrads, Rows, backward_group, deliver, forward_group,
-                              token_rows)
+from .layer_attention import (GroupGrads, PrevKV, Rows, backward_group, deliver, forward_group,
+                              kv_form, token_rows, weights_ahead)
 from .layer_rows import (MLPBackward, RowNorm, attention_residual, dx_rows, gather_rows,
                          mlp_forward)
 from .tiles import LayerTiles, mlp_row_bytes
@@ -113,25 +131,57 @@ def _o_stashes(spec, like, N):
                   offloader=spec.offloader) for _ in range(spec.group.size)]
 
 
-def _attention_outputs(spec, src: Rows, wqkv, bqkv, wo, o_stash, lses, keep=None) -> None:
+def _attention_outputs(spec, src: Rows, wqkv, bqkv, wo, o_stash, lses, keep=None,
+                       done=None) -> None:
     """Every head group's ``O_g`` into ``o_stash[g]`` (and ``lse_g`` into ``lses[g]``);
     ``keep``: per group ``(q stash, k/v stash)`` the projections also go to
-    (:mod:`.layer_reads`)."""
+    (:mod:`.layer_reads`); ``done(g)``: called once group ``g``'s tiles are all written."""
     b = src.b
     for g, (WQ, BQ, _) in block_weights(spec.group, wqkv, bqkv, wo, "fwd", 1):
         stash = o_stash[g]
         forward_group(src, spec.q_tiles, WQ, BQ, spec.geo, spec.seq, spec.attn, spec.head_norm,
                       lambda t, o, s=stash: _write_tile(s, t, b, o), lses[g],
                       proj_out=None if keep is None else keep[g])
+        if done is not None:
+            done(g)
 
 
-def _dqkv_stashes(spec, like, N):
-    """Every head group's ``d(qkv)`` stashes: q columns ``[N, G_g·qpg·d]`` and k/v columns
-    ``[N, G_g·2·d]``."""
+def _keep_lse(spec, lse: torch.Tensor) -> Stash:
+    """One group's ``lse_g`` (fp32 ``[b, H, n]``) kept for the backward (``keep_attention``):
+    a host stash of ``b·H`` rows of ``n`` where the layer input goes to the host, else the
+    device tensor itself."""
+    rows = lse.view(-1, lse.shape[-1])
+    if not spec.host:
+        return Stash.wrap(rows)
+    st = Stash(rows.shape[0], rows.shape[1], lse, host=True, offloader=spec.offloader)
+    st.write(slice(0, rows.shape[0]), rows)
+    return st
+
+
+def _kept_lse(st: Stash, b: int, n: int) -> torch.Tensor:
+    """A kept ``lse_g`` back on the device, ``[b, H, n]`` fp32."""
+    return st.read(slice(0, st.rows)).view(b, -1, n)
+
+
+def _dq_stashes(spec, like, N):
+    """Every head group's ``d(qkv)`` q-column stash ``[N, G_g·qpg·d]``."""
     geo = spec.geo
-    widths = (geo.groups_local * geo.q_per_group * geo.d, geo.groups_local * 2 * geo.d)
-    return tuple([Stash(N, w, like, host=spec.host, offloader=spec.offloader)
-                  for _ in range(spec.group.size)] for w in widths)
+    return [Stash(N, geo.groups_local * geo.q_per_group * geo.d, like, host=spec.host,
+                  offloader=spec.offloader) for _ in range(spec.group.size)]
+
+
+def _dkv_stash(spec, like, N):
+    """One head group's ``d(qkv)`` k/v-column stash ``[N, G_g·2·d]``."""
+    return Stash(N, spec.geo.groups_local * 2 * spec.geo.d, like, host=spec.host,
+                 offloader=spec.offloader)
+
+
+def _rows(spec, stash, dtype) -> Rows:
+    """The layer input's reader (:class:`~.layer_attention.Rows`) with the K/V cut set."""
+    src = Rows(stash, spec.norm1, spec.n, spec.b, stash.width, spec.freqs, dtype,
+               spec.row_tokens)
+    src.set_kv_cut(spec.q_tiles, spec.row_tiles)
+    return src
 
 
 def _prefetch(tiles, i: int, b: int, stashes) -> None:
@@ -161,11 +211,20 @@ class _METPLayerFunction(torch.autograd.Function):
         if keep and spec.host:  # the input goes to the host now, read back tile by tile
             xs = Stash(N, h, x, host=True, offloader=spec.offloader)
             xs.write(slice(0, N), x2)
-        src = Rows(Stash.wrap(x2), spec.norm1, n, b, h, spec.freqs, x.dtype, spec.row_tokens)
+        src = _rows(spec, Stash.wrap(x2), x.dtype)
         o_stash = _o_stashes(spec, x, N)
-        lse = torch.empty(b, spec.geo.heads_local, n, dtype=torch.float32, device=x.device)
-        _attention_outputs(spec, src, wqkv, bqkv, wo, o_stash, [lse] * spec.group.size)
-        del lse
+        kept = keep and spec.keep_attention  # O and lse kept for the backward
+        p = spec.group.size
+        lses = [torch.empty(b, spec.geo.heads_local, n, dtype=torch.float32, device=x.device)
+                for _ in range(p if kept else 1)] * (1 if kept else p)
+        kept_lse = [None] * p
+
+        def done(g):
+            if kept:
+                kept_lse[g] = _keep_lse(spec, lses[g])
+                lses[g] = None
+        _attention_outputs(spec, src, wqkv, bqkv, wo, o_stash, lses, done=done)
+        del lses
         wo_all_t = gather_rows(spec.group, wo.t(), "attention proj (gather)")
         in_place = spec.in_place and (xs is not None or not keep)
         if xs is not None:
@@ -178,8 +237,14 @@ class _METPLayerFunction(torch.autograd.Function):
             y[rows].copy_(mlp_forward(h1.view(-1, b, h), spec.norm2, w1, b1, w2, b2, spec.group,
                                       spec.activation, acc).view(-1, h))
             del h1
-        for s in o_stash:
-            s.release()
+        if kept:
+            for s in kept_lse:
+                s.fence()  # written before the lse tensors' device side is dropped
+            ctx.kept = (o_stash, kept_lse)
+        else:
+            for s in o_stash:
+                s.release()
+            ctx.kept = None
         del wo_all_t, o_stash
         ctx.spec, ctx.x_stash = spec, xs
         ctx.save_for_backward(x if keep and xs is None else None, wqkv, bqkv, wo, bo, w1, b1,
@@ -196,6 +261,7 @@ class _METPLayerFunction(torch.autograd.Function):
         check_finite(f"{spec.label} (backward)", spec.group, grad_output=grad_y)
         x, wqkv, bqkv, wo, bo, w1, b1, w2, b2 = ctx.saved_tensors
         group, geo, b = spec.group, spec.geo, spec.b
+        p = group.size
         dtype = wqkv.dtype
         n, h = spec.n, wqkv.shape[1]
         N = n * b
@@ -205,30 +271,56 @@ class _METPLayerFunction(torch.autograd.Function):
             grad_y.to(dtype).contiguous().clone()
         dy2 = dy.view(N, h)
         acc, gdt = _acc(dtype), spec.grad_dtype or _acc(dtype)
-        src = Rows(xs, spec.norm1, n, b, h, spec.freqs, dtype, spec.row_tokens)
+        src = _rows(spec, xs, dtype)
         spec.norm1.grads = [None] * len(spec.norm1.params)
         spec.norm2.grads = [None] * len(spec.norm2.params)
 
-        # 1. the attention forward again: O_g to the stashes, lse_g kept; with x on the host,
-        # every group's q and k/v projections kept in its d(qkv) stashes (.layer_reads)
-        o_stash = _o_stashes(spec, dy, N)
-        lses = [torch.empty(b, geo.heads_local, n, dtype=torch.float32, device=dy.device)
-                for _ in range(group.size)]
-        reuse = ctx.x_stash is not None
-        dq_st = dkv_st = None
-        if reuse:
-            dq_st, dkv_st = _dqkv_stashes(spec, dy, N)
-        _attention_outputs(spec, src, wqkv, bqkv, wo, o_stash, lses,
-                           keep=list(zip(dq_st, dkv_st)) if reuse else None)
+        # 1. the attention forward again (unless kept): O_g to the stashes, lse_g kept; K/V of
+        # group g + 1 formed in group g's query tiles, the last group's forming the backward's
+        # group 0; with x on the host every group's q projections kept in its dq stash
+        # (.layer_reads)
+        dq_st = kept_lse = kv = None
+        if ctx.kept is not None:
+            o_stash, kept_lse = ctx.kept
+            ctx.kept = None
+            lses = [lambda g=g: _kept_lse(kept_lse[g], b, n) for g in range(p)]
+            reuse = False
+        else:
+            o_stash = _o_stashes(spec, dy, N)
+            made = [torch.empty(b, geo.heads_local, n, dtype=torch.float32, device=dy.device)
+                    for _ in range(p)]
+            lses = [lambda t=t: t for t in made]
+            reuse = ctx.x_stash is not None
+            if reuse:
+                dq_st = _dq_stashes(spec, dy, N)
+            for g, (WQ, BQ, _), nxt in weights_ahead(group, wqkv, bqkv, wo, "fwd", True):
+                form = kv_form(src, nxt, geo, spec.head_norm, keep_pre=g == p - 1)
+                forward_group(src, spec.q_tiles, WQ, BQ, geo, spec.seq, spec.attn,
+                              spec.head_norm, lambda t, o, s=o_stash[g]: _write_tile(s, t, b, o),
+                              made[g], proj_out=dq_st[g] if reuse else None, kv=kv, nxt=form,
+                              then=spec.q_tiles[0] if g + 1 < p else None)
+                kv = form.done()
+            del made
 
-        # 2. MLP and projection backward, row tile by row tile: dy -> dh1
+        # 2. MLP and projection backward, row tile by row tile: dy -> dh1 (with kept attention
+        # the backward's group-0 K/V are formed here, from the same reads of x)
+        wgen = None
+        form0 = None
+        if kv is None:
+            wgen = weights_ahead(group, wqkv, bqkv, wo, "bwd")
+            first = next(wgen)
+            form0 = kv_form(src, (first[1][0], first[1][1]), geo, spec.head_norm, True)
         wo_all_t = gather_rows(group, wo.t(), "attention proj (gather)")
         mlp = MLPBackward(group, w1, b1, w2, spec.activation, acc, gdt)
         db2 = dbo = None
         for i, t in loop_sample.tiles(spec.row_tiles):
             rows = _token_rows(t, b)
             _prefetch(spec.row_tiles, i + 1, b, [xs] + o_stash)
-            h1 = attention_residual(xs.read(rows), _read_o(o_stash, rows), wo_all_t, bo)
+            x_t = xs.read(rows)
+            if form0 is not None:
+                form0.add(t, spec.norm1.forward(x_t.view(-1, b, h)).reshape(-1, h))
+            h1 = attention_residual(x_t, _read_o(o_stash, rows), wo_all_t, bo)
+            del x_t
             graph = spec.norm2.with_grad(h1.view(-1, b, h))
             del h1
             g = dy2[rows]
@@ -243,44 +335,66 @@ class _METPLayerFunction(torch.autograd.Function):
                 dbo = s if dbo is None else dbo.add_(s)
         del wo_all_t
         dw1, db1, dw2 = mlp.grads()
+        if form0 is not None:
+            kv = form0.done()
+            groups = itertools.chain([first], wgen)
+        else:
+            groups = weights_ahead(group, wqkv, bqkv, wo, "bwd")
 
-        # 3. attention backward, head group by head group
-        if not reuse:
-            dq_st, dkv_st = _dqkv_stashes(spec, dy, N)
+        # 3. attention backward, head group by head group: group g's pass over x also reduces
+        # group g − 1's d(kv) (into its stash, for dx) and forms group g + 1's K/V
+        if dq_st is None:
+            dq_st = _dq_stashes(spec, dy, N)
+        dkv_st = [None] * p
         norm_acc = [None] * 4
         in_flight, owned, grad_layout = [], [None, None, None], None
-        kv_blocks = spec.kv_blocks
-        for g, (WQ, BQ, WOT) in block_weights(group, wqkv, bqkv, wo, "bwd", 1):
+        prev = None
+        for g, (WQ, BQ, WOT), nxt in groups:
             grads = GroupGrads(wqkv, bqkv, wo, geo, gdt, dy.device)
             stash = o_stash[g]
-            backward_group(src, spec.q_tiles, kv_blocks, WQ, BQ, WOT, geo, spec.seq, spec.attn,
-                           spec.head_norm, norm_acc,
-                           lambda t, s=stash: _read_tile(s, t, b), dy2, lses[g],
-                           lambda t, r, s=dq_st[g]: _write_tile(s, t, b, r),
-                           lambda t, r, s=dkv_st[g]: _write_tile(s, t, b, r), grads,
-                           proj=(dq_st[g], dkv_st[g]) if reuse else None)
+            form = kv_form(src, nxt, geo, spec.head_norm, True,
+                           bufs=None if prev is None else prev.bufs)
+            bufs = backward_group(
+                src, spec.q_tiles, spec.kv_blocks, WQ, BQ, WOT, geo, spec.seq, spec.attn,
+                spec.head_norm, norm_acc, lambda t, s=stash: _read_tile(s, t, b), dy2, lses[g](),
+                lambda t, r, s=dq_st[g]: _write_tile(s, t, b, r), grads, kv,
+                proj=dq_st[g] if reuse else None, nxt=form, prev=prev)
             stash.release()
             lses[g] = None
-            in_flight, owned = deliver(group, g, grads, in_flight, owned)
+            if kept_lse is not None:
+                kept_lse[g].release()
+            if prev is not None:
+                in_flight, owned = deliver(group, g - 1, prev.grads, in_flight, owned)
+            kv = None if form is None else form.done()
+            write = None
+            if g + 1 < p:  # the last group's d(kv) stay on the device (dx's pass)
+                dkv_st[g] = _dkv_stash(spec, dy, N)
+                write = lambda t, r, s=dkv_st[g]: _write_tile(s, t, b, r)  # noqa: E731
+            prev = PrevKV(bufs, grads, write)
             grad_layout = grads.layout
-            del grads
-        owned = keep_owned(in_flight, group.rank, owned)
-        dwq, dbq, dwot = grad_layout.unpack(owned[0])
+            del grads, bufs
 
-        # 4. dx = dh1 + norm1ᵀ(d(qkv)·Wqkv), row tile by row tile
-        w_all = _qkv_rows_by_part(gather_rows(group, wqkv, "attention qkv (gather)"), geo,
-                                  group.size)
+        # 4. dx = dh1 + norm1ᵀ(d(qkv)·Wqkv), row tile by row tile; the last group's d(kv)
+        # reduced in the same pass (dWk/dWv against norm1(x))
+        w_all = _qkv_rows_by_part(gather_rows(group, wqkv, "attention qkv (gather)"), geo, p)
         for i, t in loop_sample.tiles(spec.row_tiles):
             rows = _token_rows(t, b)
-            _prefetch(spec.row_tiles, i + 1, b, [xs] + dq_st + dkv_st)
-            d_t = torch.cat([s.read(rows) for s in dq_st] + [s.read(rows) for s in dkv_st],
-                            dim=1)
+            _prefetch(spec.row_tiles, i + 1, b, [xs] + dq_st + dkv_st[:p - 1])
+            graph = spec.norm1.with_grad(xs.read(rows).view(-1, b, h))
+            last = prev.take(t, graph[1].detach().reshape(-1, h), write=False)
+            d_t = torch.cat([s.read(rows) for s in dq_st] +
+                            [s.read(rows) for s in dkv_st[:p - 1]] +
+                            [last.view(last.shape[0], -1)], dim=1)
+            del last
             dn1 = dx_rows(d_t, w_all, dtype)
             del d_t
-            graph = spec.norm1.with_grad(xs.read(rows).view(-1, b, h))
             dy2[rows].add_(spec.norm1.backward(graph, dn1).reshape(-1, h))
             del graph, dn1
-        for s in dq_st + dkv_st:
+        in_flight, owned = deliver(group, p - 1, prev.grads, in_flight, owned)
+        del prev
+        owned = keep_owned(in_flight, group.rank, owned)
+        dwq, dbq, dwot = grad_layout.unpack(owned[0])
+        for s in dq_st + dkv_st[:p - 1]:
             s.release()
         if ctx.x_stash is not None:
             ctx.x_stash.release()
@@ -316,7 +430,7 @@ def metp_layer(x: torch.Tensor, *, group, num_heads: int, num_query_groups: int,
                grad_reduce_dtype: Optional[torch.dtype] = torch.float32,
                host: bool = False, offloader=None, in_place: bool = False,
                token_tile: Optional[int] = None, mlp_token_tile: Optional[int] = None,
-               label: str = "metp_layer") -> torch.Tensor:
+               keep_attention: bool = False, label: str = "metp_layer") -> torch.Tensor:
     """One pre-norm transformer layer ``y = h1 + MLP(norm2(h1)) + b2``,
     ``h1 = x + Attn(norm1(x))·Woᵀ + bo``, streamed (see the module docstring).
 
@@ -338,6 +452,10 @@ def metp_layer(x: torch.Tensor, *, group, num_heads: int, num_query_groups: int,
         mlp_token_tile: the row passes' tile in rows of tokens × batch, as the MLP op's
             ``token_tile`` (the spec's ``mlp_token_tile``; ``None``: ``METP_MLP_TOKEN_TILE``,
             else the budget); a ``token_tile`` wins.
+        keep_attention: keep every head group's attention output ``O_g`` and its fp32
+            log-sum-exp for the backward (on the host with ``host``, else on the device), so
+            the backward never runs the attention forward again (the module docstring's
+            "Kept attention"; ``--metp-keep-attention-output``).
     """
     group = as_metp_group(group)
     seq, d, kern, _, cu, freqs, head_norm = prepare_attention(
@@ -375,6 +493,7 @@ def metp_layer(x: torch.Tensor, *, group, num_heads: int, num_query_groups: int,
                            fc1_bias=fc1_bias, fc2_bias=fc2_bias, activation=activation,
                            causal=bool(causal), layout=layout, softmax_scale=float(scale),
                            kernel=kern.name, qk_norm=qk_norm, host=bool(host),
+                           keep_attention=bool(keep_attention),
                            needs_grad=needs_grad(x, qkv_weight, proj_weight, fc1_weight,
                                                  fc2_weight), **tiles.fields())
     # writing y over x: never over a view (autograd's view + in-place rules) nor a leaf that
@@ -384,7 +503,7 @@ def metp_layer(x: torch.Tensor, *, group, num_heads: int, num_query_groups: int,
     spec = _Spec(group=group, seq=seq, geo=geo, b=b, n=n, label=label, freqs=freqs,
                  head_norm=head_norm, norm1=n1, norm2=n2, activation=activation,
                  grad_dtype=grad_reduce_dtype, host=bool(host), offloader=offloader,
-                 in_place=in_place,
+                 in_place=in_place, keep_attention=bool(keep_attention),
                  q_tiles=query_tiles(n, tiles.q, layout, causal, packed=cu is not None),
                  kv_blocks=balanced_kv_blocks(n, tiles.kv, layout, causal,
                                               packed=cu is not None),

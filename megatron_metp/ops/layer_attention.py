@@ -32,7 +32,8 @@ broadcasts and gradient reductions :mod:`.attention_weights`', as in :mod:`.atte
 
 from __future__ import annotations
 
-from typing import List
+import bisect
+from typing import List, Optional
 
 import torch
 
@@ -44,7 +45,7 @@ from ._accum import mm_acc, mm_into
 from ._flat import FlatLayout
 from .attention_prep import (HeadGeometry, heads_first, norm_rope, norm_rope_backward, project,
                              seq_first, seq_first_q, split_qkv_rows)
-from .attention_weights import deliver_flat, keep_owned
+from .attention_weights import block_weights, deliver_flat, keep_owned
 from .ring_attention import ring_attention_backward, ring_attention_forward
 from .rope import rope_tables
 from .balance import as_tile, tile_parts, tile_rows
@@ -63,6 +64,30 @@ class Rows:
         self.freqs, self.dtype, self.chunk = freqs, dtype, max(1, int(chunk))
         self.depth = max(1, int(depth))
         self._seq, self._pos = [], {}  # the current pass's chunks (and what follows it)
+        self.kv_bounds: List[int] = []  # the K/V cut (:meth:`set_kv_cut`)
+
+    def set_kv_cut(self, q_tiles, row_tiles) -> None:
+        """The K/V cut: the rows where a K/V projection's GEMM starts or stops, the same
+        wherever K/V are formed (a query tile's chunks, a row tile: :class:`KVForm`): every
+        chunk boundary of the query tiles (:meth:`chunks`) and every row tile boundary."""
+        cuts = set()
+        for t in q_tiles:
+            for c, _ in self._cut(t):
+                cuts.update((c.start, c.stop))
+        for t in row_tiles:
+            cuts.update((t.start, t.stop))
+        self.kv_bounds = sorted(cuts)
+
+    def kv_pieces(self, c: slice):
+        """``c`` cut at the K/V cut: ``[(piece, offset of its first row in c)]``."""
+        i = bisect.bisect_right(self.kv_bounds, c.start)
+        out, a = [], c.start
+        while i < len(self.kv_bounds) and self.kv_bounds[i] < c.stop:
+            out.append((slice(a, self.kv_bounds[i]), a - c.start))
+            a = self.kv_bounds[i]
+            i += 1
+        out.append((slice(a, c.stop), a - c.start))
+        return out
 
     def chunks(self, t, then=None):
         """``[(chunk, offset)]``: the tile ``t`` (a slice or a tuple of row ranges,
@@ -125,12 +150,14 @@ class Rows:
 
 
 def q_tile(src: Rows, t, WQq, BQq, geo: HeadGeometry, head_norm, keep_pre=None, then=None,
-           proj=None, proj_out=None):
+           proj=None, proj_out=None, also=None):
     """Heads-first ``q`` ``[b, H, |t|, d]`` of the tile ``t`` (its ranges' tokens in order; q
     norm, RoPE), projected chunk by chunk (:meth:`Rows.chunks`; ``then``: the tile read next);
     ``keep_pre``: receives the pre-norm ``[|t|, b, G_g, qpg, d]`` (the q norm's backward).
     ``proj_out``: a stash ``[n·b, H·d]`` the chunks' projections are also written to;
-    ``proj``: such a stash, read instead of projecting (:mod:`.layer_reads`)."""
+    ``proj``: such a stash, read instead of projecting (:mod:`.layer_reads`). ``also(c, n1)``:
+    called with each chunk's ``norm1(x)`` ``[|c|·b, h]`` (the next group's K/V,
+    :class:`KVForm`)."""
     nt, b, d, Gl, qpg = tile_rows(t), src.b, geo.d, geo.groups_local, geo.q_per_group
     q = torch.empty(b, Gl * qpg, nt, d, dtype=WQq.dtype, device=WQq.device)
     dst_all = seq_first_q(q, qpg)
@@ -144,7 +171,11 @@ def q_tile(src: Rows, t, WQq, BQq, geo: HeadGeometry, head_norm, keep_pre=None, 
         if proj is not None:
             pre = src.read(proj, c).view(nc, b, Gl, qpg, d)
         else:
-            pre = project(src.normed(c), WQq, BQq).view(nc, b, Gl, qpg, d)
+            n1 = src.normed(c)
+            pre = project(n1, WQq, BQq).view(nc, b, Gl, qpg, d)
+            if also is not None:
+                also(c, n1)
+            del n1
             if proj_out is not None:
                 proj_out.write(src._rows(c), pre)
         if pre_all is not None:
@@ -154,50 +185,112 @@ def q_tile(src: Rows, t, WQq, BQq, geo: HeadGeometry, head_norm, keep_pre=None, 
     return q
 
 
-def group_kv(src: Rows, WQkv, BQkv, geo: HeadGeometry, head_norm, keep_pre: bool = False,
-             then=None, proj=None, proj_out=None):
-    """``(k, v, k_pre)``: heads-first ``K_g``, ``V_g`` ``[b, G_g, n, d]`` of every local token
-    (k norm and RoPE applied), formed chunk by chunk (``then``: the tile read next); ``k_pre``
-    ``[n, b, G_g, d]``: the pre-norm keys (``keep_pre`` and a q/k norm), else ``None``.
-    ``proj_out``/``proj``: a stash ``[n·b, G_g·2·d]`` of the k/v projections, written / read
-    instead of projecting, as :func:`q_tile`'s."""
-    n, b, d, Gl = src.n, src.b, geo.d, geo.groups_local
-    like = WQkv
-    k = torch.empty(b, Gl, n, d, dtype=like.dtype, device=like.device)
-    v = torch.empty_like(k)
-    k_pre = (torch.empty(n, b, Gl, d, dtype=like.dtype, device=like.device)
-             if keep_pre and head_norm is not None else None)
-    for t, _ in src.chunks(slice(0, n), then):
-        nt = t.stop - t.start
-        if proj is not None:
-            kv = src.read(proj, t).view(nt, b, Gl, 2, d)
-        else:
-            kv = project(src.normed(t), WQkv, BQkv).view(nt, b, Gl, 2, d)
-            if proj_out is not None:
-                proj_out.write(src._rows(t), kv)
-        if k_pre is not None:
-            k_pre[t].copy_(kv[:, :, :, 0])
-        norm_rope(kv[:, :, :, 0], "k", head_norm, src.rope(t), seq_first(k[:, :, t]))
-        seq_first(v[:, :, t]).copy_(kv[:, :, :, 1])
-        del kv
-    return k, v, k_pre
+class KVForm:
+    """``K_g``, ``V_g`` of one head group (heads-first ``[b, G_g, n, d]``, k norm and RoPE
+    applied), formed piece by piece from ``norm1(x)`` by whichever pass reads ``x``
+    (:meth:`add`): :func:`group_kv`'s own pass, the previous group's query tiles
+    (:func:`forward_group`, :func:`backward_group`), the MLP backward's row tiles
+    (:mod:`.layer`). Each piece of the K/V cut (:meth:`Rows.set_kv_cut`) is one GEMM, the same
+    wherever it is formed, so every pass forms the same K/V bit for bit. ``bufs``: two
+    ``[b, G_g, n, d]`` tensors to form them in (a finished group's, :func:`backward_group`);
+    ``keep_pre``: also keep the pre-norm keys ``[n, b, G_g, d]`` (a q/k norm's backward)."""
+
+    def __init__(self, src: Rows, WQkv, BQkv, geo: HeadGeometry, head_norm,
+                 keep_pre: bool = False, bufs=None):
+        n, b, d, Gl = src.n, src.b, geo.d, geo.groups_local
+        self.src, self.W, self.B, self.head_norm = src, WQkv, BQkv, head_norm
+        self.shape = (b, Gl, d)
+        if bufs is None:
+            k = torch.empty(b, Gl, n, d, dtype=WQkv.dtype, device=WQkv.device)
+            bufs = (k, torch.empty_like(k))
+        self.k, self.v = bufs
+        self.k_pre = (torch.empty(n, b, Gl, d, dtype=WQkv.dtype, device=WQkv.device)
+                      if keep_pre and head_norm is not None else None)
+
+    def add(self, c: slice, n1: torch.Tensor) -> None:
+        """Form the rows of tokens ``c`` from their ``norm1(x)`` ``n1`` ``[|c|·b, h]``."""
+        b, Gl, d = self.shape
+        for s, off in self.src.kv_pieces(c):
+            ns = s.stop - s.start
+            kv = project(n1[off * b:(off + ns) * b], self.W, self.B).view(ns, b, Gl, 2, d)
+            if self.k_pre is not None:
+                self.k_pre[s].copy_(kv[:, :, :, 0])
+            norm_rope(kv[:, :, :, 0], "k", self.head_norm, self.src.rope(s),
+                      seq_first(self.k[:, :, s]))
+            seq_first(self.v[:, :, s]).copy_(kv[:, :, :, 1])
+            del kv
+
+    def done(self):
+        """``(k, v, k_pre)`` (``k_pre`` ``None`` unless kept)."""
+        out = (self.k, self.v, self.k_pre)
+        self.k = self.v = self.k_pre = None
+        return out
+
+
+def group_kv(src: Rows, WQkv, BQkv, geo: HeadGeometry, head_norm, tiles, keep_pre: bool = False,
+             then=None):
+    """``(k, v, k_pre)`` of one head group (:class:`KVForm`) in a pass of their own over the
+    chunks of ``tiles`` (the query tiles: every row once; ``then``: the tile read next)."""
+    form = KVForm(src, WQkv, BQkv, geo, head_norm, keep_pre)
+    for i, t in enumerate(tiles):
+        for c, _ in src.chunks(t, tiles[i + 1] if i + 1 < len(tiles) else then):
+            form.add(c, src.normed(c))
+    return form.done()
+
+
+def weights_ahead(group: METPGroup, wqkv, bqkv, wo, phase: str, first_again: bool = False):
+    """Yield ``(g, (WQ, BQ, WOT), nxt)`` for every head group ``g`` (:func:`block_weights`,
+    three receive buffers), ``nxt`` the next group's ``(WQ, BQ)`` (its broadcast waited for
+    before group ``g`` computes: the next group's K/V are formed in ``g``'s passes), after the
+    last group group 0's again (a copy kept from the first) with ``first_again``, else
+    ``None``."""
+    it = block_weights(group, wqkv, bqkv, wo, phase, 1, spares=3)
+    g, cur = next(it)
+    first = None
+    if first_again:
+        first = tuple(None if w is None else w.clone() for w in cur[:2]) if group.size > 1 \
+            else cur[:2]
+    while True:
+        item = next(it, None)
+        yield g, cur, (item[1][:2] if item is not None else first)
+        if item is None:
+            return
+        g, cur = item
+
+
+def kv_form(src: Rows, nxt, geo: HeadGeometry, head_norm, keep_pre: bool, bufs=None):
+    """A :class:`KVForm` for the group whose ``(WQ, BQ)`` is ``nxt`` (``None``: none)."""
+    if nxt is None:
+        return None
+    _, WQkv = split_qkv_rows(nxt[0], geo)
+    _, BQkv = split_qkv_rows(nxt[1], geo)
+    return KVForm(src, WQkv, BQkv, geo, head_norm, keep_pre, bufs)
 
 
 def forward_group(src: Rows, q_tiles, WQ, BQ, geo: HeadGeometry, seq: METPGroup, attn, head_norm,
-                  write_o, lse: torch.Tensor, proj_out=None) -> None:
+                  write_o, lse: torch.Tensor, proj_out=None, kv=None,
+                  nxt: Optional[KVForm] = None, then=None) -> None:
     """Head group ``g``'s attention output for every query tile (:func:`.balance.query_tiles`:
     each a tuple of row ranges): ``write_o(t, O_t)`` with ``O_t`` ``[|t|·b, H·d]`` (seq-first,
     the ranges' rows in order), and ``lse`` (fp32 ``[b, H, n]``) filled at the tile's rows.
-    ``proj_out``: ``(q stash, k/v stash)`` the projections are also written to
-    (:mod:`.layer_reads`: the group's backward reads them instead of ``x``)."""
+    ``proj_out``: a q stash the q projections are also written to (:mod:`.layer_reads`: the
+    group's backward reads them instead of ``x``). ``kv``: the group's ``(k, v, ·)`` formed by
+    an earlier pass (``None``: formed here, :func:`group_kv`); ``nxt``: the next group's
+    :class:`KVForm`, fed from the query tiles' ``norm1(x)``; ``then``: the tile the next pass
+    reads first."""
     WQq, WQkv = split_qkv_rows(WQ, geo)
     BQq, BQkv = split_qkv_rows(BQ, geo)
-    q_out, kv_out = proj_out if proj_out is not None else (None, None)
-    k, v, _ = group_kv(src, WQkv, BQkv, geo, head_norm, then=q_tiles[0], proj_out=kv_out)
+    if kv is None:
+        k, v, _ = group_kv(src, WQkv, BQkv, geo, head_norm, q_tiles, then=q_tiles[0])
+    else:
+        k, v = kv[0], kv[1]
     H, d, b = geo.heads_local, geo.d, src.b
+    also = None if nxt is None else nxt.add
     for i, t in loop_sample.tiles(q_tiles):
         nt = tile_rows(t)
-        q = q_tile(src, t, WQq, BQq, geo, head_norm, then=_after(q_tiles, i), proj_out=q_out)
+        after = _after(q_tiles, i)
+        q = q_tile(src, t, WQq, BQq, geo, head_norm, then=after if after is not None else then,
+                   proj_out=proj_out, also=also)
         o = torch.empty(nt, b, H * d, dtype=q.dtype, device=q.device)
         _, lse_t = ring_attention_forward(q, k, v, seq, attn.causal, attn.layout, attn.scale,
                                           attn.kernel, out=heads_first(o, H, d),
@@ -254,31 +347,64 @@ class GroupGrads:
         self._add("o", self.wot, o_t.t(), dh1_t)
 
 
+class PrevKV:
+    """The previous head group's ``d(kv)`` (heads-first ``dk``, ``dv`` ``[b, G_g, n, d]`` in
+    that group's K/V buffers, :func:`backward_group`'s return) waiting to be reduced: its
+    weight gradients (``dWk/dWv += d(kv)ᵀ·norm1(x)``, into ``grads``) and its rows to
+    ``write(c, rows)`` (``[|c|·b, G_g·2·d]``, for ``dx``), both chunk by chunk in the next
+    pass that reads ``x`` (:meth:`take`)."""
+
+    def __init__(self, bufs, grads: "GroupGrads", write):
+        self.bufs, self.grads, self.write = bufs, grads, write
+
+    def rows(self, c: slice) -> torch.Tensor:
+        """``d(kv)`` rows of tokens ``c``: ``[|c|·b, G_g, 2, d]`` (Megatron's k/v column order)."""
+        dk, dv = self.bufs
+        return torch.stack([seq_first(dk[:, :, c]), seq_first(dv[:, :, c])], dim=3) \
+            .reshape((c.stop - c.start) * dk.shape[0], dk.shape[1], 2, dk.shape[3])
+
+    def take(self, c: slice, n1: torch.Tensor, write: bool = True) -> torch.Tensor:
+        """Reduce the rows of tokens ``c`` against their ``norm1(x)`` ``n1``; returns them."""
+        rows = self.rows(c)
+        self.grads.add_qkv("kv", rows, n1)
+        if write and self.write is not None:
+            self.write(c, rows.view(rows.shape[0], -1))
+        return rows
+
+
 def backward_group(src: Rows, q_tiles, kv_blocks, WQ, BQ, WOT, geo: HeadGeometry, seq: METPGroup,
                    attn, head_norm, norm_acc: list, read_o, dh1, lse: torch.Tensor,
-                   write_dq, write_dkv, grads: GroupGrads, proj=None) -> None:
+                   write_dq, grads: GroupGrads, kv, proj=None, nxt: Optional[KVForm] = None,
+                   prev: Optional[PrevKV] = None):
     """Head group ``g``'s backward (``q_tiles``, ``kv_blocks``: tiles of row ranges,
     :mod:`.balance`). ``read_o(t)``: ``O_g`` of the tile ``t`` ``[|t|·b, H·d]``;
     ``dh1`` ``[n·b, h]``: the gradient of the attention block's output (after the residual);
-    ``write_dq(t, rows)``/``write_dkv(t, rows)``: d(qkv)'s q ``[|t|·b, G_g·qpg·d]`` and k/v
-    ``[|t|·b, G_g·2·d]`` columns; ``norm_acc``: the q/k norm weights' gradient sums
-    (:meth:`HeadNorm.backward_one`). ``proj``: ``(q stash, k/v stash)`` holding the recompute's
-    projections (:func:`forward_group`'s ``proj_out``; ``write_dq``/``write_dkv`` write over
-    them after reading them), read instead of ``x``."""
-    WQq, WQkv = split_qkv_rows(WQ, geo)
-    BQq, BQkv = split_qkv_rows(BQ, geo)
-    q_in, kv_in = proj if proj is not None else (None, None)
-    k, v, k_pre = group_kv(src, WQkv, BQkv, geo, head_norm, keep_pre=True, proj=kv_in,
-                           then=q_tiles[0] if q_in is None else None)
-    if q_in is not None:
-        src.warm(q_in, q_tiles[0])
+    ``write_dq(t, rows)``: d(qkv)'s q columns ``[|t|·b, G_g·qpg·d]``; ``norm_acc``: the q/k
+    norm weights' gradient sums (:meth:`HeadNorm.backward_one`). ``kv``: the group's
+    ``(k, v, k_pre)`` (:class:`KVForm`, formed by an earlier pass). ``proj``: a q stash holding
+    the recompute's q projections (:func:`forward_group`'s ``proj_out``; ``write_dq`` writes
+    over them after reading them), read instead of forming ``q`` from ``x``.
+
+    The pass that reads ``x`` after each tile's ring (``dWq``, chunk by chunk) also reduces
+    ``prev`` (the previous group's ``d(kv)``: :class:`PrevKV`) and forms the next group's K/V
+    (``nxt``, in ``prev``'s buffers once read). Returns this group's ``d(kv)`` as ``(dk, dv)``
+    heads-first in its own K/V buffers (RoPE transposed, through the k norm), for the next
+    group's pass or ``dx``'s."""
+    WQq, _ = split_qkv_rows(WQ, geo)
+    BQq, _ = split_qkv_rows(BQ, geo)
+    k, v, k_pre = kv
+    if proj is not None:
+        src.warm(proj, q_tiles[0])
     H, Gl, qpg, d, b, n = geo.heads_local, geo.groups_local, geo.q_per_group, geo.d, src.b, src.n
     dk = dv = None  # fp32 [b, G_g, n, d]: the own keys' gradients, summed over the tiles
     for i, t in loop_sample.tiles(q_tiles):
         nt, then = tile_rows(t), _after(q_tiles, i)
         pre: List[torch.Tensor] = []
-        q = q_tile(src, t, WQq, BQq, geo, head_norm, keep_pre=pre, then=then, proj=q_in)
-        if q_in is not None:  # the dWq pass reads x next: its first chunk during the ring
+        # q from the kept projections (its next tile's first chunk ahead), else from x (the
+        # dWq pass reads the same tile's x next)
+        q = q_tile(src, t, WQq, BQq, geo, head_norm, keep_pre=pre,
+                   then=then if proj is not None else t, proj=proj)
+        if proj is not None:  # the dWq pass reads x next: its first chunk during the ring
             src.warm(src.x, t)
         o = read_o(t)
         d_o = _proj_grads(grads, o, dh1, t, b, WOT)
@@ -310,24 +436,31 @@ def backward_group(src: Rows, q_tiles, kv_blocks, WQ, BQ, WOT, geo: HeadGeometry
                            src.rope(t), d_rows, norm_acc)
         del dq
         d_rows = d_rows.view(nt * b, Gl, qpg, d)
-        for c, off in src.chunks(t, then if then is not None else slice(0, n)):
+        # the pass over x: dWq; the previous group's d(kv) reduced; the next group's K/V formed
+        for c, off in src.chunks(t, then):
             rel = slice(off * b, (off + c.stop - c.start) * b)
-            grads.add_qkv("q", d_rows[rel], src.normed(c))
+            n1 = src.normed(c)
+            grads.add_qkv("q", d_rows[rel], n1)
+            if prev is not None:
+                prev.take(c, n1)
+            if nxt is not None:
+                nxt.add(c, n1)
+            del n1
         write_dq(t, d_rows.view(nt * b, -1))
         del d_rows
-    # the own keys' dK/dV are complete: RoPE transposed (k), through the k norm, into d(qkv)
-    for t, _ in src.chunks(slice(0, n)):
-        nt = t.stop - t.start
-        d_rows = torch.empty(nt, b, Gl, 2, d, dtype=k.dtype, device=k.device)
+    # the own keys' dK/dV are complete: RoPE transposed (k), through the k norm, into this
+    # group's K/V buffers (free now)
+    for t in _plain_cut(n, src.chunk):
         norm_rope_backward(seq_first(dk[:, :, t]), "k", head_norm,
-                           None if k_pre is None else k_pre[t], src.rope(t), d_rows[:, :, :, 0],
-                           norm_acc)
-        d_rows[:, :, :, 1].copy_(seq_first(dv[:, :, t]))
-        d_rows = d_rows.view(nt * b, Gl, 2, d)
-        grads.add_qkv("kv", d_rows, src.normed(t))
-        write_dkv(t, d_rows.view(nt * b, -1))
-        del d_rows
-    del k, v, k_pre, dk, dv
+                           None if k_pre is None else k_pre[t], src.rope(t),
+                           seq_first(k[:, :, t]), norm_acc)
+        seq_first(v[:, :, t]).copy_(seq_first(dv[:, :, t]))
+    del dk, dv, k_pre
+    return k, v
+
+
+def _plain_cut(n: int, chunk: int):
+    return [slice(a, min(a + chunk, n)) for a in range(0, n, chunk)]
 
 
 def deliver(group: METPGroup, i: int, grads: GroupGrads, in_flight, acc):

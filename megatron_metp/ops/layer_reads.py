@@ -1,41 +1,44 @@
 """Host reads of the streaming METP layer (:mod:`.layer`) when its input lives on the host.
 
 With ``host=True`` (``--metp-offload-activations``) the layer input ``x`` ``[n·b, h]`` is read
-back from the host for every pass that needs ``norm1(x)``; each pass costs a PCIe copy of
-``n·b·h·e`` bytes against little compute (a projection of ``x`` to one head group's few
-columns). To read ``x`` less, the backward's recompute of the attention forward keeps, per head
-group ``g``, the projections the group's backward would otherwise form again from ``x``:
+back from the host for every pass that needs ``norm1(x)``; a pass costs a PCIe copy of
+``n·b·h·e`` bytes, so a pass with little compute besides (a projection of ``x`` to one head
+group's few K/V columns, the ``d(kv)`` weight gradients, ``dx``) is bound by the copy. The layer
+therefore does each such piece of work inside a pass that reads ``x`` anyway and has the
+attention's compute to hide the copy behind:
 
-* the q projection (before the q norm and RoPE) of every query tile, ``[n·b, H·d]``, in the
-  rows of the group's ``d(qkv)`` q stash (the same width; the backward reads a tile's rows back
-  before it writes the tile's ``dq`` over them);
-* the k/v projection (before the k norm and RoPE), ``[n·b, 2·G·d]``, in the rows of the group's
-  ``d(qkv)`` k/v stash (read back whole before the ``d(kv)`` pass writes over it).
-
-The backward then applies the norm and RoPE to them exactly as it did to a fresh projection over
-the same row chunks, so the results are bit-identical, and no host memory is added (the
-``d(qkv)`` stashes are created before the recompute instead of after the MLP backward; the O
-stashes are alive over both, so the host peak is unchanged). The kept projections cross PCIe
-twice (written by the recompute, read by the backward): ``(H + 2·G)·d/h`` of an ``x`` pass per
-group (Llama-3-8B, METP 8: 768/4096 = 0.19).
+* **K/V of head group g + 1** are formed in group ``g``'s query-tile pass, from the same chunks
+  of ``norm1(x)`` as ``g``'s queries (the recompute) or ``g``'s ``dWq`` (the backward): one
+  more K/V pair on the device (:class:`~.layer_attention.KVForm`). The recompute's last group
+  forms the backward's group 0 (held over the MLP backward); with kept attention (no
+  recompute) the MLP backward's row pass forms it. Every K/V piece is one GEMM over the same
+  rows wherever it is formed (:meth:`~.layer_attention.Rows.set_kv_cut`), so K/V are the same
+  bit for bit in the forward, the recompute and the backward.
+* **d(kv) of group g** (its ``dWk/dWv`` and its rows for ``dx``) is reduced in group
+  ``g + 1``'s backward pass (held heads-first in group ``g``'s K/V buffers, which the next
+  group's K/V are then formed into, chunk by chunk); the last group's in ``dx``'s pass.
+* **q projections**: the recompute keeps each group's ``[n·b, H·d]`` q projection (before the
+  q norm and RoPE) in the rows of the group's ``dq`` stash; the backward reads a tile's rows
+  back (then writes the tile's ``dq`` over them) instead of reading ``x`` a second time. No host
+  memory is added (the ``dq`` stashes exist from the recompute on instead of the backward on;
+  the ``d(kv)`` stashes now only from the group's reduce on).
 
 Passes over ``x`` per layer backward (``p`` head groups; each pass reads every host tile of
 ``x`` once, :data:`~megatron_metp.runtime.host_stash.PREFETCH_DEPTH` chunks ahead)::
 
-                                before          now
-    recompute (K/V, then q)     2·p             2·p
-    MLP backward (row tiles)    1               1
-    attention backward          4·p             2·p      (the q tiles' dWq pass, the d(kv) pass)
-    dx                          1               1
-    total                       6·p + 2         4·p + 2  (p = 8: 50 -> 34)
+                                before      then        now            kept attention
+    recompute (K/V, q)          2·p         2·p         p + 1          0
+    MLP backward (row tiles)    1           1           1              1  (+ group 0's K/V)
+    attention backward          4·p         2·p         p              2·p  (q from x, dWq)
+    dx (+ last group's d(kv))   1           1           1              1
+    total                       6·p + 2     4·p + 2     2·p + 3        2·p + 2   (p = 8: 19, 18)
 
-:func:`host_reads` gives these counts (the forward reads nothing: ``x`` is still on the device
-there); with ``host=False`` nothing is read from the host and nothing is kept.
-
-Not done, because it would change the rounding (a GEMM's rows differ bit-wise with how the rows
-are cut into chunks, so forming q with K/V, or K/V with a query tile, is not the same sum):
-forming q in the K/V pass (``3·p + 2``) and folding the dWq pass into the ``d(kv)`` pass
-(``2·p + 2``, one read of ``x`` per head group and phase).
+"then" is the previous layout (the recompute kept the k/v projections too, read back whole by
+each group's backward, and ``d(kv)`` had a pass of its own). Only two of the passes are not
+hidden by the attention's compute: the recompute's first K/V pass (the ring of group 0 needs
+its K/V before the first query tile) and ``dx`` (it needs every group's ``d(kv)``, complete
+after the last group's ring); :func:`host_reads` gives these counts (the forward reads nothing:
+``x`` is still on the device there); with ``host=False`` nothing is read from the host.
 """
 
 from __future__ import annotations
@@ -43,15 +46,17 @@ from __future__ import annotations
 from typing import Dict
 
 
-def host_reads(p: int, host: bool = True) -> Dict[str, int]:
+def host_reads(p: int, host: bool = True, kept: bool = False) -> Dict[str, int]:
     """Passes over the host-resident layer input ``x`` (each ``n·b·h·e`` bytes) per layer
-    backward, by phase (see the module docstring); all ``0`` without ``host``."""
+    backward, by phase (see the module docstring); ``kept``: with kept attention (no
+    recompute); all ``0`` without ``host``."""
     k = 1 if host else 0
-    return {"recompute": 2 * p * k, "mlp backward": k, "attention backward": 2 * p * k,
-            "dx": k}
+    if kept:
+        return {"recompute": 0, "mlp backward": k, "attention backward": 2 * p * k, "dx": k}
+    return {"recompute": (p + 1) * k, "mlp backward": k, "attention backward": p * k, "dx": k}
 
 
-def kept_bytes(n: int, b: int, heads_dim: int, kv_dim: int, elem: int) -> int:
-    """Bytes of one head group's kept projections (written to the host by the recompute and
-    read back by the group's backward, once each): ``n·b·(H·d + 2·G·d)·e``."""
-    return n * b * (heads_dim + 2 * kv_dim) * elem
+def kept_bytes(n: int, b: int, heads_dim: int, elem: int) -> int:
+    """Bytes of one head group's kept q projections (written to the host by the recompute and
+    read back by the group's backward, once each): ``n·b·H·d·e``."""
+    return n * b * heads_dim * elem

@@ -195,8 +195,13 @@ def _streaming_phases(model: Model, job: Job, g: _Geometry, off: int):
         if "forward: rows" in name or ("forward" in name and off == g.L and off > 0):
             items["the layer's input x and output y (one [tokens, h], bf16)"] = BF16 * nl * h
     hq, hk = model.heads * model.head_dim, model.groups * model.head_dim
-    # an offloaded layer's attention outputs and d(qkv) on the host, one at a time
-    host_stash = BF16 * n * (hq + hq + 2 * hk) // t if off else 0.0
+    # an offloaded layer's attention outputs and d(qkv) on the host, one layer at a time: every
+    # group's O and dq (the recompute's kept q projections) from the recompute on; in group
+    # g's backward the O stashes of groups ≥ g and the d(kv) stashes of groups < g (the last
+    # group's d(kv) stay on the device: ops/layer_reads.py)
+    p = g.lay.p
+    host_stash = BF16 * n * (hq + max((p - i) * hq + i * 2 * hk for i in range(p)) / p) \
+        // t if off else 0.0
     return X, host_stash
 
 

@@ -46,48 +46,75 @@ def job_rates(job: Job) -> Rates:
 
 
 def streaming_passes(model: Model, job: Job, lay, n: int, rates: Rates,
-                     attn_fwd: float, attn_bwd: float) -> List[Dict[str, float]]:
+                     attn_fwd: float, attn_bwd: float, kept: bool = False
+                     ) -> List[Dict[str, float]]:
     """The streaming layer's passes of one offloaded layer (rank 0), each ``{"pass", "count",
-    "bytes", "copy_s", "compute_s", "exposed_s"}`` per occurrence (``count`` occurrences per
-    layer): host bytes (:func:`.streaming.streaming_host_bytes`' accounting, pass by pass: the
-    input ``x`` read by the passes :func:`megatron_metp.ops.layer_reads.host_reads` counts, the
-    kept projections instead of ``x`` where the backward forms K/V and q) at the host link's rate
-    against the pass's compute (GEMMs at the GEMM rate; the backward's dWq and dWk/dWv and the
-    input-gradient products ``2×`` a projection); ``attn_fwd`` / ``attn_bwd`` the layer's attention
-    seconds (forward, backward), split evenly over the head groups. A pass is copy-bound when its
-    copies take longer than its compute (the next chunk's copy starts while one computes)."""
+    "bytes", "copy_s", "compute_s", "exposed_s", "x_reads"}`` per occurrence (``count``
+    occurrences per layer; ``x_reads``: the reads of the layer input among its bytes): host
+    bytes (:func:`.streaming.streaming_host_bytes`' accounting, pass by pass: the input ``x``
+    read by the passes :func:`megatron_metp.ops.layer_reads.host_reads` counts, the kept q
+    projections instead of ``x`` where the backward forms q) at the host link's rate
+    against the pass's compute (GEMMs at the GEMM rate; the attention's seconds); ``attn_fwd`` /
+    ``attn_bwd`` the layer's attention seconds (forward, backward), split evenly over the head
+    groups. A pass is copy-bound when its copies take longer than its compute (the next chunk's
+    copy starts while one computes).
+
+    The passes are the op's (:mod:`megatron_metp.ops.layer_reads`): K/V of head group
+    ``g + 1`` are formed in group ``g``'s query-tile pass (the recompute's and the backward's),
+    ``d(kv)`` of group ``g`` is reduced (``dWk/dWv``, its rows to the host for ``dx``) in group
+    ``g + 1``'s backward pass, the last group's in ``dx``'s; a per-group figure of the ``p − 1``
+    groups that have a previous / next group is averaged over the ``p`` occurrences.
+
+    ``kept``: a layer that keeps its attention output and log-sum-exp (``keep_attention``,
+    ``--metp-keep-attention-output``): no recompute passes; the forward writes every group's
+    fp32 log-sum-exp to the host too, the MLP backward forms group 0's K/V, each group's
+    backward forms its q from ``x`` (a second read of ``x``) and reads its log-sum-exp back."""
     p = lay.p
     h, d = model.hidden, model.head_dim
     hq, hk = model.heads * d // lay.t, model.groups * d // lay.t
     k = 2 if model.swiglu else 1
     F = model.ffn // lay.t
-    x, O, dqkv = BF16 * n * h, BF16 * n * hq, BF16 * n * (hq + 2 * hk)
+    x, O = BF16 * n * h, BF16 * n * hq
     g = rates.gemm_tflops * 1e12
     gb = host_link(job.hardware)["gbs"] * 1e9
     mlp = 2 * n * (k * h * F + F * h)
-    kq, kkv = BF16 * n * hq, BF16 * n * 2 * hk  # the kept projections (ops/layer_reads.py)
-    rows = [
-        ("forward: attention (per head group)", p, O / p,
-         attn_fwd / p + 2 * n * h * (hq + 2 * hk) / p / g),
+    Pq, Pkv = 2 * n * h * hq, 2 * n * h * 2 * hk  # projections of every group (FLOPs)
+    kq, kkv = BF16 * n * hq, BF16 * n * 2 * hk    # the q projections kept, d(kv) (bytes)
+    lse = FP32 * n * model.heads // lay.t if kept else 0  # every group's log-sum-exp
+    edge = (p - 1) / p  # the groups with a previous (d(kv) reduced) / next (K/V formed) group
+    fwd = [
+        ("forward: attention (per head group)", p, (O + lse) / p,
+         attn_fwd / p + (Pq + Pkv) / p / g),
         ("forward: rows (Wo, MLP; x to the host)", 1, x + O, (2 * n * hq * h + mlp) / g),
-        ("recompute: K/V formation, k/v kept (per head group)", p, x + kkv / p,
-         2 * n * h * 2 * hk / p / g),
-        ("recompute: query tiles, q kept (per head group)", p, x + O / p + kq / p,
-         attn_fwd / p + 2 * n * h * hq / p / g),
-        ("backward: MLP rows (re-form h1, MLP backward)", 1, x + O,
-         (3 * 2 * n * hq * h + 2 * mlp + 2 * n * k * h * F) / g),
-        ("backward: kept k/v read back (per head group)", p, kkv / p, 0.0),
-        ("backward: query tiles, dWq (per head group)", p, x + kq / p + O / p + kq / p,
-         attn_bwd / p + 2 * 2 * n * h * hq / p / g),
-        ("backward: d(kv), dWk/dWv (per head group)", p, x + kkv / p,
-         2 * 2 * n * h * 2 * hk / p / g),
-        ("backward: dx (d(qkv)·Wqkv, norm1)", 1, x + dqkv, 2 * n * (hq + 2 * hk) * h / g),
     ]
+    mlp_bwd = (3 * 2 * n * hq * h + 2 * mlp + 2 * n * k * h * F) / g
+    if kept:
+        rows = fwd + [
+            ("backward: MLP rows (h1, MLP backward) + K/V[0]", 1, x + O,
+             mlp_bwd + Pkv / p / g),
+            ("backward: q (from x), dWq, d(kv)[g-1], K/V[g+1]", p,
+             2 * x + (O + lse) / p + kq / p + edge * kkv / p,
+             attn_bwd / p + (3 * Pq + 2 * edge * Pkv) / p / g),
+        ]
+    else:
+        rows = fwd + [
+            ("recompute: K/V of group 0 (before the first ring)", 1, x, Pkv / p / g),
+            ("recompute: query tiles, q kept, K/V[g+1] (per group)", p,
+             x + O / p + kq / p, attn_fwd / p + (Pq + Pkv) / p / g),
+            ("backward: MLP rows (re-form h1, MLP backward)", 1, x + O, mlp_bwd),
+            ("backward: dWq tiles, d(kv)[g-1], K/V[g+1] (per group)", p,
+             x + 2 * kq / p + O / p + edge * kkv / p,
+             attn_bwd / p + (2 * Pq + 2 * edge * Pkv) / p / g),
+        ]
+    rows.append(("backward: dx (d(qkv)·Wqkv, norm1) + last d(kv)", 1,
+                 x + kq + edge * kkv, (2 * n * (hq + 2 * hk) * h + Pkv / p) / g))
     out = []
     for name, count, nbytes, comp in rows:
         copy = nbytes / gb
+        reads = 0 if name.startswith("forward") else \
+            (2 if name.startswith("backward: q (") else 1)
         out.append({"pass": name, "count": count, "bytes": nbytes, "copy_s": copy,
-                    "compute_s": comp, "exposed_s": max(0.0, copy - comp)})
+                    "compute_s": comp, "exposed_s": max(0.0, copy - comp), "x_reads": reads})
     return out
 
 

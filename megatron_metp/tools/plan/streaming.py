@@ -15,10 +15,15 @@ forward              one group's K/V (and the ring's copy and received block), o
                      ``z, f(z)`` and the previous shard's ``f(z)``); every group's ``O`` on the
                      device unless offloaded; ``y`` beside ``x`` from the row passes on unless
                      written over it
-attention recompute  the same attention, plus every group's fp32 log-sum-exp ``[b, A, n]``
+attention recompute  the same attention, plus every group's fp32 log-sum-exp ``[b, A, n]``, the
+                     next group's K/V formed from the query tiles' ``norm1(x)`` (one more K/V
+                     pair; the last group's: the backward's group 0, with its pre-norm keys),
+                     a third head-group weight buffer (the next group's weights are needed
+                     while a group computes) and a copy of group 0's ``linear_qkv`` rows
 MLP backward         one row tile: ``h1``, ``norm2(h1)``, the MLP pass (fp32 ``d norm2``; one
                      shard's ``z, f(z), dz``); the MLP's travelling gradient sums (their total
-                     a separate buffer only from the second row tile on)
+                     a separate buffer only from the second row tile on); the backward's group-0
+                     K/V (formed by the recompute, held over this pass)
 attention backward   one group's K/V, one K/V sub-block's ring buffers (copy, held, two fp32
                      sums), one query tile's ``q``, ``dO`` (``O`` too when read back from the
                      host: a device stash's read is a view), fp32 ``dq``, the kernel's copies
@@ -26,9 +31,13 @@ attention backward   one group's K/V, one K/V sub-block's ring buffers (copy, he
                      (allocated after the first ring call: only with more than one query tile
                      or sub-block); every group's ``d(qkv)`` on the device unless offloaded;
                      the ``O`` stashes and log-sum-exps of the groups not done yet against the
-                     head-group weight gradients (filling, in flight, owned)
+                     head-group weight gradients (filling, the previous group's waiting for its
+                     ``d(kv)``, in flight, owned); one more K/V pair: the previous group's
+                     ``d(kv)`` (heads-first, in its K/V buffers), read chunk by chunk while the
+                     next group's K/V are formed into the same buffers
 dx                   one row tile: every group's ``d(qkv)`` (copies when offloaded), ``d
-                     norm1``, norm1's backward; the gathered ``Wqkv``
+                     norm1``, norm1's backward; the gathered ``Wqkv``; the last group's
+                     ``d(kv)`` (one K/V pair) and weight gradients (reduced in this pass)
 ===================  =======================================================================
 
 Each weight ring lives only in its passes (the head groups' broadcast in the attention passes,
@@ -111,11 +120,23 @@ def streaming_phases(model, job, lay, n: int, host: bool) -> Dict[str, Dict[str,
     # attention passes, the MLP's (own packed + held shard) in the row passes
     w_attn = {"head-group weights: own packed + receive buffers (bf16)":
               (1 + min(2, p - 1)) * e * wa if p > 1 else 0}
+    # the recompute and the backward hold the next group's weights while a group computes:
+    # three receive buffers (the recompute: and a copy of group 0's linear_qkv rows, for the
+    # backward's group-0 K/V its last group forms)
+    w_ahead = {"head-group weights: own packed + receive buffers (bf16)":
+               (1 + min(3, p - 1)) * e * wa if p > 1 else 0}
+    w_first = {"group 0's linear_qkv rows, kept for the last group's pass (bf16)":
+               e * (hqg + 2 * hkg) * h if p > 1 else 0}
     w_mlp = {"MLP weight ring: own packed + held shard (bf16)": 2 * e * wm}
     gqa = hkg < hqg
     group_kv = {"one group's K and V (bf16)": e * 2 * n * hkg}
     if model.qk_layernorm:
         group_kv["one group's pre-norm keys (bf16, --qk-layernorm)"] = e * n * hkg
+    # the next group's K/V (formed in this group's passes: ops/layer_reads.py), and their
+    # pre-norm keys where the backward needs them
+    kv_next = {"the next group's K and V, being formed (bf16)": e * 2 * n * hkg}
+    kpre_next = {"the next group's pre-norm keys (bf16, --qk-layernorm)":
+                 e * n * hkg if model.qk_layernorm else 0}
     if Gl > 1:  # _split: the q rows and the k/v rows of interleaved groups are copies
         group_kv["one group's q and k/v weight rows, copied apart (bf16, G_g > 1)"] = \
             e * (hqg + 2 * hkg) * h
@@ -142,11 +163,14 @@ def streaming_phases(model, job, lay, n: int, host: bool) -> Dict[str, Dict[str,
     # first one (the backward's and the recompute's passes; the forward reads x in place)
     x_next = {"the next query tile's first x chunk, on its way from the host (bf16)":
               e * C * h if host and q_tiles > 1 else 0}
-    ph["streaming layer recompute: attention (last layer)"] = dict(o_all, **lse_all, **w_attn,
-                                                                   **attn_fwd, **x_next)
+    ph["streaming layer recompute: attention (last layer)"] = dict(
+        o_all, **lse_all, **w_ahead, **w_first, **attn_fwd, **x_next, **kv_next, **kpre_next)
     mlp_tile = tiling.mlp_row_bytes(h, f, k, e, FP32, False) * R
     mlp_grads = {"the MLP's weight gradients, summed over the row tiles (fp32)": FP32 * wm}
-    ph["streaming layer MLP backward (last layer)"] = dict(o_all, **lse_all, **w_mlp, **{
+    kv0 = {"the backward's group-0 K and V, held (bf16)": e * 2 * n * hkg,
+           "the backward's group-0 pre-norm keys (bf16, --qk-layernorm)":
+               e * n * hkg if model.qk_layernorm else 0}
+    ph["streaming layer MLP backward (last layer)"] = dict(o_all, **lse_all, **w_mlp, **kv0, **{
         "row tile: h1 and norm2(h1) (bf16; x and O freed once h1 is formed)": e * R * 2 * h,
         "row tile: the MLP backward pass (fp32 d norm2; one shard's z, f(z), g·W2, dz)":
             mlp_tile,
@@ -161,10 +185,12 @@ def streaming_phases(model, job, lay, n: int, host: bool) -> Dict[str, Dict[str,
     # head group g (the loop's g-th; rank 0): the O stashes and log-sum-exps of groups < g are
     # freed, its weight gradients fill while group g − 1's are reduced to their owner and this
     # rank's own arrived (g ≥ 2): the largest of these moments
-    o_lse, wgrads = max([((p - g) * (o_g + lse_g), min(g + 1, 3) * FP32 * wa)
+    o_lse, wgrads = max([((p - g) * (o_g + lse_g), min(g + 1, 4) * FP32 * wa)
                          for g in range(p)], key=sum)
     ph["streaming layer attention backward (last layer)"] = dict(
-        d_all, **w_attn, **group_kv, **mlp_grads, **x_next, **{
+        d_all, **w_ahead, **group_kv, **mlp_grads, **x_next, **kpre_next, **{
+            "the previous group's d(kv), then the next group's K/V (bf16, one buffer pair)":
+                e * 2 * n * hkg if p > 1 else 0,
             "the O stashes (bf16, not offloaded) and log-sum-exps (fp32) of the groups left":
                 o_lse,
             # allocated after the first ring call returns: alive in a kernel only from the
@@ -182,7 +208,8 @@ def streaming_phases(model, job, lay, n: int, host: bool) -> Dict[str, Dict[str,
             "query tile: dq (fp32; and a sub-block's)": (1 + (sub_blocks > 1)) * FP32 * Q * hqg,
             "kernel: dq, dK/dV of a call (the causal square's at the query heads) (bf16)":
                 max(causal_kernel, full_kernel),
-            "head-group weight gradients: filling, in flight, owned (fp32)": wgrads})
+            "head-group weight gradients: filling, waiting for d(kv), in flight, owned (fp32)":
+                wgrads})
     # a row tile's moments: its d(qkv) gathered from the stashes (read back from the host:
     # copies, concatenated), then d norm1 = d(qkv)·Wqkv (d(qkv) freed after), then norm1's
     # backward (x read back from the host: a copy, norm1(x), d norm1, the input gradient);
@@ -191,6 +218,8 @@ def streaming_phases(model, job, lay, n: int, host: bool) -> Dict[str, Dict[str,
                   e * R * h * (4 if host else 3))
     ph["streaming layer dx (last layer)"] = dict(d_all, **mlp_grads, **{
         "the owned head group's weight gradients (fp32)": FP32 * wa,
+        "the last group's d(kv) (bf16, heads-first) and weight gradients (fp32)":
+            e * 2 * n * hkg + FP32 * wa,
         "the gathered Wqkv (bf16)": e * qkv * h,
         "row tile: d(qkv) of every group, d norm1, norm1's backward (bf16; the largest)":
             dx_tile,
@@ -238,22 +267,31 @@ def streaming_traffic(model, job, lay, n: int) -> Dict[str, Dict[str, float]]:
     return {"layer": layer, "recompute": recompute}
 
 
-def streaming_host_bytes(model, job, lay, n: int) -> float:
+def streaming_host_bytes(model, job, lay, n: int, kept: bool = False) -> float:
     """Bytes one offloaded streaming layer moves between host and device per micro-batch: its
     input written once (the forward) and read back once per backward pass that needs it
-    (:func:`megatron_metp.ops.layer_reads.host_reads`: ``4p + 2``, the recompute's K/V and query
-    tile passes, the MLP backward, the attention backward's dWq (query tiles) and d(kv) passes,
+    (:func:`megatron_metp.ops.layer_reads.host_reads`: ``2p + 3``, the recompute's first K/V
+    pass and its query-tile passes, the MLP backward, the attention backward's dWq passes,
     ``dx``), every head group's attention output five times (written and read in the forward,
-    written in the recompute, read in the MLP and in the attention backward), ``d(qkv)`` twice
-    (written by the attention backward, read by ``dx``) and the projections the recompute keeps
-    for the backward (:func:`megatron_metp.ops.layer_reads.kept_bytes`, ``d(qkv)``'s size, written
-    and read once). :func:`.step_time.streaming_passes` splits the same bytes pass by pass."""
+    written in the recompute, read in the MLP and in the attention backward), the q
+    projections the recompute keeps for the backward (written and read once, then ``dq`` over
+    them: written, read by ``dx``) and the ``d(kv)`` of every group but the last (written by
+    the next group's pass, read by ``dx``; the last group's stay on the device).
+
+    ``kept``: a layer with kept attention (no recompute: ``2p + 2`` reads of ``x``, its output
+    written and read by the forward, read by the MLP and the attention backward, its fp32
+    log-sum-exp written and read once, ``dq`` written and read, the ``d(kv)`` as above).
+    :func:`.step_time.streaming_passes` splits the same bytes pass by pass."""
     from ...ops.layer_reads import host_reads
-    from .model import BF16
+    from .model import BF16, FP32
 
     p, t = lay.p, lay.t
     d = model.head_dim
     hq, hk = model.heads * d // t, model.groups * d // t
     x = BF16 * n * model.hidden
-    dqkv = BF16 * n * (hq + 2 * hk)
-    return x * (1 + sum(host_reads(p).values())) + 5 * BF16 * n * hq + 4 * dqkv
+    O, kq, kkv = BF16 * n * hq, BF16 * n * hq, BF16 * n * 2 * hk
+    dkv = 2 * (p - 1) / p * kkv
+    reads = x * (1 + sum(host_reads(p, kept=kept).values()))
+    if kept:
+        return reads + 4 * O + 2 * FP32 * n * model.heads // t + 2 * kq + dkv
+    return reads + 5 * O + 4 * kq + dkv
