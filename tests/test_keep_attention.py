@@ -30,6 +30,8 @@ STEPS = 2
 SAME = 1e-6
 #: Megatron's checkpoint of chunks of two layers (the streaming layer op takes one per chunk)
 FULL = dict(recompute="full", recompute_method="uniform", recompute_num_layers=2)
+#: one layer per chunk: the streaming layer op (megatron/streaming.py)
+UNIFORM1 = dict(recompute="full", recompute_method="uniform", recompute_num_layers=1)
 #: every layer its own chunk (block): both layers, the MoE model's 3 layers
 BLOCK2 = dict(recompute="full", recompute_method="block", recompute_num_layers=2)
 BLOCK3 = dict(recompute="full", recompute_method="block", recompute_num_layers=3)
@@ -214,6 +216,11 @@ def metp2():
         ("packed", {"layout": {**FULL, "packed_eod": EOD}, "packed": True}),
         ("packed-keep", {"layout": {**FULL, "packed_eod": EOD, "keep_attention_output": True},
                          "packed": True}),
+        # full recompute of one layer per checkpoint: the streaming layer op keeps them
+        ("stream", {"layout": UNIFORM1}),
+        ("stream-keep", {"layout": {**UNIFORM1, "keep_attention_output": True}}),
+        ("stream-keep1-offload", {"layout": {**UNIFORM1, "keep_attention_output": 1,
+                                             "offload_activations": True}}),
         ("moe", moe),
         ("moe-keep", {**moe, "layout": {**moe["layout"], "keep_attention_output": True}}),
     ]
@@ -478,3 +485,19 @@ def test_the_op_rerun_from_kept_outputs_equals_the_plain_call(head_block, packed
         assert res["bad"] > 100 * SAME, res
         assert res["wrong"] is not None and \
             "kept attention outputs: 5 outputs and" in res["wrong"], res
+
+
+def test_the_streaming_layer_keeps_attention_through_the_same_flag(metp2):
+    """Full recompute of one layer per checkpoint runs the streaming layer op, which keeps O
+    and the LSE itself (metp_layer(keep_attention=True)): same gradients, fewer attention kernel
+    launches and bytes, and no Megatron checkpoint queue in use."""
+    _assert_same(metp2, "stream", ["stream-keep", "stream-keep1-offload"])
+    _assert_same(metp2, "full", ["stream"])
+    for res in metp2:
+        for name in ("stream-keep", "stream-keep1-offload"):
+            assert res[name]["streaming"] and res[name]["pending"] == 0
+            assert res[name]["stats"]["kept"] == 0  # the op keeps them, not the queues
+        full, one, kept = (res[n]["ring"] for n in ("stream", "stream-keep1-offload",
+                                                     "stream-keep"))
+        assert kept["blocks"] < one["blocks"] < full["blocks"], (full, one, kept)
+        assert kept["bytes_sent"] < one["bytes_sent"] < full["bytes_sent"], (full, one, kept)

@@ -16,6 +16,9 @@ re-forms, in its backward, one head group and one tile of tokens at a time
   plain layer loop instead of wrapping the layers in Megatron's checkpoint (the op is the
   checkpoint; Megatron's model config, and with it ``args.recompute_granularity`` and
   Megatron-LM's FLOP count, are unchanged);
+* with ``--metp-keep-attention-output`` (the layer's attention has a
+  :class:`~.keep_attention.AttentionKeeper`) the op keeps every head group's attention output
+  and LSE for its backward (``keep_attention=True``) instead of re-running the attention forward;
 * with ``--metp-offload-activations`` (an :class:`~megatron_metp.runtime.offload.
   ActivationOffloader` whose forward is running and which offloads this layer) the op keeps the
   layer input, the attention outputs and ``d(qkv)`` on the host and writes each layer's output
@@ -88,6 +91,7 @@ class METPTransformerLayer(TransformerLayer):
                          norm1=self.input_layernorm, norm2=self.pre_mlp_layernorm,
                          host=host, offloader=off if host else None,
                          in_place=True, mlp_token_tile=mlp.token_tile,
+                         keep_attention=attn.keeper is not None,
                          label=f"layer {self.layer_number}")
         return out, kwargs.get("context")
 
@@ -146,13 +150,6 @@ def streaming_problems(block) -> List[str]:
             break
         if layer.mlp.keep_intermediate:
             out.append("keep_intermediate (--metp-keep-intermediate)")
-            break
-        if layer.self_attention.keeper is not None:
-            # TODO(issue 41, merge with the streaming layer's keep_attention): the layer op
-            # takes keep_attention=True for these layers; until then Megatron's checkpoint and
-            # the separate ops keep the attention output (.keep_attention)
-            out.append("kept attention output (--metp-keep-attention-output) with a layer op "
-                       "that does not keep it")
             break
     return out
 
