@@ -80,7 +80,9 @@ def rates(device: str, dry: bool, path: str, budget: float, t_start: float) -> d
     geo = gpu_rates.GEO["dry" if dry else "gpu"]
 
     def layer_run(keep: bool) -> dict:
-        left = max(60.0, budget - (time.monotonic() - t_start))
+        # a 4M layer takes ~3 min on one H200 (attention ~40 s forward, ~115 s backward, the
+        # recompute's forward again): each run gets at least 300 s, the stacks what is left
+        left = max(300.0, budget - (time.monotonic() - t_start))
         try:
             return FR.run_isolated(gpu_rates.layer_time, device, geo, keep, timeout=left)
         except RuntimeError as exc:  # reported by name, never silently
