@@ -108,6 +108,11 @@ def test_a_measured_file_decides_and_bad_ones_are_refused(monkeypatch, tmp_path,
         monkeypatch.setenv("METP_KERNEL_RATES", _measured(tmp_path, "bad.json", **kw))
         with pytest.raises(ValueError, match=r"^METP_KERNEL_RATES=.*bad\.json: .*" + msg):
             select_name(CUDA, BF16, head_dim=128)
+    # checked even where one fused kernel runs (no choice to make): never accepted and ignored
+    _on(monkeypatch, Platform((2, 13), (9, 0), 90100, {}, "NVIDIA H100 80GB HBM3"))
+    monkeypatch.setenv("METP_KERNEL_RATES", _measured(tmp_path, "bad.json", gemm_tflops=0))
+    with pytest.raises(ValueError, match="METP_KERNEL_RATES=.*'gemm_tflops' must be a positive"):
+        select_name(CUDA, BF16, head_dim=128)
     monkeypatch.setenv("METP_KERNEL_RATES", str(tmp_path / "missing.json"))
     with pytest.raises(ValueError, match="METP_KERNEL_RATES=.*missing.json: cannot read it"):
         select_name(CUDA, BF16, head_dim=128)

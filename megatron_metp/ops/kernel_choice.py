@@ -325,11 +325,13 @@ def _by_rate(avail: Tuple[str, ...], device, dtype, head_dim) -> Tuple[str, str,
     """``(name, how, note)`` of ``auto``: the fastest available kernel by the rates for this
     GPU, head width and dtype (:func:`.kernel_rates.fastest`; the reference kernel only when
     nothing else runs), else the first available (the order), the note saying why."""
-    fused = tuple(k for k in avail if k != "reference")
-    if device.type != "cuda" or len(fused) < 2:
+    if device.type != "cuda":
         return avail[0], "auto: best available", ""
     pf = platform()
-    rows, kind = _rows(pf)
+    rows, kind = _rows(pf)  # a $METP_KERNEL_RATES file is checked even where one kernel runs
+    fused = tuple(k for k in avail if k != "reference")
+    if len(fused) < 2:
+        return avail[0], "auto: best available", ""
     dt = str(dtype).replace("torch.", "")
     best, unrated = rates.fastest(fused, rates.gpu_of(pf.device_name), head_dim, dt, rows)
     if best is None:
