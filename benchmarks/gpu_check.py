@@ -5,12 +5,16 @@ launches.
 Writes ``<out>/gpu_check.json``, ``<out>/gpu_check.md`` and the rates file ``metp plan --rates``
 reads (``--rates FILE``, default ``<out>/rates.json``). Parts:
 
-0. **Rates first** (:mod:`gpu_rates`, within ~5 minutes of one H100/H200): GEMM TFLOP/s; the
-   chosen block kernel's forward and backward TFLOP/s at the streaming layer's shapes (a query
+0. **Rates first** (:mod:`gpu_rates`, within ~5 minutes of one H100/H200): GEMM TFLOP/s; each
+   block kernel's forward and backward TFLOP/s at the streaming layer's shapes (a query
    tile × 4 query heads against 262K and 524K keys of one K/V head, head dim 128, full and
-   causal pieces, with the log-sum-exp merges); pinned host↔device GB/s while kernels run; one
-   streaming layer (host stash) as rank 0 of 8 under the fake process group at the 4M geometry,
-   timed with CUDA events, next to the plan's one-layer figure. ``--only-rates`` stops there.
+   causal pieces, with the log-sum-exp merges; the file's ``kernel`` the fastest, ``kernels``
+   every one: what ``metp plan --rates`` and ``METP_KERNEL_RATES`` read); pinned host↔device
+   GB/s while kernels run; one streaming layer (host stash) as rank 0 of 8 under the fake
+   process group at the 4M geometry and the plan's tiles, forward and backward timed with CUDA
+   events, next to the plan's one-layer figure, then its backward with kept attention
+   (``metp_layer(..., keep_attention=True)``) against full recompute's (``keep_attention not
+   available`` where the op lacks it). ``--only-rates`` stops there.
    The GPU path of this part has not run yet (written without a GPU; the ``--dry`` path is
    tested): its first GPU run is its test.
 1. **Block kernels** against the plain reference (``ops.attention_kernels``): every kernel this
@@ -65,7 +69,8 @@ GEO_TINY = dict(hidden=64, heads=8, groups=8, ffn=128)
 
 def rates(device: str, dry: bool, path: str, budget: float, t_start: float) -> dict:
     """Part 0 (:mod:`gpu_rates`): measure, write the rates file at ``path``, return the detail
-    with the streaming layer's time next to the plan's one-layer figure."""
+    with the streaming layer's time next to the plan's one-layer figure, and the same layer's
+    backward with kept attention against full recompute's (``keep_attention``)."""
     import gpu_rates
 
     got = FR.run_isolated(gpu_rates.measure, device, dry, 1 if dry else 5, timeout=600)
@@ -73,15 +78,22 @@ def rates(device: str, dry: bool, path: str, budget: float, t_start: float) -> d
     with open(path, "w") as fh:
         json.dump(got["rates"], fh, indent=1)
     geo = gpu_rates.GEO["dry" if dry else "gpu"]
-    left = max(60.0, budget - (time.monotonic() - t_start))
-    try:
-        layer = FR.run_isolated(gpu_rates.layer_time, device, geo, timeout=left)
-    except RuntimeError as exc:  # reported by name, never silently
-        layer = {"error": str(exc)[-2000:]}
+
+    def layer_run(keep: bool) -> dict:
+        # a 4M layer takes ~3 min on one H200 (attention ~40 s forward, ~115 s backward, the
+        # recompute's forward again): each run gets at least 300 s, the stacks what is left
+        left = max(300.0, budget - (time.monotonic() - t_start))
+        try:
+            return FR.run_isolated(gpu_rates.layer_time, device, geo, keep, timeout=left)
+        except RuntimeError as exc:  # reported by name, never silently
+            return {"error": str(exc)[-2000:]}
+
+    layer = layer_run(False)
     layer.update(gpu_rates.plan_one_layer())
     if "fwd_bwd_s" in layer and not dry:  # --dry's tiny layer is not the plan's
         layer["measured_over_plan"] = layer["fwd_bwd_s"] / layer["plan_one_layer_s"]
-    return {"file": path, **got, "layer": layer}
+    keep = gpu_rates.keep_check(layer, layer_run(True))
+    return {"file": path, **got, "layer": layer, "keep_attention": keep}
 
 
 # ----------------------------------------------------------------------------- 1. kernels
@@ -277,9 +289,21 @@ def rates_table(rt) -> list:
     got = (f"{lay['fwd_bwd_s']:.4g} s measured ({lay['timed_with']})" if "fwd_bwd_s" in lay
            else "error (see gpu_check.json)")
     out += ["", f"one streaming layer, rank 0 of 8, host stash: {got}; plan "
-                f"{lay['plan_one_layer_s']:.4g} s ({lay['config']}, step_s / {lay['layers']})",
-            ""]
-    return out
+                f"{lay['plan_one_layer_s']:.4g} s ({lay['config']}, step_s / {lay['layers']})"]
+    keep = rt.get("keep_attention", {})
+    if "error" in keep:
+        out.append(f"kept attention: {keep['error'][:200]}")
+    elif keep:
+        out.append(f"kept attention: backward {keep['keep']['bwd_s']:.4g} s against full "
+                   f"recompute's {keep['recompute']['bwd_s']:.4g} s "
+                   f"({keep['backward_keep_over_recompute']:.3f}x, "
+                   f"{keep['backward_saved_s']:.4g} s saved per layer)")
+    kernels = r.get("kernels", {})
+    if len(kernels) > 1:
+        out.append("per kernel (fwd / bwd TFLOP/s): " + ", ".join(
+            f"{k} {v['attention_fwd_tflops']:.4g} / {v['attention_bwd_tflops']:.4g}"
+            for k, v in kernels.items()))
+    return out + [""]
 
 
 def table(res) -> str:

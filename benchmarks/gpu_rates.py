@@ -4,8 +4,9 @@ first; ``--dry``: CPU, tiny shapes, what the tests run).
 Measured (on a GPU: CUDA events, median of ``iters`` after a warm-up; on CPU: wall clock):
 
 1. **GEMM**: a bf16 ``N×N·N×N`` matmul (``N = 8192``), ``2·N³`` FLOPs.
-2. **Block kernel** (:func:`megatron_metp.ops.attention_kernels.select_kernel`, the one the
-   ring picks here; its name goes into the file): the streaming layer's shapes at the 4M job of
+2. **Block kernels** (every kernel :func:`megatron_metp.ops.attention_kernels.available_kernels`
+   lists here but the plain reference, whose score matrix at these shapes is tens of GiB): the
+   streaming layer's shapes at the 4M job of
    ``configs/llama3-8b-4m-metp8.sh`` (rank 0 of 8: ``n = 512K`` tokens, 4 query heads of one
    K/V head, head dim 128): one query tile (``q`` rows, as :class:`~megatron_metp.ops.tiles.
    LayerTiles` cuts it) against a full block of 262,144 keys (one dual-chunk half) and of
@@ -13,22 +14,33 @@ Measured (on a GPU: CUDA events, median of ``iters`` after a warm-up; on CPU: wa
    accumulators by the ring's log-sum-exp merge (:func:`~megatron_metp.ops.lse.merge_`), each
    backward given the merged output and log-sum-exp, its ``dq`` and fp32 ``dK/dV`` added into
    running sums. FLOPs: forward ``4·hq·n·m·d`` (full), half of ``4·hq·n²·d`` (causal square);
-   backward 2.5× forward. ``attention_fwd_tflops``/``attention_bwd_tflops`` are all cases'
-   FLOPs over all cases' time (the full blocks dominate, as they do in the ring).
+   backward 2.5× forward. A kernel's ``attention_fwd_tflops``/``attention_bwd_tflops`` are all
+   cases' FLOPs over all cases' time (the full blocks dominate, as they do in the ring); the
+   file's ``kernel`` is the fastest of them (``ops/kernel_rates.best_of``), ``kernels`` has
+   each.
 3. **Pinned host↔device bandwidth under load**: a pinned host buffer (1 GiB) copied to and
    from the device on a side stream while the default stream runs bf16 matmuls; GB/s per
    direction; ``pcie_gbs`` is the lower of the two. One GPU cannot load the node's host memory
    as 8 can: the figure is one GPU's under its own compute load.
 4. **One streaming layer** (:func:`megatron_metp.ops.layer.metp_layer`, ``host=True``: the input,
    attention outputs and ``d(qkv)`` stashed on the host) as rank 0 of 8 under torch's fake
-   process group at the 4M geometry (Llama-3-8B, ``n = 512K`` tokens, bf16, no RoPE), forward
-   + backward timed with CUDA events (one run), next to the plan's one-layer figure
-   (``step_cost(...)["step_s"] / layers`` of the same config, at the plan's own rates).
+   process group at the 4M geometry (Llama-3-8B, ``n = 512K`` tokens, bf16, no RoPE, the op's
+   own tiles: the plan's), forward and backward timed apart with CUDA events (one run each),
+   next to the plan's one-layer figure (``step_cost(...)["step_s"] / layers`` of the same
+   config, at the plan's own rates); then the same layer with ``keep_attention=True`` (the
+   attention output and log-sum-exp kept, the backward without an attention forward): its
+   backward against full recompute's (:func:`keep_check`; ``keep_attention not available``
+   where the op has no such argument).
 
 The rates file (JSON object, the format ``metp plan --rates`` reads)::
 
     {"hardware": str, "kernel": str, "gemm_tflops": float, "attention_fwd_tflops": float,
-     "attention_bwd_tflops": float, "pcie_gbs": float, "source": str, "measured_at": str}
+     "attention_bwd_tflops": float, "pcie_gbs": float, "source": str, "measured_at": str,
+     "kernels": {name: {"attention_fwd_tflops": float, "attention_bwd_tflops": float}},
+     "head_dim": int, "dtype": str}
+
+(``ops/kernel_rates.read_measured`` reads it, for the planner's ``--rates FILE`` and the run
+time's ``METP_KERNEL_RATES=FILE``.)
 
 ``--dry`` writes the same keys from tiny CPU shapes; its ``source`` says so (not rates for a
 plan). The GPU path has not been run in the session that wrote it: the first GPU run is its
@@ -45,7 +57,8 @@ import time
 import torch
 
 RATES_KEYS = ("hardware", "kernel", "gemm_tflops", "attention_fwd_tflops",
-              "attention_bwd_tflops", "pcie_gbs", "source", "measured_at")
+              "attention_bwd_tflops", "pcie_gbs", "source", "measured_at", "kernels",
+              "head_dim", "dtype")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_4M = os.path.join(ROOT, "configs", "llama3-8b-4m-metp8.sh")
 
@@ -93,13 +106,13 @@ def query_tile(geo: dict) -> int:
                       mlp_row_bytes(geo["hidden"], geo["ffn"] // p, 2, 2, 4)).q
 
 
-def attention_rates(device: torch.device, geo: dict, dtype, iters: int) -> dict:
-    """The chosen block kernel at the streaming layer's shapes, with the merges (see module)."""
+def kernel_rates(device: torch.device, geo: dict, dtype, iters: int, name: str) -> dict:
+    """Block kernel ``name`` at the streaming layer's shapes, with the merges (see module)."""
     from megatron_metp.ops import lse as lse_ops
     from megatron_metp.ops.attention_kernels import select_kernel
 
     d, hq = geo["d"], geo["heads"] // geo["groups"]  # one K/V head's query heads
-    kern = select_kernel(device, dtype, head_dim=d)
+    kern = select_kernel(device, dtype, name, head_dim=d)
     nq = min(query_tile(geo), max(geo["keys"]))
     g = torch.Generator().manual_seed(0)
     mk = lambda *s: torch.randn(*s, generator=g).to(device=device, dtype=dtype)  # noqa: E731
@@ -141,6 +154,23 @@ def attention_rates(device: torch.device, geo: dict, dtype, iters: int) -> dict:
     return {"kernel": kern.name, "cases": cases,
             "fwd_tflops": sum(c["fwd_flops"] for c in cases) / fwd_t / 1e12,
             "bwd_tflops": sum(c["bwd_flops"] for c in cases) / bwd_t / 1e12}
+
+
+def attention_rates(device: torch.device, geo: dict, dtype, iters: int) -> dict:
+    """Every block kernel this machine runs but the plain reference (whose score matrix at
+    these shapes is tens of GiB) at the streaming layer's shapes (:func:`kernel_rates`); the
+    fastest by ``1/fwd + 2.5/bwd`` (``ops/kernel_rates.best_of``) is the file's ``kernel``, its
+    cases the detail's ``cases``, every kernel's rates under ``kernels``."""
+    from megatron_metp.ops import kernel_rates as KR
+    from megatron_metp.ops.attention_kernels import available_kernels
+
+    names = [k for k in available_kernels(device, dtype, geo["d"]) if k != "reference"]
+    per = {k: kernel_rates(device, geo, dtype, iters, k) for k in names}
+    rows = [KR.KernelRate(k, "", geo["d"], str(dtype).replace("torch.", ""), r["fwd_tflops"],
+                          r["bwd_tflops"], "measured") for k, r in per.items()]
+    best = per[KR.best_of(rows).kernel]
+    return {**best, "kernels": {k: {"fwd_tflops": r["fwd_tflops"], "bwd_tflops": r["bwd_tflops"]}
+                                for k, r in per.items()}}
 
 
 def copy_under_load(device: torch.device, mib: int, iters: int) -> dict:
@@ -186,15 +216,34 @@ def _layer_weights(geo: dict, device, dtype):
                 fc1_weight=mk(2 * f, h), fc2_weight=mk(h, f))
 
 
-def layer_time(device_type: str, geo: dict) -> dict:
-    """One streaming layer, rank 0 of ``p`` under the fake group, host stash on: fwd+bwd
-    seconds (run in a fresh process: it makes the fake world)."""
+#: what the kept-attention check reports where the streaming op has no ``keep_attention``
+NO_KEEP = "keep_attention not available"
+
+
+def keeps_attention() -> bool:
+    """Whether :func:`megatron_metp.ops.layer.metp_layer` takes ``keep_attention``."""
+    import inspect
+
+    from megatron_metp.ops.layer import metp_layer
+
+    return "keep_attention" in inspect.signature(metp_layer).parameters
+
+
+def layer_time(device_type: str, geo: dict, keep_attention: bool = False) -> dict:
+    """One streaming layer, rank 0 of ``p`` under the fake group, host stash on, its own tiles
+    (``LayerTiles``, what the plan cuts): forward and backward seconds apart, full recompute or
+    (``keep_attention``) the attention output and log-sum-exp kept, the backward running no
+    attention forward (run in a fresh process: it makes the fake world). ``{"error": NO_KEEP}``
+    where the op has no ``keep_attention``."""
     import torch.distributed as dist
 
     from megatron_metp import METPGroup
     from megatron_metp.ops.layer import metp_layer
     from megatron_metp.tools import fakerank as FR
 
+    if keep_attention and not keeps_attention():
+        return {"error": NO_KEEP, "keep_attention": True}
+    extra = {"keep_attention": True} if keep_attention else {}
     device = torch.device(device_type)
     FR.fake_world(geo["p"], megatron=False)
     dtype = torch.bfloat16
@@ -205,28 +254,46 @@ def layer_time(device_type: str, geo: dict) -> dict:
              for _ in range(2)]
     x = (torch.randn(n, 1, geo["hidden"], device=device, dtype=dtype) * 0.1).requires_grad_()
     dy = torch.randn(n, 1, geo["hidden"], device=device, dtype=dtype) * 0.1
+    box = {}
 
-    def step():
-        y = metp_layer(x, group=grp, num_heads=geo["heads"], num_query_groups=geo["groups"],
-                       activation="swiglu", norm1=norms[0], norm2=norms[1], host=True, **w)
-        y.backward(dy)
+    def fwd():
+        box["y"] = metp_layer(x, group=grp, num_heads=geo["heads"],
+                              num_query_groups=geo["groups"], activation="swiglu",
+                              norm1=norms[0], norm2=norms[1], host=True, **w, **extra)
 
-    if device.type == "cuda":  # pragma: no cover - GPU only
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        step()
-        b.record()
-        torch.cuda.synchronize()
-        secs = a.elapsed_time(b) / 1e3
-        peak = torch.cuda.max_memory_allocated()
-    else:
-        t0 = time.perf_counter()
-        step()
-        secs, peak = time.perf_counter() - t0, None
-    return {"tokens_per_rank": n, "p": geo["p"], "fwd_bwd_s": secs, "host_stash": True,
-            "max_memory_allocated": peak, "timed_with": "CUDA events" if peak is not None
-            else "wall clock (CPU)"}
+    def bwd():
+        box.pop("y").backward(dy)
+
+    gpu = device.type == "cuda"
+    secs = []
+    for fn in (fwd, bwd):
+        if gpu:  # pragma: no cover - GPU only
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            secs.append(a.elapsed_time(b) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            secs.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated() if gpu else None
+    return {"tokens_per_rank": n, "p": geo["p"], "fwd_s": secs[0], "bwd_s": secs[1],
+            "fwd_bwd_s": sum(secs), "host_stash": True, "keep_attention": keep_attention,
+            "query_tile": query_tile(geo), "max_memory_allocated": peak,
+            "timed_with": "CUDA events" if gpu else "wall clock (CPU)"}
+
+
+def keep_check(recompute: dict, keep: dict) -> dict:
+    """The kept-attention backward against full recompute's (both :func:`layer_time`)."""
+    if "error" in keep or "error" in recompute:
+        return {"error": keep.get("error") or recompute.get("error"), "recompute": recompute,
+                "keep": keep}
+    return {"recompute": recompute, "keep": keep,
+            "backward_keep_over_recompute": keep["bwd_s"] / recompute["bwd_s"],
+            "backward_saved_s": recompute["bwd_s"] - keep["bwd_s"]}
 
 
 def plan_one_layer(config: str = CONFIG_4M) -> dict:
@@ -242,14 +309,20 @@ def plan_one_layer(config: str = CONFIG_4M) -> dict:
 
 
 def rates_file(hardware: str, kernel: str, gemm: float, att: dict, copy: dict,
-               source: str) -> dict:
-    """The ``--rates`` JSON object (:data:`RATES_KEYS`, checked)."""
+               source: str, head_dim: int = 128, dtype: str = "bfloat16") -> dict:
+    """The ``--rates`` JSON object (:data:`RATES_KEYS`, checked): ``kernel`` the fastest
+    measured, ``kernels`` every kernel measured (``att["kernels"]``; else ``kernel``'s)."""
+    per = att.get("kernels") or {kernel: att}
     out = {"hardware": hardware, "kernel": kernel, "gemm_tflops": float(gemm),
            "attention_fwd_tflops": float(att["fwd_tflops"]),
            "attention_bwd_tflops": float(att["bwd_tflops"]),
            "pcie_gbs": float(min(copy["h2d_gbs"], copy["d2h_gbs"])), "source": source,
            "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(
-               timespec="seconds")}
+               timespec="seconds"),
+           "kernels": {k: {"attention_fwd_tflops": float(r["fwd_tflops"]),
+                           "attention_bwd_tflops": float(r["bwd_tflops"])}
+                       for k, r in per.items()},
+           "head_dim": int(head_dim), "dtype": dtype}
     assert tuple(out) == RATES_KEYS
     return out
 
@@ -272,5 +345,6 @@ def measure(device_type: str, dry: bool, iters: int) -> dict:
         hw = "cpu (--dry)"
         source = ("benchmarks/gpu_check.py --dry: tiny CPU shapes, the code path only (not "
                   "rates for a plan)")
-    return {"rates": rates_file(hw, att["kernel"], gemm["tflops"], att, copy, source),
+    return {"rates": rates_file(hw, att["kernel"], gemm["tflops"], att, copy, source,
+                                geo["d"], str(dtype).replace("torch.", "")),
             "detail": {"gemm": gemm, "attention": att, "copy": copy, "geometry": geo}}

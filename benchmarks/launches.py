@@ -39,6 +39,7 @@ Usage::
     python benchmarks/launches.py                     # s = 32K and 128K, p = 8, 7B geometry
     python benchmarks/launches.py --seq 32768 --p 8 --json out/launches.json
     python benchmarks/launches.py --tiny              # small shapes (what the tests run)
+    python benchmarks/launches.py --by-site           # each launch charged to its source line
 
 Counts only; nothing here is timed. A GPU's own profile is ``benchmarks/gpu_check.py``.
 """
@@ -118,6 +119,21 @@ def _gemm_flops(name, args, out) -> float:
     return 2.0 * batch * a.shape[-2] * a.shape[-1] * b.shape[-1]
 
 
+def _site() -> str:
+    """``file:line`` of the innermost frame in ``megatron_metp`` (its ``tools`` aside), else in
+    megatron-core, else ``autograd``: where a launch comes from (``--by-site``)."""
+    import traceback
+
+    core = None
+    for f in reversed(traceback.extract_stack()):
+        path = f.filename.replace(os.sep, "/")
+        if "/megatron_metp/" in path and "/megatron_metp/tools/" not in path:
+            return f"{path.split('/megatron_metp/', 1)[1]}:{f.lineno}"
+        if core is None and "/megatron/core/" in path:
+            core = f"megatron/core/{path.split('/megatron/core/', 1)[1]}:{f.lineno}"
+    return core or "autograd"
+
+
 def op_counter_class():
     """:class:`OpCounter` (built lazily: torch's dispatch-mode base class)."""
     import torch
@@ -127,9 +143,10 @@ def op_counter_class():
         """Counts launches, GEMMs, attention calls, elementwise bytes, c10d messages and FLOPs
         of the ops dispatched while inside (see the module docstring for the rules)."""
 
-        def __init__(self, p: int = 1):
+        def __init__(self, p: int = 1, sites: bool = False):
             super().__init__()
             self.p = p
+            self.sites = {} if sites else None  # "op @ file:line" -> [launches, bytes]
             self.launches = self.gemms = self.attention = 0
             self.elementwise_bytes = 0
             self.gemm_flops = self.attention_flops = 0.0
@@ -147,6 +164,16 @@ def op_counter_class():
             self.elementwise_bytes += nb
             self.by_op[name] = self.by_op.get(name, 0) + 1
             self.bytes_by_op[name] = self.bytes_by_op.get(name, 0) + nb
+            self.site(name, nb)
+
+        def site(self, name, nb):
+            """With ``sites``: charge a launch and its bytes to the innermost package line."""
+            if self.sites is None:
+                return
+            key = f"{name} @ {_site()}"
+            got = self.sites.setdefault(key, [0, 0])
+            got[0] += 1
+            got[1] += nb
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
@@ -172,6 +199,8 @@ def op_counter_class():
                 return out  # a view
             self.launches += 1
             self.by_op[name] = self.by_op.get(name, 0) + 1
+            if name in _GEMM or _is_attention(name):
+                self.site(name, 0)
             if name in _GEMM:
                 self.gemms += 1
                 self.gemm_flops += _gemm_flops(name, args, out)
@@ -196,6 +225,7 @@ def op_counter_class():
                           if isinstance(t, torch.Tensor))
             self.elementwise_bytes += read + written
             self.bytes_by_op[name] = self.bytes_by_op.get(name, 0) + read + written
+            self.site(name, read + written)
             return out
 
         def summary(self):
@@ -208,6 +238,9 @@ def op_counter_class():
                     "flops": self.gemm_flops + self.attention_flops,
                     "gemm_flops": self.gemm_flops, "attention_flops": self.attention_flops,
                     "by_op": dict(sorted(self.by_op.items(), key=lambda kv: -kv[1])),
+                    **({} if self.sites is None else {
+                        "by_site": {k: v[0] for k, v in self.sites.items()},
+                        "bytes_by_site": {k: v[1] for k, v in self.sites.items()}}),
                     "bytes_by_op": dict(sorted(self.bytes_by_op.items(),
                                                key=lambda kv: -kv[1]))}
 
@@ -348,9 +381,9 @@ def build_stack(mode: str, seq: int, p: int, *, hidden=4096, heads=32, groups=No
 
 
 def count_layer(mode: str, seq: int, p: int, *, hidden=4096, heads=32, groups=None,
-                ffn=11008, batch=1, layers=1, cp=1) -> dict:
+                ffn=11008, batch=1, layers=1, cp=1, sites=False) -> dict:
     """Counts of ``layers`` layers' forward + backward on rank 0 (call in a fresh process);
-    ``cp``: METP × CP (:func:`build_stack`)."""
+    ``cp``: METP × CP (:func:`build_stack`); ``sites``: also per source line (``by_site``)."""
     import warnings
 
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -359,7 +392,7 @@ def count_layer(mode: str, seq: int, p: int, *, hidden=4096, heads=32, groups=No
 
     warnings.filterwarnings("ignore")
     FR.fake_world(p * cp)
-    counter = op_counter_class()(p)
+    counter = op_counter_class()(p, sites)
     with FakeTensorMode():
         model, x, freqs, grad, mgroups = build_stack(mode, seq, p, hidden=hidden, heads=heads,
                                                      groups=groups, ffn=ffn, batch=batch,
@@ -389,7 +422,7 @@ def per_layer(mode, seq, p, **geo) -> dict:
         if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in (
                 "seq", "p", "layers", "hidden", "heads", "query_groups", "ffn", "batch"):
             out[k] = v - a[k]
-        elif k in ("by_op", "bytes_by_op"):
+        elif k in ("by_op", "bytes_by_op", "by_site", "bytes_by_site"):
             out[k] = {op: c - a[k].get(op, 0) for op, c in v.items() if c - a[k].get(op, 0)}
         else:
             out[k] = v
@@ -439,12 +472,17 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true",
                     help="h=64, 8 heads, ffn 128, s=256, p=4 (seconds; what the tests run)")
     ap.add_argument("--by-op", action="store_true", help="also print launches per ATen op")
+    ap.add_argument("--by-site", action="store_true",
+                    help="also print launches and elementwise GB per source line of "
+                         "megatron_metp (else megatron-core) that issued them")
     ap.add_argument("--json", help="also write the rows as JSON")
     args = ap.parse_args(argv)
     if args.tiny:
         args.seq, args.p, args.hidden, args.heads, args.ffn = [256], 4, 64, 8, 128
     FR.preload_megatron()
     geo = dict(hidden=args.hidden, heads=args.heads, groups=args.query_groups, ffn=args.ffn)
+    if args.by_site:
+        geo["sites"] = True
     rows = [per_layer(mode, seq, args.p, **geo) for seq in args.seq for mode in args.modes]
     print(f"Per layer, fwd+bwd, rank 0 of p={args.p}: h={args.hidden}, {args.heads} heads"
           f"{f', {args.query_groups} query groups' if args.query_groups else ''}, SwiGLU ffn "
@@ -456,6 +494,12 @@ def main(argv=None) -> int:
                                                              r["by_op"].items()))
             print("  GB: " + ", ".join(f"{k} {v / GB:.2f}" for k, v in r["bytes_by_op"].items()
                                        if v >= GB / 100))
+    if args.by_site:
+        for r in rows:
+            print(f"\n{r['mode']} s={r['seq']}, by source line (launches, elementwise GB):")
+            for k in sorted(r["by_site"], key=lambda k: (-r["bytes_by_site"].get(k, 0),
+                                                         -r["by_site"][k], k)):
+                print(f"  {r['by_site'][k]:4d}  {r['bytes_by_site'].get(k, 0) / GB:7.3f}  {k}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)

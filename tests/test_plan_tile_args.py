@@ -90,9 +90,11 @@ def test_bad_tile_flag_in_a_config_is_refused_naming_it(tmp_path):
 
 def test_planner_kernel_names_come_from_kernel_choice():
     from megatron_metp.ops import kernel_choice as K
+    from megatron_metp.ops import kernel_rates as KR
     from megatron_metp.tools.plan import rates
 
-    assert rates.KERNELS == tuple(K.PLAN_NAMES[k] for k in K.KERNELS) == \
+    assert K.KERNELS is KR.KERNELS  # one home of the names (issue 41)
+    assert rates.KERNELS == tuple(KR.SHORT_NAMES[k] for k in K.KERNELS) == \
         ("cudnn", "fa3", "fa2", "torch_flash", "unfused")
     assert rates.KERNEL_ALIASES == {"flash_attn_3": "fa3", "flash_attn": "fa2",
                                     "reference": "unfused"}
@@ -101,9 +103,10 @@ def test_planner_kernel_names_come_from_kernel_choice():
     assert set(K.KERNELS) | set(rates.KERNELS) | {"flash"} <= set(choices)
     job = cli.build_from_argv(["--preset", "gpt-7b", "--kernel", "reference"])[1]
     assert job.kernel == "unfused" and job.attention_kernel is None
-    # negative control: a run-time kernel without a planner name is refused, naming it
-    with pytest.raises(ValueError, match=r"\['new_kernel'\] have no planner name"):
-        K.plan_kernel_names(K.KERNELS + ("new_kernel",))
+    # negative control: a name of neither vocabulary is refused, naming both
+    with pytest.raises(ValueError, match=r"unknown attention kernel 'new_kernel': one of cudnn, "
+                                         r"flash_attn_3.* or fa3, fa2, unfused"):
+        KR.kernel_of("new_kernel")
 
 
 def test_measure_builds_the_job_tile_as_the_override_would(monkeypatch):

@@ -17,7 +17,7 @@ from ..ops.kernel_choice import KERNELS
 __all__ = ["ATTENTION_KERNELS", "MAPPED", "CP_OUTER", "VOCAB_BASE", "metp_enabled",
            "add_metp_args", "compose_extra_args_providers"]
 
-#: choices of ``--metp-attention-kernel``; ``auto`` picks the best available at run time
+#: choices of ``--metp-attention-kernel``; ``auto`` picks the fastest available at run time
 ATTENTION_KERNELS = ("auto",) + KERNELS
 
 #: set on ``args`` once :func:`.validate.validate_metp_args` has moved METP onto the
@@ -59,7 +59,9 @@ def add_metp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Block attention kernel of the K/V ring: cudnn (torch's SDPA cuDNN ops, GPU), "
              "flash_attn_3 (FlashAttention-3, Hopper, installed), flash_attn (FlashAttention-2, "
              "installed), torch_flash (PyTorch's fused flash kernel), reference (plain PyTorch, "
-             "stores one score block). auto (default) picks the best available, or "
+             "stores one score block). auto (default) picks the fastest available by the "
+             "published rates (megatron_metp/ops/kernel_rates.py; $METP_KERNEL_RATES: a "
+             "measured file), else the first available in that order, or "
              "$METP_ATTENTION_KERNEL; the choice is logged once ([METP] attention kernel: ...).")
     group.add_argument(
         "--metp-keep-intermediate", action="store_true",

@@ -18,8 +18,9 @@ probabilities are ``exp(−inf − lse) = 0``. The GPU kernels (``cudnn``, ``fla
   ``dS = P ⊙ (dout·vᵀ − rowsum(dout ⊙ out))``, ``dq = dS·k·scale``, ``dk = dSᵀ·q·scale``,
   ``dv = Pᵀ·dout``. Grads of ``k, v`` come back with ``hkv`` heads (summed over each group).
 
-Kernels, best first (``select_kernel``; :mod:`.kernel_choice` probes, chooses, logs and records
-the choice, :func:`chosen_kernel`): ``cudnn`` (torch's SDPA cuDNN ops), ``flash_attn_3``
+Kernels, in the order the choice falls back to where no rate decides (``select_kernel``;
+:mod:`.kernel_choice` probes, chooses by the rates of :mod:`.kernel_rates`, logs and records the
+choice, :func:`chosen_kernel`): ``cudnn`` (torch's SDPA cuDNN ops), ``flash_attn_3``
 (FlashAttention-3, Hopper), ``flash_attn`` (FlashAttention-2) — the GPU adapters of
 :mod:`.gpu_kernels` — then ``torch_flash`` (PyTorch's fused flash kernel that returns the
 log-sum-exp: CUDA, or the CPU variant) and ``reference`` (plain PyTorch, fp32, materialises the
@@ -184,7 +185,7 @@ assert tuple(_BY_NAME) == KERNELS
 def select_kernel(device: torch.device, dtype: torch.dtype = torch.float32,
                   requested: Optional[str] = None, head_dim: Optional[int] = None):
     """The kernel class for ``dtype`` tensors on ``device`` (head dim ``head_dim`` when given):
-    ``requested`` (or ``METP_ATTENTION_KERNEL``) if given and available, else the best
-    available; the choice is recorded and logged once (:mod:`.kernel_choice`). Raises
+    ``requested`` (or ``METP_ATTENTION_KERNEL``) if given and available, else the fastest
+    available by rate (:mod:`.kernel_rates`; else the first available); the choice is recorded and logged once (:mod:`.kernel_choice`). Raises
     ``ValueError`` for an unknown or unavailable request, naming what is available."""
     return _BY_NAME[select_name(device, dtype, requested, head_dim)]

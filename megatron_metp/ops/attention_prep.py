@@ -127,17 +127,28 @@ def project_block(x2: torch.Tensor, WQ: torch.Tensor, BQ, geo: HeadGeometry, n: 
     the queries and keys. Returns heads-first ``q [b, H, n, d]``, ``k, v [b, Gb, n, d]`` (``H``,
     ``Gb``: the block's query and key heads) and ``kv``, the flat buffer ``k`` and ``v`` live
     in back to back (the K/V ring's block). ``keep_pre``: a list that receives the pre-norm
-    projection ``[n, b, Gb, qpg+2, d]`` (for the norm's backward)."""
+    projection ``[n, b, Gb, qpg+2, d]`` (for the norm's backward). With one query head per
+    group and no q/k norm, ``q``, ``k`` and ``v`` share one buffer (``q`` first, then ``kv``)
+    and one RoPE pass rotates ``q`` and ``k`` together (the same products, half the
+    launches)."""
     d, qpg = geo.d, geo.q_per_group
     G = kb * geo.groups_local
     t = project(x2, WQ, BQ).view(n, b, G, qpg + 2, d)
     if head_norm is not None and keep_pre is not None:
         keep_pre.append(t)
-    q = torch.empty(b, G * qpg, n, d, dtype=x2.dtype, device=x2.device)
-    kv = torch.empty(2 * b * G * n * d, dtype=x2.dtype, device=x2.device)
-    k, v = kv[:b * G * n * d].view(b, G, n, d), kv[b * G * n * d:].view(b, G, n, d)
-    norm_rope(t[:, :, :, :qpg], "q", head_norm, rope, seq_first_q(q, qpg))
-    norm_rope(t[:, :, :, qpg], "k", head_norm, rope, seq_first(k))
+    m = b * G * n * d  # elements of k (and of v)
+    if qpg == 1 and head_norm is None:  # one query head per group: q, k, v back to back
+        qkv = torch.empty(3 * m, dtype=x2.dtype, device=x2.device)
+        q, kv = qkv[:m].view(b, G, n, d), qkv[m:]
+        # q and k in one RoPE pass: [n, b, G, 2, d] over the buffer's first two thirds
+        norm_rope(t[:, :, :, :2], "qk", None, rope, qkv[:2 * m].view(2, b, G, n, d).permute(
+            3, 1, 2, 0, 4))
+    else:
+        q = torch.empty(b, G * qpg, n, d, dtype=x2.dtype, device=x2.device)
+        kv = torch.empty(2 * m, dtype=x2.dtype, device=x2.device)
+        norm_rope(t[:, :, :, :qpg], "q", head_norm, rope, seq_first_q(q, qpg))
+        norm_rope(t[:, :, :, qpg], "k", head_norm, rope, seq_first(kv[:m].view(b, G, n, d)))
+    k, v = kv[:m].view(b, G, n, d), kv[m:].view(b, G, n, d)
     seq_first(v).copy_(t[:, :, :, qpg + 1])
     return q, k, v, kv
 

@@ -1,7 +1,9 @@
 """Which block attention kernel runs: the registry, its availability probes, the choice at run
 time, and the record of it.
 
-Order, best first (:data:`KERNELS`), and what each needs (:func:`unavailable` says why not):
+The kernels (:data:`KERNELS`, from :mod:`.kernel_rates`, the one home of their names and rates;
+listed in the order the choice falls back to) and what each needs (:func:`unavailable` says why
+not):
 
 ================  ===========================================================================
 ``cudnn``         CUDA, 16-bit, compute capability ≥ 8.0, torch ≥ 2.5 with cuDNN ≥ 9 (torch's
@@ -20,15 +22,20 @@ Each probe only imports and inspects (no download, no kernel launch); the facts 
 process (torch, cuDNN, device capability, the installed packages) are gathered once by
 :func:`platform`, which the tests replace to emulate other machines.
 
-The choice: ``kernel=`` of an op, else ``METP_ATTENTION_KERNEL`` (``auto`` or unset: the best
-available). An unknown or unavailable name is refused (``ValueError`` naming the variable, why
-the kernel is unavailable here and which are). Every distinct choice is logged once per process
+The choice: ``kernel=`` of an op, else ``METP_ATTENTION_KERNEL`` (``auto`` or unset: the fastest
+available by the rates of :mod:`.kernel_rates` for this GPU, head width and dtype, the measured
+file ``METP_KERNEL_RATES`` replacing the published table; the first available in the order where
+an available kernel has no rate; the plain reference only when nothing else runs). An unknown
+or unavailable name is refused (``ValueError`` naming the variable, why the kernel is
+unavailable here and which are). Every distinct choice is logged once per process
 (``megatron_metp`` logger, and printed on global rank 0)::
 
-    [METP] attention kernel: cudnn (auto: best available for cuda bfloat16, head dim 128;
-    order cudnn > flash_attn_3 > flash_attn > torch_flash > reference; not here: ...)
+    [METP] attention kernel: flash_attn_3 (auto: fastest by published rate for cuda bfloat16,
+    head dim 128; order cudnn > flash_attn_3 > ...; flash_attn_3 on H100: 616/561 TFLOP/s
+    fwd/bwd (FlashAttention-3: FlashAttention-3 paper ...))
 
-and recorded: :func:`chosen_kernel` returns it (tools, ``benchmarks/gpu_check.py``, the
+(``auto: best available``, with the kernels that have no rate, where the order decided), and
+recorded: :func:`chosen_kernel` returns it (tools, ``benchmarks/gpu_check.py``, the
 planner's footer). The ops put the kernel's name among the fields the METP agreement check
 compares (:mod:`megatron_metp.runtime.agree`), so ranks that chose differently are refused at
 their first op call, naming the field ``kernel``.
@@ -47,33 +54,19 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from ..runtime import overrides
+from . import kernel_rates as rates
+from .kernel_rates import KERNELS
 
-#: kernel names, best first
-KERNELS = ("cudnn", "flash_attn_3", "flash_attn", "torch_flash", "reference")
-#: the environment variable that overrides the choice (``auto``: the best available)
+#: the environment variable that overrides the choice (``auto``: the fastest by rate)
 ENV = "METP_ATTENTION_KERNEL"
-#: the planner's name of each kernel (``metp plan --kernel``, its rate table: the names the
-#: published figures use); the planner derives its kernel vocabulary from this and :data:`KERNELS`
-PLAN_NAMES = {"cudnn": "cudnn", "flash_attn_3": "fa3", "flash_attn": "fa2",
-              "torch_flash": "torch_flash", "reference": "unfused"}
-
-
-def plan_kernel_names(kernels: Tuple[str, ...] = KERNELS,
-                      names: Optional[Dict[str, str]] = None) -> Tuple[str, ...]:
-    """The planner's names of ``kernels`` in their order (best first); ``ValueError`` naming a
-    kernel without a planner name (add it to :data:`PLAN_NAMES`)."""
-    names = PLAN_NAMES if names is None else names
-    missing = [k for k in kernels if k not in names]
-    if missing:
-        raise ValueError(f"attention kernel(s) {missing} have no planner name: add them to "
-                         f"megatron_metp.ops.kernel_choice.PLAN_NAMES")
-    return tuple(names[k] for k in kernels)
+#: the environment variable naming a measured rates file (``benchmarks/gpu_check.py``'s)
+ENV_RATES = "METP_KERNEL_RATES"
 
 _HALF = (torch.float16, torch.bfloat16)
 log = logging.getLogger("megatron_metp.attention_kernel")
 
 _16 = ("float16", "bfloat16")
-#: what each kernel supports (nothing about speed: rates belong to the planner). ``gqa_native``:
+#: what each kernel supports (nothing about speed: rates are :mod:`.kernel_rates`'). ``gqa_native``:
 #: K/V with ``hkv < hq`` heads go in as they are for every piece (else: full blocks fold the
 #: query heads into rows, causal pieces expand K/V locally); ``masks``: a boolean document mask
 #: is taken (else packed sequences run as full/causal pieces per document).
@@ -96,12 +89,14 @@ SUPPORTS = {
 class Platform:
     """What the probes look at. ``capability``: the current CUDA device's ``(major, minor)``,
     ``None`` where unknown (no CUDA runtime: fake CUDA tensors on a CPU build).
-    ``packages``: ``name → ""`` when usable, else why not (absent: not installed)."""
+    ``packages``: ``name → ""`` when usable, else why not (absent: not installed).
+    ``device_name``: ``torch.cuda.get_device_name()`` (``None`` unknown: no rates apply)."""
 
     torch_version: Tuple[int, int] = (0, 0)
     capability: Optional[Tuple[int, int]] = None
     cudnn_version: Optional[int] = None
     packages: Dict[str, str] = field(default_factory=dict)
+    device_name: Optional[str] = None
 
 
 def _params(fn) -> set:
@@ -143,16 +138,18 @@ def _package(name: str, check) -> Optional[str]:
 def platform() -> Platform:
     """The facts of this process, gathered once."""
     tv = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-    cap = cudnn = None
+    cap = cudnn = name = None
     if torch.cuda.is_available():  # pragma: no cover - GPU only
         cap = tuple(torch.cuda.get_device_capability())
+        name = torch.cuda.get_device_name()
         cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     packages = {}
     for name, check in (("flash_attn_interface", _check_fa3), ("flash_attn", _check_fa2)):
         state = _package(name, check)
         if state is not None:
             packages[name] = state
-    return Platform(torch_version=tv, capability=cap, cudnn_version=cudnn, packages=packages)
+    return Platform(torch_version=tv, capability=cap, cudnn_version=cudnn, packages=packages,
+                    device_name=name)
 
 
 def _gpu_common(pf: Platform, device, dtype, min_cap=(8, 0)) -> Optional[str]:
@@ -258,7 +255,7 @@ def _rank0() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
-def _record(name: str, device, dtype, head_dim, how: str) -> None:
+def _record(name: str, device, dtype, head_dim, how: str, note: str = "") -> None:
     dt = str(dtype).replace("torch.", "")
     _choices[(device.type, dt)] = name
     _last[0] = name
@@ -271,7 +268,7 @@ def _record(name: str, device, dtype, head_dim, how: str) -> None:
     hd = "" if head_dim is None else f", head dim {head_dim}"
     line = (f"[METP] attention kernel: {name} ({how} for {device.type} {dt}{hd}; order "
             f"{' > '.join(KERNELS)}" + (f"; not here: {', '.join(missing)}" if missing else "")
-            + ")")
+            + (f"; {note}" if note else "") + ")")
     log.info(line)
     if _rank0():
         print(line, flush=True)
@@ -280,7 +277,8 @@ def _record(name: str, device, dtype, head_dim, how: str) -> None:
 def select_name(device, dtype: torch.dtype = torch.float32, requested: Optional[str] = None,
                 head_dim: Optional[int] = None) -> str:
     """The kernel name for ``dtype`` tensors on ``device``: ``requested`` (``kernel=``), else
-    ``$METP_ATTENTION_KERNEL``, else the best available; recorded and logged (see module)."""
+    ``$METP_ATTENTION_KERNEL``, else the fastest available by rate (else the first in the
+    order); recorded and logged (see module)."""
     device = torch.device(device)
     how = "kernel= argument"
     if not requested:
@@ -289,8 +287,9 @@ def select_name(device, dtype: torch.dtype = torch.float32, requested: Optional[
     if requested == "auto":
         requested = None
     avail = available_kernels(device, dtype, head_dim)
+    note = ""
     if requested is None:
-        name, how = avail[0], "auto: best available"
+        name, how, note = _by_rate(avail, device, dtype, head_dim)
     elif requested not in KERNELS:
         raise ValueError(f"attention kernel must be one of {KERNELS} or 'auto' (kernel= or "
                          f"{ENV}), got {requested!r}; available here: {avail}")
@@ -301,5 +300,43 @@ def select_name(device, dtype: torch.dtype = torch.float32, requested: Optional[
                          f"available: {avail} (unset {ENV} or set it to auto for the best)")
     else:
         name = requested
-    _record(name, device, dtype, head_dim, how)
+    _record(name, device, dtype, head_dim, how, note)
     return name
+
+
+def _rows(pf: Platform) -> Tuple[Tuple[rates.KernelRate, ...], str]:
+    """The rate rows for this GPU (a ``$METP_KERNEL_RATES`` file's when set: it must be of this
+    GPU) and where they come from."""
+    gpu = rates.gpu_of(pf.device_name)
+    path = overrides.raw(ENV_RATES)
+    if not path:
+        return rates.rows_for(gpu), "published"
+    what = f"{ENV_RATES}={path}"
+    measured = rates.load_measured(path, what)
+    theirs = {r.gpu for r in measured}
+    if gpu is None or theirs != {gpu}:
+        raise ValueError(f"{what}: measured on {sorted(map(str, theirs))}, this GPU is "
+                         f"{pf.device_name or 'unknown'}: measure this GPU "
+                         f"(benchmarks/gpu_check.py --only-rates) or unset {ENV_RATES}")
+    return rates.rows_for(gpu, measured), "measured"
+
+
+def _by_rate(avail: Tuple[str, ...], device, dtype, head_dim) -> Tuple[str, str, str]:
+    """``(name, how, note)`` of ``auto``: the fastest available kernel by the rates for this
+    GPU, head width and dtype (:func:`.kernel_rates.fastest`; the reference kernel only when
+    nothing else runs), else the first available (the order), the note saying why."""
+    if device.type != "cuda":
+        return avail[0], "auto: best available", ""
+    pf = platform()
+    rows, kind = _rows(pf)  # a $METP_KERNEL_RATES file is checked even where one kernel runs
+    fused = tuple(k for k in avail if k != "reference")
+    if len(fused) < 2:
+        return avail[0], "auto: best available", ""
+    dt = str(dtype).replace("torch.", "")
+    best, unrated = rates.fastest(fused, rates.gpu_of(pf.device_name), head_dim, dt, rows)
+    if best is None:
+        on = pf.device_name or "an unknown GPU"
+        return avail[0], "auto: best available", (f"no {kind} rate for {', '.join(unrated)} "
+                                                   f"on {on}: the order decides")
+    return best.kernel, f"auto: fastest by {kind} rate", \
+        f"{best.kernel} on {best.gpu}: {rates.describe(best)}"

@@ -76,6 +76,9 @@ OVERRIDES: Dict[str, Override] = {o.name: o for o in (
     Override("METP_ATTENTION_KERNEL", "text", "auto",
              "the K/V ring's block kernel when no `kernel=` is given: auto or a name of "
              "`ops/kernel_choice.KERNELS`"),
+    Override("METP_KERNEL_RATES", "text", "unset",
+             "a measured rates file (`benchmarks/gpu_check.py`'s `--rates` output, of this GPU) "
+             "replacing the published table `ops/kernel_rates.py` in the `auto` kernel choice"),
     Override("METP_ROPE_RECIPE", "choice", "exact",
              "RoPE angles: METP's exact ones or Megatron's fp32 recipe",
              choices=("exact", "megatron")),

@@ -65,7 +65,7 @@ def _offload_count(raw: str) -> int:
 
 def _kernel_choices() -> List[str]:
     """``--kernel``: ``flash`` / ``unfused`` (the memory model), or a kernel by its planner name
-    or its run-time name, both derived from ``ops/kernel_choice`` (``KERNELS``, ``PLAN_NAMES``:
+    or its run-time name, both from ``ops/kernel_rates`` (``KERNELS``, ``SHORT_NAMES``:
     ``reference`` is ``unfused``)."""
     kernels, aliases = P.rates.KERNELS, P.rates.KERNEL_ALIASES
     return ["flash", "unfused"] + [k for k in kernels if k != "unfused"] + list(aliases)
@@ -147,13 +147,14 @@ def _add_common(ap: argparse.ArgumentParser) -> None:
                         "spec runs them). A flash kernel's name plans flash memory and that "
                         "kernel's published rates; the run-time order is cudnn > flash_attn_3 > "
                         "flash_attn > torch_flash > reference, here cudnn > fa3 > fa2 > "
-                        "torch_flash > unfused (default: the first the hardware preset has "
-                        "rates for: cudnn on H100/H200, fa2 on A100; mode alst: fa2, ALST's)")
+                        "torch_flash > unfused (default: the fastest by the published rates "
+                        "of ops/kernel_rates.py, as the run-time choice: fa3 on H100/H200, fa2 "
+                        "on A100; mode alst: fa2, ALST's)")
     j.add_argument("--rates", default=None, metavar="FILE",
                    help="measured rates (JSON: hardware, kernel, gemm_tflops, "
                         "attention_fwd_tflops, attention_bwd_tflops, pcie_gbs, source, "
-                        "measured_at; benchmarks/gpu_check.py writes it) overriding the "
-                        "published table")
+                        "measured_at, optionally kernels: each measured kernel's rates; "
+                        "benchmarks/gpu_check.py writes it) overriding the published table")
     j.add_argument("--keep-intermediate", action="store_true",
                    help="METP MLP keeps x·W1ᵀ instead of recomputing it in backward")
     j.add_argument("--distributed-optimizer", action="store_true")

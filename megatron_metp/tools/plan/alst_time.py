@@ -32,7 +32,9 @@ ALST_KERNEL = "fa2"
 
 
 def alst_time(model: Model, job: Job) -> Dict:
-    rates = resolve_rates(job.hardware, job.attention_kernel or ALST_KERNEL, job.rates_file)
+    # a --rates file: its kernel unless --kernel names another it measured
+    kernel = job.attention_kernel or (None if job.rates_file else ALST_KERNEL)
+    rates = resolve_rates(job.hardware, kernel, job.rates_file)
     hw = HARDWARE[job.hardware]
     lay = alst_layout(job)
     W, s, h, L = lay.c, model.seq, model.hidden, model.layers

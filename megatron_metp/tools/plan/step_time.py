@@ -41,7 +41,8 @@ from .rates import ATTENTION_BWD_FLOP_RATIO, Rates, resolve_rates
 def job_rates(job: Job) -> Rates:
     """The rates of ``job``: ``--rates FILE``, else ``--kernel NAME``'s published figures, else
     the default kernel's (the memory kernel ``unfused`` plans the unfused rates)."""
-    kernel = job.attention_kernel or ("unfused" if job.kernel == "unfused" else None)
+    kernel = job.attention_kernel or ("unfused" if job.kernel == "unfused" and not job.rates_file
+                                      else None)
     return resolve_rates(job.hardware, kernel, job.rates_file)
 
 

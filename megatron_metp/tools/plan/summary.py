@@ -271,7 +271,7 @@ def report(model: Model, job: Job, modes: Sequence[str] = MODES,
                      f"2.5× the forward's FLOPs), GEMM {rt['gemm_tflops']:,.0f} TFLOP/s, host link "
                      f"{rt['host_gbs']:,.1f} GB/s per GPU"
                      + (f" (measured {rt['measured_at']}: --rates)" if rt["measured_at"] else
-                        " (published figures: tools/plan/rates.py)")
+                        " (published figures: ops/kernel_rates.py, tools/plan/rates.py)")
                      + f"; ring imbalance {c['ring_imbalance']:.3f}; seconds: {comp}")
         if c["host_passes"]:
             tail.append(f"# {mode}: host copies per offloaded layer, pass by pass, at "
