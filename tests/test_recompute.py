@@ -462,3 +462,32 @@ def test_layout_recompute_fields_set_the_config_and_are_validated():
     with pytest.raises(ValueError, match="does not divide"):
         transformer_config(GPTSize(**{**SIZE.__dict__, "num_layers": 3}),
                            Layout(metp=2, recompute="full", recompute_num_layers=2))
+
+
+def test_preflight_refuses_layernorm_recompute_on_gpu_ranks_without_transformer_engine(
+        monkeypatch):
+    """Megatron's output-discarding checkpoint (selective ``layernorm``) needs Transformer
+    Engine on GPU ranks; CPU ranks run it through the shim (megatron/cpu.py (k)); other
+    modules need nothing. (Whether TE is importable is set here, either way.)"""
+    import importlib.util
+
+    from megatron_metp.megatron_lm.preflight import job_problems
+
+    real = importlib.util.find_spec
+    te = {"installed": False}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (
+        (real("torch") if te["installed"] else None) if name == "transformer_engine"
+        else real(name, *a)))
+    argv = ["--metp-parallel-size", "2", "--num-layers", "2", "--hidden-size", "64",
+            "--num-attention-heads", "4", "--seq-length", "64", "--micro-batch-size", "1",
+            "--global-batch-size", "2", "--mock-data", "--recompute-granularity", "selective"]
+    ln = argv + ["--recompute-modules", "core_attn", "layernorm"]
+    needle = "--recompute-modules layernorm needs Transformer Engine on GPU ranks"
+
+    def refused(*a, **kw):
+        return any(needle in p for p in job_problems(*a, **kw))
+
+    assert refused(ln, 2)
+    assert not refused(ln, 2, cpu=True) and not refused(argv, 2)  # core_attn needs no TE
+    te["installed"] = True
+    assert not refused(ln, 2)
