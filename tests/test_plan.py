@@ -449,3 +449,20 @@ def test_a_bash_array_over_several_lines_is_read_whole(tmp_path):
     # negative control: the flag on no line at all
     sh.write_text(sh.read_text().replace("--optimizer-cpu-offload", ""))
     assert "optimizer_offload" not in P.from_config(str(sh))[1]
+
+
+def test_a_config_plans_selective_recompute_as_core_attn_only(tmp_path):
+    """A config's selective recompute (RECOMPUTE_GRANULARITY=selective, or
+    ``--recompute-activations`` in EXTRA_ARGS) plans Megatron's default module, core_attn; any
+    other ``--recompute-modules`` is refused naming the modules, not planned as core_attn."""
+    sh = tmp_path / "job.sh"
+    base = ': "${HIDDEN_SIZE:=256}" "${NUM_LAYERS:=2}" "${METP:=2}"\n'
+    for extra in ("", "EXTRA_ARGS=(--recompute-modules core_attn)\n"):
+        sh.write_text(base + "RECOMPUTE_GRANULARITY=selective\n" + extra)
+        assert P.from_config(str(sh))[1]["recompute"] == "selective", extra
+    sh.write_text(base + "EXTRA_ARGS=(--recompute-activations)\n")
+    assert P.from_config(str(sh))[1]["recompute"] == "selective"
+    sh.write_text(base + "RECOMPUTE_GRANULARITY=selective\n"
+                         "EXTRA_ARGS=(--recompute-modules core_attn layernorm --swiglu)\n")
+    with pytest.raises(ValueError, match="--recompute-modules core_attn layernorm in the config"):
+        P.from_config(str(sh))
