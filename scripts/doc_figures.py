@@ -182,6 +182,29 @@ def fit_hint_total(argv: List[str] = FIT_HINT_ARGV) -> str:
     return f"{P.worst_total(model, job, modes[0]) / P.GiB:,.2f}"
 
 
+#: the job of the selective-recompute table (docs/megatron-lm.md)
+SELECTIVE_ARGV = ["--preset", "llama3-8b", "--seq", "131072", "--metp", "8", "--modes", "metp",
+                  "--hardware", "H100-80GB"]
+
+
+def selective_table() -> str:
+    """Per layer of ``metp plan SELECTIVE_ARGV --recompute none|selective|full``: what a METP
+    layer keeps for backward (MiB), the attention forward run again, and the time per
+    micro-batch (a markdown table)."""
+    from megatron_metp.tools import cli
+
+    rows = ["| `--recompute` | kept per layer | attention forward again | time / micro-batch |",
+            "|---|---|---|---|"]
+    for r in ("none", "selective", "full"):
+        model, job, modes = cli.build_from_argv(SELECTIVE_ARGV + ["--recompute", r])
+        kept = sum(P.activations(model, job, modes[0]).stored_layer.values())
+        cost = P.step_cost(model, job, modes[0])
+        again = cost["components"]["attention_recompute"] * 1e3 / model.layers
+        rows.append(f"| {r} | {kept / P.MiB:,.2f} MiB | {again:.1f} ms | "
+                    f"{cost['step_s']:.2f} s |")
+    return "\n".join(rows) + "\n"
+
+
 def _cfg(name: str, config: str, **kw) -> Figure:
     return Figure(name, f"metp plan --config configs/{config}", lambda: config_total(config, **kw))
 
@@ -267,6 +290,9 @@ FIGURES: Dict[str, Figure] = {f.name: f for f in [
     _cfg("plan-qwen3-30b-a3b-1m-tp4-cp2-ep8-2", "qwen3-30b-a3b-1m-tp4-cp2-ep8.sh", digits=2),
     Figure("qwen3-30b-a3b-8-metp-best", "metp plan --reach --preset qwen3-30b-a3b --gpus 8",
            lambda: seq_of("qwen3-30b-a3b", 8, "metp")),
+    Figure("selective-llama3-8b-128k-metp8",
+           "metp plan " + " ".join(SELECTIVE_ARGV) + " --recompute none|selective|full",
+           selective_table),
     Figure("fit-hint-llama3-8b-1m-metp8", "metp plan " + " ".join(FIT_HINT_ARGV) + " --wide",
            fit_hint_lines),
     Figure("plan-llama3-8b-1m-metp8-total", "metp plan " + " ".join(FIT_HINT_ARGV),

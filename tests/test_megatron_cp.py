@@ -32,9 +32,10 @@ def _worst(out, ref):
 @pytest.mark.parametrize("layout", [
     Layout(metp=2, cp=2), Layout(metp=2, cp=2, vocab_parallel=True),
     Layout(metp=2, cp=2, recompute="full"),
-    Layout(metp=2, cp=2, recompute="full", offload_activations=True), Layout(metp=1, cp=4)],
+    Layout(metp=2, cp=2, recompute="full", offload_activations=True), Layout(metp=1, cp=4),
+    Layout(metp=2, cp=2, recompute="selective", recompute_modules=["core_attn", "layernorm"])],
     ids=["metp2xcp2", "metp2xcp2-vocab", "metp2xcp2-recompute", "metp2xcp2-recompute-offload",
-         "metp1xcp4"])
+         "metp1xcp4", "metp2xcp2-selective"])
 def test_one_step_loss_and_every_gradient_match_single_rank(layout, single_rank):
     out = run_ranks(one_step_grads, 4, GLU, layout)
     loss_err, worst, err = _worst(out, single_rank)

@@ -261,6 +261,46 @@ def test_metp_times_cp_trains_with_the_stock_tp_twins_losses(patched_megatron_lm
     assert "context-parallel (outer) 2 (K/V ring over 4 ranks)" in log
 
 
+def test_selective_recompute_trains_with_the_stock_tp_twins_losses(patched_megatron_lm, saved):
+    """--recompute-granularity selective --recompute-modules core_attn layernorm through
+    pretrain_gpt.py (megatron/selective.py: the METP attention re-forms its output in backward,
+    Megatron re-forms the norm outputs): the losses of METP without recompute (the ``saved``
+    run, the same printed digits) and of its stock-TP twin (within 1e-5) from iteration 1. That
+    the recompute really happens inside the METP layer, exactly, is measured in
+    tests/test_recompute.py (saved bytes, ring steps, norm calls, a negative control)."""
+    _, runs = saved
+    # 3 of the saved runs' 6 iterations: the same cosine schedule (it decays over 6)
+    _, log = _train(patched_megatron_lm, "tiny-cpu-metp2.sh", 3, "--lr-decay-iters", "6",
+                    "--recompute-granularity", "selective", "--recompute-modules", "core_attn",
+                    "layernorm")
+    sel = _iterations(log)
+    assert sorted(sel) == [1, 2, 3]
+    for k in sel:
+        assert sel[k][0] == runs["metp"]["log"][k][0], (k, sel[k], runs["metp"]["log"][k])
+        tp = runs["tp"]["log"][k][0]
+        assert abs(sel[k][0] - tp) <= 1e-5 * abs(tp), (k, sel[k], tp)
+    assert len({sel[k][0] for k in sel}) > 1
+    assert re.search(r"\brecompute_granularity \.+ selective", log)
+    assert "selective recompute in the METP layers: core_attn: the attention core" in log
+    assert "; layernorm: input_layernorm and pre_mlp_layernorm" in log
+
+
+def test_selective_recompute_modules_metp_cannot_run_are_refused_before_any_rank(
+        patched_megatron_lm):
+    """Every other --recompute-modules name of the release is refused by the launcher's
+    preflight, one line each naming the module and the alternative, before any rank starts."""
+    refused = ["mlp", "moe", "moe_act", "shared_experts", "mla_up_proj", "gdn_norm_out"]
+    rc, log = _train(patched_megatron_lm, "tiny-cpu-metp2.sh", 2, "--recompute-granularity",
+                     "selective", "--recompute-modules", "core_attn", *refused, check=False)
+    assert rc != 0 and "no rank was started" in log, log[-3000:]
+    for module in refused:
+        assert f"module {module!r} is refused with METP layers" in log, (module, log[-3000:])
+    assert "'core_attn' is refused" not in log
+    assert "drop mlp, or use --recompute-granularity full" in log
+    assert "use --metp-moe-token-tiles N (N >= 2) instead" in log
+    assert "building GPT model" not in log
+
+
 def test_a_rank_stalled_in_a_barrier_is_named_within_the_timeout(patched_megatron_lm):
     """Megatron-LM's own loop on CPU ranks: rank 1 stops for good in the dataset builder's
     barrier (the test hook METP_TEST_STALL_RANK/AT of megatron_metp.megatron_lm.last_seen).

@@ -168,12 +168,16 @@ def stock():
     (2, 1, "allgather", None, None), (2, 1, "alltoall", "aux", None),
     (4, 1, "alltoall", None, None), (2, 2, "allgather", "aux", None),
     (2, 2, "alltoall", "aux", "full"), (3, 2, "alltoall", "seq_aux", None),
+    (2, 1, "alltoall", "aux", "selective"),
 ], ids=["metp2-allgather", "metp2-alltoall-aux", "metp4-alltoall", "metp2xcp2-allgather-aux",
-        "metp2xcp2-alltoall-aux-recompute", "metp3xcp2-alltoall-seqaux"])
+        "metp2xcp2-alltoall-aux-recompute", "metp3xcp2-alltoall-seqaux",
+        "metp2-alltoall-aux-selective"])
 def test_one_step_matches_single_rank_stock(stock, metp, cp, dispatcher, aux, recompute):
+    # selective: core_attn and layernorm (megatron/selective.py), in the dense and MoE layers
+    sel = {"recompute_modules": ["core_attn", "layernorm"]} if recompute == "selective" else {}
     out = run_ranks(moe_one_step, metp * cp, MOE,
                     _layout(metp, cp, dispatcher=dispatcher, aux=aux, recompute=recompute,
-                            qk=True))
+                            qk=True, **sel))
     ref = stock(aux)
     loss_err, errs = _errors(out, ref)
     worst = max(errs, key=errs.get)

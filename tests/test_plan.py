@@ -61,6 +61,9 @@ SWEEP = [
     ("block-offload", _LONG, P.Job(tp=1, metp=4, recompute="full", recompute_method="block",
                                    recompute_num_layers=2, offload=True), ["metp+vocab"]),
     ("offload-tp2", _LONG, P.Job(tp=2, metp=2, offload=True), ["cp", "metp"]),
+    # Megatron's selective recompute, its default module core_attn (megatron/selective.py): the
+    # METP attention keeps neither its output nor its LSE
+    ("selective-core-attn", _LONG, P.Job(tp=1, metp=4, recompute="selective"), ["metp"]),
 ]
 #: where each vocabulary case's planned peak must lie (so each case checks what it claims to)
 VOCAB_PEAKS = {"vocab-loss-mb2": "output layer + loss", "vocab-loss-bwd-tp2": "output layer + loss",
@@ -105,6 +108,19 @@ def test_stored_activations_match(measured):
             a = P.activations(model, job, mode)
             got = measured[(name, mode)]["stored"]
             assert abs((a.stored + a.persistent) / got - 1) <= TOL, (name, mode, got)
+
+
+def test_selective_plan_leaves_out_what_core_attn_re_forms(measured):
+    """The plan of --recompute selective (METP: core_attn) keeps no attention output or LSE,
+    as the measured run does; planned as kept (no recompute), the stored bytes are off by more
+    than the tolerance (the negative control)."""
+    name, model, job, _ = next(c for c in SWEEP if c[0] == "selective-core-attn")
+    got = measured[(name, "metp")]["stored"]
+    for recompute, close in (("selective", True), ("none", False)):
+        a = P.activations(model, replace(job, recompute=recompute), "metp")
+        assert (abs((a.stored + a.persistent) / got - 1) <= TOL) == close, (recompute, got)
+    kept = P.activations(model, job, "metp").stored_layer
+    assert not any("attention outputs" in k or "log-sum-exp" in k for k in kept), kept
 
 
 #: with the host offload the forward is far from the peak and the plan does not follow what the
@@ -370,7 +386,7 @@ def test_recompute_cases_peak_in_the_layers(measured):
     from megatron_metp.tools.plan.streaming import streaming_applies
 
     for name, model, job, modes in SWEEP:
-        if job.recompute == "none" and not job.offload:
+        if job.recompute != "full" and not job.offload:  # (selective: the loss peaks there)
             continue
         for mode in modes:
             a = P.activations(model, job, mode)
@@ -399,9 +415,10 @@ def test_negative_control_plan_without_the_recompute_shift_is_caught(measured, m
 
 def test_recompute_refusals():
     model = _LONG
-    with pytest.raises(ValueError, match="--recompute selective: the METP and ring layers"):
-        P.validate(model, P.Job(metp=4, recompute="selective"), ["metp"])
+    with pytest.raises(ValueError, match="--recompute selective: planned for stock TP"):
+        P.validate(model, P.Job(metp=4, recompute="selective"), ["ring"])
     P.validate(model, P.Job(metp=1, tp=4, recompute="selective"), ["tp-sp"])
+    P.validate(model, P.Job(metp=4, recompute="selective"), ["metp"])  # core_attn runs
     with pytest.raises(ValueError, match="--recompute-num-layers 3 does not divide"):
         P.validate(model, P.Job(metp=4, recompute="full", recompute_num_layers=3), ["metp"])
     with pytest.raises(ValueError, match="--recompute must be"):
@@ -432,3 +449,20 @@ def test_a_bash_array_over_several_lines_is_read_whole(tmp_path):
     # negative control: the flag on no line at all
     sh.write_text(sh.read_text().replace("--optimizer-cpu-offload", ""))
     assert "optimizer_offload" not in P.from_config(str(sh))[1]
+
+
+def test_a_config_plans_selective_recompute_as_core_attn_only(tmp_path):
+    """A config's selective recompute (RECOMPUTE_GRANULARITY=selective, or
+    ``--recompute-activations`` in EXTRA_ARGS) plans Megatron's default module, core_attn; any
+    other ``--recompute-modules`` is refused naming the modules, not planned as core_attn."""
+    sh = tmp_path / "job.sh"
+    base = ': "${HIDDEN_SIZE:=256}" "${NUM_LAYERS:=2}" "${METP:=2}"\n'
+    for extra in ("", "EXTRA_ARGS=(--recompute-modules core_attn)\n"):
+        sh.write_text(base + "RECOMPUTE_GRANULARITY=selective\n" + extra)
+        assert P.from_config(str(sh))[1]["recompute"] == "selective", extra
+    sh.write_text(base + "EXTRA_ARGS=(--recompute-activations)\n")
+    assert P.from_config(str(sh))[1]["recompute"] == "selective"
+    sh.write_text(base + "RECOMPUTE_GRANULARITY=selective\n"
+                         "EXTRA_ARGS=(--recompute-modules core_attn layernorm --swiglu)\n")
+    with pytest.raises(ValueError, match="--recompute-modules core_attn layernorm in the config"):
+        P.from_config(str(sh))

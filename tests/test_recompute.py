@@ -1,4 +1,5 @@
-"""Megatron's activation recompute with METP: full recompute is exact, the rest is refused.
+"""Megatron's activation recompute with METP: full and selective recompute are exact, the rest
+is refused.
 
 ``recompute_granularity="full"`` makes Megatron's ``TransformerBlock`` wrap layers in
 ``tensor_parallel.checkpoint`` and re-run their forward in backward, and with it the METP rings
@@ -10,7 +11,10 @@ from the same weights several times in one process, without and with recompute (
 recompute re-ran the rings, once per recomputed layer. With hidden dropout the comparison also
 checks that the RNG states (CPU generator and tracker, through ``megatron_metp.megatron.cpu``'s shims) are
 restored for the recompute. Negative controls: a perturbed initial weight, and dropout with the
-RNG restore switched off, are caught by the same comparison. Selective recompute,
+RNG restore switched off, are caught by the same comparison. Selective recompute
+(megatron/selective.py) runs ``core_attn`` and ``layernorm`` in the METP layer, exactly, with the
+recompute observed (the bytes autograd saves, the ring steps, the norm calls; negative control: a
+re-formed attention output 0.1 % off), and refuses the other modules;
 ``--distribute-saved-activations`` and ``--cpu-offloading`` are refused, through the Megatron-LM
 arguments and through the project's own model building.
 """
@@ -21,6 +25,7 @@ import pytest
 import torch
 
 from megatron_metp import megatron_lm
+from megatron_metp.ops import attention as attention_op
 from megatron_metp.megatron.training import (GPTSize, Layout, init_parallel, setup,
                                              transformer_config)
 from tests.gpt_cases import SIZE
@@ -60,23 +65,64 @@ def _variants(rank, world, size, base, variants, steps=STEPS, probe_builds=False
         torch.manual_seed(1234)
         mrandom.model_parallel_cuda_manual_seed(1234)
         state = setup(size, layout, seed=opts.get("seed", 1234))
+        if opts.get("perturb_core_recompute"):
+            _perturb_core_recompute()
         if opts.get("break_rng_restore"):
             # the recompute keeps whatever RNG state it finds (the tracker's is still restored)
             def tracker_only(cpu_state, cuda_state, tracker_states):
                 mrandom.get_cuda_rng_tracker().set_states(tracker_states)
 
             mrandom._set_all_rng_states = tracker_only
+        layers = state["model"].module.decoder.layers
+        norms = _count_norm_calls(layers)
+        saved = [0]
+
+        def pack(t):  # every tensor autograd saves in this run, by its bytes
+            saved[0] += t.numel() * t.element_size()
+            return t
+
         try:
-            recs, grads = train_grabbing(size, layout, steps, state)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                recs, grads = train_grabbing(size, layout, steps, state)
         finally:
             mrandom._set_all_rng_states = restore
-        layers = state["model"].module.decoder.layers
+            attention_op.ring_attention_forward = RING_FORWARD
         out[name] = run_result(recs, grads, ring=state["groups"].metp.stats.snapshot(),
-                               describe=layout.describe(),
+                               describe=layout.describe(), saved_bytes=saved[0],
+                               norm_calls=norms[0],
                                streaming=any(getattr(m, "stream", False) for m in layers))
     if probe_builds:
         out["refused"] = _refused_builds(size)
     return out
+
+
+RING_FORWARD = attention_op.ring_attention_forward
+
+
+def _perturb_core_recompute():
+    """The negative control of selective ``core_attn``: the backward's re-run of the K/V ring
+    forward (the only call without ``kv_packed``) re-forms O 0.1 % too large."""
+    def perturbed(*args, **kwargs):
+        res = RING_FORWARD(*args, **kwargs)
+        if kwargs.get("kv_packed") is None:
+            kwargs["out"].mul_(1.001)
+        return res
+
+    attention_op.ring_attention_forward = perturbed
+
+
+def _count_norm_calls(layers):
+    """A one-element list counting the calls of every layer's ``input_layernorm`` and
+    ``pre_mlp_layernorm`` (forward, and the recompute of selective ``layernorm``)."""
+    count = [0]
+
+    def hook(*_):
+        count[0] += 1
+
+    for layer in layers:
+        for norm in (layer.input_layernorm, layer.pre_mlp_layernorm):
+            norm.register_forward_hook(hook)
+    return count
 
 
 def _refused_builds(size):
@@ -94,6 +140,8 @@ def _refused_builds(size):
                              ("distribute_saved_activations", True)):
             cfg = transformer_config(size, Layout(metp=2))
             setattr(cfg, field, value)
+            if weight_ring and field == "recompute_granularity":  # core_attn runs there
+                cfg.recompute_modules = ["core_attn", "mlp"]
             try:
                 GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_metp_spec(
                     groups, weight_ring=weight_ring), vocab_size=size.vocab_size,
@@ -134,6 +182,14 @@ def _recompute_variants(prefix="", layout=None, **extra_layout):
             for name, kw in RECOMPUTE.items()]
 
 
+#: Megatron's selective recompute (megatron/selective.py): what runs with METP layers
+SELECTIVE = {
+    "sel-core": {"layout": {"recompute": "selective"}},  # Megatron's default: core_attn
+    "sel-ln": {"layout": {"recompute": "selective", "recompute_modules": ["layernorm"]}},
+    "sel-core-ln": {"layout": {"recompute": "selective",
+                               "recompute_modules": ["core_attn", "layernorm"]}},
+}
+
 SWIGLU = GPTSize(**{**SIZE.__dict__, "swiglu": True})
 
 
@@ -150,17 +206,26 @@ def metp2():
         ("dropout-uniform1", {"layout": {**dropout, **RECOMPUTE["uniform1"]}}),
         ("dropout-no-rng-restore", {"layout": {**dropout, **RECOMPUTE["uniform1"]},
                                     "break_rng_restore": True}),
+        *SELECTIVE.items(),
+        ("sel-core-perturbed", {"layout": SELECTIVE["sel-core"]["layout"],
+                                "perturb_core_recompute": True}),
     ]
     return run_ranks(_variants, 2, SWIGLU, Layout(metp=2), variants, timeout=300,
                      probe_builds=True)
 
 
 def test_metp_modules_refuse_selective_and_distributed_when_built(metp2):
+    """Built with a TransformerConfig that bypassed Layout's check: the METP layers refuse
+    selective ``mlp`` (naming the module), the ring baseline every selective module."""
     for res in metp2:
         for (weight_ring, field), msg in res["refused"].items():
-            needle = ("recompute_granularity='selective'" if field == "recompute_granularity"
-                      else "distribute_saved_activations=True (--distribute-saved-activations)")
+            needle = ("distribute_saved_activations=True (--distribute-saved-activations)"
+                      if field != "recompute_granularity" else
+                      "module 'mlp' is refused with METP layers" if weight_ring else
+                      "--metp-disable-weight-ring")
             assert msg is not None and needle in msg, (weight_ring, field, msg)
+            if field == "recompute_granularity" and weight_ring:
+                assert "'core_attn'" not in msg.split("(", 2)[-1], msg  # core_attn runs
 
 
 def test_metp2_full_recompute_is_exact(metp2):
@@ -170,6 +235,32 @@ def test_metp2_full_recompute_is_exact(metp2):
         assert not res["dropout-uniform1"]["streaming"]  # hidden dropout: Megatron's checkpoint
         _assert_rings_rerun(res, "plain", "uniform1", "uniform2", "block1")
         assert "+recompute=full/uniform/1" in res["uniform1"]["describe"]
+
+
+def test_selective_recompute_runs_in_the_metp_layer_and_is_exact(metp2):
+    """``core_attn``: the METP attention keeps neither O nor its LSE (the bytes autograd saves
+    drop by exactly theirs: per call ``s/p·b·A·d`` and ``b·A·s/p``, fp32: every head of the
+    rank's tokens) and its
+    backward re-runs the K/V ring forward (more ring steps); ``layernorm``: every norm runs
+    twice (the forward, the re-formed output in backward), no ring re-run. Gradients, losses and
+    grad norms equal the plain run's (bit-identical on the CPU); the negative control, a
+    re-formed O 0.1 % off, is caught by the same comparison."""
+    _assert_same(metp2, "plain", list(SELECTIVE))
+    n, heads = SWIGLU.seq_length // 2, SWIGLU.num_attention_heads  # METP 2
+    d = SWIGLU.hidden_size // heads
+    calls = STEPS * Layout().global_batch_size * SWIGLU.num_layers  # micro-batches 1, DP 1
+    kept = calls * (n * heads * d * 4 + heads * n * 4)  # O and LSE, fp32, b = 1
+    for res in metp2:
+        plain, core, ln, both = (res[k] for k in ("plain", "sel-core", "sel-ln", "sel-core-ln"))
+        assert plain["saved_bytes"] - core["saved_bytes"] == kept, \
+            (plain["saved_bytes"], core["saved_bytes"], kept)
+        assert core["ring"]["steps"] > plain["ring"]["steps"] == ln["ring"]["steps"]
+        assert both["ring"]["steps"] == core["ring"]["steps"]
+        assert core["norm_calls"] == plain["norm_calls"] > 0
+        assert ln["norm_calls"] == both["norm_calls"] == 2 * plain["norm_calls"]
+        assert "+recompute=selective/core_attn" in core["describe"]
+        loss, norm, (worst, err), identical = differences(plain, res["sel-core-perturbed"])
+        assert not identical and err > 100 * SAME, (worst, err)
 
 
 def test_metp2_vocab_ring_full_recompute_is_exact(metp2):
@@ -244,11 +335,12 @@ def _args(**kw):
 
 
 @pytest.mark.parametrize("kw,needles", [
-    (dict(recompute_granularity="selective"),
-     ["--recompute-granularity selective", "--recompute-activations", "--recompute-modules",
+    (dict(recompute_granularity="selective", recompute_modules=["mlp"]),
+     ["--recompute-granularity selective --recompute-modules mlp", "module 'mlp' is refused",
       "--recompute-granularity full"]),
-    (dict(recompute_activations=True),
-     ["--recompute-activations", "--recompute-granularity full"]),
+    (dict(recompute_activations=True, metp_disable_weight_ring=True),
+     ["--recompute-activations --recompute-modules core_attn", "--metp-disable-weight-ring",
+      "--recompute-granularity full"]),
     (dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"]),
      ["--recompute-modules core_attn mlp", "--recompute-granularity full"]),
     (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
@@ -272,6 +364,13 @@ def test_megatron_lm_args_accept_full_recompute(method):
     args = _args(recompute_granularity="full", recompute_method=method, recompute_num_layers=2)
     megatron_lm.validate_metp_args(args)
     assert args.context_parallel_size == 2
+    # selective: Megatron's default module (core_attn), --recompute-activations, and layernorm
+    for kw in (dict(recompute_granularity="selective"), dict(recompute_activations=True),
+               dict(recompute_granularity="selective",
+                    recompute_modules=["core_attn", "layernorm"])):
+        args = _args(**kw)
+        megatron_lm.validate_metp_args(args)
+        assert args.context_parallel_size == 2, kw
     # METP off: Megatron's own recompute options are not METP's business
     plain = _args(metp_parallel_size=1, recompute_granularity="selective",
                   distribute_saved_activations=True, cpu_offloading=True)
@@ -282,8 +381,9 @@ def test_megatron_lm_args_accept_full_recompute(method):
 
 @pytest.mark.parametrize("mode", ["metp", "ring"])
 @pytest.mark.parametrize("extra,needles", [
-    ({"recompute_granularity": "selective"}, ["recompute_granularity='selective'",
-                                              "recompute_granularity='full'"]),
+    ({"recompute_granularity": "selective", "recompute_modules": ["moe"]},
+     ["recompute_granularity='selective'", "module 'moe' is refused", "--metp-moe-token-tiles",
+      "--recompute-granularity full"]),
     ({"recompute_granularity": "selective", "recompute_modules": ["mlp"]},
      ["recompute_granularity='selective'", "['mlp']"]),
     ({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1,
@@ -312,11 +412,16 @@ def test_modules_refuse_a_config_that_reaches_them():
     ok = transformer_config(SIZE, Layout(metp=2, **RECOMPUTE["block1"]))
     check_config(ok)
     for field, value, needle in (
-            ("recompute_granularity", "selective", "recompute_granularity='selective'"),
+            ("recompute_modules", ["layernorm", "mlp"], "module 'mlp' is refused"),
             ("distribute_saved_activations", True, "--distribute-saved-activations"),
             ("cpu_offloading", True, "--metp-offload-activations")):
         cfg = transformer_config(SIZE, Layout(metp=2))
         setattr(cfg, field, value)
+        if field == "recompute_modules":
+            cfg.recompute_granularity = "selective"
+            cfg.recompute_modules = ["layernorm"]  # runs
+            check_config(cfg)
+            cfg.recompute_modules = value
         for check in (check_config, check_recompute_config):
             with pytest.raises(ValueError, match="--metp-parallel-size does not support") as err:
                 check(cfg)
@@ -330,16 +435,25 @@ def test_layout_recompute_fields_set_the_config_and_are_validated():
         ("full", "block", 2)
     plain = transformer_config(SIZE, Layout(metp=2, extra={"hidden_dropout": 0.25}))
     assert plain.recompute_granularity is None and plain.hidden_dropout == 0.25  # extra works
-    bad = [("recompute", dict(recompute="selective")),
-           ("recompute", dict(recompute="always")),
+    bad = [("recompute", dict(recompute="always")),
            ("recompute_method", dict(recompute="full", recompute_method="blocks")),
            ("recompute_num_layers", dict(recompute="full", recompute_num_layers=0)),
            ("recompute_num_layers", dict(recompute="full", recompute_num_layers="1"))]
     for field, kw in bad:
         with pytest.raises(ValueError, match=f"Layout.{field} must"):
             Layout(metp=2, **kw)
-    with pytest.raises(ValueError, match="selective recompute is refused"):
-        Layout(recompute="selective")
+    sel = transformer_config(SIZE, Layout(metp=2, recompute="selective"))
+    assert (sel.recompute_granularity, sel.recompute_modules) == ("selective", ["core_attn"])
+    for kw, needle in ((dict(recompute_modules=["mlp"]), "module 'mlp' is refused"),
+                       (dict(recompute_modules=["attn"]), "'attn' is not a Megatron-LM"),
+                       (dict(recompute_modules=["layernorm"], offload_activations=True),
+                        "'layernorm' with --metp-offload-activations"),
+                       (dict(mode="ring"), "--metp-disable-weight-ring")):
+        with pytest.raises(ValueError, match="Layout.recompute='selective'") as err:
+            Layout(metp=2, recompute="selective", **kw)
+        assert needle in str(err.value), (kw, str(err.value))
+    with pytest.raises(ValueError, match="needs recompute='selective'"):
+        Layout(metp=2, recompute="full", recompute_modules=["core_attn"])
     # against the layers of a pipeline stage (2 layers, PP 2: one per stage)
     for kw in (dict(recompute_num_layers=3), dict(recompute_num_layers=2, pp=2),
                dict(recompute_num_layers=2, recompute_method="block", pp=2)):
@@ -348,3 +462,32 @@ def test_layout_recompute_fields_set_the_config_and_are_validated():
     with pytest.raises(ValueError, match="does not divide"):
         transformer_config(GPTSize(**{**SIZE.__dict__, "num_layers": 3}),
                            Layout(metp=2, recompute="full", recompute_num_layers=2))
+
+
+def test_preflight_refuses_layernorm_recompute_on_gpu_ranks_without_transformer_engine(
+        monkeypatch):
+    """Megatron's output-discarding checkpoint (selective ``layernorm``) needs Transformer
+    Engine on GPU ranks; CPU ranks run it through the shim (megatron/cpu.py (k)); other
+    modules need nothing. (Whether TE is importable is set here, either way.)"""
+    import importlib.util
+
+    from megatron_metp.megatron_lm.preflight import job_problems
+
+    real = importlib.util.find_spec
+    te = {"installed": False}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (
+        (real("torch") if te["installed"] else None) if name == "transformer_engine"
+        else real(name, *a)))
+    argv = ["--metp-parallel-size", "2", "--num-layers", "2", "--hidden-size", "64",
+            "--num-attention-heads", "4", "--seq-length", "64", "--micro-batch-size", "1",
+            "--global-batch-size", "2", "--mock-data", "--recompute-granularity", "selective"]
+    ln = argv + ["--recompute-modules", "core_attn", "layernorm"]
+    needle = "--recompute-modules layernorm needs Transformer Engine on GPU ranks"
+
+    def refused(*a, **kw):
+        return any(needle in p for p in job_problems(*a, **kw))
+
+    assert refused(ln, 2)
+    assert not refused(ln, 2, cpu=True) and not refused(argv, 2)  # core_attn needs no TE
+    te["installed"] = True
+    assert not refused(ln, 2)

@@ -96,6 +96,11 @@ def build_metp_gpt(config, groups: Optional[METPGroups], settings: METPSettings,
         spec = spec_transform(spec)
     if log is not None and settings.mode != "tp":
         log(f"building GPT model with {settings.describe()}")
+        if getattr(config, "recompute_granularity", None) == "selective":
+            from .selective import RUNS, selective_modules
+
+            log("selective recompute in the METP layers: " + "; ".join(
+                f"{m}: {RUNS.get(m, '?')}" for m in selective_modules(config.recompute_modules)))
     cls, extra = GPTModel, {}
     if settings.vocab_parallel:
         from .vocab import METPGPTModel

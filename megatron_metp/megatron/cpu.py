@@ -41,6 +41,12 @@ What ``enable()`` patches (ids as in ``reference/megatron-core-on-cpu.md``):
 
 (j) Megatron's MoE layer (:mod:`.moe_cpu`): the names its CUDA-only paths assume.
 
+(k) Without Transformer Engine, ``tensor_parallel.random.CheckpointWithoutOutput`` objects get
+    ``fp8 = False`` after their own ``__init__``: megatron-core's (selective recompute of
+    ``layernorm``, ``moe_act``) sets ``self.fp8 = fp8 is not None`` (True for the default
+    ``False``) and then calls Transformer Engine's fp8 state and autocast, names never imported
+    without TE (a ``NameError``); no fp8 runs on the CPU.
+
 (f) is not global: wrap optimizer construction and ``step()`` in :func:`cuda_to_cpu`, a
 ``TorchFunctionMode`` that maps CUDA devices to the CPU, drops ``pin_memory``, makes
 ``Tensor.cuda()`` a no-op and makes a zero-argument ``Tensor.type()`` report ``torch.cuda.*``.
@@ -278,7 +284,7 @@ def is_enabled() -> bool:
 
 
 def enable(force: bool = False) -> None:
-    """Apply shims (b), (c), (d), (e), (g), (h), (i), (j); a second call does nothing.
+    """Apply shims (b), (c), (d), (e), (g), (h), (i), (j), (k); a second call does nothing.
 
     Raises ``RuntimeError`` when ``torch.cuda.is_available()`` unless ``force=True``.
     Any RNG tracker created before the call is dropped, so the next ``get_cuda_rng_tracker()`` or
@@ -321,11 +327,23 @@ def enable(force: bool = False) -> None:
             from .moe_cpu import patch_moe  # (j) Megatron's MoE layer
 
             patch_moe(patch)
+            if not getattr(mrandom, "HAVE_TE", True):  # (k)
+                cls = mrandom.CheckpointWithoutOutput
+                patch(cls, "__init__", _without_fp8(cls.__init__))
         except BaseException:
             _restore()
             raise
         _reset_tracker(mrandom)
         _ENABLED = True
+
+
+def _without_fp8(init):
+    """Shim (k): ``CheckpointWithoutOutput.__init__`` then ``fp8 = False`` (no TE, no fp8)."""
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.fp8 = False
+
+    return __init__
 
 
 def _restore() -> None:

@@ -27,10 +27,13 @@ Activation recompute: Megatron's ``recompute_granularity='full'`` wraps layers i
 exact: the modules and ops keep no state between a forward and its recompute (each call builds
 its own ring buffers and saves only its own inputs/outputs), and every rank recomputes the same
 layers in the same order, so the recomputed rings pair the same messages as the first forward.
-Selective recompute, ``distribute_saved_activations`` and Megatron's ``cpu_offloading`` are
-refused (:func:`recompute_problems`). With ``--metp-keep-attention-output`` the attention's re-run
-takes the attention outputs its first forward kept (:mod:`.keep_attention`) instead of running
-the K/V rings again.
+Selective recompute (``recompute_granularity='selective'``) runs ``core_attn`` (the METP
+attention keeps neither its output nor its LSE and re-runs its K/V ring forward in backward) and
+``layernorm`` (Megatron's own output-discarding checkpoint of the norms) and refuses the other
+modules, each with its reason (:mod:`.selective`); ``distribute_saved_activations`` and
+Megatron's ``cpu_offloading`` are refused (:func:`recompute_problems`). With
+``--metp-keep-attention-output`` the attention's re-run under full recompute takes the attention
+outputs its first forward kept (:mod:`.keep_attention`) instead of running the K/V rings again.
 
 Packed documents: ``packed_seq_params`` may be a :class:`~.packing.METPDocuments` (derived from
 the EOD tokens by :class:`~.packing.DocumentBoundaries`, Megatron-LM's
@@ -91,35 +94,27 @@ def _document_kwargs(packed_seq_params, what: str) -> dict:
     return {"cu_seqlens": packed_seq_params.cu_seqlens, "layout": packed_seq_params.layout}
 
 
-#: what to use instead of Megatron's selective recompute with METP
-FULL_RECOMPUTE_HINT = ("use recompute_granularity='full' (--recompute-granularity full, with "
-                       "--recompute-method uniform|block and --recompute-num-layers) for "
-                       "layer-level recompute instead")
-
-
-def recompute_problems(config) -> list:
+def recompute_problems(config, weight_ring: bool = True) -> list:
     """Megatron recompute / offload settings a METP layer refuses, each naming the field and flag.
 
     ``recompute_granularity='full'`` works (Megatron re-runs whole layers, and with them the METP
-    rings, in backward). Refused: selective recompute (the METP attention and MLP are fused ring
-    ops that already recompute per weight shard: Q/K/V, the MLP intermediate, no s×s scores, so
-    Megatron's ``core_attn``/``mlp``/``layernorm`` checkpoints have nothing left to save),
-    ``distribute_saved_activations`` (splits a checkpointed layer input over TP only; with METP it
-    is already sharded over the ring) and Megatron's ``cpu_offloading``.
+    rings, in backward); ``'selective'`` with the modules :mod:`.selective` runs (``core_attn``,
+    ``layernorm``; with ``weight_ring=False``, the ring baseline, none). Refused: the other
+    selective modules, ``distribute_saved_activations`` (splits a checkpointed layer input over TP
+    only; with METP it is already sharded over the ring) and Megatron's ``cpu_offloading``.
     """
+    from .selective import selective_problems
+
     out = []
 
     def get(name, default=None):
         return getattr(config, name, default)
 
     if get("recompute_granularity") == "selective":
-        modules = get("recompute_modules")
-        out.append(f"recompute_granularity='selective' (--recompute-granularity selective / "
-                   f"--recompute-activations"
-                   f"{f', recompute_modules={modules}' if modules else ''}): "
-                   f"the METP attention and MLP already recompute per weight shard (Q/K/V, the "
-                   f"MLP intermediate; no s×s scores are stored), so selective recompute saves "
-                   f"nothing; {FULL_RECOMPUTE_HINT}")
+        out.extend(f"recompute_granularity='selective', recompute_modules="
+                   f"{get('recompute_modules')} ({problem})"
+                   for problem in selective_problems(get("recompute_modules"),
+                                                     weight_ring=weight_ring))
     if get("distribute_saved_activations"):
         out.append("distribute_saved_activations=True (--distribute-saved-activations): it "
                    "splits a checkpointed layer input over TP only (and needs TP > 1); with METP "
@@ -130,9 +125,9 @@ def recompute_problems(config) -> list:
     return out
 
 
-def check_recompute_config(config) -> None:
+def check_recompute_config(config, weight_ring: bool = True) -> None:
     """Raise ``ValueError`` for the settings :func:`recompute_problems` lists."""
-    problems = recompute_problems(config)
+    problems = recompute_problems(config, weight_ring)
     if problems:
         raise ValueError("--metp-parallel-size does not support: " + "; ".join(problems))
 
@@ -239,7 +234,9 @@ class METPSelfAttention(SelfAttention):
                                               packed_seq_params),
                              qkv_bias=self.linear_qkv.bias, proj_bias=None,
                              label=f"layer {self.layer_number} self_attention",
-                             keep=None if self.keeper is None else self.keeper.op_keep(x))
+                             keep=None if self.keeper is None else self.keeper.op_keep(x),
+                             # Megatron's selective recompute of core_attn (its own flag)
+                             recompute_core=bool(self.checkpoint_core_attention and self.training))
         if tp:
             out = reduce_from_tensor_model_parallel_region(out, group=tp)
         return out, self.linear_proj.bias
@@ -299,11 +296,13 @@ class METPRingCoreAttention(MegatronModule):
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type="self",
                  cp_comm_type=None, softmax_scale=None, pg_collection=None, *,
-                 groups: METPGroups, kernel=None):
+                 groups: METPGroups, kernel=None, ring_baseline: bool = True):
+        # ring_baseline=False: built by METPSelfAttention's constructor and never called (its
+        # forward runs the METP op), so the METP layer's recompute rules apply
         super().__init__(config=config)
         if config.attention_dropout:
             raise ValueError("ring attention has no attention dropout; set --attention-dropout 0")
-        check_recompute_config(config)
+        check_recompute_config(config, weight_ring=not ring_baseline)
         self.groups, self.kernel = groups, kernel
         self.layer_number = layer_number
         self.causal = _mask_is_causal(attn_mask_type)

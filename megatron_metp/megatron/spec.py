@@ -84,7 +84,8 @@ def get_gpt_layer_metp_spec(groups: METPGroups, *, weight_ring: bool = True,
         layer.input_layernorm = norm
         layer.pre_mlp_layernorm = norm
     attn = layer.self_attention
-    core = partial(METPRingCoreAttention, groups=groups, kernel=kernel)
+    core = partial(METPRingCoreAttention, groups=groups, kernel=kernel,
+                   ring_baseline=not weight_ring)
     attn.submodules.core_attention = core
     if not weight_ring:
         return spec

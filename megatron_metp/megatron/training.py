@@ -49,8 +49,9 @@ class GPTSize:
     moe_layer_freq: Union[int, List[int]] = 1
 
 
-#: values of :attr:`Layout.recompute` (Megatron's ``recompute_granularity``; selective is refused)
-RECOMPUTE = (None, "full")
+#: values of :attr:`Layout.recompute` (Megatron's ``recompute_granularity``; selective runs the
+#: modules of :mod:`.selective` with METP layers)
+RECOMPUTE = (None, "full", "selective")
 #: values of :attr:`Layout.recompute_method` (Megatron's ``recompute_method``)
 RECOMPUTE_METHODS = ("uniform", "block")
 
@@ -74,7 +75,9 @@ class Layout:
 
     ``recompute="full"`` sets Megatron's activation recompute (``recompute_granularity``,
     ``recompute_method`` ``"uniform"``/``"block"``, ``recompute_num_layers``) on the
-    TransformerConfig: whole layers, rings included, re-run in backward.
+    TransformerConfig: whole layers, rings included, re-run in backward. ``recompute="selective"``
+    sets Megatron's selective recompute of ``recompute_modules`` (``None``: Megatron's default,
+    ``core_attn``); METP layers run the modules :mod:`.selective` lists and refuse the others.
     ``offload_activations`` attaches :class:`megatron_metp.runtime.offload.ActivationOffloader` to the
     model's transformer block (Megatron-LM: ``--metp-offload-activations [N]``): what the layers keep
     for backward waits in host memory; ``True``: every layer's, an int ``N``: the first ``N``
@@ -114,6 +117,7 @@ class Layout:
     recompute: Optional[str] = None
     recompute_method: str = "uniform"
     recompute_num_layers: int = 1
+    recompute_modules: Optional[List[str]] = None
     offload_activations: Union[bool, int] = False
     keep_attention_output: Union[bool, int] = False
     transformer_impl: str = "local"
@@ -124,11 +128,18 @@ class Layout:
 
     def __post_init__(self):
         if self.recompute not in RECOMPUTE:
-            hint = (" (selective recompute is refused with METP: its attention and MLP already "
-                    "recompute per weight shard; pass recompute='full')"
-                    if self.recompute == "selective" else "")
-            raise ValueError(f"Layout.recompute must be 'full' or None, got "
-                             f"{self.recompute!r}{hint}")
+            raise ValueError(f"Layout.recompute must be 'full', 'selective' or None, got "
+                             f"{self.recompute!r}")
+        if self.recompute_modules is not None and self.recompute != "selective":
+            raise ValueError("Layout.recompute_modules needs recompute='selective'")
+        if self.recompute == "selective" and self.mode != "tp":
+            from .selective import selective_problems
+
+            problems = selective_problems(self.recompute_modules, weight_ring=self.mode == "metp",
+                                          offload=bool(self.offload_activations),
+                                          given="Layout.recompute='selective'")
+            if problems:
+                raise ValueError("; ".join(problems))
         if self.recompute_method not in RECOMPUTE_METHODS:
             raise ValueError(f"Layout.recompute_method must be one of {RECOMPUTE_METHODS}, got "
                              f"{self.recompute_method!r}")
@@ -148,6 +159,11 @@ class Layout:
         :attr:`recompute_num_layers` against the ``num_layers / pp`` layers of a stage."""
         if self.recompute is None:
             return {}
+        if self.recompute == "selective":
+            from .selective import selective_modules
+
+            return {"recompute_granularity": "selective",
+                    "recompute_modules": selective_modules(self.recompute_modules)}
         per_stage = num_layers // self.pp
         n = self.recompute_num_layers
         if n > per_stage:
@@ -212,7 +228,11 @@ class Layout:
         name = {"metp": f"METP={self.metp}", "tp": "stock", "ring": f"ring-SA={self.metp}"}[self.mode]
         if self.vocab_parallel:
             name += "+vocab"
-        if self.recompute:
+        if self.recompute == "selective":
+            from .selective import selective_modules
+
+            name += f"+recompute=selective/{','.join(selective_modules(self.recompute_modules))}"
+        elif self.recompute:
             name += (f"+recompute={self.recompute}/{self.recompute_method}/"
                      f"{self.recompute_num_layers}")
         if self.offload_activations:

@@ -228,7 +228,11 @@ def kernel_problems(args) -> List[str]:
 
 def recompute_problems(args) -> List[str]:
     """Megatron's activation recompute/offload flags METP refuses (``--recompute-granularity
-    full`` works: whole layers, rings included, re-run in backward)."""
+    full`` works: whole layers, rings included, re-run in backward; ``selective`` runs the
+    ``--recompute-modules`` of :mod:`megatron_metp.megatron.selective` and refuses the others,
+    one line per module)."""
+    from ..megatron.selective import selective_problems
+
     out = []
     # validate_metp_args runs before validate_args turns --recompute-activations into
     # recompute_granularity='selective' (and --cpu-offloading-num-layers into --cpu-offloading)
@@ -236,14 +240,10 @@ def recompute_problems(args) -> List[str]:
             getattr(args, "recompute_activations", False):
         given = ("--recompute-activations" if getattr(args, "recompute_activations", False)
                  else "--recompute-granularity selective")
-        modules = getattr(args, "recompute_modules", None)
-        out.append(f"{given}{' --recompute-modules ' + ' '.join(modules) if modules else ''} "
-                   f"(selective recompute, also --recompute-granularity selective / "
-                   f"--recompute-activations with any --recompute-modules: METP's attention and "
-                   f"MLP are fused ring ops that already recompute per weight shard, Q/K/V and "
-                   f"the MLP intermediate, and never store s x s scores, so it would save "
-                   f"nothing; use --recompute-granularity full with --recompute-method "
-                   f"uniform|block and --recompute-num-layers N instead)")
+        out.extend(selective_problems(
+            getattr(args, "recompute_modules", None), given=given,
+            weight_ring=not getattr(args, "metp_disable_weight_ring", False),
+            offload=bool(getattr(args, "metp_offload_activations", False))))
     if getattr(args, "distribute_saved_activations", False):
         out.append("--distribute-saved-activations (it splits the checkpointed layer inputs over "
                    "TP only and needs TP > 1; with METP they are already sharded over the METP "

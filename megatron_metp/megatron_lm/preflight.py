@@ -341,6 +341,26 @@ def _layout_problems(args) -> List[str]:
 
 # ------------------------------------------------------------------------------------ main
 
+def _output_discarding_recompute_problems(args) -> List[str]:
+    """GPU ranks: selective ``layernorm`` recompute without Transformer Engine (megatron-core's
+    ``CheckpointWithoutOutput`` calls TE's fp8 state whatever its ``fp8`` argument and stops at
+    a ``NameError`` without TE; on CPU ranks a shim switches it off: megatron/cpu.py (k))."""
+    import importlib.util
+
+    from ..megatron.selective import selective_modules
+
+    selective = getattr(args, "recompute_granularity", None) == "selective" or \
+        getattr(args, "recompute_activations", False)
+    if not selective or "layernorm" not in selective_modules(
+            getattr(args, "recompute_modules", None)):
+        return []
+    if importlib.util.find_spec("transformer_engine") is not None:
+        return []
+    return ["--recompute-modules layernorm needs Transformer Engine on GPU ranks (Megatron's "
+            "output-discarding checkpoint reads its fp8 state) and it is not installed here: "
+            "install transformer-engine, or drop layernorm"]
+
+
 def job_problems(argv: Sequence[str], world_size: int, cpu: bool = False,
                  notes: Optional[List[str]] = None) -> List[str]:
     """Every problem of the job ``pretrain_gpt.py argv`` on ``world_size`` ranks (``cpu``: on
@@ -357,6 +377,8 @@ def job_problems(argv: Sequence[str], world_size: int, cpu: bool = False,
         from .cpu import cpu_arg_problems
 
         out += [f"on CPU ranks (METP_CPU=1): {p}" for p in cpu_arg_problems(args)]
+    else:
+        out += _output_discarding_recompute_problems(args)
     out += data_problems(args) + tokenizer_problems(args) + checkpoint_problems(args, notes)
     from .launch_checks import release_problems  # flags this checkout's release lacks (YaRN)
 

@@ -49,7 +49,8 @@ Saved for backward: ``x``, every head group's attention output ``O_g`` and its f
 ``Q/K/V`` are recomputed from ``x`` as the weights pass (no rank ever holds whole Q/K/V, whole
 weights, or ``s×s`` scores). Under a full recompute the re-run of a forward may take ``O_g`` and
 its LSE from the first forward instead of running the K/V ring again (``keep``,
-:mod:`.attention_keep`).
+:mod:`.attention_keep`). With ``recompute_core`` (Megatron's selective ``core_attn``) only
+``x``: the backward re-runs each block's K/V ring forward to re-form ``O_g`` and the LSE.
 
 Traffic per rank and call (``W`` = one head group's weight shard, ``KV`` = one K/V block of one head
 group): forward ``(p−1)·W`` received + ``p(p−1)·KV``; backward ``(p−1)·W`` received,
@@ -191,7 +192,7 @@ class _METPAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, wqkv, bqkv, wo, bo, freqs, group: METPGroup, geo: HeadGeometry, causal, layout,
                 scale, kernel, label, kb, grad_dtype, cu, seq: METPGroup, head_norm, qn_w, qn_b,
-                kn_w, kn_b, keep: Optional[AttentionKeep]):
+                kn_w, kn_b, keep: Optional[AttentionKeep], recompute_core=False):
         check_finite(f"{label} (forward)", group, x=x, qkv_weight=wqkv, proj_weight=wo,
                      qkv_bias=bqkv, proj_bias=bo)
         ctx.label = label
@@ -228,8 +229,9 @@ class _METPAttentionFunction(torch.autograd.Function):
                 _, lse = ring_attention_forward(q, k, v, seq, causal, layout, scale, kernel,
                                                 kv_packed=kv, defer_merge=kb > 1,
                                                 out=heads_first(o, H, geo.d), cu_seqlens=cu)
-                outs.append(o)
-                lses.append(lse)
+                if not recompute_core:  # core_attn recompute: neither kept, re-formed in backward
+                    outs.append(o)
+                    lses.append(lse)
                 project_out(o.view(N, -1), WOT)
             if keep is not None:
                 keep.sink(outs, lses)
@@ -238,6 +240,7 @@ class _METPAttentionFunction(torch.autograd.Function):
         ctx.save_for_backward(x, wqkv, bqkv, wo, freqs, *outs, *lses)
         ctx.args = (group, geo, causal, layout, scale, kernel, kb, grad_dtype)
         ctx.cu, ctx.seq, ctx.head_norm = cu, seq, head_norm
+        ctx.recompute_core = recompute_core
         ctx.has = (bqkv is not None, bo is not None, freqs is not None)
         return y.to(x.dtype).view(n, b, h)
 
@@ -251,7 +254,10 @@ class _METPAttentionFunction(torch.autograd.Function):
         x, wqkv, bqkv, wo, freqs = saved[:5]
         p, r = group.size, group.rank
         nb = p // kb
-        outs, lses = saved[5:5 + nb], saved[5 + nb:5 + 2 * nb]
+        if ctx.recompute_core:
+            outs, lses = [None] * nb, [None] * nb
+        else:
+            outs, lses = saved[5:5 + nb], saved[5 + nb:5 + 2 * nb]
         bqkv = bqkv if has_bq else None
         freqs = freqs if has_freqs else None
         n, b, h = x.shape
@@ -276,6 +282,13 @@ class _METPAttentionFunction(torch.autograd.Function):
         for i, (WQ, BQ, WOT) in block_weights(group, wqkv, bqkv, wo, "bwd", kb):
             q, k, v, kv = project_block(x2, WQ, BQ, geo, n, b, kb, (freqs, tables), head_norm,
                                         pre)
+            if ctx.recompute_core:  # the forward's K/V ring again (k, v packed anew: it
+                # consumes its payload), the same kernel in the same order: the same O and LSE
+                o_i = torch.empty(n, b, H * d, dtype=x.dtype, device=x.device)
+                _, lses[i] = ring_attention_forward(q, k, v, ctx.seq, causal, layout, scale,
+                                                    kernel, defer_merge=kb > 1,
+                                                    out=heads_first(o_i, H, d), cu_seqlens=ctx.cu)
+                outs[i] = o_i
             first = post_first_kv_packed(kv, ctx.seq)  # hidden behind the dO / dWo GEMMs
             o2 = outs[i].view(N, -1)
             d_o = torch.mm(gy, WOT.t())
@@ -299,6 +312,8 @@ class _METPAttentionFunction(torch.autograd.Function):
                 heads_first(outs[i], H, d), lses[i], ctx.seq, causal, layout, scale, kernel,
                 first=first, dv_out=dqkv_dv, cu_seqlens=ctx.cu)
             del q, k, v, kv, d_o, first, dv  # dv: written into dqkv already
+            if ctx.recompute_core:
+                outs[i] = lses[i] = None  # one block's re-formed O and LSE alive at a time
             dqkv = made[0]
             # dq, dk: RoPE transposed, through the q/k norm (weight grads summed), into dqkv
             project_block_backward(dq, dk, dqkv.view(n, b, G, qpg + 2, d), geo, (freqs, tables),
@@ -330,7 +345,7 @@ class _METPAttentionFunction(torch.autograd.Function):
         return (dx.to(x.dtype).view(n, b, h), weight_grad(wqkv, dwq), weight_grad(bqkv, dbq),
                 weight_grad(wo, dwot.t()), dbo,
                 None, None, None, None, None, None, None, None, None, None, None, None,
-                None, *head_norm_grads(head_norm, norm_acc), None)
+                None, *head_norm_grads(head_norm, norm_acc), None, None)
 
 
 def prepare_attention(x, qkv_weight, proj_weight, *, group: METPGroup, num_heads: int,
@@ -404,7 +419,8 @@ def metp_attention(x: torch.Tensor, qkv_weight: torch.Tensor, proj_weight: torch
                    k_norm_weight: Optional[torch.Tensor] = None,
                    q_norm_bias: Optional[torch.Tensor] = None,
                    k_norm_bias: Optional[torch.Tensor] = None,
-                   keep: Optional[AttentionKeep] = None) -> torch.Tensor:
+                   keep: Optional[AttentionKeep] = None,
+                   recompute_core: bool = False) -> torch.Tensor:
     """The METP self-attention block (before the residual): ``y = Attn(x)·Woᵀ + bo``.
 
     Args:
@@ -468,6 +484,13 @@ def metp_attention(x: torch.Tensor, qkv_weight: torch.Tensor, proj_weight: torch
             projection, forms ``y`` from the kept ``O`` and saves them for its backward, which
             re-forms Q/K/V from ``x`` as always. Every rank of the sequence ring must pass the
             same kind. ``None`` (default): neither.
+        recompute_core: Megatron's selective recompute of ``core_attn``
+            (:mod:`megatron_metp.megatron.selective`): keep neither the head groups' outputs
+            ``O_g`` nor their log-sum-exps for backward (``[s/p, b, A·d]`` + fp32
+            ``[b, A, s/p]`` less per call: every head of this rank's tokens); the backward
+            re-runs each head-group block's K/V ring forward (same kernel, same order: the same
+            ``O``, LSE and gradients) before that block's attention backward. Not together with
+            ``keep`` (the one keeps what the other re-forms).
 
     Returns: ``y [s/p, b, h]`` (``[s/(p·c), b, h]`` under CP). Weight-shard gradients are
     complete over the tokens of ``group`` (under CP the caller sums them over the ``c`` METP
@@ -497,11 +520,16 @@ def metp_attention(x: torch.Tensor, qkv_weight: torch.Tensor, proj_weight: torch
                            q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight,
                            q_norm_bias=q_norm_bias, k_norm_bias=k_norm_bias,
                            runs_kv_ring=keep is None or keep.runs_ring,
+                           recompute_core=bool(recompute_core),
                            needs_grad=needs_grad(x, qkv_weight, proj_weight, qkv_bias, proj_bias,
                                                  q_norm_weight, k_norm_weight))
+    if keep is not None and recompute_core:
+        raise ValueError(f"{op_label(label)}: keep= (--metp-keep-attention-output) and "
+                         "recompute_core (--recompute-granularity selective, core_attn) do not "
+                         "go together: the one keeps the attention outputs the other re-forms")
     geo = HeadGeometry(num_heads, num_query_groups, d, group.size)
     return _METPAttentionFunction.apply(x, qkv_weight, qkv_bias, proj_weight, proj_bias, freqs,
                                         group, geo, bool(causal), layout, float(scale), kern,
                                         label, kb, grad_reduce_dtype, cu, seq, head_norm,
                                         q_norm_weight, q_norm_bias, k_norm_weight, k_norm_bias,
-                                        keep)
+                                        keep, bool(recompute_core))

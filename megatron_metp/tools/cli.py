@@ -160,7 +160,7 @@ def _add_common(ap: argparse.ArgumentParser) -> None:
     j.add_argument("--distributed-optimizer", action="store_true")
     j.add_argument("--recompute", choices=["none", "selective", "full"], default=None,
                    help="activation recompute, as Megatron's --recompute-granularity (default "
-                        "none; selective: stock layers only)")
+                        "none; selective: core attention, stock TP/TP+SP and METP layers)")
     j.add_argument("--recompute-method", choices=["uniform", "block"], default=None,
                    help="full recompute: chunks of N layers (uniform, default) or the first N "
                         "layers of a stage (block), as Megatron's --recompute-method")

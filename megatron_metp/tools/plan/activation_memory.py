@@ -110,8 +110,10 @@ def _metp_stored(model: Model, job: Job, g: _Geometry, S: Dict[str, float]):
     phases (:mod:`.metp`)."""
     t, n = g.lay.t, g.n
     k = 2 if model.swiglu else 1
-    S["attention outputs, every head group (bf16)"] = BF16 * n * (model.heads * model.head_dim // t)
-    S["attention log-sum-exp (fp32)"] = FP32 * n * (model.heads // t)
+    if job.recompute != "selective":  # selective core_attn: re-formed in backward instead
+        S["attention outputs, every head group (bf16)"] = \
+            BF16 * n * (model.heads * model.head_dim // t)
+        S["attention log-sum-exp (fp32)"] = FP32 * n * (model.heads // t)
     if job.keep_intermediate:
         S["MLP x·W1ᵀ of every shard (keep_intermediate)"] = BF16 * n * k * model.ffn // t
     return metp_phases(model, job, g.lay, n, S)

@@ -171,6 +171,28 @@ def flag_values(argv: List[str], flags: Dict[str, str]) -> Dict[str, int]:
     return out
 
 
+def _selective_modules(extra: List[str], job: Dict) -> None:
+    """A config's ``EXTRA_ARGS`` ``--recompute-activations`` (selective) and
+    ``--recompute-modules``: ``metp plan --recompute selective`` plans Megatron's default module,
+    ``core_attn``; other modules are refused naming them (``megatron/selective.py`` says which
+    run with METP layers)."""
+    if "--recompute-activations" in extra and not job.get("recompute"):
+        job["recompute"] = "selective"
+    if "--recompute-modules" not in extra:
+        return
+    i = len(extra) - 1 - extra[::-1].index("--recompute-modules")
+    mods = []
+    for word in extra[i + 1:]:
+        if word.startswith("--"):
+            break
+        mods.append(word)
+    if job.get("recompute") == "selective" and mods != ["core_attn"]:
+        raise ValueError(f"--recompute-modules {' '.join(mods)} in the config's EXTRA_ARGS: "
+                         f"metp plan plans selective recompute as Megatron's default module, "
+                         f"core_attn, only; plan the job with --recompute-modules core_attn (or "
+                         f"without the flag), or with RECOMPUTE_GRANULARITY=full")
+
+
 def microbatches(global_batch: int, micro_batch: int, dp: int) -> int:
     """Micro-batches per iteration of a config's global batch: ``global / (micro-batch × DP)``
     (Megatron's count); ``ValueError`` naming ``GLOBAL_BATCH_SIZE`` when it does not divide."""
@@ -241,6 +263,7 @@ def _launcher_settings(kv: Dict[str, object], model: Dict[str, object],
     if "--optimizer-cpu-offload" in extra:
         job["optimizer_offload"] = True  # EXTRA_ARGS=(--optimizer-cpu-offload ...)
     job.update(flag_values(extra, _FLAG_KEYS))  # after METP_MLP_TOKEN_TILE, as the launcher
+    _selective_modules(extra, job)
     if "--moe-grouped-gemm" in extra:  # a MoE config's MOE_ARGS / EXTRA_ARGS
         job["moe_grouped_gemm"] = True
     cp = int(kv.get("cp") or 1)

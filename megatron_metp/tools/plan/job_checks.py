@@ -107,12 +107,12 @@ def validate(model: Model, job: Job, modes: Sequence[str] = MODES) -> None:
                                   recompute_num_layers=job.recompute_num_layers)
         check_offload_layers(job.offload_layers, model.layers // job.pp, cfg,
                              what="--offload-activations N")
-    if job.recompute == "selective" and any(canonical(m, job)[0] in ("metp", "ring", "cp")
+    if job.recompute == "selective" and any(canonical(m, job)[0] in ("ring", "cp")
                                             for m in modes):
-        raise ValueError("--recompute selective: the METP and ring layers already recompute "
-                         "per shard and block (Q/K/V, the MLP intermediate, no s×s scores), so "
-                         "Megatron's selective recompute has nothing to do there; use --recompute "
-                         "full, or --modes tp tp-sp")
+        raise ValueError("--recompute selective: planned for stock TP / TP+SP (core attention) "
+                         "and METP (core_attn: the attention output and LSE not kept, the K/V "
+                         "ring forward re-run in backward; megatron/selective.py), not for the "
+                         "ring or CP layers; use --recompute full, or --modes metp tp tp-sp")
     reserve = job.reserve_gib
     device = HARDWARE[job.hardware].memory_gib if job.hardware in HARDWARE else math.inf
     if isinstance(reserve, bool) or not isinstance(reserve, (int, float)) or \

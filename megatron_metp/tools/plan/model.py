@@ -120,7 +120,7 @@ class Job:
     precision: str = "bf16"
     hardware: str = "H100-80GB"
     reserve_gib: float = 2.0
-    recompute: str = "none"        # "none", "selective" (stock layers: core attention), "full"
+    recompute: str = "none"        # "none", "selective" (core attention; METP: core_attn), "full"
     recompute_method: str = "uniform"  # full: "uniform" (chunks of N layers) or "block" (first N)
     recompute_num_layers: int = 1
     offload: bool = False          # --metp-offload-activations: saved tensors to host memory

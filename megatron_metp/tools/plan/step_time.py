@@ -167,8 +167,11 @@ def step_time(model: Model, job: Job, mode: str) -> Dict:
     recomputed = 0
     if job.recompute == "full":
         recomputed = L if job.recompute_method == "uniform" else min(job.recompute_num_layers, L)
+    # selective: stock's core attention, METP's core_attn (its K/V ring forward re-run in
+    # backward, megatron/selective.py); the Q/K/V it needs are re-formed there anyway
     attn_recomputed = recomputed if job.recompute == "full" else (
-        L if job.recompute == "selective" and mode in ("tp", "tp-sp", "cp", "ring") else 0)
+        L if job.recompute == "selective" and mode in ("tp", "tp-sp", "cp", "ring", "metp")
+        else 0)
     fl = layer_flops(model, job, mode)
     gemm_layer = fl["forward"] - fa            # projections + MLP, forward
     gemm = L * (3 * gemm_layer + fl["METP per-shard recompute"])
