@@ -58,10 +58,10 @@ def streaming_passes(model: Model, job: Job, lay, n: int, rates: Rates,
     seconds (forward, backward), split evenly over the head groups. A pass is copy-bound when its
     copies take longer than its compute (the next chunk's copy starts while one computes).
 
-    ``keep_attention``: a layer that keeps ``O`` and its LSE (:mod:`.keep`) has no recompute pass
-    over the query tiles (no attention forward, no ``O`` written again, no q kept): its
-    backward's query-tile pass forms q from the ``x`` it reads anyway (one more q projection)
-    and reads the kept ``O`` instead of a kept q."""
+    ``keep_attention``: a layer that keeps ``O`` and its LSE (:mod:`.keep`; ``ops/layer.py``'s
+    kept path) has no recompute passes (no attention forward, no ``O`` written again, no q or k/v
+    kept, none read back): its backward forms each group's K/V from ``x`` and, in the query-tile
+    pass, q from the ``x`` it reads anyway, reading the kept ``O`` and LSE."""
     p = lay.p
     h, d = model.hidden, model.head_dim
     hq, hk = model.heads * d // lay.t, model.groups * d // lay.t
@@ -72,29 +72,32 @@ def streaming_passes(model: Model, job: Job, lay, n: int, rates: Rates,
     gb = host_link(job.hardware)["gbs"] * 1e9
     mlp = 2 * n * (k * h * F + F * h)
     kq, kkv = BF16 * n * hq, BF16 * n * 2 * hk  # the kept projections (ops/layer_reads.py)
-    q_pass = [("recompute: query tiles, q kept (per head group)", p, x + O / p + kq / p,
-               attn_fwd / p + 2 * n * h * hq / p / g)]
-    q_bwd = ("backward: query tiles, dWq (per head group)", p, x + kq / p + O / p + kq / p,
-             attn_bwd / p + 2 * 2 * n * h * hq / p / g)
-    if keep_attention:
-        q_pass = []
-        q_bwd = ("backward: query tiles, q formed, dWq (kept O, per head group)", p,
-                 x + O / p + kq / p, attn_bwd / p + 3 * 2 * n * h * hq / p / g)
     rows = [
         ("forward: attention (per head group)", p, O / p,
          attn_fwd / p + 2 * n * h * (hq + 2 * hk) / p / g),
         ("forward: rows (Wo, MLP; x to the host)", 1, x + O, (2 * n * hq * h + mlp) / g),
         ("recompute: K/V formation, k/v kept (per head group)", p, x + kkv / p,
          2 * n * h * 2 * hk / p / g),
-        *q_pass,
+        ("recompute: query tiles, q kept (per head group)", p, x + O / p + kq / p,
+         attn_fwd / p + 2 * n * h * hq / p / g),
         ("backward: MLP rows (re-form h1, MLP backward)", 1, x + O,
          (3 * 2 * n * hq * h + 2 * mlp + 2 * n * k * h * F) / g),
         ("backward: kept k/v read back (per head group)", p, kkv / p, 0.0),
-        q_bwd,
+        ("backward: query tiles, dWq (per head group)", p, x + kq / p + O / p + kq / p,
+         attn_bwd / p + 2 * 2 * n * h * hq / p / g),
         ("backward: d(kv), dWk/dWv (per head group)", p, x + kkv / p,
          2 * 2 * n * h * 2 * hk / p / g),
         ("backward: dx (d(qkv)·Wqkv, norm1)", 1, x + dqkv, 2 * n * (hq + 2 * hk) * h / g),
     ]
+    if keep_attention:
+        lse = FP32 * n * model.heads // lay.t
+        kept = [
+            ("backward: K/V formation (kept O, per head group)", p, x,
+             2 * n * h * 2 * hk / p / g),
+            ("backward: query tiles, q formed, dWq (kept O, LSE; per head group)", p,
+             x + O / p + lse / p + kq / p, attn_bwd / p + 3 * 2 * n * h * hq / p / g)]
+        rows = [r for r in rows if r[0].startswith(("forward", "backward: MLP"))] + kept + \
+            [r for r in rows if r[0].startswith(("backward: d(kv)", "backward: dx"))]
     out = []
     for name, count, nbytes, comp in rows:
         copy = nbytes / gb
