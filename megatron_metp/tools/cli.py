@@ -63,6 +63,15 @@ def _offload_count(raw: str) -> int:
     return int(raw)
 
 
+def _keep_count(raw: str) -> int:
+    """``--keep-attention-output N``: a positive layer count per pipeline stage."""
+    if not raw.isdigit() or int(raw) < 1:
+        raise argparse.ArgumentTypeError(f"N must be a positive number of layers per pipeline "
+                                         f"stage, got {raw!r}; or give no N for as many as the "
+                                         f"host and the device hold")
+    return int(raw)
+
+
 def _kernel_choices() -> List[str]:
     """``--kernel``: ``flash`` / ``unfused`` (the memory model), or a kernel by its planner name
     or its run-time name, both derived from ``ops/kernel_choice`` (``KERNELS``, ``PLAN_NAMES``:
@@ -172,6 +181,14 @@ def _add_common(ap: argparse.ArgumentParser) -> None:
                         "[N]); N: only the first N layers of each pipeline stage, the rest kept "
                         "on the device; without N every layer, or as many as the node's host "
                         "memory holds (--host-memory-gib) when it cannot hold them all")
+    j.add_argument("--keep-attention-output", nargs="?", const=-1, default=None,
+                   type=_keep_count, metavar="N",
+                   help="METP, full recompute: the layers keep the attention output O (bf16) and "
+                        "its log-sum-exp (fp32) for the backward instead of running the "
+                        "attention forward again (Megatron-LM: --metp-keep-attention-output [N]); "
+                        "on the host where the layer is offloaded, else on the device. N: the "
+                        "first N layers of each pipeline stage; without N as many as the node's "
+                        "host memory (offloaded layers) and the device (the others) hold")
     j.add_argument("--vocab-parallel", action="store_true", default=None,
                    help="METP only (Megatron-LM's --metp-vocab-parallel): split the word "
                         "embedding and output layer over TP×METP, loss on the vocabulary ring; "
@@ -252,6 +269,8 @@ def build(args) -> tuple:
             job_fields["offload_layers"] = args.offload_activations
         else:  # no N here: every layer (or the split the host holds), whatever --config says
             job_fields.pop("offload_layers", None)
+    if args.keep_attention_output is not None:  # wins over a --config's
+        job_fields["keep_attention_output"] = args.keep_attention_output
     if args.optimizer_cpu_offload:
         job_fields["optimizer_offload"] = True
     if args.no_offload_prefetch:
@@ -322,6 +341,10 @@ def cmd_reach(args) -> int:
         raise ValueError(f"{flag}: --reach searches every layout and option itself (TP, METP, "
                          f"CP, PP, DP, recompute, offload, optimizer CPU offload); drop {flag}, "
                          f"or plan that one layout without --reach")
+    if args.keep_attention_output is not None:
+        raise ValueError("--keep-attention-output: --reach finds the longest sequence, and "
+                         "keeping the attention output only costs memory (it saves time); drop "
+                         "it, or plan one layout with it without --reach")
     if not args.gpus:
         raise ValueError("--reach needs --gpus N (the GPUs of the job)")
     if args.kernel not in (None, "flash") or args.keep_intermediate or args.micro_batch not in \

@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import os
 import shlex
+from dataclasses import replace
 from typing import Dict, List, Optional, Tuple
 
-from .config import read_config
+from .config import KEEP_FLAG, read_config
+from .partial import resolve_keep, resolve_offload
 from .recipe import merge_recipe, recipe_flags
-from .model import Job, Model, canonical, layout
+from .model import KEEP_AUTO, Job, Model, canonical, layout
 
 #: the repository's model files (``configs/models/<name>.sh``)
 MODELS_DIR = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, os.pardir, "configs",
@@ -152,6 +154,12 @@ def job_settings(job: Job, mode: str) -> List[Setting]:
     if job.moe_tile_count is not None and mode == "metp":  # (pretrain_gpt.sh: no variable)
         flags = ["--metp-moe-token-tiles", str(job.moe_tile_count)]
         out.append(("EXTRA_ARGS", " ".join(flags), flags))
+    if job.keep_attention_output is not None and mode == "metp":  # (.keep; no variable)
+        if job.keep_attention_output == KEEP_AUTO:
+            raise ValueError("kept attention without a count: resolve it first "
+                             "(.partial.resolve_keep; launch.settings does)")
+        flags = [KEEP_FLAG, str(job.keep_attention_output)]
+        out.append(("EXTRA_ARGS", " ".join(flags), flags))
     return out
 
 
@@ -177,7 +185,11 @@ def moe_flags(model: Model, job: Job, mode: str) -> List[str]:
 
 def settings(model: Model, job: Job, mode: str) -> List[Setting]:
     """Every setting of the job: :func:`geometry`, then :func:`job_settings`; a MoE model's
-    flags (:func:`moe_flags`) join ``EXTRA_ARGS``."""
+    flags (:func:`moe_flags`) join ``EXTRA_ARGS``. Kept attention without a count is launched
+    with the count the plan chooses (:func:`.partial.resolve_keep`)."""
+    if job.keep_attention_output == KEEP_AUTO:
+        chosen = resolve_keep(model, resolve_offload(model, job, mode), mode)
+        job = replace(job, keep_attention_output=chosen.keep_attention_output)
     out = geometry(model) + job_settings(job, mode)
     moe = moe_flags(model, job, mode)
     if moe:
@@ -187,7 +199,16 @@ def settings(model: Model, job: Job, mode: str) -> List[Setting]:
         extra = [f for name, _, fl in out if name == "EXTRA_ARGS" for f in fl]
         out = [x for x in out if x[0] != "EXTRA_ARGS"]
         out.append(("EXTRA_ARGS", " ".join(moe + extra), moe + extra))
-    return out
+    return _one_extra_args(out)
+
+
+def _one_extra_args(out: List[Setting]) -> List[Setting]:
+    """The settings with every ``EXTRA_ARGS`` entry joined into one (the last place of one)."""
+    extra = [x for x in out if x[0] == "EXTRA_ARGS"]
+    if len(extra) < 2:
+        return out
+    flags = [f for _, _, fl in extra for f in fl]
+    return [x for x in out if x[0] != "EXTRA_ARGS"] + [("EXTRA_ARGS", " ".join(flags), flags)]
 
 
 def megatron_flags(model: Model, job: Job, mode: str) -> List[str]:
