@@ -80,6 +80,12 @@ def test_host_bytes_rise_by_o_and_lse_per_kept_offloaded_layer():
     assert (m16.act.kept_attention_host_layers, m20.act.kept_attention_host_layers) == (16, 16)
     assert m20.act.host == pytest.approx(m16.act.host)
     assert m20.act.stored - m16.act.stored == pytest.approx(4 * KEPT)
+    # the last layer kept on the device: its phases' O stashes and LSEs are the kept ones,
+    # counted once (4 more layers store O + LSE, the peak rises by 3)
+    last = dict(offload_layers=28)
+    assert mem(_keep(32, **last)).act.stored - mem(_keep(28, **last)).act.stored == \
+        pytest.approx(4 * KEPT)
+    assert mem(_keep(32, **last)).total - mem(_keep(28, **last)).total == pytest.approx(3 * KEPT)
     # every offloaded layer kept: the streaming layer's O stash is its kept O (no second one)
     # (a node of 1,900 GiB holds them all)
     big = dict(host_memory_gib=1900)

@@ -203,6 +203,18 @@ def _streaming_phases(model: Model, job: Job, g: _Geometry, off: int):
     return X, host_stash
 
 
+def _kept_last_layer(X: Dict[str, Dict[str, float]]) -> None:
+    """The streaming layer's phases when the last layer keeps its attention output on the
+    device (:mod:`.keep`): its O stashes and log-sum-exps are the kept ones, counted with what
+    the layer stores, so its phases drop them (the attention backward's "groups left": the
+    stored count holds them all until the layer's backward is done)."""
+    for items in X.values():
+        for key in list(items):
+            if key.startswith(("every group's attention output O", "every group's log-sum-exp",
+                               "the O stashes (bf16, not offloaded)")):
+                items[key] = 0.0
+
+
 def _head(model: Model, job: Job, g: _Geometry, off: int, streaming: bool):
     """What the rank keeps outside its layers (RoPE table, final norm, loss) and the host bytes
     of what of it goes to the host: ``(head, host_head)``."""
@@ -336,6 +348,8 @@ def activations(model: Model, job: Job, mode: str, seq: Optional[int] = None,
         X, host_stash = _streaming_phases(model, job, g, off)
         if kept_host and kept_host == off:  # every offloaded layer's O stash is its kept O
             host_stash -= BF16 * g.n * (model.heads * model.head_dim // g.lay.t)
+        if kept_dev and kept_host + kept_dev == g.L:  # the last layer keeps O on the device
+            _kept_last_layer(X)
         shifts = {"forward": 0.0, "mlp": 0.0, "backward": 0.0}
     head, host_head = _head(model, job, g, off, streaming)
     phases: Dict[str, Dict[str, float]] = {}
