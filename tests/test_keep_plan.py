@@ -8,6 +8,7 @@ it; launch lines and written configs carry the count. Negative controls: stock m
 recompute, a bad N."""
 
 import dataclasses
+import os
 import json
 
 import pytest
@@ -198,3 +199,31 @@ def test_keeping_attention_on_alsts_job(tmp_path):
     assert m["cost"]["step_s"] <= 0.5 * 6455 and m["kept_attention_layers"] == 30
     assert m["host_per_node"] <= m["host_capacity_per_node"]
     assert d["alst"]["kept_attention_layers"] == 0
+
+
+def _plan_json(tmp_path, *argv):
+    out = tmp_path / "p.json"
+    assert cli.main(["plan", *argv, "--json", str(out)]) == 0
+    return json.loads(out.read_text())["modes"]
+
+
+def test_done_when_the_4m_config_keeps_attention(tmp_path):
+    """Issue 41's done-when on configs/llama3-8b-4m-metp8.sh at ALST's 3.7M tokens: METP with the
+    config's kept attention (every layer; the first 28 offloaded) <= 0.5 x ALST's measured
+    6,455 s with published rates, and with ALST's kernel (fa2) <= 0.8 x the alst mode's time; the
+    host per node within the node's. Negative control: the same config without the kept
+    attention misses the first bound."""
+    cfg = "configs/llama3-8b-4m-metp8.sh"
+    job = cli.build_from_argv(["--config", cfg])[1]
+    assert (job.keep_attention_output, job.offload_layers) == (32, 28)
+    args = ["--seq", "3700000", "--hardware", "H100-80GB", "--modes", "metp+vocab", "alst"]
+    d = _plan_json(tmp_path, "--config", cfg, *args)
+    m = d["metp+vocab"]
+    assert m["cost"]["step_s"] <= 0.5 * 6455 and m["kept_attention_layers"] == 32
+    assert m["host_per_node"] <= m["host_capacity_per_node"] and m["fits_host"]
+    f = _plan_json(tmp_path, "--config", cfg, *args, "--kernel", "fa2")
+    assert f["metp+vocab"]["cost"]["step_s"] <= 0.8 * f["alst"]["cost"]["step_s"]
+    plain = tmp_path / "plain.sh"
+    plain.write_text(f'source "{os.path.abspath(cfg)}"\nEXTRA_ARGS=()\n')
+    p = _plan_json(tmp_path, "--config", str(plain), *args)["metp+vocab"]
+    assert p["kept_attention_layers"] == 0 and p["cost"]["step_s"] > 0.5 * 6455
