@@ -22,6 +22,7 @@ peak next to the plan (see :mod:`megatron_metp.tools.measure`).
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import sys
 import time
@@ -218,6 +219,15 @@ def _add_common(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--json", help="also write the results as JSON")
 
 
+def _config_name(config: str) -> str:
+    """A ``--config``'s model name: its file name for a config of the repository's
+    ``configs/``, else its absolute path."""
+    path = os.path.abspath(config)
+    repo = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir,
+                                        "configs"))
+    return os.path.basename(path) if os.path.dirname(path) == repo else path
+
+
 def build_model(args) -> tuple:
     """``(Model, job fields from --config)`` from parsed arguments."""
     base = P.PRESETS[args.preset or "gpt-7b"]
@@ -227,8 +237,8 @@ def build_model(args) -> tuple:
         mf, jf = P.from_config(args.config)
         fields.update(mf)
         job_fields.update(jf)
-        if not args.preset:
-            fields["name"] = args.config.rsplit("/", 1)[-1]
+        if not args.preset:  # the config names the model (launch lines find its model file)
+            fields["name"] = _config_name(args.config)
     for flag, key in (("hidden", "hidden"), ("layers", "layers"), ("heads", "heads"),
                       ("query_groups", "query_groups"), ("ffn", "ffn"), ("vocab", "vocab"),
                       ("seq", "seq"), ("swiglu", "swiglu"), ("kv_channels", "kv_channels"),

@@ -292,5 +292,6 @@ def _launcher_settings(kv: Dict[str, object], model: Dict[str, object],
     if tokenizer == "NullTokenizer":
         from ...megatron_lm.releases import for_megatron_core  # +1 eod at core_v0.16.1 only
 
-        model["vocab"] = int(model.get("vocab") or kv.get("vocab_size") or 32000) + \
-            int(for_megatron_core().null_tokenizer_adds_eod)
+        eod = int(for_megatron_core().null_tokenizer_adds_eod)
+        model["vocab"] = int(model.get("vocab") or kv.get("vocab_size") or 32000) + eod
+        model["vocab_eod"] = eod

@@ -21,6 +21,7 @@ differs from the file's is set explicitly before it.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 from dataclasses import replace
 from typing import Dict, List, Optional, Tuple
@@ -49,9 +50,41 @@ LAUNCHER_DEFAULTS = {"NNODES": "1", "GPUS_PER_NODE": "8", "TP": "1", "METP": "1"
 
 
 def model_file(model: Model) -> Optional[str]:
-    """``configs/models/<name>.sh`` of the model's name, when the repository has it."""
+    """``configs/models/<name>.sh`` of the model's name, when the repository has it; for a model
+    read from a ``--config`` (named by the config: its file name in ``configs/``, else its path)
+    the model file that config sources."""
     path = os.path.normpath(os.path.join(MODELS_DIR, f"{model.name}.sh"))
-    return path if os.path.isfile(path) else None
+    if os.path.isfile(path):
+        return path
+    cfg = model.name if os.path.isabs(model.name) else os.path.join(MODELS_DIR, os.pardir,
+                                                                      model.name)
+    if model.name.endswith(".sh") and os.path.isfile(cfg):
+        return _sourced_model_file(os.path.normpath(cfg))
+    return None
+
+
+def _sourced_model_file(config: str, depth: int = 0) -> Optional[str]:
+    """The ``configs/models/*.sh`` of the repository that ``config`` sources (directly, or
+    through a config it sources); ``None`` if none."""
+    base = os.path.dirname(config)
+    with open(config, encoding="utf-8") as fh:
+        lines = fh.read().splitlines()
+    for line in lines:
+        m = re.match(r'^\s*(?:source|\.)\s+(.+?)\s*$', line.split("#", 1)[0])
+        if not m:
+            continue
+        target = m.group(1).strip().strip('"').strip("'")
+        for pat in ('$(dirname "${BASH_SOURCE[0]}")', "$(dirname ${BASH_SOURCE[0]})"):
+            target = target.replace(pat, base)
+        named = re.search(r'models/([A-Za-z0-9_.-]+)\.sh$', target)
+        if named and os.path.isfile(os.path.join(MODELS_DIR, named.group(1) + ".sh")):
+            return os.path.normpath(os.path.join(MODELS_DIR, named.group(1) + ".sh"))
+        target = target if os.path.isabs(target) else os.path.join(base, target)
+        if depth < 4 and target.endswith(".sh") and os.path.isfile(target):
+            found = _sourced_model_file(target, depth + 1)
+            if found:
+                return found
+    return None
 
 
 def _flag(on: bool, *flags: str) -> List[str]:
@@ -78,7 +111,9 @@ def geometry(model: Model) -> List[Setting]:
          _flag(not model.tied, "--untie-embeddings-and-output-weights")),
         ("QK_LAYERNORM", str(int(model.qk_layernorm)), _flag(model.qk_layernorm, "--qk-layernorm")),
         ("ADD_QKV_BIAS", str(int(model.add_qkv_bias)), _flag(model.add_qkv_bias, "--add-qkv-bias")),
-        ("VOCAB_SIZE", str(model.vocab), []),  # the tokenizer's (NullTokenizer: --vocab-size)
+        # the tokenizer's (NullTokenizer: --vocab-size; without the end-of-document token that
+        # Megatron's NullTokenizer adds at core_v0.16.1 and a --config's plan counts)
+        ("VOCAB_SIZE", str(model.vocab - model.vocab_eod), []),
     ]
     if model.moe:  # their flags travel in EXTRA_ARGS (:func:`moe_flags`)
         out += [("NUM_EXPERTS", str(model.experts), []), ("MOE_ROUTER_TOPK", str(model.topk), []),
@@ -244,7 +279,7 @@ def launch_line(model: Model, job: Job, mode: str) -> str:
     nnodes = int(values["NNODES"])
     env = [f"{name}={shlex.quote(value)}" for name, value, _ in every
            if given.get(name) != value and not (name == "NNODES" and nnodes > 1)]
-    config = f"configs/models/{model.name}.sh" if path else \
+    config = f"configs/models/{os.path.basename(path)}" if path else \
         "configs/models/tiny.sh"  # every geometry value is set above
     if nnodes > 1:
         return " ".join(env + [f"CONFIG={config}"]) + \
@@ -264,7 +299,7 @@ def config_text(model: Model, job: Job, mode: str, title: str) -> str:
         lines.append(f': "${{{name}:={value}}}"')
     if model_file(model):
         lines += ["# shellcheck source=/dev/null",
-                  f'source "${{METP_DIR:?}}/configs/models/{model.name}.sh"']
+                  f'source "${{METP_DIR:?}}/configs/models/{os.path.basename(model_file(model))}"']
     for name, value, _ in settings(model, job, mode)[len(geometry(model)):]:
         if name == "EXTRA_ARGS":
             extra = value
