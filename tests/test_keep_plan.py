@@ -96,7 +96,7 @@ def test_host_bytes_rise_by_o_and_lse_per_kept_offloaded_layer():
 
 def test_auto_keeps_the_most_layers_the_host_holds():
     """ALST's job (3.7M on 8 × H100): the 2 TB node holds O + LSE of 30 of 32 layers (1,834 GiB;
-    31 needs 1,862.67 GiB, 32 1,863.1 GiB)."""
+    31 needs 1,862.66 GiB of 1,862.65, 32 1,863.1 GiB)."""
     plan = P.plan(AT_37M, _keep(P.model.KEEP_AUTO), ["metp"])["modes"]["metp"]
     n = plan["kept_attention_layers"]
     host = lambda k: 8 * P.memory(AT_37M, _keep(k, offload_layers=32),  # noqa: E731
@@ -227,3 +227,11 @@ def test_done_when_the_4m_config_keeps_attention(tmp_path):
     plain.write_text(f'source "{os.path.abspath(cfg)}"\nEXTRA_ARGS=()\n')
     p = _plan_json(tmp_path, "--config", str(plain), *args)["metp+vocab"]
     assert p["kept_attention_layers"] == 0 and p["cost"]["step_s"] > 0.5 * 6455
+
+
+def test_measure_refuses_kept_attention_until_it_builds_it(capsys):
+    """No flag accepted and ignored: metp measure names the flag (a config's too)."""
+    assert cli.main(["measure", "--preset", "llama3-8b", "--layers", "2", "--seq", "4096",
+                     "--modes", "metp", "--recompute", "full",
+                     "--keep-attention-output"]) == 2
+    assert "--keep-attention-output: metp measure does not build" in capsys.readouterr().err

@@ -287,11 +287,19 @@ def _launcher_settings(kv: Dict[str, object], model: Dict[str, object],
         int(job.get("cp") or 1) * int(job.get("pp") or 1)
     if "dp" not in job and world % per_replica == 0:
         job["dp"] = world // per_replica
+    eod = null_tokenizer_eod(kv)
+    if eod is not None:
+        model["vocab"] = int(model.get("vocab") or kv.get("vocab_size") or 32000) + eod
+
+
+def null_tokenizer_eod(kv: Dict[str, object]) -> Optional[int]:
+    """The end-of-document token Megatron's ``NullTokenizer`` (mock data, no ``TOKENIZER_TYPE``)
+    adds to a config's ``VOCAB_SIZE``: 1 at core_v0.16.1, 0 at core_v0.19.0 (the installed
+    megatron-core's release); ``None`` for a config with another tokenizer."""
     tokenizer = kv.get("tokenizer_type") or ("HuggingFaceTokenizer" if kv.get("data_path")
                                              else "NullTokenizer")
-    if tokenizer == "NullTokenizer":
-        from ...megatron_lm.releases import for_megatron_core  # +1 eod at core_v0.16.1 only
+    if tokenizer != "NullTokenizer":
+        return None
+    from ...megatron_lm.releases import for_megatron_core  # +1 eod at core_v0.16.1 only
 
-        eod = int(for_megatron_core().null_tokenizer_adds_eod)
-        model["vocab"] = int(model.get("vocab") or kv.get("vocab_size") or 32000) + eod
-        model["vocab_eod"] = eod
+    return int(for_megatron_core().null_tokenizer_adds_eod)

@@ -26,7 +26,7 @@ import shlex
 from dataclasses import replace
 from typing import Dict, List, Optional, Tuple
 
-from .config import KEEP_FLAG, read_config
+from .config import KEEP_FLAG, null_tokenizer_eod, read_config
 from .partial import resolve_keep, resolve_offload
 from .recipe import merge_recipe, recipe_flags
 from .model import KEEP_AUTO, Job, Model, canonical, layout
@@ -56,11 +56,25 @@ def model_file(model: Model) -> Optional[str]:
     path = os.path.normpath(os.path.join(MODELS_DIR, f"{model.name}.sh"))
     if os.path.isfile(path):
         return path
+    cfg = _config_of(model)
+    return _sourced_model_file(cfg) if cfg else None
+
+
+def _config_of(model: Model) -> Optional[str]:
+    """The ``--config`` a model was read from (it names the model: its file name in ``configs/``,
+    else its path); ``None`` for a preset."""
+    if not model.name.endswith(".sh"):
+        return None
     cfg = model.name if os.path.isabs(model.name) else os.path.join(MODELS_DIR, os.pardir,
                                                                       model.name)
-    if model.name.endswith(".sh") and os.path.isfile(cfg):
-        return _sourced_model_file(os.path.normpath(cfg))
-    return None
+    return os.path.normpath(cfg) if os.path.isfile(cfg) else None
+
+
+def _planned_eod(model: Model) -> int:
+    """The end-of-document token a ``--config``'s plan adds to its ``VOCAB_SIZE``
+    (:func:`.config.null_tokenizer_eod`), which a launch line's ``VOCAB_SIZE`` leaves out."""
+    cfg = _config_of(model)
+    return (null_tokenizer_eod(read_config(cfg)) or 0) if cfg else 0
 
 
 def _sourced_model_file(config: str, depth: int = 0) -> Optional[str]:
@@ -113,7 +127,7 @@ def geometry(model: Model) -> List[Setting]:
         ("ADD_QKV_BIAS", str(int(model.add_qkv_bias)), _flag(model.add_qkv_bias, "--add-qkv-bias")),
         # the tokenizer's (NullTokenizer: --vocab-size; without the end-of-document token that
         # Megatron's NullTokenizer adds at core_v0.16.1 and a --config's plan counts)
-        ("VOCAB_SIZE", str(model.vocab - model.vocab_eod), []),
+        ("VOCAB_SIZE", str(model.vocab - _planned_eod(model)), []),
     ]
     if model.moe:  # their flags travel in EXTRA_ARGS (:func:`moe_flags`)
         out += [("NUM_EXPERTS", str(model.experts), []), ("MOE_ROUTER_TOPK", str(model.topk), []),

@@ -57,9 +57,6 @@ class Model:
     # arithmetic keeps LayerNorm without linear biases (see the presets' note below)
     normalization: str = "LayerNorm"   # --normalization LayerNorm | RMSNorm
     bias: bool = False                 # linear biases (Megatron's default; --disable-bias-linear)
-    vocab_eod: int = 0                 # of vocab, the end-of-document token Megatron's
-    #                                    NullTokenizer adds (a --config's plan counts it; a launch
-    #                                    line's VOCAB_SIZE leaves it out: .launch)
 
     @property
     def moe(self) -> bool:
