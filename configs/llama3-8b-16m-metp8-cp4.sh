@@ -5,7 +5,9 @@
 # weight ring and head-group broadcasts stay on NVLink), the K/V ring of each head group runs over
 # all 32 ranks (4 hops of it on InfiniBand). CP=4 is the outer factor: world = TP × METP × CP × PP
 # × DP = 1 × 8 × 4 × 1 × 1. Vocabulary on the ring, full activation recompute, layer inputs
-# offloaded to pinned host memory (132 GiB per rank, 1,058 GiB per node, planned).
+# offloaded to pinned host memory; the first 23 layers also keep their attention output O and its
+# log-sum-exp there (--metp-keep-attention-output 23: their attention forward runs once), as many
+# as the node's 2 TB holds (231 GiB per rank, 1,851 GiB per node, planned).
 # Values here are defaults: anything already set in the environment wins.
 # shellcheck source=/dev/null
 source "$(dirname "${BASH_SOURCE[0]}")/models/llama3-8b.sh"
@@ -16,4 +18,5 @@ source "$(dirname "${BASH_SOURCE[0]}")/models/llama3-8b.sh"
 : "${RECOMPUTE_GRANULARITY:=full}" "${RECOMPUTE_METHOD:=uniform}" "${RECOMPUTE_NUM_LAYERS:=1}"
 : "${METP_OFFLOAD_ACTIVATIONS:=1}"
 : "${MICRO_BATCH_SIZE:=1}" "${GLOBAL_BATCH_SIZE:=8}"
+EXTRA_ARGS=(--metp-keep-attention-output 23 ${EXTRA_ARGS[@]+"${EXTRA_ARGS[@]}"})
 TWIN_CONFIG=llama3-8b-16m-cp32.sh

@@ -8,6 +8,6 @@ source "$(dirname "${BASH_SOURCE[0]}")/models/llama3-8b.sh"
 : "${NNODES:=1}" "${GPUS_PER_NODE:=8}"
 : "${METP:=1}" "${TP:=1}" "${PP:=1}" "${CP:=8}"
 : "${RECOMPUTE_GRANULARITY:=full}" "${RECOMPUTE_METHOD:=uniform}" "${RECOMPUTE_NUM_LAYERS:=1}"
-: "${METP_OFFLOAD_ACTIVATIONS:=1}"
+: "${METP_OFFLOAD_ACTIVATIONS:=1}" "${METP_OFFLOAD_LAYERS:=28}"
 : "${MICRO_BATCH_SIZE:=1}" "${GLOBAL_BATCH_SIZE:=8}"
 TWIN_CONFIG=llama3-8b-4m-metp8.sh

@@ -4,7 +4,9 @@
 # (megatron_metp/megatron/streaming.py): each layer keeps only its input, on pinned host memory,
 # and re-forms one head group and one tile of tokens at a time (auto tiles: 17 query tiles of
 # 46K tokens, 70 row tiles of 11K, K/V sub-blocks of 157K keys). Each rank: 1/8 of every weight, 768K
-# tokens; 207 GiB of pinned host memory per rank, 1,656 GiB per node.
+# tokens. The first 4 layers also keep their attention output O and its log-sum-exp on the host
+# (--metp-keep-attention-output 4: their attention forward runs once), as many as the node's 2 TB
+# holds: 231 GiB of pinned host memory per rank, 1,851 GiB per node (planned).
 # Twin for scripts/compare_tp.sh: llama3-8b-6m-cp8.sh (stock Megatron context parallelism).
 # Values here are defaults: anything already set in the environment wins.
 # shellcheck source=/dev/null
@@ -16,4 +18,5 @@ source "$(dirname "${BASH_SOURCE[0]}")/models/llama3-8b.sh"
 : "${RECOMPUTE_GRANULARITY:=full}" "${RECOMPUTE_METHOD:=uniform}" "${RECOMPUTE_NUM_LAYERS:=1}"
 : "${METP_OFFLOAD_ACTIVATIONS:=1}"
 : "${MICRO_BATCH_SIZE:=1}" "${GLOBAL_BATCH_SIZE:=8}"
+EXTRA_ARGS=(--metp-keep-attention-output 4 ${EXTRA_ARGS[@]+"${EXTRA_ARGS[@]}"})
 TWIN_CONFIG=llama3-8b-6m-cp8.sh

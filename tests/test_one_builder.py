@@ -14,7 +14,9 @@ from megatron_metp.tools import plan as P
 #: (vocabulary ring, full recompute as the streaming layer, host offload, GQA, SwiGLU, RMSNorm,
 #: untied, no biases) with the sizes below
 TWIN_ENV = dict(NUM_LAYERS=1, HIDDEN_SIZE=256, FFN_HIDDEN_SIZE=512, NUM_ATTENTION_HEADS=4,
-                NUM_QUERY_GROUPS=2, VOCAB_SIZE=512, SEQ_LENGTH=2048, METP=2, GPUS_PER_NODE=2)
+                NUM_QUERY_GROUPS=2, VOCAB_SIZE=512, SEQ_LENGTH=2048, METP=2, GPUS_PER_NODE=2,
+                # the config keeps the attention output of its first 4 layers: of the one here
+                EXTRA_ARGS="--metp-keep-attention-output 1")
 TWIN_JOB = P.Job(tp=1, metp=2, vocab_parallel=True, recompute="full", recompute_method="uniform",
                  recompute_num_layers=1, offload=True)
 

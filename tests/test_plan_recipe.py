@@ -121,3 +121,39 @@ def test_config_global_batch_must_divide():
     with pytest.raises(ValueError, match="GLOBAL_BATCH_SIZE=3 in the config"):
         P.microbatches(3, 1, 2)
     assert P.microbatches(8, 2, 2) == 2
+
+
+def _launch(line):
+    """A launch line (``VAR=value ... scripts/pretrain_gpt.sh --config FILE``) run with
+    ``--print-cmd``: ``pretrain_gpt.py``'s flags."""
+    words = shlex.split(line)
+    i = words.index("scripts/pretrain_gpt.sh")
+    env = dict(w.split("=", 1) for w in words[:i])
+    return _print_cmd(words[i + 2], **env)
+
+
+def test_a_config_plans_launch_line_keeps_the_recipe(tmp_path, monkeypatch):
+    """``metp plan --config`` of a MoE job that does not fit: the fit hint's launch line sources
+    the model file the config sources (its norm, RoPE base, biases) and carries its MoE recipe,
+    and its VOCAB_SIZE is the tokenizer's (the plan's end-of-document token not added twice).
+    Negative control: without the model file (the old launch through configs/models/tiny.sh) the
+    recipe and the model's flags are gone."""
+    cfg = tmp_path / "qwen-norecompute.sh"
+    cfg.write_text(f'source "{QWEN_FILE}"\n: "${{SEQ_LENGTH:=1048576}}"\n'
+                   ': "${METP:=4}" "${CP:=2}" "${TP:=1}"\n: "${METP_VOCAB_PARALLEL:=1}"\n'
+                   'EXTRA_ARGS=("${MOE_ARGS[@]}")\n')
+    model, job, modes = cli.build_from_argv(["--config", str(cfg)])
+    hint = P.plan(model, job, modes)["modes"]["metp"]["fit_hint"]
+    assert hint and "full" in hint["flags"]  # it fits with recompute (and more)
+    hand = _print_cmd(cfg)
+    flags = _launch(hint["pretrain_gpt_sh"])
+    recipe = _bash_recipe(QWEN_FILE)
+    assert _missing(recipe, flags) == {}
+    for flag in ("--normalization", "--rotary-base", "--vocab-size", "--disable-bias-linear",
+                 "--qk-layernorm", "--num-query-groups", "--kv-channels"):
+        assert flags.get(flag) == hand.get(flag), flag
+    assert flags["--recompute-granularity"] == ["full"]
+    assert _missing(recipe, _flags(hint["megatron_lm_args"])) == {}
+    monkeypatch.setattr(P.launch, "model_file", lambda m: None)
+    bare = P.launch.launch_line(model, job, "metp")
+    assert "--moe-aux-loss-coeff" not in bare and "configs/models/tiny.sh" in bare

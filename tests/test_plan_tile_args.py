@@ -30,7 +30,7 @@ def _numbers(model, job):
     return res["layer_transient"], res["cost"]["sent"]
 
 
-@pytest.mark.parametrize("base", ["llama3-8b-4m-metp8.sh", "gpt-7b-128k-metp8.sh"],
+@pytest.mark.parametrize("base", ["llama3-8b-6m-metp8.sh", "gpt-7b-128k-metp8.sh"],
                          ids=["streaming-layer", "mlp-op"])
 def test_config_extra_args_tile_is_the_plans_tile(tmp_path, monkeypatch, base):
     unset_env(monkeypatch, *TILE_VARS)

@@ -22,6 +22,7 @@ peak next to the plan (see :mod:`megatron_metp.tools.measure`).
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import sys
 import time
@@ -60,6 +61,15 @@ def _offload_count(raw: str) -> int:
     if not raw.isdigit() or int(raw) < 1:
         raise argparse.ArgumentTypeError(f"N must be a positive number of layers per pipeline "
                                          f"stage, got {raw!r}; or give no N for every layer")
+    return int(raw)
+
+
+def _keep_count(raw: str) -> int:
+    """``--keep-attention-output N``: a positive layer count per pipeline stage."""
+    if not raw.isdigit() or int(raw) < 1:
+        raise argparse.ArgumentTypeError(f"N must be a positive number of layers per pipeline "
+                                         f"stage, got {raw!r}; or give no N for as many as the "
+                                         f"host and the device hold")
     return int(raw)
 
 
@@ -173,6 +183,14 @@ def _add_common(ap: argparse.ArgumentParser) -> None:
                         "[N]); N: only the first N layers of each pipeline stage, the rest kept "
                         "on the device; without N every layer, or as many as the node's host "
                         "memory holds (--host-memory-gib) when it cannot hold them all")
+    j.add_argument("--keep-attention-output", nargs="?", const=-1, default=None,
+                   type=_keep_count, metavar="N",
+                   help="METP, full recompute: the layers keep the attention output O (bf16) and "
+                        "its log-sum-exp (fp32) for the backward instead of running the "
+                        "attention forward again (Megatron-LM: --metp-keep-attention-output [N]); "
+                        "on the host where the layer is offloaded, else on the device. N: the "
+                        "first N layers of each pipeline stage; without N as many as the node's "
+                        "host memory (offloaded layers) and the device (the others) hold")
     j.add_argument("--vocab-parallel", action="store_true", default=None,
                    help="METP only (Megatron-LM's --metp-vocab-parallel): split the word "
                         "embedding and output layer over TP×METP, loss on the vocabulary ring; "
@@ -202,6 +220,15 @@ def _add_common(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--json", help="also write the results as JSON")
 
 
+def _config_name(config: str) -> str:
+    """A ``--config``'s model name: its file name for a config of the repository's
+    ``configs/``, else its absolute path."""
+    path = os.path.abspath(config)
+    repo = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir,
+                                        "configs"))
+    return os.path.basename(path) if os.path.dirname(path) == repo else path
+
+
 def build_model(args) -> tuple:
     """``(Model, job fields from --config)`` from parsed arguments."""
     base = P.PRESETS[args.preset or "gpt-7b"]
@@ -211,8 +238,8 @@ def build_model(args) -> tuple:
         mf, jf = P.from_config(args.config)
         fields.update(mf)
         job_fields.update(jf)
-        if not args.preset:
-            fields["name"] = args.config.rsplit("/", 1)[-1]
+        if not args.preset:  # the config names the model (launch lines find its model file)
+            fields["name"] = _config_name(args.config)
     for flag, key in (("hidden", "hidden"), ("layers", "layers"), ("heads", "heads"),
                       ("query_groups", "query_groups"), ("ffn", "ffn"), ("vocab", "vocab"),
                       ("seq", "seq"), ("swiglu", "swiglu"), ("kv_channels", "kv_channels"),
@@ -253,6 +280,8 @@ def build(args) -> tuple:
             job_fields["offload_layers"] = args.offload_activations
         else:  # no N here: every layer (or the split the host holds), whatever --config says
             job_fields.pop("offload_layers", None)
+    if args.keep_attention_output is not None:  # wins over a --config's
+        job_fields["keep_attention_output"] = args.keep_attention_output
     if args.optimizer_cpu_offload:
         job_fields["optimizer_offload"] = True
     if args.no_offload_prefetch:
@@ -323,6 +352,10 @@ def cmd_reach(args) -> int:
         raise ValueError(f"{flag}: --reach searches every layout and option itself (TP, METP, "
                          f"CP, PP, DP, recompute, offload, optimizer CPU offload); drop {flag}, "
                          f"or plan that one layout without --reach")
+    if args.keep_attention_output is not None:
+        raise ValueError("--keep-attention-output: --reach finds the longest sequence, and "
+                         "keeping the attention output only costs memory (it saves time); drop "
+                         "it, or plan one layout with it without --reach")
     if not args.gpus:
         raise ValueError("--reach needs --gpus N (the GPUs of the job)")
     if args.kernel not in (None, "flash") or args.keep_intermediate or args.micro_batch not in \
@@ -445,6 +478,11 @@ def cmd_measure(args) -> int:
         print(f"measure: --config {args.config} runs mode {args.modes[0]} (--modes "
               f"{' '.join(P.MODES)} measures the others)", file=sys.stderr, flush=True)
     model, job, modes = build(args)
+    if job.keep_attention_output is not None:  # (a config's --metp-keep-attention-output too)
+        raise ValueError("--keep-attention-output: metp measure does not build kept attention "
+                         "yet (the model builder's METPSettings.keep_attention_output comes with "
+                         "the Megatron-LM flag); measure without it (METP_OFFLOAD_LAYERS / "
+                         "EXTRA_ARGS of a copy of the config), or plan it with metp plan")
     t0 = time.perf_counter()
     results = M.measure(model, job, modes, jobs=args.jobs, timeout=args.timeout,
                         cpu_matmul=args.cpu_matmul, measure_layers=args.measure_layers,

@@ -91,9 +91,12 @@ as when the plan was one module:
 ``vocab``                transients of the vocabulary split's ring loss and ring embedding
 ``recompute``            full recompute and host offload: device / host bytes per layer, and
                          what the last layer's phases re-form or bring back
+``keep``                 kept attention (``--keep-attention-output [N]``): the layers that keep
+                         the attention output and its LSE, their bytes, host or device
 ``activation_memory``    ``Activations`` / ``activations()``: stored per layer, head, phases
 ``partial``              ``resolve_offload()``: how many layers to offload when the node's host
-                         memory cannot hold them all (partial offload)
+                         memory cannot hold them all (partial offload); ``resolve_keep()``: how
+                         many layers keep attention (``--keep-attention-output`` without N)
 ``rank_memory``          ``Memory`` / ``memory()``, ``worst_total()``, ``head_memory()``,
                          ``longest_seq()``
 ``traffic``              ``traffic_per_layer()``, ``forward_traffic_per_layer()``,
@@ -167,8 +170,8 @@ from .launch import config_text, launch_line, megatron_flags
 from .recipe import merge_recipe, recipe_flags
 from .figures import COLORS, charts
 from . import (activation_memory, alst, alst_time, config, cost, fastest, figures, fit, flops,
-               hardware,
-               host_link, imbalance, internode, job_checks, launch, metp, model, moe,
+               hardware, host_link, imbalance, internode, job_checks, keep, launch, metp, model,
+               moe,
                optimizer_time, overlap, partial, rates, recipe, search, parameters, rank_memory,
                recompute, ring, stock, summary, traffic, vocab)
 
@@ -197,9 +200,9 @@ _OLD_NAMES = {"_metp_phases": "metp_phases"}
 #: the modules whose names :class:`_Package` rebinds
 _step_time_module = sys.modules[__name__ + ".step_time"]  # (the name is the function's)
 _MODULES = (hardware, model, job_checks, config, moe, parameters, ring, stock, metp, vocab,
-            recompute, activation_memory, partial, rank_memory, traffic, flops, cost, overlap,
-            internode, summary, figures, search, fastest, fit, launch, recipe, rates, host_link,
-            imbalance,
+            recompute, keep, activation_memory, partial, rank_memory, traffic, flops, cost,
+            overlap, internode, summary, figures, search, fastest, fit, launch, recipe, rates,
+            host_link, imbalance,
             alst, alst_time, optimizer_time, _step_time_module)
 _UNSET = object()
 

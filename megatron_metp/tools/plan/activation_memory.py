@@ -11,6 +11,7 @@ from .metp import metp_phases
 from .moe import dispatch_state, moe_layer
 from .streaming import streaming_applies, streaming_phases
 from .model import BF16, FP32, Job, Model, canonical, layout, padded_vocab
+from .keep import kept_bytes, kept_split
 from .recompute import recompute_and_offload
 from .stock import stock_phases
 from .vocab import vocab_embedding_backward, vocab_embedding_forward, vocab_loss_phases
@@ -32,6 +33,8 @@ class Activations:
     korthikanti_layer: Optional[float] = None  # the paper's formula, for stock modes
     host: float = 0.0                  # offloaded to host memory (all layers, all in flight)
     offloaded_layers: int = 0          # layers per stage offloaded (--offload-activations [N])
+    kept_attention_layers: int = 0     # layers per stage keeping O + LSE (--keep-attention-output)
+    kept_attention_host_layers: int = 0  # of those, the offloaded ones (O + LSE on the host)
 
     @property
     def stored_per_layer(self) -> float:
@@ -207,6 +210,18 @@ def _streaming_phases(model: Model, job: Job, g: _Geometry, off: int):
     return X, host_stash
 
 
+def _kept_last_layer(X: Dict[str, Dict[str, float]]) -> None:
+    """The streaming layer's phases when the last layer keeps its attention output on the
+    device (:mod:`.keep`): its O stashes and log-sum-exps are the kept ones, counted with what
+    the layer stores, so its phases drop them (the attention backward's "groups left": the
+    stored count holds them all until the layer's backward is done)."""
+    for items in X.values():
+        for key in list(items):
+            if key.startswith(("every group's attention output O", "every group's log-sum-exp",
+                               "the O stashes (bf16, not offloaded)")):
+                items[key] = 0.0
+
+
 def _head(model: Model, job: Job, g: _Geometry, off: int, streaming: bool):
     """What the rank keeps outside its layers (RoPE table, final norm, loss) and the host bytes
     of what of it goes to the host: ``(head, host_head)``."""
@@ -328,9 +343,20 @@ def activations(model: Model, job: Job, mode: str, seq: Optional[int] = None,
                                                   frees_output=mode == "metp")
     if model.moe:  # stock Megatron's dispatcher keeps its last call's routing (.moe)
         S.update(dispatch_state(model, job, g.lay, stage, nl))
+    # kept attention (.keep): O + LSE of the first kept layers on the host (the offloaded ones),
+    # of the rest on the device
+    kept_host, kept_dev = kept_split(job, mode, g.L, off)
+    kept = kept_bytes(model, job, mode, g.s) if kept_host + kept_dev else 0.0
+    if kept_dev:
+        S[f"kept attention O + LSE, {kept_dev} of {g.L} layers (bf16 + fp32)"] = \
+            kept_dev * kept / g.L
     host_stash = 0.0
     if streaming:
         X, host_stash = _streaming_phases(model, job, g, off)
+        if kept_host and kept_host == off:  # every offloaded layer's O stash is its kept O
+            host_stash -= BF16 * g.n * (model.heads * model.head_dim // g.lay.t)
+        if kept_dev and kept_host + kept_dev == g.L:  # the last layer keeps O on the device
+            _kept_last_layer(X)
         shifts = {"forward": 0.0, "mlp": 0.0, "backward": 0.0}
     head, host_head = _head(model, job, g, off, streaming)
     phases: Dict[str, Dict[str, float]] = {}
@@ -343,10 +369,12 @@ def activations(model: Model, job: Job, mode: str, seq: Optional[int] = None,
     inflight = job.inflight if g.first else 1
     # the streaming layer's stashes live in one layer's forward or backward: the final norm's
     # input (the head's host copy) is back on the device before the first layer backward
-    host = inflight * g.L * host_layer + max(inflight * host_head, host_stash)
+    host = inflight * (g.L * host_layer + kept_host * kept) + \
+        max(inflight * host_head, host_stash)
     return Activations(stored_layer=S, head=head, phases=phases, persistent=persistent,
                        layers=g.L, inflight=inflight, korthikanti_layer=kor, host=host,
-                       offloaded_layers=off)
+                       offloaded_layers=off, kept_attention_layers=kept_host + kept_dev,
+                       kept_attention_host_layers=kept_host)
 
 
 def _output_layer_phases(model: Model, g: _Geometry) -> Dict[str, Dict[str, float]]:

@@ -73,4 +73,4 @@ def alst_time(model: Model, job: Job) -> Dict:
             "ring_imbalance": 1.0, "ring_imbalance_forward": 1.0,
             "ring_imbalance_backward": 1.0, "query_tiles": 1, "kv_blocks": 1,
             "empty_ring_steps": 0,
-            "host_passes": []}
+            "host_passes": [], "host_passes_kept": [], "kept_attention_layers": 0}

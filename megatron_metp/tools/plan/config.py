@@ -193,6 +193,35 @@ def _selective_modules(extra: List[str], job: Dict) -> None:
                          f"without the flag), or with RECOMPUTE_GRANULARITY=full")
 
 
+#: Megatron-LM's kept-attention flag (``--metp-keep-attention-output [N]``)
+KEEP_FLAG = "--metp-keep-attention-output"
+
+
+def keep_flag(argv: List[str], layers: int) -> Optional[int]:
+    """``Job.keep_attention_output`` of ``--metp-keep-attention-output [N]`` in ``argv`` (a
+    config's ``EXTRA_ARGS`` split; the last occurrence wins): ``N``, or ``layers`` (every layer)
+    for the bare flag; ``None`` without it. ``ValueError`` naming the flag for an ``N`` that is
+    not a positive integer (a word that is not a flag after it is its value, as argparse reads
+    ``nargs="?"``; a bash expansion such as ``${EXTRA_ARGS[@]...}`` after it is not)."""
+    out: Optional[int] = None
+    for i, word in enumerate(argv):
+        name, eq, value = word.partition("=")
+        if name != KEEP_FLAG:
+            continue
+        if not eq:
+            nxt = argv[i + 1] if i + 1 < len(argv) else ""
+            value = "" if nxt.startswith("--") or nxt.startswith("$") else nxt
+        if value == "":
+            out = layers
+            continue
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"{KEEP_FLAG} {value!r} in the config's EXTRA_ARGS: N is a "
+                             f"positive number of layers per pipeline stage (e.g. {KEEP_FLAG} "
+                             f"30), or no N for every layer")
+        out = int(value)
+    return out
+
+
 def microbatches(global_batch: int, micro_batch: int, dp: int) -> int:
     """Micro-batches per iteration of a config's global batch: ``global / (micro-batch × DP)``
     (Megatron's count); ``ValueError`` naming ``GLOBAL_BATCH_SIZE`` when it does not divide."""
@@ -213,7 +242,8 @@ def _launcher_settings(kv: Dict[str, object], model: Dict[str, object],
     ``METP_OFFLOAD_LAYERS``, the attention kernel
     (``TRANSFORMER_IMPL=local`` stock layers run Megatron's unfused ``DotProductAttention``;
     METP layers the flash block kernel unless ``METP_ATTENTION_KERNEL=reference``),
-    ``METP_KEEP_INTERMEDIATE``, ``--optimizer-cpu-offload`` in ``EXTRA_ARGS``, a stock ``CP``
+    ``METP_KEEP_INTERMEDIATE``, ``--optimizer-cpu-offload`` and ``--metp-keep-attention-output
+    [N]`` (:func:`keep_flag`) in ``EXTRA_ARGS``, a stock ``CP``
     as the ring size (plan it with ``--modes ring``),
     data parallelism from ``NNODES × GPUS_PER_NODE`` (default 1 × 8),
     ``GLOBAL_BATCH_SIZE`` (default 8: the iteration's micro-batches, :func:`microbatches`),
@@ -264,6 +294,9 @@ def _launcher_settings(kv: Dict[str, object], model: Dict[str, object],
         job["optimizer_offload"] = True  # EXTRA_ARGS=(--optimizer-cpu-offload ...)
     job.update(flag_values(extra, _FLAG_KEYS))  # after METP_MLP_TOKEN_TILE, as the launcher
     _selective_modules(extra, job)
+    keep = keep_flag(extra, int(model.get("layers") or 0))
+    if keep is not None:  # --metp-keep-attention-output [N] in EXTRA_ARGS / MOE_ARGS
+        job["keep_attention_output"] = keep
     if "--moe-grouped-gemm" in extra:  # a MoE config's MOE_ARGS / EXTRA_ARGS
         job["moe_grouped_gemm"] = True
     cp = int(kv.get("cp") or 1)
@@ -277,10 +310,19 @@ def _launcher_settings(kv: Dict[str, object], model: Dict[str, object],
         int(job.get("cp") or 1) * int(job.get("pp") or 1)
     if "dp" not in job and world % per_replica == 0:
         job["dp"] = world // per_replica
+    eod = null_tokenizer_eod(kv)
+    if eod is not None:
+        model["vocab"] = int(model.get("vocab") or kv.get("vocab_size") or 32000) + eod
+
+
+def null_tokenizer_eod(kv: Dict[str, object]) -> Optional[int]:
+    """The end-of-document token Megatron's ``NullTokenizer`` (mock data, no ``TOKENIZER_TYPE``)
+    adds to a config's ``VOCAB_SIZE``: 1 at core_v0.16.1, 0 at core_v0.19.0 (the installed
+    megatron-core's release); ``None`` for a config with another tokenizer."""
     tokenizer = kv.get("tokenizer_type") or ("HuggingFaceTokenizer" if kv.get("data_path")
                                              else "NullTokenizer")
-    if tokenizer == "NullTokenizer":
-        from ...megatron_lm.releases import for_megatron_core  # +1 eod at core_v0.16.1 only
+    if tokenizer != "NullTokenizer":
+        return None
+    from ...megatron_lm.releases import for_megatron_core  # +1 eod at core_v0.16.1 only
 
-        model["vocab"] = int(model.get("vocab") or kv.get("vocab_size") or 32000) + \
-            int(for_megatron_core().null_tokenizer_adds_eod)
+    return int(for_megatron_core().null_tokenizer_adds_eod)

@@ -9,7 +9,8 @@ the layer's linear weights ``h·(q+2kv) + q·h + k·h·F + F·h``, ``q = a·d``)
   METP re-forms each shard's Q/K/V and MLP intermediate in its
   backward (``2·n·(h·(q+2kv) + k·h·F)/t`` more; ``--keep-intermediate`` drops ``k·h·F``);
 * full recompute: one more forward of every recomputed layer (rings included: the forward share
-  of the layer's traffic is sent again).
+  of the layer's traffic is sent again), without the attention core in a layer that keeps its
+  attention output (:mod:`.keep`).
 
 Time (estimates, labelled so): :mod:`.step_time`, by component, from published kernel rates
 (:mod:`.rates`), the ring's imbalance from the op's tile plan and the host link's documented
@@ -69,17 +70,23 @@ def step_cost(model: Model, job: Job, mode: str) -> Dict:
         # the streaming layer re-runs the attention (projections and core) but not the MLP's
         # forward (its backward pass re-forms each shard's intermediate, as always)
         extra = recomputed * f["attention forward"]
+    act = memory(model, job, mode).act
+    kept = act.kept_attention_layers  # no attention core in their re-forward (.keep)
+    extra -= kept * 2 * (model.seq * job.micro_batch // lay.c) * model.seq * model.heads * \
+        model.head_dim / lay.t
     sent = L * sum(traffic_per_layer(model, job, mode).values())
     sent_extra = recomputed * forward_traffic_per_layer(model, job, mode)
     sent_vocab = sum(vocab_traffic(model, job, mode).values())
-    act = memory(model, job, mode).act
     host = act.host
     moved = 2 * host
-    if streaming and act.offloaded_layers:  # they read their host copies tile by tile
-        moved = act.offloaded_layers * streaming_host_bytes(
-            model, j_, lay, model.seq * job.micro_batch // lay.c) + 2 * sum(
-            v for k, v in act.head.items() if "final norm" in k and "output" in k)
     t = step_time(model, job, mode)
+    if streaming and act.offloaded_layers:  # they read their host copies tile by tile
+        plain = act.offloaded_layers - act.kept_attention_host_layers
+        moved = plain * streaming_host_bytes(
+            model, j_, lay, model.seq * job.micro_batch // lay.c) + \
+            act.kept_attention_host_layers * sum(
+                x["count"] * x["bytes"] for x in t["host_passes_kept"]) + 2 * sum(
+            v for k, v in act.head.items() if "final norm" in k and "output" in k)
     c = t["components"]
     compute_s = sum(v for k, v in c.items() if not k.endswith("_exposed") and k != "optimizer")
     return dict(t, **{

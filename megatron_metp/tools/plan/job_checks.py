@@ -8,7 +8,8 @@ import math
 from typing import Sequence
 
 from .hardware import HARDWARE
-from .model import GiB, MODES, PEER_MODES, VOCAB_MODES, Job, Model, canonical, layout
+from .model import (GiB, KEEP_AUTO, MODES, PEER_MODES, VOCAB_MODES, Job, Model, canonical,
+                    layout)
 from .moe import check as check_moe
 
 
@@ -107,6 +108,7 @@ def validate(model: Model, job: Job, modes: Sequence[str] = MODES) -> None:
                                   recompute_num_layers=job.recompute_num_layers)
         check_offload_layers(job.offload_layers, model.layers // job.pp, cfg,
                              what="--offload-activations N")
+    _check_keep(job, modes)
     if job.recompute == "selective" and any(canonical(m, job)[0] in ("ring", "cp")
                                             for m in modes):
         raise ValueError("--recompute selective: planned for stock TP / TP+SP (core attention) "
@@ -177,3 +179,23 @@ def validate(model: Model, job: Job, modes: Sequence[str] = MODES) -> None:
             from .settings import settings_for
 
             settings_for(mode, job)
+
+
+def _check_keep(job: Job, modes: Sequence[str]) -> None:
+    """``--keep-attention-output [N]`` (:mod:`.keep`): N a positive layer count (or
+    :data:`.model.KEEP_AUTO`), under full recompute, with a METP mode to apply it to."""
+    n = job.keep_attention_output
+    if n is None:
+        return
+    if isinstance(n, bool) or not isinstance(n, int) or (n < 0 and n != KEEP_AUTO):
+        raise ValueError(f"--keep-attention-output {n!r}: N is a positive number of layers per "
+                         f"pipeline stage, or no N for as many as the host and the device hold")
+    if job.recompute != "full":
+        raise ValueError(f"--keep-attention-output with --recompute {job.recompute}: it keeps "
+                         f"the attention output that full recompute would compute again; add "
+                         f"--recompute full (RECOMPUTE_GRANULARITY=full), or drop it")
+    if not any(canonical(m, job)[0] == "metp" for m in modes):
+        raise ValueError(f"--keep-attention-output: METP layers only, and --modes "
+                         f"{' '.join(modes)} has none (stock layers: --recompute selective "
+                         f"recomputes the attention core only); add metp or metp+vocab to "
+                         f"--modes, or drop it")

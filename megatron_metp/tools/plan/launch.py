@@ -21,12 +21,15 @@ differs from the file's is set explicitly before it.
 from __future__ import annotations
 
 import os
+import re
 import shlex
+from dataclasses import replace
 from typing import Dict, List, Optional, Tuple
 
-from .config import read_config
+from .config import KEEP_FLAG, null_tokenizer_eod, read_config
+from .partial import resolve_keep, resolve_offload
 from .recipe import merge_recipe, recipe_flags
-from .model import Job, Model, canonical, layout
+from .model import KEEP_AUTO, Job, Model, canonical, layout
 
 #: the repository's model files (``configs/models/<name>.sh``)
 MODELS_DIR = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, os.pardir, "configs",
@@ -47,9 +50,55 @@ LAUNCHER_DEFAULTS = {"NNODES": "1", "GPUS_PER_NODE": "8", "TP": "1", "METP": "1"
 
 
 def model_file(model: Model) -> Optional[str]:
-    """``configs/models/<name>.sh`` of the model's name, when the repository has it."""
+    """``configs/models/<name>.sh`` of the model's name, when the repository has it; for a model
+    read from a ``--config`` (named by the config: its file name in ``configs/``, else its path)
+    the model file that config sources."""
     path = os.path.normpath(os.path.join(MODELS_DIR, f"{model.name}.sh"))
-    return path if os.path.isfile(path) else None
+    if os.path.isfile(path):
+        return path
+    cfg = _config_of(model)
+    return _sourced_model_file(cfg) if cfg else None
+
+
+def _config_of(model: Model) -> Optional[str]:
+    """The ``--config`` a model was read from (it names the model: its file name in ``configs/``,
+    else its path); ``None`` for a preset."""
+    if not model.name.endswith(".sh"):
+        return None
+    cfg = model.name if os.path.isabs(model.name) else os.path.join(MODELS_DIR, os.pardir,
+                                                                      model.name)
+    return os.path.normpath(cfg) if os.path.isfile(cfg) else None
+
+
+def _planned_eod(model: Model) -> int:
+    """The end-of-document token a ``--config``'s plan adds to its ``VOCAB_SIZE``
+    (:func:`.config.null_tokenizer_eod`), which a launch line's ``VOCAB_SIZE`` leaves out."""
+    cfg = _config_of(model)
+    return (null_tokenizer_eod(read_config(cfg)) or 0) if cfg else 0
+
+
+def _sourced_model_file(config: str, depth: int = 0) -> Optional[str]:
+    """The ``configs/models/*.sh`` of the repository that ``config`` sources (directly, or
+    through a config it sources); ``None`` if none."""
+    base = os.path.dirname(config)
+    with open(config, encoding="utf-8") as fh:
+        lines = fh.read().splitlines()
+    for line in lines:
+        m = re.match(r'^\s*(?:source|\.)\s+(.+?)\s*$', line.split("#", 1)[0])
+        if not m:
+            continue
+        target = m.group(1).strip().strip('"').strip("'")
+        for pat in ('$(dirname "${BASH_SOURCE[0]}")', "$(dirname ${BASH_SOURCE[0]})"):
+            target = target.replace(pat, base)
+        named = re.search(r'models/([A-Za-z0-9_.-]+)\.sh$', target)
+        if named and os.path.isfile(os.path.join(MODELS_DIR, named.group(1) + ".sh")):
+            return os.path.normpath(os.path.join(MODELS_DIR, named.group(1) + ".sh"))
+        target = target if os.path.isabs(target) else os.path.join(base, target)
+        if depth < 4 and target.endswith(".sh") and os.path.isfile(target):
+            found = _sourced_model_file(target, depth + 1)
+            if found:
+                return found
+    return None
 
 
 def _flag(on: bool, *flags: str) -> List[str]:
@@ -76,7 +125,9 @@ def geometry(model: Model) -> List[Setting]:
          _flag(not model.tied, "--untie-embeddings-and-output-weights")),
         ("QK_LAYERNORM", str(int(model.qk_layernorm)), _flag(model.qk_layernorm, "--qk-layernorm")),
         ("ADD_QKV_BIAS", str(int(model.add_qkv_bias)), _flag(model.add_qkv_bias, "--add-qkv-bias")),
-        ("VOCAB_SIZE", str(model.vocab), []),  # the tokenizer's (NullTokenizer: --vocab-size)
+        # the tokenizer's (NullTokenizer: --vocab-size; without the end-of-document token that
+        # Megatron's NullTokenizer adds at core_v0.16.1 and a --config's plan counts)
+        ("VOCAB_SIZE", str(model.vocab - _planned_eod(model)), []),
     ]
     if model.moe:  # their flags travel in EXTRA_ARGS (:func:`moe_flags`)
         out += [("NUM_EXPERTS", str(model.experts), []), ("MOE_ROUTER_TOPK", str(model.topk), []),
@@ -152,8 +203,11 @@ def job_settings(job: Job, mode: str) -> List[Setting]:
     if job.moe_tile_count is not None and mode == "metp":  # (pretrain_gpt.sh: no variable)
         flags = ["--metp-moe-token-tiles", str(job.moe_tile_count)]
         out.append(("EXTRA_ARGS", " ".join(flags), flags))
-    if job.keep_attention_output and mode == "metp":  # (pretrain_gpt.sh: no variable)
-        flags = ["--metp-keep-attention-output", str(job.keep_attention_output)]
+    if job.keep_attention_output is not None and mode == "metp":  # (.keep; no variable)
+        if job.keep_attention_output == KEEP_AUTO:
+            raise ValueError("kept attention without a count: resolve it first "
+                             "(.partial.resolve_keep; launch.settings does)")
+        flags = [KEEP_FLAG, str(job.keep_attention_output)]
         out.append(("EXTRA_ARGS", " ".join(flags), flags))
     return out
 
@@ -180,7 +234,11 @@ def moe_flags(model: Model, job: Job, mode: str) -> List[str]:
 
 def settings(model: Model, job: Job, mode: str) -> List[Setting]:
     """Every setting of the job: :func:`geometry`, then :func:`job_settings`; a MoE model's
-    flags (:func:`moe_flags`) join ``EXTRA_ARGS``."""
+    flags (:func:`moe_flags`) join ``EXTRA_ARGS``. Kept attention without a count is launched
+    with the count the plan chooses (:func:`.partial.resolve_keep`)."""
+    if job.keep_attention_output == KEEP_AUTO:
+        chosen = resolve_keep(model, resolve_offload(model, job, mode), mode)
+        job = replace(job, keep_attention_output=chosen.keep_attention_output)
     out = geometry(model) + job_settings(job, mode)
     moe = moe_flags(model, job, mode)
     if moe:
@@ -191,7 +249,16 @@ def settings(model: Model, job: Job, mode: str) -> List[Setting]:
     if moe or sum(x[0] == "EXTRA_ARGS" for x in out) > 1:  # one EXTRA_ARGS array
         out = [x for x in out if x[0] != "EXTRA_ARGS"]
         out.append(("EXTRA_ARGS", " ".join(moe + extra), moe + extra))
-    return out
+    return _one_extra_args(out)
+
+
+def _one_extra_args(out: List[Setting]) -> List[Setting]:
+    """The settings with every ``EXTRA_ARGS`` entry joined into one (the last place of one)."""
+    extra = [x for x in out if x[0] == "EXTRA_ARGS"]
+    if len(extra) < 2:
+        return out
+    flags = [f for _, _, fl in extra for f in fl]
+    return [x for x in out if x[0] != "EXTRA_ARGS"] + [("EXTRA_ARGS", " ".join(flags), flags)]
 
 
 def megatron_flags(model: Model, job: Job, mode: str) -> List[str]:
@@ -227,7 +294,7 @@ def launch_line(model: Model, job: Job, mode: str) -> str:
     nnodes = int(values["NNODES"])
     env = [f"{name}={shlex.quote(value)}" for name, value, _ in every
            if given.get(name) != value and not (name == "NNODES" and nnodes > 1)]
-    config = f"configs/models/{model.name}.sh" if path else \
+    config = f"configs/models/{os.path.basename(path)}" if path else \
         "configs/models/tiny.sh"  # every geometry value is set above
     if nnodes > 1:
         return " ".join(env + [f"CONFIG={config}"]) + \
@@ -247,7 +314,7 @@ def config_text(model: Model, job: Job, mode: str, title: str) -> str:
         lines.append(f': "${{{name}:={value}}}"')
     if model_file(model):
         lines += ["# shellcheck source=/dev/null",
-                  f'source "${{METP_DIR:?}}/configs/models/{model.name}.sh"']
+                  f'source "${{METP_DIR:?}}/configs/models/{os.path.basename(model_file(model))}"']
     for name, value, _ in settings(model, job, mode)[len(geometry(model)):]:
         if name == "EXTRA_ARGS":
             extra = value

@@ -27,6 +27,9 @@ MODE_NAMES = {
 PEER_MODES = ("alst",)
 #: the modes that the METP vocabulary split applies to (``--vocab-parallel``)
 VOCAB_MODES = ("metp", "metp+vocab")
+#: ``Job.keep_attention_output`` of ``metp plan --keep-attention-output`` without N: as many
+#: layers per stage as the host and the device hold (:func:`.partial.resolve_keep`)
+KEEP_AUTO = -1
 
 
 @dataclass(frozen=True)
@@ -147,9 +150,10 @@ class Job:
     # METP_MOE_TOKEN_TILES in this environment), else auto from the budget, as the ops resolve it
     mlp_token_tile: Optional[int] = None  # token rows per MLP ring pass (0 = whole)
     moe_tile_count: Optional[int] = None  # token tiles per MoE layer (1 = whole)
-    # METP layers under full recompute keep the attention output O and its log-sum-exp for the
-    # backward instead of re-running the attention forward (--metp-keep-attention-output N):
-    # None = off; N = the first N layers of each pipeline stage
+    # kept attention (METP modes, full recompute: --metp-keep-attention-output [N], .keep): None
+    # off; N the first N layers of each stage keep the attention output O and its log-sum-exp
+    # instead of re-running the attention forward (N >= the stage's layers: every layer);
+    # KEEP_AUTO: as many as the host (offloaded layers) and the device (kept ones) hold
     keep_attention_output: Optional[int] = None
 
     @property

@@ -14,6 +14,10 @@ recompute chunk), plans no offload at all.
 What a node pins: every one of its :data:`.host.GPUS_PER_NODE` ranks its offloaded activations
 and, with ``--optimizer-cpu-offload``, its optimizer states, the larger of the first and the last
 pipeline stage (the same ``N`` for every stage: the flag is one number).
+
+Kept attention (:mod:`.keep`) the same way, after the offload choice: ``--keep-attention-output``
+without a count keeps ``O`` + LSE in the most layers per stage that the node's host memory (for
+the offloaded layers) and the device (for the others) hold, :func:`resolve_keep`.
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ from dataclasses import replace
 from typing import List, Optional
 
 from .activation_memory import activations
+from .hardware import HARDWARE
 from .host import GPUS_PER_NODE, host_capacity_bytes
-from .model import Job, Model
+from .keep import recomputed_layers
+from .model import KEEP_AUTO, GiB, Job, Model, canonical
 from .parameters import static_memory
 
 
@@ -67,3 +73,42 @@ def resolve_offload(model: Model, job: Job, mode: str, seq: Optional[int] = None
         else:
             hi = mid - 1
     return replace(job, offload_layers=counts[lo])
+
+
+def _device_fits(model: Model, job: Job, mode: str) -> bool:
+    """The per-rank total (parameters, gradients, optimizer, activation peak; the first and the
+    last stage) within the device's memory less ``--reserve-gib``."""
+    cap = (HARDWARE[job.hardware].memory_gib - job.reserve_gib) * GiB
+    for stage in (("first", "last") if job.pp > 1 else ("first",)):
+        st = static_memory(model, job, mode, stage)
+        total = st["params"] + st["grads"] + st["optimizer"] + \
+            activations(model, job, mode, stage=stage).peak
+        if total > cap:
+            return False
+    return True
+
+
+def resolve_keep(model: Model, job: Job, mode: str, seq: Optional[int] = None) -> Job:
+    """``job`` with ``keep_attention_output`` set to the most layers per stage whose ``O`` + LSE
+    the node's host memory (offloaded layers) and the device (the others) hold, when ``job``
+    asks for :data:`.model.KEEP_AUTO` in a METP mode (call it with the offload resolved:
+    :func:`resolve_offload`); 0 when not even one layer fits (or the job does not fit without
+    any). Otherwise ``job`` unchanged."""
+    if job.keep_attention_output != KEEP_AUTO or canonical(mode, job)[0] != "metp":
+        return job
+    m = model if seq is None else model.with_seq(seq)
+    cap = host_capacity_bytes(job)
+
+    def fits(n: int) -> bool:
+        j = replace(job, keep_attention_output=n)
+        return (cap is None or not job.offload or host_per_node(m, j, mode) <= cap) and \
+            _device_fits(m, j, mode)
+
+    lo, hi = 0, recomputed_layers(job, m.layers // job.pp)
+    while lo < hi:  # host and device bytes grow with N: the largest count that fits
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return replace(job, keep_attention_output=lo)

@@ -12,7 +12,7 @@ from .hardware import HARDWARE
 from .host import host_fits
 from .model import BF16, FP32, GiB, Job, Model, canonical, layout, padded_vocab
 from .parameters import params, static_memory
-from .partial import resolve_offload
+from .partial import resolve_keep, resolve_offload
 from .vocab import loss_tile_count, loss_tile_rows, token_chunk
 
 
@@ -43,14 +43,16 @@ def memory(model: Model, job: Job, mode: str, seq: Optional[int] = None,
            stage: str = "first") -> Memory:
     """Per-rank memory of rank 0 (the first pipeline stage), or of the last stage; with
     ``--offload-activations`` and no count, as many layers offloaded as the node's host memory
-    holds (:func:`.partial.resolve_offload`)."""
+    holds (:func:`.partial.resolve_offload`); with ``--keep-attention-output`` and no count, as
+    many layers keeping attention as the host and the device hold
+    (:func:`.partial.resolve_keep`)."""
     m = model if seq is None else model.with_seq(seq)
     lay = layout(mode, job)
     if mode == "alst":
         from .alst import alst_activations, alst_static
         return Memory(mode, lay.describe(), m.seq, alst_static(m, job),
                       alst_activations(m, job), job)
-    job = resolve_offload(m, job, mode)
+    job = resolve_keep(m, resolve_offload(m, job, mode), mode)
     return Memory(mode, lay.describe(), m.seq, static_memory(m, job, mode, stage),
                   activations(m, job, mode, stage=stage), job)
 

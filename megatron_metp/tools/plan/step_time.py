@@ -7,7 +7,8 @@ Per layer and rank (``n`` tokens through the rank, ``s`` the sequence, ``t`` TP,
 * attention forward ``F_a = 2·n·s·q/t`` FLOPs (causal: half of ``4·n·s·q/t``) at the kernel's
   forward rate × the ring's forward imbalance; its backward ``2.5·F_a`` at the backward rate ×
   the backward imbalance; the recompute (full recompute, or the streaming layer's attention
-  re-run, or ``--recompute selective``'s core attention) ``F_a`` again;
+  re-run, or ``--recompute selective``'s core attention) ``F_a`` again, but not in a layer
+  that keeps its attention output (:mod:`.keep`);
 * GEMMs (projections, MLP; METP's per-shard re-forming; recompute's share) at the GEMM rate
   (:func:`.flops.layer_flops`);
 * output layer and loss ``2·n·h·V/t`` forward, twice that backward, once more where the loss
@@ -167,9 +168,12 @@ def step_time(model: Model, job: Job, mode: str) -> Dict:
     recomputed = 0
     if job.recompute == "full":
         recomputed = L if job.recompute_method == "uniform" else min(job.recompute_num_layers, L)
+    mem = memory(model, job, mode)  # (kept attention and offload as resolved for this mode)
+    act = mem.act
+    kept, kept_host = act.kept_attention_layers, act.kept_attention_host_layers
     # selective: stock's core attention, METP's core_attn (its K/V ring forward re-run in
     # backward, megatron/selective.py); the Q/K/V it needs are re-formed there anyway
-    attn_recomputed = recomputed if job.recompute == "full" else (
+    attn_recomputed = recomputed - kept if job.recompute == "full" else (
         L if job.recompute == "selective" and mode in ("tp", "tp-sp", "cp", "ring", "metp")
         else 0)
     fl = layer_flops(model, job, mode)
@@ -189,16 +193,21 @@ def step_time(model: Model, job: Job, mode: str) -> Dict:
         "loss": loss / rg,
     }
     # host copies
-    mem = memory(model, job, mode)
-    act = mem.act
     passes: List[Dict[str, float]] = []
+    kept_passes: List[Dict[str, float]] = []
     host_exposed = 0.0
     gb = host_link(job.hardware)["gbs"] * 1e9
     if streaming and act.offloaded_layers:
         fa_s = fa * imb["forward"] / rf
         fb_s = ATTENTION_BWD_FLOP_RATIO * fa * imb["backward"] / rb
-        passes = streaming_passes(model, job, lay, n, rates, fa_s, fb_s)
-        host_exposed = act.offloaded_layers * sum(x["count"] * x["exposed_s"] for x in passes)
+        plain = act.offloaded_layers - kept_host  # offloaded layers that re-run attention
+        if plain:
+            passes = streaming_passes(model, job, lay, n, rates, fa_s, fb_s)
+        if kept_host:
+            kept_passes = streaming_passes(model, job, lay, n, rates, fa_s, fb_s,
+                                           kept=True)
+        host_exposed = plain * sum(x["count"] * x["exposed_s"] for x in passes) + \
+            kept_host * sum(x["count"] * x["exposed_s"] for x in kept_passes)
     elif job.offload and act.host:
         per_layer_compute = sum(comp.values()) / max(1, L)
         per_layer_copy = 2 * act.host / max(1, act.offloaded_layers) / gb
@@ -248,4 +257,5 @@ def step_time(model: Model, job: Job, mode: str) -> Dict:
             "ring_imbalance_forward": imb["forward"], "ring_imbalance_backward": imb["backward"],
             "query_tiles": imb["q_tiles"], "kv_blocks": imb["kv_blocks"],
             "empty_ring_steps": imb["empty_steps_forward"] + imb["empty_steps_backward"],
-            "host_passes": passes}
+            "host_passes": passes, "host_passes_kept": kept_passes,
+            "kept_attention_layers": kept}

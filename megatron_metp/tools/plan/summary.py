@@ -7,7 +7,8 @@ from typing import Dict, List, Optional, Sequence
 
 from .hardware import HARDWARE
 from .job_checks import validate
-from .model import GiB, MiB, MODES, VOCAB_MODES, Job, Model, canonical, layout
+from .keep import kept_bytes, recomputed_layers
+from .model import GiB, KEEP_AUTO, MiB, MODES, VOCAB_MODES, Job, Model, canonical, layout
 from .fit import fit_hint, fits
 from .textwidth import fmt_bytes, fmt_tokens
 from .overlap import overlap_thresholds
@@ -55,6 +56,15 @@ def plan(model: Model, job: Job, modes: Sequence[str] = MODES) -> Dict:
             "offload_auto": job.offload and job.offload_layers is None and
             mem.job.offload_layers is not None,
             "fit_hint": _fit_hint(model, job, mode),
+            # kept attention (.keep): layers per stage keeping O + LSE, those of them on the host
+            "kept_attention_layers": a.kept_attention_layers,
+            "kept_attention_host_layers": a.kept_attention_host_layers,
+            "kept_attention_bytes_per_layer": kept_bytes(model, job, mode, model.seq)
+            if a.kept_attention_layers else 0.0,
+            "keep_applies": job.keep_attention_output is not None and
+            canonical(mode, job)[0] == "metp",
+            "keep_auto": job.keep_attention_output == KEEP_AUTO and
+            canonical(mode, job)[0] == "metp",
         }
     # a MoE model's traffic, thresholds and time: the dense model of its active FFN (.moe)
     out["overlap"] = overlap_thresholds(active_twin(model), job, hw)
@@ -190,6 +200,15 @@ def report(model: Model, job: Job, modes: Sequence[str] = MODES,
         if cap is not None:
             row("  host memory per node", lambda r: fmt_bytes(cap))
             row("fits host memory", lambda r: "yes" if host_fits(job, r["host"]) else "NO")
+    if job.keep_attention_output is not None:
+        row("kept attention layers / stage", lambda r: (
+            f"{r['kept_attention_layers']} of {r['layers']}" + (" (auto)" if r["keep_auto"]
+                                                                 else ""))
+            if r["keep_applies"] else "")
+        row("  O + LSE on host / device", lambda r: f"{r['kept_attention_host_layers']} / "
+            f"{r['kept_attention_layers'] - r['kept_attention_host_layers']} layers, "
+            f"{fmt_bytes(r['kept_attention_bytes_per_layer'])} each"
+            if r["kept_attention_layers"] else "")
     if job.optimizer_offload:
         row("optimizer on host (CPU Adam) / rank", lambda r: fmt_bytes(r["optimizer_host"]))
         row(f"  host in all, per node of {GPUS_PER_NODE}",
@@ -225,6 +244,15 @@ def report(model: Model, job: Job, modes: Sequence[str] = MODES,
                          f"({fmt_bytes(r['host_capacity_per_node'])}) does not hold one layer "
                          f"(or recompute chunk) of the offload: planned without it (drop "
                          f"--metp-offload-activations)")
+        if r["keep_auto"]:
+            k, R = r["kept_attention_layers"], recomputed_layers(job, r["layers"])
+            tail.append(f"# {mode}: kept attention: the node's host memory and the device hold "
+                         f"O + LSE of {k} of the {R} recomputed layers per stage (Megatron-LM: "
+                         f"--metp-keep-attention-output {k}{'' if k < R else ' or no N'})"
+                         if k else
+                         f"# {mode}: kept attention: neither the host nor the device holds one "
+                         f"more layer's O + LSE: planned without it (drop "
+                         f"--metp-keep-attention-output)")
     ov = res["overlap"]
     tail.append(f"# full-overlap thresholds on {hw.name} (F/B = {ov['F/B (FLOP per byte)']:,.0f} "
                  f"FLOP/byte, datasheet rates): tokens per rank s·b/p")

@@ -1,0 +1,237 @@
+"""Kept attention in the plan (tools/plan/keep.py, partial.resolve_keep; issue 41, Deliver 1):
+a METP layer that keeps its attention output O and its log-sum-exp loses its attention re-forward
+(``attention_recompute`` × kept / recomputed layers, and the streaming layer's recompute passes),
+and keeps ``O`` (bf16 ``[s/p, a·d]``) + LSE (fp32 ``[a, s/p]``) per rank: on the host where the
+layer is offloaded, else on the device; ``--keep-attention-output`` without N keeps as many layers
+as the node's host and the device hold; a config's ``--metp-keep-attention-output [N]`` maps onto
+it; launch lines and written configs carry the count. Negative controls: stock modes, no
+recompute, a bad N."""
+
+import dataclasses
+import os
+import json
+
+import pytest
+
+from megatron_metp.tools import cli
+from megatron_metp.tools import plan as P
+from megatron_metp.tools.plan import config as C
+from tests.test_host_plan import JOB, LLAMA
+
+GiB = 2 ** 30
+N_TOK = 3700000 // 8  # tokens per rank of ALST's job (3.7M on METP 8)
+AT_37M = LLAMA.with_seq(3700000)
+KEPT = 2 * N_TOK * 4096 + 4 * N_TOK * 32  # O bf16 [n, 32·128] + LSE fp32 [32, n]
+
+
+def _keep(n, **kw):
+    return dataclasses.replace(JOB, keep_attention_output=n, **kw)
+
+
+def test_kept_layers_drop_the_attention_recompute_proportionally():
+    base = P.step_time(AT_37M, JOB, "metp")["components"]
+    for n in (8, 16, 32):
+        c = P.step_time(AT_37M, _keep(n), "metp")["components"]
+        assert c["attention_recompute"] == pytest.approx(base["attention_recompute"] * (32 - n)
+                                                         / 32)
+        assert c["attention_fwd"] == base["attention_fwd"]
+        assert c["attention_bwd"] == base["attention_bwd"]
+    # the recompute FLOPs lose the attention core of each kept layer
+    f0, f16 = P.step_cost(AT_37M, JOB, "metp"), P.step_cost(AT_37M, _keep(16), "metp")
+    fa = 2 * N_TOK * AT_37M.seq * 4096
+    assert f0["flops"] - f16["flops"] == pytest.approx(16 * fa)
+    # block recompute of the first 8 layers: only those re-run the attention, so keep 16 = 8
+    block = dict(recompute_method="block", recompute_num_layers=8)
+    b8 = P.step_time(AT_37M, _keep(8, **block), "metp")["components"]
+    b16 = P.step_time(AT_37M, _keep(16, **block), "metp")
+    assert b16["components"]["attention_recompute"] == b8["attention_recompute"] == 0
+    assert b16["kept_attention_layers"] == 8
+    # negative control: stock layers keep nothing (mode ring, same job)
+    ring = dict(vocab_parallel=False)
+    assert P.step_time(AT_37M, _keep(16, **ring), "ring")["components"][
+        "attention_recompute"] == P.step_time(AT_37M, dataclasses.replace(JOB, **ring), "ring")[
+        "components"]["attention_recompute"] > 0
+
+
+def test_the_streaming_passes_of_a_kept_layer():
+    """A kept offloaded streaming layer runs no recompute pass: it reads its input 3p + 2 times,
+    not 4p + 2 (ops/layer.py's kept path), and the exposed copies are its table's."""
+    lay = P.layout("metp", JOB)
+    c = P.step_cost(AT_37M, _keep(12), "metp")
+    plain, kept = c["host_passes"], c["host_passes_kept"]
+    assert not any(x["pass"].startswith("recompute") for x in kept)
+    xb = 2 * N_TOK * 4096
+    reads = lambda t: sum(x["count"] for x in t  # noqa: E731
+                          if x["bytes"] >= xb and not x["pass"].startswith("forward"))
+    assert reads(plain) == 4 * lay.p + 2 and reads(kept) == 3 * lay.p + 2
+    exposed = lambda t: sum(x["count"] * x["exposed_s"] for x in t)  # noqa: E731
+    assert c["host_copy_exposed_s"] == pytest.approx(20 * exposed(plain) + 12 * exposed(kept))
+    assert sum(x["count"] * x["bytes"] for x in kept) < sum(x["count"] * x["bytes"]
+                                                            for x in plain)
+
+
+def test_host_bytes_rise_by_o_and_lse_per_kept_offloaded_layer():
+    mem = lambda j: P.memory(AT_37M, j, "metp")  # noqa: E731
+    assert mem(_keep(11)).act.host - mem(_keep(10)).act.host == pytest.approx(KEPT)
+    assert mem(_keep(10)).act.host - mem(JOB).act.host == pytest.approx(10 * KEPT)
+    assert mem(_keep(10)).total == pytest.approx(mem(JOB).total)  # nothing on the device
+    # offloaded layers 1-16: layers 17-20 keep O + LSE on the device, the host as with 16
+    part = dict(offload_layers=16)
+    m16, m20 = mem(_keep(16, **part)), mem(_keep(20, **part))
+    assert (m16.act.kept_attention_host_layers, m20.act.kept_attention_host_layers) == (16, 16)
+    assert m20.act.host == pytest.approx(m16.act.host)
+    assert m20.act.stored - m16.act.stored == pytest.approx(4 * KEPT)
+    # the last layer kept on the device: its phases' O stashes and LSEs are the kept ones,
+    # counted once (4 more layers store O + LSE, the peak rises by 3)
+    last = dict(offload_layers=28)
+    assert mem(_keep(32, **last)).act.stored - mem(_keep(28, **last)).act.stored == \
+        pytest.approx(4 * KEPT)
+    assert mem(_keep(32, **last)).total - mem(_keep(28, **last)).total == pytest.approx(3 * KEPT)
+    # every offloaded layer kept: the streaming layer's O stash is its kept O (no second one)
+    # (a node of 1,900 GiB holds them all)
+    big = dict(host_memory_gib=1900)
+    assert mem(_keep(32, **big)).act.host - mem(_keep(31, **big)).act.host == pytest.approx(
+        KEPT - 2 * N_TOK * 4096)
+
+
+def test_auto_keeps_the_most_layers_the_host_holds():
+    """ALST's job (3.7M on 8 × H100): the 2 TB node holds O + LSE of 30 of 32 layers (1,834 GiB;
+    31 needs 1,862.66 GiB of 1,862.65, 32 1,863.1 GiB)."""
+    plan = P.plan(AT_37M, _keep(P.model.KEEP_AUTO), ["metp"])["modes"]["metp"]
+    n = plan["kept_attention_layers"]
+    host = lambda k: 8 * P.memory(AT_37M, _keep(k, offload_layers=32),  # noqa: E731
+                                  "metp").act.host
+    assert n == 30 and plan["keep_auto"] and plan["fits_host"]
+    assert host(n) <= 2e12 < host(n + 1) and host(32) > 2e12
+    assert plan["host_per_node"] == pytest.approx(host(n))
+    text = P.report(AT_37M, _keep(P.model.KEEP_AUTO), ["metp"])
+    assert "30 of 32 (auto)" in text and "--metp-keep-attention-output 30" in text
+    # a host that holds every layer keeps them all; negative control: an explicit 32 does not
+    # fit the 2 TB node
+    big = P.memory(AT_37M, _keep(P.model.KEEP_AUTO, host_memory_gib=1900), "metp")
+    assert big.act.kept_attention_layers == 32
+    assert not P.plan(AT_37M, _keep(32, offload_layers=32), ["metp"])["modes"]["metp"][
+        "fits_host"]
+
+
+def test_auto_keeps_the_most_layers_the_device_holds():
+    """Without offload the kept O + LSE stay on the device: as many layers as fit in 78 GiB."""
+    job = _keep(P.model.KEEP_AUTO, offload=False)
+    m = LLAMA.with_seq(1048576)
+    n = P.memory(m, job, "metp").act.kept_attention_layers
+    total = lambda k: P.memory(m, _keep(k, offload=False), "metp").total  # noqa: E731
+    cap = P.capacity_bytes(job)
+    assert n == 23 and total(n) <= cap < total(n + 1)
+    assert total(n) - total(0) == pytest.approx(23 * (2 * 131072 * 4096 + 4 * 131072 * 32))
+    # negative control: a sequence whose job does not fit without kept attention keeps none
+    assert P.memory(LLAMA.with_seq(2097152), job, "metp").act.kept_attention_layers == 0
+
+
+def test_config_flag_maps_and_the_cli_wins(tmp_path):
+    def cfg(extra):
+        p = tmp_path / "k.sh"
+        p.write_text('source "$(dirname "${BASH_SOURCE[0]}")/models/llama3-8b.sh"\n'
+                     ': "${METP:=8}" "${TP:=1}"\n: "${RECOMPUTE_GRANULARITY:=full}"\n'
+                     f'EXTRA_ARGS=({extra} ${{EXTRA_ARGS[@]+"${{EXTRA_ARGS[@]}}"}})\n')
+        (tmp_path / "models").mkdir(exist_ok=True)
+        (tmp_path / "models" / "llama3-8b.sh").write_text(
+            open("configs/models/llama3-8b.sh").read())
+        return str(p)
+
+    job = lambda *a: cli.build_from_argv(list(a))[1]  # noqa: E731
+    assert job("--config", cfg("--metp-keep-attention-output 12")).keep_attention_output == 12
+    assert job("--config", cfg("--metp-keep-attention-output=7")).keep_attention_output == 7
+    assert job("--config", cfg("--metp-keep-attention-output")).keep_attention_output == 32
+    assert job("--config", cfg("--metp-keep-attention-output"), "--keep-attention-output",
+               "5").keep_attention_output == 5
+    assert job("--config", cfg("--metp-keep-attention-output 12"),
+               "--keep-attention-output").keep_attention_output == P.model.KEEP_AUTO
+    # negative controls: no flag, no keep; a bad N named
+    assert job("--config", cfg("--log-interval 1")).keep_attention_output is None
+    with pytest.raises(ValueError, match="--metp-keep-attention-output 'x'"):
+        job("--config", cfg("--metp-keep-attention-output=x"))
+    assert C.keep_flag(["--metp-keep-attention-output", "--bf16"], 32) == 32
+
+
+def test_refusals_name_the_flag(capsys):
+    with pytest.raises(ValueError, match="--keep-attention-output with --recompute none"):
+        P.validate(LLAMA, _keep(4, recompute="none", offload=False), ["metp"])
+    with pytest.raises(ValueError, match="METP layers only"):
+        P.validate(LLAMA, _keep(4, vocab_parallel=False), ["tp-sp"])
+    with pytest.raises(ValueError, match="positive number of layers"):
+        P.validate(LLAMA, _keep(-3), ["metp"])
+    with pytest.raises(SystemExit):  # argparse: the type check of N
+        cli.main(["plan", "--preset", "llama3-8b", "--keep-attention-output", "0"])
+    assert "N must be a positive number" in capsys.readouterr().err
+    assert cli.main(["plan", "--reach", "--gpus", "8", "--preset", "llama3-8b",
+                     "--keep-attention-output"]) == 2
+    assert "--keep-attention-output: --reach" in capsys.readouterr().err
+
+
+def test_launch_line_and_written_config_carry_the_count(tmp_path):
+    m = LLAMA.with_seq(3700000)
+    flags = P.megatron_flags(m, _keep(P.model.KEEP_AUTO), "metp")
+    i = flags.index("--metp-keep-attention-output")
+    assert flags[i + 1] == "30"
+    text = P.config_text(m, _keep(12, optimizer_offload=True), "metp", "t")
+    assert text.count("EXTRA_ARGS=") == 1 and "--metp-keep-attention-output 12" in text
+    assert "--optimizer-cpu-offload" in text
+    path = tmp_path / "w.sh"
+    path.write_text(text)
+    back = cli.build_from_argv(["--config", str(path)])[1]
+    assert back.keep_attention_output == 12 and back.optimizer_offload
+    # negative control: a stock mode's launch carries no METP flag
+    assert "--metp-keep-attention-output" not in P.megatron_flags(
+        m, _keep(12, vocab_parallel=False), "tp-sp")
+
+
+def test_keeping_attention_on_alsts_job(tmp_path):
+    """3.7M tokens on 8 x H100, every layer offloaded: ``--keep-attention-output`` keeps 30 of 32
+    layers (the node's 2 TB) and METP takes <= 0.5 x ALST's measured 6,455 s; the JSON names the
+    kept layers and the host per node (within the node's)."""
+    out = tmp_path / "f.json"
+    assert cli.main(["plan", "--preset", "llama3-8b", "--seq", "3700000", "--metp", "8",
+                     "--vocab-parallel", "--distributed-optimizer", "--recompute", "full",
+                     "--offload-activations", "--hardware", "H100-80GB", "--modes", "metp",
+                     "alst", "--keep-attention-output", "--json", str(out)]) == 0
+    d = json.loads(out.read_text())["modes"]
+    m = d["metp"]
+    assert m["cost"]["step_s"] <= 0.5 * 6455 and m["kept_attention_layers"] == 30
+    assert m["host_per_node"] <= m["host_capacity_per_node"]
+    assert d["alst"]["kept_attention_layers"] == 0
+
+
+def _plan_json(tmp_path, *argv):
+    out = tmp_path / "p.json"
+    assert cli.main(["plan", *argv, "--json", str(out)]) == 0
+    return json.loads(out.read_text())["modes"]
+
+
+def test_done_when_the_4m_config_keeps_attention(tmp_path):
+    """Issue 41's done-when on configs/llama3-8b-4m-metp8.sh at ALST's 3.7M tokens: METP with the
+    config's kept attention (every layer; the first 28 offloaded) <= 0.5 x ALST's measured
+    6,455 s with published rates, and with ALST's kernel (fa2) <= 0.8 x the alst mode's time; the
+    host per node within the node's. Negative control: the same config without the kept
+    attention misses the first bound."""
+    cfg = "configs/llama3-8b-4m-metp8.sh"
+    job = cli.build_from_argv(["--config", cfg])[1]
+    assert (job.keep_attention_output, job.offload_layers) == (32, 28)
+    args = ["--seq", "3700000", "--hardware", "H100-80GB", "--modes", "metp+vocab", "alst"]
+    d = _plan_json(tmp_path, "--config", cfg, *args)
+    m = d["metp+vocab"]
+    assert m["cost"]["step_s"] <= 0.5 * 6455 and m["kept_attention_layers"] == 32
+    assert m["host_per_node"] <= m["host_capacity_per_node"] and m["fits_host"]
+    f = _plan_json(tmp_path, "--config", cfg, *args, "--kernel", "fa2")
+    assert f["metp+vocab"]["cost"]["step_s"] <= 0.8 * f["alst"]["cost"]["step_s"]
+    plain = tmp_path / "plain.sh"
+    plain.write_text(f'source "{os.path.abspath(cfg)}"\nEXTRA_ARGS=()\n')
+    p = _plan_json(tmp_path, "--config", str(plain), *args)["metp+vocab"]
+    assert p["kept_attention_layers"] == 0 and p["cost"]["step_s"] > 0.5 * 6455
+
+
+def test_measure_refuses_kept_attention_until_it_builds_it(capsys):
+    """No flag accepted and ignored: metp measure names the flag (a config's too)."""
+    assert cli.main(["measure", "--preset", "llama3-8b", "--layers", "2", "--seq", "4096",
+                     "--modes", "metp", "--recompute", "full",
+                     "--keep-attention-output"]) == 2
+    assert "--keep-attention-output: metp measure does not build" in capsys.readouterr().err
