@@ -143,6 +143,9 @@ def test_kept_attention_gradients_equal_the_recompute(p, world, over, host, tile
         assert len(ref) >= 7 and ref.keys() == out.keys()
         errs = {k: rel_err(out[k], ref[k]) for k in ref}
         assert max(errs.values()) <= 1e-6, (r, errs)
+        # on the CPU bit for bit: the forward and the recompute form q, K, V over the same row
+        # pieces (Rows.set_kv_cut), so the kept O and lse are the recompute's
+        assert all(torch.equal(out[k], ref[k]) for k in ref), r
         # the K/V ring of the attention forward: once per head group and query tile per layer
         # with kept attention; the recompute runs it a second time
         assert fwd == ref_fwd == p * q_tiles and q_tiles >= 2

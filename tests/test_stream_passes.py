@@ -86,3 +86,19 @@ def test_the_plan_reports_the_passes_and_their_exposed_seconds():
     per_layer = sum(x["count"] * x["exposed_s"] for x in c["host_passes"])
     assert c["components"]["host_copies_exposed"] == pytest.approx(32 * per_layer)
     assert 5 < c["components"]["host_copies_exposed"] < 8  # 42.5 s before the fold
+
+
+def test_kept_attention_phases_have_no_recompute():
+    from megatron_metp.tools.plan.streaming import streaming_phases
+
+    model, job, lay, n, _ = _passes("3.7M")
+    full = streaming_phases(model, job, lay, n, host=True)
+    kept = streaming_phases(model, job, lay, n, host=True, kept=True)
+    assert "streaming layer recompute: attention (last layer)" in full
+    assert set(full) - set(kept) == {"streaming layer recompute: attention (last layer)"}
+    mlp = "streaming layer MLP backward (last layer)"
+    # the kept layer's MLP backward forms group 0's K/V from norm1(x) (and the head groups'
+    # weights arrive meanwhile), its log-sum-exps are on the host
+    assert "row tile: norm1(x) for group 0's K/V (bf16)" in kept[mlp]
+    assert not any("log-sum-exp" in k for k in kept[mlp])
+    assert any("log-sum-exp" in k for k in full[mlp])

@@ -3,9 +3,11 @@ one tile of query rows at a time.
 
 For head group ``g`` (its weights broadcast by their owner, as in :mod:`.attention`):
 
-* :func:`group_kv` forms ``K_g``, ``V_g`` of every local token (``[b, G_g, n, d]`` heads-first,
-  the per-head k norm and RoPE applied) tile by tile from ``norm1(x)``: the only ``n``-sized
-  tensors of the group (``2·n·d`` per K/V head, against ``n·h`` for one activation).
+* :class:`KVForm` forms ``K_g``, ``V_g`` of every local token (``[b, G_g, n, d]`` heads-first,
+  the per-head k norm and RoPE applied) piece by piece from ``norm1(x)``: the only ``n``-sized
+  tensors of the group (``2·n·d`` per K/V head, against ``n·h`` for one activation), in a pass
+  of their own (:func:`group_kv`) or inside the previous group's query-tile pass (the next
+  group's weights come ahead: :func:`weights_ahead`; :mod:`.layer_reads`).
 * :func:`forward_group` then runs, per query tile ``T``, ``q_T`` (from ``norm1(x_T)``) against
   every rank's ``K_g/V_g`` on the K/V ring (:func:`ring_attention_forward` with ``q_rows=T``):
   ``O_g[T]`` goes to the caller's stash, ``lse_g[T]`` is kept (``[b, H, n]`` fp32).
@@ -13,8 +15,10 @@ For head group ``g`` (its weights broadcast by their owner, as in :mod:`.attenti
   ``O_g[T]`` back from the stash: ``dq_T`` is complete after the tile's ring (RoPE-transposed,
   through the q norm, into ``d(qkv)``'s q columns), each tile's ``dK/dV`` comes home on the ring
   and is summed over the tiles (fp32 ``[b, G_g, n, d]`` each), and only then turned into
-  ``d(qkv)``'s k/v columns. The group's weight gradients (``dWqkv_g = Σ_T d(qkv)_Tᵀ·norm1(x_T)``,
-  ``dWo_g = Σ_T O_g[T]ᵀ·dh1_T``) are reduced to their owner while the next group computes.
+  ``d(kv)`` (heads-first, in the group's K/V buffers), which the next group's pass (or ``dx``'s,
+  :class:`PrevKV`) reduces against ``norm1(x)``. The group's weight gradients (``dWqkv_g = Σ_T
+  d(qkv)_Tᵀ·norm1(x_T)``, ``dWo_g = Σ_T O_g[T]ᵀ·dh1_T``) are reduced to their owner once its
+  ``d(kv)`` is in, while the next groups compute.
 
 With ``kv_rows`` the ring carries only that many of every rank's key rows at a time (a tile's
 ring runs once per key sub-block), so the travelling K/V and ``dK/dV`` buffers are that size;

@@ -80,7 +80,8 @@ def layer_tiles(model, job, lay, n: int):
                              mlp_token_tile=job.mlp_token_tile)
 
 
-def streaming_phases(model, job, lay, n: int, host: bool) -> Dict[str, Dict[str, float]]:
+def streaming_phases(model, job, lay, n: int, host: bool,
+                     kept: bool = False) -> Dict[str, Dict[str, float]]:
     """The streaming layer's phase transients for ``n`` rows per rank (see the module
     docstring), at each phase's largest moment (inside a ring step's kernel call), relative to
     what is stored (the incoming gradient and the freed head are added by the caller, as for
@@ -88,7 +89,12 @@ def streaming_phases(model, job, lay, n: int, host: bool) -> Dict[str, Dict[str,
 
     GQA: a full block's kernel folds the query heads into rows (no K/V copy); the causal pieces
     of a query tile (its square of the diagonal block) expand K/V to the query heads
-    (:mod:`megatron_metp.ops.attention_kernels`)."""
+    (:mod:`megatron_metp.ops.attention_kernels`).
+
+    ``kept``: the layer keeps its attention output and log-sum-exp (``keep_attention``): no
+    recompute phase; its MLP backward forms the backward's group-0 K/V from each row tile's
+    ``norm1(x)`` with the head-group weights' broadcast already running; the kept tensors
+    themselves are what the layer stores (on the host with ``host``), not a transient here."""
     b = job.micro_batch
     h, d, A = model.hidden, model.head_dim, model.heads
     p = lay.p
@@ -163,14 +169,19 @@ def streaming_phases(model, job, lay, n: int, host: bool) -> Dict[str, Dict[str,
     # first one (the backward's and the recompute's passes; the forward reads x in place)
     x_next = {"the next query tile's first x chunk, on its way from the host (bf16)":
               e * C * h if host and q_tiles > 1 else 0}
-    ph["streaming layer recompute: attention (last layer)"] = dict(
-        o_all, **lse_all, **w_ahead, **w_first, **attn_fwd, **x_next, **kv_next, **kpre_next)
+    if not kept:
+        ph["streaming layer recompute: attention (last layer)"] = dict(
+            o_all, **lse_all, **w_ahead, **w_first, **attn_fwd, **x_next, **kv_next,
+            **kpre_next)
     mlp_tile = tiling.mlp_row_bytes(h, f, k, e, FP32, False) * R
     mlp_grads = {"the MLP's weight gradients, summed over the row tiles (fp32)": FP32 * wm}
     kv0 = {"the backward's group-0 K and V, held (bf16)": e * 2 * n * hkg,
            "the backward's group-0 pre-norm keys (bf16, --qk-layernorm)":
                e * n * hkg if model.qk_layernorm else 0}
-    ph["streaming layer MLP backward (last layer)"] = dict(o_all, **lse_all, **w_mlp, **kv0, **{
+    if kept:  # group 0's K/V formed here: a row tile's norm1(x), the groups' weights arriving
+        kv0 = dict(kv0, **w_ahead, **{"row tile: norm1(x) for group 0's K/V (bf16)": e * R * h})
+    ph["streaming layer MLP backward (last layer)"] = dict(
+        o_all, **({} if kept and host else lse_all), **w_mlp, **kv0, **{
         "row tile: h1 and norm2(h1) (bf16; x and O freed once h1 is formed)": e * R * 2 * h,
         "row tile: the MLP backward pass (fp32 d norm2; one shard's z, f(z), g·W2, dz)":
             mlp_tile,
