@@ -80,8 +80,10 @@ test: $(STAMP)
 # (megatron_lm: every test using a Megatron-LM checkout; release_sensitive: tests/markers.py),
 # and megatron-core's MoE with METP (its CPU shims and dispatcher seams differ between 0.16 and 0.19)
 MOE_CORE_TESTS := tests/test_moe.py tests/test_moe_tiles.py
-# ... and the kept attention's gradients (Megatron's checkpoint and schedules: both releases)
-KEEP_ATTENTION_TESTS := tests/test_keep_attention.py
+# ... and the kept attention's and the selective recompute's gradients (Megatron's checkpoint
+# and schedules; the streaming and separate ops under each release's torch and megatron-core)
+KEEP_ATTENTION_TESTS := tests/test_keep_attention.py tests/test_layer_keep.py \
+	tests/test_selective_op.py
 test-019: $(STAMP019)
 	# ... and the HF tests (marker hf, tests/conftest.py HF_TESTS) against .venv-019's transformers 5
 	OMP_NUM_THREADS=1 METP_MEGATRON_LM_RELEASE=core_v0.19.0 $(PY019) -m pytest -q $(XDIST) --durations=30 -m "(megatron_lm and release_sensitive) or hf" tests
