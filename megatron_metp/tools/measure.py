@@ -129,7 +129,7 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
     from .plan.settings import settings_for
 
     # the ops' CPU stand-in for a GPU flash kernel (torch's fused kernel; fp32 blocks: unfused)
-    settings = settings_for(asked, job).replace(
+    settings = settings_for(asked, job, model=model).replace(
         kernel="torch_flash" if job.kernel == "flash" else "reference")
     if model.moe and mode not in ("metp", "tp", "tp-sp"):
         raise ValueError(f"metp measure: mode {mode} with experts is not measured (modes metp, "
@@ -306,14 +306,21 @@ def _runs(model: "P.Model", job: "P.Job", mode: str, measure_layers: str):
     how their figures combine (:func:`fakerank.combine`). The offload split is the plan's
     (:func:`plan.memory`: every layer, ``--offload-activations N``, or as many as the node's host
     memory holds), each measured stage offloading all but the kept layers of the full one
-    (:func:`fakerank.partial_offload_points`)."""
+    (:func:`fakerank.partial_offload_points`). The kept attention is the plan's too
+    (``--keep-attention-output [N]``, no N resolved as the plan resolves it): every layer of a
+    stage keeping it extrapolates as any stage does; the first ``N`` of ``L`` layers only are
+    measured on every layer (a shallower stage would keep a different share)."""
     L = model.layers // job.pp
-    off = P.memory(model, job, mode).act.offloaded_layers
+    planned = P.memory(model, job, mode).act
+    off = planned.offloaded_layers
     if job.offload:  # the split the plan made, explicit (0: nothing to offload)
         job = replace(job, offload_layers=off if 0 < off < L else None) if off else \
             replace(job, offload=False, offload_layers=None, host_memory_gib=None,
                     offload_prefetch=True)
-    depths = _depths(model, job, measure_layers)
+    kept = planned.kept_attention_layers
+    if job.keep_attention_output is not None:  # the count the plan keeps (0: none)
+        job = replace(job, keep_attention_output=kept or None)
+    depths = None if 0 < kept < L else _depths(model, job, measure_layers)
     if depths is None:
         return [(model, job)], [1.0], None
     step = job.recompute_num_layers if job.recompute == "full" and \
