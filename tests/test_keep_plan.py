@@ -321,3 +321,34 @@ def test_measure_builds_kept_attention_as_the_plan_prices_it(tmp_path, capsys, m
     assert r["planned_measured_part"] == pytest.approx(r["peak"], rel=0.03)
     off = P.memory(model, dataclasses.replace(job, keep_attention_output=None), "metp")
     assert abs(off.act.peak / r["activation_peak"] - 1) > 0.03  # negative control
+
+
+def test_layer_extrapolation_of_a_partial_keep_matches_the_full_depth(monkeypatch):
+    """``metp measure`` (and the dry run, through the same ``fakerank.partial_keep_points``) of a
+    stage whose first 3 of 6 layers keep their attention output, every layer offloaded: 2 and 3
+    layers keeping one and 3 keeping two, combined linearly, equal the measurement of all 6
+    layers (peak, stored, host bytes). Negative control: without the slope in kept layers the
+    host bytes miss 2 kept O + LSE."""
+    from megatron_metp.tools import fakerank as FR
+    from megatron_metp.tools import measure as M
+
+    model = P.Model(hidden=256, layers=6, heads=4, ffn=512, vocab=512, seq=512, query_groups=2,
+                    swiglu=True, tied=False)
+    job = P.Job(tp=1, metp=2, vocab_parallel=True, recompute="full", offload=True,
+                keep_attention_output=3)
+    full, auto = (M.measure(model, job, "metp", measure_layers=depth)[0]
+                  for depth in ("full", "auto"))
+    for r in (full, auto):
+        assert "error" not in r, r.get("error")
+    assert auto["method"].startswith("measured on 2 layers (1 keeping attention), 3 layers (1 "
+                                     "keeping attention), 3 layers (2 keeping attention)"), \
+        auto["method"]
+    for key in ("peak", "stored", "host_peak"):
+        assert auto[key] == pytest.approx(full[key], rel=1e-3), key
+    assert full["host_peak"] == pytest.approx(P.memory(model, job, "metp").act.host, rel=1e-3)
+    real = FR.partial_keep_points
+    monkeypatch.setattr(FR, "partial_keep_points", lambda *a: (
+        lambda pts, coef: (pts[:2], [coef[0], coef[1] + coef[2]]))(*real(*a)))
+    flat = M.measure(model, job, "metp", measure_layers="auto")[0]
+    assert full["host_peak"] - flat["host_peak"] == pytest.approx(
+        2 * (2 * 512 // 2 * 256 + 4 * 4 * 512 // 2), rel=1e-3)
