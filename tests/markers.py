@@ -102,6 +102,9 @@ SLOW = {
     "tests/test_megatron_cp.py::test_packed_documents_train_as_single_rank_stock": 6.2,
     "tests/test_megatron_gpt.py::test_gpt_metp_matches_stock_tp_and_single_rank[4]": 6.0,
     "tests/test_moe_plan.py::test_plan_counts_stock_dispatcher_state_under_full_recompute": 11.4,
+    "tests/test_keep_plan.py::test_measure_builds_kept_attention_as_the_plan_prices_it": 14.8,
+    "tests/test_keep_plan.py::test_layer_extrapolation_of_a_partial_keep_matches_the_full_"
+    "depth": 31.4,
 }
 
 #: ``path::fixture`` -> its set-up time (s, as above): the tests of that file that use the

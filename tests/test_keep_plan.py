@@ -17,6 +17,7 @@ from megatron_metp.ops.layer_reads import host_reads
 from megatron_metp.tools import cli
 from megatron_metp.tools import plan as P
 from megatron_metp.tools.plan import config as C
+from megatron_metp.tools.plan.model import KEEP_AUTO
 from tests.test_host_plan import JOB, LLAMA
 
 GiB = 2 ** 30
@@ -234,9 +235,120 @@ def test_done_when_the_4m_config_keeps_attention(tmp_path):
     assert p["kept_attention_layers"] == 0 and p["cost"]["step_s"] > 0.5 * 6455
 
 
-def test_measure_refuses_kept_attention_until_it_builds_it(capsys):
-    """No flag accepted and ignored: metp measure names the flag (a config's too)."""
-    assert cli.main(["measure", "--preset", "llama3-8b", "--layers", "2", "--seq", "4096",
-                     "--modes", "metp", "--recompute", "full",
-                     "--keep-attention-output"]) == 2
-    assert "--keep-attention-output: metp measure does not build" in capsys.readouterr().err
+def test_a_planner_job_keeps_what_megatron_lms_flag_keeps(monkeypatch):
+    """``settings_for`` passes the count the plan prices into ``METPSettings``: a planner job
+    with ``keep_attention_output = N`` gives the value Megatron-LM's
+    ``--metp-keep-attention-output N`` gives; a whole stage (a config's bare flag) is the bare
+    flag's ``True``; no N is the count ``resolve_keep`` chooses. Negative controls: another N,
+    a stock mode, the flag dropped."""
+    from megatron_metp.megatron_lm.settings_args import metp_settings
+    from megatron_metp.tools.plan.settings import settings_for
+    from tests.harness import unset_env
+    from tests.test_settings import _megatron_args, _same
+
+    unset_env(monkeypatch, "METP_ROPE_RECIPE")
+    model = P.Model(hidden=256, layers=8, heads=4, ffn=512, vocab=1000, seq=16384)
+    job = P.Job(metp=2, recompute="full", keep_attention_output=3)
+
+    def megatron(*flags):
+        return _same(metp_settings(_megatron_args("--metp-parallel-size", "2", *flags)))
+
+    def planner(j, mode="metp"):
+        return _same(settings_for(mode, j, model=model).replace(offload_prefetch=None))
+
+    assert planner(job) == megatron("--metp-keep-attention-output", "3")
+    assert planner(job).keep_attention_output == 3
+    every = dataclasses.replace(job, keep_attention_output=8)  # a config's bare flag: 8 layers
+    assert planner(every) == megatron("--metp-keep-attention-output")
+    assert planner(every).keep_attention_output is True
+    pp2 = dataclasses.replace(job, pp=2)  # 4 layers per stage: 3 is a count, 4 the bare flag
+    assert _same(settings_for("metp", pp2, model=model)) == _same(metp_settings(_megatron_args(
+        "--metp-parallel-size", "2", "--metp-keep-attention-output", "3",
+        pipeline_model_parallel_size=2)))
+    assert planner(dataclasses.replace(pp2, keep_attention_output=4)).keep_attention_output \
+        is True
+    # no N: the count the plan prices (here the host of 0.5 GiB per node binds)
+    auto = dataclasses.replace(job, keep_attention_output=KEEP_AUTO, offload=True,
+                               host_memory_gib=0.5)
+    chosen = P.memory(model, auto, "metp").act.kept_attention_layers
+    assert 0 < chosen < 8
+    assert planner(auto) == megatron("--metp-keep-attention-output", str(chosen),
+                                     "--metp-offload-activations") \
+        .replace(offload_activations=True)
+    # negative controls
+    assert planner(job) != megatron("--metp-keep-attention-output", "2")
+    assert planner(job) != megatron()
+    assert settings_for("ring", job, model=model).keep_attention_output is None
+    with pytest.raises(ValueError, match="needs the model"):
+        settings_for("metp", job)
+
+
+def _measure_keep(tmp_path, capsys, name, *flags):
+    out = tmp_path / f"{name}.json"
+    rc = cli.main(["measure", *KEEP_SMALL, *flags, "--json", str(out)])
+    capsys.readouterr()
+    res = json.loads(out.read_text())
+    assert rc == 0, res
+    model, job = P.Model(**res["model"]), P.Job(**res["job"])
+    return model, job, res["results"][0]
+
+
+KEEP_SMALL = ["--hidden", "256", "--layers", "4", "--heads", "4", "--query-groups", "2", "--ffn",
+              "512", "--vocab", "1000", "--seq", "16384", "--swiglu", "--untie", "--metp", "2",
+              "--vocab-parallel", "--distributed-optimizer", "--recompute", "full", "--modes",
+              "metp", "--measure-layers", "full"]
+
+
+def test_measure_builds_kept_attention_as_the_plan_prices_it(tmp_path, capsys, monkeypatch):
+    """``metp measure --keep-attention-output`` builds the kept attention (the model builder's
+    ``METPSettings.keep_attention_output``, as a Megatron-LM run's): the streaming layer keeping
+    the first 2 of 4 layers' O + LSE on the host (every layer offloaded) and Megatron's
+    checkpoint path keeping every layer's on the device; the measured host bytes are the plan's,
+    the device peak within 3 %. Negative controls: the plan without the kept attention is off."""
+    model, job, r = _measure_keep(tmp_path, capsys, "host", "--offload-activations",
+                                  "--keep-attention-output", "2")
+    mem = P.memory(model, job, "metp")
+    assert mem.act.kept_attention_host_layers == 2 and mem.act.offloaded_layers == 4
+    assert r["host_peak"] == pytest.approx(mem.act.host, rel=0.01)
+    assert r["planned_measured_part"] == pytest.approx(r["peak"], rel=0.03)
+    off = P.memory(model, dataclasses.replace(job, keep_attention_output=None), "metp")
+    assert r["host_peak"] > 1.1 * off.act.host  # negative control: the kept O + LSE are there
+
+    monkeypatch.setenv("METP_STREAMING_LAYER", "0")
+    model, job, r = _measure_keep(tmp_path, capsys, "device", "--keep-attention-output")
+    mem = P.memory(model, job, "metp")
+    assert mem.act.kept_attention_layers == 4 and mem.act.kept_attention_host_layers == 0
+    assert r["planned_measured_part"] == pytest.approx(r["peak"], rel=0.03)
+    off = P.memory(model, dataclasses.replace(job, keep_attention_output=None), "metp")
+    assert abs(off.act.peak / r["activation_peak"] - 1) > 0.03  # negative control
+
+
+def test_layer_extrapolation_of_a_partial_keep_matches_the_full_depth(monkeypatch):
+    """``metp measure`` (and the dry run, through the same ``fakerank.partial_keep_points``) of a
+    stage whose first 3 of 6 layers keep their attention output, every layer offloaded: 2 and 3
+    layers keeping one and 3 keeping two, combined linearly, equal the measurement of all 6
+    layers (peak, stored, host bytes). Negative control: without the slope in kept layers the
+    host bytes miss 2 kept O + LSE."""
+    from megatron_metp.tools import fakerank as FR
+    from megatron_metp.tools import measure as M
+
+    model = P.Model(hidden=256, layers=6, heads=4, ffn=512, vocab=512, seq=512, query_groups=2,
+                    swiglu=True, tied=False)
+    job = P.Job(tp=1, metp=2, vocab_parallel=True, recompute="full", offload=True,
+                keep_attention_output=3)
+    full, auto = (M.measure(model, job, "metp", measure_layers=depth)[0]
+                  for depth in ("full", "auto"))
+    for r in (full, auto):
+        assert "error" not in r, r.get("error")
+    assert auto["method"].startswith("measured on 2 layers (1 keeping attention), 3 layers (1 "
+                                     "keeping attention), 3 layers (2 keeping attention)"), \
+        auto["method"]
+    for key in ("peak", "stored", "host_peak"):
+        assert auto[key] == pytest.approx(full[key], rel=1e-3), key
+    assert full["host_peak"] == pytest.approx(P.memory(model, job, "metp").act.host, rel=1e-3)
+    real = FR.partial_keep_points
+    monkeypatch.setattr(FR, "partial_keep_points", lambda *a: (
+        lambda pts, coef: (pts[:2], [coef[0], coef[1] + coef[2]]))(*real(*a)))
+    flat = M.measure(model, job, "metp", measure_layers="auto")[0]
+    assert full["host_peak"] - flat["host_peak"] == pytest.approx(
+        2 * (2 * 512 // 2 * 256 + 4 * 4 * 512 // 2), rel=1e-3)

@@ -71,7 +71,10 @@ def compare(config: str, megatron_lm_dir: str, *, measure: bool = True,
     row = {"config": os.path.basename(config), "mode": mode, "layout": P.layout(mode, job).describe(),
            "dry_run": dry["bytes"]["total"], "plan": mem.total, "notes": dry.get("notes", []),
            "dry_run_activations": dry["bytes"]["activations"],
-           "plan_activations": mem.act.peak}
+           "plan_activations": mem.act.peak,
+           # pinned host bytes per rank (offloaded activations, kept attention outputs)
+           "dry_run_host": dry["bytes"].get("host", 0.0), "plan_host": mem.act.host,
+           "gpus_per_node": dry.get("gpus_per_node", 8)}
     if measure:
         res = M.measure(model, job, mode, measure_layers=measure_layers)[0]
         if "error" in res:
@@ -103,6 +106,11 @@ def table(rows: List[Dict], tolerance: float = TOLERANCE) -> str:
     lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(head, ws)) + " |",
              "|" + "|".join("-" * (w + 2) for w in ws) + "|"]
     lines += ["| " + " | ".join(str(v).ljust(w) for v, w in zip(r, ws)) + " |" for r in out]
+    hosts = [r for r in rows if r.get("dry_run_host") or r.get("plan_host")]
+    if hosts:
+        lines.append("host memory per node (dry run / plan): " + "; ".join(
+            f"{r['config']} {P.fmt_bytes(r['dry_run_host'] * r['gpus_per_node'])} / "
+            f"{P.fmt_bytes(r['plan_host'] * r['gpus_per_node'])}" for r in hosts))
     notes = sorted({n for r in rows for n in r["notes"]})
     lines += [f"dry-run note: {n}" for n in notes]
     return "\n".join(lines)

@@ -478,11 +478,6 @@ def cmd_measure(args) -> int:
         print(f"measure: --config {args.config} runs mode {args.modes[0]} (--modes "
               f"{' '.join(P.MODES)} measures the others)", file=sys.stderr, flush=True)
     model, job, modes = build(args)
-    if job.keep_attention_output is not None:  # (a config's --metp-keep-attention-output too)
-        raise ValueError("--keep-attention-output: metp measure does not build kept attention "
-                         "yet (the model builder's METPSettings.keep_attention_output comes with "
-                         "the Megatron-LM flag); measure without it (METP_OFFLOAD_LAYERS / "
-                         "EXTRA_ARGS of a copy of the config), or plan it with metp plan")
     t0 = time.perf_counter()
     results = M.measure(model, job, modes, jobs=args.jobs, timeout=args.timeout,
                         cpu_matmul=args.cpu_matmul, measure_layers=args.measure_layers,

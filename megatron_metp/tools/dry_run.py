@@ -356,22 +356,36 @@ def _build_and_measure(args, pretrain_gpt, ps, te_absent: bool, notes: List[str]
                 full_layers = args.num_layers
                 n_off = getattr(args, "metp_offload_activations", False)
                 partial = n_off is not True and bool(n_off)  # --metp-offload-activations N
+                n_keep = getattr(args, "metp_keep_attention_output", None)
+                keep_part = n_keep is not True and bool(n_keep) and n_keep < n_layers
+                if keep_part and (partial or step > 1):
+                    raise DryRunError(f"--metp-keep-attention-output {n_keep} with "
+                                      + (f"--metp-offload-activations {n_off}" if partial else
+                                         f"--recompute-num-layers {step}")
+                                      + ": the layer extrapolation takes one partial choice "
+                                        "of whole layers at a time; use --measure-layers full")
                 if partial:  # each measured stage keeps the full stage's kept layers
                     pts, coef = FR.partial_offload_points(n_layers, n_off, (a, k), step=step)
+                elif keep_part:  # a shallower stage would keep every layer: slopes in both
+                    pts, coef = FR.partial_keep_points(n_layers, n_keep, (a, k))
                 else:
                     t_ = (n_layers - k) / (k - a)
                     pts, coef = [(a, n_off), (k, n_off)], [-t_, 1 + t_]
                 points = []
                 try:
-                    for depth, off in pts:
+                    for depth, x in pts:
                         args.num_layers = depth * pp_size
                         if partial:
-                            args.metp_offload_activations = off
+                            args.metp_offload_activations = x
+                        if keep_part:
+                            args.metp_keep_attention_output = x
                         points.append(measure(build()))
                 finally:
                     args.num_layers = full_layers
                     if partial:
                         args.metp_offload_activations = n_off
+                    if keep_part:
+                        args.metp_keep_attention_output = n_keep
                 keys = ("stored", "work_peak", "host")
                 act = {key: FR.combine([pt[key] for pt in points], coef) for key in keys}
                 per_layer = {key: (points[1][key] - points[0][key]) / (pts[1][0] - pts[0][0])
@@ -381,6 +395,10 @@ def _build_and_measure(args, pretrain_gpt, ps, te_absent: bool, notes: List[str]
                 act["method"] = (
                     f"measured on {', '.join(f'{d} layers ({o} offloaded)' for d, o in pts)}, "
                     f"combined linearly to {n_layers} layers with {n_off} offloaded" if partial
+                    else "measured on " + ", ".join(f"{d} layers ({o} keeping attention)"
+                                                    for d, o in pts)
+                    + f", combined linearly to {n_layers} layers with {n_keep} keeping it"
+                    if keep_part
                     else f"measured on {a} and {k} layers, extrapolated linearly to {n_layers} "
                          f"(+{per_layer['stored'] / MiB:,.0f} MiB stored per layer)")
             run_s = time.perf_counter() - t_run

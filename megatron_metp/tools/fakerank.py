@@ -438,6 +438,26 @@ def partial_offload_points(per_stage: int, offloaded: int, depths: tuple, *, ste
     return [(a, a - k0), (b, b - k0), (b, b - k0 - step)], [-t, 1 + t - u, u]
 
 
+def partial_keep_points(per_stage: int, kept: int, depths: tuple
+                        ) -> Tuple[List[Tuple[int, int]], List[float]]:
+    """What to measure for a stage of ``per_stage`` layers whose first ``kept`` keep their
+    attention output (``--metp-keep-attention-output N``, ``0 < N < per_stage``; depths one
+    layer apart): ``([(layers, kept), ...], coefficients)`` as :func:`partial_offload_points`.
+    A shallower stage given the same ``N`` would keep all its layers, so three points, ``(a, 1)``,
+    ``(b, 1)``, ``(b, 2)`` with ``a >= 2`` (the last layer of each keeping nothing, as the full
+    stage's; one kept layer in each, as the step the first one adds on the device is not a slope),
+    extrapolated linearly in the layers and in the kept layers (a kept layer adds its ``O`` +
+    LSE where its input goes). ``ValueError`` when the stage is too shallow for that."""
+    a, b = depths
+    if a < 2:
+        a, b = 2, 3
+    if b >= per_stage:
+        raise ValueError(f"partial kept attention: extrapolating needs more than {b} layers per "
+                         f"stage, got {per_stage}; measure every layer")
+    t = (per_stage - b) / (b - a)
+    return [(a, 1), (b, 1), (b, 2)], [-t, 1 + t - (kept - 1), float(kept - 1)]
+
+
 def combine(values: List, coefficients: List[float]):
     """``Σ coefficient × value`` for numbers, key by key for dicts of them (other values: the
     last one's), as :func:`extrapolate` for more than two points."""

@@ -129,7 +129,7 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
     from .plan.settings import settings_for
 
     # the ops' CPU stand-in for a GPU flash kernel (torch's fused kernel; fp32 blocks: unfused)
-    settings = settings_for(asked, job).replace(
+    settings = settings_for(asked, job, model=model).replace(
         kernel="torch_flash" if job.kernel == "flash" else "reference")
     if model.moe and mode not in ("metp", "tp", "tp-sp"):
         raise ValueError(f"metp measure: mode {mode} with experts is not measured (modes metp, "
@@ -306,18 +306,36 @@ def _runs(model: "P.Model", job: "P.Job", mode: str, measure_layers: str):
     how their figures combine (:func:`fakerank.combine`). The offload split is the plan's
     (:func:`plan.memory`: every layer, ``--offload-activations N``, or as many as the node's host
     memory holds), each measured stage offloading all but the kept layers of the full one
-    (:func:`fakerank.partial_offload_points`)."""
+    (:func:`fakerank.partial_offload_points`). The kept attention is the plan's too
+    (``--keep-attention-output [N]``, no N resolved as the plan resolves it): every layer of a
+    stage keeping it extrapolates as any stage does; the first ``N`` of ``L`` layers only give
+    slopes in layers and in kept layers (:func:`fakerank.partial_keep_points`, as the dry run),
+    or every layer is measured beside a partial offload or chunks of several layers."""
     L = model.layers // job.pp
-    off = P.memory(model, job, mode).act.offloaded_layers
+    planned = P.memory(model, job, mode).act
+    off = planned.offloaded_layers
     if job.offload:  # the split the plan made, explicit (0: nothing to offload)
         job = replace(job, offload_layers=off if 0 < off < L else None) if off else \
             replace(job, offload=False, offload_layers=None, host_memory_gib=None,
                     offload_prefetch=True)
+    kept = planned.kept_attention_layers
+    if job.keep_attention_output is not None:  # the count the plan keeps (0: none)
+        job = replace(job, keep_attention_output=kept or None)
     depths = _depths(model, job, measure_layers)
-    if depths is None:
-        return [(model, job)], [1.0], None
     step = job.recompute_num_layers if job.recompute == "full" and \
         job.recompute_method == "uniform" else 1
+    if 0 < kept < L and (job.offload_layers is not None or step > 1 or
+                         (depths and max(depths[1], 3) >= L)):
+        depths = None
+    if depths is None:
+        return [(model, job)], [1.0], None
+    if 0 < kept < L:
+        points, coef = FR.partial_keep_points(L, kept, depths)
+        runs = [(replace(model, layers=d * job.pp), replace(job, keep_attention_output=k))
+                for d, k in points]
+        said = ", ".join(f"{d} layers ({k} keeping attention)" for d, k in points)
+        return runs, coef, f"measured on {said}, combined linearly to {L} layers with {kept} " \
+                           f"keeping it"
     if job.offload_layers is not None:
         points, coef = FR.partial_offload_points(L, job.offload_layers, depths, step=step)
         runs = [(replace(model, layers=d * job.pp), replace(job, offload_layers=n))

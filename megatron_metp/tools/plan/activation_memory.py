@@ -11,7 +11,7 @@ from .metp import metp_phases
 from .moe import dispatch_state, moe_layer
 from .streaming import streaming_applies, streaming_phases
 from .model import BF16, FP32, Job, Model, canonical, layout, padded_vocab
-from .keep import kept_bytes, kept_split
+from .keep import kept_bytes, kept_not_re_formed, kept_split
 from .recompute import recompute_and_offload
 from .stock import stock_phases
 from .vocab import vocab_embedding_backward, vocab_embedding_forward, vocab_loss_phases
@@ -350,6 +350,8 @@ def activations(model: Model, job: Job, mode: str, seq: Optional[int] = None,
     if kept_dev:
         S[f"kept attention O + LSE, {kept_dev} of {g.L} layers (bf16 + fp32)"] = \
             kept_dev * kept / g.L
+    if kept_dev and not streaming:  # the last chunk's device-kept O + LSE: not formed again
+        shifts = kept_not_re_formed(shifts, job, g.L, kept_host, kept_host + kept_dev, kept)
     host_stash = 0.0
     if streaming:
         X, host_stash = _streaming_phases(model, job, g, off)

@@ -178,7 +178,7 @@ def validate(model: Model, job: Job, modes: Sequence[str] = MODES) -> None:
         if mode in SETTINGS_MODES:  # METP's own rules, as training and Megatron-LM ask them
             from .settings import settings_for
 
-            settings_for(mode, job)
+            settings_for(mode, job, model=model)
 
 
 def _check_keep(job: Job, modes: Sequence[str]) -> None:

@@ -27,7 +27,8 @@ recompute), and only the layers full recompute recomputes (method ``block``: the
 
 from __future__ import annotations
 
-from typing import Tuple
+import math
+from typing import Dict, Tuple
 
 from .model import BF16, FP32, KEEP_AUTO, Job, Model, canonical, layout
 
@@ -69,4 +70,26 @@ def kept_bytes(model: Model, job: Job, mode: str, seq: int) -> float:
     return BF16 * n * (model.heads * model.head_dim // lay.t) + FP32 * n * (model.heads // lay.t)
 
 
-__all__ = ["kept_bytes", "kept_layers", "kept_split", "recomputed_layers"]
+def kept_not_re_formed(shifts: Dict[str, float], job: Job, layers: int, host: int, kept: int,
+                       per_layer: float) -> Dict[str, float]:
+    """The recompute shifts (:func:`.recompute.recompute_and_offload`) of the separate ops when
+    layers of the last recomputed chunk keep their ``O`` + LSE on the device: the re-run forward
+    hands those kept tensors (counted with what the stage stores) to the backward instead of
+    forming them again, so each such layer's ``per_layer`` bytes leave the ``recompute``,
+    ``mlp`` and ``backward`` shifts. ``host``/``kept``: the first ``host`` of the ``kept`` kept
+    layers keep theirs on the host (brought back, so re-formed on the device as before)."""
+    if job.recompute != "full":
+        return shifts
+    k = job.recompute_num_layers
+    if job.recompute_method == "uniform":
+        chunk = layers - (math.ceil(layers / k) - 1) * k
+    else:
+        chunk = 1 if min(k, layers) == layers else 0
+    again = max(0, kept - max(host, layers - chunk)) if chunk else 0
+    if not again:
+        return shifts
+    return {key: v - (again * per_layer if key != "forward" else 0.0)
+            for key, v in shifts.items()}
+
+
+__all__ = ["kept_bytes", "kept_layers", "kept_not_re_formed", "kept_split", "recomputed_layers"]
