@@ -172,3 +172,39 @@ def test_streaming_passes_carry_the_layer_host_bytes_and_the_ops_read_count():
     assert reads == sum(host_reads(lay.p).values()) == 2 * 8 + 3
     assert c["host_copy_exposed_s"] == pytest.approx(
         METP8.offload and 32 * sum(x["count"] * x["exposed_s"] for x in c["host_passes"]))
+
+
+def test_offload_copies_hide_behind_their_own_phase_only():
+    """Activation offload outside the streaming layer: a layer's saved tensors go to the host
+    during the forward and come back during the backward, so the write is exposed by its excess
+    over one layer's forward compute, the read by its excess over the backward's. Stock TP 4+SP
+    at 128K writes 4.7 GiB per layer (93 ms at 54.4 GB/s) against 77 ms of forward: exposed,
+    although both copies together (186 ms) are less than the layer's forward and backward
+    (~275 ms), which a whole-layer comparison would have hidden (negative control)."""
+    from megatron_metp.tools.plan.host_link import host_copy_gbps
+    from megatron_metp.tools.plan.rank_memory import memory
+    from megatron_metp.tools.plan.step_time import step_time
+
+    model = LLAMA.with_seq(131072)
+    job = P.Job(tp=4, dp=2, distributed_optimizer=True,
+                hardware="H100-80GB", offload=True)
+    st = step_time(model, job, "tp-sp")
+    c, L = st["components"], model.layers
+    act = memory(model, job, "tp-sp").act
+    assert act.offloaded_layers == L
+    copy = act.host / L / (host_copy_gbps("H100-80GB") * 1e9)
+    layer = (sum(v for k, v in c.items() if k not in ("loss", "host_copies_exposed",
+                                                      "optimizer"))) / L
+    assert 2 * copy < layer  # the whole-layer comparison: nothing exposed
+    fl = P.layer_flops(model, job, "tp-sp")
+    r = st["rates"]
+    fa = c["attention_fwd"] / L
+    fwd = fa + (fl["forward"] - fa * r["attention_fwd_tflops"] * 1e12) / (
+        r["gemm_tflops"] * 1e12)
+    assert copy > fwd > 0.0
+    assert c["host_copies_exposed"] == pytest.approx(L * (copy - fwd), rel=1e-9)
+    # METP 4 × DP 2 at the same length saves 3 GiB per layer (Q/K/V and the MLP's intermediate
+    # re-formed per shard): its writes hide behind its forward
+    metp = P.Job(metp=4, dp=2, distributed_optimizer=True, hardware="H100-80GB", offload=True,
+                 keep_intermediate=True)
+    assert step_time(model, metp, "metp")["components"]["host_copies_exposed"] == 0.0

@@ -9,7 +9,9 @@ with each option set (each with the activation offload off and on, as many layer
 the node's host memory holds, :mod:`.partial`; and Megatron's ``--optimizer-cpu-offload`` off
 and on):
 
-* recompute ``none``; ``selective`` (where the planner plans it: :func:`.job_checks.validate`);
+* recompute ``none`` (with the offload also with the fewest offloaded layers per stage that fit,
+  bisected: a layer that saves more than its forward computes makes its copy wait,
+  :mod:`.step_time`); ``selective`` (where the planner plans it: :func:`.job_checks.validate`);
   ``full`` in uniform chunks of ``k`` layers, every ``k`` dividing the layers of a stage;
 * ``full`` with ``--recompute-method block --recompute-num-layers N``: the first ``N`` layers of
   each stage recompute, the others keep everything. A recomputed layer costs one more forward,
@@ -193,6 +195,12 @@ def _variants(fit: _Fit, base: Job, family: str, layers: int,
         yield "none", base
         if not base.offload:
             return
+    if base.offload and base.offload_layers is None and not skip("offload"):
+        # an offloaded layer whose saved tensors outgrow its forward's compute costs time
+        # (.step_time): the fewest offloaded layers per stage that fit, the others on the device
+        n = _smallest(lambda n: fit(replace(base, offload_layers=n)), 1, layers - 1)
+        if n is not None:
+            yield "offload", replace(base, offload_layers=n)
     sel = replace(base, recompute="selective")
     if not skip("selective") and fit(sel):
         yield "selective", sel
@@ -217,6 +225,8 @@ def _label(label: str, job: Job, layers: int) -> str:
     """The printed name of a recompute option (block: its count; kept attention: its layers)."""
     if label == "block":
         return f"full (block, {job.recompute_num_layers} of {layers} layers)"
+    if label == "offload":  # the offload's own words name the count (Choice.describe)
+        return "none"
     if label == "keep":
         return f"full, attention output kept ({job.keep_attention_output} of {layers} layers)"
     return label
@@ -271,9 +281,11 @@ def family_choices(model: Model, gpus: int, family: str, hardware: str = "H100-8
                     base = Job(**common, **fields, **moe, **host, optimizer_offload=off,
                                keep_intermediate=keep)
                     for label, job in _variants(fit, base, family, layers, skip):
-                        if label not in ("block", "keep") or \
-                                (job.recompute_num_layers if label == "block" else
-                                 layers + 1 - job.keep_attention_output) == 1:
+                        if label not in ("block", "keep", "offload") or \
+                                {"block": job.recompute_num_layers,
+                                 "offload": job.offload_layers,
+                                 "keep": layers + 1 - (job.keep_attention_output or 0)
+                                 }[label] == 1:
                             done.add(label)
                         out.append(_choice(model, family, mode, job,
                                            _label(label, job, layers), fit))
