@@ -352,3 +352,29 @@ def test_layer_extrapolation_of_a_partial_keep_matches_the_full_depth(monkeypatc
     flat = M.measure(model, job, "metp", measure_layers="auto")[0]
     assert full["host_peak"] - flat["host_peak"] == pytest.approx(
         2 * (2 * 512 // 2 * 256 + 4 * 4 * 512 // 2), rel=1e-3)
+
+
+def test_kept_layers_send_no_k_v_ring_again():
+    """What full recompute sends again (``cost.sent_by_recompute``): a kept layer of the
+    separate ops re-runs its weight rings but not its K/V ring; a kept streaming layer runs no
+    recompute step (nothing again). Negative control: without keeping, every recomputed layer
+    sends its K/V ring's forward share again."""
+    from megatron_metp.tools.plan.traffic import traffic_per_layer
+
+    model = LLAMA.with_seq(131072)
+    sep = P.Job(metp=8, vocab_parallel=True, distributed_optimizer=True, recompute="full",
+                hardware="H100-80GB", keep_intermediate=True)  # the separate ops
+    L = model.layers
+    full = P.step_cost(model, sep, "metp")["sent_by_recompute"]
+    kept4 = P.step_cost(model, dataclasses.replace(sep, keep_attention_output=4),
+                        "metp")["sent_by_recompute"]
+    ring = traffic_per_layer(model, sep, "metp")["attention K/V ring (every head group)"] / 4
+    assert ring > 0 and full == pytest.approx(L * P.forward_traffic_per_layer(model, sep, "metp"))
+    assert full - kept4 == pytest.approx(4 * ring)
+    assert kept4 > 0  # the weight rings of the kept layers still run again
+    # the streaming layer (every layer offloaded at 3.7M): keeping every layer sends nothing again
+    stream = dataclasses.replace(JOB, keep_attention_output=None)
+    assert P.step_cost(AT_37M, stream, "metp")["sent_by_recompute"] > 0
+    assert P.step_cost(AT_37M, _keep(8), "metp")["sent_by_recompute"] == pytest.approx(
+        P.step_cost(AT_37M, stream, "metp")["sent_by_recompute"] * (L - 8) / L)
+    assert P.step_cost(AT_37M, _keep(L), "metp")["sent_by_recompute"] == 0.0

@@ -75,7 +75,8 @@ def step_cost(model: Model, job: Job, mode: str) -> Dict:
     extra -= kept * 2 * (model.seq * job.micro_batch // lay.c) * model.seq * model.heads * \
         model.head_dim / lay.t
     sent = L * sum(traffic_per_layer(model, job, mode).values())
-    sent_extra = recomputed * forward_traffic_per_layer(model, job, mode)
+    sent_extra = (recomputed - kept) * forward_traffic_per_layer(model, job, mode) + \
+        kept * forward_traffic_per_layer(model, job, mode, kept=True)
     sent_vocab = sum(vocab_traffic(model, job, mode).values())
     host = act.host
     moved = 2 * host

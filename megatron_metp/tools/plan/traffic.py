@@ -54,13 +54,20 @@ def traffic_per_layer(model: Model, job: Job, mode: str, seq: Optional[int] = No
 
 
 def forward_traffic_per_layer(model: Model, job: Job, mode: str,
-                              seq: Optional[int] = None) -> float:
+                              seq: Optional[int] = None, kept: bool = False) -> float:
     """Bytes one rank sends in one layer's *forward* (what a full recompute sends again): the
     forward shares of :func:`traffic_per_layer`'s terms (TP / TP+SP: half; the K/V ring: the K/V
-    blocks; METP: one weight broadcast, one K/V pass per head group, one bf16 weight ring)."""
+    blocks; METP: one weight broadcast, one K/V pass per head group, one bf16 weight ring).
+
+    ``kept``: a layer that keeps its attention output (:mod:`.keep`) runs no K/V ring in its
+    re-forward (its weight rings run again: the projections re-form q, K, V), and a streaming
+    layer that keeps it runs no recompute step at all (its backward forms q, K, V with the
+    weights its backward passes bring anyway): nothing again."""
     mode, job = canonical(mode, job)
     lay = layout(mode, job)
     if mode == "metp" and streaming_applies(job, lay, mode):  # its recompute: the attention's
+        if kept:
+            return 0.0
         s = model.seq if seq is None else seq
         return sum(streaming_traffic(model, job, lay, s * job.micro_batch // lay.c)[
             "recompute"].values())
@@ -70,8 +77,10 @@ def forward_traffic_per_layer(model: Model, job: Job, mode: str,
         if key.startswith("TP"):
             total += v / 2
         elif key.startswith("K/V ring"):
-            total += v / 4
-        elif key.startswith("attention weights") or key.startswith("attention K/V"):
+            total += 0.0 if kept else v / 4
+        elif key.startswith("attention K/V"):
+            total += 0.0 if kept else v / 4
+        elif key.startswith("attention weights"):
             total += v / 4
         elif key.startswith("MLP weight ring"):
             total += v * BF16 / (2 * BF16 + FP32)
