@@ -609,14 +609,20 @@ def part_time(out):
     from megatron_metp.tools.plan import search as S
 
     out.append("## (g) Time per sequence: METP, stock Megatron and ALST, best vs best\n")
+    from megatron_metp.tools.plan import rates as R
+
+    k = R.default_kernel("H100-80GB")
+    r, f2 = R.RATES[("H100-80GB", k)], R.RATES[("H100-80GB", "fa2")]
     out.append("Llama-3-8B on H100-80GB, **planned** by the step-time model "
                "(`megatron_metp/tools/plan/step_time.py`): attention at the published rates of "
-               "the kernel a GPU runs (METP and stock Megatron: cuDNN fused attention, 539 "
-               "forward / 516 backward TFLOP/s; ALST: FlashAttention-2, 335 / 322, the kernel it "
-               "ran; FlashAttention-3 paper, arXiv 2407.08608, head dim 128), a flash backward "
-               "2.5× its forward's FLOPs, GEMMs at 708 TFLOP/s, the ring's per-step imbalance "
-               "from the op's own tile plan, the host copies pass by pass at 54.4 GB/s per GPU, "
-               "exposed ring hops and all-to-alls, the optimizer step "
+               f"the kernel a GPU runs (METP and stock Megatron: the fastest of the table, {k}, "
+               f"{r.attention_fwd_tflops:g} forward / {r.attention_bwd_tflops:g} backward "
+               f"TFLOP/s; ALST: FlashAttention-2, {f2.attention_fwd_tflops:g} / "
+               f"{f2.attention_bwd_tflops:g}, the kernel it ran; FlashAttention-3 paper, arXiv "
+               "2407.08608, head dim 128; `megatron_metp/ops/kernel_rates.py`), a flash backward "
+               f"2.5× its forward's FLOPs, GEMMs at {r.gemm_tflops:g} TFLOP/s, the ring's per-step "
+               "imbalance from the op's own tile plan, the host copies pass by pass at 54.4 GB/s "
+               "per GPU, exposed ring hops and all-to-alls, the optimizer step "
                "(`tools/plan/rates.py`, `host_link.py`). Each family's best layout is its "
                "longest sequence (part (f)'s search; ALST = mode `alst`: Ulysses over all GPUs + "
                "ZeRO-3, optimizer and checkpointed layer inputs on the host, tiled MLP and loss), "
@@ -645,27 +651,34 @@ def part_time(out):
                        f"{t_best:,.0f} s | {at} | "
                        f"{_mtok(seq)}: {measured:,.0f} s |")
     out.append("")
-    job = P.Job(tp=1, metp=8, vocab_parallel=True, distributed_optimizer=True,
-                hardware="H100-80GB", recompute="full", offload=True)
-    model = LLAMA3_8B.with_seq(3_700_000)
+    from megatron_metp.tools import cli
+
+    model, job, _ = cli.build_from_argv(["--config", "configs/llama3-8b-4m-metp8.sh", "--seq",
+                                         "3700000", "--hardware", "H100-80GB"])
+    kept = P.memory(model, job, "metp").act.kept_attention_layers
     m = P.step_cost(model, job, "metp")
     a = P.step_cost(model, P.Job(metp=8, hardware="H100-80GB"), "alst")
     fa2 = P.step_cost(model, P.Job(**{**job.__dict__, "attention_kernel": "fa2"}), "metp")
+    again = P.step_cost(model, P.Job(**{**job.__dict__, "keep_attention_output": None}), "metp")
 
     def comp(c):
         return ", ".join(f"{k.replace('_', ' ')} {v:,.0f}" for k, v in c["components"].items()
                          if v >= 0.5)
 
-    out.append(f"ALST's own job, 3.7M tokens on 8 × H100 (`configs/llama3-8b-4m-metp8.sh "
-               f"--seq 3700000`): METP {m['step_s']:,.0f} s per sequence = "
+    out.append(f"ALST's own job, 3.7M tokens on 8 × H100 (`metp plan --config "
+               f"configs/llama3-8b-4m-metp8.sh --seq 3700000`: full recompute, {kept} of "
+               f"{model.layers} layers keeping their attention output, "
+               f"`--metp-keep-attention-output`): METP {m['step_s']:,.0f} s per sequence = "
                f"**{m['step_s'] / 6455:.2f}× ALST's measured 6,455 s** (ring imbalance "
                f"{m['ring_imbalance']:.3f}, {m['query_tiles']} query tiles; seconds: {comp(m)}); "
-               f"the `alst` mode {a['iteration_s']:,.0f} s ({a['iteration_s'] / 6455 - 1:+.1%} "
-               f"of the measurement; {comp(a)}). Like for like with FlashAttention-2 "
-               f"(`--kernel fa2`), METP takes {fa2['step_s']:,.0f} s "
+               f"running the attention forward again in every layer instead: "
+               f"{again['step_s']:,.0f} s. The `alst` mode {a['iteration_s']:,.0f} s "
+               f"({a['iteration_s'] / 6455 - 1:+.1%} of the measurement; {comp(a)}). Like for "
+               f"like with FlashAttention-2 (`--kernel fa2`), METP takes {fa2['step_s']:,.0f} s "
                f"({fa2['step_s'] / a['iteration_s']:.2f}× the `alst` mode): the same attention "
-               f"FLOPs at the same rates, so the kernel, not the parallel scheme, sets the time "
-               f"at millions of tokens; METP's gain is the sequence it reaches (part (f)).\n")
+               f"kernel, but METP's memory pays for keeping each layer's attention output, so "
+               f"its backward never runs the attention forward a second time, which ALST's full "
+               f"recompute does.\n")
 
 
 def _attn_share(model, job):
