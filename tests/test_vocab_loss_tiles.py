@@ -6,7 +6,7 @@ output layer → cross-entropy model of ``tests/vocab_cases.py`` with a loss mas
 3 (and TP 2 × METP 2), with and without label smoothing, untied and tied tables. ``S = 42, B = 1``
 gives 42, 21 and 14 rows per rank, so tiles of 5 rows are uneven everywhere (9 tiles of 5 and 2;
 5, 5, 5, 5, 1; 5, 5, 4) and token chunks of 2 cut every tile unevenly again. Loss, per-token
-loss and every gradient must equal the untiled run within 1e-6, and the single-device reference
+loss and every gradient must equal the untiled run within 2e-6, and the single-device reference
 within 1e-5. The counters show the structure: one backward pass of the ring per tile (bytes sent:
 forward once, backward ``T`` times; two ``mm_acc`` per chunk, tile and ring step), and the
 gradient of ``hidden`` written into ``hidden`` itself with ``grad_into_hidden``. Negative
@@ -32,7 +32,10 @@ from tests.test_vocab import _errors, _gather, rank_inputs
 from tests.vocab_cases import full_vocab_case, reference
 
 S, B, H = 42, 1, 8
-TOL = 1e-6
+#: tiled against untiled (fp32): tiles of one row sum 42 one-row products into each weight
+#: gradient in another order; 1.14e-6 measured on a CPU whose kernels round differently from the
+#: earlier CI machine's (under 1e-6 there); the negative controls below are off by more than 1e-4
+TOL = 2e-6
 #: (token_tile, token_chunk, grad_into_hidden); the first is the untiled baseline
 CONFIGS = [(0, None, False), (5, None, False), (5, 2, False), (1, None, False), (5, 2, True),
            (0, None, True)]
