@@ -315,3 +315,18 @@ def test_stock_moe_twin_dry_run_builds_whole_experts_under_tp_sp(patched_megatro
     assert abs(dry["grads"] / static["grads"] - 1) <= 0.005, (dry, static)
     experts = model.layers * (model.experts // job.ep) * 3 * model.hidden * model.moe_ffn * 2
     assert static["params"] - dry["params"] < experts * 3 / 4  # not split 4 more ways
+
+
+def test_a_stock_cp_config_plans_its_own_mode(capsys):
+    """``metp plan --config`` of a stock TP × CP twin (TP 4 × CP 2, EP 8) plans the one job it
+    is (mode cp: TP 4+SP × CP 2), as ``metp measure`` and the agreement do, instead of every
+    mode of its width (TP 8 would not divide the 4 query groups). Negative control: asking for
+    mode tp-sp still refuses, naming the query groups."""
+    cfg = os.path.join(os.path.dirname(__file__), "..", "configs",
+                       "qwen3-30b-a3b-1m-tp4-cp2-ep8.sh")
+    assert cli.main(["plan", "--config", cfg]) == 0
+    out, err = capsys.readouterr()
+    assert "runs mode cp" in err and "TP=4+SP×CP=2" in out
+    assert "8 micro-batches" in out  # its global batch of 8
+    assert cli.main(["plan", "--config", cfg, "--modes", "tp-sp"]) == 2
+    assert "--query-groups 4 is not divisible" in capsys.readouterr().err

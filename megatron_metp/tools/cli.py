@@ -417,6 +417,13 @@ def cmd_plan(args) -> int:
         raise ValueError("--gpus is the GPU count of --reach and --fastest; a single plan takes "
                          "the layout (--tp, --metp, --cp, --pp, --dp); add --reach or --fastest, "
                          "or drop --gpus")
+    if args.config and not args.modes and _stock_cp(args.config) > 1 and \
+            int(P.read_config(args.config).get("metp") or 1) <= 1:
+        # a stock CP twin (TP × CP or CP alone) is one job: its own mode, as metp measure and
+        # the agreement plan it (the other modes of its width may not divide its heads)
+        args.modes = config_modes(args.config)
+        print(f"plan: --config {args.config} runs mode {args.modes[0]} (--modes names others)",
+              file=sys.stderr, flush=True)
     model, job, modes = build(args)
     print(P.report(model, job, modes, width=_width(args)))
     if args.png:
