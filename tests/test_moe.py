@@ -6,6 +6,7 @@ through Megatron's DDP and distributed optimizer; negative controls (EP left at 
 expert gradients not reduced over expert-DP); the METP rings off Megatron's EP communicator;
 refusals naming the flag."""
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -21,7 +22,8 @@ MOE = GPTSize(num_layers=3, hidden_size=48, num_attention_heads=12, num_query_gr
               moe_router_topk=2, moe_ffn_hidden_size=16, moe_layer_freq=2, bias=False)
 
 
-def _layout(metp=1, cp=1, mode="metp", dispatcher="allgather", aux=None, qk=False, **kw):
+def _layout(metp=1, cp=1, mode="metp", dispatcher="allgather", aux=None, qk=False,
+            shared=None, **kw):
     """``aux``: None (no router loss), ``"aux"`` (load-balancing 1e-2 + z-loss 1e-3) or
     ``"seq_aux"`` (sequence-level load balancing 1e-2 + z-loss 1e-3); ``qk``: per-head q/k
     norms (``--qk-layernorm``, as Qwen3-MoE)."""
@@ -30,6 +32,7 @@ def _layout(metp=1, cp=1, mode="metp", dispatcher="allgather", aux=None, qk=Fals
     if aux:
         extra.update(moe_router_load_balancing_type=f"{aux}_loss", moe_aux_loss_coeff=1e-2,
                      moe_z_loss_coeff=1e-3)
+    extra.update(shared or {})  # shared experts: --moe-shared-expert-* fields
     return Layout(metp=metp, cp=cp, mode=mode, extra=extra, **kw)
 
 
@@ -189,6 +192,60 @@ def test_one_step_matches_single_rank_stock(stock, metp, cp, dispatcher, aux, re
         assert bad > 0.1, bad
 
 
+#: a shared expert of width 24 (divisible by 2 and 3) beside the routed ones, gated or not
+SHARED = {"moe_shared_expert_intermediate_size": 24}
+
+
+@pytest.fixture(scope="module")
+def stock_shared():
+    """Single-rank stock megatron-core with a shared expert (``SharedExpertMLP``), gated or
+    not, alltoall with the load-balancing and z losses."""
+    cache = {}
+
+    def get(gate):
+        if gate not in cache:
+            extra = {**SHARED, "moe_shared_expert_gate": gate}
+            cache[gate] = run_ranks(moe_one_step, 1, MOE,
+                                    _layout(mode="tp", dispatcher="alltoall", aux="aux", qk=True,
+                                            **_with_extra(extra)))[0]
+        return cache[gate]
+    return get
+
+
+def _with_extra(extra):
+    return {"shared": extra}
+
+
+@pytest.mark.parametrize("metp,cp,gate", [(2, 1, False), (3, 1, True), (2, 2, True)],
+                         ids=["metp2", "metp3-gate", "metp2xcp2-gate"])
+def test_shared_experts_match_single_rank_stock(stock_shared, metp, cp, gate):
+    """``--moe-shared-expert-intermediate-size`` (and ``--moe-shared-expert-gate``): the shared
+    expert runs as METP's MLP (weight ring over the METP group, its shards ``[k·F_s/p, h]`` /
+    ``[h, F_s/p]``), the gate replicated; loss and every gradient equal single-rank stock's
+    within 1e-5 at METP 2, 3 and 2 × CP 2; the shared expert's weights are METP-sharded (a
+    replicated copy on every rank would hold p times the bytes). Negative control: a gated
+    run compared with stock without the gate fails the same comparison (the flag acts)."""
+    out = run_ranks(moe_one_step, metp * cp, MOE,
+                    _layout(metp, cp, dispatcher="alltoall", aux="aux", qk=True,
+                            **_with_extra({**SHARED, "moe_shared_expert_gate": gate})))
+    ref = stock_shared(gate)
+    loss_err, errs = _errors(out, ref)
+    worst = max(errs, key=errs.get)
+    assert loss_err <= 1e-5 and errs[worst] <= 1e-5, (loss_err, worst, errs[worst])
+    shared = {k: v for k, v in errs.items() if ".shared_experts." in k}
+    assert len(shared) == 2 * (2 + gate), shared  # fc1, fc2 (and the gate) of 2 MoE layers
+    for r in out:
+        for name, (t, _dim, sharded, shape) in r["grads"].items():
+            if ".shared_experts.linear_fc" in name:
+                assert sharded and t.numel() * metp == math.prod(shape), (name, t.shape, shape)
+            if name.endswith("shared_experts.gate_weight"):
+                assert not sharded and list(t.shape) == [1, MOE.hidden_size]
+    if gate:  # negative control: the same run against stock without the gate differs
+        off, got = assemble([stock_shared(False)]), assemble(out)
+        fc = [k for k in off if ".shared_experts.linear_fc" in k]
+        assert fc and min(rel_err(got[k], off[k]) for k in fc) > 1e-2
+
+
 def test_negative_control_expert_parallel_size_left_at_one_in_the_config(stock):
     """The trap: with ``expert_model_parallel_size`` 1 in the TransformerConfig (EP = p in
     parallel_state), Megatron marks expert weights as replicated, so they are summed over
@@ -276,7 +333,7 @@ def _cfg(**kw):
     (dict(tensor_model_parallel_size=2), "--tensor-model-parallel-size 2 with --num-experts"),
     (dict(expert_tensor_parallel_size=2), "--expert-tensor-parallel-size 2"),
     (dict(moe_token_dispatcher_type="flex"), "--moe-token-dispatcher-type flex"),
-    (dict(moe_shared_expert_intermediate_size=32), "--moe-shared-expert-intermediate-size"),
+    (dict(moe_shared_expert_overlap=True), "--moe-shared-expert-overlap"),
     (dict(moe_latent_size=16), "--moe-latent-size"),
     (dict(overlap_moe_expert_parallel_comm=True), "--overlap-moe-expert-parallel-comm"),
     (dict(cuda_graph_impl="transformer_engine"), "--cuda-graph-impl transformer_engine"),

@@ -110,6 +110,49 @@ def test_stock_ep_twin_continues_from_the_metp_checkpoint(patched_megatron_lm, r
     assert "loading distributed checkpoint" in log.lower() or "successfully loaded" in log.lower()
 
 
+#: a gated shared expert of width 64 beside the 4 routed experts (Qwen2-MoE's recipe)
+SHARED_ARGS = ("--moe-shared-expert-intermediate-size", "64", "--moe-shared-expert-gate",
+               "--disable-bias-linear")
+
+
+def test_shared_experts_train_as_the_stock_twin_and_cross_checkpoints(patched_megatron_lm,
+                                                                      tmp_path):
+    """``--moe-shared-expert-intermediate-size 64 --moe-shared-expert-gate`` through
+    ``pretrain_gpt.py``: the METP run (the shared expert as METP's MLP, sharded over the ring)
+    and its stock EP twin print the same losses; the METP checkpoint holds the shared expert
+    under stock's keys and full shapes (``[128, 64]`` fc1 of a SwiGLU-free width 64, the gate
+    ``[1, 64]``), and the stock twin continues from it with iteration 3's loss. Negative
+    control: the twin without the shared expert prints another iteration-1 loss."""
+    runs = {}
+    for name, config in (("metp", METP_CONFIG), ("tp", TWIN_CONFIG)):
+        ck = str(tmp_path / name)
+        _, log = _train(patched_megatron_lm, config, ITERS, *SHARED_ARGS, CHECKPOINT_PATH=ck,
+                        SAVE_INTERVAL=2, MOE_TOKEN_DISPATCHER="alltoall")
+        runs[name] = {"ckpt": ck, "iters": _iterations(log)}
+    metp, tp = runs["metp"]["iters"], runs["tp"]["iters"]
+    assert sorted(metp) == sorted(tp) == list(range(1, ITERS + 1))
+    for k in metp:
+        assert abs(metp[k][0] - tp[k][0]) <= 1e-5 * abs(tp[k][0]), (k, metp[k], tp[k])
+    plain = _iterations(_train(patched_megatron_lm, TWIN_CONFIG, 1,
+                               MOE_TOKEN_DISPATCHER="alltoall")[1])
+    assert abs(plain[1][0] - tp[1][0]) > 1e-4 * abs(tp[1][0]), (plain, tp)  # negative control
+    saved = _tensors(os.path.join(runs["metp"]["ckpt"], "iter_0000002"), str(tmp_path))
+    stock = _tensors(os.path.join(runs["tp"]["ckpt"], "iter_0000002"), str(tmp_path))
+    shared = sorted(k for k in stock if ".shared_experts." in k and not k.startswith("optim"))
+    assert shared and shared == sorted(k for k in saved if ".shared_experts." in k
+                                       and not k.startswith("optim")), shared
+    for key in shared:
+        assert saved[key].shape == stock[key].shape, (key, saved[key].shape)
+    assert tuple(saved["decoder.layers.0.mlp.shared_experts.gate_weight"].shape) == (1, 64)
+    ck = str(tmp_path / "metp-to-ep")
+    _rewind(runs["metp"]["ckpt"], ck, 2)
+    _, log = _train(patched_megatron_lm, TWIN_CONFIG, ITERS, *SHARED_ARGS, "--no-load-optim",
+                    "--no-load-rng", CHECKPOINT_PATH=ck, MOE_TOKEN_DISPATCHER="alltoall")
+    resumed = _iterations(log)
+    assert sorted(resumed) == [3], log[-3000:]
+    assert abs(resumed[3][0] - metp[3][0]) <= 1e-5 * abs(metp[3][0]), (resumed, metp[3])
+
+
 # ------------------------------------------------------------------------------- refusals
 
 _BASE = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "256",
@@ -154,7 +197,9 @@ def test_a_good_moe_job_passes_the_preflight_and_folds_ep_into_args(capsys):
     (["--num-experts", "3"], ["--num-experts 3 is not divisible by --metp-parallel-size 2"]),
     (["--moe-token-dispatcher-type", "flex"], ["--moe-token-dispatcher-type flex", "alltoall"]),
     (["--moe-enable-deepep"], ["flex"]),
-    (["--moe-shared-expert-intermediate-size", "64"], ["--moe-shared-expert-intermediate-size"]),
+    (["--moe-shared-expert-intermediate-size", "64", "--moe-shared-expert-overlap",
+      "--disable-bias-linear"], ["--moe-shared-expert-overlap"]),
+    (["--moe-shared-expert-intermediate-size", "64"], ["--disable-bias-linear"]),
     (["--moe-latent-size", "16"], ["--moe-latent-size"]),
     (["--overlap-moe-expert-parallel-comm"], ["--overlap-moe-expert-parallel-comm"]),
     (["--delay-wgrad-compute"], ["--delay-wgrad-compute"]),

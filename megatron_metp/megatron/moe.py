@@ -103,6 +103,16 @@ def get_gpt_decoder_block_metp_spec(config, groups: METPGroups, *, vp_stage=None
                                   qk_layernorm=qk, **metp_spec_kwargs)
     # a fresh METP layer spec (it holds process groups); the MoELayer with token tiles
     # (:mod:`.moe_tiles`: one tile, stock's forward, when the rank's tokens fit the budget)
+    if getattr(config, "moe_shared_expert_intermediate_size", None):
+        # the shared expert: METP's MLP of its width (:mod:`.shared_expert`)
+        from .compat import mlp_submodules
+        from .shared_expert import shared_expert_spec
+
+        sub = mlp_submodules(moe_mlp)  # the MoESubmodules (a ModuleSpec's or a partial's)
+        sub.shared_experts = shared_expert_spec(
+            sub.shared_experts, groups,
+            keep_intermediate=bool(metp_spec_kwargs.get("keep_intermediate", False)),
+            token_tile=metp_spec_kwargs.get("mlp_token_tile"))
     moe.submodules.mlp = tiled_moe_spec(moe_mlp, moe_token_tiles=moe_token_tiles)
 
     def has_experts(layer_spec) -> bool:

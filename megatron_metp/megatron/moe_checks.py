@@ -79,9 +79,9 @@ def moe_problems(get: Callable, metp_parallel_size: int, *, on_cpu: Optional[boo
     if dispatcher == "flex" or get("moe_enable_deepep", False):
         out.append("--moe-token-dispatcher-type flex (DeepEP / HybridEP): use allgather or "
                    "alltoall with METP")
-    if get("moe_shared_expert_intermediate_size", None):
-        out.append("--moe-shared-expert-intermediate-size (shared experts): not supported with "
-                   "METP yet; drop it (or run the shared expert as a dense layer)")
+    if get("moe_shared_expert_intermediate_size", None) and get("add_bias_linear", True):
+        out.append("--moe-shared-expert-intermediate-size with linear biases: the shared expert "
+                   "has none (as in stock Megatron); add --disable-bias-linear")
     if get("moe_latent_size", None):
         out.append("--moe-latent-size (MoE latent projections): not supported with METP; "
                    "drop it")

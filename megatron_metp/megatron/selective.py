@@ -75,8 +75,9 @@ REFUSED = {
     "moe_act": "it needs --moe-grouped-gemm, whose experts run on GPU only and inside METP's "
                "MoE token tiles are not verified with it: use --metp-moe-token-tiles N "
                f"(N >= 2) instead, or {_FULL}",
-    "shared_experts": "METP runs no shared experts (--moe-shared-expert-intermediate-size is "
-                      "refused): drop it",
+    "shared_experts": "the shared expert runs as METP's MLP, which keeps only its input and "
+                      "re-forms x·W1 per weight shard in backward: a checkpoint would re-run "
+                      "its weight ring and free nothing; drop it",
     "mla_up_proj": "multi-latent attention is not supported with METP: drop it",
     "gdn_norm_out": "Gated DeltaNet (--experimental-attention-variant gated_delta_net) is not "
                     "supported with METP: drop it",

@@ -119,6 +119,8 @@ def add_moe_preflight_flags(ap: argparse.ArgumentParser) -> None:
                 "--expert-tensor-parallel-num-weight-shards"):
         ap.add_argument(opt, type=int, default=None)
     ap.add_argument("--moe-token-dispatcher-type", default="allgather")
+    # the shared expert has no biases (moe_checks: --disable-bias-linear with shared experts)
+    ap.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false")
     ap.add_argument("--cuda-graph-impl", default="none")
     switches = {name for _, name, _ in _REFUSED_SWITCHES + _GPU_ONLY_SWITCHES}
     switches |= {"moe_enable_deepep", "moe_shared_expert_overlap", "moe_use_upcycling",
