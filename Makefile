@@ -39,7 +39,7 @@ PIP_INSTALL := -m pip install -q --no-compile --disable-pip-version-check
 JOBS ?= 2
 XDIST := $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadfile)
 
-.PHONY: venv venv-019 demo test test-019 test-fast faults bench clean
+.PHONY: venv venv-019 demo test test-019 test-fast faults test-slurm bench clean
 
 venv: $(STAMP)
 
@@ -98,6 +98,12 @@ test-fast: $(STAMP)
 faults: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -s --durations=8 tests/test_ring.py tests/test_stalls.py \
 		tests/test_checkpoint_faults.py tests/test_agree.py tests/test_finite.py
+
+# scripts/slurm/pretrain_gpt.sbatch on a two-node Slurm cluster on this machine
+# (scripts/slurm/ci_test.sh: root; apt-get installs Slurm and munge when absent; ~2 min on 2
+# cores); not part of make test. MEGATRON_LM_DIR: the patched Megatron-LM checkout
+test-slurm: $(STAMP)
+	PYTHON=$(abspath $(PY)) bash scripts/slurm/ci_test.sh
 
 bench: $(STAMP)
 	$(PY) benchmarks/mlp_memory.py
