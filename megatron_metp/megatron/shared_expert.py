@@ -90,12 +90,12 @@ def shared_expert_spec(shared, groups: METPGroups, *, keep_intermediate: bool = 
     building :class:`METPSharedExpertMLP` on METP's column / row linears."""
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from .spec import _linear
+    from .spec import linear_spec
 
     def submodules(stock_submodules):
         sub = copy.copy(stock_submodules)
-        sub.linear_fc1 = _linear(groups, "column")
-        sub.linear_fc2 = _linear(groups, "row")
+        sub.linear_fc1 = linear_spec(groups, "column")
+        sub.linear_fc2 = linear_spec(groups, "row")
         return sub
 
     params = {"groups": groups, "keep_intermediate": keep_intermediate, "token_tile": token_tile}

@@ -94,15 +94,17 @@ def get_gpt_layer_metp_spec(groups: METPGroups, *, weight_ring: bool = True,
     attn.params = {**attn.params, "groups": groups, "kernel": kernel}
     # SelfAttention calls its linear_qkv builder directly, and build_module()s the others.
     attn.submodules.linear_qkv = partial(METPLinear, groups=groups, mode="column")
-    attn.submodules.linear_proj = _linear(groups, "row")
+    attn.submodules.linear_proj = linear_spec(groups, "row")
     mlp = compat.mlp_submodules(layer.mlp)
-    mlp.linear_fc1 = _linear(groups, "column")
-    mlp.linear_fc2 = _linear(groups, "row")
+    mlp.linear_fc1 = linear_spec(groups, "column")
+    mlp.linear_fc2 = linear_spec(groups, "row")
     layer.mlp = compat.layer_mlp(layer.mlp, METPMLP,
                                  {"groups": groups, "keep_intermediate": keep_intermediate,
                                   "token_tile": mlp_token_tile})
     return spec
 
 
-def _linear(groups: METPGroups, mode: str) -> ModuleSpec:
+def linear_spec(groups: METPGroups, mode: str) -> ModuleSpec:
+    """A ``ModuleSpec`` of :class:`~.linear.METPLinear` (``mode`` ``"column"`` or ``"row"``):
+    a weight sharded over TP × METP (the METP MLP's, the shared expert's, the projection's)."""
     return ModuleSpec(module=METPLinear, params={"groups": groups, "mode": mode})
