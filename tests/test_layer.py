@@ -65,11 +65,9 @@ def _shards(full, case, r, p):
             "fc2_bias": get(full["b2"], slice(None))}
 
 
-def _layer_rank(rank, p, case, mode, host=False, in_place=False, tiles=None, corrupt=False):
-    torch.manual_seed(0)
-    full = _full(case)
-    lay = case["layout"]
-    grp = METPGroup.from_process_group(dist.group.WORLD if p > 1 else None, name="layer")
+def _leaf_inputs(full, case, rank, p):
+    """Rank ``rank``'s weight shards (leaves), the two norms and the q/k-norm arguments of
+    ``case``: ``(params, norm1, norm2, qk kwargs)``."""
     params = {k: None if v is None else v.requires_grad_() for k, v in
               _shards(full, case, rank, p).items()}
     n1, n2 = _norm(case["norm"], H, 1), _norm(case["norm"], H, 2)
@@ -78,6 +76,15 @@ def _layer_rank(rank, p, case, mode, host=False, in_place=False, tiles=None, cor
         qk = {"qk_norm": "RMSNorm", "qk_norm_eps": 1e-6,
               "q_norm_weight": full["qn"].clone().requires_grad_(),
               "k_norm_weight": full["kn"].clone().requires_grad_()}
+    return params, n1, n2, qk
+
+
+def _layer_rank(rank, p, case, mode, host=False, in_place=False, tiles=None, corrupt=False):
+    torch.manual_seed(0)
+    full = _full(case)
+    lay = case["layout"]
+    grp = METPGroup.from_process_group(dist.group.WORLD if p > 1 else None, name="layer")
+    params, n1, n2, qk = _leaf_inputs(full, case, rank, p)
     x_leaf = shard_sequence(full["x"], rank, p, layout=lay).clone().requires_grad_()
     x = x_leaf * 1.0 if in_place else x_leaf  # in place: not on a leaf
     attn_kw = dict(group=grp, num_heads=case["A"], num_query_groups=case["G"], causal=True,

@@ -19,7 +19,7 @@ from megatron_metp.runtime import host_stash
 from megatron_metp.runtime.context import attach_context_group
 from tests.harness import run_ranks
 from tests.numerics import rel_err
-from tests.test_layer import BASE, _full, _norm, _shards
+from tests.test_layer import BASE, _full, _leaf_inputs
 
 H = 12
 
@@ -45,14 +45,7 @@ def _run(grp, full, case, r, p, R, P, host, tiles, keep, perturb, rings):
         if cu is None:
             return shard_sequence(t, R, P, layout=lay)
         return shard_documents(t, cu, R, P, layout=lay)
-    params = {k: None if v is None else v.requires_grad_() for k, v in
-              _shards(full, case, r, p).items()}
-    n1, n2 = _norm(case["norm"], H, 1), _norm(case["norm"], H, 2)
-    qk = {}
-    if case.get("qk"):
-        qk = {"qk_norm": "RMSNorm", "qk_norm_eps": 1e-6,
-              "q_norm_weight": full["qn"].clone().requires_grad_(),
-              "k_norm_weight": full["kn"].clone().requires_grad_()}
+    params, n1, n2, qk = _leaf_inputs(full, case, r, p)
     x_leaf = shard(full["x"]).clone().requires_grad_()
     x = x_leaf * 1.0  # not a leaf: the output may be written over it
     del rings[:]

@@ -372,16 +372,9 @@ def cmd_reach(args) -> int:
     if args.ep is not None:
         raise ValueError("--ep: --reach searches the stock layouts' expert parallelism itself "
                          "(METP: EP = METP); drop --ep")
-    given = [(flag, k, v) for flag, k, v in (
-        ("--moe-token-dispatcher-type", "moe_dispatcher", args.moe_token_dispatcher_type),
-        ("--moe-imbalance", "moe_imbalance", args.moe_imbalance),
-        ("--no-moe-token-tiles", "moe_token_tiles", False if args.no_moe_token_tiles else None),
-        ("--moe-grouped-gemm", "moe_grouped_gemm", True if args.moe_grouped_gemm else None))
-        if v is not None]
-    if given and not model.moe:
-        raise ValueError(f"{given[0][0]}: a MoE setting, and the model has no experts "
-                         f"(--num-experts, or --preset qwen3-30b-a3b)")
-    moe = {k: v for _, k, v in given}
+    from .fastest_cli import moe_settings
+
+    moe = moe_settings(args, model)
     res = P.reach(model, args.gpus, args.hardware, args.reserve_gib, moe=moe)
     print(P.reach_report(model, args.gpus, args.hardware, args.reserve_gib, top=args.reach_top,
                          res=res, width=_width(args)))

@@ -76,14 +76,9 @@ def tokenizer_adds(config: str) -> int:
     return int(for_megatron_core().null_tokenizer_adds_eod)
 
 
-def cmd_fastest(args, model, width: Optional[int]) -> int:
-    """Run ``metp plan --fastest`` for ``model`` (``--preset`` / ``--config`` / the geometry
-    flags; a config's layout and options are what the search replaces), after
-    :func:`check_args`; ``width``: the text's columns, None for ``--wide``."""
-    from . import plan as P
-
-    if args.config and not args.preset and model_name(args.config):
-        model = replace(model, name=model_name(args.config))
+def moe_settings(args, model) -> dict:
+    """The MoE settings a search (``--reach``, ``--fastest``) plans every layout with, from
+    the flags given (``{Job field: value}``); refused for a model without experts."""
     given = [(flag, k, v) for flag, k, v in (
         ("--moe-token-dispatcher-type", "moe_dispatcher", args.moe_token_dispatcher_type),
         ("--moe-imbalance", "moe_imbalance", args.moe_imbalance),
@@ -93,6 +88,18 @@ def cmd_fastest(args, model, width: Optional[int]) -> int:
     if given and not model.moe:
         raise ValueError(f"{given[0][0]}: a MoE setting, and the model has no experts "
                          f"(--num-experts, or --preset qwen3-30b-a3b)")
+    return {k: v for _, k, v in given}
+
+
+def cmd_fastest(args, model, width: Optional[int]) -> int:
+    """Run ``metp plan --fastest`` for ``model`` (``--preset`` / ``--config`` / the geometry
+    flags; a config's layout and options are what the search replaces), after
+    :func:`check_args`; ``width``: the text's columns, None for ``--wide``."""
+    from . import plan as P
+
+    if args.config and not args.preset and model_name(args.config):
+        model = replace(model, name=model_name(args.config))
+    moe = moe_settings(args, model)
     kernel = args.kernel if args.kernel not in (None, "flash") else None
     host = args.host_memory_gib if args.host_memory_gib is not None else \
         P.search.DEFAULT_HOST_GIB_PER_NODE
@@ -101,7 +108,7 @@ def cmd_fastest(args, model, width: Optional[int]) -> int:
     if kernel is not None or args.rates:
         P.rates.resolve_rates(args.hardware, kernel, args.rates)  # names the bad kernel / file
     res = P.fastest.fastest(model, args.gpus, args.hardware, args.reserve_gib, host,
-                            moe={k: v for _, k, v in given}, kernel=kernel,
+                            moe=moe, kernel=kernel,
                             rates_file=args.rates)
     if args.config:  # the launch names the tokenizer's vocabulary, as the config does
         res["launch_model"] = replace(model, vocab=model.vocab - tokenizer_adds(args.config))
