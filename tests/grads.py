@@ -53,3 +53,13 @@ def worst_difference(a, b):
     """The largest of ``differences``' loss, grad norm and gradient errors."""
     loss, norm, (_, grad), _ = differences(a, b)
     return max(loss, norm, grad)
+
+
+def assert_same(per_rank, ref, names, tol):
+    """Every rank's runs ``names`` within ``tol`` of its run ``ref`` (:func:`differences`: loss,
+    gradient norm and the worst gradient), each failure naming the rank and the run."""
+    for r, res in enumerate(per_rank):
+        for name in names:
+            loss, norm, (worst, err), _ = differences(res[ref], res[name])
+            assert loss <= tol and norm <= tol and err <= tol, \
+                (r, res[name]["describe"], loss, norm, worst, err)

@@ -22,7 +22,7 @@ import torch
 
 from megatron_metp.megatron.training import GPTSize, Layout
 from tests.gpt_cases import SIZE
-from tests.grads import differences, run_result
+from tests.grads import assert_same, differences, run_result
 from tests.harness import run_ranks
 
 STEPS = 2
@@ -169,11 +169,7 @@ def _keep_runs(rank, world, base, variants, steps=STEPS, unpaired=None):
 
 
 def _assert_same(per_rank, ref, names):
-    for r, res in enumerate(per_rank):
-        for name in names:
-            loss, norm, (worst, err), _ = differences(res[ref], res[name])
-            assert loss <= SAME and norm <= SAME and err <= SAME, \
-                (r, res[name]["describe"], loss, norm, worst, err)
+    assert_same(per_rank, ref, names, SAME)
 
 
 def _assert_ring_once(per_rank, full, keep, kept_layers, blocks):

@@ -29,7 +29,7 @@ from megatron_metp.ops import attention as attention_op
 from megatron_metp.megatron.training import (GPTSize, Layout, init_parallel, setup,
                                              transformer_config)
 from tests.gpt_cases import SIZE
-from tests.grads import differences, run_result, train_grabbing
+from tests.grads import assert_same, differences, run_result, train_grabbing
 from tests.harness import run_ranks
 from tests.test_megatron_lm import _args as megatron_lm_args
 
@@ -153,11 +153,7 @@ def _refused_builds(size):
 
 
 def _assert_same(per_rank, ref, names):
-    for r, res in enumerate(per_rank):
-        for name in names:
-            loss, norm, (worst, err), _ = differences(res[ref], res[name])
-            assert loss <= SAME and norm <= SAME and err <= SAME, \
-                (r, res[name]["describe"], loss, norm, worst, err)
+    assert_same(per_rank, ref, names, SAME)
 
 
 def _assert_rings_rerun(res, plain, u1, u2, b1):

@@ -54,7 +54,7 @@ from .positions import position_cap
 from .partial import resolve_offload
 from .rank_memory import capacity_bytes, memory
 from .internode import GPUS_PER_NODE
-from .search import DEFAULT_HOST_GIB_PER_NODE, FAMILIES, FAMILY_NAMES, layouts
+from .search import DEFAULT_HOST_GIB_PER_NODE, FAMILIES, FAMILY_NAMES, geometry, layouts
 
 
 @dataclass
@@ -388,9 +388,7 @@ def fastest_report(model: Model, gpus: int, res: Dict, hardware: str = "H100-80G
     from .textwidth import LEGEND, fmt_bytes, fmt_tokens, wrap_lines
 
     hw = HARDWARE[hardware]
-    g = f", {model.groups} K/V groups" if model.groups != model.heads else ""
-    lines = [f"# fastest (planned): {model.name} h={model.hidden} L={model.layers} "
-             f"a={model.heads}{g} ffn={model.ffn} vocab={model.vocab} at {model.seq:,} tokens "
+    lines = [f"# fastest (planned): {geometry(model)} at {model.seq:,} tokens "
              f"({fmt_tokens(model.seq)}) on {gpus} × {hw.name} ({hw.memory_gib:g} GB − "
              f"{reserve_gib:g} GiB reserve; host ≤ {host_gib:,.0f} GiB per node); micro-batch 1, "
              f"bf16, distributed optimizer; every valid layout × recompute none / selective / "

@@ -255,6 +255,14 @@ def best_launch(model: Model, res: Dict[str, List["Candidate"]]) -> Optional[Can
     return max(bests, key=lambda c: c.seq) if bests else None
 
 
+def geometry(model: Model) -> str:
+    """``name h=… L=… a=…[, G K/V groups] ffn=… vocab=…``: the model line of a search's
+    report (``--reach``, ``--fastest``)."""
+    g = f", {model.groups} K/V groups" if model.groups != model.heads else ""
+    return (f"{model.name} h={model.hidden} L={model.layers} a={model.heads}{g} "
+            f"ffn={model.ffn} vocab={model.vocab}")
+
+
 def reach_report(model: Model, gpus: int, hardware: str = "H100-80GB", reserve_gib: float = 2.0,
                  host_gib: float = DEFAULT_HOST_GIB_PER_NODE, top: int = 3,
                  limit: int = 1 << 28,
@@ -271,9 +279,7 @@ def reach_report(model: Model, gpus: int, hardware: str = "H100-80GB", reserve_g
     if res is None:
         res = reach(model, gpus, hardware, reserve_gib, host_gib, limit=limit)
     hw = HARDWARE[hardware]
-    g = f", {model.groups} K/V groups" if model.groups != model.heads else ""
-    lines = [f"# reach (planned): {model.name} h={model.hidden} L={model.layers} a={model.heads}{g} "
-             f"ffn={model.ffn} vocab={model.vocab} on {gpus} × {hw.name} "
+    lines = [f"# reach (planned): {geometry(model)} on {gpus} × {hw.name} "
              f"({hw.memory_gib:g} GB − {reserve_gib:g} GiB reserve; host ≤ {host_gib:,.0f} GiB "
              f"per node of {GPUS_PER_NODE}); micro-batch 1, bf16, distributed optimizer; every "
              f"valid layout × recompute none / full / full + offload × optimizer CPU offload "
