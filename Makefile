@@ -36,8 +36,11 @@ PIP_INSTALL := -m pip install -q --no-compile --disable-pip-version-check
 # about one core busy, so two fill the CI machine's two cores (the .venv leg: 804 s against
 # 1,277 s serial). Files run in an order the workers pick, so tests/conftest.py fails any test
 # that leaves process state changed for later files (tests/leak_guard.py). JOBS=0: serial.
+# --no-loadscope-reorder: the workers take the files heaviest first (tests/file_order.py), not
+# by their number of tests (xdist's default, which left the long one-test files for the end,
+# one worker running them while the other idled)
 JOBS ?= 2
-XDIST := $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadfile)
+XDIST := $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadfile --no-loadscope-reorder)
 
 .PHONY: venv venv-019 demo test test-019 test-fast faults test-slurm bench clean
 

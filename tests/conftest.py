@@ -47,6 +47,10 @@ HF_TESTS = (
 def pytest_configure(config):
     config.addinivalue_line("markers", "hf: a Hugging Face test that `make test-019` runs "
                                        "against transformers 5 too (tests/conftest.py HF_TESTS)")
+    # the heaviest files first, for make test's two workers (tests/file_order.py)
+    from tests.file_order import HeaviestFilesFirst
+
+    config.pluginmanager.register(HeaviestFilesFirst(), "metp-heaviest-files-first")
 
 
 def _hf_test(nodeid: str) -> bool:
