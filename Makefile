@@ -81,18 +81,13 @@ test: $(STAMP)
 # the release-sensitive Megatron-LM tests (patch, hooks, dry run, training vs stock TP, save/load,
 # saved args, HF args, packed data) against core_v0.19.0; tests/conftest.py sets the markers
 # (megatron_lm: every test using a Megatron-LM checkout; release_sensitive: tests/markers.py),
-# and megatron-core's MoE with METP (its CPU shims and dispatcher seams differ between 0.16 and 0.19)
-MOE_CORE_TESTS := tests/test_moe.py tests/test_moe_tiles.py
-# ... and the kept attention's and the selective recompute's gradients (Megatron's checkpoint
-# and schedules; the streaming and separate ops under each release's torch and megatron-core)
-KEEP_ATTENTION_TESTS := tests/test_keep_attention.py tests/test_layer_keep.py \
-	tests/test_selective_op.py
+# and megatron-core's MoE with METP, the kept attention's and the selective recompute's gradients
+# (marker core_sensitive: the files of tests/conftest.py CORE_SENSITIVE_FILES), in the same run:
+# their short files fill the end of the two workers' Megatron-LM launches (a serial run of
+# their own cost 39 s more)
 test-019: $(STAMP019)
 	# ... and the HF tests (marker hf, tests/conftest.py HF_TESTS) against .venv-019's transformers 5
-	OMP_NUM_THREADS=1 METP_MEGATRON_LM_RELEASE=core_v0.19.0 $(PY019) -m pytest -q $(XDIST) --durations=30 -m "(megatron_lm and release_sensitive) or hf" tests
-	# serial: on two workers these 36 short tests took 41 s against 27 s (each worker imports
-	# megatron-core and forks its own ranks)
-	OMP_NUM_THREADS=1 METP_MEGATRON_LM_RELEASE=core_v0.19.0 $(PY019) -m pytest -q --durations=5 $(MOE_CORE_TESTS) $(KEEP_ATTENTION_TESTS)
+	OMP_NUM_THREADS=1 METP_MEGATRON_LM_RELEASE=core_v0.19.0 $(PY019) -m pytest -q $(XDIST) --durations=30 -m "(megatron_lm and release_sensitive) or hf or core_sensitive" tests
 
 # the inner loop: everything but the slow tests (Megatron-LM launches, tests over 5 s)
 test-fast: $(STAMP)
