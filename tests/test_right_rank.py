@@ -8,7 +8,8 @@ must reach rank R's caller as it is (not as a ring failure blaming its peer), an
 which then waits in the next exchange for rank R, must name rank R with that error within the
 timeout. Killing rank 0's worker instead names rank 0 (the attribution follows the killed
 process), and the wrong variant — every error in a wait taken for the peer's silence, as before —
-is caught by the same checks: rank 1 then blames rank 0.
+is caught by the same checks: rank 1 then blames rank 0. A worker that is stopped (SIGSTOP)
+instead stalls its rank in the data fetch: the peer names that rank, inside the step.
 """
 
 import subprocess
@@ -65,6 +66,48 @@ def _killed_worker(rank, world, killed, wrong_variant):
         return (type(exc).__name__, str(exc), " ".join(getattr(exc, "__notes__", [])),
                 time.monotonic() - t0, getattr(exc, "stalled", None))
     return "ok", "", "", time.monotonic() - t0, None
+
+
+def _stopped_worker(rank, world):
+    """Rank 1's DataLoader worker is stopped (SIGSTOP; resumed after rank 0 has reported)."""
+    import os
+    import signal
+
+    import torch
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+
+    from megatron_metp import METPGroup, RingExchanger
+    from megatron_metp.runtime import watchdog
+
+    watchdog.apply_to_process_groups(TIMEOUT_S)
+    ring = RingExchanger(METPGroup.from_process_group(dist.group.WORLD, name="data-test",
+                                                      timeout_s=TIMEOUT_S), "batch")
+    loader = iter(DataLoader(_Numbers(), batch_size=1, num_workers=1, prefetch_factor=1))
+    next(loader)
+    dist.barrier()
+    t0 = time.monotonic()
+    try:
+        with watchdog.bounded("iteration 2 (train_step)"):
+            if rank == 1:
+                pid = loader._workers[0].pid
+                os.kill(pid, signal.SIGSTOP)
+                subprocess.Popen(["sh", "-c", f"sleep {3 * TIMEOUT_S}; kill -CONT {pid}"])
+                next(loader)
+                next(loader)  # at most one batch was in flight: this one waits for the worker
+            ring.start(torch.ones(4), torch.empty(4), step=0).wait()
+    except Exception as exc:  # noqa: BLE001 - the outcome under test
+        return type(exc).__name__, str(exc), time.monotonic() - t0, getattr(exc, "stalled", None)
+    return "ok", "", time.monotonic() - t0, None
+
+
+def test_a_stopped_dataloader_worker_stalls_its_own_rank_and_that_rank_is_named():
+    out = run_ranks(_stopped_worker, 2, timeout=60, allow_errors=True)
+    kind, msg, seconds, stalled = out[0]
+    assert kind == "StalledRankError" and stalled == [1], out
+    assert "rank 1 stalled or died: it is inside it (entered " in msg, msg
+    assert TIMEOUT_S <= seconds < TIMEOUT_S + grace_s(TIMEOUT_S) + 0.5, (seconds, msg)
+    assert out[1] is not None and out[1][0] != "ok", out  # rank 1, resumed, fails: no hang
 
 
 @pytest.mark.parametrize("killed", [1, 0])
