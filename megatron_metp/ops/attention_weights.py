@@ -85,6 +85,18 @@ def block_weights(group: METPGroup, wqkv, bqkv, wo, phase: str, kb: int, spares:
         yield i, bufs
 
 
+def head_group_pieces(group: METPGroup, own, phase: str, what: str = "attention weights"):
+    """Yield ``(g, pieces)`` for head groups ``g = 0 … p−1`` on every rank: group ``g``'s
+    weight pieces (``own`` on rank ``g``: any tuple of tensors, ``None`` allowed), packed in one
+    buffer and broadcast from their owner, the next group's posted before this one is yielded.
+    :func:`block_weights` at ``kb = 1`` for pieces other than ``(Wqkv, bqkv, Woᵀ)`` (multi-latent
+    attention's, :mod:`.mla`)."""
+    if group.size == 1:
+        yield 0, tuple(own)
+        return
+    yield from _group_weights(RingExchanger(group, f"{what} ({phase})"), group, tuple(own))
+
+
 def _group_weights(ring: RingExchanger, group: METPGroup, own, spares: int = 2):
     """:func:`block_weights` for blocks of one head group: group ``g``'s ``(Wqkv, bqkv, Woᵀ)``
     packed in one buffer and broadcast from its owner, the next group's posted before this
