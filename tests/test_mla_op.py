@@ -12,6 +12,7 @@ import torch.distributed as dist
 from megatron_metp import METPGroup
 from megatron_metp.ops import metp_mla_attention, shard_sequence, unshard_sequence
 from megatron_metp.ops import mla_ring
+from megatron_metp.runtime.context import attach_context_group
 from tests.harness import run_ranks
 from tests.mla_cases import REPLICATED, SHARDED, MLACase, full_params, reference_mla, shard_weights
 from tests.numerics import rel_err
@@ -28,6 +29,10 @@ CASES = {
         (MLACase(heads=3, kvr=5, dn=6, dr=2, dv=6, ql=None, kernel="reference", mscale=1.1,
                  seed=4), None),
         (MLACase(heads=6, kvr=8, dn=4, dr=4, dv=2, ql=10, seed=2), "stale")],
+    (2, 4): [(MLACase(heads=4, kvr=8, dn=6, dr=4, dv=4, ql=12, s=16, seed=5), None),
+             (MLACase(heads=2, kvr=6, dn=4, dr=2, dv=6, ql=None, s=16, kernel="reference",
+                      seed=6), None),
+             (MLACase(heads=4, kvr=8, dn=6, dr=4, dv=4, ql=12, s=16, seed=5), "no_context")],
 }
 
 
@@ -42,19 +47,30 @@ class _StaleRing(mla_ring.RingExchanger):
             prev = buf.clone()
 
 
-def _rank(rank, world, cases):
-    grp = METPGroup.from_process_group(dist.group.WORLD, name="mla")
+def _rank(rank, world, p, cases):
+    """METP groups of ``p`` ranks; with ``world = p·c > p`` inside one context group of all
+    ranks (METP × CP: the sequence split over all ``world`` ranks, the weights over ``p``)."""
+    if p == world:
+        grp = METPGroup.from_process_group(dist.group.WORLD, name="mla")
+    else:
+        metp = [dist.new_group(list(range(o, o + p))) for o in range(0, world, p)]
+        grp = METPGroup.from_process_group(metp[rank // p], name=f"mla{rank // p}")
+        attach_context_group(grp, dist.new_group(list(range(world))))
     out = []
     for case, variant in cases:
         full = full_params(case)
-        w = {k: v.clone().requires_grad_() for k, v in shard_weights(full, case, rank, world).items()}
+        w = {k: v.clone().requires_grad_()
+             for k, v in shard_weights(full, case, rank % p, p).items()}
         x = shard_sequence(full["x"], rank, world, layout=case.layout).clone().requires_grad_()
+        freqs, seq = full["rotary_pos_emb"], None
+        if variant == "no_context":  # the latent ring inside the METP group only
+            freqs, seq = shard_sequence(freqs, rank, world, layout=case.layout), grp
         mla_ring.RingExchanger = _StaleRing if variant == "stale" else _StaleRing.__mro__[1]
         grp.stats.reset()
         y = metp_mla_attention(x, **w, group=grp, num_heads=case.heads, kv_lora_rank=case.kvr,
                                qk_head_dim=case.dn, qk_pos_emb_head_dim=case.dr,
                                v_head_dim=case.dv, q_lora_rank=case.ql,
-                               rotary_pos_emb=full["rotary_pos_emb"], layout=case.layout,
+                               rotary_pos_emb=freqs, layout=case.layout, context_group=seq,
                                kernel=case.kernel, softmax_scale=case.scale,
                                rope_mscale=case.mscale)
         fwd = grp.stats.snapshot()
@@ -66,16 +82,18 @@ def _rank(rank, world, cases):
 
 
 @functools.lru_cache(maxsize=None)
-def _run(p):
-    return run_ranks(_rank, p, CASES[p])
+def _run(p, world=None):
+    return run_ranks(_rank, world or p, p, CASES[(p, world) if world else p])
 
 
-def _errors(out, i, case, ref):
+def _errors(out, i, case, ref, p=None):
     rs = [o[i] for o in out]
+    p = p or len(rs)
     got = {"y": unshard_sequence([r["y"] for r in rs], layout=case.layout),
            "dx": unshard_sequence([r["dx"] for r in rs], layout=case.layout)}
-    for name, dim in SHARDED.items():
-        got["d" + name] = torch.cat([r["d" + name] for r in rs], dim=dim)
+    for name, dim in SHARDED.items():  # a shard's gradient: summed over the c METP groups
+        got["d" + name] = torch.cat([sum(r["d" + name] for r in rs[g::p]) for g in range(p)],
+                                    dim=dim)
     for name in REPLICATED:  # token partials: the caller's DDP sums them over the group
         if "d" + name in rs[0]:
             got["d" + name] = sum(r["d" + name] for r in rs)
@@ -83,10 +101,10 @@ def _errors(out, i, case, ref):
     return {k: rel_err(got[k], ref[k]) for k in got}
 
 
-def _check_parity(p):
-    out = _run(p)
-    for i, (case, variant) in enumerate(CASES[p]):
-        errs = _errors(out, i, case, reference_mla(full_params(case), case))
+def _check_parity(p, world=None):
+    out = _run(p, world)
+    for i, (case, variant) in enumerate(CASES[(p, world) if world else p]):
+        errs = _errors(out, i, case, reference_mla(full_params(case), case), p)
         if variant is None:
             assert max(errs.values()) <= 1e-5, (p, case, errs)
         else:  # the negative control: the same check sees it
@@ -99,6 +117,13 @@ def test_mla_matches_reference_p2():
 
 def test_mla_matches_reference_p3_and_stale_block_is_caught():
     _check_parity(3)
+
+
+def test_mla_metp2_x_cp2_matches_reference_and_needs_the_context_ring():
+    """METP 2 × CP 2: the latent ring over all 4 ranks, weights over 2; negative control: the
+    same sharding with the ring inside each METP group (its tokens taken for the whole
+    sequence)."""
+    _check_parity(2, 4)
 
 
 def test_reference_check_catches_an_unrotated_rope_key():
