@@ -4,6 +4,7 @@ and every weight's gradient within 1e-5 (fp32) at METP 2 and 3, with negative co
 ring counters: the K/V ring moves ``kv_lora_rank + qk_pos_emb_head_dim`` values per token per
 step, not the heads' K/V."""
 
+import dataclasses
 import functools
 
 import torch
@@ -14,7 +15,9 @@ from megatron_metp.ops import metp_mla_attention, shard_sequence, unshard_sequen
 from megatron_metp.ops import mla_ring
 from megatron_metp.runtime.context import attach_context_group
 from tests.harness import run_ranks
-from tests.mla_cases import REPLICATED, SHARDED, MLACase, full_params, reference_mla, shard_weights
+from tests.mla_cases import (REPLICATED, SHARDED, MLACase, full_params, reference_mla,
+                             shard_weights)
+from tests.mla_stock import stock_mla
 from tests.numerics import rel_err
 
 #: DeepSeek-V3's latent width (kv_lora_rank 512 + rope 64) and head dims, 2 heads per rank
@@ -57,8 +60,10 @@ def _rank(rank, world, p, cases):
         grp = METPGroup.from_process_group(metp[rank // p], name=f"mla{rank // p}")
         attach_context_group(grp, dist.new_group(list(range(world))))
     out = []
-    for case, variant in cases:
+    for case, variant, *angles in cases:
         full = full_params(case)
+        if angles:  # stock's RoPE (YaRN's scaled inv_freq) as the project's exact angles
+            full["rotary_pos_emb"] = angles[0]
         w = {k: v.clone().requires_grad_()
              for k, v in shard_weights(full, case, rank % p, p).items()}
         x = shard_sequence(full["x"], rank, world, layout=case.layout).clone().requires_grad_()
@@ -156,3 +161,34 @@ def test_latent_ring_moves_the_latent_not_the_heads_kv():
         assert per_token_step < heads_kv  # 576 against 2 heads × 448 here; 128 × 320 = 40,960 for V3
         bwd = o["total"]["bytes_sent"] - fwd
         assert bwd == p * (p - 1) * tokens * C * 4 * 2 + (p - 1) * flat * 4, bwd
+
+
+#: (case, YaRN fields of MLATransformerConfig): heads divisible by 2 and 3
+STOCK_CASES = [(MLACase(heads=6, kvr=8, dn=4, dr=4, dv=2, ql=10, seed=7), {}),
+               (MLACase(heads=6, kvr=6, dn=4, dr=4, dv=6, ql=None, kernel="reference",
+                        bias=False, seed=8),
+                dict(rotary_scaling_factor=4.0, original_max_position_embeddings=4, mscale=1.0,
+                     mscale_all_dim=0.8))]
+
+
+def test_mla_matches_stock_megatron_core_mla_at_metp_2_and_3():
+    """Single-rank stock megatron-core ``MLASelfAttention`` (local spec; q/kv down- and
+    up-projections, both RMSNorms, DeepSeek RoPE and YaRN with mscale as stock builds them;
+    tests/mla_stock.py) against METP 2 and 3 with the same full weights: output, input and every
+    weight's gradient within 1e-5, plain RoPE and YaRN (cos/sin factor ≠ 1, softmax scale with
+    mscale²). The fp64 reference of the other tests agrees with stock too."""
+    stock = stock_mla([(case, full_params(case), yarn) for case, yarn in STOCK_CASES])
+    cases = [(dataclasses.replace(case, scale=st["softmax_scale"], mscale=st["rope_mscale"]),
+              None, st["exact_angles"]) for (case, _), st in zip(STOCK_CASES, stock)]
+    assert stock[1]["rope_mscale"] > 1.01 and cases[1][0].scale > 1.2 / (8 ** 0.5)  # YaRN is on
+    for i, (case, _, angles) in enumerate(cases):
+        full = dict(full_params(case), rotary_pos_emb=angles)
+        ref = {k: stock[i][k] for k in reference_mla(full, case)}
+        errs = {k: rel_err(reference_mla(full, case)[k], ref[k]) for k in ref}
+        assert max(errs.values()) <= 1e-5, ("reference vs stock", case, errs)
+    for p in (2, 3):
+        out = run_ranks(_rank, p, p, cases)
+        for i, (case, _, _) in enumerate(cases):
+            ref = {k: v for k, v in stock[i].items() if k == "y" or k.startswith("d")}
+            errs = _errors(out, i, case, ref, p)
+            assert max(errs.values()) <= 1e-5, (p, case, errs)
