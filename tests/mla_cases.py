@@ -32,6 +32,7 @@ class MLACase:
     scale: Optional[float] = None  # softmax scale (None: 1/sqrt(dn+dr))
     bias: bool = True
     seed: int = 0
+    kb: int = 1  # head_block: head groups per latent ring
 
 
 def full_params(case: MLACase) -> dict:

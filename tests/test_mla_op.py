@@ -23,15 +23,18 @@ from tests.numerics import rel_err
 #: DeepSeek-V3's latent width (kv_lora_rank 512 + rope 64) and head dims, 2 heads per rank
 V3_LATENT = MLACase(heads=4, kvr=512, dn=128, dr=64, dv=128, ql=None, s=4, b=1, h=16,
                     kernel="reference", bias=False, seed=3)
+#: the same with one latent ring for every head (head_block = p = 2)
+V3_ONE_RING = dataclasses.replace(V3_LATENT, kb=2)
 CASES = {
     2: [(MLACase(heads=4, kvr=8, dn=6, dr=4, dv=4, ql=12), None),  # flash kernel, v padded
         (MLACase(heads=2, kvr=6, dn=4, dr=2, dv=6, ql=None, layout="contiguous",
                  kernel="reference", mscale=1.25, scale=0.3, bias=False, seed=1), None),  # YaRN
-        (V3_LATENT, None)],
+        (V3_LATENT, None), (V3_ONE_RING, None)],
     3: [(MLACase(heads=6, kvr=8, dn=4, dr=4, dv=2, ql=10, seed=2), None),
         (MLACase(heads=3, kvr=5, dn=6, dr=2, dv=6, ql=None, kernel="reference", mscale=1.1,
                  seed=4), None),
-        (MLACase(heads=6, kvr=8, dn=4, dr=4, dv=2, ql=10, seed=2), "stale")],
+        (MLACase(heads=6, kvr=8, dn=4, dr=4, dv=2, ql=10, seed=2), "stale"),
+        (MLACase(heads=6, kvr=8, dn=4, dr=4, dv=2, ql=10, seed=9, kb=3), None)],  # one ring
     (2, 4): [(MLACase(heads=4, kvr=8, dn=6, dr=4, dv=4, ql=12, s=16, seed=5), None),
              (MLACase(heads=2, kvr=6, dn=4, dr=2, dv=6, ql=None, s=16, kernel="reference",
                       seed=6), None),
@@ -77,7 +80,7 @@ def _rank(rank, world, p, cases):
                                v_head_dim=case.dv, q_lora_rank=case.ql,
                                rotary_pos_emb=freqs, layout=case.layout, context_group=seq,
                                kernel=case.kernel, softmax_scale=case.scale,
-                               rope_mscale=case.mscale)
+                               rope_mscale=case.mscale, head_block=case.kb)
         fwd = grp.stats.snapshot()
         y.backward(shard_sequence(full["gy"], rank, world, layout=case.layout))
         mla_ring.RingExchanger = _StaleRing.__mro__[1]
@@ -158,7 +161,7 @@ def test_latent_ring_moves_the_latent_not_the_heads_kv():
         fwd = o["fwd"]["bytes_sent"]
         per_token_step = fwd / (p * (p - 1) * tokens * 4)
         assert per_token_step == C == 576, per_token_step
-        assert per_token_step < heads_kv  # 576 against 2 heads × 448 here; 128 × 320 = 40,960 for V3
+        assert per_token_step < heads_kv  # 576 against 2 heads × 320 here; 128 × 320 = 40,960 for V3
         bwd = o["total"]["bytes_sent"] - fwd
         assert bwd == p * (p - 1) * tokens * C * 4 * 2 + (p - 1) * flat * 4, bwd
 
@@ -192,3 +195,44 @@ def test_mla_matches_stock_megatron_core_mla_at_metp_2_and_3():
             ref = {k: v for k, v in stock[i].items() if k == "y" or k.startswith("d")}
             errs = _errors(out, i, case, ref, p)
             assert max(errs.values()) <= 1e-5, (p, case, errs)
+
+
+def test_one_latent_ring_for_every_head_with_head_block_p():
+    """``head_block = p``: the up-/output-projection shards are all-gathered once and one latent
+    ring serves every head: forward sends (p−1) latent steps of 576 values per token in all
+    (against p·(p−1) with one ring per head group) plus the all-gather's (p−1) shards; the
+    result equals the reference (test_mla_matches_reference_p2) and the per-group run's."""
+    p, case = 2, V3_ONE_RING
+    i = [c for c, _ in CASES[p]].index(case)
+    tokens = case.s // p * case.b
+    H = case.heads // p
+    shards = (H * (case.dn + case.dr) * case.h + H * (case.dn + case.dv) * case.kvr
+              + case.h * H * case.dv)
+    per_group = _run(p)[0][[c for c, _ in CASES[p]].index(V3_LATENT)]
+    for o in (rank[i] for rank in _run(p)):
+        latent = o["fwd"]["bytes_sent"] - (p - 1) * shards * 4
+        assert latent == (p - 1) * tokens * (case.kvr + case.dr) * 4, o["fwd"]
+        assert latent * p == per_group["fwd"]["bytes_sent"]  # the per-group rings send p times more
+
+
+def test_bad_arguments_are_refused_by_name():
+    """p = 1 in this process: each wrong argument gives a ValueError naming it and the fix."""
+    case = MLACase(heads=2, kvr=4, dn=2, dr=2, dv=2, ql=6, s=4, b=1, h=8, bias=False)
+    full = full_params(case)
+    w = shard_weights(full, case, 0, 1)
+    good = dict(w, group=None, num_heads=2, kv_lora_rank=4, qk_head_dim=2,
+                qk_pos_emb_head_dim=2, v_head_dim=2, q_lora_rank=6,
+                rotary_pos_emb=full["rotary_pos_emb"])
+    assert metp_mla_attention(full["x"], **good).shape == full["x"].shape
+    bad = {"kv_up_weight": dict(good, kv_up_weight=w["kv_up_weight"][:-1]),
+           "head_block": dict(good, head_block=2),
+           "rotary_pos_emb is required": dict(good, rotary_pos_emb=None),
+           "q_lora_rank": dict(good, q_lora_rank=None),
+           "qk_pos_emb_head_dim must be even": dict(good, qk_pos_emb_head_dim=3)}
+    for name, kwargs in bad.items():
+        try:
+            metp_mla_attention(full["x"], **kwargs)
+        except ValueError as exc:
+            assert name in str(exc), (name, str(exc))
+        else:
+            raise AssertionError(f"{name}: not refused")

@@ -18,7 +18,7 @@ Layout on rank ``r`` of the METP group (``p`` ranks; the sequence ring has ``p·
   would have to be gathered before the head loop, every layer, forward and backward; replicated,
   it is applied once to this rank's own tokens with no traffic, exactly as stock Megatron TP
   keeps it (``parallel_mode="duplicated"``). Size: DeepSeek-V3 has ``ql·h + C·h`` = 11.0M +
-  4.1M parameters per layer there, against 171.7M head-sharded (``/p`` each). Their gradients
+  4.1M parameters per layer there, against 172.0M head-sharded (``/p`` each). Their gradients
   (and the norms') are this rank's token partials, summed over the group by the caller's DDP
   like any replicated parameter's.
 
@@ -46,18 +46,31 @@ DeepSeek's ``mscale(s, mscale_all_dim)²/sqrt(dn+dr)`` as ``softmax_scale`` and 
 factor ``mscale(s, mscale)/mscale(s, mscale_all_dim)`` as ``rope_mscale`` (what megatron-core's
 ``MLASelfAttention`` and ``YarnRotaryEmbedding`` compute), with YaRN's angles.
 
-Saved for backward: ``x`` (by the local part), ``q_in``, ``L``'s parts, every head group's
-``O_g`` and fp32 log-sum-exp: no rank holds the heads' K/V of another rank's tokens, nor whole
-weights. Traffic per rank and call: forward ``(p−1)·W`` received and ``p(p−1)`` latent blocks
-``[n, b, C]``; backward ``(p−1)·W`` received, ``(p−1)·W`` fp32 sent to the owners and ``p(p−1)``
-latent + fp32 ``dL`` blocks.
+Head-group blocks (``head_block`` = ``kb``, a divisor of ``p``): the loop runs ``p/kb`` blocks
+of ``kb`` head groups, each one weight fetch (per-group broadcasts; one all-gather per piece at
+``kb = p``) and one latent ring for its ``kb·A/p`` heads. Since the latent does not depend on the
+head group, ``kb = p`` sends it round once per layer: ``C`` values per token per ring step for
+every head together (DeepSeek-V3: 576 against stock CP's ``A·(dn+dr+dv)`` = 40,960 for K and
+V), where ``kb = 1`` sends it ``p`` times (``p·C``; per head-group ring step ``C`` against that
+group's ``A/p·(dn+dr+dv)``). What ``kb = p`` costs: every head's ``q``/``kv`` up-projection and output projection
+resident at once (all-gathered), and each block's up-projected K/V of every head
+(``[m, b, A·(dn+dr+dv)]``) at once, which ``kb = 1`` keeps to ``1/p`` of it.
 
-Not done here (refused by argument, not accepted): packed documents (``cu_seqlens``), head-group
-blocks (one head group per K/V ring), kept attention and selective recompute of the core.
+Saved for backward: ``q_in`` ``[n, b, ql]`` (or ``x``), ``L`` ``[n, b, C]``, every block's
+``O`` ``[n, b, H·dv]`` and fp32 log-sum-exp; autograd's local part keeps ``x`` and the
+pre-norm latents. No rank holds the heads' K/V of another rank's tokens between ring steps,
+nor (``kb < p``) whole weights. Traffic per rank and call (``W``: one head group's three
+shards): forward ``(p−1)·W`` received and ``(p/kb)(P−1)`` latent blocks ``[n, b, C]`` sent
+(``P`` ranks in the sequence ring); backward ``(p−1)·W`` received, ``(p−1)·W`` fp32 sent to the
+owners and ``(p/kb)(P−1)`` latent and as many fp32 ``dL`` blocks.
+
+Not done here: packed documents (no ``cu_seqlens`` argument), kept attention / selective
+recompute of the core (no such arguments), a GPU-tuned ``head_block="auto"``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -73,7 +86,7 @@ from ._first_order import first_order_only
 from ._flat import FlatLayout
 from ._grads import weight_grad
 from .attention_kernels import select_kernel
-from .attention_weights import deliver_flat, head_group_pieces, keep_owned
+from .attention_weights import block_pieces, deliver_flat, deliver_grads, keep_owned
 from .mla_latent import MLAGeometry
 from .mla_ring import latent_ring_backward, latent_ring_forward
 from .mla_rope import mla_rope, mla_rope_tables, mla_rope_transpose
@@ -107,7 +120,7 @@ class _MLAFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q_in, c, k_raw, wq, wkv, wo, freqs, group: METPGroup, seq: METPGroup,
-                geo: MLAGeometry, causal, layout, scale, kernel, mscale, label):
+                geo: MLAGeometry, causal, layout, scale, kernel, mscale, label, kb):
         check_finite(f"{label} (forward)", group, q_in=q_in, latent=c, rope_key=k_raw,
                      q_up_weight=wq, kv_up_weight=wkv, proj_weight=wo)
         n, b = q_in.shape[:2]
@@ -117,8 +130,8 @@ class _MLAFunction(torch.autograd.Function):
         q_in2 = q_in.reshape(N, -1)
         acc_dtype = torch.float32 if q_in.dtype in (torch.float16, torch.bfloat16) else q_in.dtype
         y, outs, lses = None, [], []
-        for _, (WQ, WKV, WOT) in head_group_pieces(group, (wq, wkv, wo.t()), "fwd",
-                                                   "MLA weights"):
+        for _, (WQ, WKV, WOT) in block_pieces(group, (wq, wkv, wo.t()), "fwd", kb,
+                                              what="MLA weights"):
             q = _queries(q_in2, WQ, geo, n, b, freqs, tables)
             o, lse = latent_ring_forward(q, latent, WKV, geo, seq, causal, layout, scale, kernel)
             o = o[..., :geo.dv].permute(2, 0, 1, 3).reshape(N, -1).to(q_in.dtype)
@@ -127,18 +140,19 @@ class _MLAFunction(torch.autograd.Function):
             part = torch.mm(o.to(acc_dtype), WOT.to(acc_dtype))
             y = part if y is None else y.add_(part)
         ctx.save_for_backward(q_in, latent, wq, wkv, wo, freqs, *outs, *lses)
-        ctx.args = (group, seq, geo, causal, layout, scale, kernel, mscale, label)
+        ctx.args = (group, seq, geo, causal, layout, scale, kernel, mscale, label, kb)
         return y.to(q_in.dtype).view(n, b, -1)
 
     @staticmethod
     @first_order_only("metp_mla_attention")
     def backward(ctx, grad_y):
-        group, seq, geo, causal, layout, scale, kernel, mscale, label = ctx.args
+        group, seq, geo, causal, layout, scale, kernel, mscale, label, kb = ctx.args
         check_finite(f"{label} (backward)", group, grad_output=grad_y)
         p, r = group.size, group.rank
         saved = ctx.saved_tensors
         q_in, latent, wq, wkv, wo, freqs = saved[:6]
-        outs, lses = saved[6:6 + p], saved[6 + p:6 + 2 * p]
+        nb = geo.blocks
+        outs, lses = saved[6:6 + nb], saved[6 + nb:6 + 2 * nb]
         n, b = q_in.shape[:2]
         N = n * b
         dt = q_in.dtype
@@ -146,13 +160,14 @@ class _MLAFunction(torch.autograd.Function):
         tables = mla_rope_tables(freqs, dt, mscale)
         q_in2 = q_in.reshape(N, -1)
         gy = grad_y.reshape(N, -1).to(dt)
-        grad_layout = FlatLayout([wq.shape, wkv.shape, (wo.shape[1], wo.shape[0])])
+        grad_layout = FlatLayout([(kb * wq.shape[0], wq.shape[1]),
+                                  (kb * wkv.shape[0], wkv.shape[1]), (kb * wo.shape[1], wo.shape[0])])
         grad_ring = RingExchanger(group, "MLA weight grads (bwd)")
         dq_in = torch.zeros(N, q_in.shape[-1], dtype=acc_dtype, device=q_in.device)
         d_lat = None
-        acc, in_flight = [None], []
-        for g, (WQ, WKV, WOT) in head_group_pieces(group, (wq, wkv, wo.t()), "bwd",
-                                                   "MLA weights"):
+        acc, in_flight = [None, None, None], []
+        for g, (WQ, WKV, WOT) in block_pieces(group, (wq, wkv, wo.t()), "bwd", kb,
+                                              what="MLA weights"):
             flat = torch.empty(grad_layout.numel, dtype=torch.float32, device=q_in.device)
             g_wq, g_wkv, g_wot = grad_layout.unpack(flat)
             q = _queries(q_in2, WQ, geo, n, b, freqs, tables)
@@ -169,17 +184,22 @@ class _MLAFunction(torch.autograd.Function):
             torch.mm(dq.t(), q_in2.float(), out=g_wq)
             dq_in.addmm_(dq.to(acc_dtype), WQ.to(acc_dtype))
             if p == 1:
-                acc = [flat]
+                acc = [g_wq, g_wkv, g_wot]
                 continue
             acc = keep_owned(in_flight, r, acc)
-            in_flight = deliver_flat(grad_ring, g, flat)
+            if kb == 1:  # one reduce of the three pieces back to back
+                in_flight = deliver_flat(grad_ring, g, flat)
+            else:
+                in_flight = deliver_grads(grad_ring, group, kb, g, (g_wq, g_wkv, g_wot))
         acc = keep_owned(in_flight, r, acc)
-        dwq, dwkv, dwot = grad_layout.unpack(acc[0])
+        if p > 1 and kb == 1:
+            acc = grad_layout.unpack(acc[0])
+        dwq, dwkv, dwot = acc
         dc = d_lat[..., :geo.kvr].to(dt)
         dk_raw = mla_rope_transpose(d_lat[..., geo.kvr:], freqs, tables).to(dt)
         return (dq_in.to(dt).view(n, b, -1), dc, dk_raw, weight_grad(wq, dwq),
                 weight_grad(wkv, dwkv), weight_grad(wo, dwot.t()),
-                None, None, None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None, None, None)
 
 
 def _check(x, w: dict, group: METPGroup, seq: METPGroup, geo: MLAGeometry, q_lora_rank,
@@ -256,7 +276,8 @@ def metp_mla_attention(x: torch.Tensor, *, q_up_weight: torch.Tensor,
                        proj_bias: Optional[torch.Tensor] = None, norm_eps: float = 1e-5,
                        causal: bool = True, layout: str = "dual_chunk",
                        softmax_scale: Optional[float] = None, rope_mscale: float = 1.0,
-                       kernel: Optional[str] = None, context_group=None,
+                       kernel: Optional[str] = None, head_block: int = 1,
+                       context_group=None,
                        label: str = "metp_mla_attention") -> torch.Tensor:
     """The METP multi-latent attention block (before the residual), module docstring.
 
@@ -279,6 +300,12 @@ def metp_mla_attention(x: torch.Tensor, *, q_up_weight: torch.Tensor,
             layout; exact angles: :func:`rope.rope_angles`; YaRN: its scaled ``inv_freq``.
         softmax_scale: default ``1/sqrt(dn+dr)``; rope_mscale: YaRN's factor on cos/sin
             (module docstring; 1 without YaRN).
+        head_block: ``kb``, head groups per block of the outer loop (a divisor of ``p``; 1 by
+            default): each block is one weight fetch and *one* latent ring for its
+            ``kb·A/p`` heads. ``kb = p``: a single ring for every head, ``C`` values per token
+            per step for the whole layer instead of ``p·C``, at the cost of every head's
+            up-/output-projection weights and a block's K/V for every head resident at once
+            (docs/mla.md). The result does not depend on ``kb``.
         causal, layout, kernel, context_group, label: as in :func:`attention.metp_attention`
             (the latent ring runs over ``context_group``'s ``p·c`` ranks; weights stay in
             ``group``).
@@ -294,14 +321,17 @@ def metp_mla_attention(x: torch.Tensor, *, q_up_weight: torch.Tensor,
                    proj_weight=proj_weight, proj_bias=proj_bias, q_down_weight=q_down_weight,
                    q_norm_weight=q_norm_weight)
     try:
+        kb = int(head_block) if isinstance(head_block, int) else 0
+        if kb < 1 or group.size % kb:
+            raise ValueError(f"head_block must be a divisor of the METP group size "
+                             f"{group.size}, got {head_block!r}")
         geo = MLAGeometry(int(num_heads), group.size, int(kv_lora_rank), int(qk_head_dim),
                           int(qk_pos_emb_head_dim), int(v_head_dim),
                           int(q_lora_rank) if q_lora_rank is not None else x.shape[-1])
         _check(x, weights, group, seq, geo, q_lora_rank, layout, causal, rotary_pos_emb)
         kern = select_kernel(x.device, x.dtype, kernel, head_dim=geo.dq)
-        geo = MLAGeometry(*(getattr(geo, f) for f in ("heads", "p", "kvr", "dn", "dr", "dv",
-                                                      "q_in")),
-                          pad=geo.dv != geo.dq and kern.name not in _ANY_V_DIM)
+        geo = dataclasses.replace(geo, blocks=group.size // kb,
+                                  pad=geo.dv != geo.dq and kern.name not in _ANY_V_DIM)
         n, P = x.shape[0], seq.size
         freqs = rotary_pos_emb
         if freqs.shape[0] != n:
@@ -316,7 +346,7 @@ def metp_mla_attention(x: torch.Tensor, *, q_up_weight: torch.Tensor,
                            **weights, rotary_pos_emb=rotary_pos_emb, geometry=repr(geo),
                            q_lora_rank=q_lora_rank, norm_eps=float(norm_eps),
                            causal=bool(causal), layout=layout, softmax_scale=float(scale),
-                           rope_mscale=float(rope_mscale), kernel=kern.name,
+                           rope_mscale=float(rope_mscale), kernel=kern.name, head_block=kb,
                            needs_grad=needs_grad(x, *(t for t in weights.values()
                                                       if t is not None)))
     # the local part (no communication): down-projections and their norms
@@ -328,5 +358,5 @@ def metp_mla_attention(x: torch.Tensor, *, q_up_weight: torch.Tensor,
     c = F.rms_norm(c, (geo.kvr,), kv_norm_weight, norm_eps)
     y = _MLAFunction.apply(q_in, c, k_raw, q_up_weight, kv_up_weight, proj_weight, freqs, group,
                            seq, geo, bool(causal), layout, float(scale), kern,
-                           float(rope_mscale), label)
+                           float(rope_mscale), label, kb)
     return y if proj_bias is None else y + proj_bias

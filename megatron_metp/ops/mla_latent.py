@@ -31,11 +31,13 @@ import torch
 @dataclass(frozen=True)
 class MLAGeometry:
     """Head and channel counts of one multi-latent attention (module docstring's names);
-    ``heads_local = A/p`` (one head group), ``q_in`` the query input's width (``q_lora_rank``,
-    or the hidden size without a query latent), ``pad``: ``v`` zero-padded to ``dn+dr``."""
+    ``blocks``: head-group blocks the outer loop runs (``p/kb``, ``kb`` head groups each; ``p``
+    with one head group per block), ``heads_local = A/blocks`` the heads of one block (``H``),
+    ``q_in`` the query input's width (``q_lora_rank``, or the hidden size without a query
+    latent), ``pad``: ``v`` zero-padded to ``dn+dr``."""
 
     heads: int
-    p: int
+    blocks: int
     kvr: int
     dn: int
     dr: int
@@ -45,7 +47,7 @@ class MLAGeometry:
 
     @property
     def heads_local(self) -> int:
-        return self.heads // self.p
+        return self.heads // self.blocks
 
     @property
     def dq(self) -> int:
