@@ -8,6 +8,7 @@ from typing import Optional
 
 import torch
 
+from megatron_metp.ops.documents import document_ids
 from megatron_metp.ops.rope import rope_angles
 
 #: the replicated weights (their gradients are per-rank token partials) and the head-sharded ones
@@ -33,6 +34,7 @@ class MLACase:
     bias: bool = True
     seed: int = 0
     kb: int = 1  # head_block: head groups per latent ring
+    cu: Optional[tuple] = None  # packed documents (cu_seqlens)
 
 
 def full_params(case: MLACase) -> dict:
@@ -94,13 +96,20 @@ def reference_mla(full: dict, case: MLACase, eps: float = 1e-5, causal: bool = T
                   rotate_key: bool = True) -> dict:
     """Single-device MLA in fp64 from the full weights: ``y`` and the gradient of ``x`` and of
     every weight for the output gradient ``gy`` (``rotate_key=False``: the shared RoPE key left
-    unrotated, a negative control)."""
+    unrotated, a negative control). With ``case.cu`` (packed documents) a query sees the keys of
+    its own document only and RoPE positions restart at each document start."""
     leaves = {k: v.double().requires_grad_() for k, v in full.items()
               if v is not None and k not in ("gy", "rotary_pos_emb")}
     x = leaves["x"]
     s, b, _ = x.shape
     A, kvr, dn, dr, dv = case.heads, case.kvr, case.dn, case.dr, case.dv
-    theta = full["rotary_pos_emb"].double()[..., :dr // 2]
+    pos = torch.arange(s)
+    visible = pos[None, :] <= pos[:, None]
+    if case.cu is not None:
+        doc = document_ids(case.cu, pos)
+        visible &= doc[None, :] == doc[:, None]
+        pos = pos - torch.tensor(case.cu)[doc]
+    theta = full["rotary_pos_emb"].double()[pos][..., :dr // 2]
     q_in = x if case.ql is None else _rms(x @ leaves["q_down_weight"].t(),
                                           leaves["q_norm_weight"], eps)
     q = (q_in @ leaves["q_up_weight"].t()).view(s, b, A, dn + dr)
@@ -114,7 +123,7 @@ def reference_mla(full: dict, case: MLACase, eps: float = 1e-5, causal: bool = T
     scale = case.scale if case.scale is not None else (dn + dr) ** -0.5
     scores = torch.einsum("sbhd,tbhd->bhst", qf, kf) * scale
     if causal:
-        scores = scores.masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), float("-inf"))
+        scores = scores.masked_fill(~visible, float("-inf"))
     o = torch.einsum("bhst,tbhd->sbhd", scores.softmax(-1), kv[..., dn:])
     y = o.reshape(s, b, A * dv) @ leaves["proj_weight"].t()
     if "proj_bias" in leaves:

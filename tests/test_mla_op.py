@@ -4,6 +4,7 @@ and every weight's gradient within 1e-5 (fp32) at METP 2 and 3, with negative co
 ring counters: the K/V ring moves ``kv_lora_rank + qk_pos_emb_head_dim`` values per token per
 step, not the heads' K/V."""
 
+import contextlib
 import dataclasses
 import functools
 
@@ -12,7 +13,8 @@ import torch.distributed as dist
 
 from megatron_metp import METPGroup
 from megatron_metp.ops import metp_mla_attention, shard_sequence, unshard_sequence
-from megatron_metp.ops import mla_ring
+from megatron_metp.ops import documents, mla_ring
+from megatron_metp.ops.documents import shard_documents, unshard_documents
 from megatron_metp.runtime.context import attach_context_group
 from tests.harness import run_ranks
 from tests.mla_cases import (REPLICATED, SHARDED, MLACase, full_params, reference_mla,
@@ -29,12 +31,18 @@ CASES = {
     2: [(MLACase(heads=4, kvr=8, dn=6, dr=4, dv=4, ql=12), None),  # flash kernel, v padded
         (MLACase(heads=2, kvr=6, dn=4, dr=2, dv=6, ql=None, layout="contiguous",
                  kernel="reference", mscale=1.25, scale=0.3, bias=False, seed=1), None),  # YaRN
-        (V3_LATENT, None), (V3_ONE_RING, None)],
+        (V3_LATENT, None), (V3_ONE_RING, None),
+        (MLACase(heads=4, kvr=8, dn=6, dr=4, dv=4, ql=12, s=16, cu=(0, 3, 9, 16), seed=10),
+         None),  # packed documents, masked pieces
+        (MLACase(heads=2, kvr=6, dn=4, dr=2, dv=6, ql=None, s=16, layout="balanced",
+                 kernel="reference", cu=(0, 9, 16), seed=11), None)],
     3: [(MLACase(heads=6, kvr=8, dn=4, dr=4, dv=2, ql=10, seed=2), None),
         (MLACase(heads=3, kvr=5, dn=6, dr=2, dv=6, ql=None, kernel="reference", mscale=1.1,
                  seed=4), None),
         (MLACase(heads=6, kvr=8, dn=4, dr=4, dv=2, ql=10, seed=2), "stale"),
-        (MLACase(heads=6, kvr=8, dn=4, dr=4, dv=2, ql=10, seed=9, kb=3), None)],  # one ring
+        (MLACase(heads=6, kvr=8, dn=4, dr=4, dv=2, ql=10, seed=9, kb=3), None),  # one ring
+        (MLACase(heads=3, kvr=8, dn=4, dr=4, dv=2, ql=None, s=18, layout="contiguous",
+                 cu=(0, 2, 7, 18), seed=12), None)],  # packed: the forward ring stops early
     (2, 4): [(MLACase(heads=4, kvr=8, dn=6, dr=4, dv=4, ql=12, s=16, seed=5), None),
              (MLACase(heads=2, kvr=6, dn=4, dr=2, dv=6, ql=None, s=16, kernel="reference",
                       seed=6), None),
@@ -53,6 +61,24 @@ class _StaleRing(mla_ring.RingExchanger):
             prev = buf.clone()
 
 
+@contextlib.contextmanager
+def _chunks(case):
+    """``balanced`` with own chunks from 1 token at these tiny lengths (every document of at
+    least ``2p`` tokens dual-chunked on its own), on the ranks and where the parts are joined."""
+    before = documents.set_balanced_min_chunk(1) if case.layout == "balanced" else None
+    try:
+        yield
+    finally:
+        if before is not None:
+            documents.set_balanced_min_chunk(before)
+
+
+def _shard(t, case, rank, world):
+    if case.cu is None:
+        return shard_sequence(t, rank, world, layout=case.layout)
+    return shard_documents(t, case.cu, rank, world, layout=case.layout)
+
+
 def _rank(rank, world, p, cases):
     """METP groups of ``p`` ranks; with ``world = p·c > p`` inside one context group of all
     ranks (METP × CP: the sequence split over all ``world`` ranks, the weights over ``p``)."""
@@ -64,29 +90,37 @@ def _rank(rank, world, p, cases):
         attach_context_group(grp, dist.new_group(list(range(world))))
     out = []
     for case, variant, *angles in cases:
-        full = full_params(case)
-        if angles:  # stock's RoPE (YaRN's scaled inv_freq) as the project's exact angles
-            full["rotary_pos_emb"] = angles[0]
-        w = {k: v.clone().requires_grad_()
-             for k, v in shard_weights(full, case, rank % p, p).items()}
-        x = shard_sequence(full["x"], rank, world, layout=case.layout).clone().requires_grad_()
-        freqs, seq = full["rotary_pos_emb"], None
-        if variant == "no_context":  # the latent ring inside the METP group only
-            freqs, seq = shard_sequence(freqs, rank, world, layout=case.layout), grp
-        mla_ring.RingExchanger = _StaleRing if variant == "stale" else _StaleRing.__mro__[1]
-        grp.stats.reset()
+        with _chunks(case):
+            out.append(_one(rank, world, p, grp, case, variant, angles))
+    return out
+
+
+def _one(rank, world, p, grp, case, variant, angles):
+    """One case on this rank: the op's output, the gradients and the ring counters."""
+    full = full_params(case)
+    if angles:  # stock's RoPE (YaRN's scaled inv_freq) as the project's exact angles
+        full["rotary_pos_emb"] = angles[0]
+    w = {k: v.clone().requires_grad_() for k, v in shard_weights(full, case, rank % p, p).items()}
+    x = _shard(full["x"], case, rank, world).clone().requires_grad_()
+    freqs, seq = full["rotary_pos_emb"], None
+    if variant == "no_context":  # the latent ring inside the METP group only
+        freqs, seq = shard_sequence(freqs, rank, world, layout=case.layout), grp
+    ring = mla_ring.RingExchanger
+    mla_ring.RingExchanger = _StaleRing if variant == "stale" else ring
+    grp.stats.reset()
+    try:
         y = metp_mla_attention(x, **w, group=grp, num_heads=case.heads, kv_lora_rank=case.kvr,
                                qk_head_dim=case.dn, qk_pos_emb_head_dim=case.dr,
                                v_head_dim=case.dv, q_lora_rank=case.ql,
                                rotary_pos_emb=freqs, layout=case.layout, context_group=seq,
                                kernel=case.kernel, softmax_scale=case.scale,
-                               rope_mscale=case.mscale, head_block=case.kb)
+                               rope_mscale=case.mscale, head_block=case.kb, cu_seqlens=case.cu)
         fwd = grp.stats.snapshot()
-        y.backward(shard_sequence(full["gy"], rank, world, layout=case.layout))
-        mla_ring.RingExchanger = _StaleRing.__mro__[1]
-        out.append({"y": y.detach(), "dx": x.grad, "fwd": fwd, "total": grp.stats.snapshot(),
-                    **{"d" + k: v.grad for k, v in w.items()}})
-    return out
+        y.backward(_shard(full["gy"], case, rank, world))
+    finally:
+        mla_ring.RingExchanger = ring
+    return {"y": y.detach(), "dx": x.grad, "fwd": fwd, "total": grp.stats.snapshot(),
+            **{"d" + k: v.grad for k, v in w.items()}}
 
 
 @functools.lru_cache(maxsize=None)
@@ -97,8 +131,10 @@ def _run(p, world=None):
 def _errors(out, i, case, ref, p=None):
     rs = [o[i] for o in out]
     p = p or len(rs)
-    got = {"y": unshard_sequence([r["y"] for r in rs], layout=case.layout),
-           "dx": unshard_sequence([r["dx"] for r in rs], layout=case.layout)}
+    with _chunks(case):
+        got = {k: unshard_documents([r[k] for r in rs], case.cu, layout=case.layout)
+               if case.cu else unshard_sequence([r[k] for r in rs], layout=case.layout)
+               for k in ("y", "dx")}
     for name, dim in SHARDED.items():  # a shard's gradient: summed over the c METP groups
         got["d" + name] = torch.cat([sum(r["d" + name] for r in rs[g::p]) for g in range(p)],
                                     dim=dim)
@@ -125,6 +161,12 @@ def test_mla_matches_reference_p2():
 
 def test_mla_matches_reference_p3_and_stale_block_is_caught():
     _check_parity(3)
+    # packed (0, 2, 7, 18) over 3 contiguous blocks: no rank needs the block two steps back, so
+    # the forward latent ring stops after 2 steps: 1 exchange per head group
+    case = CASES[3][-1][0]
+    assert case.cu == (0, 2, 7, 18) and documents.forward_steps(case.cu, 6, 3, case.layout) == 2
+    for rank in _run(3):
+        assert rank[-1]["fwd"]["bytes_sent"] == 3 * 1 * 6 * case.b * (case.kvr + case.dr) * 4
 
 
 def test_mla_metp2_x_cp2_matches_reference_and_needs_the_context_ring():
@@ -141,6 +183,17 @@ def test_reference_check_catches_an_unrotated_rope_key():
     out = _run(2)
     errs = _errors(out, 0, case, reference_mla(full_params(case), case, rotate_key=False))
     assert errs["y"] > 1e-2 and errs["dkv_down_weight"] > 1e-2, errs
+
+
+def test_reference_check_catches_attention_across_documents():
+    """Negative control for the packed cases: the same output against MLA over the whole
+    sequence (document boundaries ignored) is far outside the bound."""
+    out = _run(2)
+    for i, (case, _) in enumerate(CASES[2]):
+        if case.cu is not None:
+            whole = dataclasses.replace(case, cu=None)
+            errs = _errors(out, i, case, reference_mla(full_params(case), whole))
+            assert errs["y"] > 1e-2, (case, errs)
 
 
 def test_latent_ring_moves_the_latent_not_the_heads_kv():
@@ -161,7 +214,7 @@ def test_latent_ring_moves_the_latent_not_the_heads_kv():
         fwd = o["fwd"]["bytes_sent"]
         per_token_step = fwd / (p * (p - 1) * tokens * 4)
         assert per_token_step == C == 576, per_token_step
-        assert per_token_step < heads_kv  # 576 against 2 heads × 320 here; 128 × 320 = 40,960 for V3
+        assert per_token_step < heads_kv  # 576 vs 2 heads × 320 here; V3: 128 × 320 = 40,960
         bwd = o["total"]["bytes_sent"] - fwd
         assert bwd == p * (p - 1) * tokens * C * 4 * 2 + (p - 1) * flat * 4, bwd
 

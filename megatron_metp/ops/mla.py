@@ -52,9 +52,9 @@ of ``kb`` head groups, each one weight fetch (per-group broadcasts; one all-gath
 head group, ``kb = p`` sends it round once per layer: ``C`` values per token per ring step for
 every head together (DeepSeek-V3: 576 against stock CP's ``A·(dn+dr+dv)`` = 40,960 for K and
 V), where ``kb = 1`` sends it ``p`` times (``p·C``; per head-group ring step ``C`` against that
-group's ``A/p·(dn+dr+dv)``). What ``kb = p`` costs: every head's ``q``/``kv`` up-projection and output projection
-resident at once (all-gathered), and each block's up-projected K/V of every head
-(``[m, b, A·(dn+dr+dv)]``) at once, which ``kb = 1`` keeps to ``1/p`` of it.
+group's ``A/p·(dn+dr+dv)``). What ``kb = p`` costs: every head's ``q``/``kv`` up-projection
+and output projection resident at once (all-gathered), and each block's up-projected K/V of
+every head (``[m, b, A·(dn+dr+dv)]``) at once, which ``kb = 1`` keeps to ``1/p`` of it.
 
 Saved for backward: ``q_in`` ``[n, b, ql]`` (or ``x``), ``L`` ``[n, b, C]``, every block's
 ``O`` ``[n, b, H·dv]`` and fp32 log-sum-exp; autograd's local part keeps ``x`` and the
@@ -64,8 +64,11 @@ shards): forward ``(p−1)·W`` received and ``(p/kb)(P−1)`` latent blocks ``[
 (``P`` ranks in the sequence ring); backward ``(p−1)·W`` received, ``(p−1)·W`` fp32 sent to the
 owners and ``(p/kb)(P−1)`` latent and as many fp32 ``dL`` blocks.
 
-Not done here: packed documents (no ``cu_seqlens`` argument), kept attention / selective
-recompute of the core (no such arguments), a GPU-tuned ``head_block="auto"``.
+Packed documents (``cu_seqlens``): the latent ring runs the document pieces of
+:mod:`.documents` (:mod:`.mla_ring`), RoPE positions restart per document.
+
+Not done here: kept attention / selective recompute of the core (no such arguments), per-rank
+per-document angles (``rope_per_document``), a GPU-tuned ``head_block="auto"``.
 """
 
 from __future__ import annotations
@@ -90,7 +93,9 @@ from .attention_weights import block_pieces, deliver_flat, deliver_grads, keep_o
 from .mla_latent import MLAGeometry
 from .mla_ring import latent_ring_backward, latent_ring_forward
 from .mla_rope import mla_rope, mla_rope_tables, mla_rope_transpose
-from .sequence import LAYOUTS, local_positions
+from .documents import PACKED_LAYOUTS, cu_seqlens_digest, document_positions
+from .ring_checks import check_packed, shape_layout
+from .sequence import local_positions
 
 #: kernels that take a value head dim different from the query/key one (others get v padded)
 _ANY_V_DIM = ("reference",)
@@ -120,7 +125,7 @@ class _MLAFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q_in, c, k_raw, wq, wkv, wo, freqs, group: METPGroup, seq: METPGroup,
-                geo: MLAGeometry, causal, layout, scale, kernel, mscale, label, kb):
+                geo: MLAGeometry, causal, layout, scale, kernel, mscale, label, kb, cu):
         check_finite(f"{label} (forward)", group, q_in=q_in, latent=c, rope_key=k_raw,
                      q_up_weight=wq, kv_up_weight=wkv, proj_weight=wo)
         n, b = q_in.shape[:2]
@@ -133,20 +138,21 @@ class _MLAFunction(torch.autograd.Function):
         for _, (WQ, WKV, WOT) in block_pieces(group, (wq, wkv, wo.t()), "fwd", kb,
                                               what="MLA weights"):
             q = _queries(q_in2, WQ, geo, n, b, freqs, tables)
-            o, lse = latent_ring_forward(q, latent, WKV, geo, seq, causal, layout, scale, kernel)
+            o, lse = latent_ring_forward(q, latent, WKV, geo, seq, causal, layout, scale, kernel,
+                                         cu)
             o = o[..., :geo.dv].permute(2, 0, 1, 3).reshape(N, -1).to(q_in.dtype)
             outs.append(o)
             lses.append(lse)
             part = torch.mm(o.to(acc_dtype), WOT.to(acc_dtype))
             y = part if y is None else y.add_(part)
         ctx.save_for_backward(q_in, latent, wq, wkv, wo, freqs, *outs, *lses)
-        ctx.args = (group, seq, geo, causal, layout, scale, kernel, mscale, label, kb)
+        ctx.args = (group, seq, geo, causal, layout, scale, kernel, mscale, label, kb, cu)
         return y.to(q_in.dtype).view(n, b, -1)
 
     @staticmethod
     @first_order_only("metp_mla_attention")
     def backward(ctx, grad_y):
-        group, seq, geo, causal, layout, scale, kernel, mscale, label, kb = ctx.args
+        group, seq, geo, causal, layout, scale, kernel, mscale, label, kb, cu = ctx.args
         check_finite(f"{label} (backward)", group, grad_output=grad_y)
         p, r = group.size, group.rank
         saved = ctx.saved_tensors
@@ -161,7 +167,8 @@ class _MLAFunction(torch.autograd.Function):
         q_in2 = q_in.reshape(N, -1)
         gy = grad_y.reshape(N, -1).to(dt)
         grad_layout = FlatLayout([(kb * wq.shape[0], wq.shape[1]),
-                                  (kb * wkv.shape[0], wkv.shape[1]), (kb * wo.shape[1], wo.shape[0])])
+                                  (kb * wkv.shape[0], wkv.shape[1]),
+                                  (kb * wo.shape[1], wo.shape[0])])
         grad_ring = RingExchanger(group, "MLA weight grads (bwd)")
         dq_in = torch.zeros(N, q_in.shape[-1], dtype=acc_dtype, device=q_in.device)
         d_lat = None
@@ -176,7 +183,7 @@ class _MLAFunction(torch.autograd.Function):
             g_wkv.zero_()
             dq, dl = latent_ring_backward(_heads_first_v(d_o, geo, n, b), q, latent, WKV,
                                           _heads_first_v(outs[g], geo, n, b), lses[g], geo,
-                                          seq, causal, layout, scale, kernel, g_wkv)
+                                          seq, causal, layout, scale, kernel, g_wkv, cu)
             d_lat = dl if d_lat is None else d_lat.add_(dl)
             dq = dq.permute(2, 0, 1, 3)  # [n, b, H, dn+dr]
             dq[..., geo.dn:] = mla_rope_transpose(dq[..., geo.dn:], freqs, tables)
@@ -199,7 +206,7 @@ class _MLAFunction(torch.autograd.Function):
         dk_raw = mla_rope_transpose(d_lat[..., geo.kvr:], freqs, tables).to(dt)
         return (dq_in.to(dt).view(n, b, -1), dc, dk_raw, weight_grad(wq, dwq),
                 weight_grad(wkv, dwkv), weight_grad(wo, dwot.t()),
-                None, None, None, None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None, None, None, None)
 
 
 def _check(x, w: dict, group: METPGroup, seq: METPGroup, geo: MLAGeometry, q_lora_rank,
@@ -207,8 +214,9 @@ def _check(x, w: dict, group: METPGroup, seq: METPGroup, geo: MLAGeometry, q_lor
     """Shapes, dtypes and devices of the inputs against the geometry; a ``ValueError`` naming
     the argument and the fix."""
     p, P = group.size, seq.size
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout not in PACKED_LAYOUTS:
+        raise ValueError(f"layout must be one of {PACKED_LAYOUTS}, got {layout!r}")
+    layout = shape_layout(layout)
     if x.dim() != 3:
         raise ValueError(f"x must be this rank's tokens [s/p, b, h], got {tuple(x.shape)}")
     n, b, h = x.shape
@@ -277,7 +285,7 @@ def metp_mla_attention(x: torch.Tensor, *, q_up_weight: torch.Tensor,
                        causal: bool = True, layout: str = "dual_chunk",
                        softmax_scale: Optional[float] = None, rope_mscale: float = 1.0,
                        kernel: Optional[str] = None, head_block: int = 1,
-                       context_group=None,
+                       cu_seqlens=None, context_group=None,
                        label: str = "metp_mla_attention") -> torch.Tensor:
     """The METP multi-latent attention block (before the residual), module docstring.
 
@@ -306,6 +314,11 @@ def metp_mla_attention(x: torch.Tensor, *, q_up_weight: torch.Tensor,
             per step for the whole layer instead of ``p·C``, at the cost of every head's
             up-/output-projection weights and a block's K/V for every head resident at once
             (docs/mla.md). The result does not depend on ``kb``.
+        cu_seqlens: packed documents, as in :func:`attention.metp_attention` (cumulative
+            document lengths of the global sequence; attention causal within each document,
+            RoPE positions restarting per document, ``rotary_pos_emb`` then the
+            whole-sequence table ``[s, 1, 1, dr]``; layouts ``dual_chunk``, ``contiguous`` or
+            ``balanced``, shard with :func:`documents.shard_documents`).
         causal, layout, kernel, context_group, label: as in :func:`attention.metp_attention`
             (the latent ring runs over ``context_group``'s ``p·c`` ranks; weights stay in
             ``group``).
@@ -333,8 +346,16 @@ def metp_mla_attention(x: torch.Tensor, *, q_up_weight: torch.Tensor,
         geo = dataclasses.replace(geo, blocks=group.size // kb,
                                   pad=geo.dv != geo.dq and kern.name not in _ANY_V_DIM)
         n, P = x.shape[0], seq.size
+        cu = check_packed(cu_seqlens, n * P, causal, layout, P)
         freqs = rotary_pos_emb
-        if freqs.shape[0] != n:
+        if cu is not None:
+            if freqs.shape[0] != n * P:
+                raise ValueError(f"rotary_pos_emb with cu_seqlens must be the whole-sequence "
+                                 f"table [s={n * P}, 1, 1, r] (positions restart at each "
+                                 f"document start), got {tuple(freqs.shape)}")
+            freqs = freqs.index_select(0, document_positions(cu, seq.rank, P, n, layout,
+                                                             device=x.device))
+        elif freqs.shape[0] != n:
             freqs = freqs.index_select(0, local_positions(seq.rank, P, n, layout=layout,
                                                           device=x.device))
     except ValueError as exc:
@@ -347,6 +368,7 @@ def metp_mla_attention(x: torch.Tensor, *, q_up_weight: torch.Tensor,
                            q_lora_rank=q_lora_rank, norm_eps=float(norm_eps),
                            causal=bool(causal), layout=layout, softmax_scale=float(scale),
                            rope_mscale=float(rope_mscale), kernel=kern.name, head_block=kb,
+                           cu_seqlens=None if cu is None else cu_seqlens_digest(cu),
                            needs_grad=needs_grad(x, *(t for t in weights.values()
                                                       if t is not None)))
     # the local part (no communication): down-projections and their norms
@@ -358,5 +380,5 @@ def metp_mla_attention(x: torch.Tensor, *, q_up_weight: torch.Tensor,
     c = F.rms_norm(c, (geo.kvr,), kv_norm_weight, norm_eps)
     y = _MLAFunction.apply(q_in, c, k_raw, q_up_weight, kv_up_weight, proj_weight, freqs, group,
                            seq, geo, bool(causal), layout, float(scale), kern,
-                           float(rope_mscale), label, kb)
+                           float(rope_mscale), label, kb, cu)
     return y if proj_bias is None else y + proj_bias
