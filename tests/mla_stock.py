@@ -72,6 +72,7 @@ def _stock_one(case, full, yarn, eps):
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer import multi_latent_attention as stock
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
@@ -90,6 +91,8 @@ def _stock_one(case, full, yarn, eps):
                                     normalization="RMSNorm")
     submodules = spec.submodules.self_attention.submodules
     submodules.core_attention = _CoreAttention
+    if case.ql is None:  # no query latent, no query norm (megatron-core 0.19 refuses one unused)
+        submodules.q_layernorm = IdentityOp
     attn = MLASelfAttention(cfg, submodules, layer_number=1,
                             attn_mask_type=AttnMaskType.causal, pg_collection=pgc)
     params = dict(attn.named_parameters())

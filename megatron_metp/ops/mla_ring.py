@@ -20,7 +20,7 @@ Packed documents (``cu``, :mod:`.documents`): a block runs the document pieces o
 :func:`ring_attention.kernel_pieces` (full, causal or masked rectangles; none: skipped), K/V
 up-projected once per block over the key rows its pieces span; the pieces fold into
 zero/``−inf`` accumulators (:func:`lse.merge_masked_`) and the forward ring stops after
-:func:`documents.forward_steps` steps, as in :func:`ring_attention._packed_forward`; the
+:func:`documents.forward_steps` steps, as :mod:`.ring_attention` does; the
 backward ring is unchanged (every ``dL`` sum travels home).
 
 Traffic per rank and head group: forward ``p−1`` latent blocks ``[n, b, C]`` (x's dtype);
