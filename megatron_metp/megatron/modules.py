@@ -149,6 +149,9 @@ def check_config(config) -> None:
         problems.append("--multi-latent-attention")
     if getattr(config, "attention_output_gate", False):
         problems.append("attention_output_gate")
+    from .variant_checks import variant_problems  # sinks, window patterns, GLU offset / clamp
+
+    problems.extend(variant_problems(lambda name, default: getattr(config, name, default)))
     if problems:
         raise ValueError("--metp-parallel-size does not support: " + "; ".join(problems))
 
