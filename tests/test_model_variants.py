@@ -9,7 +9,8 @@ releases:
 * partial RoPE (``--rotary-percent 0.5``): METP rotates the first half of each head's channels
   as stock does; loss and every gradient at METP 2 and 3; negative control: stock with the whole
   head rotated fails the comparison;
-* refused before any work, naming the flag: attention sinks (``--softmax-type``), alternating
+* refused before any work, naming the flag: attention sinks with TP > 1
+  (``--softmax-type``; the sinks themselves: ``tests/test_attention_sinks.py``), alternating
   sliding windows (``--window-attn-skip-freq``), the GLU offset / clamp where METP's MLP runs
   (dense layers, shared experts), through a ``TransformerConfig``, Megatron-LM ``args`` and the
   launcher's preflight; on a core_v0.16.1 checkout the core_v0.19.0-only flags are refused
@@ -117,14 +118,16 @@ def _moe_cfg(**kw):
 
 
 @pytest.mark.parametrize("kw,needle", [
-    (dict(softmax_type="learnable"), "--softmax-type learnable (attention sinks"),
-    (dict(softmax_type="off-by-one"), "--softmax-type off-by-one"),
+    (dict(softmax_type="learnable", tensor_model_parallel_size=2),
+     "--softmax-type learnable (attention sinks) with --tensor-model-parallel-size 2"),
+    (dict(softmax_type="off-by-one", reset_attention_mask=True),
+     "--softmax-type off-by-one (attention sinks) with packed documents"),
     (dict(window_attn_skip_freq=2), "--window-attn-skip-freq 2"),
     (dict(glu_linear_offset=1.0, moe_layer_freq=[0, 1]), "--glu-linear-offset 1.0"),
     (dict(activation_func_clamp_value=7.0, moe_shared_expert_intermediate_size=16),
      "--activation-func-clamp-value 7.0"),
     (dict(glu_linear_offset=1.0, num_moe_experts=None), "--glu-linear-offset 1.0"),
-], ids=["sinks-learnable", "sinks-off-by-one", "window-pattern", "glu-offset-dense-layer",
+], ids=["sinks-with-tp", "sinks-with-packed-documents", "window-pattern", "glu-offset-dense-layer",
         "clamp-shared-expert", "glu-offset-dense-model"])
 def test_variants_are_refused_naming_the_flag(kw, needle):
     from megatron_metp.megatron.variant_checks import variant_args_problems, variant_problems
@@ -139,14 +142,14 @@ def test_variants_are_refused_naming_the_flag(kw, needle):
     assert variant_problems(lambda n, d: getattr(_moe_cfg(**CLAMPED), n, d)) == []
 
 
-def test_a_config_with_sinks_is_refused_before_the_model_is_built():
+def test_a_config_with_a_window_pattern_is_refused_before_the_model_is_built():
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron_metp.megatron.modules import check_config
 
-    cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2,
-                            softmax_type="learnable")
-    with pytest.raises(ValueError, match="--softmax-type learnable"):
+    cfg = TransformerConfig(num_layers=2, hidden_size=8, num_attention_heads=2,
+                            window_attn_skip_freq=2)
+    with pytest.raises(ValueError, match="--window-attn-skip-freq 2"):
         check_config(cfg)
 
 
@@ -168,7 +171,8 @@ def test_preflight_refuses_the_variants_and_reads_layer_patterns():
     assert "--glu-linear-offset" not in problems("--glu-linear-offset", "1.0")
     assert "--glu-linear-offset 1.0" in problems("--glu-linear-offset", "1.0",
                                                  "--moe-layer-freq", "([0]*1+[1]*3)")
-    assert "--softmax-type learnable" in problems("--softmax-type", "learnable")
+    assert "--softmax-type" not in problems("--softmax-type", "learnable")  # sinks run
+    assert "--window-attn-skip-freq [1, 0]" in problems("--window-attn-skip-freq", "([1]+[0])")
 
 
 def test_core_v0_19_only_flags_are_refused_on_core_v0_16_1_naming_the_release(tmp_path):

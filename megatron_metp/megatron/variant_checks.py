@@ -10,8 +10,10 @@ What METP runs, what it refuses, and why (``docs/moe.md``, "Routers and model va
   METP's MLP (the dense layers of ``--moe-layer-freq`` and of a dense model, the shared expert)
   computes a plain GeLU or SwiGLU, so a model with any METP MLP refuses them.
 * **Attention sinks** ``softmax_type`` (``--softmax-type off-by-one|learnable``): a per-head
-  logit in the softmax denominator; the METP K/V ring's log-sum-exp does not add it yet:
-  refused (keep ``vanilla``).
+  logit in the softmax denominator, merged once per row into the K/V ring's log-sum-exp
+  (:mod:`megatron_metp.ops.sinks`; tested against stock). Refused with TP > 1 (METP holds every
+  head's sink), with packed documents (``--reset-attention-mask``: not tested together) and with
+  the ring-attention baseline.
 * **Alternating sliding windows** ``window_attn_skip_freq`` (``--window-attn-skip-freq``): METP
   refuses ``--window-size`` (its K/V ring attends causally over the whole sequence), and the
   pattern only applies with a window: refused too.
@@ -56,10 +58,14 @@ def variant_problems(get: Callable) -> List[str]:
     default)`` reads a ``TransformerConfig`` field name."""
     out = []
     softmax = get("softmax_type", "vanilla") or "vanilla"
-    if softmax != "vanilla":
-        out.append(f"--softmax-type {softmax} (attention sinks: a per-head logit in the "
-                   f"softmax denominator, which METP's K/V ring does not add yet); use "
-                   f"--softmax-type vanilla")
+    tp = get("tensor_model_parallel_size", 1) or 1
+    if softmax != "vanilla" and tp > 1:
+        out.append(f"--softmax-type {softmax} (attention sinks) with "
+                   f"--tensor-model-parallel-size {tp}: METP holds every head's sink; use TP 1 "
+                   f"and a larger --metp-parallel-size")
+    if softmax != "vanilla" and get("reset_attention_mask", False):
+        out.append(f"--softmax-type {softmax} (attention sinks) with packed documents "
+                   f"(--reset-attention-mask): not tested together yet; drop one")
     skip = get("window_attn_skip_freq", None)
     if skip is not None:
         out.append(f"--window-attn-skip-freq {skip} (alternating sliding windows: METP's K/V "
