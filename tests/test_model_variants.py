@@ -3,8 +3,8 @@ against single-rank stock megatron-core from the same full weights (fp32, ≤ 1e
 releases:
 
 * gpt-oss's experts: a clamped quick-GeGLU with a GLU offset (``activation_func_clamp_value``,
-  ``glu_linear_offset``) and linear biases, every layer a MoE layer: Megatron's own experts
-  apply them; loss and every gradient at METP 2 and 3; negative control: stock without the
+  ``glu_linear_offset``) and linear biases, every layer a MoE layer, with attention sinks
+  (``softmax_type learnable``): Megatron's own experts apply them; loss and every gradient at METP 2 and 3; negative control: stock without the
   clamp and offset fails the comparison;
 * partial RoPE (``--rotary-percent 0.5``): METP rotates the first half of each head's channels
   as stock does; loss and every gradient at METP 2 and 3; negative control: stock with the whole
@@ -41,7 +41,9 @@ def quick_gelu(x):
 
 
 def _glu_layout(metp=1, mode="metp", variant=CLAMPED):
-    extra = {"gated_linear_unit": True, "activation_func": quick_gelu, **variant}
+    """gpt-oss's layer: attention sinks, experts with a (clamped) quick-GeGLU and biases."""
+    extra = {"gated_linear_unit": True, "activation_func": quick_gelu,
+             "softmax_type": "learnable", **variant}
     return _layout(metp, mode=mode, dispatcher="alltoall", aux="aux", shared=extra)
 
 
