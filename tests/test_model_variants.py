@@ -13,8 +13,7 @@ releases:
   (``--softmax-type``; the sinks themselves: ``tests/test_attention_sinks.py``), alternating
   sliding windows (``--window-attn-skip-freq``), the GLU offset / clamp where METP's MLP runs
   (dense layers, shared experts), through a ``TransformerConfig``, Megatron-LM ``args`` and the
-  launcher's preflight; on a core_v0.16.1 checkout the core_v0.19.0-only flags are refused
-  naming the release."""
+  launcher's preflight (whose flags are both releases' own: ``tests/test_moe_megatron_lm.py``)."""
 
 from types import SimpleNamespace
 
@@ -129,8 +128,9 @@ def _moe_cfg(**kw):
     (dict(activation_func_clamp_value=7.0, moe_shared_expert_intermediate_size=16),
      "--activation-func-clamp-value 7.0"),
     (dict(glu_linear_offset=1.0, num_moe_experts=None), "--glu-linear-offset 1.0"),
+    (dict(quick_geglu=True, moe_layer_freq=2), "--quick-geglu"),
 ], ids=["sinks-with-tp", "sinks-with-packed-documents", "window-pattern", "glu-offset-dense-layer",
-        "clamp-shared-expert", "glu-offset-dense-model"])
+        "clamp-shared-expert", "glu-offset-dense-model", "quick-geglu-dense-layer"])
 def test_variants_are_refused_naming_the_flag(kw, needle):
     from megatron_metp.megatron.variant_checks import variant_args_problems, variant_problems
 
@@ -141,7 +141,8 @@ def test_variants_are_refused_naming_the_flag(kw, needle):
     assert variant_args_problems(args) == problems
     # the controls: stock settings; the GLU offset and clamp on routed experts only
     assert variant_problems(lambda n, d: getattr(_moe_cfg(), n, d)) == []
-    assert variant_problems(lambda n, d: getattr(_moe_cfg(**CLAMPED), n, d)) == []
+    assert variant_problems(lambda n, d: getattr(_moe_cfg(**CLAMPED, quick_geglu=True), n,
+                                                 d)) == []
 
 
 def test_a_config_with_a_window_pattern_is_refused_before_the_model_is_built():
@@ -175,24 +176,3 @@ def test_preflight_refuses_the_variants_and_reads_layer_patterns():
                                                  "--moe-layer-freq", "([0]*1+[1]*3)")
     assert "--softmax-type" not in problems("--softmax-type", "learnable")  # sinks run
     assert "--window-attn-skip-freq [1, 0]" in problems("--window-attn-skip-freq", "([1]+[0])")
-
-
-def test_core_v0_19_only_flags_are_refused_on_core_v0_16_1_naming_the_release(tmp_path):
-    from megatron_metp.megatron_lm.launch_checks import release_problems
-
-    def checkout(name, text):
-        path = tmp_path / name / "megatron" / "training"
-        path.mkdir(parents=True)
-        (path / "arguments.py").write_text(text)
-        return str(tmp_path / name)
-
-    old = checkout("old", "group.add_argument('--rotary-percent')\n")
-    new = checkout("new", "group.add_argument('--yarn-beta-fast')\n")
-    argv = ["--glu-linear-offset", "1.0", "--activation-func-clamp-value=7.0"]
-    got = release_problems(argv, old)
-    assert len(got) == 1 and got[0].startswith(
-        "--glu-linear-offset, --activation-func-clamp-value: Megatron-LM core_v0.19.0's flags")
-    assert "is core_v0.16.1" in got[0] and "MEGATRON_LM_DIR" in got[0]
-    assert "--softmax-type" in release_problems(["--softmax-type", "learnable"], old)[0]
-    assert release_problems(argv, new) == []  # the control: core_v0.19.0 has them
-    assert release_problems(["--rotary-percent", "0.5"], old) == []

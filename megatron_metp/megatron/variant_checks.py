@@ -8,7 +8,8 @@ What METP runs, what it refuses, and why (``docs/moe.md``, "Routers and model va
   SwiGLU / quick-GeGLU): Megatron's own experts (``SequentialMLP``) apply both, so with every
   layer a MoE layer and no shared expert they run unchanged under METP (tested against stock).
   METP's MLP (the dense layers of ``--moe-layer-freq`` and of a dense model, the shared expert)
-  computes a plain GeLU or SwiGLU, so a model with any METP MLP refuses them.
+  computes a plain GeLU or SwiGLU, so a model with any METP MLP refuses them (and Megatron-LM's
+  ``--quick-geglu``, gpt-oss's activation).
 * **Attention sinks** ``softmax_type`` (``--softmax-type off-by-one|learnable``): a per-head
   logit in the softmax denominator, merged once per row into the K/V ring's log-sum-exp
   (:mod:`megatron_metp.ops.sinks`; tested against stock). Refused with TP > 1 (METP holds every
@@ -19,11 +20,11 @@ What METP runs, what it refuses, and why (``docs/moe.md``, "Routers and model va
   pattern only applies with a window: refused too.
 
 One table serves a ``TransformerConfig`` (:func:`check_variant_config`) and Megatron-LM's
-``args`` (:func:`variant_args_problems`); it imports neither Megatron nor megatron-core. On
-Megatron-LM core_v0.16.1 the three flags ``--softmax-type``, ``--glu-linear-offset`` and
-``--activation-func-clamp-value`` do not exist (megatron-core 0.16.1 has the fields; its
-Megatron-LM sets none of them): the launcher refuses them naming the release
-(:data:`CORE_V019_ONLY`, :func:`megatron_metp.megatron_lm.launch_checks.release_problems`).
+``args`` (:func:`variant_args_problems`); it imports neither Megatron nor megatron-core. None of
+these is new in core_v0.19.0: megatron-core 0.16.1's ``TransformerConfig`` has every field, and
+Megatron-LM core_v0.16.1 generates ``--softmax-type``, ``--glu-linear-offset`` and
+``--activation-func-clamp-value`` from it as core_v0.19.0 does (its ``ArgumentGroupFactory``;
+``tests/test_moe_megatron_lm.py`` reads each release's parser), so both releases run them.
 """
 
 from __future__ import annotations
@@ -33,10 +34,7 @@ import ast
 from typing import Callable, List, Union
 
 __all__ = ["variant_problems", "check_variant_config", "variant_args_problems",
-           "has_metp_mlp", "add_variant_preflight_flags", "layer_pattern", "CORE_V019_ONLY"]
-
-#: Megatron-LM flags of these variants that core_v0.19.0's parser has and core_v0.16.1's lacks
-CORE_V019_ONLY = ("--softmax-type", "--glu-linear-offset", "--activation-func-clamp-value")
+           "has_metp_mlp", "add_variant_preflight_flags", "layer_pattern"]
 
 
 def has_metp_mlp(get: Callable) -> bool:
@@ -81,6 +79,9 @@ def variant_problems(get: Callable) -> List[str]:
             out.append(f"--glu-linear-offset {offset} ({where}); drop it")
         if clamp is not None:
             out.append(f"--activation-func-clamp-value {clamp} ({where}); drop it")
+        if get("quick_geglu", False):  # Megatron-LM's flag (a config names quick_gelu instead,
+            # which METP's MLP refuses when it is built)
+            out.append(f"--quick-geglu ({where}); use --swiglu, or MoE layers only")
     return out
 
 
@@ -123,9 +124,9 @@ def layer_pattern(text: str) -> Union[int, List[int]]:
 
 def add_variant_preflight_flags(ap: argparse.ArgumentParser) -> None:
     """The flags :func:`variant_args_problems` reads, with Megatron-LM's destinations and
-    defaults (core_v0.19.0; core_v0.16.1 lacks the :data:`CORE_V019_ONLY` ones), for the
-    preflight's small parser."""
+    defaults (core_v0.16.1 and core_v0.19.0 alike), for the preflight's small parser."""
     ap.add_argument("--softmax-type", default="vanilla")
+    ap.add_argument("--quick-geglu", action="store_true")
     ap.add_argument("--glu-linear-offset", type=float, default=0.0)
     ap.add_argument("--activation-func-clamp-value", type=float, default=None)
     ap.add_argument("--window-attn-skip-freq", type=layer_pattern, default=None)

@@ -204,37 +204,25 @@ def _value(argv: Sequence[str], flag: str) -> Optional[str]:
 
 def release_problems(argv: Sequence[str], checkout: str = ".") -> List[str]:
     """Flags of ``argv`` that the Megatron-LM checkout ``checkout`` cannot parse because its
-    release lacks them: ``--position-embedding-type yarn`` and the ``--yarn-*`` flags, and
-    :data:`megatron_metp.megatron.variant_checks.CORE_V019_ONLY` (``--softmax-type``,
-    ``--glu-linear-offset``, ``--activation-func-clamp-value``), without core_v0.19.0's flags.
-    Nothing when the checkout's ``arguments.py`` is not there."""
-    from ..megatron.variant_checks import CORE_V019_ONLY
-
+    release lacks them: ``--position-embedding-type yarn`` and the ``--yarn-*`` flags without
+    core_v0.19.0's YaRN flags. Nothing when the checkout's ``arguments.py`` is not there."""
     path = os.path.join(checkout, "megatron", "training", "arguments.py")
     try:
         with open(path) as fh:
-            if "--yarn-beta-fast" in fh.read():  # core_v0.19.0
+            if "--yarn-beta-fast" in fh.read():
                 return []
     except OSError:
         return []
-    given = [a.split("=", 1)[0] for a in argv]
-    used = [a for a in given if a in _YARN_ONLY]
+    used = [a.split("=", 1)[0] for a in argv if a.split("=", 1)[0] in _YARN_ONLY]
     if _value(argv, "--position-embedding-type") == "yarn":
         used.insert(0, "--position-embedding-type yarn")
-    where = (f"the checkout {os.path.abspath(checkout)} is core_v0.16.1; point MEGATRON_LM_DIR "
-             f"at a core_v0.19.0 checkout patched by scripts/apply_patches.sh (its "
-             f"environment: make venv-019)")
-    out = []
-    if used:
-        out.append(f"{', '.join(dict.fromkeys(used))}: YaRN needs Megatron-LM core_v0.19.0, and "
-                   f"{where.replace(' is core_v0.16.1', ' has no --yarn-* flags (core_v0.16.1)')}"
-                   f". Another position embedding (rope) would train a different model, with "
-                   f"positions a YaRN checkpoint was not trained on")
-    newer = [a for a in dict.fromkeys(given) if a in CORE_V019_ONLY]
-    if newer:
-        out.append(f"{', '.join(newer)}: Megatron-LM core_v0.19.0's flags (attention sinks, "
-                   f"the GLU offset and clamp of gpt-oss's experts), and {where}")
-    return out
+    if not used:
+        return []
+    return [f"{', '.join(dict.fromkeys(used))}: YaRN needs Megatron-LM core_v0.19.0, and the "
+            f"checkout {os.path.abspath(checkout)} has no --yarn-* flags (core_v0.16.1); point "
+            f"MEGATRON_LM_DIR at a core_v0.19.0 checkout patched by scripts/apply_patches.sh "
+            f"(its environment: make venv-019). Another position embedding (rope) would train a "
+            f"different model, with positions a YaRN checkpoint was not trained on"]
 
 
 # ------------------------------------------------------------------------------------ main
