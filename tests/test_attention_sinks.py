@@ -3,15 +3,15 @@ METP: the sink logit merged once per row into the K/V ring's log-sum-exp
 (``megatron_metp/ops/sinks.py``).
 
 * the merge and the sink's gradient against autograd through the dense softmax with the extra
-  column (single device, fp64 reference; the ring's merge is fp32: ≤ 1e-6); negative control: the sink merged into every ring
-  block's partial result (once per ring step) instead of once;
+  column (single device, fp64 reference; the ring's merge is fp32: ≤ 1e-6); negative control:
+  the sink merged into every ring block's partial result (once per ring step) instead of once;
 * a GPT with sinks against single-rank stock megatron-core from the same full weights (fp32,
   loss and every gradient ≤ 1e-5, the sinks' included) at METP 2 and 3, METP 2 × CP 2, with
   ``off-by-one``, under full recompute (Megatron's checkpoint of the METP layers; also with the
   attention outputs kept, ``--metp-keep-attention-output``: the kept O and LSE hold the sinks)
-  and selective
-  ``core_attn`` recompute (the backward re-forms O and LSE, sinks included); negative control:
-  the sink added once per rank of the ring (p times) fails the comparison."""
+  and selective ``core_attn`` recompute (the backward re-forms O and LSE, sinks included; with
+  all 3 head groups in one block, ``METP_HEAD_BLOCK=3``); negative control: the sink added once
+  per rank of the ring (p times) fails the comparison."""
 
 import pytest
 import torch
@@ -85,9 +85,15 @@ def test_sink_merge_and_gradient_match_the_dense_softmax():
 
 # ---------------------------------------------------------------- GPT vs stock
 
-def sink_step(rank, world, size, layout, sink_times=1):
+def sink_step(rank, world, size, layout, sink_times=1, head_block=None):
     """:func:`moe_one_step`; ``sink_times`` > 1: the negative control, the sinks merged that
-    many times (once per rank of the ring instead of once)."""
+    many times (once per rank of the ring instead of once). ``head_block``: head groups per
+    block of the op's outer loop (``METP_HEAD_BLOCK``, in this forked rank only; the GPU's
+    choice where ``s/p`` is short, one K/V ring over several head groups' sinks)."""
+    if head_block is not None:
+        import os
+
+        os.environ["METP_HEAD_BLOCK"] = str(head_block)
     if sink_times != 1:
         from megatron_metp.ops import attention
 
@@ -120,21 +126,23 @@ def stock():
     return get
 
 
-@pytest.mark.parametrize("metp,cp,kind,recompute", [
-    (2, 1, "learnable", None), (3, 1, "learnable", None), (2, 2, "learnable", None),
-    (2, 1, "off-by-one", None), (2, 1, "learnable", "full"), (2, 1, "learnable", "keep"),
-    (3, 1, "learnable", "selective"),
+@pytest.mark.parametrize("metp,cp,kind,recompute,kb", [
+    (2, 1, "learnable", None, None), (3, 1, "learnable", None, None),
+    (2, 2, "learnable", None, None), (2, 1, "off-by-one", None, None),
+    (2, 1, "learnable", "full", None), (2, 1, "learnable", "keep", None),
+    (3, 1, "learnable", "selective", 3),
 ], ids=["metp2", "metp3", "metp2xcp2", "metp2-off-by-one", "metp2-full-recompute",
-        "metp2-full-recompute-kept-output", "metp3-selective-core-attn"])
-def test_sinks_match_single_rank_stock(stock, metp, cp, kind, recompute):
+        "metp2-full-recompute-kept-output", "metp3-selective-core-attn-head-block3"])
+def test_sinks_match_single_rank_stock(stock, metp, cp, kind, recompute, kb):
     out = run_ranks(sink_step, metp * cp, SINKS, _sink_layout(metp, cp, kind=kind,
-                                                              recompute=recompute))
+                                                              recompute=recompute),
+                    head_block=kb)
     loss_err, errs = _errors(out, stock(kind))
     worst = max(errs, key=errs.get)
     assert loss_err <= 1e-5 and errs[worst] <= 1e-5, (loss_err, worst, errs[worst])
     sinks = [k for k in errs if k.endswith("core_attention.softmax_offset")]
     assert len(sinks) == (SINKS.num_layers if kind == "learnable" else 0), sinks
-    if (metp, cp, recompute) == (2, 1, None):  # negative control: the sink added per rank
+    if (metp, cp, kind, recompute) == (2, 1, "learnable", None):  # negative control: the sink added per rank
         bad = run_ranks(sink_step, metp, SINKS, _sink_layout(metp, kind=kind), sink_times=metp)
         bad_loss, _ = _errors(bad, stock(kind))
         assert bad_loss > 1e-4, bad_loss
