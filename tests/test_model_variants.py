@@ -123,13 +123,16 @@ def _moe_cfg(**kw):
      "--softmax-type learnable (attention sinks) with --tensor-model-parallel-size 2"),
     (dict(softmax_type="off-by-one", reset_attention_mask=True),
      "--softmax-type off-by-one (attention sinks) with packed documents"),
+    (dict(softmax_type="learnable", metp_disable_weight_ring=True),
+     "--softmax-type learnable (attention sinks) with --metp-disable-weight-ring"),
     (dict(window_attn_skip_freq=2), "--window-attn-skip-freq 2"),
     (dict(glu_linear_offset=1.0, moe_layer_freq=[0, 1]), "--glu-linear-offset 1.0"),
     (dict(activation_func_clamp_value=7.0, moe_shared_expert_intermediate_size=16),
      "--activation-func-clamp-value 7.0"),
     (dict(glu_linear_offset=1.0, num_moe_experts=None), "--glu-linear-offset 1.0"),
     (dict(quick_geglu=True, moe_layer_freq=2), "--quick-geglu"),
-], ids=["sinks-with-tp", "sinks-with-packed-documents", "window-pattern", "glu-offset-dense-layer",
+], ids=["sinks-with-tp", "sinks-with-packed-documents", "sinks-with-the-ring-baseline",
+        "window-pattern", "glu-offset-dense-layer",
         "clamp-shared-expert", "glu-offset-dense-model", "quick-geglu-dense-layer"])
 def test_variants_are_refused_naming_the_flag(kw, needle):
     from megatron_metp.megatron.variant_checks import variant_args_problems, variant_problems

@@ -61,6 +61,10 @@ def variant_problems(get: Callable) -> List[str]:
         out.append(f"--softmax-type {softmax} (attention sinks) with "
                    f"--tensor-model-parallel-size {tp}: METP holds every head's sink; use TP 1 "
                    f"and a larger --metp-parallel-size")
+    if softmax != "vanilla" and get("metp_disable_weight_ring", False):
+        out.append(f"--softmax-type {softmax} (attention sinks) with "
+                   f"--metp-disable-weight-ring (the ring self-attention baseline has none); "
+                   f"drop --metp-disable-weight-ring")
     if softmax != "vanilla" and get("reset_attention_mask", False):
         out.append(f"--softmax-type {softmax} (attention sinks) with packed documents "
                    f"(--reset-attention-mask): not tested together yet; drop one")
