@@ -131,9 +131,14 @@ def _moe_cfg(**kw):
      "--activation-func-clamp-value 7.0"),
     (dict(glu_linear_offset=1.0, num_moe_experts=None), "--glu-linear-offset 1.0"),
     (dict(quick_geglu=True, moe_layer_freq=2), "--quick-geglu"),
+    (dict(use_grouped_gemm_for_shared_expert=True, moe_shared_expert_intermediate_size=16),
+     "--use-grouped-gemm-for-shared-expert"),
+    (dict(moe_shared_expert_glu_interleave_size=8, moe_shared_expert_intermediate_size=16),
+     "--moe-shared-expert-glu-interleave-size 8"),
 ], ids=["sinks-with-tp", "sinks-with-packed-documents", "sinks-with-the-ring-baseline",
         "window-pattern", "glu-offset-dense-layer",
-        "clamp-shared-expert", "glu-offset-dense-model", "quick-geglu-dense-layer"])
+        "clamp-shared-expert", "glu-offset-dense-model", "quick-geglu-dense-layer",
+        "grouped-gemm-shared-expert", "interleaved-shared-expert"])
 def test_variants_are_refused_naming_the_flag(kw, needle):
     from megatron_metp.megatron.variant_checks import variant_args_problems, variant_problems
 

@@ -73,6 +73,17 @@ def variant_problems(get: Callable) -> List[str]:
         out.append(f"--window-attn-skip-freq {skip} (alternating sliding windows: METP's K/V "
                    f"ring attends causally over the whole sequence and refuses --window-size); "
                    f"drop it")
+    if get("moe_shared_expert_intermediate_size", None):
+        # megatron-core 0.19's shared-expert layouts: METP's shared expert is METP's MLP (its
+        # own GEMMs, fc1 as [gate; up] halves), so neither applies
+        if get("use_grouped_gemm_for_shared_expert", False):
+            out.append("--use-grouped-gemm-for-shared-expert (METP runs the shared expert as "
+                       "its own MLP on the weight ring, not as a grouped GEMM); drop it")
+        if get("moe_shared_expert_glu_interleave_size", None) is not None:
+            out.append(f"--moe-shared-expert-glu-interleave-size "
+                       f"{get('moe_shared_expert_glu_interleave_size', None)} (METP's shared "
+                       f"expert holds fc1 as [gate; up] halves, stock's default layout); drop "
+                       f"it")
     if has_metp_mlp(get):
         offset = get("glu_linear_offset", 0.0) or 0.0
         clamp = get("activation_func_clamp_value", None)
