@@ -95,7 +95,8 @@ test-fast: $(STAMP)
 
 faults: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -s --durations=8 tests/test_ring.py tests/test_stalls.py \
-		tests/test_checkpoint_faults.py tests/test_agree.py tests/test_finite.py
+		tests/test_checkpoint_faults.py tests/test_agree.py tests/test_finite.py \
+		tests/test_stalls_train_step.py tests/test_right_rank.py
 
 # scripts/slurm/pretrain_gpt.sbatch on a two-node Slurm cluster on this machine
 # (scripts/slurm/ci_test.sh: root; apt-get installs Slurm and munge when absent; ~2 min on 2
