@@ -84,12 +84,16 @@ MOE_CORE_TESTS := tests/test_moe.py tests/test_moe_tiles.py
 # and schedules; the streaming and separate ops under each release's torch and megatron-core)
 KEEP_ATTENTION_TESTS := tests/test_keep_attention.py tests/test_layer_keep.py \
 	tests/test_selective_op.py
+# ... and METP's multi-latent attention against each release's MLASelfAttention (0.19 resolves
+# its q/kv norms differently and fuses the query norm without --q-lora-rank)
+MLA_CORE_TESTS := tests/test_mla_megatron.py
 test-019: $(STAMP019)
 	# ... and the HF tests (marker hf, tests/conftest.py HF_TESTS) against .venv-019's transformers 5
 	OMP_NUM_THREADS=1 METP_MEGATRON_LM_RELEASE=core_v0.19.0 $(PY019) -m pytest -q $(XDIST) --durations=30 -m "(megatron_lm and release_sensitive) or hf" tests
 	# serial: on two workers these 36 short tests took 41 s against 27 s (each worker imports
 	# megatron-core and forks its own ranks)
-	OMP_NUM_THREADS=1 METP_MEGATRON_LM_RELEASE=core_v0.19.0 $(PY019) -m pytest -q --durations=5 $(MOE_CORE_TESTS) $(KEEP_ATTENTION_TESTS)
+	OMP_NUM_THREADS=1 METP_MEGATRON_LM_RELEASE=core_v0.19.0 $(PY019) -m pytest -q --durations=5 $(MOE_CORE_TESTS) $(KEEP_ATTENTION_TESTS) \
+		$(MLA_CORE_TESTS)
 
 # the inner loop: everything but the slow tests (Megatron-LM launches, tests over 5 s)
 test-fast: $(STAMP)
