@@ -240,7 +240,6 @@ REFUSED = [
     (dict(tp=2), "--tensor-model-parallel-size 2"),
     (dict(weight_ring=False), "--metp-disable-weight-ring"),
     (dict(keep_attention=True), "--metp-keep-attention-output"),
-    (dict(offload=True), "--metp-offload-activations"),
     (dict(cfg=dict(qk_layernorm=False)), "without --qk-layernorm"),
     (dict(cfg=dict(normalization="LayerNorm")), "--normalization LayerNorm"),
     (dict(cfg=dict(recompute_granularity="selective", recompute_modules=["core_attn"])),
@@ -265,15 +264,13 @@ def test_unsupported_mla_combinations_are_refused_by_flag(kw, needle):
     args = argparse.Namespace(
         **cfg, metp_parallel_size=2, tensor_model_parallel_size=kw.get("tp", 1),
         metp_disable_weight_ring=not kw.get("weight_ring", True),
-        metp_keep_attention_output=kw.get("keep_attention"),
-        metp_offload_activations=kw.get("offload", False))
+        metp_keep_attention_output=kw.get("keep_attention"))
     assert any(needle in p for p in metp_flag_problems(args, 2, kw.get("tp", 1))), needle
     assert not mla_problems(SimpleNamespace(**dict(cfg, multi_latent_attention=False)), **kw)
-    if set(kw) <= {"keep_attention", "offload", "weight_ring"}:  # METPSettings' own fields
+    if set(kw) <= {"keep_attention", "weight_ring"}:  # METPSettings' own fields
         from megatron_metp.megatron.settings import METPSettings
 
         settings = METPSettings(metp=2, keep_attention_output=kw.get("keep_attention"),
-                                offload_activations=kw.get("offload", False),
                                 mode="metp" if kw.get("weight_ring", True) else "ring")
         config = SimpleNamespace(**cfg, num_moe_experts=None)
         with pytest.raises(ValueError, match=needle.replace("-", r"\-")):
@@ -288,3 +285,56 @@ def test_a_supported_mla_job_passes_the_launcher_checks():
                               tensor_model_parallel_size=1, attention_dropout=0.0)
     assert not [p for p in metp_flag_problems(args, 2, 1) if "latent" in p], \
         metp_flag_problems(args, 2, 1)
+
+
+def _train_rank(rank, world, size, layout):
+    """Three Adam steps through Megatron's DDP, optimizer and schedule (the training loop of
+    :mod:`megatron_metp.megatron.training`): (loss, grad norm) per step."""
+    from megatron_metp.megatron import cpu
+    from megatron_metp.megatron.training import init_parallel, train
+
+    _patch_stock(layout)
+    cpu.enable()
+    attached = []
+    if layout.offload_activations:  # every saved tensor (the tiny model's are < 1 MiB)
+        from megatron_metp.runtime import offload
+
+        offload.DEFAULT_MIN_BYTES = 0
+        attach = offload.ActivationOffloader.attach
+
+        def recording(self, block):
+            attached.append(self)
+            return attach(self, block)
+
+        offload.ActivationOffloader.attach = recording
+    init_parallel(layout, size.seq_length)
+    steps = [(r.lm_loss, r.grad_norm) for r in train(size, layout, 3)]
+    return steps, [(o.stats.offloaded, o.stats.offloaded_bytes, o.stats.fetched_bytes,
+                    o.stats.host_bytes, o.pending()) for o in attached]
+
+
+@pytest.fixture(scope="module")
+def stock_training():
+    size, mla = CASES["rope"]
+    return run_ranks(_train_rank, 1, size, _layout(mla, mode="tp"))[0][0]
+
+
+@pytest.mark.parametrize("world,layout", [(2, dict(metp=2, offload_activations=True)),
+                                          (4, dict(metp=2, distributed_optimizer=True))],
+                         ids=["metp2-offload", "metp2xdp2-distopt"])
+def test_three_adam_steps_match_single_rank_stock(world, layout, stock_training):
+    """Megatron's DDP reduces the replicated MLA parameters (down-projections, latent norms)
+    over DP × METP and the METP shards over pure DP: three Adam steps give single-rank stock's
+    losses and gradient norms within 1e-5 (METP 2; METP 2 × DP 2 with the distributed
+    optimizer); with METP's activation offload the MLA layers' saved tensors went to the host
+    and every one came back."""
+    size, mla = CASES["rope"]
+    ref = stock_training
+    got, stats = run_ranks(_train_rank, world, size, _layout(mla, **layout), timeout=300)[0]
+    if layout.get("offload_activations"):
+        assert stats and all(n > 0 and sent == back and held == 0 and pending == 0
+                             for n, sent, back, held, pending in stats), stats
+    assert ref[-1][0] < ref[0][0]
+    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(got, ref)):
+        assert abs(loss - ref_loss) <= 1e-5 * ref_loss, (step, loss, ref_loss)
+        assert abs(norm - ref_norm) <= 1e-5 * ref_norm, (step, norm, ref_norm)

@@ -58,8 +58,7 @@ def layer_spec(config, groups: Optional[METPGroups], settings: METPSettings, *,
         from .mla_checks import mla_problems
 
         problems = mla_problems(config, tp=groups.tp_size, weight_ring=settings.weight_ring,
-                                keep_attention=settings.keep_attention_output,
-                                offload=settings.offload_activations)
+                                keep_attention=settings.keep_attention_output)
         if problems:
             raise ValueError("--metp-parallel-size does not support: " + "; ".join(problems))
     from .gpu_stack import select_norm

@@ -7,10 +7,11 @@ starts: :func:`mla_problems` reads attributes only (a megatron-core config or Me
 Supported: ``--multi-latent-attention`` with ``--qk-layernorm`` and ``--normalization RMSNorm``
 (DeepSeek's latent RMSNorms), with or without ``--q-lora-rank``, plain RoPE or YaRN
 (``--rope-type``), METP alone or METP × CP, full recompute (Megatron's checkpoint re-runs the
-layer, rings included), packed documents from the EOD tokens (``--reset-attention-mask``).
-Refused, each with its alternative: TP > 1 inside METP, the ring baseline
-(``--metp-disable-weight-ring``), selective recompute of ``core_attn``, kept attention outputs,
-METP's activation offload (not wired for MLA layers yet).
+layer, rings included), METP's activation offload (``--metp-offload-activations``: the saved
+tensors of the MLA layers go to the host like any layer's), packed documents from the EOD tokens
+(``--reset-attention-mask``). Refused, each with its alternative: TP > 1 inside METP, the ring
+baseline (``--metp-disable-weight-ring``), selective recompute of ``core_attn``, kept attention
+outputs.
 """
 
 from __future__ import annotations
@@ -20,14 +21,13 @@ from typing import List
 __all__ = ["mla_problems"]
 
 
-def mla_problems(cfg, *, tp: int = 1, weight_ring: bool = True, keep_attention=None,
-                 offload=False) -> List[str]:
+def mla_problems(cfg, *, tp: int = 1, weight_ring: bool = True,
+                 keep_attention=None) -> List[str]:
     """Why a METP job with ``cfg`` (config or ``args``: ``multi_latent_attention``,
     ``qk_layernorm``, ``normalization``, ``recompute_granularity``, ``recompute_modules``)
     cannot run its MLA layers; ``[]`` when it can or when the model has no MLA. ``tp``: the
     tensor-parallel size; ``weight_ring``: METP (``False``: the ring baseline);
-    ``keep_attention``, ``offload``: ``--metp-keep-attention-output`` /
-    ``--metp-offload-activations`` as given."""
+    ``keep_attention``: ``--metp-keep-attention-output`` as given."""
     if not getattr(cfg, "multi_latent_attention", False):
         return []
     out = []
@@ -58,8 +58,4 @@ def mla_problems(cfg, *, tp: int = 1, weight_ring: bool = True, keep_attention=N
         out.append(f"{flag} and --metp-keep-attention-output (MLA layers do not keep their "
                    f"attention outputs yet): drop --metp-keep-attention-output (full recompute "
                    f"re-runs the latent ring)")
-    if offload:
-        out.append(f"{flag} and --metp-offload-activations (not wired for MLA layers yet): drop "
-                   f"--metp-offload-activations or use full recompute "
-                   f"(--recompute-granularity full)")
     return out

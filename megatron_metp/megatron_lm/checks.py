@@ -166,8 +166,7 @@ def metp_flag_problems(args, p: int, tp: int) -> List[str]:
 
     out.extend(mla_problems(args, tp=tp,
                             weight_ring=not getattr(args, "metp_disable_weight_ring", False),
-                            keep_attention=getattr(args, "metp_keep_attention_output", None),
-                            offload=getattr(args, "metp_offload_activations", False)))
+                            keep_attention=getattr(args, "metp_keep_attention_output", None)))
     for name, opt in (("qk_l2_norm", "--qk-l2-norm (METP's attention takes --qk-layernorm)"),
                       ("rotary_interleaved", "--rotary-interleaved"),
                       ("squared_relu", "--squared-relu (METP supports GeLU and --swiglu)")):
