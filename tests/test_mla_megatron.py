@@ -101,8 +101,8 @@ def _rank(rank, world, size, layout, wrong_kv_shard=False):
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     out["state"] = sorted(k for k in model.state_dict())
-    out["sharded"] = {k: tuple(v.global_shape) for k, v in model.sharded_state_dict().items()
-                      if isinstance(v, ShardedTensor)}
+    out["sharded"] = {v.key: tuple(v.global_shape) for v in model.sharded_state_dict().values()
+                      if isinstance(v, ShardedTensor)}  # the checkpoint's keys
     out["attention"] = type(model.decoder.layers[0].self_attention).__name__
     return out
 
@@ -131,14 +131,18 @@ def _check(out, ref, size):
     assert errs[worst] <= 1e-5, (worst, errs[worst])
 
 
-@pytest.mark.parametrize("p,case", [(2, "rope"), (3, "yarn")])
-def test_gpt_with_mla_matches_stock_single_rank(p, case, stock):
+@pytest.mark.parametrize("p,case,more", [
+    (2, "rope", {}), (3, "yarn", {}),
+    (2, "rope", {"recompute": "selective", "recompute_modules": ["layernorm"]})],
+    ids=["metp2-rope", "metp3-yarn", "metp2-selective-layernorm"])
+def test_gpt_with_mla_matches_stock_single_rank(p, case, more, stock):
     """Loss and every gradient (sharded up-projections and output projection assembled from the
     shards; replicated down-projections, latent norms and biases summed over the METP group as
-    DDP sums them) equal stock's within 1e-5; plain RoPE at METP 2, YaRN + SwiGLU at METP 3. The
-    state dict keys and the checkpoint's global shapes are stock's."""
+    DDP sums them) equal stock's within 1e-5; plain RoPE at METP 2 (also with Megatron's
+    selective recompute of the layer norms), YaRN + SwiGLU at METP 3. The state dict keys and
+    the checkpoint's global shapes are stock's."""
     size, mla = CASES[case]
-    out = run_ranks(_rank, p, size, _layout(mla, metp=p))
+    out = run_ranks(_rank, p, size, _layout(mla, metp=p, **more))
     ref = stock[case]
     _check(out, ref, size)
     for r in out:
@@ -338,3 +342,31 @@ def test_three_adam_steps_match_single_rank_stock(world, layout, stock_training)
     for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(got, ref)):
         assert abs(loss - ref_loss) <= 1e-5 * ref_loss, (step, loss, ref_loss)
         assert abs(norm - ref_norm) <= 1e-5 * ref_norm, (step, norm, ref_norm)
+
+
+def _save_rank(rank, world, size, layout, directory):
+    from tests.test_checkpoint import _save_and_continue
+
+    return _save_and_continue(rank, world, layout, directory, size)[0]
+
+
+def _resume_rank(rank, world, size, layout, directory):
+    from tests.test_checkpoint import _resume
+
+    _patch_stock(layout)
+    return _resume(rank, world, layout, directory, size, False)
+
+
+def test_stock_resumes_a_metp_mla_checkpoint(tmp_path):
+    """METP 2 saves (Megatron's dist_checkpointing, torch_dist) after 2 Adam steps and trains on
+    to step 5; single-rank stock megatron-core MLA layers load the checkpoint (weights and Adam
+    state) into a model drawn from another seed and continue with the same losses (1e-6)."""
+    from tests.test_checkpoint import SAVE_AT, TOTAL
+
+    size, mla = CASES["rope"]
+    directory = str(tmp_path / "save")
+    uninterrupted = run_ranks(_save_rank, 2, size, _layout(mla, metp=2), directory)[0]
+    resumed = run_ranks(_resume_rank, 1, size, _layout(mla, mode="tp"), directory)[0]
+    assert isinstance(resumed, list) and len(resumed) == TOTAL - SAVE_AT, resumed
+    for got, ref in zip(resumed, uninterrupted[SAVE_AT:]):
+        assert abs(got - ref) <= 1e-6 * ref, (resumed, uninterrupted)

@@ -204,9 +204,13 @@ def use_mla_spec(spec, groups: METPGroups, config, kernel: Optional[str],
     local = get_gpt_layer_local_spec(multi_latent_attention=True, qk_layernorm=True,
                                      normalization=normalization)
     attn = mla_attention_spec(local.submodules.self_attention, groups, config, kernel)
+    keys_map = dict(getattr(local.submodules, "sharded_state_dict_keys_map", None) or {})
     layers = getattr(spec, "layer_specs", None)
     for layer in (layers if layers is not None else [spec]):
         layer.submodules.self_attention = attn  # specs are data: one for every layer
+        # checkpoint keys as stock's MLA layer (the dense METP spec maps input_layernorm onto
+        # linear_qkv's fused norm, which an MLA layer does not have)
+        layer.submodules.sharded_state_dict_keys_map = dict(keys_map)
     return spec
 
 
