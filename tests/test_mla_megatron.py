@@ -104,6 +104,7 @@ def _rank(rank, world, size, layout, wrong_kv_shard=False):
     out["sharded"] = {v.key: tuple(v.global_shape) for v in model.sharded_state_dict().values()
                       if isinstance(v, ShardedTensor)}  # the checkpoint's keys
     out["attention"] = type(model.decoder.layers[0].self_attention).__name__
+    out["rope"] = type(model.decoder.layers[0].self_attention.rotary_pos_emb).__name__
     return out
 
 
@@ -133,16 +134,20 @@ def _check(out, ref, size):
 
 @pytest.mark.parametrize("p,case,more", [
     (2, "rope", {}), (3, "yarn", {}),
-    (2, "rope", {"recompute": "selective", "recompute_modules": ["layernorm"]})],
-    ids=["metp2-rope", "metp3-yarn", "metp2-selective-layernorm"])
+    (2, "rope", {"recompute": "selective", "recompute_modules": ["layernorm"]}),
+    (2, "yarn", {"rope_fp32_recipe": True})],
+    ids=["metp2-rope", "metp3-yarn", "metp2-selective-layernorm", "metp2-yarn-fp32-recipe"])
 def test_gpt_with_mla_matches_stock_single_rank(p, case, more, stock):
     """Loss and every gradient (sharded up-projections and output projection assembled from the
     shards; replicated down-projections, latent norms and biases summed over the METP group as
     DDP sums them) equal stock's within 1e-5; plain RoPE at METP 2 (also with Megatron's
-    selective recompute of the layer norms), YaRN + SwiGLU at METP 3. The state dict keys and
-    the checkpoint's global shapes are stock's."""
+    selective recompute of the layer norms), YaRN + SwiGLU at METP 3 (exact angles) and 2
+    (Megatron's fp32 recipe, --metp-rope-fp32-recipe). The state dict keys and the checkpoint's
+    keys and global shapes are stock's."""
     size, mla = CASES[case]
     out = run_ranks(_rank, p, size, _layout(mla, metp=p, **more))
+    kind = "YarnRotaryEmbedding" if case == "yarn" else "RotaryEmbedding"
+    assert out[0]["rope"] == (kind if more.get("rope_fp32_recipe") else f"Exact{kind}")
     ref = stock[case]
     _check(out, ref, size)
     for r in out:
