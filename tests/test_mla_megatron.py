@@ -329,13 +329,14 @@ def stock_training():
 
 
 @pytest.mark.parametrize("world,layout", [(2, dict(metp=2, offload_activations=True)),
-                                          (4, dict(metp=2, distributed_optimizer=True))],
-                         ids=["metp2-offload", "metp2xdp2-distopt"])
+                                          (4, dict(metp=2, distributed_optimizer=True)),
+                                          (4, dict(metp=2, pp=2))],
+                         ids=["metp2-offload", "metp2xdp2-distopt", "metp2xpp2"])
 def test_three_adam_steps_match_single_rank_stock(world, layout, stock_training):
     """Megatron's DDP reduces the replicated MLA parameters (down-projections, latent norms)
     over DP × METP and the METP shards over pure DP: three Adam steps give single-rank stock's
     losses and gradient norms within 1e-5 (METP 2; METP 2 × DP 2 with the distributed
-    optimizer); with METP's activation offload the MLA layers' saved tensors went to the host
+    optimizer; METP 2 × PP 2, one MLA layer per stage); with METP's activation offload the MLA layers' saved tensors went to the host
     and every one came back."""
     size, mla = CASES["rope"]
     ref = stock_training
