@@ -81,7 +81,8 @@ test: $(STAMP)
 # the release-sensitive Megatron-LM tests (patch, hooks, dry run, training vs stock TP, save/load,
 # saved args, HF args, packed data) against core_v0.19.0; tests/conftest.py sets the markers
 # (megatron_lm: every test using a Megatron-LM checkout; release_sensitive: tests/markers.py),
-# and megatron-core's MoE with METP, the kept attention's and the selective recompute's gradients
+# and megatron-core's MoE with METP, the kept attention's and the selective recompute's gradients,
+# METP's multi-latent attention against each release's MLASelfAttention
 # (marker core_sensitive: the files of tests/conftest.py CORE_SENSITIVE_FILES), in the same run:
 # their short files fill the end of the two workers' Megatron-LM launches (a serial run of
 # their own cost 39 s more)

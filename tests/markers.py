@@ -54,6 +54,7 @@ RELEASE_INDEPENDENT = {
 #: node id -> its time on 2 cores (s; the CI legs' --durations, the largest seen), for the tests
 #: over 5 s that use no Megatron-LM checkout
 SLOW = {
+    "tests/test_mla_megatron.py::test_stock_resumes_a_metp_mla_checkpoint": 7.7,
     "tests/test_keep_attention.py::test_kept_attention_in_compositions": 7.3,
     "tests/test_leak_guard.py::test_a_test_that_leaves_a_variable_set_errors_and_the_next_one_"
     "passes": 8.1,

@@ -41,6 +41,7 @@ def layer_spec(config, groups: Optional[METPGroups], settings: METPSettings, *,
     """
     normalization = normalization or getattr(config, "normalization", "LayerNorm")
     qk = bool(getattr(config, "qk_layernorm", False))
+    mla = bool(getattr(config, "multi_latent_attention", False))
     if settings.mode == "tp":
         if config.num_moe_experts:
             from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -49,9 +50,17 @@ def layer_spec(config, groups: Optional[METPGroups], settings: METPSettings, *,
                                               normalization=normalization)
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-        return get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk)
+        return get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk,
+                                        multi_latent_attention=mla)
     if groups is None:
         raise ValueError(f"mode {settings.mode!r} needs the METP groups (METPGroups)")
+    if mla:  # multi-latent attention (.mla): refused combinations by flag, before the build
+        from .mla_checks import mla_problems
+
+        problems = mla_problems(config, tp=groups.tp_size, weight_ring=settings.weight_ring,
+                                keep_attention=settings.keep_attention_output)
+        if problems:
+            raise ValueError("--metp-parallel-size does not support: " + "; ".join(problems))
     from .gpu_stack import select_norm
 
     kwargs = dict(settings.spec_kwargs(), normalization=normalization,
@@ -59,10 +68,16 @@ def layer_spec(config, groups: Optional[METPGroups], settings: METPSettings, *,
     if config.num_moe_experts:  # Megatron's MoELayer, experts over the METP ring (EP = p)
         from .moe import get_gpt_decoder_block_metp_spec
 
-        return get_gpt_decoder_block_metp_spec(config, groups, vp_stage=vp_stage, **kwargs)
-    from .spec import get_gpt_layer_metp_spec
+        spec = get_gpt_decoder_block_metp_spec(config, groups, vp_stage=vp_stage, **kwargs)
+    else:
+        from .spec import get_gpt_layer_metp_spec
 
-    return get_gpt_layer_metp_spec(groups, qk_layernorm=qk, **kwargs)
+        spec = get_gpt_layer_metp_spec(groups, qk_layernorm=qk and not mla, **kwargs)
+    if mla:  # every layer's attention: METP's MLA (.mla), the MLPs as built
+        from .mla import use_mla_spec
+
+        spec = use_mla_spec(spec, groups, config, settings.kernel, normalization)
+    return spec
 
 
 def build_metp_gpt(config, groups: Optional[METPGroups], settings: METPSettings, *,
@@ -159,9 +174,13 @@ def finish(model, groups: Optional[METPGroups], settings: METPSettings, *, seq_l
     from .rope import check_reach, use_exact_angles
 
     recipe = "megatron" if settings.mode == "tp" else settings.rope_recipe
+    asked = "stock TP" if settings.mode == "tp" else settings.rope_recipe_source
     angles = use_exact_angles(model, recipe)  # this rank's angles, not the whole table
-    check_reach(model, angles, seq_length,
-                "stock TP" if settings.mode == "tp" else settings.rope_recipe_source)
+    check_reach(model, angles, seq_length, asked)
+    if angles == "none" and getattr(model.config, "multi_latent_attention", False):
+        from .mla import use_mla_angles  # MLA layers own their RoPE module
+
+        angles = use_mla_angles(model, recipe, seq_length, asked)
     if log is not None and settings.mode != "tp":
         log(f"RoPE angles: {angles}" + (" (int64 positions, reduced mod 2 pi, this rank's "
                                         "tokens only)" if angles == "exact" else ""))

@@ -145,8 +145,6 @@ def check_config(config) -> None:
                         f"equals a window >= the sequence length)")
     if getattr(config, "rotary_interleaved", False):
         problems.append("--rotary-interleaved")
-    if getattr(config, "multi_latent_attention", False):
-        problems.append("--multi-latent-attention")
     if getattr(config, "attention_output_gate", False):
         problems.append("attention_output_gate")
     from .variant_checks import variant_problems  # sinks, window patterns, GLU offset / clamp

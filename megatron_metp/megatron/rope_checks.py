@@ -36,8 +36,6 @@ def rope_reach_problems(args) -> List[str]:
     elif kind not in ("rope", "yarn"):
         why, fix = (f"--position-embedding-type {kind} is not covered by exact angles",
                     "use --position-embedding-type rope or yarn")
-    elif getattr(args, "multi_latent_attention", False):
-        return []  # refused with METP anyway
     else:
         try:
             recipe = rope_recipe(fp32)

@@ -37,8 +37,9 @@ What is refused (each with the alternative):
   would not apply, so it is refused rather than honoured for one tile count only.
 * ``moe_act``: needs ``--moe-grouped-gemm`` (Megatron's rule), whose experts run on GPU only,
   inside METP's token tiles (not verified there): use ``--metp-moe-token-tiles``.
-* ``shared_experts``, ``mla_up_proj``, ``gdn_norm_out`` (core_v0.19.0): shared experts, MLA and
-  Gated DeltaNet are not supported with METP (nothing of theirs to recompute).
+* ``shared_experts``, ``mla_up_proj``, ``gdn_norm_out`` (core_v0.19.0): the shared expert and
+  METP's MLA keep nothing such a checkpoint would free (:mod:`.mla` re-forms K/V from the latent
+  in its ring); Gated DeltaNet is not supported with METP.
 * every module with the ring self-attention baseline (``--metp-disable-weight-ring``), and
   ``layernorm`` with ``--metp-offload-activations`` (the offloaded layers send the norm outputs
   to the host at once; the combination is not verified).
@@ -78,7 +79,9 @@ REFUSED = {
     "shared_experts": "the shared expert runs as METP's MLP, which keeps only its input and "
                       "re-forms x·W1 per weight shard in backward: a checkpoint would re-run "
                       "its weight ring and free nothing; drop it",
-    "mla_up_proj": "multi-latent attention is not supported with METP: drop it",
+    "mla_up_proj": "METP's multi-latent attention keeps only the latent and re-forms each "
+                   "head group's K/V from it inside its ring, forward and backward: there is "
+                   "no up-projection output to free; drop it",
     "gdn_norm_out": "Gated DeltaNet (--experimental-attention-variant gated_delta_net) is not "
                     "supported with METP: drop it",
 }

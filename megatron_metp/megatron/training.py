@@ -290,6 +290,10 @@ def transformer_config(size: GPTSize, layout: Layout):
         from .modules import check_recompute_config
 
         check_recompute_config(SimpleNamespace(**kwargs))
+    if kwargs.get("multi_latent_attention"):  # layout.extra's MLA fields (q_lora_rank, ...)
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        return MLATransformerConfig(**kwargs)
     return TransformerConfig(**kwargs)
 
 

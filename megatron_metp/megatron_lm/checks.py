@@ -162,8 +162,12 @@ def metp_flag_problems(args, p: int, tp: int) -> List[str]:
                       ("mtp_num_layers", "--mtp-num-layers")):
         if flag(name) is not None:
             out.append(opt)
-    for name, opt in (("multi_latent_attention", "--multi-latent-attention"),
-                      ("qk_l2_norm", "--qk-l2-norm (METP's attention takes --qk-layernorm)"),
+    from ..megatron.mla_checks import mla_problems
+
+    out.extend(mla_problems(args, tp=tp,
+                            weight_ring=not getattr(args, "metp_disable_weight_ring", False),
+                            keep_attention=getattr(args, "metp_keep_attention_output", None)))
+    for name, opt in (("qk_l2_norm", "--qk-l2-norm (METP's attention takes --qk-layernorm)"),
                       ("rotary_interleaved", "--rotary-interleaved"),
                       ("squared_relu", "--squared-relu (METP supports GeLU and --swiglu)")):
         if flag(name):
