@@ -100,8 +100,11 @@ faults: $(STAMP)
 		tests/test_checkpoint_faults.py tests/test_agree.py tests/test_finite.py
 
 # scripts/slurm/pretrain_gpt.sbatch on a two-node Slurm cluster on this machine
-# (scripts/slurm/ci_test.sh: root; apt-get installs Slurm and munge when absent; ~2 min on 2
-# cores); not part of make test. MEGATRON_LM_DIR: the patched Megatron-LM checkout
+# (scripts/slurm/ci_test.sh: as root; apt-get installs Slurm and munge when absent): a cross-node
+# METP ring refused, the tiny METP 2 and METP 2 x CP 2 configs against their stock twin, SIGKILL
+# of a node, SIGTERM and requeue resuming bit-exactly; each sub-leg's time is printed (~4-5 min
+# on the 2-core CI machine). Not part of make test (.ci/run runs it after). MEGATRON_LM_DIR: a
+# patched Megatron-LM checkout (unset: the release is unpacked and patched as the tests do)
 test-slurm: $(STAMP)
 	PYTHON=$(abspath $(PY)) bash scripts/slurm/ci_test.sh
 
