@@ -59,7 +59,14 @@ export PYTHONPATH="$METP_DIR${PYTHONPATH:+:$PYTHONPATH}"
 T0=$(date +%s)
 TIMES=()
 cleanup() {
-    local rc=$?
+    local rc=$? t
+    if [[ -n "${SLURM_CONF:-}" ]] && [[ -n "$(squeue -h -o %i 2>/dev/null)" ]]; then
+        scancel --partition=ci || true  # a job still running (a failed sub-leg): its ranks too
+        for ((t = 0; t < 150; t++)); do
+            [[ -z "$(squeue -h -o %i 2>/dev/null)" ]] && break
+            sleep 0.2
+        done
+    fi
     bash "$CLUSTER" stop "$DIR/cluster" || true
     if [[ $rc -eq 0 && $KEEP == 0 ]]; then
         rm -rf "$DIR"
