@@ -252,10 +252,12 @@ compare resumed "$METP_LOG" "$(last_log sigterm)" "$((S + 1))" "$J" >&2 ||
 leg_done sigterm
 
 # ------------------------------------------------ requeue: resumes from the SIGTERM checkpoint
+# a requeued job waits ~2 min for its begin time: start it now, but not within 2 s of its end
+# (a start in the second of the last one's end finds its credential revoked: "Killing
+# non-startable batch job"); the update has the scheduler start it at once
+sleep 2
 scontrol requeue "$jid"
-# a requeued job waits ~2 min for its begin time; not sooner than 2 s: a start within the
-# second of the last one's end finds its credential revoked ("Killing non-startable batch job")
-scontrol update JobId="$jid" StartTime=now+2
+scontrol update JobId="$jid" StartTime=now
 expect requeue "COMPLETED 0:0" "$(wait_job "$jid" sigterm 1)"
 verified sigterm "$J" || die "the requeued job did not resume from iteration $J"
 say "requeue: resumed from the verified iteration $J, trained to $ITERS; against the" \
