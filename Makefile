@@ -100,8 +100,12 @@ faults: $(STAMP)
 		tests/test_stalls_train_step.py tests/test_right_rank.py
 
 # scripts/slurm/pretrain_gpt.sbatch on a two-node Slurm cluster on this machine
-# (scripts/slurm/ci_test.sh: root; apt-get installs Slurm and munge when absent; ~2 min on 2
-# cores); not part of make test. MEGATRON_LM_DIR: the patched Megatron-LM checkout
+# (scripts/slurm/ci_test.sh: as root; apt-get installs Slurm and munge when absent): a cross-node
+# METP ring refused, the tiny METP 2 and METP 2 x CP 2 configs against their stock twin, SIGKILL
+# of a node, SIGTERM and requeue resuming bit-exactly; each sub-leg's time is printed (~6 min
+# measured on the shared 2-core machine at load 8-28: 6 Megatron-LM launches). Not part of make
+# test (.ci/run runs it after). MEGATRON_LM_DIR: a patched Megatron-LM checkout (unset: the
+# release is unpacked and patched as the tests do)
 test-slurm: $(STAMP)
 	PYTHON=$(abspath $(PY)) bash scripts/slurm/ci_test.sh
 

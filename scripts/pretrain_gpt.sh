@@ -100,7 +100,9 @@
 #   PREFLIGHT [1]                           0: skip the preflight (the ranks check the flags anyway)
 #   PYTHON [the project's venv: .venv-019/bin/python when MEGATRON_LM_DIR is core_v0.19.0, else
 #           .venv/bin/python, when there; else python on PATH]
-#   TORCHRUN [the torchrun next to $PYTHON, else $PYTHON -m torch.distributed.run]
+#   TORCHRUN [the torchrun next to $PYTHON, else $PYTHON -m torch.distributed.run; under Slurm
+#             $PYTHON -m megatron_metp.megatron_lm.torchrun: a SIGTERM ends the job as its
+#             ranks end]
 #
 # Relative paths in CHECKPOINT_PATH, DATA_PATH, TOKENIZER_MODEL, VOCAB_FILE, MERGE_FILE,
 # TENSORBOARD_DIR (and in --save, --load, --pretrained-checkpoint, --data-path, --data-cache-path,
@@ -453,6 +455,8 @@ fi
 
 if [[ -n "${TORCHRUN:-}" ]]; then
     read -r -a TORCHRUN_CMD <<< "$TORCHRUN"
+elif [[ -n "${SLURM_JOB_ID:-}" ]]; then  # a SIGTERM (time limit, preemption) ends as the ranks do
+    TORCHRUN_CMD=("$PYTHON" -m megatron_metp.megatron_lm.torchrun)
 else  # the torchrun of $PYTHON's environment (a venv's bin/), whatever is on PATH
     PYTHON_BIN="$(command -v "$PYTHON" || true)"
     if [[ -n "$PYTHON_BIN" && -x "$(dirname "$PYTHON_BIN")/torchrun" ]]; then

@@ -2,26 +2,17 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import shutil  # noqa: E402
-import subprocess  # noqa: E402
-import tarfile  # noqa: E402
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from tests.harness import preload_megatron  # noqa: E402
 from tests.leak_guard import leaves_no_state  # noqa: E402,F401  (autouse: every test)
-from tests.megatron_lm_release import ENV as RELEASE_ENV, RELEASE, TAG_COMMIT  # noqa: E402
+from tests.megatron_lm_checkout import (  # noqa: E402
+    MEGATRON_LM_ARCHIVE, CheckoutError, patched_clone, unpack_release)
+from tests.megatron_lm_release import ENV as RELEASE_ENV, RELEASE  # noqa: E402
 
 torch.set_num_threads(1)
 preload_megatron()
-
-REPO = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
-# Megatron-LM at the session's release (tests/megatron_lm_release.py) as a shallow bare git clone,
-# next to the repository (read-only: only ever unpacked into a private temporary directory). See
-# ../shared/megatron-lm/README.md.
-MEGATRON_LM_ARCHIVE = os.path.join(os.path.dirname(REPO), "shared", "megatron-lm",
-                                   f"{RELEASE.tag}.git.tar")
 
 
 #: the Hugging Face tests that ``make test-019`` runs against transformers 5 (.venv-019) too
@@ -136,20 +127,6 @@ def pytest_report_header(config):
             f"{RELEASE_ENV} to choose)")
 
 
-def _git(*argv):
-    proc = subprocess.run(["git", *argv], capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0:
-        raise RuntimeError(f"git {' '.join(argv)} exited {proc.returncode}\n{proc.stderr}")
-
-
-def _unpack(archive, dest):
-    with tarfile.open(archive) as tar:
-        if hasattr(tarfile, "data_filter"):  # Python 3.10.12+ / 3.11.4+: refuse unsafe members
-            tar.extractall(dest, filter="data")
-        else:
-            tar.extractall(dest)
-
-
 @pytest.fixture
 def cpu_shims():
     """megatron-core's CPU shims in this (pytest's own) process, undone afterwards so that no
@@ -182,17 +159,10 @@ def megatron_lm_checkout(tmp_path_factory):
     if env:
         return env
     if os.path.isfile(MEGATRON_LM_ARCHIVE):
-        if shutil.which("git") is None:
-            pytest.fail("git is needed to clone the Megatron-LM archive "
-                        f"{MEGATRON_LM_ARCHIVE}")
-        tmp = tmp_path_factory.mktemp("megatron-lm-archive")
-        _unpack(MEGATRON_LM_ARCHIVE, tmp)
-        bare = tmp / "mlm-bare.git"
-        if not bare.is_dir():
-            pytest.fail(f"{MEGATRON_LM_ARCHIVE} holds no mlm-bare.git")
-        dest = tmp / "Megatron-LM"
-        _git("clone", "-q", str(bare), str(dest))
-        return str(dest)
+        try:
+            return unpack_release(str(tmp_path_factory.mktemp("megatron-lm-archive")))
+        except CheckoutError as exc:
+            pytest.fail(str(exc))
     reason = (f"needs a Megatron-LM checkout at {RELEASE.tag}: MEGATRON_LM_DIR is unset and the "
               f"archive {MEGATRON_LM_ARCHIVE} does not exist")
     if os.environ.get("CI", "").strip().lower() in ("true", "1"):
@@ -205,10 +175,7 @@ def patched_megatron_lm(megatron_lm_checkout, tmp_path_factory):
     """A clone of the session's Megatron-LM checkout at the tag commit, patched by
     scripts/apply_patches.sh (the checkout itself stays pristine)."""
     dest = str(tmp_path_factory.mktemp("mlm") / "Megatron-LM")
-    _git("clone", "-q", "--shared", "--no-checkout", megatron_lm_checkout, dest)
-    _git("-c", "advice.detachedHead=false", "-C", dest, "checkout", "-q", TAG_COMMIT)
-    proc = subprocess.run(["bash", os.path.join(REPO, "scripts", "apply_patches.sh"), dest],
-                          capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0:
-        pytest.fail(f"apply_patches.sh {dest} exited {proc.returncode}\n{proc.stdout}{proc.stderr}")
-    return dest
+    try:
+        return patched_clone(megatron_lm_checkout, dest)
+    except CheckoutError as exc:
+        pytest.fail(str(exc))

@@ -56,3 +56,34 @@ def test_cross_node_ring_accepted_on_purpose_with_the_variable():
     assert [o[0] for o in out] == ["ok"] * 4
     out = run_ranks(_init_allowed, 4, ["n1", "n2", "n2", "n2"], "yes")
     assert all(o[0] == "bad value" and "METP_ALLOW_CROSS_NODE_RING='yes'" in o[1] for o in out)
+
+
+@pytest.mark.parametrize("world, tp, metp, per_node, spanning", [
+    (4, 1, 2, 2, []),                                    # tiny-cpu-metp2(-cp2) on 2 nodes x 2
+    (4, 1, 2, 1, [((0, 1), (0, 1)), ((2, 3), (2, 3))]),  # 2 ranks per METP ring, 1 per node
+    (6, 1, 2, 3, [((2, 3), (0, 1))]),                    # 3 per node: the middle ring crosses
+    (16, 2, 4, 8, []),                                   # TP x METP = 8 = one node
+    (16, 1, 16, 8, [(tuple(range(16)), (0, 1))]),        # gpt-13b-256k-metp16.sh: 2 nodes
+    (8, 2, 2, 2, [((0, 2), (0, 1)), ((1, 3), (0, 1)), ((4, 6), (2, 3)), ((5, 7), (2, 3))]),
+    (8, 1, 1, 1, []),                                    # no METP
+])
+def test_the_launcher_finds_every_metp_ring_across_nodes_from_the_layout(world, tp, metp,
+                                                                          per_node, spanning):
+    """The preflight's layout check (no process group): METP groups are METP ranks of stride
+    TP in blocks of TP x METP consecutive ranks, numbered node by node."""
+    from megatron_metp.runtime.ring_nodes import metp_groups_across_nodes
+
+    assert metp_groups_across_nodes(world, tp, metp, per_node) == spanning
+
+
+def test_the_ranks_name_their_slurm_node(monkeypatch):
+    """Under Slurm a rank's node is $SLURMD_NODENAME (several slurmd may share one host), else
+    the host name."""
+    import socket
+
+    from megatron_metp.runtime.placement import node_name
+
+    monkeypatch.setenv("SLURMD_NODENAME", "n2")
+    assert node_name() == "n2"
+    monkeypatch.delenv("SLURMD_NODENAME")
+    assert node_name() == socket.gethostname()

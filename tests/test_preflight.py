@@ -227,3 +227,32 @@ def test_inside_the_ranks_every_problem_is_refused_at_once():
     assert args.context_parallel_size == 1
     ok = preflight.parse_megatron_args([*MODEL, "--metp-parallel-size", "2"], 2)
     assert hooks.validate_metp_args(ok).context_parallel_size == 2
+
+
+def test_a_metp_ring_across_nodes_and_the_exit_timer_are_refused_before_any_rank(tmp_path,
+                                                                                monkeypatch):
+    """Under Slurm ($GPUS_PER_NODE exported by the Slurm scripts) a METP 2 job on 2 nodes of 1
+    rank is refused naming the group, the nodes and the fix, unless accepted on purpose; 2
+    ranks per node pass. --exit-duration-in-mins is refused with METP, naming what works."""
+    argv = [*MODEL, "--metp-parallel-size", "2", "--mock-data", "--tokenizer-type",
+            "NullTokenizer", "--vocab-size", "1024"]
+    env = {**os.environ, "PYTHONPATH": REPO, "GPUS_PER_NODE": "1"}
+    cmd = [sys.executable, "-m", "megatron_metp.megatron_lm.preflight", "--world-size", "2",
+           "--cpu", "--", *argv]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert ("--metp-parallel-size 2 with --tensor-model-parallel-size 1 on 1 ranks per node: "
+            "the METP group of global ranks [0, 1] would span nodes 0, 1") in proc.stderr
+    assert "Fix: keep TP x METP a divisor of the GPUs per node (1)" in proc.stderr
+    assert "preflight: 1 problem in this job" in proc.stderr
+    assert preflight.job_problems(argv, 4, cpu=True, ranks_per_node=2) == []
+    monkeypatch.setenv("METP_ALLOW_CROSS_NODE_RING", "1")  # on purpose (the config's variable)
+    assert preflight.job_problems(argv, 2, cpu=True, ranks_per_node=1) == []
+    monkeypatch.delenv("METP_ALLOW_CROSS_NODE_RING")
+    assert preflight.job_problems(argv, 2, cpu=True) == []  # one node
+    timer = preflight.job_problems([*argv, "--exit-duration-in-mins", "30"], 2, cpu=True)
+    assert len(timer) == 1 and timer[0].startswith(
+        "--metp-parallel-size 2 cannot be used with: --exit-duration-in-mins 30 (untested with")
+    assert "--exit-signal-handler" in timer[0] and "--exit-interval N" in timer[0]
+    stock = [a if a != "--metp-parallel-size" else "--tensor-model-parallel-size" for a in argv]
+    assert preflight.job_problems([*stock, "--exit-duration-in-mins", "30"], 2, cpu=True) == []

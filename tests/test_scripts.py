@@ -264,7 +264,8 @@ def test_slurm_runs_the_preflight_once_before_srun(tmp_path):
     _run(run, env=_env(**base))
     srun = (tmp_path / "srun.called").read_text().split()
     # checked once here: the node tasks (which see the same files) skip their own preflight
-    assert srun[0] == "PREFLIGHT=0" and srun[-1].endswith("scripts/pretrain_gpt.sh")
+    assert srun[0] == "PREFLIGHT=0" and srun[-3].endswith("scripts/pretrain_gpt.sh")
+    assert srun[-2:] == ["--", "--exit-signal-handler"]
 
 
 def test_the_launcher_picks_the_projects_venv(tmp_path):
@@ -408,11 +409,15 @@ def test_slurm_print_only_two_nodes(tmp_path):
     assert srun[0] == "srun" and "--nodes=2" in srun and "--ntasks-per-node=1" in srun
     assert f"--output={log_dir}/node%n-%N.log" in srun and "--cpu-bind=none" in srun
     assert not any(a.startswith("--container") for a in srun)
-    assert srun[-7:] == ["env", f"METP_DIR={REPO}", "bash", f"{REPO}/scripts/pretrain_gpt.sh",
-                         "--", "--train-iters", "20"]
-    torchruns = [shlex.split(ln) for ln in lines if ln.split(" ", 1)[0].endswith("torchrun")]
+    # a SIGTERM (time limit, preemption) makes the ranks save and exit 0: --exit-signal-handler,
+    # and torchrun through megatron_metp.megatron_lm.torchrun, which ends as the ranks end
+    assert srun[-8:] == ["env", f"METP_DIR={REPO}", "bash", f"{REPO}/scripts/pretrain_gpt.sh",
+                         "--", "--train-iters", "20", "--exit-signal-handler"]
+    torchruns = [shlex.split(ln) for ln in lines if "--nproc_per_node" in ln]
     assert len(torchruns) == 2
     for node, cmd in enumerate(torchruns):
+        assert cmd[1:3] == ["-m", "megatron_metp.megatron_lm.torchrun"]
+        assert "--exit-signal-handler" in cmd
         assert cmd[cmd.index("--node_rank") + 1] == str(node)
         assert cmd[cmd.index("--nnodes") + 1] == "2"
         assert cmd[cmd.index("--nproc_per_node") + 1] == "8"
@@ -424,6 +429,21 @@ def test_slurm_print_only_two_nodes(tmp_path):
     assert not log_dir.exists()  # print-only writes nothing
 
 
+def test_slurm_requeued_job_keeps_each_starts_logs_and_the_handler_can_be_left_out(tmp_path):
+    """A requeued job keeps its id: SLURM_RESTART_COUNT names its node logs; EXIT_SIGNAL_HANDLER=0
+    leaves --exit-signal-handler out, and one given after -- is not repeated."""
+    proc = _slurm("--", "--exit-signal-handler", METP_HOSTNAMES="gpu001,gpu002",
+                  MEGATRON_LM_DIR="/shared/Megatron-LM", LOG_DIR=tmp_path, SLURM_RESTART_COUNT=2)
+    assert proc.returncode == 0, proc.stderr
+    srun = shlex.split(proc.stdout.splitlines()[3])
+    assert f"--output={tmp_path}/node%n-%N.restart2.log" in srun
+    assert srun.count("--exit-signal-handler") == 1
+    assert f"# logs: {tmp_path}/node<N>-<host>.restart2.log" in proc.stdout
+    proc = _slurm(METP_HOSTNAMES="gpu001,gpu002", MEGATRON_LM_DIR="/shared/Megatron-LM",
+                  EXIT_SIGNAL_HANDLER=0)
+    assert proc.returncode == 0 and "--exit-signal-handler" not in proc.stdout, proc.stderr
+
+
 def test_slurm_print_only_with_container():
     proc = _slurm(METP_HOSTNAMES="a1 a2", CONTAINER_IMAGE="/shared/metp.sqsh",
                   CONTAINER_MOUNTS="/shared:/shared,/data:/data", CONFIG="gpt-7b-128k-metp8.sh",
@@ -433,9 +453,9 @@ def test_slurm_print_only_with_container():
     assert "--container-image=/shared/metp.sqsh" in srun
     assert "--container-mounts=/shared:/shared,/data:/data" in srun
     assert "--container-workdir=/opt/megatron-metp" in srun
-    assert srun[-4:] == ["env", "METP_DIR=/opt/megatron-metp", "bash",
-                         "/opt/megatron-metp/scripts/pretrain_gpt.sh"]
-    torchruns = [shlex.split(ln) for ln in proc.stdout.splitlines() if ln.split(" ", 1)[0].endswith("torchrun")]
+    assert srun[-6:] == ["env", "METP_DIR=/opt/megatron-metp", "bash",
+                         "/opt/megatron-metp/scripts/pretrain_gpt.sh", "--", "--exit-signal-handler"]
+    torchruns = [shlex.split(ln) for ln in proc.stdout.splitlines() if "--nproc_per_node" in ln]
     assert len(torchruns) == 2
     for cmd in torchruns:
         assert "/opt/Megatron-LM/pretrain_gpt.py" in cmd
@@ -873,7 +893,7 @@ def test_slurm_print_only_metp_times_cp_on_four_nodes():
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("# Slurm job 4242 (metp-gpt): 4 nodes (g1 g2 g3 g4), 8 GPUs")
-    torchruns = [shlex.split(ln) for ln in lines if ln.split(" ", 1)[0].endswith("torchrun")]
+    torchruns = [shlex.split(ln) for ln in lines if "--nproc_per_node" in ln]
     assert len(torchruns) == 4
     for node, cmd in enumerate(torchruns):
         assert cmd[cmd.index("--node_rank") + 1] == str(node)

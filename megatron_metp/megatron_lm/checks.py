@@ -157,6 +157,12 @@ def metp_flag_problems(args, p: int, tp: int) -> List[str]:
                    f"window >= --seq-length)")
     if flag("spec") is not None:
         out.append("--spec (METP builds its own layer spec)")
+    if flag("exit_duration_in_mins"):
+        out.append(f"--exit-duration-in-mins {flag('exit_duration_in_mins')} (untested with "
+                   f"METP: it needs a run of a minute or more; to end before a time limit with a "
+                   f"checkpoint that resumes exactly, pass --exit-signal-handler and let Slurm "
+                   f"send the signal, sbatch --signal=TERM@<seconds before the limit>, or stop "
+                   f"after N iterations with --exit-interval N)")
     for name, opt in (("experimental_attention_variant", "--experimental-attention-variant"),
                       ("heterogeneous_layers_config_path", "--heterogeneous-layers-config-path"),
                       ("mtp_num_layers", "--mtp-num-layers")):

@@ -20,6 +20,8 @@ arguments. It checks:
   state fits this run (METP against stock, distributed against plain optimizer); the iteration
   it resumes from (or ``--ckpt-step``'s) matches the checksums of its manifest, file by file
   (:mod:`.ckpt_manifest`; one without a manifest passes with a line saying it is unverified);
+* the placement: no METP ring across two nodes (``--ranks-per-node``, default
+  ``$GPUS_PER_NODE``: :mod:`megatron_metp.runtime.ring_nodes`);
 * flags the checkout's release lacks (YaRN on core_v0.16.1:
   :func:`megatron_metp.megatron_lm.launch_checks.release_problems`), from the settings or
   after ``--`` alike.
@@ -51,7 +53,7 @@ _INT_NONE = ("--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-pe
              "--num-experts", "--expert-tensor-parallel-size", "--mtp-num-layers",
              "--num-attention-heads", "--ffn-hidden-size", "--hidden-size", "--micro-batch-size",
              "--global-batch-size", "--train-iters", "--train-samples", "--eval-interval",
-             "--vocab-size", "--ckpt-step")
+             "--vocab-size", "--ckpt-step", "--exit-duration-in-mins")
 _INT_DEFAULT = {"--pipeline-model-parallel-size": 1, "--tensor-model-parallel-size": 1,
                 "--context-parallel-size": 1, "--expert-model-parallel-size": 1,
                 "--num-query-groups": 1, "--distributed-timeout-minutes": 10,
@@ -364,11 +366,25 @@ def _output_discarding_recompute_problems(args) -> List[str]:
             "install transformer-engine, or drop layernorm"]
 
 
+def _node_problems(args, ranks_per_node: Optional[int]) -> List[str]:
+    """A METP ring that would span two nodes of ``ranks_per_node`` ranks each
+    (:func:`megatron_metp.runtime.ring_nodes.cross_node_problems`; the ranks check the real
+    node names again at start-up)."""
+    if not ranks_per_node:
+        return []
+    from ..runtime.ring_nodes import cross_node_problems
+
+    return cross_node_problems(args.world_size, args.tensor_model_parallel_size,
+                               args.metp_parallel_size or 1, ranks_per_node)
+
+
 def job_problems(argv: Sequence[str], world_size: int, cpu: bool = False,
-                 notes: Optional[List[str]] = None) -> List[str]:
-    """Every problem of the job ``pretrain_gpt.py argv`` on ``world_size`` ranks (``cpu``: on
-    CPU ranks), each naming the flag and the fix; empty for a good job. Lines worth saying that
-    are no problem (a checkpoint loaded unverified) go to ``notes``."""
+                 notes: Optional[List[str]] = None,
+                 ranks_per_node: Optional[int] = None) -> List[str]:
+    """Every problem of the job ``pretrain_gpt.py argv`` on ``world_size`` ranks
+    (``ranks_per_node`` on each node, numbered node by node; ``None``: one node; ``cpu``: on CPU
+    ranks), each naming the flag and the fix; empty for a good job. Lines worth saying that are
+    no problem (a checkpoint loaded unverified) go to ``notes``."""
     from .checks import metp_arg_problems
 
     try:
@@ -376,6 +392,7 @@ def job_problems(argv: Sequence[str], world_size: int, cpu: bool = False,
     except ValueError as exc:  # a checked flag with a value Megatron's parser would refuse too
         return [f"{exc}"]
     out = metp_arg_problems(args) + _layout_problems(args) + batch_problems(args)
+    out += _node_problems(args, ranks_per_node)
     if cpu:
         from .cpu import cpu_arg_problems
 
@@ -404,11 +421,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     default=int(os.environ.get("WORLD_SIZE", "1") or 1),
                     help="ranks of the job (default $WORLD_SIZE, else 1)")
     ap.add_argument("--cpu", action="store_true", help="the job runs on CPU ranks (METP_CPU=1)")
+    per_node = os.environ.get("GPUS_PER_NODE", "").strip()
+    ap.add_argument("--ranks-per-node", type=int,
+                    default=int(per_node) if per_node.isdigit() else None,
+                    help="ranks on each node (default $GPUS_PER_NODE, which the Slurm scripts "
+                         "export; unset: one node): a METP ring across two nodes is refused")
     opts = ap.parse_args(own)
     start = time.perf_counter()
     notes: List[str] = []
     try:
-        problems = job_problems(megatron, opts.world_size, cpu=opts.cpu, notes=notes)
+        problems = job_problems(megatron, opts.world_size, cpu=opts.cpu, notes=notes,
+                                ranks_per_node=opts.ranks_per_node)
     except Exception as exc:  # noqa: BLE001 - a bug here must not stop a job the ranks check
         print(f"preflight: warning: the check itself failed ({type(exc).__name__}: {exc}); "
               f"going on, the ranks check the flags again", file=sys.stderr)

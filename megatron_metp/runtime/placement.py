@@ -3,18 +3,20 @@
 A METP group's weight ring and head-group broadcasts move whole weight shards every layer; they
 are sized for the intra-node link (NVLink). Under METP × context parallelism only the K/V ring of
 the CP group may cross nodes. :func:`check_metp_groups_on_one_node` all-gathers every rank's
-host name and METP group over the world (one small collective, bounded by the job timeout) and
+node (:func:`node_name`: Slurm's node name, else the host name) and METP group over the world (one small collective, bounded by the job timeout) and
 raises :class:`METPPlacementError` on *every* rank, naming the group, its hosts and the fix,
 when a METP group has ranks on two hosts.
 
 ``METP_ALLOW_CROSS_NODE_RING=1`` accepts such a layout on purpose (e.g. METP 16 over two nodes
 of 8, ``configs/gpt-13b-256k-metp16.sh``, which predates METP × CP): rank 0 then prints the
-same text as a warning line and the job goes on.
+same text as a warning line and the job goes on. The launcher's preflight refuses the same
+layouts before any rank starts, from the layout alone (:mod:`.ring_nodes`).
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 from typing import Optional, Sequence
 
@@ -23,6 +25,7 @@ import torch.distributed as dist
 
 from . import overrides
 from .groups import METPGroup
+from .ring_nodes import fix_text
 
 #: bytes of a host name carried by the check (longer names are compared by this prefix)
 HOST_BYTES = 64
@@ -30,6 +33,12 @@ HOST_BYTES = 64
 
 class METPPlacementError(RuntimeError):
     """A METP group has ranks on more than one node."""
+
+
+def node_name() -> str:
+    """This rank's node: Slurm's node name (``$SLURMD_NODENAME``, set in every task of a job
+    step; distinct per node also where several ``slurmd`` share a host), else the host name."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def _encode(host: str, ranks: Sequence[int], width: int) -> torch.Tensor:
@@ -53,15 +62,14 @@ def check_metp_groups_on_one_node(metp: METPGroup, *, hostname: Optional[str] = 
                                   gpus_per_node: Optional[int] = None) -> dict:
     """Raise :class:`METPPlacementError` on every rank if any METP group of the job has ranks on
     two hosts; return ``{host: [global ranks]}`` otherwise. A collective over the world group:
-    call it on every rank at the same point (start-up). ``hostname``: this rank's host
-    (default ``socket.gethostname()``; tests pass fake ones). ``gpus_per_node`` only improves
-    the message."""
+    call it on every rank at the same point (start-up). ``hostname``: this rank's node (default
+    :func:`node_name`; tests pass fake ones). ``gpus_per_node`` only improves the message."""
     if not dist.is_initialized() or (dist.get_backend() or "") == "fake":
         # the fake process group of the instruments moves nothing: one process, one host
-        return {hostname or socket.gethostname(): list(range(dist.get_world_size()
+        return {hostname or node_name(): list(range(dist.get_world_size()
                                                              if dist.is_initialized() else 1))}
     world = dist.get_world_size()
-    host = hostname if hostname is not None else socket.gethostname()
+    host = hostname if hostname is not None else node_name()
     mine = _encode(host, metp.ranks, world)
     device = torch.device("cpu")
     if "nccl" in (dist.get_backend() or ""):
@@ -103,8 +111,5 @@ def _message(bad, hosts, host, gpus_per_node) -> str:
     more = f" (and {len(bad) - 1} more group(s))" if len(bad) > 1 else ""
     return (f"METP: the METP group of global ranks {list(ranks)} spans {len(on)} nodes: "
             f"{where}{more}. Its weight ring and head-group broadcasts would cross the "
-            f"inter-node link every layer. Fix: keep TP x METP a divisor of the GPUs per node "
-            f"({per_node}) with Megatron's default rank order (tp-cp-ep-dp-pp), so that each "
-            f"METP ring is adjacent ranks of one node, or lower --metp-parallel-size and put the "
-            f"rest of the sequence on --context-parallel-size (its K/V ring may cross nodes). "
+            f"inter-node link every layer. {fix_text(per_node)} "
             f"This is rank {dist.get_rank()} on {host}.")

@@ -10,13 +10,17 @@
 # Settings (defaults in brackets):
 #   MASTER_ADDR [first host of the job]  MASTER_PORT [10000 + job id mod 50000]
 #   GPUS_PER_NODE [$SLURM_GPUS_ON_NODE or 8]  CONFIG [configs/tiny-cpu-metp2.sh]
-#   LOG_DIR [$METP_DIR/logs/<job name>-<job id>]: one log per node plus commands.txt
+#   LOG_DIR [$METP_DIR/logs/<job name>-<job id>]: one log per node plus commands.txt; a
+#     requeued job (SLURM_RESTART_COUNT=k) writes node<N>-<host>.restart<k>.log
 #   CONTAINER_IMAGE [unset]: run each task in this pyxis/enroot image (srun --container-image);
 #     CONTAINER_MOUNTS [unset] is passed as --container-mounts (include LOG_DIR and data paths);
 #     CONTAINER_METP_DIR [/opt/megatron-metp] and MEGATRON_LM_DIR [/opt/Megatron-LM] are paths
 #     inside the image (the Dockerfile's layout)
 #   MEGATRON_LM_DIR: without a container, the patched checkout on a shared file system
 #   SRUN_EXTRA_ARGS [unset]: more srun options, e.g. "--mpi=pmix --account=abc"
+#   EXIT_SIGNAL_HANDLER [1]: pass --exit-signal-handler (a SIGTERM saves a checkpoint, then the
+#     ranks exit 0; scripts/pretrain_gpt.sh runs torchrun through
+#     megatron_metp.megatron_lm.torchrun under Slurm, so the job ends COMPLETED); 0: leave it out
 # Everything else (DATA_PATH, CHECKPOINT_PATH, TP, METP, ...) reaches scripts/pretrain_gpt.sh
 # through the environment.
 # Before srun starts any task, the job is checked once here (scripts/pretrain_gpt.sh --preflight:
@@ -45,6 +49,14 @@ while [[ $# -gt 0 ]]; do
     shift
 done
 
+# Slurm's SIGTERM (the time limit with #SBATCH --signal=TERM@N, scancel --signal=TERM, a
+# preemption) makes the ranks save a checkpoint at the end of the iteration and exit 0
+# (Megatron-LM's --exit-signal-handler; the job resumes from it when requeued or resubmitted).
+# EXIT_SIGNAL_HANDLER=0 leaves the flag out.
+if [[ "${EXIT_SIGNAL_HANDLER:-1}" == 1 && " ${PASS[*]-} " != *" --exit-signal-handler "* ]]; then
+    PASS+=(--exit-signal-handler)
+fi
+
 METP_DIR="${METP_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}"
 JOB_ID="${SLURM_JOB_ID:?not inside a Slurm job (SLURM_JOB_ID unset); use sbatch or salloc}"
 JOB_NAME="${SLURM_JOB_NAME:-metp-gpt}"
@@ -67,8 +79,14 @@ export GPUS_PER_NODE="${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}"
 export CONFIG="${CONFIG:-configs/tiny-cpu-metp2.sh}"
 LOG_DIR="${LOG_DIR:-$METP_DIR/logs/$JOB_NAME-$JOB_ID}"
 
+# a requeued job (scontrol requeue, preemption with --requeue) keeps its id: its node logs get
+# the restart count, so that each start keeps its own
+RESTART="${SLURM_RESTART_COUNT:-0}"
+[[ "$RESTART" =~ ^[0-9]+$ ]] || RESTART=0
+NODE_LOG="node%n-%N.log"
+[[ "$RESTART" -gt 0 ]] && NODE_LOG="node%n-%N.restart$RESTART.log"
 SRUN=(srun --nodes="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 --cpu-bind=none
-      --export=ALL --output="$LOG_DIR/node%n-%N.log")
+      --export=ALL --output="$LOG_DIR/$NODE_LOG")
 if [[ -n "${CONTAINER_IMAGE:-}" ]]; then
     TASK_METP_DIR="${CONTAINER_METP_DIR:-/opt/megatron-metp}"
     export MEGATRON_LM_DIR="${MEGATRON_LM_DIR:-/opt/Megatron-LM}"
@@ -103,7 +121,7 @@ TASK=(env "METP_DIR=$TASK_METP_DIR" bash "$TASK_METP_DIR/scripts/pretrain_gpt.sh
 describe() {
     echo "# Slurm job $JOB_ID ($JOB_NAME): $NNODES nodes (${HOSTS[*]}), $GPUS_PER_NODE GPUs each," \
          "world size $((NNODES * GPUS_PER_NODE)), rendezvous $MASTER_ADDR:$MASTER_PORT"
-    echo "# logs: $LOG_DIR/node<N>-<host>.log${CONTAINER_IMAGE:+; container $CONTAINER_IMAGE}"
+    echo "# logs: $LOG_DIR/${NODE_LOG/node%n-%N/node<N>-<host>}${CONTAINER_IMAGE:+; container $CONTAINER_IMAGE}"
     printf 'export'
     for v in NNODES GPUS_PER_NODE MASTER_ADDR MASTER_PORT CONFIG MEGATRON_LM_DIR TRANSFORMER_IMPL; do
         [[ -n "${!v:-}" ]] && printf ' %s=%q' "$v" "${!v}"
