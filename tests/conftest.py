@@ -8,7 +8,7 @@ import torch  # noqa: E402
 from tests.harness import preload_megatron  # noqa: E402
 from tests.leak_guard import leaves_no_state  # noqa: E402,F401  (autouse: every test)
 from tests.megatron_lm_checkout import (  # noqa: E402
-    MEGATRON_LM_ARCHIVE, CheckoutError, patched_clone, unpack_release)
+    MEGATRON_LM_ARCHIVE, REPO, CheckoutError, patched_clone, unpack_release)
 from tests.megatron_lm_release import ENV as RELEASE_ENV, RELEASE  # noqa: E402
 
 torch.set_num_threads(1)
