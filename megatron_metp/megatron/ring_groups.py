@@ -28,25 +28,20 @@ from typing import Optional
 
 import torch.distributed as dist
 
-__all__ = ["create_metp_ring_groups", "metp_ring_group"]
+__all__ = ["create_metp_ring_groups", "metp_ring_group", "metp_group_ranks", "local_group"]
 
-#: ranks of a METP group (global, ring order) -> (the default group then, its dedicated group)
+#: ranks of a group (global, in order) -> (the default group then, its process group)
 _GROUPS: dict = {}
 
 
-def create_metp_ring_groups(timeout_s: Optional[float] = None):
-    """This rank's dedicated METP-ring process group: one over the ranks of Megatron's
-    expert-model-parallel group of this rank (= the METP group), ``None`` when that has one rank.
-
-    Every rank of the group calls it (a group-local creation); ``timeout_s``: the group's
-    timeout (default: the job timeout, :func:`megatron_metp.runtime.watchdog.job_timeout_s`),
-    set when the group is first created."""
-    from megatron.core import parallel_state as ps
-
-    ep = ps.get_expert_model_parallel_group()
-    if ep is None or dist.get_world_size(ep) == 1:
+def local_group(ranks: tuple, timeout_s: Optional[float] = None):
+    """A process group over ``ranks`` (global, in order) made by those ranks only
+    (``use_local_synchronization``), kept per set of ranks for the life of the process (a new
+    default process group: a new one); ``None`` for one rank. ``timeout_s``: the group's timeout
+    (default: the job timeout, :func:`megatron_metp.runtime.watchdog.job_timeout_s`)."""
+    ranks = tuple(ranks)
+    if len(ranks) == 1:
         return None
-    ranks = tuple(dist.get_process_group_ranks(ep))
     world, group = _GROUPS.get(ranks, (None, None))
     if world is not dist.group.WORLD:  # first call, or a new default group since
         if timeout_s is None:
@@ -59,11 +54,40 @@ def create_metp_ring_groups(timeout_s: Optional[float] = None):
     return group
 
 
+def metp_group_ranks(p: Optional[int] = None) -> tuple:
+    """Global ranks of this rank's METP group, in ring order: Megatron's expert-model-parallel
+    group when it has ``p`` ranks (EP = p, folded onto the METP groups; also when ``p`` is
+    ``None``), else (EP = p·e wider than the METP group, :mod:`.wide_ep`) the block of ``p``
+    adjacent ranks of this rank's context-parallel group (``p·c`` ranks) that holds it."""
+    from megatron.core import parallel_state as ps
+
+    ep = ps.get_expert_model_parallel_group()
+    if ep is not None and (p is None or dist.get_world_size(ep) == p):
+        return tuple(dist.get_process_group_ranks(ep))
+    if p is None or p == 1:
+        return (dist.get_rank(),)
+    cp = dist.get_process_group_ranks(ps.get_context_parallel_group())
+    if len(cp) % p:
+        raise ValueError(f"Megatron's context-parallel group has {len(cp)} ranks, not a multiple "
+                         f"of --metp-parallel-size {p}")
+    block = cp.index(dist.get_rank()) // p
+    return tuple(cp[block * p:(block + 1) * p])
+
+
+def create_metp_ring_groups(timeout_s: Optional[float] = None, p: Optional[int] = None):
+    """This rank's dedicated METP-ring process group: one over the ranks of its METP group
+    (:func:`metp_group_ranks`), ``None`` when that has one rank.
+
+    Every rank of the group calls it (a group-local creation); ``timeout_s``: the group's
+    timeout (default: the job timeout), set when the group is first created."""
+    return local_group(metp_group_ranks(p), timeout_s)
+
+
 def metp_ring_group(ranks: tuple, timeout_s: Optional[float] = None):
     """The dedicated process group of the METP group ``ranks`` (global ranks in ring order, as
-    Megatron's expert-model-parallel group of this rank lists them); ``ValueError`` when they
-    are not this rank's expert-model-parallel group."""
-    group = create_metp_ring_groups(timeout_s)
+    :func:`metp_group_ranks` lists this rank's); ``ValueError`` when they are not this rank's
+    METP group."""
+    group = create_metp_ring_groups(timeout_s, p=len(ranks))
     if group is None or tuple(dist.get_process_group_ranks(group)) != tuple(ranks):
         raise ValueError(f"no dedicated METP ring group for ranks {list(ranks)}: Megatron's "
                          f"expert-model-parallel group of this rank is not the METP group "
