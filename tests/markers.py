@@ -58,6 +58,7 @@ SLOW = {
     "rank_stock[metp2xcp2-ep4-alltoall-distopt]": 8.8,
     "tests/test_moe_ep_wide.py::test_checkpoint_in_stocks_expert_layout_resumes_in_other_"
     "layouts": 12.0,
+    "tests/test_moe_ep_wide_plan.py::test_measure_of_ep4_over_metp2_x_cp2_matches_the_plan": 15.2,
     "tests/test_keep_attention.py::test_kept_attention_in_compositions": 7.3,
     "tests/test_leak_guard.py::test_a_test_that_leaves_a_variable_set_errors_and_the_next_one_"
     "passes": 8.1,

@@ -193,3 +193,4 @@ def test_checkpoint_in_stocks_expert_layout_resumes_in_other_layouts(tmp_path):
         assert len(resumed) == TOTAL - SAVE_AT
         for got, ref in zip(resumed, uninterrupted[SAVE_AT:]):
             assert abs(got - ref) <= 1e-6 * ref, (other.describe(), resumed, uninterrupted)
+
