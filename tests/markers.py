@@ -55,7 +55,7 @@ RELEASE_INDEPENDENT = {
 #: over 5 s that use no Megatron-LM checkout
 SLOW = {
     "tests/test_moe_ep_wide.py::test_three_adam_steps_distributed_optimizer_ep4_match_single_"
-    "rank_stock[metp2xcp2-ep4-alltoall-distopt]": 8.8,
+    "rank_stock": 8.8,
     "tests/test_moe_ep_wide.py::test_checkpoint_in_stocks_expert_layout_resumes_in_other_"
     "layouts": 12.0,
     "tests/test_moe_ep_wide_plan.py::test_measure_of_ep4_over_metp2_x_cp2_matches_the_plan": 15.2,

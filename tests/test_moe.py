@@ -357,7 +357,8 @@ def test_unsupported_moe_settings_are_refused_naming_the_flag(kw, needle):
 
 def test_megatron_lm_args_leave_expert_parallel_size_to_the_hooks():
     """Megatron-LM's ``args``: ``--expert-model-parallel-size`` left at 1 is fine (the hooks set
-    the config's to p); any other value than p is refused, as are the same unsupported flags."""
+    the config's to p); a value that is not a multiple of p is refused, as are the same
+    unsupported flags."""
     from megatron_metp.megatron.moe_checks import moe_args_problems
 
     def args(**kw):
@@ -366,7 +367,7 @@ def test_megatron_lm_args_leave_expert_parallel_size_to_the_hooks():
     assert moe_args_problems(args(), 2, on_cpu=True) == []
     assert moe_args_problems(args(expert_model_parallel_size=2), 2, on_cpu=True) == []
     assert "--expert-model-parallel-size" in moe_args_problems(
-        args(expert_model_parallel_size=4), 2, on_cpu=True)[0]
+        args(expert_model_parallel_size=3), 2, on_cpu=True)[0]
     assert "--moe-use-upcycling" in moe_args_problems(args(moe_use_upcycling=True), 2,
                                                       on_cpu=True)[0]
     assert moe_args_problems(SimpleNamespace(num_experts=None), 2) == []
@@ -383,8 +384,9 @@ def test_config_from_args_gets_expert_parallel_size_p():
 
     assert fold_expert_parallel_into_config(cfg(1), 2).expert_model_parallel_size == 2
     assert fold_expert_parallel_into_config(cfg(2), 2).expert_model_parallel_size == 2
-    with pytest.raises(ValueError, match="expert_model_parallel_size 4"):
-        fold_expert_parallel_into_config(cfg(4), 2)
+    assert fold_expert_parallel_into_config(cfg(4), 2).expert_model_parallel_size == 4  # wide
+    with pytest.raises(ValueError, match="expert_model_parallel_size 3"):
+        fold_expert_parallel_into_config(cfg(3), 2)
     with pytest.raises(ValueError, match="--metp-disable-weight-ring"):
         from megatron_metp.megatron.moe import get_gpt_decoder_block_metp_spec
 

@@ -155,10 +155,14 @@ def test_expert_parallel_sizes_that_are_not_whole_metp_groups_are_refused(kw, ne
                                 num_experts=12, expert_model_parallel_size=4) == 2
 
 
-def test_config_checks_accept_multiples_of_p_and_megatron_lm_refuses_them_by_name():
+def test_config_and_megatron_lm_checks_accept_multiples_of_p_only():
+    """The same table for a ``TransformerConfig`` and Megatron-LM's ``args``: EP 4 at METP 2
+    runs, EP 3 is refused naming the flag, EP 8 with 12 experts names the expert count; through
+    Megatron-LM the layout check also names the valid values for the job's ranks."""
     from types import SimpleNamespace
 
     from megatron_metp.megatron.moe_checks import moe_args_problems, moe_problems
+    from megatron_metp.megatron_lm.checks import _moe_problems
 
     def cfg(ep, e=12):
         d = {"num_moe_experts": e, "expert_model_parallel_size": ep}
@@ -168,10 +172,13 @@ def test_config_checks_accept_multiples_of_p_and_megatron_lm_refuses_them_by_nam
     assert "must be 2 or a multiple" in moe_problems(cfg(3), 2, on_cpu=True)[0]
     assert "--num-experts 12 is not divisible by --expert-model-parallel-size 8" in \
         moe_problems(cfg(8), 2, on_cpu=True)[0]
-    args = SimpleNamespace(num_experts=12, expert_model_parallel_size=4)
-    problems = moe_args_problems(args, 2, on_cpu=True)
-    assert problems and "expert_model_parallel_size 4 (--expert-model-parallel-size) wider than " \
-        "--metp-parallel-size 2" in problems[0] and "not through Megatron-LM yet" in problems[0], problems
+    args = SimpleNamespace(num_experts=12, expert_model_parallel_size=4, world_size=8)
+    assert moe_args_problems(args, 2, on_cpu=True) == [] and _moe_problems(args, 2) == []
+    args.world_size = 6
+    assert any("--expert-model-parallel-size 4 does not divide the 6 ranks" in x and
+               "valid values" in x for x in _moe_problems(args, 2)), _moe_problems(args, 2)
+    args.expert_model_parallel_size = 3
+    assert "--expert-model-parallel-size" in moe_args_problems(args, 2, on_cpu=True)[0]
 
 
 # ---------------------------------------------------------------- checkpoints

@@ -8,7 +8,8 @@ import pytest
 
 
 def test_plan_divides_experts_by_ep_and_qwen3_1m_fits_36_gib_with_ep8():
-    """``metp plan`` with EP 8 over METP 4 × CP 2 (Qwen3-30B-A3B, 1M tokens, 8 × H100): the
+    """``metp plan`` of configs/qwen3-30b-a3b-1m-metp4-cp2-ep8.sh against the EP 4 config
+    (Qwen3-30B-A3B, 1M tokens, 8 × H100, METP 4 × CP 2): the
     experts' weights, gradients and optimizer state divide by EP = 8, not p = 4, and the
     METP-sharded weights' distributed-optimizer state by expert-DP (1); per rank ≤ 36 GiB (EP 4:
     over 50 GiB). ``--ep`` values that are not whole METP groups are refused naming the valid
@@ -18,10 +19,13 @@ def test_plan_divides_experts_by_ep_and_qwen3_1m_fits_36_gib_with_ep8():
     from megatron_metp.tools import cli
     from megatron_metp.tools import plan as P
 
-    config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                          "configs", "qwen3-30b-a3b-1m-metp4-cp2.sh")
-    m, j4, _ = cli.build_from_argv(["--config", config, "--ep", "4"])
-    _, j8, _ = cli.build_from_argv(["--config", config, "--ep", "8"])
+    configs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+    config = os.path.join(configs, "qwen3-30b-a3b-1m-metp4-cp2-ep8.sh")
+    m, j4, _ = cli.build_from_argv(["--config", os.path.join(configs,
+                                                             "qwen3-30b-a3b-1m-metp4-cp2.sh")])
+    m8, j8, _ = cli.build_from_argv(["--config", config])
+    assert (m8.experts, m8.layers, m8.seq) == (m.experts, m.layers, m.seq) == (128, 48, 1048576)
+    assert (j4.ep, j8.ep) == (0, 8) and (j8.metp, j8.cp, j4.metp, j4.cp) == (4, 2, 4, 2)
     p4, p8 = P.params(m, j4, "metp"), P.params(m, j8, "metp")
     assert p8.expert * 2 == p4.expert and (p4.dp_expert, p8.dp_expert) == (2, 1)
     assert (p4.dp_sharded, p8.dp_sharded) == (2, 1) and p8.sharded == p4.sharded
@@ -29,6 +33,8 @@ def test_plan_divides_experts_by_ep_and_qwen3_1m_fits_36_gib_with_ep8():
     print(f"Qwen3-30B-A3B 1M, METP 4 x CP 2: EP 4 {before / P.GiB:.2f} GiB, EP 8 "
           f"{after / P.GiB:.2f} GiB per rank")
     assert before > 50 * P.GiB and after <= 36 * P.GiB
+    flags = P.megatron_flags(m8, j8, "metp")
+    assert flags[flags.index("--expert-model-parallel-size") + 1] == "8"
     with pytest.raises(ValueError, match=r"--ep 12: .*valid: 4, 8"):
         cli.build_from_argv(["--config", config, "--ep", "12"])
 

@@ -93,11 +93,11 @@ class METPGroups:
 
     def _wide_ep(self, ps, timeout_s) -> "METPGroups":
         """These groups with :attr:`dp` the METP-DP group and :attr:`ep_replicas` when
-        Megatron's expert-model-parallel group is wider than the METP group (:mod:`.wide_ep`);
-        unchanged otherwise."""
+        Megatron's expert-model-parallel group is wider than the METP group (:mod:`.wide_ep`,
+        :func:`.ring_groups.wide_ep_groups`); unchanged otherwise."""
         if self.metp.size == 1:
             return self
-        from .wide_ep import wide_ep_groups
+        from .ring_groups import wide_ep_groups
 
         metp_dp, replicas = wide_ep_groups(ps, self.metp.ranks, timeout_s)
         if replicas is not None:

@@ -50,8 +50,9 @@ def moe_config_fields(*, num_experts: Optional[int], topk: int = 2,
 def fold_expert_parallel_into_config(config, metp_parallel_size: int):
     """Give a MoE ``TransformerConfig`` built from Megatron-LM's ``args`` (which keep
     ``--expert-model-parallel-size`` 1: the hooks fold EP = p into ``parallel_state`` only) its
-    ``expert_model_parallel_size = p``, then refuse what :mod:`.moe_checks` lists (an EP other
-    than 1 or p included). Returns ``config`` (changed in place); a config without experts is
+    ``expert_model_parallel_size = p`` (a multiple of p given with ``--expert-model-parallel-size``
+    stays: EP wider than the METP group, :mod:`.wide_ep`), then refuse what :mod:`.moe_checks`
+    lists (an EP not a multiple of p included). Returns ``config`` (changed in place); a config without experts is
     returned as it is."""
     from .moe_checks import check_moe_config
 
@@ -59,7 +60,7 @@ def fold_expert_parallel_into_config(config, metp_parallel_size: int):
         return config
     if (config.expert_model_parallel_size or 1) == 1:
         config.expert_model_parallel_size = metp_parallel_size
-    check_moe_config(config, metp_parallel_size, wide_ep=False)  # not wired into Megatron-LM yet
+    check_moe_config(config, metp_parallel_size)
     return config
 
 

@@ -15,8 +15,8 @@ error). :func:`moe_problems` refuses it.
 One table of checks serves both megatron-core builders (a ``TransformerConfig``) and Megatron-LM's
 ``args`` (:func:`moe_args_problems`): each entry names the command-line flag and the alternative.
 
-EP wider than p (a multiple of p, :mod:`.wide_ep`) runs with the megatron-core builders; through
-Megatron-LM it is refused for now. Not supported yet, refused (see ``docs/moe.md``): expert tensor
+EP wider than p (a multiple of p, :mod:`.wide_ep`) runs with the megatron-core builders and
+through Megatron-LM (``wire_wide_expert_parallel``). Not supported yet, refused (see ``docs/moe.md``): expert tensor
 parallelism > 1, TP > 1 with experts, EP not a multiple of p, the ``flex`` dispatcher / DeepEP, shared experts,
 MoE latent projections, EP communication overlap, CUDA graphs, upcycling; on CPU, grouped GEMM and
 the fused permute / router kernels (GPU only).
@@ -138,7 +138,7 @@ def moe_args_problems(args, metp_parallel_size: int, *, on_cpu: Optional[bool] =
     def get(name, default):
         return getattr(args, _ARG_NAMES.get(name, name), default)
 
-    return moe_problems(get, metp_parallel_size, on_cpu=on_cpu, ep_unset_ok=True, wide_ep=False)
+    return moe_problems(get, metp_parallel_size, on_cpu=on_cpu, ep_unset_ok=True)
 
 
 def check_moe_args(args, metp_parallel_size: int, *, on_cpu: Optional[bool] = None) -> None:

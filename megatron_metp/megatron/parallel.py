@@ -139,7 +139,7 @@ def expert_parallel_problems(*, world_size: int, metp_parallel_size: int, num_ex
     return [f"--expert-model-parallel-size {ep} {why} (the expert-parallel group must be whole "
             f"METP groups: p·e ranks over METP × CP or METP × DP); valid values with "
             f"--metp-parallel-size {p}, {world_size} ranks and --num-experts {num_experts}: "
-            f"{', '.join(map(str, valid)) or 'none'}"]
+            f"{', '.join(map(str, valid)) or 'none'} (docs/moe.md)"]
 
 
 def initialize_model_parallel(tensor_model_parallel_size: int = 1,
