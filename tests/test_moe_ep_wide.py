@@ -201,3 +201,33 @@ def test_checkpoint_in_stocks_expert_layout_resumes_in_other_layouts(tmp_path):
         for got, ref in zip(resumed, uninterrupted[SAVE_AT:]):
             assert abs(got - ref) <= 1e-6 * ref, (other.describe(), resumed, uninterrupted)
 
+
+
+def _train_without_shared_marks(rank, world, size, layout):
+    """:func:`moe_train` with the ``shared`` marks of the wide-EP wiring taken off again (every
+    replica's METP shards counted in the grad norm)."""
+    from megatron_metp.megatron import wide_ep
+    from megatron_metp.megatron.linear import is_metp_sharded
+
+    wire = wide_ep.sum_metp_shards_over_replicas
+
+    def unmarked(ddp, group):
+        out = wire(ddp, group)
+        for p in ddp.module.parameters():
+            if is_metp_sharded(p):
+                p.shared = False
+        return out
+
+    wide_ep.sum_metp_shards_over_replicas = unmarked
+    return moe_train(rank, world, size, layout)
+
+
+def test_negative_control_grad_norm_without_the_shared_marks(stock_training):
+    """The grad norm counts each METP shard once: with the ``shared`` marks taken off, the two
+    replicas of every shard count twice and the first step's grad norm leaves stock's by far more
+    than the 1e-5 the Adam test allows."""
+    layout = _layout(2, 1, dispatcher="allgather", aux="aux", ep=4, distributed_optimizer=True)
+    out = run_ranks(_train_without_shared_marks, 4, TRAIN_MOE, layout, timeout=300)
+    norm, ref = out[0]["steps"][0][1], stock_training["steps"][0][1]
+    print(f"grad norm of step 1 without the marks {norm:.4f}, stock {ref:.4f}")
+    assert abs(norm - ref) > 0.05 * ref, (norm, ref)
