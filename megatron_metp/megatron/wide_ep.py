@@ -2,9 +2,9 @@
 
 Megatron's expert-model-parallel group has ``p·e`` ranks: ``e`` whole METP groups, adjacent in
 Megatron's rank order (over METP × CP when ``e`` divides the outer CP factor ``c``, else over
-METP × CP × DP). Megatron's ``MoELayer`` holds ``E/(p·e)`` experts per rank and dispatches over that
-group; its expert data-parallel group has ``c·DP/e`` ranks. Three gradient classes then reduce
-over three groups:
+METP × CP × DP). Megatron's ``MoELayer`` holds ``E/(p·e)`` experts per rank and dispatches over
+that group; its expert data-parallel group has ``c·DP/e`` ranks. Three gradient classes then
+reduce over three groups:
 
 =====================  =========================  ======================================
 parameters             reduced over               in Megatron's DDP
@@ -51,9 +51,11 @@ __all__ = ["sum_metp_shards_over_replicas"]
 def sum_metp_shards_over_replicas(ddp, replicas: Optional[dist.ProcessGroup]) -> int:
     """Make Megatron's ``DistributedDataParallel`` ``ddp`` sum the gradients of its METP-sharded
     parameters over ``replicas`` (the replica group of :func:`.ring_groups.wide_ep_groups`)
-    before each expert bucket group reduces over expert-DP, and mark them ``shared`` on every replica but the first
-    (the grad norm counts each once). Call it before the optimizer is built. Returns how many
-    parameters it covers (0 when ``replicas`` is ``None``: EP = p, nothing to do)."""
+    before each expert bucket group reduces over expert-DP, and mark them ``shared`` on every
+    replica but the first (the grad norm counts each once). Call it before the optimizer is
+    built. Returns how many parameters it covers (0 when ``replicas`` is ``None``: EP = p).
+    Either grad-sync mode: ``start_grad_sync`` starts a bucket group's reduce at the end of the
+    backward (``overlap_grad_reduce`` off) or when its last gradient is ready (on)."""
     from .linear import is_metp_sharded
 
     if replicas is None:
