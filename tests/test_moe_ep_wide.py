@@ -85,24 +85,29 @@ def _check(out, ref):
     assert len(_experts(errs)) == 2 * 2 * MOE.num_experts  # fc1, fc2 of every expert, 2 layers
 
 
-@pytest.mark.parametrize("cp,dispatcher", [(2, "alltoall"), (2, "allgather"),
-                                           (1, "alltoall"), (1, "allgather")],
-                         ids=["metp2xcp2-ep4-alltoall", "metp2xcp2-ep4-allgather",
-                              "metp2xdp2-ep4-alltoall", "metp2xdp2-ep4-allgather"])
-def test_ep4_over_two_metp_groups_matches_single_rank_stock(stock, cp, dispatcher):
-    """4 ranks, METP 2, EP 4: each rank holds 3 of the 12 experts (rank r: 3r … 3r+2); the
-    replica group (2 ranks) and METP-DP (2 ranks) are set, Megatron's expert-DP has 1 rank. Loss
-    and every gradient, reduced by Megatron's DDP, equal single-rank stock within 1e-5 (under
-    CP with the load-balancing and z losses; under DP, one sequence per replica, without:
-    stock's router losses span the whole batch). Negative control: the expert gradients reduced
-    over METP-DP, as METP-sharded weights are, fail the comparison."""
+@pytest.mark.parametrize("metp,cp,dispatcher", [
+    (2, 2, "alltoall"), (2, 2, "allgather"), (2, 1, "alltoall"), (2, 1, "allgather"),
+    (3, 2, "alltoall")],
+    ids=["metp2xcp2-ep4-alltoall", "metp2xcp2-ep4-allgather", "metp2xdp2-ep4-alltoall",
+         "metp2xdp2-ep4-allgather", "metp3xcp2-ep6-alltoall"])
+def test_wide_ep_over_two_metp_groups_matches_single_rank_stock(stock, metp, cp, dispatcher):
+    """METP p × 2 (CP or DP), EP 2p over both METP groups: rank r holds experts
+    ``n·r … n·r + n − 1`` (``n = 12/(2p)``); the replica group (2 ranks) and METP-DP (2 ranks)
+    are set, Megatron's expert-DP has 1 rank. Loss and every gradient, reduced by Megatron's DDP,
+    equal single-rank stock within 1e-5 (under CP with the load-balancing and z losses; under
+    DP, one sequence per replica, without: stock's router losses span the whole batch); p = 3
+    too. Negative control: the expert gradients reduced over METP-DP, as METP-sharded weights
+    are, fail the comparison."""
     aux = "aux" if cp > 1 else None
-    out = run_ranks(wide_one_step, 4, MOE, _layout(2, cp, dispatcher=dispatcher, aux=aux,
-                                                   qk=True, ep=4))
+    world = 2 * metp
+    out = run_ranks(wide_one_step, world, MOE, _layout(metp, cp, dispatcher=dispatcher, aux=aux,
+                                                       qk=True, ep=world))
     ref = stock(aux)
     _check(out, ref)
-    assert [r["local_experts"] for r in out] == [[3 * r, 3 * r + 1, 3 * r + 2] for r in range(4)]
-    assert all(r["sizes"] == (2, 2, 1, 4) for r in out), [r["sizes"] for r in out]
+    n = MOE.num_experts // world
+    assert [r["local_experts"] for r in out] == [list(range(n * r, n * r + n))
+                                                 for r in range(world)]
+    assert all(r["sizes"] == (2, 2, 1, world) for r in out), [r["sizes"] for r in out]
     bad = _expert_error(out, ref, key="wrong_experts")
     assert bad > 0.1, bad
 
