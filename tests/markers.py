@@ -24,6 +24,11 @@ fails the collection (a renamed test must not lose its mark silently).
 
 #: node id -> why the core_v0.19.0 leg need not run it again (the .venv leg runs it)
 RELEASE_INDEPENDENT = {
+    "tests/test_moe_ep_wide_megatron_lm.py::test_stock_ep_twin_continues_from_the_wide_ep_"
+    "checkpoint":
+        "a stock twin's load of the wide-EP checkpoint (stock's own keys and shapes, checked on "
+        "both releases by test_ep_2p_and_its_stock_twin_print_the_same_losses_and_checkpoints); "
+        "the load across layouts is release-checked for EP = p by tests/test_moe_megatron_lm.py",
     "tests/test_scripts.py::test_dry_run_end_to_end[tiny-cpu-tp2.sh-":
         "stock TP through the same dry-run path as the METP id (which runs on both releases)",
     "tests/test_scripts.py::test_dry_run_plan_and_measure_agree":

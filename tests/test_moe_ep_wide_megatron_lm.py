@@ -4,25 +4,34 @@
 the patched ``setup_model_and_optimizer``'s ``wire_wide_expert_parallel``) and its stock twin
 configs/tiny-cpu-ep4-moe.sh (DP 4, EP 4) print the same losses and grad norms (compare_tp.sh's
 table of them too) and save the same checkpoint tensors under stock's keys (the experts stacked
-by their global index)."""
+by their global index); the stock twin continues from METP's checkpoint (weights only, as for
+EP = p in tests/test_moe_megatron_lm.py) with the uninterrupted runs' iteration-3 loss."""
 
 import os
 import subprocess
 
-from tests.test_megatron_lm_train import REPO, _env, _iterations, _tensors, _train
+import pytest
+
+from tests.test_megatron_lm_train import REPO, _env, _iterations, _rewind, _tensors, _train
 
 METP_CONFIG, TWIN_CONFIG = "tiny-cpu-metp2-ep4-moe.sh", "tiny-cpu-ep4-moe.sh"
 ITERS = 3
 
 
-def test_ep_2p_and_its_stock_twin_print_the_same_losses_and_checkpoints(patched_megatron_lm,
-                                                                        tmp_path):
-    runs = {}
+@pytest.fixture(scope="module")
+def runs(patched_megatron_lm, tmp_path_factory):
+    """Both runs, 3 iterations each, saving at iterations 2 and 3."""
+    root = tmp_path_factory.mktemp("wide-ep")
+    out = {"root": root}
     for name, config in (("metp", METP_CONFIG), ("tp", TWIN_CONFIG)):
-        ck = str(tmp_path / name)
+        ck = str(root / name)
         _, log = _train(patched_megatron_lm, config, ITERS, CHECKPOINT_PATH=ck, SAVE_INTERVAL=2)
-        (tmp_path / f"{name}.log").write_text(log)
-        runs[name] = {"ckpt": ck, "log": log, "iters": _iterations(log)}
+        (root / f"{name}.log").write_text(log)
+        out[name] = {"ckpt": ck, "log": log, "iters": _iterations(log)}
+    return out
+
+
+def test_ep_2p_and_its_stock_twin_print_the_same_losses_and_checkpoints(runs, tmp_path):
     metp, tp = runs["metp"]["iters"], runs["tp"]["iters"]
     assert sorted(metp) == sorted(tp) == list(range(1, ITERS + 1))
     for k in metp:  # the same weights, global batch and expert per rank: the same step
@@ -34,6 +43,8 @@ def test_ep_2p_and_its_stock_twin_print_the_same_losses_and_checkpoints(patched_
     assert "experts sharded over 2 METP rings (--expert-model-parallel-size 4" in log
     assert "expert_model_parallel_size ...................... 4" in log  # args -> config
     # compare_tp.sh pairs the two configs and tabulates these logs
+    for name in ("metp", "tp"):
+        (tmp_path / f"{name}.log").write_text(runs[name]["log"])
     proc = subprocess.run(["bash", "scripts/compare_tp.sh", "--config", f"configs/{METP_CONFIG}",
                            "--parse-only", "--out", str(tmp_path)], cwd=REPO, capture_output=True,
                           text=True, env={**_env("unused"), "PYTHONPATH": REPO}, timeout=300)
@@ -50,3 +61,18 @@ def test_ep_2p_and_its_stock_twin_print_the_same_losses_and_checkpoints(patched_
         a, b = got[key].double(), want[key].double()
         assert a.shape == b.shape, key
         assert (a - b).norm() <= 1e-4 * b.norm(), (key, (a - b).norm() / b.norm())
+
+
+def test_stock_ep_twin_continues_from_the_wide_ep_checkpoint(patched_megatron_lm, runs,
+                                                              tmp_path):
+    """METP's iteration-2 checkpoint (EP 4 over METP 2 × DP 2), loaded by the stock twin
+    (weights only, as for EP = p): iteration 3 runs the saved weights before any update, so it
+    prints the uninterrupted runs' iteration-3 loss."""
+    ck = str(tmp_path / "metp-to-ep")
+    _rewind(runs["metp"]["ckpt"], ck, 2)
+    _, log = _train(patched_megatron_lm, TWIN_CONFIG, ITERS, "--no-load-optim", "--no-load-rng",
+                    CHECKPOINT_PATH=ck)
+    resumed = _iterations(log)
+    assert sorted(resumed) == [3], log[-3000:]
+    want = runs["metp"]["iters"][3][0]
+    assert abs(resumed[3][0] - want) <= 1e-5 * abs(want), (resumed[3], want)
