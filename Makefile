@@ -36,8 +36,11 @@ PIP_INSTALL := -m pip install -q --no-compile --disable-pip-version-check
 # about one core busy, so two fill the CI machine's two cores (the .venv leg: 804 s against
 # 1,277 s serial). Files run in an order the workers pick, so tests/conftest.py fails any test
 # that leaves process state changed for later files (tests/leak_guard.py). JOBS=0: serial.
+# --no-loadscope-reorder: the workers take the files heaviest first (tests/file_order.py), not
+# by their number of tests (xdist's default, which left the long one-test files for the end,
+# one worker running them while the other idled)
 JOBS ?= 2
-XDIST := $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadfile)
+XDIST := $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadfile --no-loadscope-reorder)
 
 .PHONY: venv venv-019 demo test test-019 test-fast faults test-slurm bench clean
 
@@ -78,18 +81,13 @@ test: $(STAMP)
 # the release-sensitive Megatron-LM tests (patch, hooks, dry run, training vs stock TP, save/load,
 # saved args, HF args, packed data) against core_v0.19.0; tests/conftest.py sets the markers
 # (megatron_lm: every test using a Megatron-LM checkout; release_sensitive: tests/markers.py),
-# and megatron-core's MoE with METP (its CPU shims and dispatcher seams differ between 0.16 and 0.19)
-MOE_CORE_TESTS := tests/test_moe.py tests/test_moe_tiles.py tests/test_moe_ep_wide.py
-# ... and the kept attention's and the selective recompute's gradients (Megatron's checkpoint
-# and schedules; the streaming and separate ops under each release's torch and megatron-core)
-KEEP_ATTENTION_TESTS := tests/test_keep_attention.py tests/test_layer_keep.py \
-	tests/test_selective_op.py
+# and megatron-core's MoE with METP, the kept attention's and the selective recompute's gradients
+# (marker core_sensitive: the files of tests/conftest.py CORE_SENSITIVE_FILES), in the same run:
+# their short files fill the end of the two workers' Megatron-LM launches (a serial run of
+# their own cost 39 s more)
 test-019: $(STAMP019)
 	# ... and the HF tests (marker hf, tests/conftest.py HF_TESTS) against .venv-019's transformers 5
-	OMP_NUM_THREADS=1 METP_MEGATRON_LM_RELEASE=core_v0.19.0 $(PY019) -m pytest -q $(XDIST) --durations=30 -m "(megatron_lm and release_sensitive) or hf" tests
-	# serial: on two workers these 36 short tests took 41 s against 27 s (each worker imports
-	# megatron-core and forks its own ranks)
-	OMP_NUM_THREADS=1 METP_MEGATRON_LM_RELEASE=core_v0.19.0 $(PY019) -m pytest -q --durations=5 $(MOE_CORE_TESTS) $(KEEP_ATTENTION_TESTS)
+	OMP_NUM_THREADS=1 METP_MEGATRON_LM_RELEASE=core_v0.19.0 $(PY019) -m pytest -q $(XDIST) --durations=30 -m "(megatron_lm and release_sensitive) or hf or core_sensitive" tests
 
 # the inner loop: everything but the slow tests (Megatron-LM launches, tests over 5 s)
 test-fast: $(STAMP)
@@ -97,7 +95,8 @@ test-fast: $(STAMP)
 
 faults: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -s --durations=8 tests/test_ring.py tests/test_stalls.py \
-		tests/test_checkpoint_faults.py tests/test_agree.py tests/test_finite.py
+		tests/test_checkpoint_faults.py tests/test_agree.py tests/test_finite.py \
+		tests/test_stalls_train_step.py tests/test_right_rank.py
 
 # scripts/slurm/pretrain_gpt.sbatch on a two-node Slurm cluster on this machine
 # (scripts/slurm/ci_test.sh: root; apt-get installs Slurm and munge when absent; ~2 min on 2

@@ -438,6 +438,9 @@ MEGATRON_ARGS=(
 
 # ---------------------------------------------------------------- run
 export CUDA_DEVICE_MAX_CONNECTIONS=1
+# NCCL: a timed-out op's communicators are aborted and the error is left to the main thread, which
+# names the stalled rank (megatron_metp/megatron_lm/last_seen.py); a value set by the user wins
+export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-2}"
 
 if [[ "$MODE" == dry-run ]]; then
     DRY=("$PYTHON" -m megatron_metp.dry_run --megatron-lm-dir "$MEGATRON_LM_DIR"

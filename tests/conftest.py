@@ -43,10 +43,33 @@ HF_TESTS = (
     "tests/test_hf_yarn.py::test_every_family_takes_yarn",
 )
 
+#: the test files that ``make test-019`` runs against .venv-019's megatron-core 0.19 too (marker
+#: ``core_sensitive``), though they launch no Megatron-LM: megatron-core's MoE with METP (its CPU
+#: shims and dispatcher seams differ between 0.16 and 0.19), and the kept attention's and the
+#: selective recompute's gradients (Megatron's checkpoint and schedules; the streaming and
+#: separate ops under each release's torch and megatron-core)
+CORE_SENSITIVE_FILES = (
+    "tests/test_moe.py", "tests/test_moe_tiles.py", "tests/test_moe_routers.py",
+    "tests/test_model_variants.py", "tests/test_attention_sinks.py",
+    "tests/test_keep_attention.py", "tests/test_layer_keep.py", "tests/test_selective_op.py",
+    "tests/test_moe_ep_wide.py",
+)
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "hf: a Hugging Face test that `make test-019` runs "
                                        "against transformers 5 too (tests/conftest.py HF_TESTS)")
+    config.addinivalue_line("markers", "core_sensitive: a test that `make test-019` runs against "
+                                       "megatron-core 0.19 too (tests/conftest.py "
+                                       "CORE_SENSITIVE_FILES)")
+    missing = [f for f in CORE_SENSITIVE_FILES if not os.path.isfile(os.path.join(REPO, f))]
+    if missing:
+        raise pytest.UsageError(f"tests/conftest.py CORE_SENSITIVE_FILES names files that do not "
+                                f"exist (renamed? update it): {missing}")
+    # the heaviest files first, for make test's two workers (tests/file_order.py)
+    from tests.file_order import HeaviestFilesFirst
+
+    config.pluginmanager.register(HeaviestFilesFirst(), "metp-heaviest-files-first")
 
 
 def _hf_test(nodeid: str) -> bool:
@@ -65,6 +88,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if _hf_test(item.nodeid):
             item.add_marker(pytest.mark.hf)
+        if item.nodeid.split("::", 1)[0] in CORE_SENSITIVE_FILES:
+            item.add_marker(pytest.mark.core_sensitive)
         if "megatron_lm_checkout" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.megatron_lm)
             item.add_marker(pytest.mark.slow)

@@ -29,7 +29,7 @@ def D():
 @pytest.fixture(scope="module")
 def tool_figures(D):
     """Every planned figure as the planner prints it now, computed once (the reach searches of
-    five models: about 36 s of CPU; tests/markers.py SLOW_FIXTURES)."""
+    five models: about 20 s of CPU; tests/markers.py SLOW_FIXTURES)."""
     return {name: fig.make() for name, fig in D.FIGURES.items() if not fig.measured}
 
 

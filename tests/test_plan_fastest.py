@@ -55,7 +55,7 @@ def test_json_keys_and_figures(capsys, tmp_path):
         "--metp-parallel-size 1", "")
     assert js["fastest"]["alst"]["flags"] is None
     assert js["fastest"]["alst"]["step_s"] > js["fastest"]["metp"]["step_s"]
-    assert js["search_s"] < 30
+    assert js["search_s"] > 0  # reported; a time is never asserted (a loaded CI machine)
     lines = [x for x in text.splitlines() if x.startswith("  fastest, launch: ")]
     assert len(lines) == 2 and all("scripts/pretrain_gpt.sh" in x for x in lines)
 

@@ -1,8 +1,8 @@
 """The ring timeout under Megatron-LM, read from its flags.
 
 Megatron-LM gives every process group ``--distributed-timeout-minutes`` (default 30); METP's
-ring steps and the barriers :mod:`.last_seen` bounds wait at most that, or a shorter
-``--metp-ring-timeout`` / ``METP_RING_TIMEOUT_S``. The generic part (the one job timeout, naming
+ring steps, the barriers :mod:`.last_seen` bounds and every op started inside ``train_step``
+wait at most that, or a shorter ``--metp-ring-timeout`` / ``METP_RING_TIMEOUT_S``. The generic part (the one job timeout, naming
 the rank that stalled) is :mod:`megatron_metp.runtime.watchdog`; only this module knows
 Megatron-LM's flag.
 """

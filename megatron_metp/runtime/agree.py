@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 
 from . import overrides
-from .bounded_wait import group_text, wait_bounded, wait_error
+from .bounded_wait import group_text, transport_failure, wait_bounded, wait_error
 from .groups import METPGroup
 
 def _mode_from_env() -> str:
@@ -173,6 +173,8 @@ def all_gather_bounded(group: METPGroup, t: torch.Tensor, what: str, label: str)
     try:
         work = dist.all_gather(outs, t, group=g.group, async_op=True)
     except Exception as exc:  # noqa: BLE001 - posting failed: named as a failed wait is
+        if not transport_failure(exc):
+            raise  # this rank's own error surfacing here (bounded_wait): not the peer's
         raise wait_error(exc, message) from exc
     wait_bounded([work], g, cuda=t.is_cuda, message=message)
     return [o.cpu() for o in outs]

@@ -23,14 +23,13 @@ from typing import Iterable, Iterator, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .bounded_wait import RingError, RingPeerError, RingTimeoutError, group_text, wait_bounded
+from .bounded_wait import (RingError, RingPeerError, RingTimeoutError, group_text,
+                           transport_failure, wait_bounded)
 from .groups import METPGroup
 from .loop_sample import weight
 
 __all__ = ["PendingExchange", "RingError", "RingExchanger", "RingPeerError", "RingTimeoutError",
            "TravellingSum"]
-
-
 
 
 class PendingExchange:
@@ -98,6 +97,8 @@ class RingExchanger:
         try:
             works = dist.batch_isend_irecv(ops)
         except Exception as exc:  # noqa: BLE001
+            if not transport_failure(exc):
+                raise  # this rank's own error surfacing here (bounded_wait): not the peer's
             raise RingPeerError(f"METP ring {g.name!r}: posting step {step} of {self.what!r} to "
                                 f"peer {g.next_rank}/from peer {g.prev_rank} failed: {exc}") from exc
         g.stats.steps += weight()

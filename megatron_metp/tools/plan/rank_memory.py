@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Tuple
 
 from .activation_memory import Activations, activations
 from .hardware import HARDWARE
@@ -46,23 +46,32 @@ def memory(model: Model, job: Job, mode: str, seq: Optional[int] = None,
     holds (:func:`.partial.resolve_offload`); with ``--keep-attention-output`` and no count, as
     many layers keeping attention as the host and the device hold
     (:func:`.partial.resolve_keep`)."""
+    return stage_memories(model, job, mode, seq, (stage,))[0]
+
+
+def stage_memories(model: Model, job: Job, mode: str, seq: Optional[int] = None,
+                   stages: Tuple[str, ...] = ("first",)) -> List[Memory]:
+    """:func:`memory` of each of ``stages``, the offload and keep counts resolved once for all
+    of them (they are one number per job: the resolution looks at every stage itself)."""
     m = model if seq is None else model.with_seq(seq)
     lay = layout(mode, job)
     if mode == "alst":
         from .alst import alst_activations, alst_static
-        return Memory(mode, lay.describe(), m.seq, alst_static(m, job),
-                      alst_activations(m, job), job)
+        return [Memory(mode, lay.describe(), m.seq, alst_static(m, job),
+                       alst_activations(m, job), job) for _ in stages]
     job = resolve_keep(m, resolve_offload(m, job, mode), mode)
-    return Memory(mode, lay.describe(), m.seq, static_memory(m, job, mode, stage),
-                  activations(m, job, mode, stage=stage), job)
+    return [Memory(mode, lay.describe(), m.seq, static_memory(m, job, mode, stage),
+                   activations(m, job, mode, stage=stage), job) for stage in stages]
 
 
 def worst_total(model: Model, job: Job, mode: str, seq: Optional[int] = None) -> float:
     """The larger per-rank total of the first and the last pipeline stage."""
-    tot = memory(model, job, mode, seq).total
-    if job.pp > 1:
-        tot = max(tot, memory(model, job, mode, seq, "last").total)
-    return tot
+    return max(m.total for m in stage_memories(model, job, mode, seq, pipeline_ends(job)))
+
+
+def pipeline_ends(job: Job) -> Tuple[str, ...]:
+    """The stages whose memory can differ: the first, and the last when ``job.pp > 1``."""
+    return ("first", "last") if job.pp > 1 else ("first",)
 
 
 def head_memory(model: Model, job: Job, mode: str, seq: Optional[int] = None) -> Dict[str, float]:
@@ -117,8 +126,9 @@ def longest_seq(model: Model, job: Job, mode: str, capacity: Optional[float] = N
     cap = capacity_bytes(job) if capacity is None else capacity
     q = seq_step(job, mode)
     def fits(s):  # the device total per GPU, and the pinned host bytes per node (.host)
-        return worst_total(model, job, mode, s) <= cap and (
-            not job.offload or host_fits(job, memory(model, job, mode, s).act.host))
+        mems = stage_memories(model, job, mode, s, pipeline_ends(job))
+        return max(m.total for m in mems) <= cap and (
+            not job.offload or host_fits(job, mems[0].act.host))
     if not fits(q):
         return 0
     lo, hi = 1, 2

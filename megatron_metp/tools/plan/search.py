@@ -34,7 +34,7 @@ from .internode import GPUS_PER_NODE, internode_hop
 from .job_checks import validate
 from .model import GiB, Job, Model
 from .positions import FP32_EXACT_POSITIONS, REASON as POSITIONS_REASON, position_cap
-from .rank_memory import capacity_bytes, memory, seq_step
+from .rank_memory import capacity_bytes, pipeline_ends, seq_step, stage_memories
 
 #: host memory of one node by default: DGX H100 / H200 have 2 TB of system memory (NVIDIA DGX
 #: H100/H200 user guide, hardware overview) = 2·10¹² B = 1,862 GiB
@@ -131,23 +131,47 @@ def layouts(model: Model, gpus: int, family: str,
                                  f"{', '.join(FAMILIES)}")
 
 
+class _StageMemories:
+    """:func:`.rank_memory.memory` of each pipeline stage (the first; the last too when
+    ``job.pp > 1``) of one ``(model, job, mode)``, computed once per sequence length: the search
+    asks for a length's device total and its host bytes, and again for the length it keeps (a
+    cache only; the plan of a length does not change during a search)."""
+
+    def __init__(self, model: Model, job: Job, mode: str):
+        self.model, self.job, self.mode = model, job, mode
+        self._at: Dict[int, list] = {}
+
+    def __call__(self, s: int) -> list:
+        if s not in self._at:
+            self._at[s] = stage_memories(self.model, self.job, self.mode, s,
+                                         pipeline_ends(self.job))
+        return self._at[s]
+
+
+def _host_of(mems: list) -> float:
+    """The larger stage's offloaded activations and host optimizer state per rank, times
+    GPUS_PER_NODE ranks."""
+    worst = 0.0
+    for mem in mems:
+        worst = max(worst, mem.act.host + mem.static["optimizer_host"])
+    return GPUS_PER_NODE * worst
+
+
+def _total_of(mems: list) -> float:
+    """The larger per-rank device total of the stages."""
+    return max(mem.total for mem in mems)
+
+
 def node_host_bytes(model: Model, job: Job, mode: str, s: int) -> float:
     """Host bytes of one node at sequence ``s``: the larger stage's offloaded
     activations and host optimizer state per rank, times GPUS_PER_NODE ranks."""
-    worst = 0.0
-    for stage in (("first", "last") if job.pp > 1 else ("first",)):
-        mem = memory(model, job, mode, s, stage)
-        worst = max(worst, mem.act.host + mem.static["optimizer_host"])
-    return GPUS_PER_NODE * worst
+    return _host_of(_StageMemories(model, job, mode)(s))
 
 
 def rank_total(model: Model, job: Job, mode: str, s: int) -> float:
     """The planned per-rank device total (bytes) at sequence ``s``, the larger of the first and
     the last pipeline stage."""
-    tot = memory(model, job, mode, s).total
-    if job.pp > 1:
-        tot = max(tot, memory(model, job, mode, s, "last").total)
-    return tot
+    return _total_of(_StageMemories(model, job, mode)(s))
 
 
 #: the names tests/test_plan_cp.py calls them by
@@ -155,16 +179,17 @@ _host_per_node, _total = node_host_bytes, rank_total
 
 
 def longest(model: Model, job: Job, mode: str, host_gib: float = DEFAULT_HOST_GIB_PER_NODE,
-            limit: int = 1 << 28) -> int:
+            limit: int = 1 << 28, _mems: Optional[_StageMemories] = None) -> int:
     """Longest ``s`` (a multiple of the layout's step) whose per-rank total fits the device
-    and whose host bytes per node fit ``host_gib``; 0 if none."""
+    and whose host bytes per node fit ``host_gib``; 0 if none. (``_mems``: the plans already
+    made of this model, job and mode, :class:`_StageMemories`.)"""
     cap, host_cap = capacity_bytes(job), host_gib * GiB
     q = seq_step(job, mode)
+    mems = _StageMemories(model, job, mode) if _mems is None else _mems
 
     def fits(k: int) -> bool:
-        s = k * q
-        return rank_total(model, job, mode, s) <= cap and \
-            node_host_bytes(model, job, mode, s) <= host_cap
+        at = mems(k * q)
+        return _total_of(at) <= cap and _host_of(at) <= host_cap
 
     if not fits(1):
         return 0
@@ -217,16 +242,18 @@ def candidates(model: Model, gpus: int, family: str, hardware: str = "H100-80GB"
                     continue  # not a valid layout of this model (divisibility, layers, ...)
                 cand = Candidate(family, mode, job, name)
                 cap = position_cap(mode, job)
-                cand.seq = longest(model, job, mode, host_gib, min(limit, cap or limit))
+                mems = _StageMemories(model, job, mode)
+                cand.seq = longest(model, job, mode, host_gib, min(limit, cap or limit), mems)
                 # capped: the next step past 2^24 would fit the memory, not the positions
                 cand.capped = bool(cap and cap < limit and cand.seq + q > cap and
-                                   longest(model, job, mode, host_gib, cand.seq + q) > cand.seq)
+                                   longest(model, job, mode, host_gib, cand.seq + q,
+                                           mems) > cand.seq)
                 if cand.seq:
-                    cand.total = rank_total(model, job, mode, cand.seq)
-                    cand.host_per_node = node_host_bytes(model, job, mode, cand.seq)
+                    at = mems(cand.seq)
+                    cand.total = _total_of(at)
+                    cand.host_per_node = _host_of(at)
                     cand.internode = internode_hop(model, job, mode, cand.seq)
-                    cand.offload_layers = None if mode == "alst" else \
-                        memory(model, job, mode, cand.seq).job.offload_layers
+                    cand.offload_layers = None if mode == "alst" else at[0].job.offload_layers
                 out.append(cand)
     out.sort(key=lambda c: (-c.seq, c.options, c.total))
     return out
