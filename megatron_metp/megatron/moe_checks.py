@@ -16,10 +16,10 @@ One table of checks serves both megatron-core builders (a ``TransformerConfig``)
 ``args`` (:func:`moe_args_problems`): each entry names the command-line flag and the alternative.
 
 EP wider than p (a multiple of p, :mod:`.wide_ep`) runs with the megatron-core builders and
-through Megatron-LM (``wire_wide_expert_parallel``). Not supported yet, refused (see ``docs/moe.md``): expert tensor
-parallelism > 1, TP > 1 with experts, EP not a multiple of p, the ``flex`` dispatcher / DeepEP, shared experts,
-MoE latent projections, EP communication overlap, CUDA graphs, upcycling; on CPU, grouped GEMM and
-the fused permute / router kernels (GPU only).
+through Megatron-LM (``wire_wide_expert_parallel``). Not supported yet, refused (see
+``docs/moe.md``): expert tensor parallelism > 1, TP > 1 with experts, EP not a multiple of p, the
+``flex`` dispatcher / DeepEP, shared experts, MoE latent projections, EP communication overlap,
+CUDA graphs, upcycling; on CPU, grouped GEMM and the fused permute / router kernels (GPU only).
 """
 
 from __future__ import annotations
@@ -42,16 +42,16 @@ def _on_cpu() -> bool:
 
 
 def moe_problems(get: Callable, metp_parallel_size: int, *, on_cpu: Optional[bool] = None,
-                 ep_unset_ok: bool = False, wide_ep: bool = True) -> List[str]:
+                 ep_unset_ok: bool = False) -> List[str]:
     """Every MoE setting METP of size ``p = metp_parallel_size`` cannot run, each naming the flag
     and the alternative; ``[]`` without experts.
 
     ``get(name, default)`` reads a setting by its ``TransformerConfig`` name (``num_moe_experts``,
     ``expert_model_parallel_size``, ...). ``ep_unset_ok``: an ``expert_model_parallel_size`` of 1
     is accepted (Megatron-LM's ``args`` before the hooks set it to ``p``); otherwise it must be
-    ``p`` or, with ``wide_ep``, a multiple of ``p`` dividing the expert count (EP wider than the
-    METP group, :mod:`.wide_ep`; the world-size arithmetic is
-    :func:`.parallel.expert_parallel_problems`'s). ``on_cpu`` (default: no CUDA device) refuses the GPU-only kernels."""
+    ``p`` or a multiple of ``p`` dividing the expert count (EP wider than the METP group,
+    :mod:`.wide_ep`; the world-size arithmetic is :func:`.parallel.expert_parallel_problems`'s).
+    ``on_cpu`` (default: no CUDA device) refuses the GPU-only kernels."""
     E = get("num_moe_experts", None)
     if not E:
         return []
@@ -60,11 +60,7 @@ def moe_problems(get: Callable, metp_parallel_size: int, *, on_cpu: Optional[boo
     out = []
     ep = get("expert_model_parallel_size", 1) or 1
     wide = ep > p and not ep % p
-    if wide and not wide_ep:
-        out.append(f"expert_model_parallel_size {ep} (--expert-model-parallel-size) wider than "
-                   f"--metp-parallel-size {p} runs with the megatron-core builders (megatron_metp.megatron.wide_ep) but "
-                   f"not through Megatron-LM yet; use {p} (or leave it at 1)")
-    elif wide and E % ep:
+    if wide and E % ep:
         out.append(f"--num-experts {E} is not divisible by --expert-model-parallel-size {ep}; "
                    f"choose a multiple of {ep}")
     elif ep != p and not wide and not (ep_unset_ok and ep == 1):
@@ -72,8 +68,8 @@ def moe_problems(get: Callable, metp_parallel_size: int, *, on_cpu: Optional[boo
                    f"--metp-parallel-size {p}: METP shards the experts over its own group, so "
                    f"TransformerConfig.expert_model_parallel_size must be {p} or a multiple of "
                    f"it (left at 1, expert gradients are reduced over DP×CP and come out "
-                   f"wrong); set it to {p}" + (f" or {2 * p}, {3 * p}, ... (EP wider than the "
-                                               f"METP group, docs/moe.md)" if wide_ep else ""))
+                   f"wrong); set it to {p} or {2 * p}, {3 * p}, ... (EP wider than the METP "
+                   f"group, docs/moe.md)")
     if E % p:
         out.append(f"--num-experts {E} is not divisible by --metp-parallel-size {p} (the "
                    f"experts are sharded over the METP group); choose a multiple of {p}")
@@ -119,11 +115,10 @@ def moe_problems(get: Callable, metp_parallel_size: int, *, on_cpu: Optional[boo
     return out
 
 
-def check_moe_config(config, metp_parallel_size: int, *, on_cpu: Optional[bool] = None,
-                     wide_ep: bool = True) -> None:
+def check_moe_config(config, metp_parallel_size: int, *, on_cpu: Optional[bool] = None) -> None:
     """Raise ``ValueError`` listing :func:`moe_problems` of a ``TransformerConfig``."""
     problems = moe_problems(lambda name, default: getattr(config, name, default),
-                            metp_parallel_size, on_cpu=on_cpu, wide_ep=wide_ep)
+                            metp_parallel_size, on_cpu=on_cpu)
     if problems:
         raise ValueError("--metp-parallel-size with MoE does not support: " + "; ".join(problems))
 
