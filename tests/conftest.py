@@ -44,6 +44,7 @@ CORE_SENSITIVE_FILES = (
     "tests/test_model_variants.py", "tests/test_attention_sinks.py",
     "tests/test_keep_attention.py", "tests/test_layer_keep.py", "tests/test_selective_op.py",
     "tests/test_mla_megatron.py",
+    "tests/test_moe_ep_wide.py",
 )
 
 

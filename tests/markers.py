@@ -24,6 +24,11 @@ fails the collection (a renamed test must not lose its mark silently).
 
 #: node id -> why the core_v0.19.0 leg need not run it again (the .venv leg runs it)
 RELEASE_INDEPENDENT = {
+    "tests/test_moe_ep_wide_megatron_lm.py::test_stock_ep_twin_continues_from_the_wide_ep_"
+    "checkpoint":
+        "a stock twin's load of the wide-EP checkpoint (stock's own keys and shapes, checked on "
+        "both releases by test_ep_2p_and_its_stock_twin_print_the_same_losses_and_checkpoints); "
+        "the load across layouts is release-checked for EP = p by tests/test_moe_megatron_lm.py",
     "tests/test_scripts.py::test_dry_run_end_to_end[tiny-cpu-tp2.sh-":
         "stock TP through the same dry-run path as the METP id (which runs on both releases)",
     "tests/test_scripts.py::test_dry_run_plan_and_measure_agree":
@@ -55,6 +60,12 @@ RELEASE_INDEPENDENT = {
 #: over 5 s that use no Megatron-LM checkout
 SLOW = {
     "tests/test_mla_megatron.py::test_stock_resumes_a_metp_mla_checkpoint": 7.7,
+    "tests/test_moe_ep_wide.py::test_three_adam_steps_distributed_optimizer_ep4_match_single_"
+    "rank_stock": 8.8,
+    "tests/test_moe_ep_wide.py::test_negative_control_metp_shards_without_their_replica_sum": 5.8,
+    "tests/test_moe_ep_wide.py::test_checkpoint_in_stocks_expert_layout_resumes_in_other_"
+    "layouts": 12.0,
+    "tests/test_moe_ep_wide_plan.py::test_measure_of_ep4_over_metp2_x_cp2_matches_the_plan": 15.2,
     "tests/test_keep_attention.py::test_kept_attention_in_compositions": 7.3,
     "tests/test_leak_guard.py::test_a_test_that_leaves_a_variable_set_errors_and_the_next_one_"
     "passes": 8.1,

@@ -22,7 +22,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PATCHES = {tag: os.path.join(REPO, "patches", tag, "0001-metp.patch")
            for tag in ("core_v0.16.1", "core_v0.19.0")}
 PATCHED_FILES = {"pretrain_gpt.py", "megatron/training/arguments.py",
-                 "megatron/training/initialize.py"}
+                 "megatron/training/initialize.py", "megatron/training/training.py"}
 
 
 # ------------------------------------------------------------------------------ flags
@@ -407,7 +407,8 @@ def test_patch_parses_and_touches_only_the_intended_files(tag):
         assert sum(1 for ln in h.lines if ln[0] != "+") == h.old_len, h
         assert sum(1 for ln in h.lines if ln[0] != "-") == h.new_len, h
     added = sum(1 for h in hunks for ln in h.lines if ln[0] == "+")
-    assert added <= 16, f"the patch should stay tiny, it adds {added} lines"
+    # 18: two lines in training.py hand the DDP-wrapped chunks to wire_wide_expert_parallel
+    assert added <= 18, f"the patch should stay tiny, it adds {added} lines"
 
 
 _CALL = re.compile(r"([A-Za-z_][\w.]*)\s*\(")

@@ -181,27 +181,31 @@ def test_plan_matches_the_measured_moe_model(key, measured):
     assert 2 * wrong.total != res["params"] and wrong.total != res["params"] // 2
 
 
-#: the Qwen3-30B-A3B 1M config shrunk through the environment (which wins over its defaults):
-#: 2 layers, hidden 256, 8 heads of 64 with 4 K/V groups, 4 experts of 128, top-2, 8K tokens;
-#: METP 4 × CP 2, the vocabulary ring, full recompute, host offload and MoE token tiles kept
+#: the Qwen3-30B-A3B 1M configs shrunk through the environment (which wins over its defaults):
+#: 2 layers, hidden 256, 8 heads of 64 with 4 K/V groups, 8 experts of 128 (EP 8: one per
+#: rank), top-2, 8K tokens; METP 4 × CP 2, the vocabulary ring, full recompute, host offload and
+#: MoE token tiles kept
 SMALL_QWEN3_MOE = dict(NUM_LAYERS="2", HIDDEN_SIZE="256", FFN_HIDDEN_SIZE="512",
                        NUM_ATTENTION_HEADS="8", NUM_QUERY_GROUPS="4", KV_CHANNELS="64",
-                       NUM_EXPERTS="4", MOE_FFN_HIDDEN_SIZE="128", MOE_ROUTER_TOPK="2",
+                       NUM_EXPERTS="8", MOE_FFN_HIDDEN_SIZE="128", MOE_ROUTER_TOPK="2",
                        VOCAB_SIZE="4095", SEQ_LENGTH="8192", PRECISION="bf16",
                        METP_MOE_TOKEN_TILES="2")
 
 
 def test_qwen3_moe_config_dry_run_plan_and_measure_agree(patched_megatron_lm, monkeypatch):
-    """configs/qwen3-30b-a3b-1m-metp4-cp2.sh (shrunk): Megatron-LM's dry run (its parser,
-    validate_args and the METP MoE model provider) and metp measure within 3 %, metp plan too."""
+    """configs/qwen3-30b-a3b-1m-metp4-cp2-ep8.sh (shrunk; the EP 4 config's layout with the
+    experts over both METP rings, EP 8): Megatron-LM's dry run (its parser, validate_args, the
+    METP MoE model provider, parallel_state with EP 8) and metp measure within 3 %, metp plan
+    too."""
     from megatron_metp.tools import agreement as A
 
     for k, v in SMALL_QWEN3_MOE.items():
         monkeypatch.setenv(k, v)
-    row = A.compare(os.path.join(REPO, "configs", "qwen3-30b-a3b-1m-metp4-cp2.sh"),
+    row = A.compare(os.path.join(REPO, "configs", "qwen3-30b-a3b-1m-metp4-cp2-ep8.sh"),
                     patched_megatron_lm)
     print(A.table([row]))
     assert row["mode"] == "metp"
+    assert (row["world"]["ep"], row["world"]["expert_dp"]) == (8, 1), row["world"]  # wide EP
     assert abs(row["measure_vs_dry_run"]) <= 0.03, row
     assert abs(row["plan_vs_dry_run"]) <= 0.03, row
 

@@ -40,11 +40,16 @@ class METPGroups:
     """``tp``: Megatron's TP group; ``metp``: the METP ring (with ``metp.context``, the CP group
     of ``p·c`` ranks, under METP × CP); ``dp``: the group over which METP-sharded weights are
     replicated (pure data parallel; × the ``c`` outer CP replicas under METP × CP: Megatron's
-    expert data-parallel group)."""
+    expert data-parallel group when EP = p, the METP-DP group of :mod:`.wide_ep` when EP is
+    wider); ``ep_replicas``: with EP = p·e wider than the METP group, the ``e`` ranks of this
+    rank's expert-model-parallel group that hold the same METP shards (their gradients are summed
+    over it before Megatron's DDP reduces them over expert-DP, :mod:`.wide_ep`); ``None`` when
+    EP = p."""
 
     tp: Optional[dist.ProcessGroup]
     metp: METPGroup
     dp: Optional[dist.ProcessGroup] = None
+    ep_replicas: Optional[dist.ProcessGroup] = None
 
     @property
     def tp_size(self) -> int:
@@ -83,8 +88,21 @@ class METPGroups:
                                             name=_name(ps), timeout_s=timeout_s)
         metp.with_kv_group(kv_ring_group(ps, metp, timeout_s))
         return cls(tp=ps.get_tensor_model_parallel_group(), metp=metp,
-                   dp=ps.get_data_parallel_group(with_context_parallel=False))
+                   dp=ps.get_data_parallel_group(with_context_parallel=False))._wide_ep(
+                       ps, timeout_s)
 
+    def _wide_ep(self, ps, timeout_s) -> "METPGroups":
+        """These groups with :attr:`dp` the METP-DP group and :attr:`ep_replicas` when
+        Megatron's expert-model-parallel group is wider than the METP group (:mod:`.wide_ep`,
+        :func:`.ring_groups.wide_ep_groups`); unchanged otherwise."""
+        if self.metp.size == 1:
+            return self
+        from .ring_groups import wide_ep_groups
+
+        metp_dp, replicas = wide_ep_groups(ps, self.metp.ranks, timeout_s)
+        if replicas is not None:
+            self.dp, self.ep_replicas = metp_dp, replicas
+        return self
 
     @classmethod
     def _with_context(cls, ps, timeout_s, c: int) -> "METPGroups":
@@ -98,22 +116,24 @@ class METPGroups:
         p = pc // c
         if p > 1:
             ep = ps.get_expert_model_parallel_group()
-            if dist.get_world_size(ep) != p:
+            if dist.get_world_size(ep) % p:
                 raise ValueError(f"METP × CP: Megatron's expert-model-parallel group has "
-                                 f"{dist.get_world_size(ep)} ranks, not the METP size {p}; "
-                                 f"initialise with expert_model_parallel_size = METP "
+                                 f"{dist.get_world_size(ep)} ranks, not a multiple of the METP "
+                                 f"size {p}; initialise with expert_model_parallel_size = METP "
+                                 f"or a multiple of it "
                                  f"(megatron_metp.megatron.parallel.initialize_model_parallel)")
-            from .ring_groups import metp_ring_group
+            from .ring_groups import metp_group_ranks, metp_ring_group
 
             # the METP ring's own communicator, not Megatron's expert group (MoE dispatches there)
-            ring = metp_ring_group(tuple(dist.get_process_group_ranks(ep)), timeout_s)
+            ring = metp_ring_group(metp_group_ranks(p), timeout_s)
         else:
             ring = None
         metp = METPGroup.from_process_group(ring, name=_name(ps), timeout_s=timeout_s)
         attach_context_group(metp, cp, name=f"{_name(ps)}/cp")
         dp = ps.get_expert_data_parallel_group() if p > 1 else \
             ps.get_data_parallel_group(with_context_parallel=True)
-        return cls(tp=ps.get_tensor_model_parallel_group(), metp=metp, dp=dp)
+        return cls(tp=ps.get_tensor_model_parallel_group(), metp=metp, dp=dp)._wide_ep(
+            ps, timeout_s)
 
 
 def kv_ring_group(ps, metp: METPGroup, timeout_s: Optional[float] = None):
@@ -136,8 +156,11 @@ def kv_ring_group(ps, metp: METPGroup, timeout_s: Optional[float] = None):
         ranks = tuple(dist.get_process_group_ranks(ep))
     except Exception:  # noqa: BLE001 - not a usable group on this rank
         return None
-    if ranks != metp.ranks:
+    wide = len(ranks) > metp.size and not len(ranks) % metp.size and \
+        set(metp.ranks) <= set(ranks)  # EP = p·e wider than the METP group (:mod:`.wide_ep`)
+    if ranks != metp.ranks and not wide:
         return None
+    ranks = metp.ranks
     from .ring_groups import metp_ring_group
 
     return metp_ring_group(ranks, timeout_s)

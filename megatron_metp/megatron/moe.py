@@ -32,14 +32,16 @@ __all__ = ["moe_config_fields", "fold_expert_parallel_into_config",
 
 def moe_config_fields(*, num_experts: Optional[int], topk: int = 2,
                       ffn_hidden_size: Optional[int] = None, layer_freq=1,
-                      metp_parallel_size: int = 1) -> dict:
+                      metp_parallel_size: int = 1,
+                      expert_model_parallel_size: Optional[int] = None) -> dict:
     """The ``TransformerConfig`` fields of a MoE model run with METP of size ``p``:
     ``num_moe_experts``, ``moe_router_topk``, ``moe_ffn_hidden_size``, ``moe_layer_freq`` and
-    ``expert_model_parallel_size = p`` (empty without experts)."""
+    ``expert_model_parallel_size``: ``p``, or ``expert_model_parallel_size`` when given (a
+    multiple of ``p``: EP wider than the METP group, :mod:`.wide_ep`); empty without experts."""
     if not num_experts:
         return {}
     out = {"num_moe_experts": num_experts, "moe_router_topk": topk, "moe_layer_freq": layer_freq,
-           "expert_model_parallel_size": metp_parallel_size}
+           "expert_model_parallel_size": expert_model_parallel_size or metp_parallel_size}
     if ffn_hidden_size is not None:
         out["moe_ffn_hidden_size"] = ffn_hidden_size
     return out
@@ -48,8 +50,9 @@ def moe_config_fields(*, num_experts: Optional[int], topk: int = 2,
 def fold_expert_parallel_into_config(config, metp_parallel_size: int):
     """Give a MoE ``TransformerConfig`` built from Megatron-LM's ``args`` (which keep
     ``--expert-model-parallel-size`` 1: the hooks fold EP = p into ``parallel_state`` only) its
-    ``expert_model_parallel_size = p``, then refuse what :mod:`.moe_checks` lists (an EP other
-    than 1 or p included). Returns ``config`` (changed in place); a config without experts is
+    ``expert_model_parallel_size = p`` (a multiple of p given with ``--expert-model-parallel-size``
+    stays: EP wider than the METP group, :mod:`.wide_ep`), then refuse what :mod:`.moe_checks`
+    lists (an EP not a multiple of p included). Returns ``config`` (changed in place); a config without experts is
     returned as it is."""
     from .moe_checks import check_moe_config
 

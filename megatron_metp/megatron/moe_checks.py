@@ -15,11 +15,11 @@ error). :func:`moe_problems` refuses it.
 One table of checks serves both megatron-core builders (a ``TransformerConfig``) and Megatron-LM's
 ``args`` (:func:`moe_args_problems`): each entry names the command-line flag and the alternative.
 
-Not supported yet, refused (see ``docs/moe.md``): expert tensor parallelism > 1, TP > 1 with
-experts, EP ≠ p (EP wider than p needs a third gradient class in Megatron's DDP: METP-sharded
-weights over METP-DP, experts over expert-DP), the ``flex`` dispatcher / DeepEP, shared experts,
-MoE latent projections, EP communication overlap, CUDA graphs, upcycling; on CPU, grouped GEMM and
-the fused permute / router kernels (GPU only).
+EP wider than p (a multiple of p, :mod:`.wide_ep`) runs with the megatron-core builders and
+through Megatron-LM (``wire_wide_expert_parallel``). Not supported yet, refused (see
+``docs/moe.md``): expert tensor parallelism > 1, TP > 1 with experts, EP not a multiple of p, the
+``flex`` dispatcher / DeepEP, shared experts, MoE latent projections, EP communication overlap,
+CUDA graphs, upcycling; on CPU, grouped GEMM and the fused permute / router kernels (GPU only).
 """
 
 from __future__ import annotations
@@ -49,7 +49,9 @@ def moe_problems(get: Callable, metp_parallel_size: int, *, on_cpu: Optional[boo
     ``get(name, default)`` reads a setting by its ``TransformerConfig`` name (``num_moe_experts``,
     ``expert_model_parallel_size``, ...). ``ep_unset_ok``: an ``expert_model_parallel_size`` of 1
     is accepted (Megatron-LM's ``args`` before the hooks set it to ``p``); otherwise it must be
-    ``p``. ``on_cpu`` (default: no CUDA device) refuses the GPU-only kernels."""
+    ``p`` or a multiple of ``p`` dividing the expert count (EP wider than the METP group,
+    :mod:`.wide_ep`; the world-size arithmetic is :func:`.parallel.expert_parallel_problems`'s).
+    ``on_cpu`` (default: no CUDA device) refuses the GPU-only kernels."""
     E = get("num_moe_experts", None)
     if not E:
         return []
@@ -57,12 +59,17 @@ def moe_problems(get: Callable, metp_parallel_size: int, *, on_cpu: Optional[boo
     cpu = _on_cpu() if on_cpu is None else on_cpu
     out = []
     ep = get("expert_model_parallel_size", 1) or 1
-    if ep != p and not (ep_unset_ok and ep == 1):
+    wide = ep > p and not ep % p
+    if wide and E % ep:
+        out.append(f"--num-experts {E} is not divisible by --expert-model-parallel-size {ep}; "
+                   f"choose a multiple of {ep}")
+    elif ep != p and not wide and not (ep_unset_ok and ep == 1):
         out.append(f"expert_model_parallel_size {ep} (--expert-model-parallel-size) with "
                    f"--metp-parallel-size {p}: METP shards the experts over its own group, so "
-                   f"TransformerConfig.expert_model_parallel_size must be {p} (left at 1, expert "
-                   f"gradients are reduced over DP×CP and come out wrong); set it to {p}. EP "
-                   f"wider than the METP group is not supported yet (docs/moe.md)")
+                   f"TransformerConfig.expert_model_parallel_size must be {p} or a multiple of "
+                   f"it (left at 1, expert gradients are reduced over DP×CP and come out "
+                   f"wrong); set it to {p} or {2 * p}, {3 * p}, ... (EP wider than the METP "
+                   f"group, docs/moe.md)")
     if E % p:
         out.append(f"--num-experts {E} is not divisible by --metp-parallel-size {p} (the "
                    f"experts are sharded over the METP group); choose a multiple of {p}")

@@ -40,7 +40,8 @@ def validate_metp_config(*, world_size: int, tensor_model_parallel_size: int = 1
                          pipeline_model_parallel_size: int = 1, metp_parallel_size: int = 1,
                          context_parallel_size: int = 1, seq_length: Optional[int] = None,
                          num_experts: Optional[int] = None,
-                         sequence_parallel: bool = False) -> int:
+                         sequence_parallel: bool = False,
+                         expert_model_parallel_size: int = 1) -> int:
     """Check a METP configuration before any rank starts work; return the DP size.
 
     Raises ``ValueError`` naming the flag and the fix (the first of
@@ -50,7 +51,8 @@ def validate_metp_config(*, world_size: int, tensor_model_parallel_size: int = 1
         world_size=world_size, tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         metp_parallel_size=metp_parallel_size, context_parallel_size=context_parallel_size,
-        seq_length=seq_length, num_experts=num_experts, sequence_parallel=sequence_parallel)
+        seq_length=seq_length, num_experts=num_experts, sequence_parallel=sequence_parallel,
+        expert_model_parallel_size=expert_model_parallel_size)
     if problems:
         raise ValueError(problems[0])
     return world_size // (tensor_model_parallel_size * metp_parallel_size *
@@ -61,10 +63,13 @@ def metp_config_problems(*, world_size: int, tensor_model_parallel_size: int = 1
                          pipeline_model_parallel_size: int = 1, metp_parallel_size: int = 1,
                          context_parallel_size: int = 1, seq_length: Optional[int] = None,
                          num_experts: Optional[int] = None,
-                         sequence_parallel: bool = False) -> List[str]:
+                         sequence_parallel: bool = False,
+                         expert_model_parallel_size: int = 1) -> List[str]:
     """Every problem of a METP layout (world = TP × METP × CP × PP × DP), each naming the flag
     and the fix; empty when it can run. A size below 1 is reported alone (the rest of the
-    arithmetic would be meaningless)."""
+    arithmetic would be meaningless). ``expert_model_parallel_size`` (with ``num_experts``): 1
+    (folded to p), p, or a multiple of p that divides the ranks of a pipeline stage and the
+    expert count (:func:`expert_parallel_problems`)."""
     t, pp, p = tensor_model_parallel_size, pipeline_model_parallel_size, metp_parallel_size
     sizes = [f"{flag} must be >= 1, got {v}" for flag, v in (
         ("--tensor-model-parallel-size", t), ("--pipeline-model-parallel-size", pp),
@@ -80,6 +85,11 @@ def metp_config_problems(*, world_size: int, tensor_model_parallel_size: int = 1
     if p > 1 and sequence_parallel:
         out.append("--sequence-parallel cannot be combined with --metp-parallel-size > 1: "
                    "METP already shards the sequence; drop --sequence-parallel")
+    if p > 1 and num_experts:
+        out += expert_parallel_problems(world_size=world_size, tensor_model_parallel_size=t,
+                                        pipeline_model_parallel_size=pp, metp_parallel_size=p,
+                                        num_experts=num_experts,
+                                        expert_model_parallel_size=expert_model_parallel_size)
     model = t * p * c * pp
     if world_size % model:
         out.append(f"world size {world_size} is not divisible by TP×METP×CP×PP = "
@@ -93,6 +103,43 @@ def metp_config_problems(*, world_size: int, tensor_model_parallel_size: int = 1
                    f"{'2·p' if c == 1 else '2·p·c'} balanced chunks); pad or change "
                    f"--seq-length")
     return out
+
+
+def valid_expert_parallel_sizes(*, world_size: int, metp_parallel_size: int, num_experts: int,
+                                tensor_model_parallel_size: int = 1,
+                                pipeline_model_parallel_size: int = 1) -> List[int]:
+    """The ``--expert-model-parallel-size`` values METP ``p`` can run: ``p·e`` dividing the
+    ranks of a pipeline stage (``world / (TP·PP)``) and the expert count (:mod:`.wide_ep`)."""
+    p = metp_parallel_size
+    stage = world_size // max(1, tensor_model_parallel_size * pipeline_model_parallel_size)
+    return [m for m in range(p, stage + 1, p) if not stage % m and not num_experts % m]
+
+
+def expert_parallel_problems(*, world_size: int, metp_parallel_size: int, num_experts: int,
+                             expert_model_parallel_size: int = 1,
+                             tensor_model_parallel_size: int = 1,
+                             pipeline_model_parallel_size: int = 1) -> List[str]:
+    """``--expert-model-parallel-size`` with METP ``p``: 1 (the experts sharded over the METP
+    group, EP = p), else a multiple of p that divides ``world / (TP·PP)`` and ``--num-experts``
+    (EP = p·e over METP × CP or METP × DP, :mod:`.wide_ep`); the refusal names the valid
+    values."""
+    ep, p = expert_model_parallel_size or 1, metp_parallel_size
+    if ep in (1, p):
+        return []
+    valid = valid_expert_parallel_sizes(
+        world_size=world_size, metp_parallel_size=p, num_experts=num_experts,
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size)
+    stage = world_size // max(1, tensor_model_parallel_size * pipeline_model_parallel_size)
+    if ep % p == 0 and ep in valid:
+        return []
+    why = (f"not a multiple of --metp-parallel-size {p}" if ep % p else
+           f"does not divide the {stage} ranks of a pipeline stage" if stage % ep else
+           f"does not divide --num-experts {num_experts}")
+    return [f"--expert-model-parallel-size {ep} {why} (the expert-parallel group must be whole "
+            f"METP groups: p·e ranks over METP × CP or METP × DP); valid values with "
+            f"--metp-parallel-size {p}, {world_size} ranks and --num-experts {num_experts}: "
+            f"{', '.join(map(str, valid)) or 'none'} (docs/moe.md)"]
 
 
 def initialize_model_parallel(tensor_model_parallel_size: int = 1,
@@ -127,12 +174,12 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                          "torch.distributed.init_process_group)")
     cp = megatron_kwargs.pop("context_parallel_size", 1)
     ep = megatron_kwargs.pop("expert_model_parallel_size", 1)
-    if metp_parallel_size > 1 and ep not in (1, metp_parallel_size):
+    if metp_parallel_size > 1 and ep % metp_parallel_size and ep != 1:
         raise ValueError(f"expert_model_parallel_size {ep} (--expert-model-parallel-size) "
                          f"cannot be combined with --metp-parallel-size {metp_parallel_size}: "
                          f"METP folds the expert groups onto its own (MoE experts are sharded "
-                         f"over the METP group, EP = METP); leave it at 1 or "
-                         f"{metp_parallel_size}")
+                         f"over whole METP groups: EP = METP, or a multiple of it with "
+                         f"experts); leave it at 1 or give a multiple of {metp_parallel_size}")
     minutes = megatron_kwargs.pop("distributed_timeout_minutes", None)
     if minutes is None:
         timeout_s = job_timeout_s() if ring_timeout_s is None else float(ring_timeout_s)
@@ -148,7 +195,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                          tensor_model_parallel_size=tensor_model_parallel_size,
                          pipeline_model_parallel_size=pipeline_model_parallel_size,
                          metp_parallel_size=metp_parallel_size, context_parallel_size=cp,
-                         seq_length=seq_length, num_experts=num_experts)
+                         seq_length=seq_length, num_experts=num_experts,
+                         expert_model_parallel_size=ep)
     ps.initialize_model_parallel(tensor_model_parallel_size=tensor_model_parallel_size,
                                  pipeline_model_parallel_size=pipeline_model_parallel_size,
                                  context_parallel_size=cp * metp_parallel_size,
@@ -159,7 +207,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
     apply_to_process_groups(timeout_s)
     from .ring_groups import create_metp_ring_groups
 
-    create_metp_ring_groups(timeout_s)  # the METP rings' own communicators, on every rank
+    # the METP rings' own communicators, on every rank
+    create_metp_ring_groups(timeout_s, p=metp_parallel_size)
     groups = METPGroups.from_parallel_state(timeout_s=timeout_s, context_parallel_size=cp)
     if metp_parallel_size > 1:  # no METP ring may span two nodes (refused on every rank)
         from ..runtime.placement import check_metp_groups_on_one_node

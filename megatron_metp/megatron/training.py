@@ -103,6 +103,9 @@ class Layout:
     ``METP_ROPE_RECIPE=megatron``); stock TP always has Megatron's. ``init_like_tp``: METP's
     sharded weights re-drawn as stock TP of size TP × METP draws them when the config initialises
     on the device (``extra={"use_cpu_initialization": False}``; :func:`.init.initialize_like_tp`).
+    ``ep`` (MoE, mode ``"metp"``): the expert-model-parallel size, ``None`` for ``metp`` (the
+    experts sharded over the METP group), or a multiple of it (EP wider than the METP group, over
+    METP × CP or METP × DP: :mod:`.wide_ep`).
     """
 
     tp: int = 1
@@ -126,6 +129,7 @@ class Layout:
     packed_eod: Optional[int] = None
     rope_fp32_recipe: bool = False
     init_like_tp: bool = True
+    ep: Optional[int] = None
     extra: Dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -274,7 +278,8 @@ def transformer_config(size: GPTSize, layout: Layout):
     kwargs.update(moe_config_fields(  # stock keeps EP 1 unless layout.extra sets it
         num_experts=size.num_experts, topk=size.moe_router_topk,
         ffn_hidden_size=size.moe_ffn_hidden_size, layer_freq=size.moe_layer_freq,
-        metp_parallel_size=layout.metp if layout.mode == "metp" else 1))
+        metp_parallel_size=layout.metp if layout.mode == "metp" else 1,
+        expert_model_parallel_size=layout.ep if layout.mode == "metp" else None))
     layout.offload_layers(size.num_layers)  # refused here, before any model is built
     layout.check_keep_layers(size.num_layers)
     if layout.packed_eod is not None:
@@ -515,6 +520,7 @@ def setup(size: GPTSize, layout: Layout, *, seed: int = 1234) -> dict:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from . import cpu
+    from .wide_ep import sum_metp_shards_over_replicas
 
     groups = METPGroups.from_parallel_state(context_parallel_size=layout.cp)
     # Megatron moves a tied embedding's last-stage copy to CUDA while building (PP > 1)
@@ -524,6 +530,8 @@ def setup(size: GPTSize, layout: Layout, *, seed: int = 1234) -> dict:
     ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                             use_distributed_optimizer=layout.distributed_optimizer)
     ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=model)
+    # EP wider than the METP group: METP-sharded gradients summed over their replicas first
+    sum_metp_shards_over_replicas(ddp, groups.ep_replicas)
     model.config.finalize_model_grads_func = finalize_model_grads
     model.config.no_sync_func = ddp.no_sync
     opt_cfg = OptimizerConfig(optimizer="adam", lr=layout.lr, weight_decay=0.0, clip_grad=1.0,
@@ -586,6 +594,7 @@ def init_parallel(layout: Layout, seq_length: Optional[int] = None, *,
     if layout.mode == "metp":
         groups = initialize_model_parallel(layout.tp, layout.pp, layout.metp, seq_length=seq_length,
                                            context_parallel_size=layout.cp,
+                                           expert_model_parallel_size=layout.ep or 1,
                                            create_gloo_process_groups=False,
                                            ring_timeout_s=timeout_s)
     else:

@@ -11,7 +11,7 @@ may call them. Importing this package imports neither ``megatron.training`` nor 
 """
 
 from .ckpt_manifest import publish_checkpoint_manifest
-from .build import wrap_gpt_builder
+from .build import wire_wide_expert_parallel, wrap_gpt_builder
 from .flags import add_metp_args, compose_extra_args_providers
 from .parallel_state import install_stall_watch, metp_expert_model_parallel_size
 from .releases import route_model_provider
@@ -19,4 +19,4 @@ from .validate import validate_metp_args
 
 __all__ = ["add_metp_args", "compose_extra_args_providers", "install_stall_watch",
            "metp_expert_model_parallel_size", "validate_metp_args", "wrap_gpt_builder",
-           "route_model_provider", "publish_checkpoint_manifest"]
+           "route_model_provider", "publish_checkpoint_manifest", "wire_wide_expert_parallel"]

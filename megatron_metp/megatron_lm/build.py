@@ -93,3 +93,30 @@ def build_metp_gpt_model(args, pre_process, post_process, vp_stage=None, config=
         fp16_lm_cross_entropy=args.fp16_lm_cross_entropy, parallel_output=True,
         rotary_percent=args.rotary_percent, rotary_base=args.rotary_base,
         rope_scaling=args.use_rope_scaling, pg_collection=pg_collection)
+
+
+def wire_wide_expert_parallel(model) -> int:
+    """Called by the patched ``setup_model_and_optimizer`` right after Megatron-LM wraps the
+    model chunks (``model``: their list) in DDP, before the optimizer is built: with
+    ``--expert-model-parallel-size`` wider than ``--metp-parallel-size``, each chunk's DDP sums
+    its METP-sharded gradients over their replicas before it reduces the expert buffers over
+    expert-DP, and marks them for the grad norm
+    (:func:`megatron_metp.megatron.wide_ep.sum_metp_shards_over_replicas`). Nothing otherwise
+    (METP off, a dense model, EP = p, or chunks not wrapped: ``--skip-train``). Returns how many
+    parameters it covers."""
+    from megatron.training import get_args
+
+    from ..megatron.groups import METPGroups
+    from ..megatron.wide_ep import sum_metp_shards_over_replicas
+
+    args = get_args()
+    p = getattr(args, "metp_parallel_size", 1) or 1
+    if not metp_enabled(args) or not getattr(args, "num_experts", None) or \
+            (getattr(args, "expert_model_parallel_size", 1) or 1) <= p:
+        return 0
+    groups = METPGroups.from_parallel_state(timeout_s=megatron_lm_timeout_s(args),
+                                            context_parallel_size=getattr(args, CP_OUTER, 1))
+    return sum(sum_metp_shards_over_replicas(chunk, groups.ep_replicas)
+               for chunk in (model if isinstance(model, list) else [model])
+               if hasattr(chunk, "expert_parallel_bucket_groups"))
+

@@ -75,9 +75,22 @@ def _moe_problems(args, p: int) -> List[str]:
     included; the GPU-only kernels are refused on CPU ranks by :mod:`.cpu`) and the Megatron-LM
     flags beyond it (:mod:`.moe_args`)."""
     from ..megatron.moe_checks import moe_args_problems
+    from ..megatron.parallel import expert_parallel_problems
     from .moe_args import release_moe_problems
 
-    return moe_args_problems(args, p, on_cpu=False) + release_moe_problems(args, p)
+    out = moe_args_problems(args, p, on_cpu=False) + release_moe_problems(args, p)
+    if getattr(args, "num_experts", None) and getattr(args, "world_size", None):
+        out += expert_parallel_problems(  # EP wider than METP: whole METP groups
+            world_size=args.world_size, metp_parallel_size=p, num_experts=args.num_experts,
+            expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1),
+            tensor_model_parallel_size=getattr(args, "tensor_model_parallel_size", 1) or 1,
+            pipeline_model_parallel_size=getattr(args, "pipeline_model_parallel_size", 1) or 1)
+    if (getattr(args, "expert_model_parallel_size", 1) or 1) > p and (
+            getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_torch_fsdp2", False)):
+        out.append("--use-megatron-fsdp / --use-torch-fsdp2 with --expert-model-parallel-size "
+                   "wider than --metp-parallel-size: EP wider than METP is wired into "
+                   "Megatron's DDP only; drop the FSDP flag")
+    return out
 
 
 def check_offload_layers_args(args) -> None:

@@ -102,9 +102,16 @@ def fold_expert_parallel(args, p: int) -> Optional[str]:
     """Set ``args.expert_model_parallel_size = p`` for a MoE job under METP ``p`` (so the
     ``TransformerConfig`` built from ``args`` shards the experts as ``parallel_state`` does);
     return the note to print, ``None`` when nothing changed (dense, or ``p`` 1). Idempotent.
-    ``--expert-model-parallel-size`` other than 1 or ``p`` is refused before this runs."""
+    A multiple of ``p`` given with ``--expert-model-parallel-size`` stays (EP wider than the
+    METP group); any other value than 1 is refused before this runs."""
     if p <= 1 or not moe_enabled(args):
         return None
+    ep = getattr(args, "expert_model_parallel_size", 1) or 1
+    if ep > p and not ep % p:  # EP wider than the METP group (megatron/wide_ep.py): kept
+        return (f"--num-experts {args.num_experts}: experts sharded over {ep // p} METP rings "
+                f"(--expert-model-parallel-size {ep}, {args.num_experts // ep} experts per "
+                f"rank), METP-sharded gradients summed over their {ep // p} replicas, expert "
+                f"tensor parallelism 1")
     args.expert_model_parallel_size = p
     return (f"--num-experts {args.num_experts}: experts sharded over each METP ring, "
             f"expert-model-parallel size {p} ({args.num_experts // p} experts per rank), "

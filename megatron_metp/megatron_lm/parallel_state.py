@@ -41,10 +41,11 @@ def metp_expert_model_parallel_size(args) -> int:
     ep = getattr(args, "expert_model_parallel_size", 1) or 1
     if not metp_enabled(args):
         return ep
-    if ep != 1 and not (getattr(args, "num_experts", None) and ep == args.metp_parallel_size):
+    p = args.metp_parallel_size
+    if ep != 1 and not (getattr(args, "num_experts", None) and ep % p == 0):
         raise ValueError(f"--expert-model-parallel-size {ep} cannot be combined with "
-                         f"--metp-parallel-size {args.metp_parallel_size}")
-    return args.metp_parallel_size
+                         f"--metp-parallel-size {p}")
+    return max(ep, p)  # p, or EP wider than the METP group (whole METP groups)
 
 
 _placement_checked = []
@@ -82,15 +83,23 @@ def check_metp_parallel_state(args) -> None:
     ranks = dist.get_process_group_ranks
     cp_ranks = ranks(ps.get_context_parallel_group())
     ep_ranks = ranks(ps.get_expert_model_parallel_group())
-    if ps.get_expert_model_parallel_world_size() != p or \
-            (ep_ranks != cp_ranks if c == 1 else any(r not in cp_ranks for r in ep_ranks)):
+    ep = max(getattr(args, "expert_model_parallel_size", 1) or 1, p)
+    if ep > p:  # EP wider than METP: whole METP groups (checked by megatron/wide_ep.py)
+        from ..megatron.ring_groups import metp_group_ranks
+
+        folded = ps.get_expert_model_parallel_world_size() == ep and \
+            set(metp_group_ranks(p)) <= set(ep_ranks)
+    else:
+        folded = ps.get_expert_model_parallel_world_size() == p and \
+            (ep_ranks == cp_ranks if c == 1 else all(r in cp_ranks for r in ep_ranks))
+    if not folded:
         raise RuntimeError(f"parallel_state's expert-model-parallel groups are not the METP "
                            f"rings (expert-model-parallel size "
                            f"{ps.get_expert_model_parallel_world_size()}, METP {p}): the "
                            f"initialize_model_parallel call does not fold them ({fix})")
     edp = ps.get_expert_data_parallel_group()
-    if (c == 1 and ranks(edp) != ranks(ps.get_data_parallel_group())) or \
-            dist.get_world_size(edp) != c * ps.get_data_parallel_world_size():
+    if (c == 1 and ep == p and ranks(edp) != ranks(ps.get_data_parallel_group())) or \
+            dist.get_world_size(edp) * ep != p * c * ps.get_data_parallel_world_size():
         raise RuntimeError("expert data-parallel groups differ from pure data-parallel groups "
                            "(x the outer context-parallel factor); METP-sharded gradients "
                            "would be reduced over the wrong ranks")

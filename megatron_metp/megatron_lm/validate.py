@@ -58,7 +58,8 @@ def validate_metp_args(args):
                    f"{p * cp} ranks, weights over the {p} of each METP ring)") if cp > 1 else ""
         print(f"> METP: --metp-parallel-size {p}{cp_note} runs on Megatron's context-parallel "
               f"dimension (context-parallel size {p * cp}); expert groups are folded onto the "
-              f"METP rings in parallel_state only", flush=True)
+              f"METP rings (whole METP rings with a wider --expert-model-parallel-size) in "
+              f"parallel_state", flush=True)
         if moe_note:
             print(f"> METP: {moe_note}", flush=True)
     _fold_vocab_padding(args, p)

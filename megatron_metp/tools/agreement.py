@@ -74,7 +74,8 @@ def compare(config: str, megatron_lm_dir: str, *, measure: bool = True,
            "plan_activations": mem.act.peak,
            # pinned host bytes per rank (offloaded activations, kept attention outputs)
            "dry_run_host": dry["bytes"].get("host", 0.0), "plan_host": mem.act.host,
-           "gpus_per_node": dry.get("gpus_per_node", 8)}
+           "gpus_per_node": dry.get("gpus_per_node", 8),
+           "world": dry.get("world", {})}  # the dry run's parallel state (tp, cp, dp, ep, ...)
     if measure:
         res = M.measure(model, job, mode, measure_layers=measure_layers)[0]
         if "error" in res:

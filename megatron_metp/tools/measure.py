@@ -85,8 +85,8 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
     lay = P.layout(mode, job)
     world = lay.t * lay.c * job.pp
     ep = P.moe.expert_parallel(job, lay) if model.moe else 1
-    if model.moe and mode != "metp" and ep > lay.t * lay.c:
-        world *= job.dp  # stock EP folded over DP ranks too
+    if model.moe and ep > lay.t * lay.c:
+        world *= job.dp  # stock EP folded over DP ranks too (METP: EP over METP × CP × DP)
     FR.fake_world(world)
 
     from megatron.core import parallel_state as ps
@@ -102,8 +102,10 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
     if model.moe and mode != "metp" and ep > 1:  # stock expert parallelism (parallel folding)
         groups = _init_stock_ep(lay, job, ep)
     else:
+        wide = mode == "metp" and model.moe and ep > lay.p  # EP wider than METP (wide_ep)
         groups = init_parallel(TrainingLayout(tp=lay.t, pp=job.pp, metp=lay.p, cp=lay.cp,
-                                              mode="metp" if mode == "metp" else "tp"),
+                                              mode="metp" if mode == "metp" else "tp",
+                                              ep=ep if wide else None),
                                seq_length=model.seq)
     torch.set_default_dtype(torch.bfloat16)
 

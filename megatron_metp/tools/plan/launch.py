@@ -216,7 +216,7 @@ def moe_flags(model: Model, job: Job, mode: str) -> List[str]:
     """A MoE model's ``pretrain_gpt.py`` flags (``scripts/pretrain_gpt.sh`` takes them in
     ``EXTRA_ARGS``, as the ``configs/*-moe.sh`` do): experts, top-k, expert FFN, MoE layer
     frequency, dispatcher; stock modes add ``--expert-model-parallel-size`` (METP sets EP = p
-    itself); then the rest of the model file's recipe (:func:`.recipe.recipe_flags`: the
+    itself; a wider EP, a multiple of p, is given); then the rest of the model file's recipe (:func:`.recipe.recipe_flags`: the
     load-balancing loss and its coefficient, ...), which the plan does not set itself."""
     if not model.moe:
         return []
@@ -227,7 +227,8 @@ def moe_flags(model: Model, job: Job, mode: str) -> List[str]:
     out += ["--moe-token-dispatcher-type", job.moe_dispatcher]
     if job.moe_grouped_gemm:
         out.append("--moe-grouped-gemm")
-    if canonical(mode, job)[0] != "metp" and (job.ep or 1) > 1:
+    if canonical(mode, job)[0] != "metp" and (job.ep or 1) > 1 or \
+            canonical(mode, job)[0] == "metp" and (job.ep or 1) > job.metp:  # wider than METP
         out += ["--expert-model-parallel-size", str(job.ep)]
     return merge_recipe(out, recipe_flags(model_file(model)))
 

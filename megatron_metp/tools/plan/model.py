@@ -139,8 +139,8 @@ class Job:
     #                                         None: the hardware's default, .rates)
     rates_file: Optional[str] = None  # --rates FILE: measured rates overriding the table
     # Mixture-of-Experts (:mod:`.moe`; dense models ignore them)
-    ep: int = 0                    # expert-parallel size of the stock modes (--ep; 0: 1); METP
-    #                                shards the experts over its group (EP = p; 0 or p)
+    ep: int = 0                    # expert-parallel size (--ep; stock modes 0: 1); METP: 0 = p
+    #                                (the experts over its group), or a multiple of p (wide EP)
     moe_dispatcher: str = "allgather"  # --moe-token-dispatcher-type allgather | alltoall
     moe_imbalance: float = 1.0     # routed rows of the busiest EP rank over the mean (n·k)
     moe_token_tiles: bool = True   # METP: the routed part over token tiles (stock: never)

@@ -6,7 +6,10 @@ alltoall token dispatcher) in place of the MLP, beside METP attention or the sto
 its gradient reduces over DP × CP like the norms') and ``E / EP`` experts of ``(k + 1)·f′·h``
 elements on each rank of the expert-parallel group (``k = 2`` with SwiGLU, ``f′`` the expert FFN,
 expert TP 1). Under METP the experts are sharded over the METP group (EP = p, Megatron's expert
-groups are the METP ranks) and their gradients reduce over expert-DP = CP × DP; stock Megatron
+groups are the METP ranks) and their gradients reduce over expert-DP = CP × DP; with ``--ep``
+``p·e`` (EP wider than the METP group) over ``e`` METP groups, expert-DP = CP·DP/e, and the
+METP-sharded weights, which ride in Megatron's expert buffers, shard their distributed-optimizer
+state over that expert-DP too (:func:`.parameters.params`); stock Megatron
 with parallel folding takes EP out of TP × CP × DP, expert-DP = TP·CP·DP / EP. Dense layers
 (``--moe-layer-freq N``: layers 0, N, 2N, ... are MoE, the others dense) keep the mode's MLP.
 
@@ -97,9 +100,11 @@ def expert_elements(model: Model) -> Tuple[int, int]:
 
 
 def expert_parallel(job: Job, lay) -> int:
-    """EP: the METP group (``p``) for mode ``metp``, ``job.ep`` (default 1) for stock modes."""
+    """EP: for mode ``metp`` the METP group (``p``) or ``job.ep`` when given (a multiple of
+    ``p``: EP wider than the METP group, over METP × CP × DP,
+    :mod:`megatron_metp.megatron.wide_ep`); ``job.ep`` (default 1) for stock modes."""
     if lay.mode in ("metp", "metp+vocab"):
-        return lay.p
+        return job.ep or lay.p
     return job.ep or 1
 
 
@@ -346,10 +351,13 @@ def check(model: Model, job: Job, mode: str, lay) -> None:
                          "experts run Megatron's MoELayer: drop --keep-intermediate")
     ep = expert_parallel(job, lay)
     if mode in ("metp", "metp+vocab"):
-        if job.ep not in (0, lay.p):
-            raise ValueError(f"--ep {job.ep}: METP shards the experts over its group (EP = "
-                             f"--metp = {lay.p}); drop --ep (EP wider than METP is not "
-                             f"supported yet)")
+        ranks = lay.c * job.dp  # METP × CP × DP: the ranks an EP group of whole METP groups spans
+        if not isinstance(job.ep, int) or job.ep < 0 or ep % lay.p or ranks % ep:
+            valid = [m for m in range(lay.p, ranks + 1, lay.p)
+                     if not ranks % m and not model.experts % m]
+            raise ValueError(f"--ep {job.ep}: METP shards the experts over whole METP groups: "
+                             f"EP a multiple of --metp {lay.p} dividing METP × CP × DP = "
+                             f"{ranks}; valid: {', '.join(map(str, valid))}")
         if lay.t > 1:
             raise ValueError(f"--tp {lay.t} with --num-experts: METP runs MoE with TP 1 "
                              f"(expert TP is not supported); use --tp 1")

@@ -72,6 +72,10 @@ def params(model: Model, job: Job, mode: str, stage: str = "first") -> Params:
         # METP-sharded weights reduce over CP × DP (expert-DP under the fold), replicated
         # ones over everything Megatron's DP × CP group holds (c = METP × CP ranks)
         dp_sh, dp_rep = job.dp * lay.cp, job.dp * lay.c
+        if model.moe and moe["ep"] > lay.p:
+            # EP wider than METP: the METP-sharded weights ride in Megatron's expert buffers,
+            # so the distributed optimizer shards them over expert-DP (megatron/wide_ep.py)
+            dp_sh = moe["expert_dp"]
     elif mode in ("tp", "tp-sp"):
         sharded = (L * attn + mlp_layers * mlp) // lay.t
         dp_sh = dp_rep = job.dp
