@@ -106,7 +106,12 @@ def read_checkpoint_tensors(path: str, keys: Optional[Iterable[str]] = None) -> 
 _MOE_KEYS = {
     "mlp.router.weight": "mlp.router.weight",
     "mlp.experts.experts.linear_fc1.weight": "mlp.experts.local_experts.{j}.linear_fc1.weight",
-    "mlp.experts.experts.linear_fc2.weight": "mlp.experts.local_experts.{j}.linear_fc2.weight"}
+    "mlp.experts.experts.linear_fc2.weight": "mlp.experts.local_experts.{j}.linear_fc2.weight",
+    # the shared expert (Qwen2-MoE, GLM-4.5), its gate (Qwen2-MoE), the router bias (GLM-4.5)
+    "mlp.shared_experts.linear_fc1.weight": "mlp.shared_experts.linear_fc1.weight",
+    "mlp.shared_experts.linear_fc2.weight": "mlp.shared_experts.linear_fc2.weight",
+    "mlp.shared_experts.gate_weight": "mlp.shared_experts.gate_weight",
+    "mlp.router.expert_bias": "mlp.router.expert_bias"}
 
 
 def checkpoint_tensor_keys(path: str) -> List[str]:

@@ -88,6 +88,18 @@ class LlamaGeometry:
     moe_layers: Optional[tuple] = None
     moe_router_pre_softmax: bool = False
     moe_aux_loss_coeff: float = 0.0
+    #: the shared expert (``qwen2_moe``: gated; ``glm4_moe``): its width, None without one
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    moe_shared_expert_gate: bool = False
+    #: the router (``glm4_moe``: sigmoid scores, expert bias, group-limited top-k, scaling)
+    moe_router_score_function: str = "softmax"
+    moe_router_enable_expert_bias: bool = False
+    moe_router_num_groups: Optional[int] = None
+    moe_router_group_topk: Optional[int] = None
+    moe_router_topk_scaling_factor: Optional[float] = None
+    #: the share of each head's channels RoPE rotates (``partial_rotary_factor``:
+    #: ``--rotary-percent``)
+    rotary_percent: float = 1.0
 
     @property
     def kv_channels(self) -> int:
@@ -198,9 +210,15 @@ def geometry_from_hf(cfg: dict, *, make_vocab_size_divisible_by: int = 128,
         raise HFConfigError(f"config.json: attention_dropout = {cfg['attention_dropout']!r}: METP "
                             f"has no attention dropout; set it to 0.0")
     prf = cfg.get("partial_rotary_factor", 1.0)
-    if prf not in (None, 1, 1.0):
-        raise HFConfigError(f"config.json: partial_rotary_factor = {prf!r} is not supported "
-                            f"(RoPE over the whole head only)")
+    if prf is None:
+        prf = 1.0
+    if isinstance(prf, bool) or not isinstance(prf, (int, float)) or not 0 < prf <= 1:
+        raise HFConfigError(f"config.json: partial_rotary_factor = {prf!r} must be a number in "
+                            f"(0, 1]")
+    if prf != 1 and family != "glm4_moe":
+        raise HFConfigError(f"config.json: partial_rotary_factor = {prf!r} is not supported for "
+                            f"{family!r} (RoPE over the whole head; partial RoPE converts for "
+                            f"glm4_moe, as --rotary-percent)")
     layers = _int_field(cfg, "num_hidden_layers")
     hidden = _int_field(cfg, "hidden_size")
     ffn = _int_field(cfg, "intermediate_size")
@@ -230,6 +248,13 @@ def geometry_from_hf(cfg: dict, *, make_vocab_size_divisible_by: int = 128,
                                 f"{tensor_model_parallel_size} x {metp_parallel_size}: choose "
                                 f"--tensor-model-parallel-size / --metp-parallel-size whose "
                                 f"product divides it")
+    shared = moe.get("moe_shared_expert_intermediate_size")
+    if shared and shared % shards:  # the shared expert runs as METP's MLP (weight ring)
+        key = ("shared_expert_intermediate_size" if family == "qwen2_moe" else
+               "n_shared_experts x moe_intermediate_size")
+        raise HFConfigError(f"config.json: {key} = {shared} (the shared expert's width) is not "
+                            f"divisible by TP x METP = {tensor_model_parallel_size} x "
+                            f"{metp_parallel_size}: choose a --metp-parallel-size that divides it")
     eps = cfg.get("rms_norm_eps", 1e-6)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
         raise HFConfigError(f"config.json: rms_norm_eps = {eps!r} must be a number > 0")
@@ -249,6 +274,15 @@ def geometry_from_hf(cfg: dict, *, make_vocab_size_divisible_by: int = 128,
     fam = family_fields(cfg, family, hidden=hidden, heads=heads, max_pos=max_pos,
                         seq_length=seq_length)
     max_pos = fam["max_position_embeddings"]
+    if prf != 1:
+        rot = fam["head_dim"] * prf
+        if rot != int(rot) or int(rot) % 2:
+            raise HFConfigError(f"config.json: partial_rotary_factor = {prf!r} of head_dim "
+                                f"{fam['head_dim']} is {rot:g} channels: RoPE needs an even "
+                                f"whole number of them")
+        if yarn is not None or scaling is not None:
+            raise HFConfigError(f"config.json: partial_rotary_factor = {prf!r} with {where} "
+                                f"scaling: Megatron's --rotary-percent takes plain RoPE only")
     dtype = cfg.get("torch_dtype", cfg.get("dtype")) or "float32"
     if dtype not in DTYPES:
         raise HFConfigError(f"config.json: torch_dtype {dtype!r} is not one of "
@@ -264,7 +298,7 @@ def geometry_from_hf(cfg: dict, *, make_vocab_size_divisible_by: int = 128,
         dtype=DTYPES[dtype], family=family,
         head_dim=None if fam["head_dim"] * heads == hidden else fam["head_dim"],
         qk_layernorm=fam["qk_layernorm"], qkv_bias=fam["qkv_bias"],
-        sliding_window=fam["sliding_window"], yarn=yarn, **moe)
+        sliding_window=fam["sliding_window"], yarn=yarn, rotary_percent=float(prf), **moe)
 
 
 def megatron_args(g: LlamaGeometry) -> List[str]:
@@ -290,6 +324,8 @@ def megatron_args(g: LlamaGeometry) -> List[str]:
         out += ["--use-rope-scaling", "--rope-scaling-factor", repr(g.rope_scaling_factor)]
     if g.yarn:
         out += yarn_flags(g.yarn)
+    if g.rotary_percent != 1.0:
+        out += ["--rotary-percent", repr(g.rotary_percent)]
     if not g.tie_embeddings:
         out.append("--untie-embeddings-and-output-weights")
     return out + moe_flags(g)
@@ -334,7 +370,8 @@ def gpt_model_kwargs(g: LlamaGeometry) -> dict:
                 share_embeddings_and_output_weights=g.tie_embeddings,
                 position_embedding_type="yarn" if g.yarn else "rope", rotary_base=g.rotary_base,
                 rope_scaling=g.rope_scaling_factor is not None,
-                rope_scaling_factor=g.rope_scaling_factor or 8.0)
+                rope_scaling_factor=g.rope_scaling_factor or 8.0,
+                rotary_percent=g.rotary_percent)
 
 
 def pretrain_gpt_sh_model(g: LlamaGeometry, load_dir: str, *, tp: int = 1, metp: int = 1) -> str:
@@ -350,6 +387,8 @@ def pretrain_gpt_sh_model(g: LlamaGeometry, load_dir: str, *, tp: int = 1, metp:
         extra += ["--use-rope-scaling", "--rope-scaling-factor", repr(g.rope_scaling_factor)]
     if g.yarn:
         extra += yarn_flags(g.yarn)
+    if g.rotary_percent != 1.0:
+        extra += ["--rotary-percent", repr(g.rotary_percent)]
     extra += moe_flags(g)
     lines = [
         "# shellcheck shell=bash disable=SC2034  # sourced by scripts/pretrain_gpt.sh",

@@ -38,7 +38,7 @@ import torch
 
 from .config import HFConfigError, LlamaGeometry
 from .moe import is_moe_layer
-from .moe_layout import (hf_moe_shapes, megatron_moe_shapes, moe_hf_to_megatron,
+from .moe_layout import (FP32_BUFFERS, hf_moe_shapes, megatron_moe_shapes, moe_hf_to_megatron,
                          moe_megatron_to_hf)
 
 Tensor = torch.Tensor
@@ -186,7 +186,7 @@ def check_hf_tensors(hf: Dict[str, Tensor], g: LlamaGeometry) -> None:
         k, got, exp = bad[0]
         raise HFConfigError(f"tensor {k} has shape {list(got)}, config.json implies {list(exp)} "
                             f"({len(bad)} tensor(s) disagree); is config.json the checkpoint's own?")
-    dtypes = {hf[k].dtype for k in want}
+    dtypes = {hf[k].dtype for k in want if not k.endswith(FP32_BUFFERS)}
     if len(dtypes) != 1:
         raise HFConfigError(f"the safetensors mix dtypes {sorted(str(t) for t in dtypes)}; cast "
                             f"them to one dtype first")
