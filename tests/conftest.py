@@ -45,6 +45,8 @@ HF_TESTS = (
     "tests/test_hf_moe_families.py::test_import_export_round_trip_is_bit_exact",
     "tests/test_hf_moe_families.py::test_unconvertible_settings_are_refused_naming_them",
     "tests/test_hf_moe_families.py::test_config_from_saved_arguments",
+    "tests/test_hf_moe_families.py::test_flags_of_the_published_models",
+    "tests/test_hf_moe_families.py::test_both_versions_config_files_read_alike",
 )
 
 

@@ -287,3 +287,67 @@ def test_config_from_saved_arguments():
                                                  "shared expert")):
         with pytest.raises(ValueError, match=needle.replace("[", r"\[")):
             hf_config_from_args({**base, **change})
+
+
+#: the published config.json fields that matter here (no download): Qwen1.5-MoE-A2.7B, GLM-4.5-Air
+QWEN15_MOE_A27B = dict(
+    model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"], vocab_size=151936,
+    hidden_size=2048, intermediate_size=5632, moe_intermediate_size=1408,
+    shared_expert_intermediate_size=5632, num_hidden_layers=24, num_attention_heads=16,
+    num_key_value_heads=16, num_experts=60, num_experts_per_tok=4, decoder_sparse_step=1,
+    norm_topk_prob=False, output_router_logits=False, router_aux_loss_coef=0.001,
+    rope_theta=1000000.0, max_position_embeddings=8192, use_sliding_window=False,
+    sliding_window=32768, max_window_layers=21, rms_norm_eps=1e-6, hidden_act="silu",
+    attention_dropout=0.0, tie_word_embeddings=False, torch_dtype="bfloat16")
+GLM45_AIR = dict(
+    model_type="glm4_moe", architectures=["Glm4MoeForCausalLM"], vocab_size=151552,
+    hidden_size=4096, intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=46,
+    num_attention_heads=96, num_key_value_heads=8, head_dim=128, n_routed_experts=128,
+    n_shared_experts=1, num_experts_per_tok=8, first_k_dense_replace=1, n_group=1,
+    topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0, partial_rotary_factor=0.5,
+    use_qk_norm=False, attention_bias=True, rope_theta=1000000.0,
+    max_position_embeddings=131072, num_nextn_predict_layers=1, rms_norm_eps=1e-5,
+    hidden_act="silu", attention_dropout=0.0, tie_word_embeddings=False,
+    torch_dtype="bfloat16")
+
+
+def test_flags_of_the_published_models():
+    """Qwen1.5-MoE-A2.7B at METP 4 and GLM-4.5-Air at METP 8: the Megatron-LM flags of their
+    shared experts, routers and dense layers (no weights read)."""
+    q = " ".join(megatron_args(geometry_from_hf(QWEN15_MOE_A27B, metp_parallel_size=4)))
+    assert q.endswith(
+        "--num-experts 60 --moe-router-topk 4 --moe-ffn-hidden-size 1408 --moe-layer-freq 1 "
+        "--moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 0.0 "
+        "--moe-router-pre-softmax --moe-shared-expert-intermediate-size 5632 "
+        "--moe-shared-expert-gate"), q
+    assert "--add-qkv-bias" in q and "--qk-layernorm" not in q
+    g = megatron_args(geometry_from_hf(GLM45_AIR, metp_parallel_size=8))
+    assert " ".join(g).endswith(
+        "--moe-layer-freq [0" + ",1" * 45 + "] --moe-router-load-balancing-type aux_loss "
+        "--moe-aux-loss-coeff 0.0 --moe-shared-expert-intermediate-size 1408 "
+        "--moe-router-score-function sigmoid --moe-router-enable-expert-bias"), g
+    assert (_flag(g, "--rotary-percent"), _flag(g, "--kv-channels"),
+            _flag(g, "--ffn-hidden-size")) == ("0.5", "128", "10944")
+    assert "--add-qkv-bias" in g and "--moe-router-num-groups" not in g
+
+
+def test_both_versions_config_files_read_alike():
+    """The config.json that transformers 4.57.6 and 5.25.0 wrote for these tiny models (kept in
+    tests/data/hf_configs/, make_fixtures.py) give the same Megatron-LM flags in the installed
+    transformers, equal to those of the config it writes now; each is in its version's layout
+    (5.x: rope_parameters holding GLM's partial_rotary_factor)."""
+    import json
+
+    from megatron_metp.tools.hf import versions as V
+
+    data = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "hf_configs")
+    for family in FAMILIES:
+        want = megatron_args(geometry_from_hf(_cfg(family), metp_parallel_size=3))
+        for version in ("4.57.6", "5.25.0"):
+            with open(os.path.join(data, version, f"{family}.json")) as f:
+                cfg = json.load(f)
+            assert V.source_layout(cfg) == int(version[0]), (version, family)
+            assert megatron_args(geometry_from_hf(cfg, metp_parallel_size=3)) == want, \
+                (version, family)
+        if family == "glm4_moe":
+            assert "--rotary-percent" in want and "partial_rotary_factor" not in cfg
