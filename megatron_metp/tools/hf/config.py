@@ -1,4 +1,5 @@
-"""A Hugging Face ``config.json`` (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral) as the
+"""A Hugging Face ``config.json`` (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, Qwen2-MoE,
+GLM-4.5) as the
 Megatron GPT it converts to (:class:`LlamaGeometry`).
 
 :func:`geometry_from_hf` checks every field the conversion depends on and raises
@@ -16,7 +17,8 @@ which is what megatron-core 0.16.1's ``--use-rope-scaling`` implements, or ``yar
 :mod:`.yarn`), grouped-query attention,
 any ``head_dim`` (``--kv-channels``), Qwen2's q/k/v bias (``--add-qkv-bias``), Qwen3's q/k norms
 (``--qk-layernorm``), tied or untied embeddings; and the mixture-of-experts families
-``qwen3_moe`` and ``mixtral`` (:mod:`.moe`: experts, top-k routing, which layers are MoE).
+``qwen3_moe``, ``mixtral``, ``qwen2_moe`` and ``glm4_moe`` (:mod:`.moe`: experts, routing, shared
+experts, which layers are MoE; GLM-4.5's partial RoPE as ``--rotary-percent``).
 
 The config may be in transformers 4.x's or 5.x's layout (``rope_parameters``, ...): it is read
 into one form first (:mod:`.versions`), and every key is mapped, checked or known to be
@@ -78,7 +80,8 @@ class LlamaGeometry:
     #: YaRN (``rope_scaling`` type ``yarn``): Megatron's ``yarn_*`` config attributes
     #: (:mod:`.yarn`), None without it
     yarn: Optional[dict] = None
-    #: mixture of experts (``qwen3_moe``, ``mixtral``: :mod:`.moe`), None / unused when dense:
+    #: mixture of experts (``qwen3_moe``, ``mixtral``, ``qwen2_moe``, ``glm4_moe``: :mod:`.moe`),
+    #: None / unused when dense:
     #: ``E`` experts, ``k`` per token, expert FFN width ``f'``, 0/1 per layer (1 = MoE; the
     #: dense layers have ``ffn_hidden_size``), softmax before top-k (no renormalisation),
     #: auxiliary load-balancing loss coefficient

@@ -234,9 +234,10 @@ def check_against_args(cfg: dict, a: dict) -> LlamaGeometry:
 
 
 def moe_args_problems(cfg: dict, saved: dict) -> List[str]:
-    """Where the MoE of a ``qwen3_moe`` / ``mixtral`` ``config.json`` differs from a checkpoint's
-    saved Megatron-LM arguments (empty when they agree): experts, top-k, expert width, which
-    layers are MoE and the routing normalisation, each naming the flag."""
+    """Where the MoE of a MoE family's ``config.json`` differs from a checkpoint's saved
+    Megatron-LM arguments (empty when they agree): experts, top-k, expert width, which layers
+    are MoE, the routing normalisation, the shared expert, the sigmoid router's settings and
+    ``--rotary-percent``, each naming the flag."""
     g = geometry_from_hf(cfg, make_vocab_size_divisible_by=1, seq_length=1)
     if not saved.get("num_experts"):
         return [f"--num-experts: the run has no experts, config.json ({g.family}) has "

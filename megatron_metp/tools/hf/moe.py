@@ -1,5 +1,5 @@
-"""Mixture-of-experts fields of a Hugging Face ``config.json`` (``qwen3_moe``, ``mixtral``) and
-the Megatron MoE they convert to.
+"""Mixture-of-experts fields of a Hugging Face ``config.json`` (``qwen3_moe``, ``mixtral``,
+``qwen2_moe``, ``glm4_moe``) and the Megatron MoE they convert to.
 
 Names: ``E`` experts, ``k`` experts per token, ``f'`` an expert's FFN width, ``z = x W_r^T``
 the router logits ``[T, E]`` of ``T`` tokens, ``L`` layers.
@@ -13,7 +13,22 @@ family         routing (transformers)                          Megatron (``TopKR
 ``qwen3_moe``  ``p = softmax(z)``, top-k of ``p``; with        ``norm_topk_prob``: as Mixtral;
                ``norm_topk_prob`` divided by their sum         without: ``--moe-router-pre-softmax``
                                                                (softmax over all ``E``, top-k)
+``qwen2_moe``  as ``qwen3_moe`` (``norm_topk_prob`` default    as ``qwen3_moe``
+               false)
+``glm4_moe``   ``s = sigmoid(z)``; top-k of ``s + b`` within   ``--moe-router-score-function
+               the ``topk_group`` best of ``n_group`` groups   sigmoid --moe-router-enable-expert-
+               (a group's score: its best 2 of ``s + b``);     bias`` (``b``: ``expert_bias``),
+               weights ``s`` of those / their sum ×            ``--moe-router-num-groups``/
+               ``routed_scaling_factor``                       ``-group-topk`` (a group's score:
+                                                               its best ``k / group_topk``),
+                                                               ``--moe-router-topk-scaling-factor``
 =============  ==============================================  ===================================
+
+Shared experts: Qwen2-MoE's ``shared_expert`` (``shared_expert_intermediate_size`` wide) times
+``sigmoid(x·gᵀ)`` (``shared_expert_gate``): ``--moe-shared-expert-intermediate-size
+--moe-shared-expert-gate``; GLM-4.5's ``shared_experts`` (``n_shared_experts ×
+moe_intermediate_size`` wide, no gate). GLM-4.5's dense layers are the first
+``first_k_dense_replace``.
 
 Both pick the same experts (softmax is monotonic). Which layers are MoE: Mixtral all of them;
 Qwen3-MoE layer ``i`` (from 0) when ``(i + 1) % decoder_sparse_step == 0`` and ``i`` is not in
@@ -31,8 +46,10 @@ router gives, and is refused naming ``num_experts_per_tok``.
 Refused (naming the field): ``router_jitter_noise`` ≠ 0 (transformers scales the experts' input
 too, Megatron's ``--moe-input-jitter-eps`` only the router's), ``num_experts_per_tok`` > ``E``,
 no MoE layer at all, and ``E`` not divisible by the METP size (the experts are sharded over the
-METP ranks: EP = METP). Any other MoE family (``qwen2_moe`` with its shared expert,
-``deepseek_v3`` with its grouped sigmoid router, ...) is refused by :mod:`.families`.
+METP ranks: EP = METP); for GLM-4.5 group scores that differ (``num_experts_per_tok`` ≠ 2 ×
+``topk_group`` with real groups), ``norm_topk_prob`` other than ``k > 1`` (megatron-core's sigmoid
+router renormalises exactly then) and ``output_router_logits``. Any other MoE family
+(``gpt_oss``, ``deepseek_v3``, ...) is refused by :mod:`.families`.
 """
 
 from __future__ import annotations
