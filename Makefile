@@ -79,7 +79,8 @@ test: $(STAMP)
 # saved args, HF args, packed data) against core_v0.19.0; tests/conftest.py sets the markers
 # (megatron_lm: every test using a Megatron-LM checkout; release_sensitive: tests/markers.py),
 # and megatron-core's MoE with METP (its CPU shims and dispatcher seams differ between 0.16 and 0.19)
-MOE_CORE_TESTS := tests/test_moe.py tests/test_moe_tiles.py
+MOE_CORE_TESTS := tests/test_moe.py tests/test_moe_tiles.py tests/test_moe_routers.py \
+	tests/test_model_variants.py tests/test_attention_sinks.py
 # ... and the kept attention's and the selective recompute's gradients (Megatron's checkpoint
 # and schedules; the streaming and separate ops under each release's torch and megatron-core)
 KEEP_ATTENTION_TESTS := tests/test_keep_attention.py tests/test_layer_keep.py \

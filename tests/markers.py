@@ -110,6 +110,10 @@ SLOW = {
     "tests/test_keep_plan.py::test_measure_builds_kept_attention_as_the_plan_prices_it": 14.8,
     "tests/test_keep_plan.py::test_layer_extrapolation_of_a_partial_keep_matches_the_full_"
     "depth": 31.4,
+    "tests/test_moe_routers.py::test_expert_bias_two_adam_steps_match_single_rank_stock[metp2]":
+        9.3,
+    "tests/test_moe_routers.py::test_expert_bias_two_adam_steps_match_single_rank_stock[metp3]":
+        8.9,
 }
 
 #: ``path::fixture`` -> its set-up time (s, as above): the tests of that file that use the

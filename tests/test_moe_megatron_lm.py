@@ -244,8 +244,10 @@ print(json.dumps({o: a.dest for a in parser._actions for o in a.option_strings})
 
 
 def test_every_moe_flag_checked_exists_in_the_release(megatron_lm_checkout):
-    """The flags the MoE checks read, with the destinations the checks read them by, are
-    Megatron-LM's own in this release (or named as the other release's only)."""
+    """The flags the MoE checks (and the model-variant checks, ``variant_checks``) read, with
+    the destinations the checks read them by, are Megatron-LM's own in this release (or named
+    as the other release's only)."""
+    from megatron_metp.megatron.variant_checks import add_variant_preflight_flags
     from megatron_metp.megatron_lm.moe_args import RELEASE_ONLY, add_moe_preflight_flags
     from tests.megatron_lm_release import RELEASE
 
@@ -258,6 +260,7 @@ def test_every_moe_flag_checked_exists_in_the_release(megatron_lm_checkout):
 
     ours = argparse.ArgumentParser()
     add_moe_preflight_flags(ours)
+    add_variant_preflight_flags(ours)
     checked = {o: a.dest for a in ours._actions for o in a.option_strings if o != "-h"
                and o != "--help"}
     assert len(checked) > 15

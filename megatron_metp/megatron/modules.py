@@ -149,6 +149,9 @@ def check_config(config) -> None:
         problems.append("--multi-latent-attention")
     if getattr(config, "attention_output_gate", False):
         problems.append("attention_output_gate")
+    from .variant_checks import variant_problems  # sinks, window patterns, GLU offset / clamp
+
+    problems.extend(variant_problems(lambda name, default: getattr(config, name, default)))
     if problems:
         raise ValueError("--metp-parallel-size does not support: " + "; ".join(problems))
 
@@ -236,7 +239,8 @@ class METPSelfAttention(SelfAttention):
                              label=f"layer {self.layer_number} self_attention",
                              keep=None if self.keeper is None else self.keeper.op_keep(x),
                              # Megatron's selective recompute of core_attn (its own flag)
-                             recompute_core=bool(self.checkpoint_core_attention and self.training))
+                             recompute_core=bool(self.checkpoint_core_attention and self.training),
+                             softmax_offset=self.core_attention.softmax_offset)
         if tp:
             out = reduce_from_tensor_model_parallel_region(out, group=tp)
         return out, self.linear_proj.bias
@@ -287,6 +291,29 @@ class METPMLP(MLP):
         return y, self.linear_fc2.bias
 
 
+def attention_sinks(config, groups: METPGroups, ring_baseline: bool):
+    """The attention sinks of ``config.softmax_type`` (``None`` for ``vanilla``), as Megatron's
+    ``DotProductAttention`` holds them: ``learnable`` a parameter ``softmax_offset [A]``
+    (every head: TP is 1 with sinks, :mod:`.variant_checks`; replicated over the METP group,
+    whose op runs every head group for this rank's rows), drawn with ``config.init_method``;
+    ``off-by-one`` a zero tensor. The ring-attention baseline refuses them."""
+    kind = getattr(config, "softmax_type", "vanilla") or "vanilla"
+    if kind == "vanilla":
+        return None
+    if ring_baseline:
+        raise ValueError(f"--softmax-type {kind} (attention sinks) with the ring self-attention "
+                         f"baseline (--metp-disable-weight-ring): run METP's weight ring")
+    heads = config.num_attention_heads // groups.tp_size
+    device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+    sinks = torch.zeros(heads, dtype=config.params_dtype, device=device)
+    if kind == "off-by-one":
+        return sinks
+    sinks = torch.nn.Parameter(sinks)
+    if config.perform_initialization:
+        config.init_method(sinks)
+    return sinks
+
+
 class METPRingCoreAttention(MegatronModule):
     """``core_attention`` running the K/V ring over the METP group (ring self-attention).
 
@@ -307,6 +334,7 @@ class METPRingCoreAttention(MegatronModule):
         self.layer_number = layer_number
         self.causal = _mask_is_causal(attn_mask_type)
         self.softmax_scale = softmax_scale
+        self.softmax_offset = attention_sinks(config, groups, ring_baseline)
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):

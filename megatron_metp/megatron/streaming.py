@@ -136,6 +136,9 @@ def streaming_problems(block) -> List[str]:
                    "--recompute-num-layers 1)")
     if getattr(cfg, "hidden_dropout", 0.0):
         out.append("--hidden-dropout > 0")
+    if (getattr(cfg, "softmax_type", "vanilla") or "vanilla") != "vanilla":
+        out.append(f"attention sinks (--softmax-type {cfg.softmax_type}; the layer op has none: "
+                   f"Megatron's checkpoint of the METP layers runs them)")
     for layer in block.layers:
         if not isinstance(layer, METPTransformerLayer) or \
                 not isinstance(layer.self_attention, METPSelfAttention) or \

@@ -47,6 +47,8 @@ class GPTSize:
     moe_router_topk: int = 2
     moe_ffn_hidden_size: Optional[int] = None
     moe_layer_freq: Union[int, List[int]] = 1
+    #: the share of each head's channels RoPE rotates (``--rotary-percent``; partial RoPE)
+    rotary_percent: float = 1.0
 
 
 #: values of :attr:`Layout.recompute` (Megatron's ``recompute_granularity``; selective runs the
@@ -311,7 +313,7 @@ def build_model(size: GPTSize, layout: Layout, groups: METPGroups):
                           post_process=ps.is_pipeline_last_stage(),
                           share_embeddings_and_output_weights=size.tie_embeddings,
                           position_embedding_type=size.position_embedding_type,
-                          normalization=size.normalization)
+                          normalization=size.normalization, rotary_percent=size.rotary_percent)
 
 
 # ---------------------------------------------------------------- same weights in every layout

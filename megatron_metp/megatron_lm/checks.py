@@ -196,6 +196,9 @@ def metp_flag_problems(args, p: int, tp: int) -> List[str]:
     from .yarn_args import yarn_problems
 
     out.extend(yarn_problems(args))
+    from ..megatron.variant_checks import variant_args_problems
+
+    out.extend(variant_args_problems(args))
     from ..megatron.packing_checks import packing_problems
 
     out.extend(packing_problems(args))

@@ -113,6 +113,9 @@ def megatron_parser() -> argparse.ArgumentParser:
     from .moe_args import add_moe_preflight_flags
 
     add_moe_preflight_flags(ap)
+    from ..megatron.variant_checks import add_variant_preflight_flags
+
+    add_variant_preflight_flags(ap)  # attention sinks, window patterns, GLU offset / clamp
     return add_metp_args(ap)
 
 

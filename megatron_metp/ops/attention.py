@@ -87,6 +87,7 @@ from .head_norm import check_head_norm, head_norm_grads
 from .ring_attention import (check_packed, post_first_kv_packed, ring_attention_backward,
                              ring_attention_forward, shape_layout)
 from .rope import rope_tables
+from .sinks import add_sink_, sink_grad
 from .sequence import LAYOUTS, local_positions
 
 
@@ -192,7 +193,7 @@ class _METPAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, wqkv, bqkv, wo, bo, freqs, group: METPGroup, geo: HeadGeometry, causal, layout,
                 scale, kernel, label, kb, grad_dtype, cu, seq: METPGroup, head_norm, qn_w, qn_b,
-                kn_w, kn_b, keep: Optional[AttentionKeep], recompute_core=False):
+                kn_w, kn_b, keep: Optional[AttentionKeep], recompute_core=False, sinks=None):
         check_finite(f"{label} (forward)", group, x=x, qkv_weight=wqkv, proj_weight=wo,
                      qkv_bias=bqkv, proj_bias=bo)
         ctx.label = label
@@ -222,13 +223,15 @@ class _METPAttentionFunction(torch.autograd.Function):
         else:
             outs, lses = [], []
             tables = rope_tables(freqs, x.dtype) if freqs is not None else None
-            for _, (WQ, BQ, WOT) in block_weights(group, wqkv, bqkv, wo, "fwd", kb):
+            for i, (WQ, BQ, WOT) in block_weights(group, wqkv, bqkv, wo, "fwd", kb):
                 q, k, v, kv = project_block(x2, WQ, BQ, geo, n, b, kb, (freqs, tables),
                                             head_norm)
                 o = torch.empty(n, b, H * geo.d, dtype=x.dtype, device=x.device)
                 _, lse = ring_attention_forward(q, k, v, seq, causal, layout, scale, kernel,
                                                 kv_packed=kv, defer_merge=kb > 1,
                                                 out=heads_first(o, H, geo.d), cu_seqlens=cu)
+                if sinks is not None:  # once per row, after the ring (ops/sinks.py)
+                    add_sink_(heads_first(o, H, geo.d), lse, sinks[i * H:(i + 1) * H])
                 if not recompute_core:  # core_attn recompute: neither kept, re-formed in backward
                     outs.append(o)
                     lses.append(lse)
@@ -237,7 +240,7 @@ class _METPAttentionFunction(torch.autograd.Function):
                 keep.sink(outs, lses)
         if bo is not None:
             y.add_(bo)
-        ctx.save_for_backward(x, wqkv, bqkv, wo, freqs, *outs, *lses)
+        ctx.save_for_backward(x, wqkv, bqkv, wo, freqs, sinks, *outs, *lses)
         ctx.args = (group, geo, causal, layout, scale, kernel, kb, grad_dtype)
         ctx.cu, ctx.seq, ctx.head_norm = cu, seq, head_norm
         ctx.recompute_core = recompute_core
@@ -251,13 +254,13 @@ class _METPAttentionFunction(torch.autograd.Function):
         group, geo, causal, layout, scale, kernel, kb, grad_dtype = ctx.args
         has_bq, has_bo, has_freqs = ctx.has
         saved = ctx.saved_tensors
-        x, wqkv, bqkv, wo, freqs = saved[:5]
+        x, wqkv, bqkv, wo, freqs, sinks = saved[:6]
         p, r = group.size, group.rank
         nb = p // kb
         if ctx.recompute_core:
             outs, lses = [None] * nb, [None] * nb
         else:
-            outs, lses = saved[5:5 + nb], saved[5 + nb:5 + 2 * nb]
+            outs, lses = saved[6:6 + nb], saved[6 + nb:6 + 2 * nb]
         bqkv = bqkv if has_bq else None
         freqs = freqs if has_freqs else None
         n, b, h = x.shape
@@ -279,6 +282,8 @@ class _METPAttentionFunction(torch.autograd.Function):
         tables = rope_tables(freqs, x.dtype) if freqs is not None else None
         gw = dict(dtype=grad_dtype or acc_dtype, device=x.device)
         head_norm, norm_acc, pre = ctx.head_norm, [None] * 4, []
+        d_sinks = None if sinks is None else torch.zeros(sinks.shape, dtype=torch.float32,
+                                                         device=x.device)
         for i, (WQ, BQ, WOT) in block_weights(group, wqkv, bqkv, wo, "bwd", kb):
             q, k, v, kv = project_block(x2, WQ, BQ, geo, n, b, kb, (freqs, tables), head_norm,
                                         pre)
@@ -288,6 +293,8 @@ class _METPAttentionFunction(torch.autograd.Function):
                 _, lses[i] = ring_attention_forward(q, k, v, ctx.seq, causal, layout, scale,
                                                     kernel, defer_merge=kb > 1,
                                                     out=heads_first(o_i, H, d), cu_seqlens=ctx.cu)
+                if sinks is not None:
+                    add_sink_(heads_first(o_i, H, d), lses[i], sinks[i * H:(i + 1) * H])
                 outs[i] = o_i
             first = post_first_kv_packed(kv, ctx.seq)  # hidden behind the dO / dWo GEMMs
             o2 = outs[i].view(N, -1)
@@ -301,6 +308,10 @@ class _METPAttentionFunction(torch.autograd.Function):
                 g_bq = torch.empty(kb * rows, **gw) if has_bq else None
                 g_wot = torch.empty(kb * geo.heads_local * d, h, **gw)
             dWOT = mm_into(g_wot, o2.t(), gy)
+            if sinks is not None:  # this rank's rows; DDP adds the other ranks'
+                d_sinks[i * H:(i + 1) * H] = sink_grad(heads_first(d_o.view(n, b, -1), H, d),
+                                                       heads_first(outs[i], H, d), lses[i],
+                                                       sinks[i * H:(i + 1) * H])
             made = []
 
             def dqkv_dv():  # dqkv allocated at the ring's last step; dv written into it there
@@ -345,7 +356,9 @@ class _METPAttentionFunction(torch.autograd.Function):
         return (dx.to(x.dtype).view(n, b, h), weight_grad(wqkv, dwq), weight_grad(bqkv, dbq),
                 weight_grad(wo, dwot.t()), dbo,
                 None, None, None, None, None, None, None, None, None, None, None, None,
-                None, *head_norm_grads(head_norm, norm_acc), None, None)
+                None, *head_norm_grads(head_norm, norm_acc), None, None,
+                None if d_sinks is None or not ctx.needs_input_grad[-1] else
+                d_sinks.to(sinks.dtype))
 
 
 def prepare_attention(x, qkv_weight, proj_weight, *, group: METPGroup, num_heads: int,
@@ -420,7 +433,8 @@ def metp_attention(x: torch.Tensor, qkv_weight: torch.Tensor, proj_weight: torch
                    q_norm_bias: Optional[torch.Tensor] = None,
                    k_norm_bias: Optional[torch.Tensor] = None,
                    keep: Optional[AttentionKeep] = None,
-                   recompute_core: bool = False) -> torch.Tensor:
+                   recompute_core: bool = False,
+                   softmax_offset: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The METP self-attention block (before the residual): ``y = Attn(x)·Woᵀ + bo``.
 
     Args:
@@ -491,6 +505,11 @@ def metp_attention(x: torch.Tensor, qkv_weight: torch.Tensor, proj_weight: torch
             re-runs each head-group block's K/V ring forward (same kernel, same order: the same
             ``O``, LSE and gradients) before that block's attention backward. Not together with
             ``keep`` (the one keeps what the other re-forms).
+        softmax_offset: attention sinks (Megatron's ``softmax_type`` ``learnable`` or
+            ``off-by-one``): one logit per head ``[A]`` (every head, replicated), added to every
+            row's softmax denominator once, after the K/V ring (:mod:`.sinks`); its gradient is
+            this rank's rows' partial (reduced over the sequence ranks by the caller's DDP, like
+            ``proj_bias``'s). ``None`` (default): plain softmax.
 
     Returns: ``y [s/p, b, h]`` (``[s/(p·c), b, h]`` under CP). Weight-shard gradients are
     complete over the tokens of ``group`` (under CP the caller sums them over the ``c`` METP
@@ -520,7 +539,7 @@ def metp_attention(x: torch.Tensor, qkv_weight: torch.Tensor, proj_weight: torch
                            q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight,
                            q_norm_bias=q_norm_bias, k_norm_bias=k_norm_bias,
                            runs_kv_ring=keep is None or keep.runs_ring,
-                           recompute_core=bool(recompute_core),
+                           recompute_core=bool(recompute_core), softmax_offset=softmax_offset,
                            needs_grad=needs_grad(x, qkv_weight, proj_weight, qkv_bias, proj_bias,
                                                  q_norm_weight, k_norm_weight))
     if keep is not None and recompute_core:
@@ -532,4 +551,4 @@ def metp_attention(x: torch.Tensor, qkv_weight: torch.Tensor, proj_weight: torch
                                         group, geo, bool(causal), layout, float(scale), kern,
                                         label, kb, grad_reduce_dtype, cu, seq, head_norm,
                                         q_norm_weight, q_norm_bias, k_norm_weight, k_norm_bias,
-                                        keep, bool(recompute_core))
+                                        keep, bool(recompute_core), softmax_offset)

@@ -30,7 +30,17 @@ def block_weights(group: METPGroup, wqkv, bqkv, wo, phase: str, kb: int, spares:
     """Yield ``(i, (WQ, BQ, WOT))`` for the ``p/kb`` blocks of ``kb`` consecutive head groups, on
     every rank: ``WQ [kb·rows, h]`` and ``BQ [kb·rows]`` (or ``None``) the block's ``linear_qkv``
     rows, ``WOT [kb·A/p·d, h]`` its ``linear_proj`` columns transposed, each group's rows
-    back to back, so that one GEMM serves the whole block.
+    back to back, so that one GEMM serves the whole block (:func:`block_pieces`)."""
+    yield from block_pieces(group, (wqkv, bqkv, wo.t()), phase, kb, spares)
+
+
+def block_pieces(group: METPGroup, own, phase: str, kb: int, spares: int = 2,
+                 what: str = "attention weights"):
+    """Yield ``(i, pieces)`` for the ``p/kb`` blocks of ``kb`` consecutive head groups, on every
+    rank: for each of this rank's pieces ``own`` (a tuple of tensors whose dim 0 holds one head
+    group's rows, or ``None``s) the block's rows, each group's back to back
+    (``[kb·rows, ...]``). :func:`block_weights` passes ``(Wqkv, bqkv, Woᵀ)``, multi-latent
+    attention (:mod:`.mla`) its up-projections and ``Woᵀ``.
 
     Group ``g``'s pieces come from their owner (broadcasts; one all-gather per piece when the
     block holds every group); block ``i+1``'s transfers are posted before block ``i`` is yielded
@@ -41,13 +51,13 @@ def block_weights(group: METPGroup, wqkv, bqkv, wo, phase: str, kb: int, spares:
     group ``g``'s, :func:`~megatron_metp.ops.layer_attention.weights_ahead`)."""
     p, r = group.size, group.rank
     if p == 1:
-        yield 0, (wqkv, bqkv, wo.t())
+        yield 0, tuple(own)
         return
-    ring = RingExchanger(group, f"attention weights ({phase})")
+    ring = RingExchanger(group, f"{what} ({phase})")
     if kb == 1:  # one message per head group: its pieces packed back to back
-        yield from _group_weights(ring, group, (wqkv, bqkv, wo.t()), spares)
+        yield from _group_weights(ring, group, tuple(own), spares)
         return
-    own = (wqkv, bqkv, wo.t().contiguous())
+    own = tuple(None if t is None else t.contiguous() for t in own)
     sets = [None, None]
 
     def buffers(i):

@@ -87,8 +87,11 @@ def _kind(pieces) -> tuple:
                  for pc in pieces)
 
 
-def _pieces(r, j, n, p, causal, layout, cu, kernel, q):
-    """The kernel calls of block ``(r, j)``: :class:`documents.Piece` s (``()``: skipped)."""
+def kernel_pieces(r, j, n, p, causal, layout, cu, kernel, q):
+    """The kernel calls of block ``(r, j)``: :class:`documents.Piece` s (``()``: skipped): the
+    document pieces with ``cu`` (:func:`documents.block_pieces`), else the plain block plan
+    (:func:`ring_blocks.block_plan`) as one piece. Shared with the latent ring
+    (:mod:`.mla_ring`)."""
     if cu is not None:
         return documents.block_pieces(cu, r, j, n, p, layout, kernel.takes_mask(q))
     plan = block_plan(r, j, n, causal, layout)
@@ -215,7 +218,7 @@ def _packed_forward(q, k, v, group: METPGroup, layout: str, scale: float, kernel
 
     def pieces_at(t):
         if t not in pieces:
-            pieces[t] = _window(_pieces(r, (r - t) % p, n, p, causal, layout, cu, kernel, q),
+            pieces[t] = _window(kernel_pieces(r, (r - t) % p, n, p, causal, layout, cu, kernel, q),
                                 q_rows, k_rows, n, key_tile)
         return pieces[t]
 
@@ -304,7 +307,7 @@ def ring_attention_backward(dout, q, k, v, out, lse, group: METPGroup, causal: b
 
     def pieces_of(j):
         if j not in pieces:
-            pieces[j] = _window(_pieces(r, j, n, p, causal, layout, cu_seqlens, kernel, q),
+            pieces[j] = _window(kernel_pieces(r, j, n, p, causal, layout, cu_seqlens, kernel, q),
                                 q_rows, k_rows, n, key_tile)
         return pieces[j]
 
