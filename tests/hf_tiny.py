@@ -122,13 +122,16 @@ def import_each(root, families, make, reference, ids, *, seed: int, metp: int) -
 def randomise(model, *, norm: float = 0.2, bias: float = 0.5, router_bias: float = 0.3,
               qk_gain: float = 1.0) -> None:
     """What transformers initialises to constants made random (in place, from torch's RNG):
-    norm weights ``1 + norm·n``, biases ``bias·n``, GLM's router bias ``router_bias·n``; q/k
-    projections times ``qk_gain`` (sharper attention)."""
+    norm weights ``1 + norm·n``, biases ``bias·n`` (gpt-oss's expert biases too), GLM's router
+    bias ``router_bias·n``, gpt-oss's attention sinks ``n``; q/k projections times ``qk_gain``
+    (sharper attention)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1 + norm * torch.randn_like(p))
-            elif name.endswith(".bias"):
+            elif name.endswith("self_attn.sinks"):
+                p.copy_(torch.randn_like(p))
+            elif name.endswith((".bias", "_proj_bias")):
                 p.copy_(bias * torch.randn_like(p))
             elif qk_gain != 1.0 and name.endswith(("q_proj.weight", "k_proj.weight")):
                 p.mul_(qk_gain)

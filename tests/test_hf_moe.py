@@ -338,7 +338,7 @@ def test_bad_moe_configs_are_refused_naming_the_field():
     })
     assert_messages(msgs, {
         "olmoe": "mixture-of-experts families only 'qwen3_moe', 'mixtral', 'qwen2_moe', "
-                 "'glm4_moe' convert",
+                 "'glm4_moe', 'gpt_oss' convert",
         "deepseek": "model_type 'deepseek_v3' is not supported",
         # the experts' key as the installed transformers writes it (5.x: num_local_experts)
         "dense_with_experts": f"{_experts_key()} = 6 is not supported",

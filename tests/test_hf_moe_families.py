@@ -11,6 +11,7 @@ the settings METP cannot reproduce are refused naming the feature."""
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -24,7 +25,7 @@ from tests.numerics import rel_err
 from tests.test_hf import _batch, _import_on_a_rank, _metp_run
 from tests.test_hf_moe import COMMON, _check, _stock_run
 
-FAMILIES = ("qwen2_moe", "glm4_moe")
+FAMILIES = ("qwen2_moe", "glm4_moe", "gpt_oss")
 #: Qwen2-MoE: hidden 96 (transformers 4.x's Qwen2-MoE takes no head_dim: 96 / 12 heads = 8);
 #: layers 0 and 2 MoE (6 experts 16 wide, shared expert 24 wide with its gate), layer 1 dense
 #: (48 wide); q/k/v biases (qkv_bias, the default); top-2 of the softmax, not renormalised
@@ -39,14 +40,22 @@ GLM4_MOE = dict(COMMON, num_hidden_layers=3, n_routed_experts=6, moe_intermediat
                 intermediate_size=48, first_k_dense_replace=1, n_group=3, topk_group=1,
                 n_shared_experts=3, norm_topk_prob=True, routed_scaling_factor=2.5,
                 use_qk_norm=True, attention_bias=True, partial_rotary_factor=0.5)
-BASE = {"qwen2_moe": QWEN2_MOE, "glm4_moe": GLM4_MOE}
+#: gpt-oss: 2 layers (sliding, full: the window of 64 never binds on 64 positions), 6 experts of
+#: 16 with biases, attention sinks, q/k/v/o biases, gpt-oss's YaRN (truncate false) with an
+#: original context of 16
+GPT_OSS = dict(COMMON, num_hidden_layers=2, num_local_experts=6, intermediate_size=16,
+               sliding_window=64, attention_bias=True, rope_scaling={
+                   "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                   "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False})
+BASE = {"qwen2_moe": QWEN2_MOE, "glm4_moe": GLM4_MOE, "gpt_oss": GPT_OSS}
 
 
 def _hf_class(family):
     import transformers
 
     return {"qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
-            "glm4_moe": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM)}[family]
+            "glm4_moe": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM),
+            "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM)}[family]
 
 
 def _make_hf(path: str, family: str, seed: int, **change) -> None:
@@ -54,8 +63,14 @@ def _make_hf(path: str, family: str, seed: int, **change) -> None:
     router bias random too (transformers starts them at 1 / 0)."""
     config_cls, model_cls = _hf_class(family)
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**{**BASE[family], **change}, dtype="float32")).float()
+    # a copy: transformers 5 writes rope_theta into the rope_scaling dict it is given
+    cfg = config_cls(**copy.deepcopy({**BASE[family], **change}), dtype="float32")
+    model = model_cls(cfg).float()
     randomise(model)
+    with torch.no_grad():  # gpt-oss: gate/up values past the clamp (7) and below -7
+        for name, p in model.named_parameters():
+            if name.endswith("experts.gate_up_proj"):
+                p.mul_(60.0)
     model.save_pretrained(path, safe_serialization=True)
 
 
@@ -103,15 +118,16 @@ def test_metp_logits_and_loss_equal_transformers(models, family, p, dispatcher):
     _check(f"{family} METP={p} {dispatcher}", logits, loss, m)
 
 
-def _reimport_changed(tmp_path, m, change):
-    """The model's safetensors with ``change(tensors)`` applied, imported: its checkpoint."""
+def _reimport_changed(tmp_path, m, suffix, change):
+    """The model's safetensors with ``change`` applied to every tensor whose name ends with
+    ``suffix``, imported: its checkpoint."""
     from safetensors.torch import save_file
     import shutil
 
     hf_dir, ckpt = str(tmp_path / "hf-changed"), str(tmp_path / "ckpt-changed")
     shutil.copytree(m.hf_dir, hf_dir)
     t = _safetensors(hf_dir)
-    change(t)
+    t.update({k: change(v) for k, v in t.items() if k.endswith(suffix)})
     save_file(t, os.path.join(hf_dir, "model.safetensors"), metadata={"format": "pt"})
     run_ranks(_import_on_a_rank, 1, hf_dir, ckpt, {"make_vocab_size_divisible_by": 1})
     return ckpt
@@ -126,27 +142,24 @@ def _far(tag, logits, m):
 def test_negative_controls(models, tmp_path):
     """The parity checks see each new mapping: Qwen2-MoE with its shared-expert gates negated
     (sigmoid(-x) instead of sigmoid(x)); GLM-4.5 with its router bias zeroed, without the top-k
-    scaling factor, and with RoPE over whole heads."""
+    scaling factor, and with RoPE over whole heads; gpt-oss with its sinks negated, without
+    the clamp, and without the GLU's +1."""
     ids = models["ids"]
-    q = models["qwen2_moe"]
-
-    def negate_gates(t):
-        for k in t:
-            if k.endswith("shared_expert_gate.weight"):
-                t[k] = -t[k]
-    logits, _ = _stock_run(_reimport_changed(tmp_path / "q", q, negate_gates), q.geometry, ids)
-    _far("\nqwen2_moe shared-expert gate negated", logits, q)
-    g = models["glm4_moe"]
-
-    def zero_bias(t):
-        for k in t:
-            if k.endswith("e_score_correction_bias"):
-                t[k] = torch.zeros_like(t[k])
-    logits, _ = _stock_run(_reimport_changed(tmp_path / "g", g, zero_bias), g.geometry, ids)
-    _far("glm4_moe router bias zeroed", logits, g)
-    for change in (dict(moe_router_topk_scaling_factor=None), dict(rotary_percent=1.0)):
-        logits, _ = _stock_run(g.ckpt, {**g.geometry, **change}, ids)
-        _far(f"glm4_moe {change}", logits, g)
+    for family, suffix, change, what in (
+            ("qwen2_moe", "shared_expert_gate.weight", torch.neg, "shared-expert gate negated"),
+            ("glm4_moe", "e_score_correction_bias", torch.zeros_like, "router bias zeroed"),
+            ("gpt_oss", "self_attn.sinks", torch.neg, "sinks negated")):
+        m = models[family]
+        logits, _ = _stock_run(_reimport_changed(tmp_path / family, m, suffix, change),
+                               m.geometry, ids)
+        _far(f"\n{family} {what}", logits, m)
+    for family, change in (("glm4_moe", dict(moe_router_topk_scaling_factor=None)),
+                           ("glm4_moe", dict(rotary_percent=1.0)),
+                           ("gpt_oss", dict(activation_func_clamp_value=None)),
+                           ("gpt_oss", dict(glu_linear_offset=0.0))):
+        m = models[family]
+        logits, _ = _stock_run(m.ckpt, {**m.geometry, **change}, ids)
+        _far(f"{family} {change}", logits, m)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -159,7 +172,8 @@ def test_import_export_round_trip_is_bit_exact(models, family, tmp_path):
     H.export_hf(m.ckpt, exported, log=lambda _msg: None)
     src, out = _safetensors(m.hf_dir), _safetensors(exported)
     assert sorted(src) == sorted(out)
-    assert sum(".shared_expert" in k for k in out) == 2 * (4 if family == "qwen2_moe" else 3)
+    assert sum(".shared_expert" in k for k in out) == \
+        {"qwen2_moe": 2 * 4, "glm4_moe": 2 * 3, "gpt_oss": 0}[family]
     unequal = [k for k in src if src[k].dtype != out[k].dtype or not torch.equal(src[k], out[k])]
     assert not unequal, unequal
     # the exported config.json builds the same model in the installed transformers (partial
@@ -172,7 +186,7 @@ def test_import_export_round_trip_is_bit_exact(models, family, tmp_path):
     b = H.read_checkpoint_tensors(H.checkpoint_dir(reimport))
     assert sorted(a) == sorted(b)
     shared = [k for k in a if ".shared_experts." in k]
-    want = ["linear_fc1.weight", "linear_fc2.weight"] + \
+    want = [] if family == "gpt_oss" else ["linear_fc1.weight", "linear_fc2.weight"] + \
         (["gate_weight"] if family == "qwen2_moe" else [])
     assert sorted(shared) == sorted(f"decoder.layers.{i}.mlp.shared_experts.{w}"
                                     for i in ((0, 2) if family == "qwen2_moe" else (1, 2))
@@ -180,6 +194,12 @@ def test_import_export_round_trip_is_bit_exact(models, family, tmp_path):
     if family == "glm4_moe":
         assert torch.equal(a["decoder.layers.1.mlp.router.expert_bias"],
                            src["model.layers.1.mlp.gate.e_score_correction_bias"])
+    if family == "gpt_oss":  # the sinks, and expert 1's [gate; up] from interleaved columns
+        assert torch.equal(a["decoder.layers.self_attention.core_attention.softmax_offset"][1],
+                           src["model.layers.1.self_attn.sinks"])
+        gate_up = src["model.layers.0.mlp.experts.gate_up_proj"][1]
+        assert torch.equal(a["decoder.layers.mlp.experts.experts.linear_fc1.weight"][0, 1],
+                           torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], 1).t())
     unequal = [k for k in a if a[k].dtype != b[k].dtype or not torch.equal(a[k], b[k])]
     assert not unequal, unequal
 
@@ -213,22 +233,26 @@ def _cfg(family, build=None, **change):
     import json
 
     config_cls, _ = _hf_class(family)
-    cfg = json.loads(config_cls(**{**BASE[family], **(build or {})}).to_json_string())
+    cfg = json.loads(config_cls(**copy.deepcopy({**BASE[family], **(build or {})}))
+                     .to_json_string())
     cfg.update(change)
     return cfg
 
 
-#: gpt-oss's config.json fields that matter here (as transformers writes them)
-GPT_OSS = dict(model_type="gpt_oss", architectures=["GptOssForCausalLM"], num_local_experts=4,
-               num_experts_per_tok=2, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, head_dim=12, vocab_size=102,
-               sliding_window=128, layer_types=["sliding_attention", "full_attention"],
-               attention_bias=True, swiglu_limit=7.0)
+#: a gpt-oss config.json with the published sliding window (128) and no --seq-length
+GPT_OSS_WINDOW = dict(
+    model_type="gpt_oss", architectures=["GptOssForCausalLM"], num_local_experts=4,
+    num_experts_per_tok=2, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=12, vocab_size=102,
+    sliding_window=128, layer_types=["sliding_attention", "full_attention"],
+    attention_bias=True, swiglu_limit=7.0)
 
 
 def test_unconvertible_settings_are_refused_naming_them():
     msgs = value_errors({
-        "gpt_oss": lambda: geometry_from_hf(GPT_OSS),
+        "gpt_oss_window": lambda: geometry_from_hf(GPT_OSS_WINDOW),
+        "gpt_oss_bias": lambda: geometry_from_hf(_cfg("gpt_oss", attention_bias=False)),
+        "gpt_oss_alpha": lambda: geometry_from_hf(_cfg("gpt_oss", swiglu_alpha=1.5)),
         "group_score": lambda: geometry_from_hf(_cfg("glm4_moe", num_experts_per_tok=4,
                                                      n_group=3, topk_group=1)),
         "norm": lambda: geometry_from_hf(_cfg("glm4_moe", norm_topk_prob=False)),
@@ -242,13 +266,16 @@ def test_unconvertible_settings_are_refused_naming_them():
                                                 sliding_window=16, layer_types=None)),
     })
     assert_messages(msgs, {
-        "gpt_oss": "gpt_oss", "group_score": "best 2 experts",
+        "gpt_oss_window": "sliding_window = 128 is shorter than max_position_embeddings",
+        "gpt_oss_bias": "attention_bias = False", "gpt_oss_alpha": "swiglu_alpha = 1.5",
+        "group_score": "best 2 experts",
         "norm": "norm_topk_prob = false", "groups": "n_group = 4",
         "odd_rope": "is 3 channels", "prf_qwen2_moe": "partial RoPE converts for glm4_moe",
         "ep": "--metp-parallel-size 4",
         "shared": "n_shared_experts x moe_intermediate_size = 16", "window": "sliding_window = 16"})
-    for word in ("attention sinks", "sliding window", "clamped SwiGLU", "expert biases"):
-        assert word in msgs["gpt_oss"], (word, msgs["gpt_oss"])
+    # the same window converts for sequences it never limits (--seq-length 128)
+    g = geometry_from_hf(GPT_OSS_WINDOW, seq_length=128)
+    assert (g.sliding_window, g.max_position_embeddings) == (128, 128)
 
 
 def test_config_from_saved_arguments():

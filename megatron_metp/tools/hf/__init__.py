@@ -1,5 +1,5 @@
 """Hugging Face Llama-family checkpoints (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral,
-Qwen2-MoE, GLM-4.5) in and out of Megatron/METP (``torch_dist``) checkpoints:
+Qwen2-MoE, GLM-4.5, gpt-oss) in and out of Megatron/METP (``torch_dist``) checkpoints:
 ``python -m megatron_metp.tools.hf`` / ``metp hf`` (docs/huggingface.md). One module per concern:
 
 ========================  ======================================================================

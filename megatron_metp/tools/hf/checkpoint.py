@@ -62,6 +62,9 @@ _LAYER_KEYS = {
     "self_attention.linear_qkv.bias": "self_attention.linear_qkv.bias",          # Qwen2
     "self_attention.q_layernorm.weight": "self_attention.q_layernorm.weight",    # Qwen3
     "self_attention.k_layernorm.weight": "self_attention.k_layernorm.weight",
+    # gpt-oss: the attention output's bias and the sinks
+    "self_attention.linear_proj.bias": "self_attention.linear_proj.bias",
+    "self_attention.core_attention.softmax_offset": "self_attention.core_attention.softmax_offset",
 }
 _TOP_KEYS = ("embedding.word_embeddings.weight", "decoder.final_layernorm.weight",
              "output_layer.weight")
@@ -111,7 +114,11 @@ _MOE_KEYS = {
     "mlp.shared_experts.linear_fc1.weight": "mlp.shared_experts.linear_fc1.weight",
     "mlp.shared_experts.linear_fc2.weight": "mlp.shared_experts.linear_fc2.weight",
     "mlp.shared_experts.gate_weight": "mlp.shared_experts.gate_weight",
-    "mlp.router.expert_bias": "mlp.router.expert_bias"}
+    "mlp.router.expert_bias": "mlp.router.expert_bias",
+    # gpt-oss: the router's and the experts' biases
+    "mlp.router.bias": "mlp.router.bias",
+    "mlp.experts.experts.linear_fc1.bias": "mlp.experts.local_experts.{j}.linear_fc1.bias",
+    "mlp.experts.experts.linear_fc2.bias": "mlp.experts.local_experts.{j}.linear_fc2.bias"}
 
 
 def checkpoint_tensor_keys(path: str) -> List[str]:

@@ -1,5 +1,5 @@
 """A Hugging Face ``config.json`` (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, Qwen2-MoE,
-GLM-4.5) as the
+GLM-4.5, gpt-oss) as the
 Megatron GPT it converts to (:class:`LlamaGeometry`).
 
 :func:`geometry_from_hf` checks every field the conversion depends on and raises
@@ -18,7 +18,8 @@ which is what megatron-core 0.16.1's ``--use-rope-scaling`` implements, or ``yar
 any ``head_dim`` (``--kv-channels``), Qwen2's q/k/v bias (``--add-qkv-bias``), Qwen3's q/k norms
 (``--qk-layernorm``), tied or untied embeddings; and the mixture-of-experts families
 ``qwen3_moe``, ``mixtral``, ``qwen2_moe`` and ``glm4_moe`` (:mod:`.moe`: experts, routing, shared
-experts, which layers are MoE; GLM-4.5's partial RoPE as ``--rotary-percent``).
+experts, which layers are MoE; GLM-4.5's partial RoPE as ``--rotary-percent``) and ``gpt_oss``
+(:mod:`.gpt_oss`: biases, attention sinks, the clamped quick-GeGLU).
 
 The config may be in transformers 4.x's or 5.x's layout (``rope_parameters``, ...): it is read
 into one form first (:mod:`.versions`), and every key is mapped, checked or known to be
@@ -34,6 +35,7 @@ from dataclasses import asdict, dataclass
 from typing import List, Optional
 
 from .errors import HFConfigError
+from .gpt_oss import gpt_oss_config_kwargs, gpt_oss_flags
 from .moe import moe_config_kwargs, moe_flags
 from .yarn import yarn_flags, yarn_from_hf
 
@@ -103,6 +105,14 @@ class LlamaGeometry:
     #: the share of each head's channels RoPE rotates (``partial_rotary_factor``:
     #: ``--rotary-percent``)
     rotary_percent: float = 1.0
+    #: gpt-oss (:mod:`.gpt_oss`): biases on every linear layer (``--add-bias-linear``), the
+    #: experts' clamped quick-GeGLU (``--quick-geglu --glu-linear-offset 1.0
+    #: --activation-func-clamp-value``), attention sinks (``--softmax-type learnable``)
+    linear_bias: bool = False
+    quick_geglu: bool = False
+    glu_linear_offset: float = 0.0
+    activation_func_clamp_value: Optional[float] = None
+    softmax_type: str = "vanilla"
 
     @property
     def kv_channels(self) -> int:
@@ -277,6 +287,9 @@ def geometry_from_hf(cfg: dict, *, make_vocab_size_divisible_by: int = 128,
     fam = family_fields(cfg, family, hidden=hidden, heads=heads, max_pos=max_pos,
                         seq_length=seq_length)
     max_pos = fam["max_position_embeddings"]
+    from .gpt_oss import gpt_oss_fields
+
+    variant = gpt_oss_fields(cfg) if family == "gpt_oss" else {}
     if prf != 1:
         rot = fam["head_dim"] * prf
         if rot != int(rot) or int(rot) % 2:
@@ -300,8 +313,8 @@ def geometry_from_hf(cfg: dict, *, make_vocab_size_divisible_by: int = 128,
         max_position_embeddings=max_pos, tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         dtype=DTYPES[dtype], family=family,
         head_dim=None if fam["head_dim"] * heads == hidden else fam["head_dim"],
-        qk_layernorm=fam["qk_layernorm"], qkv_bias=fam["qkv_bias"],
-        sliding_window=fam["sliding_window"], yarn=yarn, rotary_percent=float(prf), **moe)
+        qk_layernorm=fam["qk_layernorm"], qkv_bias=variant.pop("qkv_bias", fam["qkv_bias"]),
+        sliding_window=fam["sliding_window"], yarn=yarn, rotary_percent=float(prf), **moe, **variant)
 
 
 def megatron_args(g: LlamaGeometry) -> List[str]:
@@ -317,8 +330,10 @@ def megatron_args(g: LlamaGeometry) -> List[str]:
         out.append("--qk-layernorm")
     if g.qkv_bias:
         out.append("--add-qkv-bias")
-    out += ["--normalization", "RMSNorm", "--norm-epsilon", repr(g.norm_epsilon), "--swiglu",
-            "--disable-bias-linear", "--position-embedding-type",
+    out += ["--normalization", "RMSNorm", "--norm-epsilon", repr(g.norm_epsilon),
+            *(gpt_oss_flags(g) if g.quick_geglu else ["--swiglu"]),
+            "--add-bias-linear" if g.linear_bias else "--disable-bias-linear",
+            "--position-embedding-type",
             "yarn" if g.yarn else "rope", "--rotary-base", str(g.rotary_base),
             "--max-position-embeddings", str(g.max_position_embeddings),
             "--make-vocab-size-divisible-by", str(g.make_vocab_size_divisible_by),
@@ -343,11 +358,11 @@ def transformer_config_kwargs(g: LlamaGeometry, *, tp: int = 1, metp: int = 1,
     import torch.nn.functional as F
 
     dtype = getattr(torch, g.dtype)
-    return dict(
+    out = dict(
         num_layers=g.num_layers, hidden_size=g.hidden_size, ffn_hidden_size=g.ffn_hidden_size,
         num_attention_heads=g.num_attention_heads, num_query_groups=g.num_query_groups,
         kv_channels=g.kv_channels, normalization="RMSNorm", layernorm_epsilon=g.norm_epsilon,
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=g.linear_bias,
         add_qkv_bias=g.qkv_bias, qk_layernorm=g.qk_layernorm,
         tensor_model_parallel_size=tp, context_parallel_size=metp,
         attention_dropout=0.0, hidden_dropout=0.0,
@@ -357,6 +372,8 @@ def transformer_config_kwargs(g: LlamaGeometry, *, tp: int = 1, metp: int = 1,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         **moe_config_kwargs(g, ep=ep, dispatcher=dispatcher))
+    out.update(gpt_oss_config_kwargs(g))  # gpt-oss: quick-GeGLU in place of SiLU, sinks
+    return out
 
 
 def set_yarn_config(config, g: LlamaGeometry) -> None:
@@ -392,6 +409,8 @@ def pretrain_gpt_sh_model(g: LlamaGeometry, load_dir: str, *, tp: int = 1, metp:
         extra += yarn_flags(g.yarn)
     if g.rotary_percent != 1.0:
         extra += ["--rotary-percent", repr(g.rotary_percent)]
+    if g.quick_geglu:
+        extra += gpt_oss_flags(g)
     extra += moe_flags(g)
     lines = [
         "# shellcheck shell=bash disable=SC2034  # sourced by scripts/pretrain_gpt.sh",
@@ -412,9 +431,9 @@ def pretrain_gpt_sh_model(g: LlamaGeometry, load_dir: str, *, tp: int = 1, metp:
         f'"${{FFN_HIDDEN_SIZE:={g.ffn_hidden_size}}}"',
         f': "${{NUM_ATTENTION_HEADS:={g.num_attention_heads}}}" '
         f'"${{NUM_QUERY_GROUPS:={g.num_query_groups}}}" "${{ROTARY_BASE:={g.rotary_base}}}"',
-        ': "${SWIGLU:=1}" "${NORMALIZATION:=RMSNorm}" '
+        f': "${{SWIGLU:={int(not g.quick_geglu)}}}" "${{NORMALIZATION:=RMSNorm}}" '
         f'"${{POSITION_EMBEDDING_TYPE:={"yarn" if g.yarn else "rope"}}}" '
-        '"${DISABLE_BIAS_LINEAR:=1}"',
+        f'"${{DISABLE_BIAS_LINEAR:={int(not g.linear_bias)}}}"',
         f': "${{KV_CHANNELS:={g.head_dim or ""}}}" "${{QK_LAYERNORM:={int(g.qk_layernorm)}}}" '
         f'"${{ADD_QKV_BIAS:={int(g.qkv_bias)}}}"',
         f': "${{UNTIE_EMBEDDINGS:={0 if g.tie_embeddings else 1}}}" '

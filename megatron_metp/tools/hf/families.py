@@ -16,6 +16,8 @@ glm4_moe   ``Glm4MoeForCausalLM``  q/k/v bias when ``attention_bias`` (``--add-q
                                    over ``partial_rotary_factor`` of each head
                                    (``--rotary-percent``), leading dense layers, a shared
                                    expert and a sigmoid router (:mod:`.moe`)
+gpt_oss    ``GptOssForCausalLM``   biases everywhere, attention sinks, the experts' clamped
+                                   quick-GeGLU, alternating sliding windows (:mod:`.gpt_oss`)
 =========  ======================  ==========================================================
 
 All four: ``head_dim`` may differ from ``hidden_size / num_attention_heads`` (``--kv-channels``;
@@ -45,7 +47,7 @@ DENSE_FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
 FAMILIES = {**DENSE_FAMILIES, **MOE_FAMILIES}
 
 _DENSE_ONLY = ("mixture-of-experts fields in a dense family's config (only model_type "
-               "'qwen3_moe', 'mixtral', 'qwen2_moe' and 'glm4_moe' convert as MoE)")
+               "'qwen3_moe', 'mixtral', 'qwen2_moe', 'glm4_moe' and 'gpt_oss' convert as MoE)")
 #: fields of other variants that no METP layer implements, refused whenever set (MoE fields in a
 #: dense family, soft-capping, other attention forms): field → why
 UNSUPPORTED_FIELDS = {
@@ -60,18 +62,6 @@ UNSUPPORTED_FIELDS = {
 }
 
 
-#: MoE families read but refused: model_type -> the features METP does not reproduce yet
-REFUSED_FAMILIES = {
-    "gpt_oss": "gpt-oss needs attention sinks (a learned per-head logit in the softmax: "
-               "self_attn.sinks), a sliding window on alternate layers (layer_types, "
-               "sliding_window 128), expert biases (experts.gate_up_proj_bias / "
-               "down_proj_bias, router.bias), a clamped SwiGLU (swiglu_limit, alpha 1.702, "
-               "interleaved gate/up columns) and a bias on o_proj; METP refuses attention "
-               "sinks (--softmax-type learnable) and alternating windows "
-               "(--window-attn-skip-freq), so no METP model computes its logits",
-}
-
-
 def _err(msg: str):
     return HFConfigError(msg)
 
@@ -79,10 +69,6 @@ def _err(msg: str):
 def check_family(cfg: dict) -> str:
     """The family of ``cfg`` (its ``model_type``), refusing other types and architectures."""
     model_type = cfg.get("model_type")
-    if model_type in REFUSED_FAMILIES:
-        raise _err(f"config.json: model_type {model_type!r} is not supported: "
-                   f"{REFUSED_FAMILIES[model_type]}; the converter takes "
-                   f"{', '.join(repr(f) for f in FAMILIES)}")
     if model_type not in FAMILIES:
         hint = moe_family_hint(cfg)
         raise _err(f"config.json: model_type {model_type!r} is not supported: the converter takes "
@@ -108,7 +94,7 @@ def _window(cfg: dict, family: str) -> Optional[int]:
         w = cfg.get("sliding_window")
     elif family == "qwen3_moe":  # every layer, when use_sliding_window
         w = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
-    elif family in ("qwen2", "qwen3", "qwen2_moe"):
+    elif family in ("qwen2", "qwen3", "qwen2_moe", "gpt_oss"):
         types = cfg.get("layer_types") or []
         sliding = any(t == "sliding_attention" for t in types)
         w = cfg.get("sliding_window") if (cfg.get("use_sliding_window") or sliding) else None
@@ -139,9 +125,10 @@ def family_fields(cfg: dict, family: str, *, hidden: int, heads: int, max_pos: i
     qkv_bias, qk_norm = False, family in ("qwen3", "qwen3_moe")
     if family == "qwen2":
         qkv_bias = True  # Qwen2Attention: bias on q_proj, k_proj, v_proj, none on o_proj
-    own = {"qwen2_moe": "qkv_bias", "glm4_moe": "attention_bias"}.get(family)
+    own = {"qwen2_moe": "qkv_bias", "glm4_moe": "attention_bias",
+           "gpt_oss": "attention_bias"}.get(family)  # gpt_oss: .gpt_oss
     if own:  # Qwen2-MoE's qkv_bias (default true), GLM-4.5's attention_bias: q/k/v only
-        qkv_bias = cfg.get(own, family == "qwen2_moe")
+        qkv_bias = cfg.get(own, family in ("qwen2_moe", "gpt_oss"))
         if not isinstance(qkv_bias, bool):
             raise _err(f"config.json: {own} = {qkv_bias!r} must be true or false")
     if family == "glm4_moe":

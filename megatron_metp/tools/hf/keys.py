@@ -23,7 +23,7 @@ from .yarn import YARN_KEYS
 _SHAPE = "the model's shape (Megatron flag of the same name)"
 #: key -> what it maps to (every family has these)
 MAPPED = {
-    "model_type": "the family (one of the eight)",
+    "model_type": "the family (one of the nine)",
     "architectures": "must hold the family's causal LM (LlamaForCausalLM, ...)",
     "vocab_size": "the embedding and output rows (Megatron pads them)",
     "hidden_size": "--hidden-size",
@@ -70,6 +70,14 @@ MAPPED_BY_FAMILY["qwen2_moe"] = {
                                        "--moe-shared-expert-gate: shared_expert_gate)",
     "num_experts": "--num-experts",
     "qkv_bias": "--add-qkv-bias when true (the default)"}
+MAPPED_BY_FAMILY["gpt_oss"] = {
+    **{k: v for k, v in MAPPED_BY_FAMILY["mixtral"].items() if k != "sliding_window"},
+    "sliding_window": "caps --max-position-embeddings on the layer_types that slide (see "
+                      "Sliding windows)",
+    "layer_types": "'sliding_attention' layers take the sliding-window rule",
+    "attention_bias": "--add-bias-linear (must be true: the experts and router have biases)",
+    "swiglu_limit": "--activation-func-clamp-value (4.x: 7.0 in the code)",
+    "swiglu_alpha": "must be 1.702 (--quick-geglu's constant)"}
 MAPPED_BY_FAMILY["glm4_moe"] = {
     "n_routed_experts": "--num-experts", "num_experts_per_tok": "--moe-router-topk",
     "moe_intermediate_size": "--moe-ffn-hidden-size",
@@ -219,7 +227,7 @@ def markdown_table() -> str:
     """The key table as docs/huggingface.md prints it (tests/test_hf_versions.py checks that
     the doc holds exactly this): the keys of every family, then each family's own."""
     fams = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe",
-            "glm4_moe")
+            "glm4_moe", "gpt_oss")
     tables = {f: family_keys(f) for f in fams}
     kinds = ("mapped", "checked", "harmless")
     # common: the same in every family, or mapped by a family instead (its own row below)

@@ -1,5 +1,6 @@
 """Mixture-of-experts fields of a Hugging Face ``config.json`` (``qwen3_moe``, ``mixtral``,
-``qwen2_moe``, ``glm4_moe``) and the Megatron MoE they convert to.
+``qwen2_moe``, ``glm4_moe``, ``gpt_oss``: its attention and expert variants in :mod:`.gpt_oss`)
+and the Megatron MoE they convert to.
 
 Names: ``E`` experts, ``k`` experts per token, ``f'`` an expert's FFN width, ``z = x W_r^T``
 the router logits ``[T, E]`` of ``T`` tokens, ``L`` layers.
@@ -49,7 +50,7 @@ no MoE layer at all, and ``E`` not divisible by the METP size (the experts are s
 METP ranks: EP = METP); for GLM-4.5 group scores that differ (``num_experts_per_tok`` ≠ 2 ×
 ``topk_group`` with real groups), ``norm_topk_prob`` other than ``k > 1`` (megatron-core's sigmoid
 router renormalises exactly then) and ``output_router_logits``. Any other MoE family
-(``gpt_oss``, ``deepseek_v3``, ...) is refused by :mod:`.families`.
+(``deepseek_v3``, ...) is refused by :mod:`.families`.
 """
 
 from __future__ import annotations
@@ -60,11 +61,13 @@ from .errors import HFConfigError
 
 #: MoE model_type → the causal-LM architecture that converts
 MOE_FAMILIES = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-                "qwen2_moe": "Qwen2MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
+                "qwen2_moe": "Qwen2MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
+                "gpt_oss": "GptOssForCausalLM"}
 #: config.json key of the routed-expert count, and of their FFN width, per MoE family
 _EXPERTS_KEY = {"qwen3_moe": "num_experts", "qwen2_moe": "num_experts",
-                "mixtral": "num_local_experts", "glm4_moe": "n_routed_experts"}
-_FFN_KEY = {"mixtral": "intermediate_size"}  # the others: moe_intermediate_size
+                "mixtral": "num_local_experts", "glm4_moe": "n_routed_experts",
+                "gpt_oss": "num_local_experts"}
+_FFN_KEY = {"mixtral": "intermediate_size", "gpt_oss": "intermediate_size"}  # the others: moe_intermediate_size
 
 #: config.json fields that mark a mixture-of-experts model (of any family)
 MOE_MARKERS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
@@ -83,7 +86,7 @@ def _pos_int(cfg: dict, name: str, default=None) -> int:
 
 def moe_layers(cfg: dict, family: str, num_layers: int) -> List[int]:
     """1 for a MoE layer, 0 for a dense one, per layer (transformers' rule per family)."""
-    if family == "mixtral":
+    if family in ("mixtral", "gpt_oss"):
         return [1] * num_layers
     if family == "glm4_moe":  # the first first_k_dense_replace layers are dense
         k = cfg.get("first_k_dense_replace", 1)
@@ -168,7 +171,7 @@ def moe_fields(cfg: dict, family: str, *, num_layers: int, hidden: int,
     if topk > experts:
         raise _err(f"config.json: num_experts_per_tok {topk} is more than the {experts} experts")
     router = {}
-    if family == "mixtral":
+    if family in ("mixtral", "gpt_oss"):  # gpt-oss: Mixtral's routing, router bias added
         jitter = cfg.get("router_jitter_noise", 0.0) or 0.0
         if jitter != 0:
             raise _err(f"config.json: router_jitter_noise = {jitter!r} is not supported: "
@@ -181,7 +184,7 @@ def moe_fields(cfg: dict, family: str, *, num_layers: int, hidden: int,
     else:
         pre_softmax = not _norm_topk(cfg, False)
     if topk == 1 and not pre_softmax and family != "glm4_moe":
-        what = "Mixtral" if family == "mixtral" else "norm_topk_prob true"
+        what = family if family in ("mixtral", "gpt_oss") else "norm_topk_prob true"
         raise _err(f"config.json: num_experts_per_tok = 1 with {what}: transformers weights "
                    f"each token's one expert by 1 (its top-1 probability divided by itself); "
                    f"megatron-core's top-1 softmax router takes only --moe-router-pre-softmax, "
@@ -297,8 +300,8 @@ def moe_family_hint(cfg: dict) -> Optional[str]:
     config has mixture-of-experts fields."""
     if any(cfg.get(k) not in (None, 0) for k in MOE_MARKERS):
         return (f"of the mixture-of-experts families only "
-                f"{', '.join(repr(f) for f in MOE_FAMILIES)} convert (multi-latent attention, "
-                f"attention sinks and the rest are not implemented)")
+                f"{', '.join(repr(f) for f in MOE_FAMILIES)} convert (multi-latent attention and "
+                f"the rest are not implemented)")
     return None
 
 
