@@ -1,11 +1,12 @@
 """Megatron-LM's own ``pretrain_gpt.py`` (patched, at the session's release, METP 2 on CPU ranks,
-fp32) loading a tiny ``transformers`` Qwen2-MoE and GLM-4.5 (``Glm4MoeForCausalLM``) converted
-by ``megatron_metp.tools.hf import``: the flags of the import's ``model.sh`` (the shared expert
+fp32) loading a tiny ``transformers`` Qwen2-MoE, GLM-4.5 (``Glm4MoeForCausalLM``) and gpt-oss
+converted by ``megatron_metp.tools.hf import``: the flags of the import's ``model.sh`` (the shared expert
 and its gate, ``--add-qkv-bias``; GLM's ``--moe-router-score-function sigmoid``,
 ``--moe-router-enable-expert-bias``, ``--moe-router-topk-scaling-factor``, group-limited
-routing, ``--rotary-percent``, ``--qk-layernorm``, a leading dense layer) build the model the
-checkpoint holds, and iteration 1 prints transformers' loss of the same mock batch. The run's
-own save (trained one step) exports back with the import's config.json, and without one (written
+routing, ``--rotary-percent``, ``--qk-layernorm``, a leading dense layer; gpt-oss's
+``--add-bias-linear``, ``--softmax-type learnable``, ``--quick-geglu`` with its offset and clamp)
+build the model the checkpoint holds, and iteration 1 prints transformers' loss of the same mock
+batch. The Qwen2-MoE and GLM-4.5 runs' own save (trained one step) exports back with the import's config.json, and without one (written
 from the run's saved arguments: the same family and tensors): transformers loads it and its loss
 of the trained batch is lower. One launch per family."""
 
