@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 from typing import List, Optional
 
 from .errors import HFConfigError
-from .gpt_oss import gpt_oss_config_kwargs, gpt_oss_flags
+from .gpt_oss import gpt_oss_config_kwargs, gpt_oss_fields, gpt_oss_flags
 from .moe import moe_config_kwargs, moe_flags
 from .yarn import yarn_flags, yarn_from_hf
 
@@ -287,8 +287,6 @@ def geometry_from_hf(cfg: dict, *, make_vocab_size_divisible_by: int = 128,
     fam = family_fields(cfg, family, hidden=hidden, heads=heads, max_pos=max_pos,
                         seq_length=seq_length)
     max_pos = fam["max_position_embeddings"]
-    from .gpt_oss import gpt_oss_fields
-
     variant = gpt_oss_fields(cfg) if family == "gpt_oss" else {}
     if prf != 1:
         rot = fam["head_dim"] * prf
@@ -314,7 +312,8 @@ def geometry_from_hf(cfg: dict, *, make_vocab_size_divisible_by: int = 128,
         dtype=DTYPES[dtype], family=family,
         head_dim=None if fam["head_dim"] * heads == hidden else fam["head_dim"],
         qk_layernorm=fam["qk_layernorm"], qkv_bias=variant.pop("qkv_bias", fam["qkv_bias"]),
-        sliding_window=fam["sliding_window"], yarn=yarn, rotary_percent=float(prf), **moe, **variant)
+        sliding_window=fam["sliding_window"], yarn=yarn, rotary_percent=float(prf), **moe,
+        **variant)
 
 
 def megatron_args(g: LlamaGeometry) -> List[str]:

@@ -47,8 +47,8 @@ from typing import List
 from .config import MEGATRON_LLAMA3_ROPE, HFConfigError, LlamaGeometry, geometry_from_hf, \
     megatron_args
 from .families import FAMILIES
-from .moe import (EXTRA_MOE_FLAGS, MOE_FLAGS, moe_config_from_args, moe_family_of_args, moe_family_problems,
-                  saved_moe_layers)
+from .moe import (EXTRA_MOE_FLAGS, MOE_FLAGS, moe_config_from_args, moe_family_of_args,
+                  moe_family_problems, saved_moe_layers)
 from .yarn import mscale_factor
 
 __all__ = ["hf_config_from_args", "check_against_args", "family_problems", "moe_args_problems"]

@@ -125,7 +125,8 @@ def gpt_oss_hf_to_megatron(hf: Dict[str, Tensor], g, i: int) -> Dict[str, Tensor
     gu, gub = hf[p + "gate_up_proj"], hf[p + "gate_up_proj_bias"]
     for j in range(g.num_experts):
         e = f"{_t(i)}experts.local_experts.{j}."
-        out[e + "linear_fc1.weight"] = torch.cat([gu[j, :, 0::2], gu[j, :, 1::2]], 1).t().contiguous()
+        gate_up = torch.cat([gu[j, :, 0::2], gu[j, :, 1::2]], 1)  # [h, 2f]: gate | up
+        out[e + "linear_fc1.weight"] = gate_up.t().contiguous()
         out[e + "linear_fc1.bias"] = torch.cat([gub[j, 0::2], gub[j, 1::2]]).contiguous()
         out[e + "linear_fc2.weight"] = hf[p + "down_proj"][j].t().contiguous()
         out[e + "linear_fc2.bias"] = hf[p + "down_proj_bias"][j].clone()

@@ -63,11 +63,12 @@ from .errors import HFConfigError
 MOE_FAMILIES = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
                 "qwen2_moe": "Qwen2MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
                 "gpt_oss": "GptOssForCausalLM"}
-#: config.json key of the routed-expert count, and of their FFN width, per MoE family
+#: config.json key of the routed-expert count, and of their FFN width (default
+#: moe_intermediate_size), per MoE family
 _EXPERTS_KEY = {"qwen3_moe": "num_experts", "qwen2_moe": "num_experts",
                 "mixtral": "num_local_experts", "glm4_moe": "n_routed_experts",
                 "gpt_oss": "num_local_experts"}
-_FFN_KEY = {"mixtral": "intermediate_size", "gpt_oss": "intermediate_size"}  # the others: moe_intermediate_size
+_FFN_KEY = {"mixtral": "intermediate_size", "gpt_oss": "intermediate_size"}
 
 #: config.json fields that mark a mixture-of-experts model (of any family)
 MOE_MARKERS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
