@@ -185,12 +185,12 @@ def moe_fields(cfg: dict, family: str, *, num_layers: int, hidden: int,
     else:
         pre_softmax = not _norm_topk(cfg, False)
     if topk == 1 and not pre_softmax and family != "glm4_moe":
-        what = family if family in ("mixtral", "gpt_oss") else "norm_topk_prob true"
+        what = {"mixtral": "Mixtral", "gpt_oss": "gpt-oss"}.get(family, "norm_topk_prob true")
         raise _err(f"config.json: num_experts_per_tok = 1 with {what}: transformers weights "
                    f"each token's one expert by 1 (its top-1 probability divided by itself); "
                    f"megatron-core's top-1 softmax router takes only --moe-router-pre-softmax, "
                    f"which weights it by the softmax probability, so the logits would differ "
-                   f"({family} top-1 with norm_topk_prob false converts)")
+                   f"(Qwen3-MoE / Qwen2-MoE top-1 with norm_topk_prob false converts)")
     if experts % metp_parallel_size:
         raise _err(f"config.json: {experts} experts are not divisible by --metp-parallel-size "
                    f"{metp_parallel_size}: METP shards the experts over its ranks (expert "
