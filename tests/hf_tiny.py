@@ -95,3 +95,46 @@ def reference(path: str, family: str, ids: torch.Tensor, seq: int):
                                                attn_implementation="eager").eval()
     with torch.no_grad():
         return model(ids[:, :seq]).logits, model(ids, labels=ids).loss.item()
+
+
+def import_each(root, families, make, reference, ids, *, seed: int, metp: int) -> dict:
+    """For each family: ``make(hf_dir, family, seed)`` saves a tiny model, which is imported
+    (``--make-vocab-size-divisible-by 1`` for METP ``metp``) and run in transformers
+    (``reference(hf_dir, family, ids)`` gives its logits and loss). Returns ``{"ids", "root",
+    family: namespace(hf_dir, ckpt, geometry, logits, loss)}``."""
+    from types import SimpleNamespace
+
+    from tests.harness import run_ranks
+    from tests.test_hf import _import_on_a_rank
+
+    out = {"ids": ids, "root": root}
+    for i, family in enumerate(families):
+        hf_dir, ckpt = str(root / f"hf-{family}"), str(root / f"ckpt-{family}")
+        make(hf_dir, family, seed + i)
+        geometry = run_ranks(_import_on_a_rank, 1, hf_dir, ckpt,
+                             {"make_vocab_size_divisible_by": 1, "metp_parallel_size": metp})[0]
+        logits, loss = reference(hf_dir, family, ids)
+        out[family] = SimpleNamespace(hf_dir=hf_dir, ckpt=ckpt, geometry=geometry,
+                                      logits=logits, loss=loss)
+    return out
+
+
+def randomise(model, *, norm: float = 0.2, bias: float = 0.5, router_bias: float = 0.3,
+              qk_gain: float = 1.0) -> None:
+    """What transformers initialises to constants made random (in place, from torch's RNG):
+    norm weights ``1 + norm·n``, biases ``bias·n`` (gpt-oss's expert biases too), GLM's router
+    bias ``router_bias·n``, gpt-oss's attention sinks ``n``; q/k projections times ``qk_gain``
+    (sharper attention)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + norm * torch.randn_like(p))
+            elif name.endswith("self_attn.sinks"):
+                p.copy_(torch.randn_like(p))
+            elif name.endswith((".bias", "_proj_bias")):
+                p.copy_(bias * torch.randn_like(p))
+            elif qk_gain != 1.0 and name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(qk_gain)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(router_bias * torch.randn_like(b))

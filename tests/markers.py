@@ -54,6 +54,11 @@ RELEASE_INDEPENDENT = {
     "tests/test_hf_megatron_lm_families.py::test_pretrain_gpt_prints_transformers_loss_at_"
     "iteration_1[qwen3]":
         "[qwen3_yarn] passes the same qwen3 flags (--qk-layernorm, --kv-channels) plus YaRN",
+    "tests/test_hf_megatron_lm_moe_families.py::test_pretrain_gpt_loads_an_import_and_prints_"
+    "transformers_loss[qwen2_moe]":
+        "its flags through the release: the gated shared expert by tests/test_moe_megatron_lm.py"
+        "::test_shared_experts_train_as_the_stock_twin_and_cross_checkpoints, --add-qkv-bias by "
+        "the HF families test [qwen2], the MoE import by [glm4_moe], all on both releases",
 }
 
 #: node id -> its time on 2 cores (s; the CI legs' --durations, the largest seen), for the tests
@@ -126,6 +131,7 @@ SLOW = {
 #: ``path::fixture`` -> its set-up time (s, as above): the tests of that file that use the
 #: (module-scoped) fixture are slow, all of them (marking only the first would move the cost)
 SLOW_FIXTURES = {
+    "tests/test_hf_moe_families.py::models": 11.5,
     "tests/test_moe_plan.py::measured": 6.5,
     "tests/test_plan.py::measured": 40.4,
     "tests/test_recompute.py::metp2": 19.5,

@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from megatron_metp.tools import hf as H
 from megatron_metp.tools.hf import layout as L
 from megatron_metp.tools.hf.config import geometry_from_hf
 from tests.harness import assert_messages, run_ranks, value_errors
+from tests.hf_tiny import import_each, randomise
 from tests.numerics import rel_err
 from tests.test_hf import BATCH, SEQ, _batch, _import_on_a_rank, _metp_run
 
@@ -52,14 +52,7 @@ def _make(path, family, seed, **change):
     cfg = cfg_cls(**copy.deepcopy({**BASE, **extra, **change}), dtype="float32")
     torch.manual_seed(seed)
     model = model_cls(cfg).float()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.3 * torch.randn_like(p))
-            elif name.endswith(".bias"):
-                p.copy_(0.5 * torch.randn_like(p))
-            elif name.endswith(("q_proj.weight", "k_proj.weight")):
-                p.mul_(3.0)
+    randomise(model, norm=0.3, qk_gain=3.0)
     model.save_pretrained(path, safe_serialization=True)
     return cfg
 
@@ -74,18 +67,9 @@ def _reference(hf_dir, family, ids):
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hf-families")
-    ids = _batch()
-    out = {"ids": ids, "root": root}
-    for i, family in enumerate(FAMILIES):
-        hf_dir, ckpt = str(root / f"hf-{family}"), str(root / f"ckpt-{family}")
-        _make(hf_dir, family, seed=20 + i)
-        geometry = run_ranks(_import_on_a_rank, 1, hf_dir, ckpt,
-                             {"make_vocab_size_divisible_by": 1, "metp_parallel_size": 2})[0]
-        logits, loss = _reference(hf_dir, family, ids)
-        out[family] = SimpleNamespace(hf_dir=hf_dir, ckpt=ckpt, geometry=geometry,
-                                      logits=logits, loss=loss)
-    return out
+    return import_each(tmp_path_factory.mktemp("hf-families"), FAMILIES,
+                       lambda d, f, seed: _make(d, f, seed=seed), _reference, _batch(),
+                       seed=20, metp=2)
 
 
 def test_geometries_carry_the_family_features(converted):
@@ -190,7 +174,7 @@ def test_family_fields_are_refused_or_accepted_naming_the_field():
             "rope_type": "yarn", "factor": 4.0, "truncate": "yes"})),
         "moe": lambda: geometry_from_hf(_cfg("qwen2", num_experts=8)),
         "softcap": lambda: geometry_from_hf(_cfg("mistral", final_logit_softcapping=30.0)),
-        "moe_type": lambda: geometry_from_hf(_cfg("qwen2", model_type="qwen2_moe")),
+        "moe_type": lambda: geometry_from_hf(_cfg("qwen2", model_type="olmoe")),
         "arch": lambda: geometry_from_hf(_cfg("qwen3", architectures=["Qwen3ForSequenceClassification"])),
         "odd_head": lambda: geometry_from_hf(_cfg("qwen3", head_dim=15)),
     })
@@ -198,7 +182,7 @@ def test_family_fields_are_refused_or_accepted_naming_the_field():
         "window": "sliding_window = 32", "window_seq": "--seq-length 48 is longer",
         "qwen_window": "sliding_window = 16", "qwen3_bias": "attention_bias = true",
         "yarn": "rope_scaling.truncate = 'yes'", "moe": "num_experts = 8",
-        "softcap": "final_logit_softcapping = 30.0", "moe_type": "model_type 'qwen2_moe'",
+        "softcap": "final_logit_softcapping = 30.0", "moe_type": "model_type 'olmoe'",
         "arch": "'Qwen3ForCausalLM'", "odd_head": "head_dim = 15"})
     # Qwen3's long-context setting converts (tests/test_hf_yarn.py)
     g = geometry_from_hf(_cfg("qwen3", max_position_embeddings=131072, rope_scaling={

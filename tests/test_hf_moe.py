@@ -322,8 +322,7 @@ def test_flags_match_the_config(models, capsys):
 
 def test_bad_moe_configs_are_refused_naming_the_field():
     msgs = value_errors({
-        "qwen2_moe": lambda: geometry_from_hf({**_cfg("qwen3_moe"), "model_type": "qwen2_moe",
-                                               "shared_expert_intermediate_size": 32}),
+        "olmoe": lambda: geometry_from_hf({**_cfg("qwen3_moe"), "model_type": "olmoe"}),
         "deepseek": lambda: geometry_from_hf({"model_type": "deepseek_v3",
                                               "n_routed_experts": 8}),
         "dense_with_experts": lambda: geometry_from_hf({**_cfg("qwen3_moe"),
@@ -338,7 +337,8 @@ def test_bad_moe_configs_are_refused_naming_the_field():
         "arch": lambda: geometry_from_hf(_cfg("mixtral", architectures=["MistralForCausalLM"])),
     })
     assert_messages(msgs, {
-        "qwen2_moe": "mixture-of-experts families only 'qwen3_moe', 'mixtral' convert",
+        "olmoe": "mixture-of-experts families only 'qwen3_moe', 'mixtral', 'qwen2_moe', "
+                 "'glm4_moe', 'gpt_oss' convert",
         "deepseek": "model_type 'deepseek_v3' is not supported",
         # the experts' key as the installed transformers writes it (5.x: num_local_experts)
         "dense_with_experts": f"{_experts_key()} = 6 is not supported",

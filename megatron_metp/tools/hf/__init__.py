@@ -1,6 +1,6 @@
-"""Hugging Face Llama-family checkpoints (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral) in
-and out of Megatron/METP (``torch_dist``) checkpoints: ``python -m megatron_metp.tools.hf`` /
-``metp hf`` (docs/huggingface.md). One module per concern:
+"""Hugging Face Llama-family checkpoints (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral,
+Qwen2-MoE, GLM-4.5, gpt-oss) in and out of Megatron/METP (``torch_dist``) checkpoints:
+``python -m megatron_metp.tools.hf`` / ``metp hf`` (docs/huggingface.md). One module per concern:
 
 ========================  ======================================================================
 :mod:`.cli`               the command line (``import``, ``export``, ``flags``): :func:`main`
@@ -12,7 +12,7 @@ and out of Megatron/METP (``torch_dist``) checkpoints: ``python -m megatron_metp
 :mod:`.keys`              every config.json key mapped, checked, harmless or refused
 :mod:`.versions`          transformers 4.x and 5.x config layouts
 :mod:`.yarn`              YaRN rope scaling
-:mod:`.moe`               Qwen3-MoE and Mixtral: experts, routing, the MoE flags
+:mod:`.moe`               Qwen3-MoE, Mixtral, Qwen2-MoE, GLM-4.5: experts, routing, the MoE flags
 :mod:`.layout`            Hugging Face <-> Megatron tensor names and layouts
 :mod:`.moe_layout`        the same for the experts and the router
 :mod:`.weights_check`     the safetensors files and tensors checked on the way in

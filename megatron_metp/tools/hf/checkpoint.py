@@ -62,6 +62,9 @@ _LAYER_KEYS = {
     "self_attention.linear_qkv.bias": "self_attention.linear_qkv.bias",          # Qwen2
     "self_attention.q_layernorm.weight": "self_attention.q_layernorm.weight",    # Qwen3
     "self_attention.k_layernorm.weight": "self_attention.k_layernorm.weight",
+    # gpt-oss: the attention output's bias and the sinks
+    "self_attention.linear_proj.bias": "self_attention.linear_proj.bias",
+    "self_attention.core_attention.softmax_offset": "self_attention.core_attention.softmax_offset",
 }
 _TOP_KEYS = ("embedding.word_embeddings.weight", "decoder.final_layernorm.weight",
              "output_layer.weight")
@@ -106,7 +109,16 @@ def read_checkpoint_tensors(path: str, keys: Optional[Iterable[str]] = None) -> 
 _MOE_KEYS = {
     "mlp.router.weight": "mlp.router.weight",
     "mlp.experts.experts.linear_fc1.weight": "mlp.experts.local_experts.{j}.linear_fc1.weight",
-    "mlp.experts.experts.linear_fc2.weight": "mlp.experts.local_experts.{j}.linear_fc2.weight"}
+    "mlp.experts.experts.linear_fc2.weight": "mlp.experts.local_experts.{j}.linear_fc2.weight",
+    # the shared expert (Qwen2-MoE, GLM-4.5), its gate (Qwen2-MoE), the router bias (GLM-4.5)
+    "mlp.shared_experts.linear_fc1.weight": "mlp.shared_experts.linear_fc1.weight",
+    "mlp.shared_experts.linear_fc2.weight": "mlp.shared_experts.linear_fc2.weight",
+    "mlp.shared_experts.gate_weight": "mlp.shared_experts.gate_weight",
+    "mlp.router.expert_bias": "mlp.router.expert_bias",
+    # gpt-oss: the router's and the experts' biases
+    "mlp.router.bias": "mlp.router.bias",
+    "mlp.experts.experts.linear_fc1.bias": "mlp.experts.local_experts.{j}.linear_fc1.bias",
+    "mlp.experts.experts.linear_fc2.bias": "mlp.experts.local_experts.{j}.linear_fc2.bias"}
 
 
 def checkpoint_tensor_keys(path: str) -> List[str]:

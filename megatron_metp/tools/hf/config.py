@@ -1,4 +1,5 @@
-"""A Hugging Face ``config.json`` (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral) as the
+"""A Hugging Face ``config.json`` (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, Qwen2-MoE,
+GLM-4.5, gpt-oss) as the
 Megatron GPT it converts to (:class:`LlamaGeometry`).
 
 :func:`geometry_from_hf` checks every field the conversion depends on and raises
@@ -16,7 +17,9 @@ which is what megatron-core 0.16.1's ``--use-rope-scaling`` implements, or ``yar
 :mod:`.yarn`), grouped-query attention,
 any ``head_dim`` (``--kv-channels``), Qwen2's q/k/v bias (``--add-qkv-bias``), Qwen3's q/k norms
 (``--qk-layernorm``), tied or untied embeddings; and the mixture-of-experts families
-``qwen3_moe`` and ``mixtral`` (:mod:`.moe`: experts, top-k routing, which layers are MoE).
+``qwen3_moe``, ``mixtral``, ``qwen2_moe`` and ``glm4_moe`` (:mod:`.moe`: experts, routing, shared
+experts, which layers are MoE; GLM-4.5's partial RoPE as ``--rotary-percent``) and ``gpt_oss``
+(:mod:`.gpt_oss`: biases, attention sinks, the clamped quick-GeGLU).
 
 The config may be in transformers 4.x's or 5.x's layout (``rope_parameters``, ...): it is read
 into one form first (:mod:`.versions`), and every key is mapped, checked or known to be
@@ -32,6 +35,7 @@ from dataclasses import asdict, dataclass
 from typing import List, Optional
 
 from .errors import HFConfigError
+from .gpt_oss import gpt_oss_config_kwargs, gpt_oss_fields, gpt_oss_flags
 from .moe import moe_config_kwargs, moe_flags
 from .yarn import yarn_flags, yarn_from_hf
 
@@ -78,7 +82,8 @@ class LlamaGeometry:
     #: YaRN (``rope_scaling`` type ``yarn``): Megatron's ``yarn_*`` config attributes
     #: (:mod:`.yarn`), None without it
     yarn: Optional[dict] = None
-    #: mixture of experts (``qwen3_moe``, ``mixtral``: :mod:`.moe`), None / unused when dense:
+    #: mixture of experts (``qwen3_moe``, ``mixtral``, ``qwen2_moe``, ``glm4_moe``: :mod:`.moe`),
+    #: None / unused when dense:
     #: ``E`` experts, ``k`` per token, expert FFN width ``f'``, 0/1 per layer (1 = MoE; the
     #: dense layers have ``ffn_hidden_size``), softmax before top-k (no renormalisation),
     #: auxiliary load-balancing loss coefficient
@@ -88,6 +93,26 @@ class LlamaGeometry:
     moe_layers: Optional[tuple] = None
     moe_router_pre_softmax: bool = False
     moe_aux_loss_coeff: float = 0.0
+    #: the shared expert (``qwen2_moe``: gated; ``glm4_moe``): its width, None without one
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    moe_shared_expert_gate: bool = False
+    #: the router (``glm4_moe``: sigmoid scores, expert bias, group-limited top-k, scaling)
+    moe_router_score_function: str = "softmax"
+    moe_router_enable_expert_bias: bool = False
+    moe_router_num_groups: Optional[int] = None
+    moe_router_group_topk: Optional[int] = None
+    moe_router_topk_scaling_factor: Optional[float] = None
+    #: the share of each head's channels RoPE rotates (``partial_rotary_factor``:
+    #: ``--rotary-percent``)
+    rotary_percent: float = 1.0
+    #: gpt-oss (:mod:`.gpt_oss`): biases on every linear layer (``--add-bias-linear``), the
+    #: experts' clamped quick-GeGLU (``--quick-geglu --glu-linear-offset 1.0
+    #: --activation-func-clamp-value``), attention sinks (``--softmax-type learnable``)
+    linear_bias: bool = False
+    quick_geglu: bool = False
+    glu_linear_offset: float = 0.0
+    activation_func_clamp_value: Optional[float] = None
+    softmax_type: str = "vanilla"
 
     @property
     def kv_channels(self) -> int:
@@ -198,9 +223,15 @@ def geometry_from_hf(cfg: dict, *, make_vocab_size_divisible_by: int = 128,
         raise HFConfigError(f"config.json: attention_dropout = {cfg['attention_dropout']!r}: METP "
                             f"has no attention dropout; set it to 0.0")
     prf = cfg.get("partial_rotary_factor", 1.0)
-    if prf not in (None, 1, 1.0):
-        raise HFConfigError(f"config.json: partial_rotary_factor = {prf!r} is not supported "
-                            f"(RoPE over the whole head only)")
+    if prf is None:
+        prf = 1.0
+    if isinstance(prf, bool) or not isinstance(prf, (int, float)) or not 0 < prf <= 1:
+        raise HFConfigError(f"config.json: partial_rotary_factor = {prf!r} must be a number in "
+                            f"(0, 1]")
+    if prf != 1 and family != "glm4_moe":
+        raise HFConfigError(f"config.json: partial_rotary_factor = {prf!r} is not supported for "
+                            f"{family!r} (RoPE over the whole head; partial RoPE converts for "
+                            f"glm4_moe, as --rotary-percent)")
     layers = _int_field(cfg, "num_hidden_layers")
     hidden = _int_field(cfg, "hidden_size")
     ffn = _int_field(cfg, "intermediate_size")
@@ -230,6 +261,13 @@ def geometry_from_hf(cfg: dict, *, make_vocab_size_divisible_by: int = 128,
                                 f"{tensor_model_parallel_size} x {metp_parallel_size}: choose "
                                 f"--tensor-model-parallel-size / --metp-parallel-size whose "
                                 f"product divides it")
+    shared = moe.get("moe_shared_expert_intermediate_size")
+    if shared and shared % shards:  # the shared expert runs as METP's MLP (weight ring)
+        key = ("shared_expert_intermediate_size" if family == "qwen2_moe" else
+               "n_shared_experts x moe_intermediate_size")
+        raise HFConfigError(f"config.json: {key} = {shared} (the shared expert's width) is not "
+                            f"divisible by TP x METP = {tensor_model_parallel_size} x "
+                            f"{metp_parallel_size}: choose a --metp-parallel-size that divides it")
     eps = cfg.get("rms_norm_eps", 1e-6)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
         raise HFConfigError(f"config.json: rms_norm_eps = {eps!r} must be a number > 0")
@@ -249,6 +287,16 @@ def geometry_from_hf(cfg: dict, *, make_vocab_size_divisible_by: int = 128,
     fam = family_fields(cfg, family, hidden=hidden, heads=heads, max_pos=max_pos,
                         seq_length=seq_length)
     max_pos = fam["max_position_embeddings"]
+    variant = gpt_oss_fields(cfg) if family == "gpt_oss" else {}
+    if prf != 1:
+        rot = fam["head_dim"] * prf
+        if rot != int(rot) or int(rot) % 2:
+            raise HFConfigError(f"config.json: partial_rotary_factor = {prf!r} of head_dim "
+                                f"{fam['head_dim']} is {rot:g} channels: RoPE needs an even "
+                                f"whole number of them")
+        if yarn is not None or scaling is not None:
+            raise HFConfigError(f"config.json: partial_rotary_factor = {prf!r} with {where} "
+                                f"scaling: Megatron's --rotary-percent takes plain RoPE only")
     dtype = cfg.get("torch_dtype", cfg.get("dtype")) or "float32"
     if dtype not in DTYPES:
         raise HFConfigError(f"config.json: torch_dtype {dtype!r} is not one of "
@@ -263,8 +311,9 @@ def geometry_from_hf(cfg: dict, *, make_vocab_size_divisible_by: int = 128,
         max_position_embeddings=max_pos, tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         dtype=DTYPES[dtype], family=family,
         head_dim=None if fam["head_dim"] * heads == hidden else fam["head_dim"],
-        qk_layernorm=fam["qk_layernorm"], qkv_bias=fam["qkv_bias"],
-        sliding_window=fam["sliding_window"], yarn=yarn, **moe)
+        qk_layernorm=fam["qk_layernorm"], qkv_bias=variant.pop("qkv_bias", fam["qkv_bias"]),
+        sliding_window=fam["sliding_window"], yarn=yarn, rotary_percent=float(prf), **moe,
+        **variant)
 
 
 def megatron_args(g: LlamaGeometry) -> List[str]:
@@ -280,8 +329,10 @@ def megatron_args(g: LlamaGeometry) -> List[str]:
         out.append("--qk-layernorm")
     if g.qkv_bias:
         out.append("--add-qkv-bias")
-    out += ["--normalization", "RMSNorm", "--norm-epsilon", repr(g.norm_epsilon), "--swiglu",
-            "--disable-bias-linear", "--position-embedding-type",
+    out += ["--normalization", "RMSNorm", "--norm-epsilon", repr(g.norm_epsilon),
+            *(gpt_oss_flags(g) if g.quick_geglu else ["--swiglu"]),
+            "--add-bias-linear" if g.linear_bias else "--disable-bias-linear",
+            "--position-embedding-type",
             "yarn" if g.yarn else "rope", "--rotary-base", str(g.rotary_base),
             "--max-position-embeddings", str(g.max_position_embeddings),
             "--make-vocab-size-divisible-by", str(g.make_vocab_size_divisible_by),
@@ -290,6 +341,8 @@ def megatron_args(g: LlamaGeometry) -> List[str]:
         out += ["--use-rope-scaling", "--rope-scaling-factor", repr(g.rope_scaling_factor)]
     if g.yarn:
         out += yarn_flags(g.yarn)
+    if g.rotary_percent != 1.0:
+        out += ["--rotary-percent", repr(g.rotary_percent)]
     if not g.tie_embeddings:
         out.append("--untie-embeddings-and-output-weights")
     return out + moe_flags(g)
@@ -304,11 +357,11 @@ def transformer_config_kwargs(g: LlamaGeometry, *, tp: int = 1, metp: int = 1,
     import torch.nn.functional as F
 
     dtype = getattr(torch, g.dtype)
-    return dict(
+    out = dict(
         num_layers=g.num_layers, hidden_size=g.hidden_size, ffn_hidden_size=g.ffn_hidden_size,
         num_attention_heads=g.num_attention_heads, num_query_groups=g.num_query_groups,
         kv_channels=g.kv_channels, normalization="RMSNorm", layernorm_epsilon=g.norm_epsilon,
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=g.linear_bias,
         add_qkv_bias=g.qkv_bias, qk_layernorm=g.qk_layernorm,
         tensor_model_parallel_size=tp, context_parallel_size=metp,
         attention_dropout=0.0, hidden_dropout=0.0,
@@ -318,6 +371,8 @@ def transformer_config_kwargs(g: LlamaGeometry, *, tp: int = 1, metp: int = 1,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         **moe_config_kwargs(g, ep=ep, dispatcher=dispatcher))
+    out.update(gpt_oss_config_kwargs(g))  # gpt-oss: quick-GeGLU in place of SiLU, sinks
+    return out
 
 
 def set_yarn_config(config, g: LlamaGeometry) -> None:
@@ -334,7 +389,8 @@ def gpt_model_kwargs(g: LlamaGeometry) -> dict:
                 share_embeddings_and_output_weights=g.tie_embeddings,
                 position_embedding_type="yarn" if g.yarn else "rope", rotary_base=g.rotary_base,
                 rope_scaling=g.rope_scaling_factor is not None,
-                rope_scaling_factor=g.rope_scaling_factor or 8.0)
+                rope_scaling_factor=g.rope_scaling_factor or 8.0,
+                rotary_percent=g.rotary_percent)
 
 
 def pretrain_gpt_sh_model(g: LlamaGeometry, load_dir: str, *, tp: int = 1, metp: int = 1) -> str:
@@ -350,6 +406,10 @@ def pretrain_gpt_sh_model(g: LlamaGeometry, load_dir: str, *, tp: int = 1, metp:
         extra += ["--use-rope-scaling", "--rope-scaling-factor", repr(g.rope_scaling_factor)]
     if g.yarn:
         extra += yarn_flags(g.yarn)
+    if g.rotary_percent != 1.0:
+        extra += ["--rotary-percent", repr(g.rotary_percent)]
+    if g.quick_geglu:
+        extra += gpt_oss_flags(g)
     extra += moe_flags(g)
     lines = [
         "# shellcheck shell=bash disable=SC2034  # sourced by scripts/pretrain_gpt.sh",
@@ -370,9 +430,9 @@ def pretrain_gpt_sh_model(g: LlamaGeometry, load_dir: str, *, tp: int = 1, metp:
         f'"${{FFN_HIDDEN_SIZE:={g.ffn_hidden_size}}}"',
         f': "${{NUM_ATTENTION_HEADS:={g.num_attention_heads}}}" '
         f'"${{NUM_QUERY_GROUPS:={g.num_query_groups}}}" "${{ROTARY_BASE:={g.rotary_base}}}"',
-        ': "${SWIGLU:=1}" "${NORMALIZATION:=RMSNorm}" '
+        f': "${{SWIGLU:={int(not g.quick_geglu)}}}" "${{NORMALIZATION:=RMSNorm}}" '
         f'"${{POSITION_EMBEDDING_TYPE:={"yarn" if g.yarn else "rope"}}}" '
-        '"${DISABLE_BIAS_LINEAR:=1}"',
+        f'"${{DISABLE_BIAS_LINEAR:={int(not g.linear_bias)}}}"',
         f': "${{KV_CHANNELS:={g.head_dim or ""}}}" "${{QK_LAYERNORM:={int(g.qk_layernorm)}}}" '
         f'"${{ADD_QKV_BIAS:={int(g.qkv_bias)}}}"',
         f': "${{UNTIE_EMBEDDINGS:={0 if g.tie_embeddings else 1}}}" '

@@ -63,6 +63,7 @@ from .config import (HFConfigError, LlamaGeometry, geometry_from_hf, gpt_model_k
                      megatron_args, pretrain_gpt_sh_model, read_hf_config,
                      set_yarn_config, transformer_config_kwargs)
 from .layout import hf_to_megatron, megatron_shapes, megatron_to_hf
+from .moe_layout import FP32_BUFFERS
 from .from_args import moe_args_problems
 from .moe import MOE_FAMILIES
 from .output import staged_dir
@@ -189,6 +190,7 @@ def _write_checkpoint(g: LlamaGeometry, params: Dict[str, torch.Tensor], ckpt_di
 
     model = build_model(g)
     names = dict(model.named_parameters())
+    names.update((k, b) for k, b in model.named_buffers() if k.endswith(".expert_bias"))
     if set(names) != set(params):
         raise RuntimeError(f"megatron-core's GPTModel has parameters {sorted(set(names) ^ set(params))[:6]} "
                            f"the re-layout does not (or the reverse): megatron-core version?")
@@ -197,7 +199,7 @@ def _write_checkpoint(g: LlamaGeometry, params: Dict[str, torch.Tensor], ckpt_di
             if tuple(p.shape) != tuple(params[name].shape):
                 raise RuntimeError(f"{name}: model {list(p.shape)} vs converted "
                                    f"{list(params[name].shape)}")
-            p.copy_(params[name])
+            p.copy_(params[name].to(p.dtype))  # expert_bias: fp32 in megatron-core
     os.makedirs(ckpt_dir)
     dist_checkpointing.save({"model": model.sharded_state_dict(), "checkpoint_version": 3.0,
                              "iteration": 0}, ckpt_dir)
@@ -257,7 +259,7 @@ def import_hf(hf_dir: str, out_dir: str, *, make_vocab_size_divisible_by: int = 
     _check_out(out_dir, force, keep=(hf_dir,))
     hf = read_checked_safetensors(hf_dir, g, cfg)  # files, index, names, shapes, dtypes, values
     params = hf_to_megatron(hf, g)
-    dtype = next(iter(hf.values())).dtype
+    dtype = hf["model.embed_tokens.weight"].dtype
     if str(dtype).replace("torch.", "") != g.dtype:
         g = dataclasses.replace(g, dtype=str(dtype).replace("torch.", ""))
     del hf
@@ -334,12 +336,12 @@ def _export_config(path: str, cfg_dir: Optional[str]):
                                 f"the Hugging Face model's config.json")
         return hf_config_from_args(saved), saved
     cfg = read_hf_config(cfg_dir)
-    problems = family_problems(saved) if saved is not None else []
+    problems = family_problems(saved, cfg.get("model_type")) if saved is not None else []
     if saved is not None and cfg.get("model_type") in MOE_FAMILIES:
         problems += moe_args_problems(cfg, saved)
     elif saved is not None and saved.get("num_experts"):
         problems.append(f"--num-experts {saved['num_experts']}: config.json is a dense "
-                        f"{cfg.get('model_type')!r}; pass the qwen3_moe / mixtral config.json")
+                        f"{cfg.get('model_type')!r}; pass the MoE model's config.json")
     if problems:
         raise HFConfigError(f"{path!r} was trained as a model with no Hugging Face family "
                             f"(its saved Megatron-LM arguments), whatever config.json says: "
@@ -392,7 +394,7 @@ def export_hf(load: str, out_dir: str, *, hf_config: Optional[str] = None,
     # default: the embedding's dtype for every tensor (an import keeps the norms of a bf16
     # model in megatron-core's fp32 norm parameters; the values are the bf16 ones)
     target = getattr(torch, dtype) if dtype is not None else emb.dtype
-    hf = {k: v.to(target) for k, v in hf.items()}
+    hf = {k: v.to(torch.float32 if k.endswith(FP32_BUFFERS) else target) for k, v in hf.items()}
     written = str(target).replace("torch.", "")
     cfg, layout = export_layout(dict(cfg), transformers_layout)  # versions
     cfg["dtype" if "dtype" in cfg or layout == 5 else "torch_dtype"] = written

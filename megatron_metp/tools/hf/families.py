@@ -9,6 +9,15 @@ qwen2      ``Qwen2ForCausalLM``    bias on q, k and v (``--add-qkv-bias``), none
 qwen3      ``Qwen3ForCausalLM``    per-head RMSNorm of q and k before RoPE (``--qk-layernorm``)
 qwen3_moe  ``Qwen3MoeForCausalLM`` Qwen3's attention, MoE MLPs (:mod:`.moe`)
 mixtral    ``MixtralForCausalLM``  Mistral's attention, MoE MLPs in every layer (:mod:`.moe`)
+qwen2_moe  ``Qwen2MoeForCausalLM`` Qwen2's attention (q/k/v bias unless ``qkv_bias`` false),
+                                   MoE MLPs with a gated shared expert (:mod:`.moe`)
+glm4_moe   ``Glm4MoeForCausalLM``  q/k/v bias when ``attention_bias`` (``--add-qkv-bias``),
+                                   q/k norms when ``use_qk_norm`` (``--qk-layernorm``), RoPE
+                                   over ``partial_rotary_factor`` of each head
+                                   (``--rotary-percent``), leading dense layers, a shared
+                                   expert and a sigmoid router (:mod:`.moe`)
+gpt_oss    ``GptOssForCausalLM``   biases everywhere, attention sinks, the experts' clamped
+                                   quick-GeGLU, alternating sliding windows (:mod:`.gpt_oss`)
 =========  ======================  ==========================================================
 
 All four: ``head_dim`` may differ from ``hidden_size / num_attention_heads`` (``--kv-channels``;
@@ -38,7 +47,7 @@ DENSE_FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
 FAMILIES = {**DENSE_FAMILIES, **MOE_FAMILIES}
 
 _DENSE_ONLY = ("mixture-of-experts fields in a dense family's config (only model_type "
-               "'qwen3_moe' and 'mixtral' convert as MoE)")
+               "'qwen3_moe', 'mixtral', 'qwen2_moe', 'glm4_moe' and 'gpt_oss' convert as MoE)")
 #: fields of other variants that no METP layer implements, refused whenever set (MoE fields in a
 #: dense family, soft-capping, other attention forms): field → why
 UNSUPPORTED_FIELDS = {
@@ -85,7 +94,7 @@ def _window(cfg: dict, family: str) -> Optional[int]:
         w = cfg.get("sliding_window")
     elif family == "qwen3_moe":  # every layer, when use_sliding_window
         w = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
-    elif family in ("qwen2", "qwen3"):
+    elif family in ("qwen2", "qwen3", "qwen2_moe", "gpt_oss"):
         types = cfg.get("layer_types") or []
         sliding = any(t == "sliding_attention" for t in types)
         w = cfg.get("sliding_window") if (cfg.get("use_sliding_window") or sliding) else None
@@ -113,11 +122,21 @@ def family_fields(cfg: dict, family: str, *, hidden: int, heads: int, max_pos: i
     if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2:
         raise _err(f"config.json: head_dim = {head_dim!r} must be an even integer >= 2 (RoPE "
                    f"rotates pairs of channels)")
-    qkv_bias = False
+    qkv_bias, qk_norm = False, family in ("qwen3", "qwen3_moe")
     if family == "qwen2":
         qkv_bias = True  # Qwen2Attention: bias on q_proj, k_proj, v_proj, none on o_proj
+    own = {"qwen2_moe": "qkv_bias", "glm4_moe": "attention_bias",
+           "gpt_oss": "attention_bias"}.get(family)  # gpt_oss: .gpt_oss
+    if own:  # Qwen2-MoE's qkv_bias (default true), GLM-4.5's attention_bias: q/k/v only
+        qkv_bias = cfg.get(own, family in ("qwen2_moe", "gpt_oss"))
+        if not isinstance(qkv_bias, bool):
+            raise _err(f"config.json: {own} = {qkv_bias!r} must be true or false")
+    if family == "glm4_moe":
+        qk_norm = cfg.get("use_qk_norm", False)
+        if not isinstance(qk_norm, bool):
+            raise _err(f"config.json: use_qk_norm = {qk_norm!r} must be true or false")
     for name in ("attention_bias", "mlp_bias"):
-        if cfg.get(name, False):
+        if name != own and cfg.get(name, False):
             raise _err(f"config.json: {name} = true is not supported: Megatron has no bias on "
                        f"the attention output without biases on every linear layer "
                        f"(--add-bias-linear); only Qwen2's q/k/v bias (--add-qkv-bias) converts")
@@ -131,6 +150,5 @@ def family_fields(cfg: dict, family: str, *, hidden: int, heads: int, max_pos: i
                        f"--seq-length S (S <= {window}: the window never binds), or use a model "
                        f"without a window (sliding_window null)")
         max_pos = min(max_pos, window)
-    return {"head_dim": head_dim, "qk_layernorm": family in ("qwen3", "qwen3_moe"),
-            "qkv_bias": qkv_bias,
+    return {"head_dim": head_dim, "qk_layernorm": qk_norm, "qkv_bias": qkv_bias,
             "sliding_window": window, "max_position_embeddings": max_pos}

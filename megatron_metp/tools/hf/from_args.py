@@ -11,6 +11,10 @@ saved args                                  family     extra ``config.json`` fie
 ``num_experts`` and ``qk_layernorm``        qwen3_moe  ``num_experts``, ``moe_intermediate_size``,
                                                        ``mlp_only_layers``, ``norm_topk_prob``
 ``num_experts`` (every layer MoE)           mixtral    ``num_local_experts``, ``sliding_window``
+``num_experts``, a gated shared expert      qwen2_moe  as qwen3_moe, ``shared_expert_intermediate_
+                                                       size``, ``qkv_bias``
+``num_experts``, the sigmoid router         glm4_moe   ``n_routed_experts``, ``n_shared_experts``,
+                                                       ``first_k_dense_replace``, ``n_group``, ...
 ``qk_layernorm``                            qwen3      ``head_dim``
 ``add_qkv_bias``                            qwen2      (q/k/v biases)
 ``window_size = (W - 1, 0)``                mistral    ``sliding_window = W``
@@ -43,8 +47,8 @@ from typing import List
 from .config import MEGATRON_LLAMA3_ROPE, HFConfigError, LlamaGeometry, geometry_from_hf, \
     megatron_args
 from .families import FAMILIES
-from .moe import (MOE_FLAGS, moe_config_from_args, moe_family_problems,
-                  saved_moe_layers)
+from .moe import (EXTRA_MOE_FLAGS, MOE_FLAGS, moe_config_from_args, moe_family_of_args,
+                  moe_family_problems, saved_moe_layers)
 from .yarn import mscale_factor
 
 __all__ = ["hf_config_from_args", "check_against_args", "family_problems", "moe_args_problems"]
@@ -58,10 +62,21 @@ _DEST = {"--disable-bias-linear": ("add_bias_linear", False),
 _NOT_COMPARED = {"--make-vocab-size-divisible-by", "--attention-dropout", "--hidden-dropout"}
 
 
-def family_problems(a: dict) -> List[str]:
+#: MoE families whose own config.json settles what the from-args rules refuse (their flags are
+#: compared with it by :func:`moe_args_problems`): family -> the saved settings it may have
+_OWN_FEATURES = {"qwen2_moe": set(), "glm4_moe": {"rotary_percent", "together"}}
+
+
+def family_problems(a: dict, family: str = None) -> List[str]:
     """Why the saved ``args`` ``a`` have no Hugging Face Llama-family model (empty if they do),
-    each naming the flag and what the family uses (MoE: :func:`.moe.moe_family_problems`)."""
-    out = moe_family_problems(a)
+    each naming the flag and what the family uses (MoE: :func:`.moe.moe_family_problems`).
+    ``family``: the ``model_type`` of the config.json the export was given; ``qwen2_moe`` and
+    ``glm4_moe`` (shared experts, sigmoid router, partial RoPE) are then checked against that
+    config by :func:`moe_args_problems` instead."""
+    own = _OWN_FEATURES.get(family)
+    out = moe_family_problems(a) if own is None else []
+    if own is None and a.get("num_experts"):  # written from the arguments (moe_family_of_args)
+        own = _OWN_FEATURES.get(moe_family_of_args(a))
     fam = "Hugging Face Llama-family models (llama, mistral, qwen2, qwen3)"
     norm = a.get("normalization", "LayerNorm")
     if norm != "RMSNorm":
@@ -91,6 +106,8 @@ def family_problems(a: dict) -> List[str]:
             ("softmax_type", "--softmax-type", lambda v: v not in (None, "vanilla")),
             ("window_attn_skip_freq", "--window-attn-skip-freq", lambda v: v is not None)):
         v = a.get(name)
+        if own and name in own:
+            continue
         if v is not None and bad(v):
             out.append(f"{flag} {v!r}: no Hugging Face Llama-family model has it")
     window = a.get("window_size")
@@ -100,7 +117,7 @@ def family_problems(a: dict) -> List[str]:
     features = [f for f, on in (("--qk-layernorm (qwen3)", a.get("qk_layernorm")),
                                 ("--add-qkv-bias (qwen2)", a.get("add_qkv_bias")),
                                 ("--window-size (mistral)", window is not None)) if on]
-    if len(features) > 1:
+    if len(features) > 1 and not (own and "together" in own):
         out.append(f"{' and '.join(features)} together: no one Hugging Face family has both")
     return out
 
@@ -162,8 +179,8 @@ def hf_config_from_args(a: dict) -> dict:
     cfg.update(moe)
     if family == "llama":
         cfg.update(attention_bias=False, mlp_bias=False)
-    elif family == "mixtral":
-        pass  # moe_config_from_args wrote its sliding_window
+    elif family in ("mixtral", "glm4_moe"):
+        pass  # moe_config_from_args wrote Mixtral's sliding_window; GLM-4.5 has none
     elif family == "mistral":
         cfg["sliding_window"] = int(window[0]) + 1  # transformers: q - k < W; Megatron: <= left
     else:
@@ -217,9 +234,10 @@ def check_against_args(cfg: dict, a: dict) -> LlamaGeometry:
 
 
 def moe_args_problems(cfg: dict, saved: dict) -> List[str]:
-    """Where the MoE of a ``qwen3_moe`` / ``mixtral`` ``config.json`` differs from a checkpoint's
-    saved Megatron-LM arguments (empty when they agree): experts, top-k, expert width, which
-    layers are MoE and the routing normalisation, each naming the flag."""
+    """Where the MoE of a MoE family's ``config.json`` differs from a checkpoint's saved
+    Megatron-LM arguments (empty when they agree): experts, top-k, expert width, which layers
+    are MoE, the routing normalisation, the shared expert, the sigmoid router's settings and
+    ``--rotary-percent``, each naming the flag."""
     g = geometry_from_hf(cfg, make_vocab_size_divisible_by=1, seq_length=1)
     if not saved.get("num_experts"):
         return [f"--num-experts: the run has no experts, config.json ({g.family}) has "
@@ -234,7 +252,12 @@ def moe_args_problems(cfg: dict, saved: dict) -> List[str]:
              g.moe_ffn_hidden_size),
             ("--moe-layer-freq", saved_layers, list(g.moe_layers)),
             ("--moe-router-pre-softmax", bool(saved.get("moe_router_pre_softmax")),
-             g.moe_router_pre_softmax)):
+             g.moe_router_pre_softmax),
+            *((flag, saved.get(name) or None, getattr(g, name) or None)
+              for name, flag in EXTRA_MOE_FLAGS if name != "moe_router_score_function"),
+            ("--moe-router-score-function", saved.get("moe_router_score_function") or
+             "softmax", g.moe_router_score_function),
+            ("--rotary-percent", float(saved.get("rotary_percent") or 1.0), g.rotary_percent)):
         if have != want:
             out.append(f"{flag}: saved {have!r}, config.json implies {want!r}")
     return out

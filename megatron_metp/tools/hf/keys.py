@@ -23,7 +23,7 @@ from .yarn import YARN_KEYS
 _SHAPE = "the model's shape (Megatron flag of the same name)"
 #: key -> what it maps to (every family has these)
 MAPPED = {
-    "model_type": "the family (one of the six)",
+    "model_type": "the family (one of the nine)",
     "architectures": "must hold the family's causal LM (LlamaForCausalLM, ...)",
     "vocab_size": "the embedding and output rows (Megatron pads them)",
     "hidden_size": "--hidden-size",
@@ -63,6 +63,35 @@ MAPPED_BY_FAMILY = {
                 "router_aux_loss_coef": "--moe-aux-loss-coeff when output_router_logits"},
 }
 MAPPED_BY_FAMILY["qwen3"] = dict(MAPPED_BY_FAMILY["qwen2"])
+MAPPED_BY_FAMILY["qwen2_moe"] = {
+    **MAPPED_BY_FAMILY["qwen2"], **{k: v for k, v in MAPPED_BY_FAMILY["qwen3_moe"].items()
+                                    if k != "sliding_window"},
+    "shared_expert_intermediate_size": "--moe-shared-expert-intermediate-size (with "
+                                       "--moe-shared-expert-gate: shared_expert_gate)",
+    "num_experts": "--num-experts",
+    "qkv_bias": "--add-qkv-bias when true (the default)"}
+MAPPED_BY_FAMILY["gpt_oss"] = {
+    **{k: v for k, v in MAPPED_BY_FAMILY["mixtral"].items() if k != "sliding_window"},
+    "sliding_window": "caps --max-position-embeddings on the layer_types that slide (see "
+                      "Sliding windows)",
+    "layer_types": "'sliding_attention' layers take the sliding-window rule",
+    "attention_bias": "--add-bias-linear (must be true: the experts and router have biases)",
+    "swiglu_limit": "--activation-func-clamp-value (4.x: 7.0 in the code)",
+    "swiglu_alpha": "must be 1.702 (--quick-geglu's constant)"}
+MAPPED_BY_FAMILY["glm4_moe"] = {
+    "n_routed_experts": "--num-experts", "num_experts_per_tok": "--moe-router-topk",
+    "moe_intermediate_size": "--moe-ffn-hidden-size",
+    "n_shared_experts": "--moe-shared-expert-intermediate-size (x moe_intermediate_size)",
+    "first_k_dense_replace": "--moe-layer-freq (the leading dense layers)",
+    "n_group": "--moe-router-num-groups (when topk_group < n_group)",
+    "topk_group": "--moe-router-group-topk", "norm_topk_prob": "must be true when "
+    "num_experts_per_tok > 1 (megatron-core's sigmoid router renormalises)",
+    "routed_scaling_factor": "--moe-router-topk-scaling-factor",
+    "use_qk_norm": "--qk-layernorm", "attention_bias": "--add-qkv-bias (q/k/v only)",
+    "partial_rotary_factor": "--rotary-percent",
+    "output_router_logits": "must be false (GLM-4.5 trains without an auxiliary loss: "
+                            "the expert bias balances the load)",
+    "router_aux_loss_coef": "unused while output_router_logits is false"}
 
 _OFF = (None, 0, 0.0, False)
 #: key -> (the values METP reproduces, in words; the values, or None where the key's reader
@@ -125,10 +154,14 @@ HARMLESS_BY_FAMILY = {
     "qwen3_moe": {"max_window_layers": "not read by transformers' Qwen3-MoE (its window, when "
                                        "use_sliding_window, applies to every layer)",
                   },
+    "glm4_moe": {"num_nextn_predict_layers": "multi-token-prediction layers, which "
+                                             "transformers' model neither builds nor loads "
+                                             "(their tensors, if present, are refused)"},
 }
 #: family-specific checked keys (beyond CHECKED, which every family may carry)
 _FAMILY_CHECKED = {"qwen2": ("layer_types", "use_sliding_window"),
                    "qwen3": ("layer_types", "use_sliding_window"),
+                   "qwen2_moe": ("layer_types", "use_sliding_window"),
                    "qwen3_moe": ("use_sliding_window",), "mixtral": ("router_jitter_noise",)}
 _ONLY_SOME = {"layer_types", "use_sliding_window", "router_jitter_noise"}
 #: family -> checked keys of that family alone, as CHECKED
@@ -148,12 +181,14 @@ ROPE_KEYS = {"default": {"rope_type", "type"},
 def family_keys(family: str) -> dict:
     """``{"mapped": {key: what}, "checked": {key: value}, "harmless": {key: why}}`` of one
     family."""
+    mapped = {**MAPPED, **MAPPED_BY_FAMILY.get(family, {})}
     checked = {k: v[0] for k, v in CHECKED.items() if k not in _ONLY_SOME}
     checked.update({k: CHECKED[k][0] for k in _FAMILY_CHECKED.get(family, ())})
     checked.update({k: v[0] for k, v in CHECKED_BY_FAMILY.get(family, {}).items()})
+    checked = {k: v for k, v in checked.items() if k not in mapped}
     harmless = dict(HARMLESS)
     harmless.update(HARMLESS_BY_FAMILY.get(family, {}))
-    return {"mapped": {**MAPPED, **MAPPED_BY_FAMILY.get(family, {})}, "checked": checked,
+    return {"mapped": mapped, "checked": checked,
             "harmless": harmless}
 
 
@@ -191,11 +226,15 @@ def check_keys(cfg: dict, family: str, *, rope_source: str = "rope_scaling") -> 
 def markdown_table() -> str:
     """The key table as docs/huggingface.md prints it (tests/test_hf_versions.py checks that
     the doc holds exactly this): the keys of every family, then each family's own."""
-    fams = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+    fams = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe",
+            "glm4_moe", "gpt_oss")
     tables = {f: family_keys(f) for f in fams}
     kinds = ("mapped", "checked", "harmless")
+    # common: the same in every family, or mapped by a family instead (its own row below)
     common = {kind: {k: v for k, v in tables["llama"][kind].items()
-                     if all(tables[f][kind].get(k) == v for f in fams)} for kind in kinds}
+                     if all(tables[f][kind].get(k) == v or
+                            (kind != "mapped" and k in tables[f]["mapped"]) for f in fams)}
+              for kind in kinds}
     rows = ["| key | kind | maps to / must be / why harmless |", "|---|---|---|"]
     for kind in kinds:
         by_why = {}
@@ -203,7 +242,7 @@ def markdown_table() -> str:
             by_why.setdefault(v, []).append(k)
         for v, keys in by_why.items():
             rows.append(f"| {', '.join(f'`{k}`' for k in keys)} | {kind} | {v} |")
-    out = ["Every family:", ""] + rows
+    out = ["Every family (where a family maps a key, its own row below says how):", ""] + rows
     for f in fams:
         own = [f"| `{k}` | {kind} | {v} |" for kind in kinds
                for k, v in tables[f][kind].items() if k not in common[kind]]

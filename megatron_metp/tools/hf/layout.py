@@ -37,8 +37,10 @@ from typing import Dict, Tuple
 import torch
 
 from .config import HFConfigError, LlamaGeometry
+from .gpt_oss import (gpt_oss_hf_to_megatron, gpt_oss_megatron_to_hf, hf_gpt_oss_shapes,
+                      megatron_gpt_oss_shapes)
 from .moe import is_moe_layer
-from .moe_layout import (hf_moe_shapes, megatron_moe_shapes, moe_hf_to_megatron,
+from .moe_layout import (FP32_BUFFERS, hf_moe_shapes, megatron_moe_shapes, moe_hf_to_megatron,
                          moe_megatron_to_hf)
 
 Tensor = torch.Tensor
@@ -108,7 +110,9 @@ def hf_names(g: LlamaGeometry) -> Dict[str, tuple]:
             p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
             p + "self_attn.q_proj.weight": (n * d, h), p + "self_attn.k_proj.weight": (k * d, h),
             p + "self_attn.v_proj.weight": (k * d, h), p + "self_attn.o_proj.weight": (h, n * d)})
-        if is_moe_layer(g, i):
+        if g.family == "gpt_oss":
+            out.update(hf_gpt_oss_shapes(g, i))
+        elif is_moe_layer(g, i):
             out.update(hf_moe_shapes(g, i))
         else:
             out.update({p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
@@ -134,7 +138,9 @@ def megatron_shapes(g: LlamaGeometry) -> Dict[str, tuple]:
             p + "input_layernorm.weight": (h,), p + "pre_mlp_layernorm.weight": (h,),
             p + "self_attention.linear_qkv.weight": (g.qkv_rows, h),
             p + "self_attention.linear_proj.weight": (h, g.num_attention_heads * d)})
-        if is_moe_layer(g, i):
+        if g.family == "gpt_oss":
+            out.update(megatron_gpt_oss_shapes(g, i))
+        elif is_moe_layer(g, i):
             out.update(megatron_moe_shapes(g, i))
         else:
             out.update({p + "mlp.linear_fc1.weight": (2 * f, h),
@@ -186,7 +192,7 @@ def check_hf_tensors(hf: Dict[str, Tensor], g: LlamaGeometry) -> None:
         k, got, exp = bad[0]
         raise HFConfigError(f"tensor {k} has shape {list(got)}, config.json implies {list(exp)} "
                             f"({len(bad)} tensor(s) disagree); is config.json the checkpoint's own?")
-    dtypes = {hf[k].dtype for k in want}
+    dtypes = {hf[k].dtype for k in want if not k.endswith(FP32_BUFFERS)}
     if len(dtypes) != 1:
         raise HFConfigError(f"the safetensors mix dtypes {sorted(str(t) for t in dtypes)}; cast "
                             f"them to one dtype first")
@@ -231,7 +237,9 @@ def hf_to_megatron(hf: Dict[str, Tensor], g: LlamaGeometry) -> Dict[str, Tensor]
             out[t + "self_attention.linear_qkv.bias"] = fuse_qkv(
                 hf[s + "self_attn.q_proj.bias"], hf[s + "self_attn.k_proj.bias"],
                 hf[s + "self_attn.v_proj.bias"], n, k)
-        if is_moe_layer(g, i):
+        if g.family == "gpt_oss":
+            out.update(gpt_oss_hf_to_megatron(hf, g, i))
+        elif is_moe_layer(g, i):
             # looked up at call time: a test may replace fuse_gate_up (negative control)
             out.update(moe_hf_to_megatron(hf, g, i, lambda a, b: fuse_gate_up(a, b)))
         else:
@@ -274,6 +282,9 @@ def megatron_to_hf(mg: Dict[str, Tensor], g: LlamaGeometry) -> Dict[str, Tensor]
             out[t + "self_attn.q_proj.bias"] = q
             out[t + "self_attn.k_proj.bias"] = kk
             out[t + "self_attn.v_proj.bias"] = v
+        if g.family == "gpt_oss":
+            out.update(gpt_oss_megatron_to_hf(mg, g, i))
+            continue
         if is_moe_layer(g, i):
             out.update(moe_megatron_to_hf(mg, g, i, split_gate_up))
             continue

@@ -240,9 +240,13 @@ def check_headers(hf_dir: str, g: LlamaGeometry, cfg: dict) -> Dict[str, Tuple[s
             raise HFConfigError(f"{path}: tensor {k} is {dtype}; the import converts float32, "
                                 f"bfloat16 or float16 weights (a quantized checkpoint: convert "
                                 f"the original, unquantized one)")
+    from .moe_layout import FP32_BUFFERS
+
+    read = [k for k in read if not k.endswith(FP32_BUFFERS)] + \
+        [k for k in read if k.endswith(FP32_BUFFERS)]  # any float dtype (kept fp32)
     first = where[read[0]]
     for k in read:
-        if where[k][1] != first[1]:
+        if where[k][1] != first[1] and not k.endswith(FP32_BUFFERS):
             raise HFConfigError(f"{where[k][0]}: tensor {k} is {FLOAT_DTYPES[where[k][1]]}, "
                                 f"{first[0]}'s {read[0]} is {FLOAT_DTYPES[first[1]]}: the "
                                 f"checkpoint mixes dtypes; cast every tensor to one dtype first")
