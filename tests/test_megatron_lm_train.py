@@ -83,6 +83,15 @@ def saved(patched_megatron_lm, tmp_path_factory):
     return root, runs
 
 
+def _compare_tp_parse_only(config: str, out, env, timeout: int = 300) -> None:
+    """``scripts/compare_tp.sh --config configs/<config> --parse-only --out out``: tabulates the
+    twins' ``metp.log`` and ``tp.log`` already in ``out``; asserts it succeeds."""
+    proc = subprocess.run(["bash", "scripts/compare_tp.sh", "--config", f"configs/{config}",
+                           "--parse-only", "--out", str(out)], cwd=REPO, capture_output=True,
+                          text=True, env=env, timeout=timeout)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+
+
 def test_compare_tp_trains_both_twins_with_the_same_losses(saved, tmp_path):
     """The twins of tiny-cpu-metp2.sh (the ``saved`` runs: the two pretrain_gpt.sh jobs that
     compare_tp.sh runs; its training path is run by the packed and METP x CP tests below) print
@@ -90,10 +99,7 @@ def test_compare_tp_trains_both_twins_with_the_same_losses(saved, tmp_path):
     root, _ = saved
     out = tmp_path / "cmp"
     shutil.copytree(root / "cmp", out)
-    proc = subprocess.run(["bash", "scripts/compare_tp.sh", "--config", "configs/tiny-cpu-metp2.sh",
-                           "--parse-only", "--out", str(out)], cwd=REPO, capture_output=True,
-                          text=True, env=_env("/nonexistent"), timeout=900)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    _compare_tp_parse_only("tiny-cpu-metp2.sh", out, _env("/nonexistent"), timeout=900)
     for name in ("compare.md", "iterations.csv", "compare.png", "metp.log", "tp.log"):
         assert (out / name).stat().st_size > 0, name
     assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

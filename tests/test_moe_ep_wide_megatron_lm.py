@@ -8,11 +8,11 @@ by their global index); the stock twin continues from METP's checkpoint (weights
 EP = p in tests/test_moe_megatron_lm.py) with the uninterrupted runs' iteration-3 loss."""
 
 import os
-import subprocess
 
 import pytest
 
-from tests.test_megatron_lm_train import REPO, _env, _iterations, _rewind, _tensors, _train
+from tests.test_megatron_lm_train import (REPO, _compare_tp_parse_only, _env, _iterations,
+                                          _rewind, _tensors, _train)
 
 METP_CONFIG, TWIN_CONFIG = "tiny-cpu-metp2-ep4-moe.sh", "tiny-cpu-ep4-moe.sh"
 ITERS = 3
@@ -45,10 +45,7 @@ def test_ep_2p_and_its_stock_twin_print_the_same_losses_and_checkpoints(runs, tm
     # compare_tp.sh pairs the two configs and tabulates these logs
     for name in ("metp", "tp"):
         (tmp_path / f"{name}.log").write_text(runs[name]["log"])
-    proc = subprocess.run(["bash", "scripts/compare_tp.sh", "--config", f"configs/{METP_CONFIG}",
-                           "--parse-only", "--out", str(tmp_path)], cwd=REPO, capture_output=True,
-                          text=True, env={**_env("unused"), "PYTHONPATH": REPO}, timeout=300)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    _compare_tp_parse_only(METP_CONFIG, tmp_path, {**_env("unused"), "PYTHONPATH": REPO})
     assert "max lm loss rel. difference" in (tmp_path / "compare.md").read_text()
     # stock's expert layout: the same model tensors under the same keys and shapes
     got = _tensors(os.path.join(runs["metp"]["ckpt"], "iter_0000002"), str(tmp_path))

@@ -19,7 +19,8 @@ import torch
 
 from megatron_metp import megatron_lm as hooks
 from megatron_metp.megatron_lm.preflight import job_problems
-from tests.test_megatron_lm_train import REPO, _env, _iterations, _rewind, _tensors, _train
+from tests.test_megatron_lm_train import (REPO, _compare_tp_parse_only, _env, _iterations,
+                                          _rewind, _tensors, _train)
 
 METP_CONFIG, TWIN_CONFIG = "tiny-cpu-metp2-moe.sh", "tiny-cpu-ep2-moe.sh"
 ITERS = 3
@@ -65,10 +66,7 @@ def test_metp_and_its_stock_ep_twin_print_the_same_falling_losses(runs, tmp_path
     cmp_dir.mkdir()
     for name in ("metp", "tp"):
         (cmp_dir / f"{name}.log").write_text(runs[name]["log"])
-    proc = subprocess.run(["bash", "scripts/compare_tp.sh", "--config", f"configs/{METP_CONFIG}",
-                           "--parse-only", "--out", str(cmp_dir)], cwd=REPO, capture_output=True,
-                          text=True, env={**_env("unused"), "PYTHONPATH": REPO}, timeout=300)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    _compare_tp_parse_only(METP_CONFIG, cmp_dir, {**_env("unused"), "PYTHONPATH": REPO})
     assert "max lm loss rel. difference" in (cmp_dir / "compare.md").read_text()
 
 
