@@ -16,7 +16,7 @@ import torch
 from megatron.core.transformer.identity_op import IdentityOp
 
 
-def _kind(module, config) -> str:
+def norm_kind(module, config) -> str:
     if isinstance(module, torch.nn.RMSNorm):
         return "RMSNorm"
     if isinstance(module, torch.nn.LayerNorm):
@@ -50,8 +50,8 @@ def head_norm_kwargs(attn) -> dict:
     if not all(present):
         raise ValueError("--qk-layernorm: the layer spec has no q_layernorm/k_layernorm; build it "
                          "with get_gpt_layer_metp_spec(..., qk_layernorm=True)")
-    kind = _kind(qn, config)
-    if _kind(kn, config) != kind:
+    kind = norm_kind(qn, config)
+    if norm_kind(kn, config) != kind:
         raise ValueError("q_layernorm and k_layernorm must be the same kind of norm")
     eps = getattr(qn, "eps", None)
     if isinstance(eps, (tuple, list)):

@@ -41,9 +41,9 @@ from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
 from ..ops import metp_mla_attention
 from .groups import METPGroups
-from .head_norm import _kind
+from .head_norm import norm_kind
 from .mla_checks import mla_problems
-from .modules import _document_kwargs, _mask_is_causal, check_config
+from .modules import document_kwargs, mask_is_causal, check_config
 from .moe_checks import check_moe_config
 
 
@@ -90,7 +90,7 @@ def check_mla_config(config, groups: METPGroups) -> None:
 
 
 def _norm_eps(module, config, what: str) -> float:
-    if _kind(module, config) != "RMSNorm":
+    if norm_kind(module, config) != "RMSNorm":
         raise ValueError(f"{what} must be an RMSNorm (--normalization RMSNorm), got "
                          f"{type(module).__name__}")
     eps = getattr(module, "eps", None)
@@ -116,7 +116,7 @@ class METPMLASelfAttention(MLASelfAttention):
                              attn_mask_type=attn_mask_type, cp_comm_type=cp_comm_type,
                              pg_collection=pg_collection, **megatron_kwargs)
         self.groups, self.kernel = groups, kernel
-        self.causal = _mask_is_causal(attn_mask_type)
+        self.causal = mask_is_causal(attn_mask_type)
         if config.q_lora_rank is not None:
             self.norm_eps = _norm_eps(self.q_layernorm, config, "q_layernorm")
         self.norm_eps = _norm_eps(self.kv_layernorm, config, "kv_layernorm")
@@ -145,7 +145,7 @@ class METPMLASelfAttention(MLASelfAttention):
                 rotary_pos_cos is not None or rotary_pos_sin is not None or rotary_pos_cos_sin:
             raise ValueError("METP multi-latent attention takes no attention_bias and no RoPE "
                              "from the model (MLA builds its own rotary_pos_emb)")
-        packed = _document_kwargs(packed_seq_params, "METP multi-latent attention")
+        packed = document_kwargs(packed_seq_params, "METP multi-latent attention")
         freqs, mscale = self._rope(hidden_states.shape[0], packed)
         cfg = self.config
         q_lora = cfg.q_lora_rank is not None

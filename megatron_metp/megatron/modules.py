@@ -63,7 +63,7 @@ from .moe_checks import check_moe_config
 from .yarn import metp_softmax_scale
 
 
-def _mask_is_causal(attn_mask_type) -> bool:
+def mask_is_causal(attn_mask_type) -> bool:
     if attn_mask_type == AttnMaskType.causal:
         return True
     if attn_mask_type == AttnMaskType.no_mask:
@@ -81,7 +81,7 @@ def _single_rope(rotary_pos_emb):
     return rotary_pos_emb
 
 
-def _document_kwargs(packed_seq_params, what: str) -> dict:
+def document_kwargs(packed_seq_params, what: str) -> dict:
     """``cu_seqlens`` and ``layout`` of METP's packed documents (:mod:`.packing`) for the ops;
     ``layout='dual_chunk'`` alone without them."""
     if packed_seq_params is None:
@@ -187,7 +187,7 @@ class METPSelfAttention(SelfAttention):
                          attn_mask_type=attn_mask_type, cp_comm_type=cp_comm_type,
                          pg_collection=pg_collection, **megatron_kwargs)
         self.groups, self.kernel = groups, kernel
-        self.causal = _mask_is_causal(attn_mask_type)
+        self.causal = mask_is_causal(attn_mask_type)
         t = groups.tp_size
         for count, flag in ((config.num_attention_heads, "--num-attention-heads"),
                             (config.num_query_groups, "--num-query-groups")):
@@ -204,7 +204,7 @@ class METPSelfAttention(SelfAttention):
         layer's RoPE / packed-document inputs: group, heads, mask, RoPE (per document when
         packed), kernel, softmax scale (times YaRN's attention factor squared, :mod:`.yarn`),
         q/k norm, gradient wire dtype."""
-        packed = _document_kwargs(packed_seq_params, "METP attention")
+        packed = document_kwargs(packed_seq_params, "METP attention")
         if rotary_pos_cos is not None or rotary_pos_sin is not None:
             raise ValueError("METP attention takes RoPE as rotary_pos_emb, not cos/sin tables")
         rope = getattr(packed_seq_params, "rope", None)
@@ -330,7 +330,7 @@ class METPRingCoreAttention(MegatronModule):
         check_recompute_config(config, weight_ring=not ring_baseline)
         self.groups, self.kernel = groups, kernel
         self.layer_number = layer_number
-        self.causal = _mask_is_causal(attn_mask_type)
+        self.causal = mask_is_causal(attn_mask_type)
         self.softmax_scale = softmax_scale
         self.softmax_offset = attention_sinks(config, groups, ring_baseline)
 
@@ -338,8 +338,8 @@ class METPRingCoreAttention(MegatronModule):
                 attention_bias=None, packed_seq_params=None):
         if attention_bias is not None:
             raise ValueError("ring attention does not support attention_bias")
-        packed = _document_kwargs(packed_seq_params, "ring attention")
-        causal = self.causal if attn_mask_type is None else _mask_is_causal(attn_mask_type)
+        packed = document_kwargs(packed_seq_params, "ring attention")
+        causal = self.causal if attn_mask_type is None else mask_is_causal(attn_mask_type)
         out = ring_attention(query, key, value, **packed, group=self.groups.metp, causal=causal,
                              softmax_scale=self.softmax_scale,
                              kernel=self.kernel, label=f"layer {self.layer_number} core_attention")

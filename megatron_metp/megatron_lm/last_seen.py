@@ -243,7 +243,7 @@ def install(args) -> bool:
     watchdog.set_job_timeout(timeout_s)
     # NCCL: the watchdog aborts a timed-out op's communicators and leaves the error to the main
     # thread (module docstring); read by each ProcessGroupNCCL Megatron creates after this
-    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+    overrides.default_nccl_async_error_handling()
     dist.barrier = _bounded_barrier(dist.barrier, timeout_s)
     training.build_train_valid_test_datasets = _marked(
         training.build_train_valid_test_datasets, lambda *a, **k: "building datasets")

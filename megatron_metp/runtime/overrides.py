@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 __all__ = ["Override", "OVERRIDES", "raw", "is_set", "parse_int", "integer", "integer_setting",
-           "flag", "choice", "head_block"]
+           "flag", "choice", "head_block", "slurm_node_name", "default_nccl_async_error_handling"]
 
 
 @dataclass(frozen=True)
@@ -205,3 +205,21 @@ def head_block() -> str:
     """``METP_HEAD_BLOCK`` as given (``"auto"`` when unset); its value is checked against the
     group size by :func:`megatron_metp.ops.attention.head_block_size`."""
     return raw("METP_HEAD_BLOCK") or "auto"
+
+
+# Two variables that are not METP overrides but belong to the launcher and torch; read and set
+# here so that this module stays the one place below megatron_lm that touches the environment.
+
+def slurm_node_name() -> Optional[str]:
+    """Slurm's name of this task's node (``$SLURMD_NODENAME``, set by ``slurmd`` in every task
+    of a job step; distinct per node also where several ``slurmd`` share one host), ``None``
+    outside Slurm (:func:`megatron_metp.runtime.placement.node_name`)."""
+    return os.environ.get("SLURMD_NODENAME", "").strip() or None
+
+
+def default_nccl_async_error_handling() -> None:
+    """``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` unless the user set it: NCCL's watchdog then aborts
+    a timed-out op's communicators and leaves the error to the rank's main thread, which names
+    the stalled rank (``docs/reliability.md``); torch's default (3) kills the process and names
+    nobody. Read by each ``ProcessGroupNCCL`` created after the call."""
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")

@@ -16,7 +16,6 @@ layouts before any rank starts, from the layout alone (:mod:`.ring_nodes`).
 from __future__ import annotations
 
 import datetime
-import os
 import socket
 from typing import Optional, Sequence
 
@@ -38,7 +37,7 @@ class METPPlacementError(RuntimeError):
 def node_name() -> str:
     """This rank's node: Slurm's node name (``$SLURMD_NODENAME``, set in every task of a job
     step; distinct per node also where several ``slurmd`` share a host), else the host name."""
-    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    return overrides.slurm_node_name() or socket.gethostname()
 
 
 def _encode(host: str, ranks: Sequence[int], width: int) -> torch.Tensor:
