@@ -57,9 +57,11 @@ def test_negative_controls_catch_markup_and_a_missing_family():
     assert markup("see ::\n\n    code") and markup("text::")
     assert markup(plain("see ::\n\n    code\ntext::")) == []
     old = "Hugging Face Llama checkpoints in and out: metp hf {import,export,flags}"
-    assert missing_families(old) == ["Mistral", "Qwen2.5", "Qwen3", "Qwen3-MoE", "Mixtral"]
+    assert missing_families(old) == ["Mistral", "Qwen2.5", "Qwen3", "Qwen3-MoE", "Qwen2-MoE",
+                                     "GLM-4.5", "gpt-oss", "Mixtral"]
     # Qwen3 is not named by Qwen3-MoE alone
-    assert missing_families("Llama, Mistral, Qwen2.5, Qwen3-MoE, Mixtral") == ["Qwen3"]
+    assert missing_families("Llama, Mistral, Qwen2.5, Qwen3-MoE, Qwen2-MoE, GLM-4.5, gpt-oss, "
+                            "Mixtral") == ["Qwen3"]
 
 
 def test_the_python_m_entry_points_helps_are_plain_text(capsys):

@@ -145,13 +145,13 @@ def test_hook_refuses_thd_batches_and_missing_tokens():
 def test_metp_modules_take_only_metp_documents():
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from megatron_metp.megatron.modules import _document_kwargs
+    from megatron_metp.megatron.modules import document_kwargs
 
-    assert _document_kwargs(None, "x") == {"layout": "dual_chunk"}
+    assert document_kwargs(None, "x") == {"layout": "dual_chunk"}
     d = packing.documents([0, 3, 8], 8)
-    assert _document_kwargs(d, "x")["cu_seqlens"] is d.cu_seqlens
+    assert document_kwargs(d, "x")["cu_seqlens"] is d.cu_seqlens
     with pytest.raises(ValueError, match="METP attention takes packed documents only.*--sft"):
-        _document_kwargs(PackedSeqParams(qkv_format="thd"), "METP attention")
+        document_kwargs(PackedSeqParams(qkv_format="thd"), "METP attention")
 
 
 # ------------------------------------------------------------------------------ flags
