@@ -47,6 +47,9 @@ What ``enable()`` patches (ids as in ``reference/megatron-core-on-cpu.md``):
     ``False``) and then calls Transformer Engine's fp8 state and autocast, names never imported
     without TE (a ``NameError``); no fp8 runs on the CPU.
 
+(l) Megatron's ``jit_fuser`` functions (``torch.compile``) run eagerly, without generating and
+    compiling C++ on first use (:mod:`.cpu_eager`); applied before megatron-core is imported.
+
 (f) is not global: wrap optimizer construction and ``step()`` in :func:`cuda_to_cpu`, a
 ``TorchFunctionMode`` that maps CUDA devices to the CPU, drops ``pin_memory``, makes
 ``Tensor.cuda()`` a no-op and makes a zero-argument ``Tensor.type()`` report ``torch.cuda.*``.
@@ -284,7 +287,7 @@ def is_enabled() -> bool:
 
 
 def enable(force: bool = False) -> None:
-    """Apply shims (b), (c), (d), (e), (g), (h), (i), (j), (k); a second call does nothing.
+    """Apply shims (b), (c), (d), (e), (g), (h), (i), (j), (k), (l); a second call does nothing.
 
     Raises ``RuntimeError`` when ``torch.cuda.is_available()`` unless ``force=True``.
     Any RNG tracker created before the call is dropped, so the next ``get_cuda_rng_tracker()`` or
@@ -295,6 +298,9 @@ def enable(force: bool = False) -> None:
         if _ENABLED:
             return
         _refuse_on_cuda(force, "enable()")
+        from .cpu_eager import patch_compile
+
+        patch_compile(patch)  # (l), before megatron-core's jit_fuser is defined
         with warnings.catch_warnings():
             # Importing megatron.core without TE/Apex warns several times; on CPU that is expected.
             warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not")
