@@ -62,7 +62,7 @@ MiB = 2 ** 20
 # ----------------------------------------------------------------------------- one measurement
 
 def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool = False,
-                 measure_tiles: str = "sampled") -> Dict:
+                 measure_tiles: str = "sampled", forward_only: bool = False) -> Dict:
     """Measure in *this* process (it must not have a process group yet; it gets a fake one).
 
     Returns a dict of bytes: ``peak`` (MemTracker's total: parameters, the fp32 gradient buffer,
@@ -71,7 +71,8 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
     (bytes this rank sent in the fwd+bwd), plus layout facts. ``measure_tiles``:
     ``"sampled"`` runs the streaming layer's tile loops' first two and last passes
     (:func:`fakerank.tile_sampling`; the traffic still counts every pass), ``"full"`` all.
-    A progress line per layer and phase goes to stderr (:mod:`.progress`).
+    ``forward_only``: the forwards alone (no backward is run; ``peak`` is the forwards' peak,
+    ``phases`` holds only ``"forward"``, ``sent`` the forwards' bytes). A progress line per layer and phase goes to stderr (:mod:`.progress`).
     """
     from .progress import attach
 
@@ -173,7 +174,9 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
             after_fwd = FR.snap(tracker, "current")
             fwd_peak = FR.snap(tracker, "peak")
             out, shape = outs.pop(0)
-            if last:
+            if forward_only:
+                pass
+            elif last:
                 out.float().sum().backward()
             else:  # the gradient received from the next stage
                 grad = torch.zeros(shape, dtype=torch.bfloat16)
@@ -183,7 +186,7 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
                     out.backward(grad)
         peak = FR.snap(tracker, "peak")
         phases = {}
-        if gpt.decoder.layers:
+        if gpt.decoder.layers and not forward_only:
             lastl = gpt.decoder.layers[-1]
             for name, mod in (("mlp backward", lastl.mlp),
                               ("attention backward", lastl.self_attention),
@@ -191,7 +194,7 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
                 st = tracker.memory_tracking.get(mod)
                 if st is not None and st.local_peak:
                     phases[name] = max(st.local_peak.values())
-        if last:
+        if last and not forward_only:
             st = tracker.memory_tracking.get(gpt.output_layer)
             if st is not None and st.local_peak:
                 phases["output layer backward"] = max(st.local_peak.values())
