@@ -92,6 +92,41 @@ def test_a_good_job_passes_with_one_line(corpus):
     assert proc.stderr.startswith("preflight: OK (2 ranks") and len(proc.stderr.splitlines()) == 1
 
 
+#: runs argv[1:] as ``python -m megatron_metp.megatron_lm.preflight`` with torch unimportable
+_NO_TORCH = """
+import runpy, sys
+class NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("torch imported by the preflight: " + name)
+sys.meta_path.insert(0, NoTorch())
+sys.argv = ["preflight"] + sys.argv[1:]
+runpy.run_module(sys.argv.pop(1), run_name="__main__")
+"""
+
+
+def _without_torch(module, *args, cwd):
+    return subprocess.run([sys.executable, "-c", _NO_TORCH, module, *args], capture_output=True,
+                          text=True, cwd=cwd, env={**os.environ, "PYTHONPATH": REPO},
+                          timeout=120)
+
+
+def test_the_preflight_starts_without_torch(corpus):
+    """The launcher's preflight imports no torch (about 1.5 CPU-s of imports per launch saved;
+    the ranks and torchrun import it anyway). Negative control: the same guard stops a module
+    that does import torch."""
+    tok = _hf_tokenizer(corpus / "tok")
+    argv = [*MODEL, "--metp-parallel-size", "2", "--num-experts", "4", "--data-path",
+            str(corpus / "corpus"), "--split", "8,1,1", "--tokenizer-type",
+            "HuggingFaceTokenizer", "--tokenizer-model", tok]
+    proc = _without_torch("megatron_metp.megatron_lm.preflight", "--world-size", "2", "--cpu",
+                          "--", *argv, cwd=corpus)
+    assert proc.returncode == 0 and proc.stderr.startswith("preflight: OK (2 ranks"), proc.stderr
+    assert "warning" not in proc.stderr  # (a failed check is reported as a warning and skipped)
+    proc = _without_torch("megatron_metp.ops.rope", cwd=corpus)
+    assert proc.returncode == 1 and "torch imported by the preflight: torch" in proc.stderr
+
+
 def test_index_files_are_megatrons_and_splits_cut_as_megatron_cuts(tmp_path):
     """The .idx layout written and read here is the one megatron-core reads, and the split
     ranges are megatron-core's (negative control: a file that is not an index)."""

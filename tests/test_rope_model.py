@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from megatron_metp.megatron.training import GPTSize, Layout
-from megatron_metp.ops.rope import FP32_EXACT_POSITIONS, megatron_angles
+from megatron_metp.ops.rope import megatron_angles
+from megatron_metp.ops.rope_recipe import FP32_EXACT_POSITIONS
 from tests.gpt_cases import SIZE
 from tests.harness import run_ranks, unset_env
 from tests.test_rope_angles import _err, _exact_cos_sin

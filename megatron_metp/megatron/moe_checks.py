@@ -26,8 +26,6 @@ from __future__ import annotations
 
 from typing import Callable, List, Optional
 
-import torch
-
 __all__ = ["moe_problems", "check_moe_config", "moe_args_problems", "check_moe_args",
            "moe_enabled"]
 
@@ -38,6 +36,8 @@ def moe_enabled(config) -> bool:
 
 
 def _on_cpu() -> bool:
+    import torch  # here, not at the top: the launcher's preflight (on_cpu given) runs without torch
+
     return not torch.cuda.is_available()
 
 

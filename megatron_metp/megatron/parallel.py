@@ -29,11 +29,10 @@ dispatchers.
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
-import torch.distributed as dist
-
-from .groups import METPGroups
+if TYPE_CHECKING:  # the checks above initialize_model_parallel run without torch (the preflight)
+    from .groups import METPGroups
 
 
 def validate_metp_config(*, world_size: int, tensor_model_parallel_size: int = 1,
@@ -165,9 +164,11 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
     (:func:`megatron_metp.runtime.placement.check_metp_groups_on_one_node`; ``hostname``
     replaces this rank's host name, for tests) and raise ``METPPlacementError`` naming the fix.
     """
+    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from ..runtime.watchdog import apply_to_process_groups, job_timeout_s
+    from .groups import METPGroups
 
     if not dist.is_initialized():
         raise ValueError("initialize torch.distributed first (torchrun/srun + "

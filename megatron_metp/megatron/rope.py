@@ -21,7 +21,7 @@ twins keep Megatron's. YaRN (``YarnRotaryEmbedding``) takes exact angles of its 
 ``inv_freq`` (:class:`~.yarn.ExactYarnRotaryEmbedding`). Variants not covered (position
 interpolation ``seq_len_interpolation_factor``, interleaved RoPE, mRoPE) keep Megatron's, and any
 job whose positions reach 2^24 on Megatron's recipe is refused before work
-(:func:`megatron_metp.ops.rope.fp32_recipe_refusal`).
+(:func:`megatron_metp.ops.rope_recipe.fp32_recipe_refusal`).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 
 from .exact_rope import ExactRotaryEmbedding, angles_of  # noqa: F401 (re-exported)
 from .rope_checks import rope_reach_problems
-from ..ops.rope import (RECIPE_ENV, RECIPES, fp32_recipe_refusal, rope_angles,  # noqa: F401
-                        rope_recipe)
+from ..ops.rope import rope_angles
+from ..ops.rope_recipe import RECIPE_ENV, RECIPES, fp32_recipe_refusal, rope_recipe  # noqa: F401
 
 #: Environment variable choosing the recipe of METP/ring models (``exact`` or ``megatron``).
 def uncovered(rotary) -> Optional[str]:

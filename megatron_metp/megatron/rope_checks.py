@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import List
 
-from ..ops.rope import fp32_recipe_refusal, rope_recipe
+from ..ops.rope_recipe import fp32_recipe_refusal, rope_recipe
 
 __all__ = ["rope_reach_problems"]
 

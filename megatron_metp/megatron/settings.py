@@ -172,7 +172,7 @@ class METPSettings:
                 out.append(f"{flag[field]} must be >= 1, got {value!r}")
         if out:
             return out
-        from ..ops.kernel_choice import KERNELS
+        from ..ops.kernel_rates import KERNELS
 
         if self.kernel is not None and self.kernel not in KERNELS:
             out.append(f"{flag['kernel']} must be one of {('auto',) + tuple(KERNELS)}, got "
@@ -194,12 +194,12 @@ class METPSettings:
         out += self.tile_problems(num_experts=num_experts, names=flag)
         out += self._offload_problems(flag)
         out += self.keep_attention_problems(full_recompute=full_recompute, names=flag)
-        from ..ops.rope import RECIPES
+        from ..ops.rope_recipe import RECIPES
 
         if self.rope_recipe not in RECIPES:
             out.append(f"{flag['rope_recipe']}: the RoPE recipe must be one of {RECIPES}, got "
                        f"{self.rope_recipe!r}")
-        from ..ops.documents import PACKED_LAYOUTS
+        from ..ops.layouts import PACKED_LAYOUTS
 
         if self.packed_layout not in PACKED_LAYOUTS:
             out.append(f"{flag['packed_layout']} must be one of {PACKED_LAYOUTS}, got "

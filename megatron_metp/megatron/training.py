@@ -22,7 +22,7 @@ from ..runtime.finite import set_iteration
 from ..runtime.watchdog import bounded
 from .groups import METPGroups
 from .linear import is_metp_sharded
-from ..ops.rope import rope_recipe
+from ..ops.rope_recipe import rope_recipe
 
 
 @dataclass

@@ -7,16 +7,32 @@ releases (:mod:`.releases`).
 
 The names below are the ones the patches call (``from megatron_metp.megatron_lm import ...`` and
 ``from megatron_metp import megatron_lm as metp``); they stay here as long as a patched checkout
-may call them. Importing this package imports neither ``megatron.training`` nor megatron-core.
+may call them. Importing this package imports neither ``megatron.training`` nor megatron-core,
+nor torch: the names are imported on first use, so that the launcher's preflight
+(:mod:`.preflight`) starts without torch.
 """
 
-from .ckpt_manifest import publish_checkpoint_manifest
-from .build import wire_wide_expert_parallel, wrap_gpt_builder
-from .flags import add_metp_args, compose_extra_args_providers
-from .parallel_state import install_stall_watch, metp_expert_model_parallel_size
-from .releases import route_model_provider
-from .validate import validate_metp_args
+import importlib
+
+#: public name -> the submodule that defines it
+_WHERE = {"publish_checkpoint_manifest": "ckpt_manifest",
+          "wire_wide_expert_parallel": "build", "wrap_gpt_builder": "build",
+          "add_metp_args": "flags", "compose_extra_args_providers": "flags",
+          "install_stall_watch": "parallel_state", "metp_expert_model_parallel_size": "parallel_state",
+          "route_model_provider": "releases", "validate_metp_args": "validate"}
 
 __all__ = ["add_metp_args", "compose_extra_args_providers", "install_stall_watch",
            "metp_expert_model_parallel_size", "validate_metp_args", "wrap_gpt_builder",
            "route_model_provider", "publish_checkpoint_manifest", "wire_wide_expert_parallel"]
+
+
+def __getattr__(name):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+    globals()[name] = value  # found once
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from typing import Callable, Optional
 
-from ..ops.kernel_choice import KERNELS
+from ..ops.kernel_rates import KERNELS
 
 __all__ = ["ATTENTION_KERNELS", "MAPPED", "CP_OUTER", "VOCAB_BASE", "metp_enabled",
            "add_metp_args", "compose_extra_args_providers"]

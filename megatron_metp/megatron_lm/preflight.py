@@ -9,7 +9,7 @@ arguments. It checks:
 
 * the METP/Megatron flag combinations the hooks refuse inside the ranks
   (:func:`megatron_metp.megatron_lm.checks.metp_arg_problems`, the same code), the CPU-run
-  refusals with ``--cpu`` (:func:`megatron_metp.megatron_lm.cpu.cpu_arg_problems`), and
+  refusals with ``--cpu`` (:func:`megatron_metp.megatron_lm.cpu_checks.cpu_arg_problems`), and
   Megatron's batch arithmetic (``--global-batch-size`` a multiple of micro-batch × DP);
 * the data: each ``--data-path`` prefix has its ``.bin`` and ``.idx``, and ``--split`` leaves
   no built split of any prefix empty (:mod:`.indexed_data`; Megatron-LM's builder would loop
@@ -394,7 +394,7 @@ def job_problems(argv: Sequence[str], world_size: int, cpu: bool = False,
     out = metp_arg_problems(args) + _layout_problems(args) + batch_problems(args)
     out += _node_problems(args, ranks_per_node)
     if cpu:
-        from .cpu import cpu_arg_problems
+        from .cpu_checks import cpu_arg_problems
 
         out += [f"on CPU ranks (METP_CPU=1): {p}" for p in cpu_arg_problems(args)]
     else:

@@ -20,7 +20,7 @@ def _flag(args, name: str, default=None):
 def metp_settings(args) -> METPSettings:
     """The :class:`METPSettings` of Megatron-LM ``args`` (mode ``tp`` without
     ``--metp-parallel-size`` > 1); not checked here (:meth:`METPSettings.problems`)."""
-    from ..ops.rope import rope_recipe
+    from ..ops.rope_recipe import rope_recipe
 
     p = _flag(args, "metp_parallel_size", 1)
     c = getattr(args, CP_OUTER, 1) if getattr(args, MAPPED, False) else \

@@ -10,7 +10,7 @@ Megatron-LM's flag.
 from __future__ import annotations
 
 from ..runtime import overrides
-from ..runtime.groups import ring_timeout_from_env
+from ..runtime.ring_timeout import ring_timeout_from_env
 
 __all__ = ["megatron_lm_timeout_s"]
 

@@ -52,11 +52,8 @@ from typing import List, NamedTuple, Sequence, Tuple
 import torch
 
 from .ring_blocks import block_plan
-from .sequence import LAYOUTS, local_positions, unshard_sequence
-
-#: Layouts of a packed sequence: the plain ones and ``balanced`` (long documents dual-chunked
-#: on their own, the rest dual-chunked together).
-PACKED_LAYOUTS = LAYOUTS + ("balanced",)
+from .layouts import PACKED_LAYOUTS
+from .sequence import local_positions, unshard_sequence
 
 #: ``balanced``: documents whose own chunks would have at least this many tokens are dual-chunked
 #: on their own (smaller pieces cost more in launches than they gain in balance). Change it with

@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-LAYOUTS = ("dual_chunk", "contiguous")
+from .layouts import LAYOUTS
 
 
 def _check(layout: str, s: int, size: int, what: str = "sequence length") -> None:

@@ -130,7 +130,7 @@ def build_model(g: LlamaGeometry, *, groups=None, vocab_parallel: bool = False,
         raise ValueError("vocab_parallel needs the METP groups")
     from ...megatron.build import build_metp_gpt
     from ...megatron.settings import METPSettings
-    from ...ops.rope import rope_recipe
+    from ...ops.rope_recipe import rope_recipe
 
     # METP's default angles (plain RoPE and YaRN) unless $METP_ROPE_RECIPE=megatron
     settings = METPSettings(mode="tp", tp=tp) if groups is None else \

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ...ops.rope import FP32_EXACT_POSITIONS
+from ...ops.rope_recipe import FP32_EXACT_POSITIONS
 
 #: Planner modes whose models take exact angles (METP, its vocabulary ring, the ring baseline).
 EXACT_MODES = ("ring", "metp", "metp+vocab")

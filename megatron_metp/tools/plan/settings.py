@@ -51,7 +51,7 @@ def settings_for(mode: str, job: Job, *, kernel=None,
     device that decide how many keep it). Peer modes (``alst``) have no METP settings
     (``ValueError``).
     """
-    from ...ops.rope import rope_recipe
+    from ...ops.rope_recipe import rope_recipe
 
     keep = None
     if job.keep_attention_output is not None:
