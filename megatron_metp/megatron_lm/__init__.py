@@ -12,27 +12,18 @@ nor torch: the names are imported on first use, so that the launcher's preflight
 (:mod:`.preflight`) starts without torch.
 """
 
-import importlib
+from ..runtime.lazy import lazy_names
 
 #: public name -> the submodule that defines it
 _WHERE = {"publish_checkpoint_manifest": "ckpt_manifest",
           "wire_wide_expert_parallel": "build", "wrap_gpt_builder": "build",
           "add_metp_args": "flags", "compose_extra_args_providers": "flags",
-          "install_stall_watch": "parallel_state", "metp_expert_model_parallel_size": "parallel_state",
+          "install_stall_watch": "parallel_state",
+          "metp_expert_model_parallel_size": "parallel_state",
           "route_model_provider": "releases", "validate_metp_args": "validate"}
 
 __all__ = ["add_metp_args", "compose_extra_args_providers", "install_stall_watch",
            "metp_expert_model_parallel_size", "validate_metp_args", "wrap_gpt_builder",
            "route_model_provider", "publish_checkpoint_manifest", "wire_wide_expert_parallel"]
 
-
-def __getattr__(name):
-    if name not in _WHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
-    globals()[name] = value  # found once
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(__name__, _WHERE, __all__)

@@ -5,9 +5,10 @@ megatron_metp.ops import metp_mlp`` work as usual), so that importing a torch-fr
 as :mod:`.kernel_rates` (the launcher's preflight) does not import torch.
 """
 
-import importlib
 import sys
 import types
+
+from ..runtime.lazy import lazy_names
 
 #: public name -> the submodule that defines it
 _WHERE = {"wire_dtype": "_grads", "metp_attention": "attention",
@@ -24,17 +25,7 @@ __all__ = ["metp_mlp", "metp_attention", "metp_mla_attention", "ring_attention",
            "shard_sequence", "unshard_sequence", "local_positions", "available_kernels",
            "select_kernel", "chosen_kernel", "kernel_names", "wire_dtype"]
 
-
-def __getattr__(name):
-    if name not in _WHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
-    globals()[name] = value  # found once
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(__name__, _WHERE, __all__)
 
 
 class _Package(types.ModuleType):
