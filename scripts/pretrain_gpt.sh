@@ -97,6 +97,9 @@
 #                                           torchrun starts python -m megatron_metp.megatron_lm.cpu,
 #                                           which applies the CPU shims and runs pretrain_gpt.py;
 #                                           refused where CUDA is available
+#   NUM_WORKERS [Megatron's 2; 0 with METP_CPU=1]   --num-workers: DataLoader worker processes
+#                                           per rank (CPU ranks load in the rank itself: a worker
+#                                           forked from a rank whose gloo threads run can hang)
 #   PREFLIGHT [1]                           0: skip the preflight (the ranks check the flags anyway)
 #   PYTHON [the project's venv: .venv-019/bin/python when MEGATRON_LM_DIR is core_v0.19.0, else
 #           .venv/bin/python, when there; else python on PATH]
@@ -423,7 +426,9 @@ if [[ "$METP_CPU" == 1 ]]; then  # gloo, and Megatron's CUDA-only fusions off
     CPU_ARGS=(--distributed-backend gloo --no-gradient-accumulation-fusion
               --no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-swiglu-fusion
               --no-bias-dropout-fusion --no-rope-fusion)
+    : "${NUM_WORKERS:=0}"
 fi
+[[ -n "${NUM_WORKERS:-}" ]] && DATA_ARGS+=(--num-workers "$NUM_WORKERS")
 
 [[ -n "${EXTRA_ARGS+x}" ]] || EXTRA_ARGS=()
 MEGATRON_ARGS=(

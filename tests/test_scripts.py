@@ -121,6 +121,9 @@ def test_tiny_config_command():
     assert "--sequence-parallel" not in f and "--data-path" not in f
     assert f["--distributed-backend"] == ["gloo"] and "--no-gradient-accumulation-fusion" in f
     assert "--bf16" not in f and "--fp16" not in f  # fp32 on CPU ranks
+    assert f["--num-workers"] == ["0"]  # CPU ranks load their data themselves (no forked workers)
+    assert _flags(_print_cmd("configs/tiny-cpu-metp2.sh", NUM_WORKERS=2)[1])["--num-workers"] == ["2"]
+    assert "--num-workers" not in _flags(_print_cmd("configs/gpt-7b-128k-metp8.sh")[1])  # Megatron's
 
 
 def test_torchrun_is_found_from_python_or_given(tmp_path):
