@@ -113,29 +113,30 @@ SHARED_ARGS = ("--moe-shared-expert-intermediate-size", "64", "--moe-shared-expe
                "--disable-bias-linear")
 
 
-def test_shared_experts_train_as_the_stock_twin_and_cross_checkpoints(patched_megatron_lm,
+def test_shared_experts_train_as_the_stock_twin_and_cross_checkpoints(patched_megatron_lm, runs,
                                                                       tmp_path):
     """``--moe-shared-expert-intermediate-size 64 --moe-shared-expert-gate`` through
     ``pretrain_gpt.py``: the METP run (the shared expert as METP's MLP, sharded over the ring)
     and its stock EP twin print the same losses; the METP checkpoint holds the shared expert
     under stock's keys and full shapes (``[128, 64]`` fc1 of a SwiGLU-free width 64, the gate
     ``[1, 64]``), and the stock twin continues from it with iteration 3's loss. Negative
-    control: the twin without the shared expert prints another iteration-1 loss."""
-    runs = {}
+    control: the twin without the shared expert (the module's stock run: the same data and
+    seed; the dispatcher changes no loss, as the first test shows) prints another iteration-1
+    loss."""
+    plain = runs["tp"]["iters"]  # the module's stock twin, without the shared expert
+    twins = {}
     for name, config in (("metp", METP_CONFIG), ("tp", TWIN_CONFIG)):
         ck = str(tmp_path / name)
         _, log = _train(patched_megatron_lm, config, ITERS, *SHARED_ARGS, CHECKPOINT_PATH=ck,
                         SAVE_INTERVAL=2, MOE_TOKEN_DISPATCHER="alltoall")
-        runs[name] = {"ckpt": ck, "iters": _iterations(log)}
-    metp, tp = runs["metp"]["iters"], runs["tp"]["iters"]
+        twins[name] = {"ckpt": ck, "iters": _iterations(log)}
+    metp, tp = twins["metp"]["iters"], twins["tp"]["iters"]
     assert sorted(metp) == sorted(tp) == list(range(1, ITERS + 1))
     for k in metp:
         assert abs(metp[k][0] - tp[k][0]) <= 1e-5 * abs(tp[k][0]), (k, metp[k], tp[k])
-    plain = _iterations(_train(patched_megatron_lm, TWIN_CONFIG, 1,
-                               MOE_TOKEN_DISPATCHER="alltoall")[1])
     assert abs(plain[1][0] - tp[1][0]) > 1e-4 * abs(tp[1][0]), (plain, tp)  # negative control
-    saved = _tensors(os.path.join(runs["metp"]["ckpt"], "iter_0000002"), str(tmp_path))
-    stock = _tensors(os.path.join(runs["tp"]["ckpt"], "iter_0000002"), str(tmp_path))
+    saved = _tensors(os.path.join(twins["metp"]["ckpt"], "iter_0000002"), str(tmp_path))
+    stock = _tensors(os.path.join(twins["tp"]["ckpt"], "iter_0000002"), str(tmp_path))
     shared = sorted(k for k in stock if ".shared_experts." in k and not k.startswith("optim"))
     assert shared and shared == sorted(k for k in saved if ".shared_experts." in k
                                        and not k.startswith("optim")), shared
@@ -143,7 +144,7 @@ def test_shared_experts_train_as_the_stock_twin_and_cross_checkpoints(patched_me
         assert saved[key].shape == stock[key].shape, (key, saved[key].shape)
     assert tuple(saved["decoder.layers.0.mlp.shared_experts.gate_weight"].shape) == (1, 64)
     ck = str(tmp_path / "metp-to-ep")
-    _rewind(runs["metp"]["ckpt"], ck, 2)
+    _rewind(twins["metp"]["ckpt"], ck, 2)
     _, log = _train(patched_megatron_lm, TWIN_CONFIG, ITERS, *SHARED_ARGS, "--no-load-optim",
                     "--no-load-rng", CHECKPOINT_PATH=ck, MOE_TOKEN_DISPATCHER="alltoall")
     resumed = _iterations(log)
