@@ -370,8 +370,8 @@ def cmd_reach(args) -> int:
                              f"one layout without --reach")
     model, _ = build_model(args)
     if args.ep is not None:
-        raise ValueError("--ep: --reach searches the stock layouts' expert parallelism itself "
-                         "(METP: EP = METP); drop --ep")
+        raise ValueError("--ep: --reach searches the expert parallelism itself (stock: out of "
+                         "TP × CP × DP; METP: multiples of METP); drop --ep")
     from .fastest_cli import moe_settings
 
     moe = moe_settings(args, model)
