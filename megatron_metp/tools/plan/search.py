@@ -369,11 +369,15 @@ def reach_report(model: Model, gpus: int, hardware: str = "H100-80GB", reserve_g
         lines.append("")
         lines.append(f"# best METP ÷ best stock Megatron: {fmt_tokens(m)} / {fmt_tokens(s)} = "
                      f"{m / s:.2f}×" if s else f"# best METP {fmt_tokens(m)}; stock: nothing fits")
-        for fam in ("metp", "stock"):  # the closing note: each best with its time per sequence
-            c = best[fam]
-            lines.append(f"# best {'METP' if fam == 'metp' else 'stock Megatron'}: "
-                         f"{fmt_tokens(c.seq)} tokens in {c.time_s:,.1f} s per sequence "
-                         f"({c.describe()})")
+    if "metp" in res and "stock" in res:  # the closing note: each best, its time per sequence
+        if not ("metp" in best and "stock" in best):
+            lines.append("")
+        for fam in ("metp", "stock"):
+            c = best.get(fam)
+            name = "METP" if fam == "metp" else "stock Megatron"
+            lines.append(f"# best {name}: {fmt_tokens(c.seq)} tokens in {c.time_s:,.1f} s per "
+                         f"sequence ({c.describe()})" if c else
+                         f"# best {name}: nothing fits on {gpus} GPUs")
     lines.append(LEGEND)
     return "\n".join(wrap_lines(lines, width))
 
