@@ -213,7 +213,8 @@ def moe_time(model: Model, job: Job, mode: str, lay, rate_tflops: float,
 def describe(t: Dict) -> str:
     """One line for the plan: the MoE time's figures and assumptions."""
     link = t["link"]
-    where = ("NVLink (inside a node)" if not link["crosses"] else
+    where = ("no link (nothing dispatched)" if t["ep"] == 1 else
+             "NVLink (inside a node)" if not link["crosses"] else
              f"the inter-node link ({link['internode_gbps']:g} GB/s per GPU; "
              f"{link['on_node']} of the group's ranks per node)")
     return (f"MoE time: EP {t['ep']} over {where}; {t['dispatcher']} dispatch "
