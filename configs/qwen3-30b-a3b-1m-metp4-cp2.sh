@@ -6,8 +6,9 @@
 # tiles of the 1 GiB METP_TILE_BUDGET_MIB), full activation recompute, the layer inputs offloaded
 # to pinned host memory and Megatron's optimizer on the host, as the dense long-context configs
 # do. metp plan --config this file: 51.2 GiB per rank, 651 GiB of host memory per node; the
-# longest sequence this layout fits is 4,295.75K tokens (metp plan --reach --preset
-# qwen3-30b-a3b --gpus 8). Stock Megatron's best layout on the same GPUs (the twin) needs
+# longest sequence this layout fits is 4,295.75K tokens (the same with EP 8,
+# qwen3-30b-a3b-1m-metp4-cp2-ep8.sh, is metp plan --reach --preset qwen3-30b-a3b --gpus 8's
+# best: 6,766.25K). Stock Megatron's best layout on the same GPUs (the twin) needs
 # 139.2 GiB per rank here. Values here are defaults: anything already set in the environment wins.
 # shellcheck source=/dev/null
 source "$(dirname "${BASH_SOURCE[0]}")/models/qwen3-30b-a3b.sh"

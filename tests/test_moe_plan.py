@@ -181,6 +181,21 @@ def test_plan_matches_the_measured_moe_model(key, measured):
     assert 2 * wrong.total != res["params"] and wrong.total != res["params"] // 2
 
 
+def test_plan_dispatch_bytes_match_the_measured_all_to_alls(measured, monkeypatch):
+    """The step time's dispatch bytes (tools/plan/moe_time.py: forward, the full recompute's
+    and the 4 tiles' re-run, and the backward, per MoE layer) equal the bytes the measured METP
+    job's all-to-alls sent. Negative control: without the tiles' re-run pass they fall short."""
+    job, mode, res, _ = measured["metp"]
+    monkeypatch.setenv("METP_MOE_TOKEN_TILES", "4")
+    moe = P.step_cost(TINY, job, mode)["moe"]
+    a2a = res["comm_bytes"]["alltoall_base_"]
+    print(f"measured all-to-all {a2a:,} B, planned {moe['sent']:,.0f} B")
+    assert moe["tiles"] == 4 and moe["sent"] == pytest.approx(a2a, rel=1e-6)
+    b = moe["dispatch_bytes"]
+    assert (moe["forward_passes"] - moe["moe_layers"]) * b["forward"] + \
+        moe["moe_layers"] * b["backward"] != pytest.approx(a2a, rel=0.05)
+
+
 #: the Qwen3-30B-A3B 1M configs shrunk through the environment (which wins over its defaults):
 #: 2 layers, hidden 256, 8 heads of 64 with 4 K/V groups, 8 experts of 128 (EP 8: one per
 #: rank), top-2, 8K tokens; METP 4 × CP 2, the vocabulary ring, full recompute, host offload and

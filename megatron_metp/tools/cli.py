@@ -106,7 +106,8 @@ def _add_common(ap: argparse.ArgumentParser) -> None:
                    help="untied embedding and output layer (GPT ties them)")
     g.add_argument("--num-experts", type=int, default=None,
                    help="Mixture-of-Experts: routed experts per MoE layer (Megatron's "
-                        "--num-experts; presets qwen3-30b-a3b, mixtral-8x7b)")
+                        "--num-experts; presets qwen3-30b-a3b, mixtral-8x7b, glm-4.5-air, "
+                        "gpt-oss-120b)")
     g.add_argument("--moe-router-topk", type=int, default=None, help="experts per token")
     g.add_argument("--moe-ffn-hidden-size", type=int, default=None,
                    help="one expert's FFN (default --ffn)")
@@ -121,10 +122,12 @@ def _add_common(ap: argparse.ArgumentParser) -> None:
                    default=None, help="MoE token dispatcher (default allgather, Megatron's)")
     j.add_argument("--moe-imbalance", type=float, default=None,
                    help="MoE load imbalance: the busiest expert-parallel rank's routed rows over "
-                        "the mean N·k (default 1: balanced; printed with the plan)")
+                        "the mean N·k (default 1: balanced; printed with the plan): its routed "
+                        "rows in the memory, its expert GEMMs and dispatch in the time")
     j.add_argument("--moe-grouped-gemm", action="store_true", default=None,
                    help="MoE: the experts as one grouped GEMM (every expert's backward at once: "
-                        "n·k·(4h + 12f′) bytes untiled); default Megatron's SequentialMLP")
+                        "n·k·(4h + 12f′) bytes untiled; timed as one kernel per GEMM); default "
+                        "Megatron's SequentialMLP (one GEMM per expert)")
     j.add_argument("--no-moe-token-tiles", action="store_true",
                    help="METP: plan the routed part of each MoE layer over the rank's whole "
                         "tokens (default: MoE token tiles sized by METP_TILE_BUDGET_MIB)")
@@ -370,8 +373,8 @@ def cmd_reach(args) -> int:
                              f"one layout without --reach")
     model, _ = build_model(args)
     if args.ep is not None:
-        raise ValueError("--ep: --reach searches the stock layouts' expert parallelism itself "
-                         "(METP: EP = METP); drop --ep")
+        raise ValueError("--ep: --reach searches the expert parallelism itself (stock: out of "
+                         "TP × CP × DP; METP: multiples of METP); drop --ep")
     from .fastest_cli import moe_settings
 
     moe = moe_settings(args, model)

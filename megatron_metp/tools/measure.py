@@ -230,8 +230,9 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
 
 
 def _moe_config(model: "P.Model", job: "P.Job", ep: int) -> Dict:
-    """A MoE model's ``TransformerConfig`` fields (experts, top-k, expert FFN, layer frequency,
-    EP, dispatcher); none for a dense model."""
+    """A MoE model's ``TransformerConfig`` fields (experts, top-k, expert FFN, layer frequency
+    (a list with leading dense layers), the shared expert, EP, dispatcher); none for a dense
+    model."""
     if not model.moe:
         return {}
     if job.moe_grouped_gemm:
@@ -240,7 +241,10 @@ def _moe_config(model: "P.Model", job: "P.Job", ep: int) -> Dict:
                          "use metp plan for the grouped GEMM's bytes)")
     return dict(num_moe_experts=model.experts, moe_router_topk=model.topk,
                 moe_ffn_hidden_size=P.moe.expert_ffn(model),
-                moe_layer_freq=model.moe_layer_freq, expert_model_parallel_size=ep,
+                moe_layer_freq=([int(f) for f in P.moe.moe_layer_flags(model)]
+                                if model.moe_first_dense else model.moe_layer_freq),
+                moe_shared_expert_intermediate_size=model.moe_shared_ffn or None,
+                expert_model_parallel_size=ep,
                 expert_tensor_parallel_size=1,
                 moe_token_dispatcher_type=job.moe_dispatcher, moe_grouped_gemm=False,
                 moe_permute_fusion=False, moe_router_dtype=None)

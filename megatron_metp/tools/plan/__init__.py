@@ -84,6 +84,8 @@ as when the plan was one module:
 ``moe``                  Mixture-of-Experts: experts over EP, the router, the routed-token
                          transient with and without MoE token tiles, the dispatchers' buffers,
                          the load-imbalance factor (``--moe-imbalance``)
+``moe_time``             MoE in the step time: the token dispatch over the EP group's link,
+                         the expert GEMMs at a rate for their shape, the busiest rank
 ``tiles``                the METP MLP's token tiles (rows per pass of its weight ring, as the
                          op resolves them: ``ops/tiles.py``)
 ``host``                 host RAM per node of each preset (with sources), ``--host-memory-gib``,
@@ -171,7 +173,7 @@ from .recipe import merge_recipe, recipe_flags
 from .figures import COLORS, charts
 from . import (activation_memory, alst, alst_time, config, cost, fastest, figures, fit, flops,
                hardware, host_link, imbalance, internode, job_checks, keep, launch, metp, model,
-               moe,
+               moe, moe_time,
                optimizer_time, overlap, partial, rates, recipe, search, parameters, rank_memory,
                recompute, ring, stock, summary, traffic, vocab)
 

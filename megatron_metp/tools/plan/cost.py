@@ -54,8 +54,9 @@ def step_cost(model: Model, job: Job, mode: str) -> Dict:
 
     if canonical(mode, job)[0] == "alst":
         return _alst_cost(model, job)
-    # a MoE model's time: the dense model of its active FFN (.moe.active_twin), dispatch untimed
-    model = active_twin(model)
+    # a MoE model: FLOPs and ring traffic of the dense model of its active FFN
+    # (.moe.active_twin); its memory and time its own (.moe_time: experts, dispatch)
+    real, model = model, active_twin(model)
     L = model.layers // job.pp
     f = layer_flops(model, job, mode)
     recomputed = 0
@@ -65,12 +66,12 @@ def step_cost(model: Model, job: Job, mode: str) -> Dict:
     extra = recomputed * f["forward"]
     m_, j_ = canonical(mode, job)
     lay = layout(m_, j_)
-    streaming = m_ == "metp" and streaming_applies(j_, lay, m_)
+    streaming = m_ == "metp" and not real.moe and streaming_applies(j_, lay, m_)
     if streaming:
         # the streaming layer re-runs the attention (projections and core) but not the MLP's
         # forward (its backward pass re-forms each shard's intermediate, as always)
         extra = recomputed * f["attention forward"]
-    act = memory(model, job, mode).act
+    act = memory(real, job, mode).act
     kept = act.kept_attention_layers  # no attention core in their re-forward (.keep)
     extra -= kept * 2 * (model.seq * job.micro_batch // lay.c) * model.seq * model.heads * \
         model.head_dim / lay.t
@@ -80,7 +81,8 @@ def step_cost(model: Model, job: Job, mode: str) -> Dict:
     sent_vocab = sum(vocab_traffic(model, job, mode).values())
     host = act.host
     moved = 2 * host
-    t = step_time(model, job, mode)
+    t = step_time(real, job, mode)
+    sent_moe = t["moe"]["sent"] if t.get("moe") else 0.0
     if streaming and act.offloaded_layers:  # they read their host copies tile by tile
         plain = act.offloaded_layers - act.kept_attention_host_layers
         moved = plain * streaming_host_bytes(
@@ -93,8 +95,8 @@ def step_cost(model: Model, job: Job, mode: str) -> Dict:
     return dict(t, **{
         "flops": base + extra, "flops_without_recompute": base,
         "recompute_flops_share": extra / base if base else 0.0,
-        "sent": sent + sent_extra + sent_vocab, "sent_by_recompute": sent_extra,
-        "sent_by_vocab_rings": sent_vocab,
+        "sent": sent + sent_extra + sent_vocab + sent_moe, "sent_by_recompute": sent_extra,
+        "sent_by_vocab_rings": sent_vocab, "sent_by_moe_dispatch": sent_moe,
         "host_device_bytes": moved, "compute_s": compute_s,
         "host_copy_s": moved / (t["rates"]["host_gbs"] * 1e9),
         "offload_hidden": c["host_copies_exposed"] == 0,

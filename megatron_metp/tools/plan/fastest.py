@@ -48,7 +48,7 @@ from .cost import step_cost
 from .flops import layer_flops
 from .hardware import HARDWARE
 from .job_checks import validate
-from .model import GiB, Job, Model
+from .model import PRESET_NOTES, GiB, Job, Model
 from .moe import active_twin
 from .positions import position_cap
 from .partial import resolve_offload
@@ -393,7 +393,10 @@ def fastest_report(model: Model, gpus: int, res: Dict, hardware: str = "H100-80G
              f"{reserve_gib:g} GiB reserve; host ≤ {host_gib:,.0f} GiB per node); micro-batch 1, "
              f"bf16, distributed optimizer; every valid layout × recompute none / selective / "
              f"full / block N / full with the attention output kept × activation offload × "
-             f"optimizer CPU offload; time per sequence = iteration / its sequences"]
+             f"optimizer CPU offload; time per sequence = iteration / its sequences"
+             + ("; a MoE model's EP searched (METP: multiples of METP)" if model.moe else "")]
+    if model.name in PRESET_NOTES:
+        lines.append(f"# {model.name}: {PRESET_NOTES[model.name]}")
     best = {}
     for fam, cands in res["choices"].items():
         lines.append("")

@@ -17,6 +17,8 @@ class Hardware:
     source: str = ""
     host_gbps: float = 64.0  # host link (PCIe) per direction, GB/s, nominal
     internode_gbps: float = 50.0  # inter-node link per GPU per direction, GB/s (see below)
+    hbm_gbps: float = 3350.0  # device memory bandwidth, GB/s (datasheet; MoE expert GEMMs)
+    sms: int = 132            # streaming multiprocessors (datasheet; MoE expert GEMMs' waves)
 
 
 #: Sources (public datasheets):
@@ -36,14 +38,19 @@ class Hardware:
 #:   single-port ConnectX-7 for the compute fabric, 400 Gb/s NDR each = 50 GB/s per direction per
 #:   GPU. DGX A100 user guide: eight single-port ConnectX-6, 200 Gb/s HDR each = 25 GB/s per
 #:   direction per GPU. Nominal line rates, not measured here.
+#: * Device memory bandwidth and SM count (the MoE expert GEMMs' shape rate, :mod:`.moe_time`):
+#:   A100 80GB SXM 2,039 GB/s, 108 SMs; H100 SXM5 3.35 TB/s HBM3, 132 SMs; H200 SXM 4.8 TB/s
+#:   HBM3e, 132 SMs (the GPUs' datasheets; SM counts from NVIDIA's A100 / H100 architecture
+#:   whitepapers). Not measured here.
 HARDWARE: Dict[str, Hardware] = {
     "A100-80GB": Hardware("A100-80GB", 80, 312, 300, host_gbps=32.0, internode_gbps=25.0,
+                          hbm_gbps=2039.0, sms=108,
                           source="NVIDIA A100 datasheet: 312 TFLOP/s bf16 dense, NVLink3 "
                                  "600 GB/s total (300 per direction), 80 GB"),
     "H100-80GB": Hardware("H100-80GB", 80, 989, 450,
                           source="NVIDIA H100 SXM datasheet: 989 TFLOP/s bf16 dense (1979 "
                                  "sparse), NVLink4 900 GB/s total (450 per direction), 80 GB"),
-    "H200-141GB": Hardware("H200-141GB", 141, 989, 450, measured_tflops=708,
+    "H200-141GB": Hardware("H200-141GB", 141, 989, 450, measured_tflops=708, hbm_gbps=4800.0,
                            source="NVIDIA H200 SXM datasheet: 989 TFLOP/s bf16 dense, NVLink "
                                   "900 GB/s total (450 per direction), 141 GB; measured bf16 "
                                   "matmul 708 TFLOP/s (DESIGN.md §4)"),

@@ -30,6 +30,7 @@ from .config import KEEP_FLAG, null_tokenizer_eod, read_config
 from .partial import resolve_keep, resolve_offload
 from .recipe import merge_recipe, recipe_flags
 from .model import KEEP_AUTO, Job, Model, canonical, layout
+from .moe import layer_freq_arg
 
 #: the repository's model files (``configs/models/<name>.sh``)
 MODELS_DIR = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, os.pardir, "configs",
@@ -132,7 +133,7 @@ def geometry(model: Model) -> List[Setting]:
     if model.moe:  # their flags travel in EXTRA_ARGS (:func:`moe_flags`)
         out += [("NUM_EXPERTS", str(model.experts), []), ("MOE_ROUTER_TOPK", str(model.topk), []),
                 ("MOE_FFN_HIDDEN_SIZE", str(model.moe_ffn or model.ffn), []),
-                ("MOE_LAYER_FREQ", str(model.moe_layer_freq), [])]
+                ("MOE_LAYER_FREQ", layer_freq_arg(model), [])]
     out += [
         ("SEQ_LENGTH", str(model.seq), ["--seq-length", str(model.seq),
                                         "--max-position-embeddings", str(model.seq)]),
@@ -223,7 +224,9 @@ def moe_flags(model: Model, job: Job, mode: str) -> List[str]:
     out = ["--num-experts", str(model.experts), "--moe-router-topk", str(model.topk)]
     if model.moe_ffn:
         out += ["--moe-ffn-hidden-size", str(model.moe_ffn)]
-    out += ["--moe-layer-freq", str(model.moe_layer_freq)]
+    out += ["--moe-layer-freq", layer_freq_arg(model)]
+    if model.moe_shared_ffn:
+        out += ["--moe-shared-expert-intermediate-size", str(model.moe_shared_ffn)]
     out += ["--moe-token-dispatcher-type", job.moe_dispatcher]
     if job.moe_grouped_gemm:
         out.append("--moe-grouped-gemm")

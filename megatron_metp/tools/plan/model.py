@@ -53,6 +53,9 @@ class Model:
     topk: int = 0                      # experts per token (--moe-router-topk)
     moe_ffn: Optional[int] = None      # one expert's FFN (--moe-ffn-hidden-size; None: ffn)
     moe_layer_freq: int = 1            # --moe-layer-freq N: layers 0, N, 2N, ... are MoE
+    moe_first_dense: int = 0           # the first N layers dense (--moe-layer-freq
+    #                                    ([0]*N+[1]*(L-N)): GLM's first_k_dense_replace)
+    moe_shared_ffn: int = 0            # shared expert (--moe-shared-expert-intermediate-size)
     # what metp measure builds (so that it builds the model training builds); the plan's own
     # arithmetic keeps LayerNorm without linear biases (see the presets' note below)
     normalization: str = "LayerNorm"   # --normalization LayerNorm | RMSNorm
@@ -103,7 +106,32 @@ PRESETS: Dict[str, Model] = {
     "mixtral-8x7b": Model(name="mixtral-8x7b", hidden=4096, layers=32, heads=32, query_groups=8,
                           ffn=14336, vocab=32000, seq=131072, swiglu=True, tied=False,
                           experts=8, topk=2, moe_ffn=14336),
+    # GLM-4.5-Air (zai-org's config.json, as tests/test_hf_moe_families.GLM45_AIR): 46 layers,
+    # the first dense (ffn 10944), 128 experts of 1408 top-8 and one shared expert of 1408,
+    # q/k/v biases; partial RoPE, the sigmoid router and the MTP layer do not change the plan
+    "glm-4.5-air": Model(name="glm-4.5-air", hidden=4096, layers=46, heads=96, query_groups=8,
+                         kv_channels=128, ffn=10944, vocab=151552, seq=131072, swiglu=True,
+                         tied=False, add_qkv_bias=True, experts=128, topk=8, moe_ffn=1408,
+                         moe_first_dense=1, moe_shared_ffn=1408),
+    # gpt-oss-120b (OpenAI's config.json): 36 layers, 128 experts of 2880 top-4, heads of 64
+    # (PRESET_NOTES: its sliding-window layers planned as full attention)
+    "gpt-oss-120b": Model(name="gpt-oss-120b", hidden=2880, layers=36, heads=64, query_groups=8,
+                          kv_channels=64, ffn=2880, vocab=201088, seq=131072, swiglu=True,
+                          tied=False, experts=128, topk=4, moe_ffn=2880),
 }
+#: what a preset's plan does not model, printed with its plans (``metp plan``, ``--reach``,
+#: ``--fastest``)
+PRESET_NOTES: Dict[str, str] = {
+    "gpt-oss-120b": "gpt-oss alternates 128-token sliding-window layers with full ones; the "
+                    "METP runtime refuses sliding windows (--window-attn-skip-freq), so every "
+                    "layer is planned as full causal attention: an upper bound on the "
+                    "attention's memory and time for stock Megatron too (its sinks, linear "
+                    "biases and clamped SwiGLU are not in the plan's arithmetic)",
+    "glm-4.5-air": "GLM-4.5-Air's shared expert is planned as a dense MLP of 1408 beside the "
+                   "routed experts (its weights and time; its activations are not counted); "
+                   "its MTP layer is not planned",
+}
+
 
 
 @dataclass(frozen=True)

@@ -56,9 +56,10 @@ recompute (:func:`dispatch_state`; METP's layer drops it). With
 ``--moe-layer-freq`` > 1 the stored bytes per layer are the stage's average and the last
 layer's phases those of its kind.
 
-**Time** (:func:`active_twin`): the step time plans the dense model of the active FFN
-(``k·f′`` per token) — the FLOPs of the routed experts; the token dispatch's traffic is not
-timed.
+**Time** (:mod:`.moe_time`): the token dispatch over the link the EP group spans, the expert
+GEMMs at a rate for their shape (sequential or grouped) on the busiest EP rank, the router and
+the shared expert; :func:`active_twin` (the dense model of the active FFN, ``k·f′`` per token)
+remains the model FLOPs' and the per-layer ring traffic's model.
 """
 
 from __future__ import annotations
@@ -74,10 +75,19 @@ DISPATCHERS = ("allgather", "alltoall")
 
 
 def moe_layer_flags(model: Model) -> List[bool]:
-    """Which layers are MoE (Megatron's ``--moe-layer-freq N``: ``i % N == 0``)."""
+    """Which layers are MoE (Megatron's ``--moe-layer-freq N``: ``i % N == 0``; the first
+    ``moe_first_dense`` dense, ``--moe-layer-freq ([0]*N+[1]*(L-N))``)."""
     if not model.moe:
         return [False] * model.layers
-    return [i % model.moe_layer_freq == 0 for i in range(model.layers)]
+    return [i >= model.moe_first_dense and i % model.moe_layer_freq == 0
+            for i in range(model.layers)]
+
+
+def layer_freq_arg(model: Model) -> str:
+    """``--moe-layer-freq``'s value: ``N``, or ``([0]*k+[1]*(L-k))`` with ``k`` leading dense
+    layers."""
+    k = model.moe_first_dense
+    return f"([0]*{k}+[1]*{model.layers - k})" if k else str(model.moe_layer_freq)
 
 
 def stage_layers(model: Model, pp: int, stage: str = "first") -> Tuple[int, int]:
@@ -307,12 +317,15 @@ def moe_layer(model: Model, job: Job, lay, stage: str, N: int, S: Dict[str, floa
 
 def params_split(model: Model, job: Job, lay, stage: str = "first") -> Dict[str, int]:
     """Elements of a stage's MoE layers on one rank: ``expert`` (E/EP experts per MoE layer),
-    ``router`` (replicated), ``dense_mlp_layers`` (layers whose MLP is the mode's dense one)."""
+    ``router`` (replicated), ``dense_mlp_layers`` (layers whose MLP is the mode's dense one),
+    ``shared`` (the shared experts' elements, whole: sharded as the dense MLP's)."""
     n_moe, n_dense = stage_layers(model, job.pp, stage)
     router, one = expert_elements(model)
     ep = expert_parallel(job, lay)
+    k = 2 if model.swiglu else 1
     return {"expert": n_moe * (model.experts // ep) * one if model.moe else 0,
             "router": n_moe * router if model.moe else 0, "dense_mlp_layers": n_dense,
+            "shared": n_moe * (k + 1) * model.moe_shared_ffn * model.hidden,
             "ep": ep, "expert_dp": expert_dp(job, lay, ep)}
 
 

@@ -56,7 +56,7 @@ def params(model: Model, job: Job, mode: str, stage: str = "first") -> Params:
     L = model.layers // job.pp
     moe = moe_params(model, job, lay, stage)
     # MoE layers (.moe): no dense MLP; the router replicated like the norms, experts apart
-    mlp_layers = moe["dense_mlp_layers"] if model.moe else L
+    mlp_layers = moe["dense_mlp_layers"] if model.moe else L  # (+ the shared experts, dense)
     V = padded_vocab(model.vocab, lay.vocab_pad)
     emb = 0
     first = stage == "first" or job.pp == 1
@@ -68,7 +68,7 @@ def params(model: Model, job: Job, mode: str, stage: str = "first") -> Params:
     final = 2 * model.hidden if last else 0
     repl = L * norms + moe["router"]
     if mode == "metp":
-        sharded = (L * attn + mlp_layers * mlp) // lay.weight_shards
+        sharded = (L * attn + mlp_layers * mlp + moe["shared"]) // lay.weight_shards
         # METP-sharded weights reduce over CP × DP (expert-DP under the fold), replicated
         # ones over everything Megatron's DP × CP group holds (c = METP × CP ranks)
         dp_sh, dp_rep = job.dp * lay.cp, job.dp * lay.c
@@ -77,10 +77,10 @@ def params(model: Model, job: Job, mode: str, stage: str = "first") -> Params:
             # so the distributed optimizer shards them over expert-DP (megatron/wide_ep.py)
             dp_sh = moe["expert_dp"]
     elif mode in ("tp", "tp-sp"):
-        sharded = (L * attn + mlp_layers * mlp) // lay.t
+        sharded = (L * attn + mlp_layers * mlp + moe["shared"]) // lay.t
         dp_sh = dp_rep = job.dp
     else:  # ring, cp: TP shards, replicated over the ring; DP×CP reduces them
-        sharded = (L * attn + mlp_layers * mlp) // lay.t
+        sharded = (L * attn + mlp_layers * mlp + moe["shared"]) // lay.t
         dp_sh = dp_rep = job.dp * lay.c
     return Params(sharded, repl, emb, final, dp_sh, dp_rep, embedding_sharded=lay.vocab,
                   expert=moe["expert"], dp_expert=moe["expert_dp"])

@@ -4,12 +4,15 @@ over every valid layout of each family, and the best layout per family.
 Families (``world = gpus``, micro-batch 1, the distributed optimizer on, bf16):
 
 * ``metp``: TP ``t`` × METP ``p`` × CP ``c`` × PP × DP, the vocabulary ring on (mode ``metp``
-  with ``vocab_parallel``; ``c`` the outer factor of Megatron's CP group of size ``p·c``). The
+  with ``vocab_parallel``; ``c`` the outer factor of Megatron's CP group of size ``p·c``); a MoE
+  model's EP a free factor: ``p·e`` for every ``e`` dividing CP × DP and ``p·e`` the experts
+  (EP wider than the METP group, :mod:`megatron_metp.megatron.wide_ep`). The
   METP group stays inside a node (``t·p`` divides the GPUs of a node, ``p ≥ 2``), ``t·p`` divides
   the heads, the K/V groups and the FFN (the head-group loop: at most as many METP·TP shards as
   K/V groups).
 * ``stock``: stock Megatron, TP ``t`` (+SP when ``t > 1``) inside a node × CP × PP × DP (mode
-  ``tp-sp`` without CP, ``cp`` with it: the K/V ring over the CP ranks, weights whole over them).
+  ``tp-sp`` without CP, ``cp`` with it: the K/V ring over the CP ranks, weights whole over them);
+  a MoE model's EP every divisor of TP × CP × DP that divides the experts (parallel folding).
 
 Options, for every layout: recompute none / full (uniform, one layer a chunk) / full + host
 offload of the layer inputs (``--metp-offload-activations``, the project's offload, planned for
@@ -32,7 +35,8 @@ from typing import Dict, Iterator, List, Optional, Tuple
 from .hardware import HARDWARE
 from .internode import GPUS_PER_NODE, internode_hop
 from .job_checks import validate
-from .model import GiB, Job, Model
+from .model import PRESET_NOTES, GiB, Job, Model
+from .moe_time import ep_link
 from .positions import FP32_EXACT_POSITIONS, REASON as POSITIONS_REASON, position_cap
 from .rank_memory import capacity_bytes, pipeline_ends, seq_step, stage_memories
 
@@ -111,8 +115,14 @@ def layouts(model: Model, gpus: int, family: str,
                     if p < 2 or rest % p:
                         continue
                     for c in _divisors(rest // p):
-                        yield "metp", dict(tp=t, metp=p, cp=c, pp=pp, dp=rest // (p * c),
-                                           vocab_parallel=True)
+                        fields = dict(tp=t, metp=p, cp=c, pp=pp, dp=rest // (p * c),
+                                      vocab_parallel=True)
+                        # MoE: EP = p·e, e whole METP groups out of CP × DP (megatron/wide_ep),
+                        # dividing the experts; the narrower (inside a node) first
+                        for ep in ([p * e for e in _divisors(rest // p)
+                                    if model.experts % (p * e) == 0]
+                                   if model.moe and t == 1 else [0]):
+                            yield "metp", dict(fields, ep=ep)
             elif family == "alst":
                 if t == 1 and pp == 1:  # one layout: Ulysses over every GPU
                     yield "alst", dict(tp=1, metp=gpus, pp=1, dp=1)
@@ -286,8 +296,12 @@ def geometry(model: Model) -> str:
     """``name h=… L=… a=…[, G K/V groups] ffn=… vocab=…``: the model line of a search's
     report (``--reach``, ``--fastest``)."""
     g = f", {model.groups} K/V groups" if model.groups != model.heads else ""
+    moe = (f", {model.experts} experts of {model.moe_ffn or model.ffn} top-{model.topk}"
+           + (f" + shared {model.moe_shared_ffn}" if model.moe_shared_ffn else "")
+           + (f", first {model.moe_first_dense} dense" if model.moe_first_dense else "")
+           if model.moe else "")
     return (f"{model.name} h={model.hidden} L={model.layers} a={model.heads}{g} "
-            f"ffn={model.ffn} vocab={model.vocab}")
+            f"ffn={model.ffn} vocab={model.vocab}{moe}")
 
 
 def reach_report(model: Model, gpus: int, hardware: str = "H100-80GB", reserve_gib: float = 2.0,
@@ -310,7 +324,10 @@ def reach_report(model: Model, gpus: int, hardware: str = "H100-80GB", reserve_g
              f"({hw.memory_gib:g} GB − {reserve_gib:g} GiB reserve; host ≤ {host_gib:,.0f} GiB "
              f"per node of {GPUS_PER_NODE}); micro-batch 1, bf16, distributed optimizer; every "
              f"valid layout × recompute none / full / full + offload × optimizer CPU offload "
-             f"off / on"]
+             f"off / on" + ("; a MoE model's EP searched (METP: multiples of METP)"
+                            if model.moe else "")]
+    if model.name in PRESET_NOTES:
+        lines.append(f"# {model.name}: {PRESET_NOTES[model.name]}")
     best = {}
     for fam, cands in res.items():
         fitting = [c for c in cands if c.seq]
@@ -332,6 +349,9 @@ def reach_report(model: Model, gpus: int, hardware: str = "H100-80GB", reserve_g
                       f"tokens/rank vs inter-node threshold {hop['threshold_forward']:,.0f} "
                       f"({'hidden' if hop['hidden'] else 'NOT hidden'})")
             c.time_s = sequence_time(model, c)
+            if model.moe and c.job.ep:
+                kv += ("; EP group across nodes (dispatch on the inter-node link)"
+                       if ep_link(c.job, c.job.ep)["crosses"] else "")
             lines.append(f"  {'best' if i == 0 else f'#{i + 1}  '} {fmt_tokens(c.seq):>10} "
                          f"tokens  {c.describe()}: {fmt_bytes(c.total)} per rank, host "
                          f"{fmt_bytes(c.host_per_node)} per node, {c.time_s:,.0f} s per "
@@ -349,6 +369,15 @@ def reach_report(model: Model, gpus: int, hardware: str = "H100-80GB", reserve_g
         lines.append("")
         lines.append(f"# best METP ÷ best stock Megatron: {fmt_tokens(m)} / {fmt_tokens(s)} = "
                      f"{m / s:.2f}×" if s else f"# best METP {fmt_tokens(m)}; stock: nothing fits")
+    if "metp" in res and "stock" in res:  # the closing note: each best, its time per sequence
+        if not ("metp" in best and "stock" in best):
+            lines.append("")
+        for fam in ("metp", "stock"):
+            c = best.get(fam)
+            name = "METP" if fam == "metp" else "stock Megatron"
+            lines.append(f"# best {name}: {fmt_tokens(c.seq)} tokens in {c.time_s:,.1f} s per "
+                         f"sequence ({c.describe()})" if c else
+                         f"# best {name}: nothing fits on {gpus} GPUs")
     lines.append(LEGEND)
     return "\n".join(wrap_lines(lines, width))
 

@@ -25,6 +25,10 @@ Per layer and rank (``n`` tokens through the rank, ``s`` the sequence, ``t`` TP,
   to compute: pure transfer) per head group, query tile; the steps of the op's plan where no
   rank has work (pure transfer); a ring that crosses nodes: the excess of
   each step's inter-node transfer over its compute (:func:`.internode.internode_hop`);
+* MoE (:mod:`.moe_time`): a MoE layer's GEMMs are its attention's, its router's and its shared
+  expert's; the routed experts' GEMMs at a rate for their shape and the token dispatch (exposed)
+  on the busiest expert-parallel rank are components of their own (``moe_experts``,
+  ``moe_dispatch_exposed``);
 * the optimizer step (:func:`.optimizer_time.optimizer_s`), once per iteration.
 
 ``step_s`` = the sum of the components but the optimizer; ``iteration_s = (m + pp − 1)·step_s
@@ -151,7 +155,8 @@ def step_time(model: Model, job: Job, mode: str) -> Dict:
     n = model.seq * b // lay.c
     h, d = model.hidden, model.head_dim
     hk = model.groups * d // lay.t
-    streaming = mode == "metp" and streaming_applies(job, lay, mode)
+    # (a MoE model's layers run Megatron's checkpoint, not the streaming layer op: .moe)
+    streaming = mode == "metp" and not model.moe and streaming_applies(job, lay, mode)
     # the ring and its imbalance: METP's query tiles (whole blocks without the streaming
     # layer); stock CP / ring: whole dual-chunk blocks (balanced)
     groups, tl = 1, None
@@ -181,7 +186,16 @@ def step_time(model: Model, job: Job, mode: str) -> Dict:
         L if job.recompute == "selective" and mode in ("tp", "tp-sp", "cp", "ring", "metp")
         else 0)
     fl = layer_flops(model, job, mode)
-    gemm_layer = fl["forward"] - fa            # projections + MLP, forward
+    moe = None
+    if model.moe:  # MoE layers: attention, router, shared expert here; the experts apart
+        from .moe import stage_layers
+        from .moe_time import moe_layer_flops, moe_time
+
+        n_moe, n_dense = stage_layers(model, job.pp, "first")
+        fm = moe_layer_flops(model, job, mode)
+        fl = {k: (n_dense * fl[k] + n_moe * fm[k]) / L for k in fl}
+        moe = moe_time(model, job, mode, lay, rates.gemm_tflops, recomputed)
+    gemm_layer = fl["forward"] - fa            # projections + MLP, forward (a layer's mean)
     gemm = L * (3 * gemm_layer + fl["METP per-shard recompute"])
     # recompute: the streaming layer re-runs the attention's projections; else the layer
     gemm += recomputed * ((fl["attention forward"] - fa) if streaming else gemm_layer)
@@ -196,6 +210,9 @@ def step_time(model: Model, job: Job, mode: str) -> Dict:
         "gemm": gemm / rg,
         "loss": loss / rg,
     }
+    if moe is not None:  # (.moe_time) the busiest EP rank
+        comp["moe_experts"] = moe["experts_s"]
+        comp["moe_dispatch_exposed"] = moe["dispatch_s"]
     # host copies
     passes: List[Dict[str, float]] = []
     kept_passes: List[Dict[str, float]] = []
@@ -216,7 +233,8 @@ def step_time(model: Model, job: Job, mode: str) -> Dict:
         # one direction per phase: a layer's saved tensors go out while the next layer runs its
         # forward and come back while the one after it in backward order runs its backward, so
         # each copy hides behind the compute of its own phase only (the loss hides neither)
-        fwd_layer = comp["attention_fwd"] / L + gemm_layer / rg
+        fwd_layer = comp["attention_fwd"] / L + gemm_layer / rg + \
+            (moe["forward_s"] * moe["moe_layers"] / L if moe else 0.0)
         bwd_layer = (sum(comp.values()) - comp["loss"]) / L - fwd_layer
         copy = act.host / max(1, act.offloaded_layers) / gb
         host_exposed = act.offloaded_layers * (max(0.0, copy - fwd_layer) +
@@ -267,4 +285,4 @@ def step_time(model: Model, job: Job, mode: str) -> Dict:
             "query_tiles": imb["q_tiles"], "kv_blocks": imb["kv_blocks"],
             "empty_ring_steps": imb["empty_steps_forward"] + imb["empty_steps_backward"],
             "host_passes": passes, "host_passes_kept": kept_passes,
-            "kept_attention_layers": kept}
+            "kept_attention_layers": kept, "moe": moe}

@@ -8,7 +8,8 @@ from typing import Dict, List, Optional, Sequence
 from .hardware import HARDWARE
 from .job_checks import validate
 from .keep import kept_bytes, recomputed_layers
-from .model import GiB, KEEP_AUTO, MiB, MODES, VOCAB_MODES, Job, Model, canonical, layout
+from .model import (GiB, KEEP_AUTO, MiB, MODES, PRESET_NOTES, VOCAB_MODES, Job, Model,
+                    canonical, layout)
 from .fit import fit_hint, fits
 from .textwidth import fmt_bytes, fmt_tokens
 from .overlap import overlap_thresholds
@@ -17,6 +18,7 @@ from .rank_memory import capacity_bytes, head_memory, longest_seq, memory
 from .traffic import crossover_seq, traffic_per_layer
 from .cost import step_cost
 from .moe import active_twin
+from .moe_time import describe as describe_moe_time
 from .alst import alst_head, alst_traffic
 
 from .host import GPUS_PER_NODE, host_capacity_bytes, host_fits  # noqa: F401 (GPUS_PER_NODE)
@@ -144,8 +146,11 @@ def report(model: Model, job: Job, modes: Sequence[str] = MODES,
                  f"{hw.bf16_tflops:g} TFLOP/s bf16 dense, {hw.link_gbps:g} GB/s per direction "
                  f"({hw.source})")
     for m, line in res.get("moe", {}).items():
-        lines.append(f"# {m}: {line}; traffic and time planned as the dense model of the "
-                     f"active FFN (top-k × expert FFN), the token dispatch not timed")
+        lines.append(f"# {m}: {line}; the per-layer ring traffic planned as the dense model of "
+                     f"the active FFN (top-k × expert FFN), the time with the experts' GEMMs and "
+                     f"the token dispatch (tools/plan/moe_time.py)")
+    if model.name in PRESET_NOTES:
+        lines.append(f"# {model.name}: {PRESET_NOTES[model.name]}")
     lines.append("# all figures planned (formulas of megatron_metp/tools/plan); per rank, rank 0"
                  + (" (first pipeline stage)" if job.pp > 1 else ""))
     lines.append("")
@@ -301,6 +306,8 @@ def report(model: Model, job: Job, modes: Sequence[str] = MODES,
                      + (f" (measured {rt['measured_at']}: --rates)" if rt["measured_at"] else
                         " (published figures: ops/kernel_rates.py, tools/plan/rates.py)")
                      + f"; ring imbalance {c['ring_imbalance']:.3f}; seconds: {comp}")
+        if c.get("moe"):
+            tail.append(f"# {mode}: {describe_moe_time(c['moe'])}")
         if c["host_passes"]:
             tail.append(f"# {mode}: host copies per offloaded layer, pass by pass, at "
                          f"{rt['host_gbs']:,.1f} GB/s per GPU (8 GPUs sharing the node's host "
