@@ -55,7 +55,7 @@ def test_a_doctored_figure_is_caught_named_and_rewritten(D, tool_figures):
     with the doc and the figure; rewriting the copy gives the doc back."""
     doc = "docs/megatron-lm.md"
     text = _text(doc)
-    bad = text.replace("| 487K (TP 4+SP × CP 2 × EP 8) | 8.82× |",
+    bad = text.replace("| 487K (TP 4+SP × CP 2 × EP 8) | 13.89× |",
                        "| 498.25K (TP 4+SP × CP 2 × EP 8) | 8.62× |", 1)
     bad = bad.replace("<!-- figure: plan-gpt-7b-128k-metp8 -->35.3<",
                       "<!-- figure: plan-gpt-7b-128k-metp8 -->59.9<", 1)
@@ -66,7 +66,7 @@ def test_a_doctored_figure_is_caught_named_and_rewritten(D, tool_figures):
         found[1].startswith(f"{doc}: figure plan-gpt-7b-128k-metp8")
     moe = next(x for x in found if "figure moe-reach" in x)
     assert "the doc says '498.25K', the tool prints '487K'" in moe
-    assert "the doc says '8.62×', the tool prints '8.82×'" in moe
+    assert "the doc says '8.62×', the tool prints '13.89×'" in moe
     assert "'59.9', the tool prints '35.3'" in next(x for x in found if "gpt-7b" in x)
     assert D.rewrite(bad, doc) == text
 
