@@ -220,7 +220,7 @@ def test_sequence_parallel_with_tp1_is_left_to_megatron():
     (dict(expert_tensor_parallel_size=2), ["--expert-tensor-parallel-size 2"]),
     (dict(use_legacy_models=True), ["--use-legacy-models"]),
     (dict(spec=["my.module", "layer_spec"]), ["--spec"]),
-    (dict(mtp_num_layers=1), ["--mtp-num-layers"]),
+    (dict(mtp_num_layers=1), ["--mtp-num-layers 1", "multi-token prediction", "drop the flag"]),
     (dict(qk_l2_norm=True), ["--qk-l2-norm", "--qk-layernorm"]),
     (dict(window_size=(4096, 0)), ["--window-size (4096, 0)", "sliding-window"]),
     (dict(squared_relu=True), ["--squared-relu"]),

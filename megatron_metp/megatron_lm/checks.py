@@ -177,10 +177,14 @@ def metp_flag_problems(args, p: int, tp: int) -> List[str]:
                    f"send the signal, sbatch --signal=TERM@<seconds before the limit>, or stop "
                    f"after N iterations with --exit-interval N)")
     for name, opt in (("experimental_attention_variant", "--experimental-attention-variant"),
-                      ("heterogeneous_layers_config_path", "--heterogeneous-layers-config-path"),
-                      ("mtp_num_layers", "--mtp-num-layers")):
+                      ("heterogeneous_layers_config_path", "--heterogeneous-layers-config-path")):
         if flag(name) is not None:
             out.append(opt)
+    if flag("mtp_num_layers"):
+        out.append(f"--mtp-num-layers {flag('mtp_num_layers')} (multi-token prediction is not "
+                   f"built with METP: its extra layers and their loss would not go round the "
+                   f"METP rings; drop the flag, which trains the main next-token objective, as "
+                   f"DeepSeek-V3's own fine-tunes without MTP do)")
     from ..megatron.mla_checks import mla_problems
 
     out.extend(mla_problems(args, tp=tp,
