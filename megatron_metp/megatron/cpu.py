@@ -50,6 +50,9 @@ What ``enable()`` patches (ids as in ``reference/megatron-core-on-cpu.md``):
 (l) Megatron's ``jit_fuser`` functions (``torch.compile``) run eagerly, without generating and
     compiling C++ on first use (:mod:`.cpu_eager`); applied before megatron-core is imported.
 
+(m) The local ``DotProductAttention`` accepts stock MLA's ``k_channels``/``v_channels`` when both
+    equal ``kv_channels`` (:mod:`.cpu_mla`), so stock multi-latent attention builds on CPU ranks.
+
 (f) is not global: wrap optimizer construction and ``step()`` in :func:`cuda_to_cpu`, a
 ``TorchFunctionMode`` that maps CUDA devices to the CPU, drops ``pin_memory``, makes
 ``Tensor.cuda()`` a no-op and makes a zero-argument ``Tensor.type()`` report ``torch.cuda.*``.
@@ -287,7 +290,7 @@ def is_enabled() -> bool:
 
 
 def enable(force: bool = False) -> None:
-    """Apply shims (b), (c), (d), (e), (g), (h), (i), (j), (k), (l); a second call does nothing.
+    """Apply shims (b), (c), (d), (e), (g), (h), (i), (j), (k), (l), (m); a second call does nothing.
 
     Raises ``RuntimeError`` when ``torch.cuda.is_available()`` unless ``force=True``.
     Any RNG tracker created before the call is dropped, so the next ``get_cuda_rng_tracker()`` or
@@ -333,6 +336,9 @@ def enable(force: bool = False) -> None:
             from .moe_cpu import patch_moe  # (j) Megatron's MoE layer
 
             patch_moe(patch)
+            from .cpu_mla import patch_mla_core_attention  # (m)
+
+            patch_mla_core_attention(patch)
             if not getattr(mrandom, "HAVE_TE", True):  # (k)
                 cls = mrandom.CheckpointWithoutOutput
                 patch(cls, "__init__", _without_fp8(cls.__init__))
