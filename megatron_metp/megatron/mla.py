@@ -214,6 +214,33 @@ def use_mla_spec(spec, groups: METPGroups, config, kernel: Optional[str],
     return spec
 
 
+class _StockMLASelfAttention(MLASelfAttention):
+    """Stock ``MLASelfAttention`` built with the Transformer Engine stand-in's fp8 question
+    answered (:func:`_stand_in_te_off`); otherwise the same class."""
+
+    def __init__(self, *args, **kwargs):
+        with _stand_in_te_off():
+            super().__init__(*args, **kwargs)
+
+
+def without_core_attention(spec):
+    """``spec`` (a layer ``ModuleSpec`` or a decoder block's submodules with ``layer_specs``) of
+    stock MLA layers with their ``core_attention`` replaced by a stand-in that is built and
+    never called: the parameters, state dict and ``sharded_state_dict`` stay stock's (the core
+    attention has none). For building a stock MLA model to save or load weights on a machine
+    whose local ``DotProductAttention`` takes no separate k/v head dims (the Hugging Face
+    import); its forward raises."""
+    layers = getattr(spec, "layer_specs", None)
+    for layer in (layers if layers is not None else [spec]):
+        attn = copy.copy(layer.submodules.self_attention)
+        attn.submodules = copy.copy(attn.submodules)
+        attn.submodules.core_attention = _UnusedCoreAttention
+        if attn.module is MLASelfAttention:
+            attn.module = _StockMLASelfAttention
+        layer.submodules.self_attention = attn
+    return spec
+
+
 def use_mla_angles(model: torch.nn.Module, recipe: str, seq_length: int, asked: str) -> str:
     """Each MLA layer's own RoPE (``self_attention.rotary_pos_emb``) switched to exact angles
     as :func:`.rope.use_exact_angles` does a model's, refused past 2^24 positions on Megatron's

@@ -118,13 +118,13 @@ def build_model(g: LlamaGeometry, *, groups=None, vocab_parallel: bool = False,
     with ``groups``: the ring self-attention baseline (weights replicated, the K/V ring). Weights
     are left uninitialised (load them)."""
     from megatron.core import parallel_state as ps
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from .deepseek import config_class
 
     tp = ps.get_tensor_model_parallel_world_size()
     metp = ps.get_context_parallel_world_size()
     ep = ps.get_expert_model_parallel_world_size()
-    cfg = TransformerConfig(**transformer_config_kwargs(g, tp=tp, metp=metp, ep=ep,
-                                                        dispatcher=moe_token_dispatcher))
+    cfg = config_class(g)(**transformer_config_kwargs(g, tp=tp, metp=metp, ep=ep,
+                                                      dispatcher=moe_token_dispatcher))
     set_yarn_config(cfg, g)
     if groups is None and vocab_parallel:
         raise ValueError("vocab_parallel needs the METP groups")
@@ -139,6 +139,12 @@ def build_model(g: LlamaGeometry, *, groups=None, vocab_parallel: bool = False,
                      vocab_parallel=vocab_parallel, rope_recipe=rope_recipe(),
                      rope_recipe_source="METP_ROPE_RECIPE=megatron")
     model_kwargs = gpt_model_kwargs(g)
+    if groups is None and g.multi_latent_attention:
+        # stock MLA: megatron-core's local DotProductAttention takes no separate k/v head dims;
+        # the model saves and loads weights, its forward is not run (mla.without_core_attention)
+        from ...megatron.mla import without_core_attention
+
+        model_kwargs["spec_transform"] = without_core_attention
     return build_metp_gpt(cfg, groups, settings, normalization="RMSNorm",
                           pre_process=ps.is_pipeline_first_stage(),
                           post_process=ps.is_pipeline_last_stage(), **model_kwargs)

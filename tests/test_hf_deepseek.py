@@ -1,0 +1,257 @@
+"""Hugging Face DeepSeek-V2 and DeepSeek-V3 in and out: tiny random ``transformers``
+``DeepseekV2ForCausalLM`` (DeepSeek-V2-Lite's shape: no query latent, softmax top-2 without
+renormalisation, a routed scaling factor, a leading dense layer, a shared expert; plain RoPE) and
+``DeepseekV3ForCausalLM`` (query latent, sigmoid router with ``e_score_correction_bias``,
+group-limited top-k, scaling 2.5, two shared experts, DeepSeek's YaRN with ``mscale`` and
+``mscale_all_dim``) built in the test, converted with ``megatron_metp.tools.hf`` into METP's
+multi-latent attention (the latent on the ring) and Megatron's MoE: METP 2 gives transformers'
+logits and loss (fp32, 1e-5); import then export returns every tensor bit for bit, with the
+printed Megatron-LM flags; negative controls (RoPE over rotate-half pairs instead of
+DeepSeek's interleaved ones, YaRN without ``mscale_all_dim``) are caught; what cannot convert is
+refused naming the field."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+from megatron_metp.tools import hf as H
+from megatron_metp.tools.hf.config import LlamaGeometry, geometry_from_hf, megatron_args
+from tests.harness import assert_messages, run_ranks, value_errors
+from tests.hf_tiny import (import_made, model_reference, randomise, read_tensors,
+                            reimport)
+from tests.numerics import rel_err
+from tests.test_hf import TINY, _import_on_a_rank, _metp_run
+from tests.test_hf_moe import _check
+
+FAMILIES = ("deepseek_v2", "deepseek_v3")
+#: shared: hidden 32, 4 heads (divisible by METP 2), 3 layers with layer 0 dense, 4 experts of
+#: 16 (2 per METP rank), top-2; kv latent 16, no-RoPE query/key 8, RoPE 8, value 8 per head;
+#: RMSNorm epsilon 1e-6 (transformers' latent norms have it whatever rms_norm_eps says)
+_COMMON = dict(vocab_size=TINY["vocab_size"], hidden_size=32, intermediate_size=64,
+               num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+               kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+               n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+               first_k_dense_replace=1, rms_norm_eps=1e-6, rope_theta=5000.0,
+               initializer_range=0.1, tie_word_embeddings=False)
+#: DeepSeek-V2-Lite's shape: no query latent, greedy softmax top-2 (not renormalised) scaled by
+#: 1.5, one shared expert, plain RoPE
+V2 = dict(_COMMON, q_lora_rank=None, n_shared_experts=1, topk_method="greedy",
+          norm_topk_prob=False, routed_scaling_factor=1.5, max_position_embeddings=64)
+#: DeepSeek-V3's: query latent 24, 4 experts in 2 groups (top-2 inside the best group), scaling
+#: 2.5, two shared experts, YaRN (factor 4 over DeepSeek's original 4096 positions, mscale 0.8,
+#: mscale_all_dim 1.0: cos/sin times g(4, 0.8)/g(4, 1), the softmax scale times g(4, 1)^2)
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.8, "mscale_all_dim": 1.0}
+V3 = dict(_COMMON, q_lora_rank=24, n_shared_experts=2, n_group=2, topk_group=1,
+          norm_topk_prob=True, routed_scaling_factor=2.5, max_position_embeddings=16384,
+          rope_scaling=YARN)
+BASE = {"deepseek_v2": V2, "deepseek_v3": V3}
+
+
+def _q_latent_needed() -> bool:
+    """megatron-core 0.19 fuses the no-query-latent form's norm into a Transformer Engine
+    linear, which METP's MLA refuses (docs/mla.md): there the V2 model gets a query latent."""
+    from megatron.core.transformer import multi_latent_attention as stock
+
+    return hasattr(stock, "QKNormConfigResolver")
+
+
+def _hf_class(family):
+    import transformers
+
+    return {"deepseek_v2": (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM),
+            "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM)
+            }[family]
+
+
+def _config(family, **change):
+    cfg = copy.deepcopy({**BASE[family], **change})
+    if family == "deepseek_v2" and _q_latent_needed():
+        cfg["q_lora_rank"] = 24
+    rs = cfg.pop("rope_scaling", None)
+    from megatron_metp.tools.hf.versions import installed_layout
+
+    if installed_layout() == 5:  # transformers 5 takes the scaling in rope_parameters only
+        cfg["rope_parameters"] = dict(rs or {"rope_type": "default"},
+                                      rope_theta=cfg.pop("rope_theta"))
+    else:
+        cfg["rope_scaling"] = rs
+    return cfg
+
+
+def _make_hf(path: str, family: str, seed: int, **change) -> None:
+    """A random fp32 model of ``family`` saved as safetensors; the latent norms, layer norms
+    and V3's router bias random too (transformers starts them at 1 / 0)."""
+    config_cls, model_cls = _hf_class(family)
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**_config(family, **change), dtype="float32")).float()
+    randomise(model)
+    model.save_pretrained(path, safe_serialization=True)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Both families' tiny models imported for METP 2 with no vocabulary padding (102 rows),
+    and transformers' logits and loss of the test batch."""
+    return import_made(tmp_path_factory.mktemp("hf_deepseek"), FAMILIES, _make_hf,
+                       lambda f: _hf_class(f)[1], seed=51, metp=2)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_metp_2_logits_and_loss_equal_transformers(models, family):
+    """At METP 2: the multi-latent attention with the latent on the ring (exact RoPE angles of
+    DeepSeek's interleaved pairs; V3: YaRN with both mscales), the shared expert as METP's MLP,
+    megatron-core's routers (V2: softmax top-k, scaled; V3: sigmoid with the expert bias, a
+    group, scaled), the experts sharded over the two ranks: transformers' logits and loss."""
+    m = models[family]
+    logits, loss = _metp_run(2, m.ckpt, m.geometry, models["ids"])
+    _check(f"{family} METP=2", logits, loss, m)
+
+
+def _far(tag, logits, m):
+    err = rel_err(logits, m.logits)
+    print(f"{tag}: logits rel. err {err:.2e}")
+    assert err > 1e-3, (tag, err)
+
+
+def test_negative_controls(models, tmp_path):
+    """The logits check sees the RoPE pairing and DeepSeek's mscale: the V2 import with each
+    head's RoPE rows permuted from DeepSeek's interleaved pairs into rotate-half order (the
+    mapping a Llama-style RoPE would need), and V3 with YaRN's softmax factor dropped
+    (``mscale_all_dim`` 0)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    ids = models["ids"]
+    m = models["deepseek_v2"]
+    hf_dir, ckpt = str(tmp_path / "hf"), str(tmp_path / "ckpt")
+    shutil.copytree(m.hf_dir, hf_dir)
+    t = read_tensors(hf_dir)
+    g = LlamaGeometry(**m.geometry)
+    dn, dr = g.qk_head_dim, g.qk_pos_emb_head_dim
+    order = torch.cat([torch.arange(0, dr, 2), torch.arange(1, dr, 2)])  # halves of the pairs
+    for k in list(t):
+        if k.endswith(("q_proj.weight", "q_b_proj.weight")):
+            w = t[k].reshape(g.num_attention_heads, dn + dr, -1).clone()
+            w[:, dn:] = w[:, dn:][:, order]
+            t[k] = w.reshape(t[k].shape).contiguous()
+        elif k.endswith("kv_a_proj_with_mqa.weight"):
+            w = t[k].clone()
+            w[g.kv_lora_rank:] = w[g.kv_lora_rank:][order]
+            t[k] = w
+    save_file(t, os.path.join(hf_dir, "model.safetensors"), metadata={"format": "pt"})
+    run_ranks(_import_on_a_rank, 1, hf_dir, ckpt, {"make_vocab_size_divisible_by": 1})
+    logits, _ = _metp_run(2, ckpt, m.geometry, ids)
+    _far("\ndeepseek_v2 RoPE rows in rotate-half order", logits, m)
+    m = models["deepseek_v3"]
+    y = dict(m.geometry["mla_yarn"], mscale_all_dim=0.0)
+    logits, _ = _metp_run(2, m.ckpt, dict(m.geometry, mla_yarn=y), ids)
+    _far("deepseek_v3 YaRN without mscale_all_dim", logits, m)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_import_export_round_trip_is_bit_exact(models, family, tmp_path):
+    """Hugging Face → checkpoint → Hugging Face gives every tensor back bit for bit (the latent
+    projections and norms, the router and V3's router bias in fp32, experts, shared experts, the
+    dense layer), the exported config.json rebuilds the same logits in the installed
+    transformers, and re-importing the export gives the same checkpoint tensors."""
+    m = models[family]
+    exported = str(tmp_path / "exported")
+    H.export_hf(m.ckpt, exported, log=lambda _msg: None)
+    src, out = read_tensors(m.hf_dir), read_tensors(exported)
+    assert sorted(src) == sorted(out)
+    q_latent = family == "deepseek_v3" or _q_latent_needed()
+    assert sum(".self_attn." in k for k in out) == 3 * (7 if q_latent else 5)
+    unequal = [k for k in src if src[k].dtype != out[k].dtype or not torch.equal(src[k], out[k])]
+    assert not unequal, unequal
+    logits, _ = model_reference(_hf_class(family)[1], exported, models["ids"],
+                                models["ids"].shape[1] - 1)
+    assert torch.equal(logits, m.logits)
+    a, b = reimport(exported, m.ckpt, str(tmp_path / "reimported"))
+    assert sorted(a) == sorted(b)
+    assert torch.equal(a["decoder.layers.1.self_attention.linear_kv_up_proj.weight"],
+                       src["model.layers.1.self_attn.kv_b_proj.weight"])
+    if family == "deepseek_v3":
+        assert torch.equal(a["decoder.layers.2.mlp.router.expert_bias"],
+                           src["model.layers.2.mlp.gate.e_score_correction_bias"])
+    unequal = [k for k in a if a[k].dtype != b[k].dtype or not torch.equal(a[k], b[k])]
+    assert not unequal, unequal
+
+
+def _flag(flags, name):
+    return flags[flags.index(name) + 1]
+
+
+def test_flags_match_the_config(models, capsys):
+    """The printed Megatron-LM flags carry the MLA shape, the RoPE type and each family's
+    router."""
+    assert H.main(["flags", "--hf-dir", models["deepseek_v3"].hf_dir,
+                   "--make-vocab-size-divisible-by", "1", "--metp-parallel-size", "2"]) == 0
+    f = capsys.readouterr().out.split()
+    assert [_flag(f, k) for k in (
+        "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
+        "--v-head-dim", "--rope-type", "--rotary-scaling-factor", "--mscale",
+        "--mscale-all-dim", "--moe-layer-freq", "--moe-shared-expert-intermediate-size",
+        "--moe-router-score-function", "--moe-router-num-groups", "--moe-router-group-topk",
+        "--moe-router-topk-scaling-factor")] == \
+        ["24", "16", "8", "8", "8", "yarn", "4.0", "0.8", "1.0", "[0,1,1]", "32", "sigmoid",
+         "2", "1", "2.5"]
+    assert {"--multi-latent-attention", "--qk-layernorm", "--moe-router-enable-expert-bias"} \
+        <= set(f)
+    assert not {"--group-query-attention", "--kv-channels", "--position-embedding-type yarn",
+                "--moe-router-pre-softmax"} & set(f)
+    g = megatron_args(LlamaGeometry(**models["deepseek_v2"].geometry))
+    assert (_flag(g, "--rope-type"), _flag(g, "--moe-router-topk-scaling-factor"),
+            _flag(g, "--moe-shared-expert-intermediate-size")) == ("rope", "1.5", "16")
+    assert {"--moe-router-pre-softmax", "--no-rope-fusion"} <= set(g)
+    assert ("--q-lora-rank" in g) == _q_latent_needed()
+    assert "--moe-router-score-function" not in g and "--moe-router-num-groups" not in g
+
+
+def _cfg(family, build=None, **change):
+    """The family's config.json as the installed transformers writes it (``build``: more
+    config arguments), ``change`` written over it."""
+    import json
+
+    config_cls, _ = _hf_class(family)
+    cfg = json.loads(config_cls(**_config(family, **(build or {}))).to_json_string())
+    cfg.update(change)
+    return cfg
+
+
+def test_unconvertible_settings_are_refused_naming_them():
+    yarn = dict(YARN, original_max_position_embeddings=8192)
+    msgs = value_errors({
+        "interleave": lambda: geometry_from_hf(_cfg("deepseek_v3", rope_interleave=False)),
+        "kv_heads": lambda: geometry_from_hf(_cfg("deepseek_v2", num_key_value_heads=2)),
+        "norm": lambda: geometry_from_hf(_cfg("deepseek_v2", norm_topk_prob=True)),
+        "group": lambda: geometry_from_hf(_cfg("deepseek_v2", topk_method="group_limited_greedy",
+                                               n_group=2, topk_group=1)),
+        "v3_group": lambda: geometry_from_hf(_cfg("deepseek_v3", num_experts_per_tok=3)),
+        "orig": lambda: geometry_from_hf(_cfg("deepseek_v3", build=dict(rope_scaling=yarn))),
+        "bias": lambda: geometry_from_hf(_cfg("deepseek_v3", attention_bias=True)),
+        "freq": lambda: geometry_from_hf(_cfg("deepseek_v3", moe_layer_freq=2)),
+        "eps": lambda: geometry_from_hf(_cfg("deepseek_v2", rms_norm_eps=1e-5)),
+        "method": lambda: geometry_from_hf(_cfg("deepseek_v3", topk_method="greedy")),
+        "mla_llama": lambda: geometry_from_hf(dict(
+            _cfg("deepseek_v2"), model_type="llama", architectures=["LlamaForCausalLM"])),
+    })
+    assert_messages(msgs, {
+        "interleave": "rope_interleave = False", "kv_heads": "num_key_value_heads = 2",
+        "norm": "norm_topk_prob = true for deepseek_v2",
+        "group": "num_experts_per_tok = 2, topk_group = 1",
+        "v3_group": "best 2 experts",
+        "orig": "original_max_position_embeddings = 8192",
+        "bias": "attention_bias = true", "freq": "moe_layer_freq = 2",
+        "eps": "rms_norm_eps = 1e-05",
+        "method": "topk_method = 'greedy'",
+        "mla_llama": "deepseek_v2"})
+    # group-limited V2 routing converts where both score a group alike (k = topk_group)
+    g = geometry_from_hf(_cfg("deepseek_v2", topk_method="group_limited_greedy", n_group=4,
+                              topk_group=2, num_experts_per_tok=2, n_routed_experts=8))
+    assert (g.moe_router_num_groups, g.moe_router_group_topk) == (4, 2)
