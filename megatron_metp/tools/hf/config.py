@@ -446,7 +446,9 @@ def pretrain_gpt_sh_model(g: LlamaGeometry, load_dir: str, *, tp: int = 1, metp:
         f': "${{NUM_LAYERS:={g.num_layers}}}" "${{HIDDEN_SIZE:={g.hidden_size}}}" '
         f'"${{FFN_HIDDEN_SIZE:={g.ffn_hidden_size}}}"',
         f': "${{NUM_ATTENTION_HEADS:={g.num_attention_heads}}}" '
-        f'"${{NUM_QUERY_GROUPS:={g.num_query_groups}}}" "${{ROTARY_BASE:={g.rotary_base}}}"',
+        # MLA: no --group-query-attention (Megatron-LM refuses it with MLA)
+        f'"${{NUM_QUERY_GROUPS:={"" if g.multi_latent_attention else g.num_query_groups}}}" '
+        f'"${{ROTARY_BASE:={g.rotary_base}}}"',
         f': "${{SWIGLU:={int(not g.quick_geglu)}}}" "${{NORMALIZATION:=RMSNorm}}" '
         f'"${{POSITION_EMBEDDING_TYPE:={"yarn" if g.yarn else "rope"}}}" '
         f'"${{DISABLE_BIAS_LINEAR:={int(not g.linear_bias)}}}"',

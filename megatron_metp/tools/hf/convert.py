@@ -64,7 +64,8 @@ from .config import (HFConfigError, LlamaGeometry, geometry_from_hf, gpt_model_k
                      set_yarn_config, transformer_config_kwargs)
 from .layout import hf_to_megatron, megatron_shapes, megatron_to_hf
 from .moe_layout import FP32_BUFFERS
-from .from_args import moe_args_problems
+from .deepseek import DEEPSEEK_FAMILIES
+from .from_args import mla_args_problems, moe_args_problems
 from .moe import MOE_FAMILIES
 from .output import staged_dir
 from .tokenizer_export import TOKENIZER_FILES, plan_tokenizer
@@ -345,6 +346,8 @@ def _export_config(path: str, cfg_dir: Optional[str]):
     problems = family_problems(saved, cfg.get("model_type")) if saved is not None else []
     if saved is not None and cfg.get("model_type") in MOE_FAMILIES:
         problems += moe_args_problems(cfg, saved)
+    if saved is not None and cfg.get("model_type") in DEEPSEEK_FAMILIES:
+        problems += mla_args_problems(cfg, saved)
     elif saved is not None and saved.get("num_experts"):
         problems.append(f"--num-experts {saved['num_experts']}: config.json is a dense "
                         f"{cfg.get('model_type')!r}; pass the MoE model's config.json")
