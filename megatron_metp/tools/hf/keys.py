@@ -274,8 +274,8 @@ def markdown_table() -> str:
     kinds = ("mapped", "checked", "harmless")
     # common: the same in every family, or mapped by a family instead (its own row below)
     common = {kind: {k: v for k, v in tables["llama"][kind].items()
-                     if all(tables[f][kind].get(k) == v or
-                            (kind != "mapped" and k in tables[f]["mapped"]) for f in fams)}
+                     if all(tables[f][kind].get(k) == v or k in tables[f]["mapped"]
+                            for f in fams)}
               for kind in kinds}
     rows = ["| key | kind | maps to / must be / why harmless |", "|---|---|---|"]
     for kind in kinds:
@@ -287,7 +287,7 @@ def markdown_table() -> str:
     out = ["Every family (where a family maps a key, its own row below says how):", ""] + rows
     for f in fams:
         own = [f"| `{k}` | {kind} | {v} |" for kind in kinds
-               for k, v in tables[f][kind].items() if k not in common[kind]]
+               for k, v in tables[f][kind].items() if common[kind].get(k) != v]
         if own:
             out += ["", f"`{f}` also:", "", "| key | kind | maps to / must be / why |",
                     "|---|---|---|"] + own

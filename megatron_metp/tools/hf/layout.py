@@ -187,6 +187,12 @@ def check_hf_tensors(hf: Dict[str, Tensor], g: LlamaGeometry) -> None:
         hint = (" (linear biases: the converted run has --disable-bias-linear, with "
                 "--add-qkv-bias for Qwen2's q/k/v biases only; convert a model without other "
                 "biases)" if biases else "")
+        mtp = [k for k in unexpected if k.startswith(f"model.layers.{g.num_layers}.")]
+        if mtp:  # DeepSeek-V3's / GLM-4.5's num_nextn_predict_layers
+            hint = (f" (layer {g.num_layers} and beyond: multi-token-prediction layers "
+                    f"(num_nextn_predict_layers), which transformers neither builds nor loads "
+                    f"and METP does not convert (--mtp-num-layers is refused); delete their "
+                    f"tensors from the safetensors to convert the model without them)")
         raise HFConfigError(f"the safetensors hold {len(unexpected)} tensor(s) a {g.family} of "
                             f"this config.json does not have: {unexpected[:6]}{hint}")
     bad = [(k, tuple(hf[k].shape), s) for k, s in want.items() if tuple(hf[k].shape) != s]

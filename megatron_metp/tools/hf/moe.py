@@ -49,8 +49,10 @@ too, Megatron's ``--moe-input-jitter-eps`` only the router's), ``num_experts_per
 no MoE layer at all, and ``E`` not divisible by the METP size (the experts are sharded over the
 METP ranks: EP = METP); for GLM-4.5 group scores that differ (``num_experts_per_tok`` ≠ 2 ×
 ``topk_group`` with real groups), ``norm_topk_prob`` other than ``k > 1`` (megatron-core's sigmoid
-router renormalises exactly then) and ``output_router_logits``. Any other MoE family
-(``deepseek_v3``, ...) is refused by :mod:`.families`.
+router renormalises exactly then) and ``output_router_logits``. DeepSeek-V2 routes as
+``--moe-router-pre-softmax`` times ``routed_scaling_factor`` (group-limited top-k only where both
+libraries score a group alike: :func:`_softmax_group_router`), DeepSeek-V3 as GLM-4.5. Any other
+MoE family is refused by :mod:`.families`.
 """
 
 from __future__ import annotations
@@ -373,8 +375,8 @@ def moe_family_hint(cfg: dict) -> Optional[str]:
     config has mixture-of-experts fields."""
     if any(cfg.get(k) not in (None, 0) for k in MOE_MARKERS):
         return (f"of the mixture-of-experts families only "
-                f"{', '.join(repr(f) for f in MOE_FAMILIES)} convert (multi-latent attention and "
-                f"the rest are not implemented)")
+                f"{', '.join(repr(f) for f in MOE_FAMILIES)} convert (other MoE types are not "
+                f"implemented)")
     return None
 
 
