@@ -255,3 +255,74 @@ def test_unconvertible_settings_are_refused_naming_them():
     g = geometry_from_hf(_cfg("deepseek_v2", topk_method="group_limited_greedy", n_group=4,
                               topk_group=2, num_experts_per_tok=2, n_routed_experts=8))
     assert (g.moe_router_num_groups, g.moe_router_group_topk) == (4, 2)
+
+
+#: the published config.json fields (no download): DeepSeek-V2-Lite, and DeepSeek-V3 as a bf16
+#: copy (the published one is FP8: quantization_config, refused like every quantized model)
+_YARN_40 = {"beta_fast": 32, "beta_slow": 1, "factor": 40, "original_max_position_embeddings": 4096,
+            "type": "yarn"}
+DEEPSEEK_V2_LITE = dict(
+    model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"],
+    auto_map={"AutoConfig": "configuration_deepseek.DeepseekV2Config"}, attention_bias=False,
+    attention_dropout=0.0, aux_loss_alpha=0.001, first_k_dense_replace=1, hidden_act="silu",
+    hidden_size=2048, intermediate_size=10944, kv_lora_rank=512, max_position_embeddings=163840,
+    moe_intermediate_size=1408, moe_layer_freq=1, n_group=1, n_routed_experts=64,
+    n_shared_experts=2, norm_topk_prob=False, num_attention_heads=16, num_experts_per_tok=6,
+    num_hidden_layers=27, num_key_value_heads=16, pretraining_tp=1, q_lora_rank=None,
+    qk_nope_head_dim=128, qk_rope_head_dim=64, rms_norm_eps=1e-6,
+    rope_scaling=dict(_YARN_40, mscale=0.707, mscale_all_dim=0.707), rope_theta=10000,
+    routed_scaling_factor=1.0, scoring_func="softmax", seq_aux=True, tie_word_embeddings=False,
+    topk_group=1, topk_method="greedy", torch_dtype="bfloat16", v_head_dim=128,
+    vocab_size=102400)
+DEEPSEEK_V3 = dict(
+    {k: v for k, v in DEEPSEEK_V2_LITE.items() if k not in ("auto_map", "pretraining_tp")},
+    model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], ep_size=1,
+    first_k_dense_replace=3, hidden_size=7168, intermediate_size=18432,
+    moe_intermediate_size=2048, n_group=8, n_routed_experts=256, n_shared_experts=1,
+    norm_topk_prob=True, num_attention_heads=128, num_experts_per_tok=8, num_hidden_layers=61,
+    num_key_value_heads=128, num_nextn_predict_layers=1, q_lora_rank=1536,
+    rope_scaling=dict(_YARN_40, mscale=1.0, mscale_all_dim=1.0), routed_scaling_factor=2.5,
+    scoring_func="sigmoid", topk_group=4, topk_method="noaux_tc", vocab_size=129280)
+
+
+def test_flags_of_the_published_models():
+    """DeepSeek-V2-Lite at METP 4 and DeepSeek-V3 at METP 8: the Megatron-LM flags of their
+    latents, YaRN, routers, shared experts and leading dense layers (no weights read)."""
+    v2 = " ".join(megatron_args(geometry_from_hf(DEEPSEEK_V2_LITE, metp_parallel_size=4)))
+    assert v2.endswith(
+        "--multi-latent-attention --kv-lora-rank 512 --qk-head-dim 128 --qk-pos-emb-head-dim 64 "
+        "--v-head-dim 128 --rope-type yarn --rotary-scaling-factor 40.0 --mscale 0.707 "
+        "--mscale-all-dim 0.707 --num-experts 64 --moe-router-topk 6 --moe-ffn-hidden-size 1408 "
+        "--moe-layer-freq [0" + ",1" * 26 + "] --moe-router-load-balancing-type aux_loss "
+        "--moe-aux-loss-coeff 0.0 --moe-router-pre-softmax "
+        "--moe-shared-expert-intermediate-size 2816"), v2
+    assert "--q-lora-rank" not in v2 and "--ffn-hidden-size 10944" in v2
+    v3 = " ".join(megatron_args(geometry_from_hf(DEEPSEEK_V3, metp_parallel_size=8)))
+    assert v3.endswith(
+        "--multi-latent-attention --q-lora-rank 1536 --kv-lora-rank 512 --qk-head-dim 128 "
+        "--qk-pos-emb-head-dim 64 --v-head-dim 128 --rope-type yarn --rotary-scaling-factor 40.0 "
+        "--mscale 1.0 --mscale-all-dim 1.0 --num-experts 256 --moe-router-topk 8 "
+        "--moe-ffn-hidden-size 2048 --moe-layer-freq [0,0,0" + ",1" * 58 + "] "
+        "--moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 0.0 "
+        "--moe-shared-expert-intermediate-size 2048 --moe-router-score-function sigmoid "
+        "--moe-router-enable-expert-bias --moe-router-num-groups 8 --moe-router-group-topk 4 "
+        "--moe-router-topk-scaling-factor 2.5"), v3
+    with pytest.raises(ValueError, match="quantization_config"):
+        geometry_from_hf(dict(DEEPSEEK_V3, quantization_config={"quant_method": "fp8"}))
+
+
+def test_multi_token_prediction_tensors_are_refused_naming_them(models, tmp_path):
+    """A DeepSeek-V3 checkpoint with its MTP layer (``model.layers.<num_hidden_layers>.*``, as
+    the published one) is refused naming num_nextn_predict_layers; nothing is written."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    hf_dir, ckpt = str(tmp_path / "hf"), str(tmp_path / "ckpt")
+    shutil.copytree(models["deepseek_v3"].hf_dir, hf_dir)
+    t = read_tensors(hf_dir)
+    t["model.layers.3.enorm.weight"] = torch.ones(32)
+    save_file(t, os.path.join(hf_dir, "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="num_nextn_predict_layers"):
+        H.import_hf(hf_dir, ckpt, log=lambda _msg: None)
+    assert not os.path.exists(ckpt)

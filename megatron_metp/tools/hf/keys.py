@@ -196,7 +196,9 @@ HARMLESS_BY_FAMILY = {
                           "(the converted run has --moe-aux-loss-coeff 0)",
         "seq_aux": "whether that loss is per sequence; as aux_loss_alpha",
         "ep_size": "DeepSeek's own code's expert-parallel size for inference; no weight or "
-                   "logit"}.items()},
+                   "logit",
+        "auto_map": "the remote-code classes of DeepSeek's repository (trust_remote_code); the "
+                    "conversion follows the keys, not that code"}.items()},
 }
 HARMLESS_BY_FAMILY["deepseek_v3"] = {**HARMLESS_BY_FAMILY["deepseek_v2"],
                                      **HARMLESS_BY_FAMILY["glm4_moe"]}

@@ -161,6 +161,22 @@ def megatron_shapes(g: LlamaGeometry) -> Dict[str, tuple]:
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
+def unexpected_hint(unexpected, g: LlamaGeometry, default: str = "") -> str:
+    """What to say about tensors a checkpoint holds beyond what its config implies: linear
+    biases, or the multi-token-prediction layers (``model.layers.<num_hidden_layers>.*``) of
+    DeepSeek-V3 and GLM-4.5 (``num_nextn_predict_layers``)."""
+    if any(k.startswith(f"model.layers.{g.num_layers}.") for k in unexpected):
+        return (f" (layer {g.num_layers} and beyond: multi-token-prediction layers "
+                f"(num_nextn_predict_layers), which transformers neither builds nor loads and "
+                f"METP does not convert (--mtp-num-layers is refused); delete their tensors "
+                f"from the safetensors to convert the model without them)")
+    if any(k.endswith(".bias") for k in unexpected):
+        return (" (linear biases: the converted run has --disable-bias-linear, with "
+                "--add-qkv-bias for Qwen2's q/k/v biases only; convert a model without other "
+                "biases)")
+    return default
+
+
 def check_hf_tensors(hf: Dict[str, Tensor], g: LlamaGeometry) -> None:
     """Every tensor the geometry needs is there with its shape, and nothing else (clear
     :class:`HFConfigError` otherwise, naming the tensors)."""
@@ -183,16 +199,7 @@ def check_hf_tensors(hf: Dict[str, Tensor], g: LlamaGeometry) -> None:
         raise HFConfigError(f"the safetensors lack {len(missing)} tensor(s) config.json implies: "
                             f"{missing[:6]}{hint}")
     if unexpected:
-        biases = [k for k in unexpected if k.endswith(".bias")]
-        hint = (" (linear biases: the converted run has --disable-bias-linear, with "
-                "--add-qkv-bias for Qwen2's q/k/v biases only; convert a model without other "
-                "biases)" if biases else "")
-        mtp = [k for k in unexpected if k.startswith(f"model.layers.{g.num_layers}.")]
-        if mtp:  # DeepSeek-V3's / GLM-4.5's num_nextn_predict_layers
-            hint = (f" (layer {g.num_layers} and beyond: multi-token-prediction layers "
-                    f"(num_nextn_predict_layers), which transformers neither builds nor loads "
-                    f"and METP does not convert (--mtp-num-layers is refused); delete their "
-                    f"tensors from the safetensors to convert the model without them)")
+        hint = unexpected_hint(unexpected, g)
         raise HFConfigError(f"the safetensors hold {len(unexpected)} tensor(s) a {g.family} of "
                             f"this config.json does not have: {unexpected[:6]}{hint}")
     bad = [(k, tuple(hf[k].shape), s) for k, s in want.items() if tuple(hf[k].shape) != s]
