@@ -5,7 +5,7 @@ renormalisation, a routed scaling factor, a leading dense layer, a shared expert
 group-limited top-k, scaling 2.5, two shared experts, DeepSeek's YaRN with ``mscale`` and
 ``mscale_all_dim``) built in the test, converted with ``megatron_metp.tools.hf`` into METP's
 multi-latent attention (the latent on the ring) and Megatron's MoE: METP 2 gives transformers'
-logits and loss (fp32, 1e-5); import then export returns every tensor bit for bit, with the
+logits and loss (fp32, 1e-5), and so does METP 3; import then export returns every tensor bit for bit, with the
 printed Megatron-LM flags; negative controls (RoPE over rotate-half pairs instead of
 DeepSeek's interleaved ones, YaRN without ``mscale_all_dim``) are caught; what cannot convert is
 refused naming the field."""
@@ -28,20 +28,20 @@ from tests.test_hf import TINY, _import_on_a_rank, _metp_run
 from tests.test_hf_moe import _check
 
 FAMILIES = ("deepseek_v2", "deepseek_v3")
-#: shared: hidden 32, 4 heads (divisible by METP 2), 3 layers with layer 0 dense, 4 experts of
-#: 16 (2 per METP rank), top-2; kv latent 16, no-RoPE query/key 8, RoPE 8, value 8 per head;
+#: shared: hidden 36, 6 heads (divisible by METP 2 and 3), 3 layers with layer 0 dense (48
+#: wide), 6 experts of 12, top-2; kv latent 16, no-RoPE query/key 8, RoPE 8, value 8 per head;
 #: RMSNorm epsilon 1e-6 (transformers' latent norms have it whatever rms_norm_eps says)
-_COMMON = dict(vocab_size=TINY["vocab_size"], hidden_size=32, intermediate_size=64,
-               num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+_COMMON = dict(vocab_size=TINY["vocab_size"], hidden_size=36, intermediate_size=48,
+               num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=6,
                kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
-               n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+               n_routed_experts=6, num_experts_per_tok=2, moe_intermediate_size=12,
                first_k_dense_replace=1, rms_norm_eps=1e-6, rope_theta=5000.0,
                initializer_range=0.1, tie_word_embeddings=False)
 #: DeepSeek-V2-Lite's shape: no query latent, greedy softmax top-2 (not renormalised) scaled by
 #: 1.5, one shared expert, plain RoPE
 V2 = dict(_COMMON, q_lora_rank=None, n_shared_experts=1, topk_method="greedy",
           norm_topk_prob=False, routed_scaling_factor=1.5, max_position_embeddings=64)
-#: DeepSeek-V3's: query latent 24, 4 experts in 2 groups (top-2 inside the best group), scaling
+#: DeepSeek-V3's: query latent 24, 6 experts in 2 groups (top-2 inside the best group), scaling
 #: 2.5, two shared experts, YaRN (factor 4 over DeepSeek's original 4096 positions, mscale 0.8,
 #: mscale_all_dim 1.0: cos/sin times g(4, 0.8)/g(4, 1), the softmax scale times g(4, 1)^2)
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
@@ -95,21 +95,24 @@ def _make_hf(path: str, family: str, seed: int, **change) -> None:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """Both families' tiny models imported for METP 2 with no vocabulary padding (102 rows),
+    """Both families' tiny models imported for METP 3 with no vocabulary padding (102 rows, and
+    so for METP 2 too),
     and transformers' logits and loss of the test batch."""
     return import_made(tmp_path_factory.mktemp("hf_deepseek"), FAMILIES, _make_hf,
-                       lambda f: _hf_class(f)[1], seed=51, metp=2)
+                       lambda f: _hf_class(f)[1], seed=51, metp=3)
 
 
+@pytest.mark.parametrize("p", [2, 3])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_metp_2_logits_and_loss_equal_transformers(models, family):
-    """At METP 2: the multi-latent attention with the latent on the ring (exact RoPE angles of
-    DeepSeek's interleaved pairs; V3: YaRN with both mscales), the shared expert as METP's MLP,
-    megatron-core's routers (V2: softmax top-k, scaled; V3: sigmoid with the expert bias, a
-    group, scaled), the experts sharded over the two ranks: transformers' logits and loss."""
+def test_metp_logits_and_loss_equal_transformers(models, family, p):
+    """At METP 2 and 3: the multi-latent attention with the latent on the ring (exact RoPE
+    angles of DeepSeek's interleaved pairs; V3: YaRN with both mscales), the shared expert as
+    METP's MLP, megatron-core's routers (V2: softmax top-k, scaled; V3: sigmoid with the expert
+    bias, a group, scaled), the experts sharded over the ranks: transformers' logits and
+    loss."""
     m = models[family]
-    logits, loss = _metp_run(2, m.ckpt, m.geometry, models["ids"])
-    _check(f"{family} METP=2", logits, loss, m)
+    logits, loss = _metp_run(p, m.ckpt, m.geometry, models["ids"])
+    _check(f"{family} METP={p}", logits, loss, m)
 
 
 def _far(tag, logits, m):
@@ -199,7 +202,7 @@ def test_flags_match_the_config(models, capsys):
         "--mscale-all-dim", "--moe-layer-freq", "--moe-shared-expert-intermediate-size",
         "--moe-router-score-function", "--moe-router-num-groups", "--moe-router-group-topk",
         "--moe-router-topk-scaling-factor")] == \
-        ["24", "16", "8", "8", "8", "yarn", "4.0", "0.8", "1.0", "[0,1,1]", "32", "sigmoid",
+        ["24", "16", "8", "8", "8", "yarn", "4.0", "0.8", "1.0", "[0,1,1]", "24", "sigmoid",
          "2", "1", "2.5"]
     assert {"--multi-latent-attention", "--qk-layernorm", "--moe-router-enable-expert-bias"} \
         <= set(f)
@@ -207,7 +210,7 @@ def test_flags_match_the_config(models, capsys):
                 "--moe-router-pre-softmax"} & set(f)
     g = megatron_args(LlamaGeometry(**models["deepseek_v2"].geometry))
     assert (_flag(g, "--rope-type"), _flag(g, "--moe-router-topk-scaling-factor"),
-            _flag(g, "--moe-shared-expert-intermediate-size")) == ("rope", "1.5", "16")
+            _flag(g, "--moe-shared-expert-intermediate-size")) == ("rope", "1.5", "12")
     assert {"--moe-router-pre-softmax", "--no-rope-fusion"} <= set(g)
     assert ("--q-lora-rank" in g) == _q_latent_needed()
     assert "--moe-router-score-function" not in g and "--moe-router-num-groups" not in g
@@ -321,8 +324,25 @@ def test_multi_token_prediction_tensors_are_refused_naming_them(models, tmp_path
     hf_dir, ckpt = str(tmp_path / "hf"), str(tmp_path / "ckpt")
     shutil.copytree(models["deepseek_v3"].hf_dir, hf_dir)
     t = read_tensors(hf_dir)
-    t["model.layers.3.enorm.weight"] = torch.ones(32)
+    t["model.layers.3.enorm.weight"] = torch.ones(36)
     save_file(t, os.path.join(hf_dir, "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match="num_nextn_predict_layers"):
         H.import_hf(hf_dir, ckpt, log=lambda _msg: None)
     assert not os.path.exists(ckpt)
+
+
+def test_export_checks_the_runs_mla_flags_against_the_config():
+    """Exporting a Megatron-LM save with a DeepSeek config.json: the run's saved MLA flags must
+    be the config's (from_args.mla_args_problems), each difference named; a run without MLA is
+    refused too."""
+    from megatron_metp.tools.hf.from_args import mla_args_problems
+
+    cfg = _cfg("deepseek_v3")
+    saved = dict(multi_latent_attention=True, q_lora_rank=24, kv_lora_rank=16, qk_head_dim=8,
+                 qk_pos_emb_head_dim=8, v_head_dim=8, qk_layernorm=True, rope_type="yarn",
+                 rotary_scaling_factor=4.0, mscale=0.8, mscale_all_dim=1.0)
+    assert mla_args_problems(cfg, saved) == []
+    bad = mla_args_problems(cfg, dict(saved, kv_lora_rank=32, rope_type="rope", mscale=1.0))
+    assert [b.split(":")[0] for b in bad] == ["--rope-type", "--kv-lora-rank", "--mscale"], bad
+    assert mla_args_problems(cfg, dict(saved, multi_latent_attention=False))[0].startswith(
+        "--multi-latent-attention: the run has none")
