@@ -274,8 +274,11 @@ def import_hf(hf_dir: str, out_dir: str, *, make_vocab_size_divisible_by: int = 
         _write_import(stage, hf_dir, g, params, out_dir,
                       tp=tensor_model_parallel_size, metp=metp_parallel_size)
     flags = megatron_args(g)
-    log(f"wrote {out_dir}: {g.num_layers} layers, hidden {g.hidden_size}, "
-        f"{g.num_attention_heads} heads / {g.num_query_groups} K/V groups, FFN "
+    attn = (f"{g.num_attention_heads} heads of multi-latent attention (kv latent "
+            f"{g.kv_lora_rank}, query latent {g.q_lora_rank or 'none'})"
+            if g.multi_latent_attention else
+            f"{g.num_attention_heads} heads / {g.num_query_groups} K/V groups")
+    log(f"wrote {out_dir}: {g.num_layers} layers, hidden {g.hidden_size}, {attn}, FFN "
         f"{g.ffn_hidden_size}, vocabulary {g.vocab_size} padded to {g.padded_vocab_size} "
         f"(multiple of {g.vocab_multiple}), {'tied' if g.tie_embeddings else 'untied'}, {g.dtype}")
     log("pretrain_gpt.py flags: " + " ".join(flags) + f" --load {out_dir} --finetune (or "
