@@ -147,6 +147,22 @@ def reimport(exported: str, ckpt: str, out: str):
     return tuple(H.read_checkpoint_tensors(H.checkpoint_dir(d)) for d in (ckpt, out))
 
 
+def saved_configs(family: str) -> dict:
+    """``{transformers version: the config.json it wrote for family}`` as kept in
+    tests/data/hf_configs/ (make_fixtures.py), each checked to be in its version's layout."""
+    import json
+
+    from megatron_metp.tools.hf import versions as V
+
+    data = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "hf_configs")
+    out = {}
+    for version in ("4.57.6", "5.25.0"):
+        with open(os.path.join(data, version, f"{family}.json")) as f:
+            out[version] = json.load(f)
+        assert V.source_layout(out[version]) == int(version[0]), (version, family)
+    return out
+
+
 def randomise(model, *, norm: float = 0.2, bias: float = 0.5, router_bias: float = 0.3,
               qk_gain: float = 1.0) -> None:
     """What transformers initialises to constants made random (in place, from torch's RNG):

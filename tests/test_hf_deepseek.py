@@ -22,7 +22,7 @@ from megatron_metp.tools import hf as H
 from megatron_metp.tools.hf.config import LlamaGeometry, geometry_from_hf, megatron_args
 from tests.harness import assert_messages, run_ranks, value_errors
 from tests.hf_tiny import (import_made, model_reference, randomise, read_tensors,
-                            reimport)
+                            reimport, saved_configs)
 from tests.numerics import rel_err
 from tests.test_hf import TINY, _import_on_a_rank, _metp_run
 from tests.test_hf_moe import _check
@@ -70,7 +70,7 @@ def _hf_class(family):
 
 def _config(family, **change):
     cfg = copy.deepcopy({**BASE[family], **change})
-    if family == "deepseek_v2" and _q_latent_needed():
+    if family == "deepseek_v2" and "q_lora_rank" not in change and _q_latent_needed():
         cfg["q_lora_rank"] = 24
     rs = cfg.pop("rope_scaling", None)
     from megatron_metp.tools.hf.versions import installed_layout
@@ -346,3 +346,21 @@ def test_export_checks_the_runs_mla_flags_against_the_config():
     assert [b.split(":")[0] for b in bad] == ["--rope-type", "--kv-lora-rank", "--mscale"], bad
     assert mla_args_problems(cfg, dict(saved, multi_latent_attention=False))[0].startswith(
         "--multi-latent-attention: the run has none")
+
+
+def test_both_versions_config_files_read_alike():
+    """The config.json that transformers 4.57.6 and 5.25.0 wrote for these tiny models (kept in
+    tests/data/hf_configs/, make_fixtures.py; V2 without a query latent) give the same
+    Megatron-LM flags, equal to those of the config the installed transformers writes now; each
+    is in its version's layout (5.x: V3's YaRN with mscale and mscale_all_dim in
+    rope_parameters)."""
+    for family in FAMILIES:
+        build = dict(q_lora_rank=BASE[family]["q_lora_rank"])
+        want = megatron_args(geometry_from_hf(_cfg(family, build=build), metp_parallel_size=3))
+        for version, cfg in saved_configs(family).items():
+            assert megatron_args(geometry_from_hf(cfg, metp_parallel_size=3)) == want, \
+                (version, family)
+            if family == "deepseek_v3":
+                rs = cfg["rope_scaling" if version[0] == "4" else "rope_parameters"]
+                assert (rs["mscale"], rs["mscale_all_dim"]) == (0.8, 1.0)
+        assert ("--mscale" in want) == (family == "deepseek_v3")

@@ -21,7 +21,7 @@ from megatron_metp.tools import hf as H
 from megatron_metp.tools.hf.config import LlamaGeometry, geometry_from_hf, megatron_args
 from tests.harness import assert_messages, run_ranks, value_errors
 from tests.hf_tiny import (import_made, model_reference, randomise, read_tensors,
-                            reimport)
+                            reimport, saved_configs)
 from tests.numerics import rel_err
 from tests.test_hf import _import_on_a_rank, _metp_run
 from tests.test_hf_moe import COMMON, _check, _stock_run
@@ -350,17 +350,9 @@ def test_both_versions_config_files_read_alike():
     tests/data/hf_configs/, make_fixtures.py) give the same Megatron-LM flags in the installed
     transformers, equal to those of the config it writes now; each is in its version's layout
     (5.x: rope_parameters holding GLM's partial_rotary_factor)."""
-    import json
-
-    from megatron_metp.tools.hf import versions as V
-
-    data = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "hf_configs")
     for family in FAMILIES:
         want = megatron_args(geometry_from_hf(_cfg(family), metp_parallel_size=3))
-        for version in ("4.57.6", "5.25.0"):
-            with open(os.path.join(data, version, f"{family}.json")) as f:
-                cfg = json.load(f)
-            assert V.source_layout(cfg) == int(version[0]), (version, family)
+        for version, cfg in saved_configs(family).items():
             assert megatron_args(geometry_from_hf(cfg, metp_parallel_size=3)) == want, \
                 (version, family)
         if family == "glm4_moe":
