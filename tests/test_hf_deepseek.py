@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ from tests.harness import assert_messages, run_ranks, value_errors
 from tests.hf_tiny import (import_made, model_reference, randomise, read_tensors,
                             reimport, saved_configs)
 from tests.numerics import rel_err
-from tests.test_hf import TINY, _import_on_a_rank, _metp_run
+from tests.test_hf import TINY, _batch, _import_on_a_rank, _metp_run
 from tests.test_hf_moe import _check
 
 FAMILIES = ("deepseek_v2", "deepseek_v3")
@@ -364,3 +365,32 @@ def test_both_versions_config_files_read_alike():
                 rs = cfg["rope_scaling" if version[0] == "4" else "rope_parameters"]
                 assert (rs["mscale"], rs["mscale_all_dim"]) == (0.8, 1.0)
         assert ("--mscale" in want) == (family == "deepseek_v3")
+
+
+def test_v2_yarn_follows_deepseek_and_transformers_5(tmp_path):
+    """DeepSeek-V2 with DeepSeek's YaRN (mscale = mscale_all_dim = 0.707, factor 4): the import
+    multiplies the softmax scale by g(f, 0.707)^2 as DeepSeek's code, transformers 5 and
+    Megatron's MLA do, and METP 2 gives transformers 5's logits. transformers 4.x's DeepSeek-V2
+    leaves that factor out: its logits are the geometry's with both mscales 0 (no factor on
+    cos/sin or softmax), and the import's differ from them (docs/huggingface.md)."""
+    from megatron_metp.tools.hf.versions import installed_layout
+
+    hf_dir, ckpt = str(tmp_path / "hf"), str(tmp_path / "ckpt")
+    _make_hf(hf_dir, "deepseek_v2", 71,
+             rope_scaling=dict(YARN, mscale=0.707, mscale_all_dim=0.707))
+    geometry = run_ranks(_import_on_a_rank, 1, hf_dir, ckpt,
+                         {"make_vocab_size_divisible_by": 1})[0]
+    assert geometry["mla_yarn"] == {"rotary_scaling_factor": 4.0, "mscale": 0.707,
+                                    "mscale_all_dim": 0.707}
+    ids = _batch()
+    logits, loss = model_reference(_hf_class("deepseek_v2")[1], hf_dir, ids, ids.shape[1] - 1)
+    m = SimpleNamespace(logits=logits, loss=loss)
+    got, got_loss = _metp_run(2, ckpt, geometry, ids)
+    if installed_layout() == 5:
+        _check("deepseek_v2 YaRN METP=2 (transformers 5)", got, got_loss, m)
+        return
+    _far("deepseek_v2 YaRN, transformers 4.x without the softmax factor", got, m)
+    unscaled = dict(geometry, mla_yarn=dict(geometry["mla_yarn"], mscale=0.0,
+                                            mscale_all_dim=0.0))
+    _check("deepseek_v2 YaRN as transformers 4.x computes it", *_metp_run(2, ckpt, unscaled, ids),
+           m)
