@@ -394,3 +394,26 @@ def test_v2_yarn_follows_deepseek_and_transformers_5(tmp_path):
                                             mscale_all_dim=0.0))
     _check("deepseek_v2 YaRN as transformers 4.x computes it", *_metp_run(2, ckpt, unscaled, ids),
            m)
+
+
+def test_no_query_latent_converts_where_megatron_core_builds_it(tmp_path):
+    """DeepSeek-V2-Lite's form (q_lora_rank null): megatron-core 0.16.1's MLA applies no query
+    norm there and takes it (the V2 model of the logits tests above); 0.19's puts a query
+    RMSNorm on it under --qk-layernorm, so the import refuses it naming q_lora_rank and the
+    release, before any weight is read (the folder holds config.json only)."""
+    import json
+
+    from megatron_metp.tools.hf.convert import check_release
+
+    cfg = _cfg("deepseek_v2", build=dict(q_lora_rank=None))
+    g = geometry_from_hf(cfg)
+    assert g.q_lora_rank is None
+    if not _q_latent_needed():
+        check_release(g)
+        return
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="q_lora_rank = null .* megatron-core 0.16"):
+        H.import_hf(str(hf_dir), str(tmp_path / "ckpt"), log=lambda _msg: None)
+    assert not os.path.exists(tmp_path / "ckpt")

@@ -166,16 +166,23 @@ class METPMLASelfAttention(MLASelfAttention):
         return y, self.linear_proj.bias
 
 
+def fuses_query_norm() -> bool:
+    """Whether the installed megatron-core (0.19 on) builds MLA without a query latent
+    (``q_lora_rank`` None) with a query RMSNorm fused into ``linear_q_proj`` under
+    ``qk_layernorm`` (Transformer Engine only); 0.16.1 applies no query norm there."""
+    from megatron.core.transformer import multi_latent_attention as stock
+
+    return hasattr(stock, "QKNormConfigResolver")
+
+
 def mla_attention_spec(local_attention, groups: METPGroups, config, kernel: Optional[str]):
     """The ``self_attention`` spec of a METP MLA layer from the local spec's MLA one
     (``get_gpt_layer_local_spec(multi_latent_attention=True, qk_layernorm=True, ...)``): the
     head-sharded linears become :class:`~.linear.METPLinear`, the down-projections and norms
     stay the local spec's (replicated), the core attention a stand-in."""
-    from megatron.core.transformer import multi_latent_attention as stock
-
     from .spec import linear_spec
 
-    if config.q_lora_rank is None and hasattr(stock, "QKNormConfigResolver"):
+    if config.q_lora_rank is None and fuses_query_norm():
         raise ValueError("--metp-parallel-size does not support: --multi-latent-attention "
                          "without --q-lora-rank on this megatron-core (its query norm is fused "
                          "into linear_q_proj, Transformer Engine only, which the METP layer "

@@ -105,6 +105,22 @@ def read_safetensors(hf_dir: str) -> Dict[str, torch.Tensor]:
 
 # ---------------------------------------------------------------- the Megatron model
 
+def check_release(g: LlamaGeometry) -> None:
+    """Refuse a geometry the installed megatron-core cannot build as the model: MLA without a
+    query latent on 0.19 (:func:`megatron_metp.megatron.mla.fuses_query_norm`)."""
+    if g.multi_latent_attention and g.q_lora_rank is None:
+        from ...megatron.mla import fuses_query_norm
+
+        if fuses_query_norm():
+            raise HFConfigError(
+                "config.json: q_lora_rank = null (no query latent, DeepSeek-V2-Lite's form) "
+                "with this megatron-core (0.19): under --qk-layernorm (which the latent kv norm "
+                "needs) it puts an RMSNorm on the query projection that the model does not "
+                "have, so no Megatron model of this release holds it; convert and train with "
+                "megatron-core 0.16 (Megatron-LM core_v0.16.1), whose MLA applies no query "
+                "norm without a query latent")
+
+
 def build_model(g: LlamaGeometry, *, groups=None, vocab_parallel: bool = False,
                 moe_token_dispatcher: str = "allgather", weight_ring: bool = True):
     """The megatron-core ``GPTModel`` this geometry converts to, on the initialised parallel
@@ -140,6 +156,7 @@ def build_model(g: LlamaGeometry, *, groups=None, vocab_parallel: bool = False,
                      vocab_parallel=vocab_parallel, rope_recipe=rope_recipe(),
                      rope_recipe_source="METP_ROPE_RECIPE=megatron")
     model_kwargs = gpt_model_kwargs(g)
+    check_release(g)
     if groups is None and g.multi_latent_attention:
         # stock MLA: megatron-core's local DotProductAttention takes no separate k/v head dims;
         # the model saves and loads weights, its forward is not run (mla.without_core_attention)
@@ -264,6 +281,7 @@ def import_hf(hf_dir: str, out_dir: str, *, make_vocab_size_divisible_by: int = 
                          tensor_model_parallel_size=tensor_model_parallel_size,
                          metp_parallel_size=metp_parallel_size, seq_length=seq_length)
     _check_out(out_dir, force, keep=(hf_dir,))
+    check_release(g)  # before a weight is read
     hf = read_checked_safetensors(hf_dir, g, cfg)  # files, index, names, shapes, dtypes, values
     params = hf_to_megatron(hf, g)
     dtype = hf["model.embed_tokens.weight"].dtype
