@@ -61,7 +61,8 @@ def weight(name: str, shape) -> torch.Tensor:
     return 0.1 * n
 
 
-def _read(path: str) -> dict:
+def read_tensors(path: str) -> dict:
+    """The tensors of ``path/model.safetensors``."""
     from safetensors.torch import load_file
 
     return load_file(os.path.join(path, "model.safetensors"))
@@ -78,12 +79,12 @@ def save_tiny(path: str, family: str, **change) -> dict:
     model = model_cls(cfg)
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
-        names = _read(tmp)
+        names = read_tensors(tmp)
         save_file({k: weight(k, v.shape) for k, v in names.items()},
                   os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         model = model_cls.from_pretrained(tmp, dtype=torch.float32)
     model.save_pretrained(path, safe_serialization=True)
-    saved = _read(path)
+    saved = read_tensors(path)
     for k, v in saved.items():
         assert torch.equal(v, weight(k, v.shape)), f"{family}: {k} was not saved as written"
     return saved
@@ -91,8 +92,13 @@ def save_tiny(path: str, family: str, **change) -> dict:
 
 def reference(path: str, family: str, ids: torch.Tensor, seq: int):
     """transformers' logits of ``ids[:, :seq]`` and its loss of predicting ``ids[:, 1:]``."""
-    model = classes(family)[1].from_pretrained(path, dtype=torch.float32,
-                                               attn_implementation="eager").eval()
+    return model_reference(classes(family)[1], path, ids, seq)
+
+
+def model_reference(model_cls, path: str, ids: torch.Tensor, seq: int):
+    """:func:`reference` of the ``model_cls`` (a ``*ForCausalLM``) saved in ``path``."""
+    model = model_cls.from_pretrained(path, dtype=torch.float32,
+                                      attn_implementation="eager").eval()
     with torch.no_grad():
         return model(ids[:, :seq]).logits, model(ids, labels=ids).loss.item()
 
@@ -116,6 +122,44 @@ def import_each(root, families, make, reference, ids, *, seed: int, metp: int) -
         logits, loss = reference(hf_dir, family, ids)
         out[family] = SimpleNamespace(hf_dir=hf_dir, ckpt=ckpt, geometry=geometry,
                                       logits=logits, loss=loss)
+    return out
+
+
+def import_made(root, families, make, model_class, *, seed: int, metp: int) -> dict:
+    """:func:`import_each` of the models ``make(hf_dir, family, seed)`` saves, on the batch of
+    ``tests/test_hf.py``, transformers' reference from ``model_class(family)`` (logits of all
+    but the last token)."""
+    from tests.test_hf import _batch
+
+    return import_each(root, families, make,
+                       lambda d, f, ids: model_reference(model_class(f), d, ids, ids.shape[1] - 1),
+                       _batch(), seed=seed, metp=metp)
+
+
+def reimport(exported: str, ckpt: str, out: str):
+    """``exported`` (an export of ``ckpt``) imported again into ``out`` without vocabulary
+    padding: the tensors of ``ckpt`` and of ``out``."""
+    from megatron_metp.tools import hf as H
+    from tests.harness import run_ranks
+    from tests.test_hf import _import_on_a_rank
+
+    run_ranks(_import_on_a_rank, 1, exported, out, {"make_vocab_size_divisible_by": 1})
+    return tuple(H.read_checkpoint_tensors(H.checkpoint_dir(d)) for d in (ckpt, out))
+
+
+def saved_configs(family: str) -> dict:
+    """``{transformers version: the config.json it wrote for family}`` as kept in
+    tests/data/hf_configs/ (make_fixtures.py), each checked to be in its version's layout."""
+    import json
+
+    from megatron_metp.tools.hf import versions as V
+
+    data = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "hf_configs")
+    out = {}
+    for version in ("4.57.6", "5.25.0"):
+        with open(os.path.join(data, version, f"{family}.json")) as f:
+            out[version] = json.load(f)
+        assert V.source_layout(out[version]) == int(version[0]), (version, family)
     return out
 
 

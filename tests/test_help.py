@@ -58,10 +58,11 @@ def test_negative_controls_catch_markup_and_a_missing_family():
     assert markup(plain("see ::\n\n    code\ntext::")) == []
     old = "Hugging Face Llama checkpoints in and out: metp hf {import,export,flags}"
     assert missing_families(old) == ["Mistral", "Qwen2.5", "Qwen3", "Qwen3-MoE", "Qwen2-MoE",
-                                     "GLM-4.5", "gpt-oss", "Mixtral"]
+                                     "GLM-4.5", "gpt-oss", "DeepSeek-V2", "DeepSeek-V3",
+                                     "Mixtral"]
     # Qwen3 is not named by Qwen3-MoE alone
     assert missing_families("Llama, Mistral, Qwen2.5, Qwen3-MoE, Qwen2-MoE, GLM-4.5, gpt-oss, "
-                            "Mixtral") == ["Qwen3"]
+                            "DeepSeek-V2, DeepSeek-V3, Mixtral") == ["Qwen3"]
 
 
 def test_the_python_m_entry_points_helps_are_plain_text(capsys):

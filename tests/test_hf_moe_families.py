@@ -20,9 +20,10 @@ import torch
 from megatron_metp.tools import hf as H
 from megatron_metp.tools.hf.config import LlamaGeometry, geometry_from_hf, megatron_args
 from tests.harness import assert_messages, run_ranks, value_errors
-from tests.hf_tiny import import_each, randomise
+from tests.hf_tiny import (import_made, model_reference, randomise, read_tensors,
+                            reimport, saved_configs)
 from tests.numerics import rel_err
-from tests.test_hf import _batch, _import_on_a_rank, _metp_run
+from tests.test_hf import _import_on_a_rank, _metp_run
 from tests.test_hf_moe import COMMON, _check, _stock_run
 
 FAMILIES = ("qwen2_moe", "glm4_moe", "gpt_oss")
@@ -75,26 +76,15 @@ def _make_hf(path: str, family: str, seed: int, **change) -> None:
 
 
 def _hf_reference(hf_dir: str, family: str, ids: torch.Tensor, seq: int):
-    model = _hf_class(family)[1].from_pretrained(hf_dir, dtype=torch.float32,
-                                                 attn_implementation="eager").eval()
-    with torch.no_grad():
-        return model(ids[:, :seq]).logits, model(ids, labels=ids).loss.item()
-
-
-def _safetensors(path):
-    from safetensors.torch import load_file
-
-    return load_file(os.path.join(path, "model.safetensors"))
+    return model_reference(_hf_class(family)[1], hf_dir, ids, seq)
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """One tiny model of each family, converted with --make-vocab-size-divisible-by 1 for
     METP 3 (102 rows: no padding), with transformers' logits and loss."""
-    return import_each(tmp_path_factory.mktemp("hf_moe_families"), FAMILIES,
-                       lambda d, f, seed: _make_hf(d, f, seed),
-                       lambda d, f, ids: _hf_reference(d, f, ids, ids.shape[1] - 1), _batch(),
-                       seed=31, metp=3)
+    return import_made(tmp_path_factory.mktemp("hf_moe_families"), FAMILIES, _make_hf,
+                       lambda f: _hf_class(f)[1], seed=31, metp=3)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -126,7 +116,7 @@ def _reimport_changed(tmp_path, m, suffix, change):
 
     hf_dir, ckpt = str(tmp_path / "hf-changed"), str(tmp_path / "ckpt-changed")
     shutil.copytree(m.hf_dir, hf_dir)
-    t = _safetensors(hf_dir)
+    t = read_tensors(hf_dir)
     t.update({k: change(v) for k, v in t.items() if k.endswith(suffix)})
     save_file(t, os.path.join(hf_dir, "model.safetensors"), metadata={"format": "pt"})
     run_ranks(_import_on_a_rank, 1, hf_dir, ckpt, {"make_vocab_size_divisible_by": 1})
@@ -170,7 +160,7 @@ def test_import_export_round_trip_is_bit_exact(models, family, tmp_path):
     m = models[family]
     exported = str(tmp_path / "exported")
     H.export_hf(m.ckpt, exported, log=lambda _msg: None)
-    src, out = _safetensors(m.hf_dir), _safetensors(exported)
+    src, out = read_tensors(m.hf_dir), read_tensors(exported)
     assert sorted(src) == sorted(out)
     assert sum(".shared_expert" in k for k in out) == \
         {"qwen2_moe": 2 * 4, "glm4_moe": 2 * 3, "gpt_oss": 0}[family]
@@ -180,10 +170,7 @@ def test_import_export_round_trip_is_bit_exact(models, family, tmp_path):
     # RoPE, router, shared expert settings kept in its layout)
     logits, _ = _hf_reference(exported, family, models["ids"], models["ids"].shape[1] - 1)
     assert torch.equal(logits, m.logits)
-    reimport = str(tmp_path / "reimported")
-    run_ranks(_import_on_a_rank, 1, exported, reimport, {"make_vocab_size_divisible_by": 1})
-    a = H.read_checkpoint_tensors(H.checkpoint_dir(m.ckpt))
-    b = H.read_checkpoint_tensors(H.checkpoint_dir(reimport))
+    a, b = reimport(exported, m.ckpt, str(tmp_path / "reimported"))
     assert sorted(a) == sorted(b)
     shared = [k for k in a if ".shared_experts." in k]
     want = [] if family == "gpt_oss" else ["linear_fc1.weight", "linear_fc2.weight"] + \
@@ -363,17 +350,9 @@ def test_both_versions_config_files_read_alike():
     tests/data/hf_configs/, make_fixtures.py) give the same Megatron-LM flags in the installed
     transformers, equal to those of the config it writes now; each is in its version's layout
     (5.x: rope_parameters holding GLM's partial_rotary_factor)."""
-    import json
-
-    from megatron_metp.tools.hf import versions as V
-
-    data = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "hf_configs")
     for family in FAMILIES:
         want = megatron_args(geometry_from_hf(_cfg(family), metp_parallel_size=3))
-        for version in ("4.57.6", "5.25.0"):
-            with open(os.path.join(data, version, f"{family}.json")) as f:
-                cfg = json.load(f)
-            assert V.source_layout(cfg) == int(version[0]), (version, family)
+        for version, cfg in saved_configs(family).items():
             assert megatron_args(geometry_from_hf(cfg, metp_parallel_size=3)) == want, \
                 (version, family)
         if family == "glm4_moe":

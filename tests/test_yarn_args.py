@@ -90,3 +90,24 @@ def test_yarn_with_metp_passes_the_2_24_guard(monkeypatch):
     check_args_reach(SimpleNamespace(metp_parallel_size=4, **args))
     with pytest.raises(ValueError, match="positions reach 2\\^24"):
         check_args_reach(SimpleNamespace(metp_parallel_size=1, **args))
+
+
+def test_mla_takes_its_own_yarn_flags_and_refuses_the_others():
+    """With --multi-latent-attention, YaRN is MLA's (--rope-type yarn, its default): its
+    --rotary-scaling-factor, --mscale and --mscale-all-dim pass; the --yarn-* flags (MLA does not
+    read them) and every YaRN flag with --rope-type rope are refused naming them."""
+    mla = dict(YARN_019, multi_latent_attention=True, rotary_scaling_factor=40.0, mscale=0.707,
+               mscale_all_dim=0.707)
+    for rope_type in ("yarn", None):  # None: MLA's default, YaRN
+        assert yarn_problems(_args(rope_type=rope_type, **mla)) == []
+    beta = yarn_problems(_args(rope_type="yarn", **dict(mla, yarn_beta_fast=16.0)))
+    assert len(beta) == 1 and beta[0].startswith("--yarn-beta-fast 16.0 with "
+                                                 "--multi-latent-attention"), beta
+    rope = yarn_problems(_args(rope_type="rope", **mla))
+    assert [p.split()[0] for p in rope] == ["--rotary-scaling-factor", "--mscale",
+                                            "--mscale-all-dim"], rope
+    assert all("--rope-type rope" in p for p in rope)
+    # negative control: the same flags without MLA are GPT YaRN's, refused without
+    # --position-embedding-type yarn
+    assert len(yarn_problems(_args(rope_type="yarn", **dict(mla, multi_latent_attention=False)))) \
+        == 3

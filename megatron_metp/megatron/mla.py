@@ -166,16 +166,23 @@ class METPMLASelfAttention(MLASelfAttention):
         return y, self.linear_proj.bias
 
 
+def fuses_query_norm() -> bool:
+    """Whether the installed megatron-core (0.19 on) builds MLA without a query latent
+    (``q_lora_rank`` None) with a query RMSNorm fused into ``linear_q_proj`` under
+    ``qk_layernorm`` (Transformer Engine only); 0.16.1 applies no query norm there."""
+    from megatron.core.transformer import multi_latent_attention as stock
+
+    return hasattr(stock, "QKNormConfigResolver")
+
+
 def mla_attention_spec(local_attention, groups: METPGroups, config, kernel: Optional[str]):
     """The ``self_attention`` spec of a METP MLA layer from the local spec's MLA one
     (``get_gpt_layer_local_spec(multi_latent_attention=True, qk_layernorm=True, ...)``): the
     head-sharded linears become :class:`~.linear.METPLinear`, the down-projections and norms
     stay the local spec's (replicated), the core attention a stand-in."""
-    from megatron.core.transformer import multi_latent_attention as stock
-
     from .spec import linear_spec
 
-    if config.q_lora_rank is None and hasattr(stock, "QKNormConfigResolver"):
+    if config.q_lora_rank is None and fuses_query_norm():
         raise ValueError("--metp-parallel-size does not support: --multi-latent-attention "
                          "without --q-lora-rank on this megatron-core (its query norm is fused "
                          "into linear_q_proj, Transformer Engine only, which the METP layer "
@@ -211,6 +218,33 @@ def use_mla_spec(spec, groups: METPGroups, config, kernel: Optional[str],
         # checkpoint keys as stock's MLA layer (the dense METP spec maps input_layernorm onto
         # linear_qkv's fused norm, which an MLA layer does not have)
         layer.submodules.sharded_state_dict_keys_map = dict(keys_map)
+    return spec
+
+
+class _StockMLASelfAttention(MLASelfAttention):
+    """Stock ``MLASelfAttention`` built with the Transformer Engine stand-in's fp8 question
+    answered (:func:`_stand_in_te_off`); otherwise the same class."""
+
+    def __init__(self, *args, **kwargs):
+        with _stand_in_te_off():
+            super().__init__(*args, **kwargs)
+
+
+def without_core_attention(spec):
+    """``spec`` (a layer ``ModuleSpec`` or a decoder block's submodules with ``layer_specs``) of
+    stock MLA layers with their ``core_attention`` replaced by a stand-in that is built and
+    never called: the parameters, state dict and ``sharded_state_dict`` stay stock's (the core
+    attention has none). For building a stock MLA model to save or load weights on a machine
+    whose local ``DotProductAttention`` takes no separate k/v head dims (the Hugging Face
+    import); its forward raises."""
+    layers = getattr(spec, "layer_specs", None)
+    for layer in (layers if layers is not None else [spec]):
+        attn = copy.copy(layer.submodules.self_attention)
+        attn.submodules = copy.copy(attn.submodules)
+        attn.submodules.core_attention = _UnusedCoreAttention
+        if attn.module is MLASelfAttention:
+            attn.module = _StockMLASelfAttention
+        layer.submodules.self_attention = attn
     return spec
 
 

@@ -16,6 +16,10 @@ instead of argparse's bare "invalid choice". core_v0.16.1's ``pretrain_gpt.py`` 
 once without METP's flags first (for its in-process restart), so ``scripts/pretrain_gpt.sh``
 refuses ``POSITION_EMBEDDING_TYPE=yarn`` with a core_v0.16.1 checkout before launching it.
 
+With ``--multi-latent-attention`` YaRN is MLA's own (``--rope-type yarn``, MLA's default): it
+reads ``--rotary-scaling-factor``, ``--mscale`` and ``--mscale-all-dim``; the ``--yarn-*`` flags,
+and every YaRN flag with ``--rope-type rope``, are refused naming them.
+
 Refused with METP (:func:`yarn_problems`), naming the flag: YaRN's flags without
 ``--position-embedding-type yarn`` (Megatron ignores them there), and with it
 ``--rotary-percent`` below 1, ``--use-rope-scaling`` and ``--rotary-seq-len-interpolation-factor``
@@ -57,9 +61,32 @@ def offer_yarn_choice(parser: argparse.ArgumentParser) -> None:
     action.choices = list(action.choices) + ["yarn"]
 
 
+#: the YaRN flags megatron-core's multi-latent attention reads (``MLATransformerConfig``
+#: fields, with ``--rope-type yarn``, MLA's default); its original context and betas are the
+#: config's defaults (4096, 32, 1), which the ``--yarn-*`` flags do not reach
+MLA_YARN_FLAGS = ("rotary_scaling_factor", "mscale", "mscale_all_dim")
+
+
+def _mla_yarn_problems(args) -> List[str]:
+    """:func:`yarn_problems` of a ``--multi-latent-attention`` run."""
+    yarn = getattr(args, "rope_type", None) in (None, "yarn")
+    out = []
+    for name, flag, default in YARN_FLAGS:
+        value = getattr(args, name, default)
+        if value == default or (yarn and name in MLA_YARN_FLAGS):
+            continue
+        out.append(f"{flag} {value} with --multi-latent-attention (MLA's YaRN takes "
+                   f"--rope-type yarn with --rotary-scaling-factor, --mscale and "
+                   f"--mscale-all-dim only{'' if yarn else '; this run has --rope-type rope'}"
+                   f"): drop it")
+    return out
+
+
 def yarn_problems(args) -> List[str]:
     """YaRN flags a METP run cannot honour, each naming the flag and the fix."""
     out = []
+    if getattr(args, "multi_latent_attention", False):
+        return _mla_yarn_problems(args)
     if getattr(args, "position_embedding_type", None) != "yarn":
         for name, flag, default in YARN_FLAGS:
             value = getattr(args, name, default)

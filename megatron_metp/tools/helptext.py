@@ -11,7 +11,8 @@ import re
 #: ``model_type`` of config.json → the family's name as users know it (every family that converts)
 FAMILY_NAMES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2.5", "qwen3": "Qwen3",
                 "qwen3_moe": "Qwen3-MoE", "qwen2_moe": "Qwen2-MoE", "glm4_moe": "GLM-4.5",
-                "gpt_oss": "gpt-oss", "mixtral": "Mixtral"}
+                "gpt_oss": "gpt-oss", "deepseek_v2": "DeepSeek-V2", "deepseek_v3": "DeepSeek-V3",
+                "mixtral": "Mixtral"}
 #: the families, as the help texts list them
 FAMILIES_TEXT = ", ".join(list(FAMILY_NAMES.values())[:-1]) + " and " + \
     list(FAMILY_NAMES.values())[-1]

@@ -65,6 +65,10 @@ _LAYER_KEYS = {
     # gpt-oss: the attention output's bias and the sinks
     "self_attention.linear_proj.bias": "self_attention.linear_proj.bias",
     "self_attention.core_attention.softmax_offset": "self_attention.core_attention.softmax_offset",
+    # DeepSeek's multi-latent attention (q_layernorm: its query latent's norm)
+    **{f"self_attention.{k}.weight": f"self_attention.{k}.weight" for k in (
+        "linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
+        "linear_kv_up_proj", "kv_layernorm")},
 }
 _TOP_KEYS = ("embedding.word_embeddings.weight", "decoder.final_layernorm.weight",
              "output_layer.weight")

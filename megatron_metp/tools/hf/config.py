@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass
 from typing import List, Optional
 
 from .errors import HFConfigError
+from .deepseek import mla_config_kwargs, mla_flags
 from .gpt_oss import gpt_oss_config_kwargs, gpt_oss_fields, gpt_oss_flags
 from .moe import moe_config_kwargs, moe_flags
 from .yarn import yarn_flags, yarn_from_hf
@@ -113,6 +114,16 @@ class LlamaGeometry:
     glu_linear_offset: float = 0.0
     activation_func_clamp_value: Optional[float] = None
     softmax_type: str = "vanilla"
+    #: DeepSeek's multi-latent attention (:mod:`.deepseek`): the query latent's rank (None: no
+    #: query latent), the kv latent's, the no-RoPE / RoPE query-key widths, the value width,
+    #: and MLATransformerConfig's YaRN fields (None: plain RoPE)
+    multi_latent_attention: bool = False
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: Optional[int] = None
+    qk_head_dim: Optional[int] = None
+    qk_pos_emb_head_dim: Optional[int] = None
+    v_head_dim: Optional[int] = None
+    mla_yarn: Optional[dict] = None
 
     @property
     def kv_channels(self) -> int:
@@ -276,18 +287,22 @@ def geometry_from_hf(cfg: dict, *, make_vocab_size_divisible_by: int = 128,
             float(theta) != int(theta):
         raise HFConfigError(f"config.json: rope_theta = {theta!r}: Megatron's --rotary-base is an "
                             f"integer; only integral bases convert exactly")
-    scaling = _rope_scaling_factor(cfg, where)
+    from .deepseek import DEEPSEEK_FAMILIES, mla_fields
+
+    mla = family in DEEPSEEK_FAMILIES
+    scaling = None if mla else _rope_scaling_factor(cfg, where)  # MLA: deepseek.mla_fields
     max_pos = cfg.get("max_position_embeddings", 2048)
     if isinstance(max_pos, bool) or not isinstance(max_pos, int) or max_pos < 1:
         raise HFConfigError(f"config.json: max_position_embeddings = {max_pos!r} must be an "
                             f"integer >= 1")
     rs = cfg.get("rope_scaling") or {}
     yarn = (yarn_from_hf(rs, max_pos, where=where) if rs.get("rope_type", rs.get("type")) == "yarn"
-            else None)
+            and not mla else None)
     fam = family_fields(cfg, family, hidden=hidden, heads=heads, max_pos=max_pos,
                         seq_length=seq_length)
     max_pos = fam["max_position_embeddings"]
-    variant = gpt_oss_fields(cfg) if family == "gpt_oss" else {}
+    variant = (gpt_oss_fields(cfg) if family == "gpt_oss" else
+               mla_fields(cfg, family, heads=heads, where=where) if mla else {})
     if prf != 1:
         rot = fam["head_dim"] * prf
         if rot != int(rot) or int(rot) % 2:
@@ -311,7 +326,8 @@ def geometry_from_hf(cfg: dict, *, make_vocab_size_divisible_by: int = 128,
         max_position_embeddings=max_pos, tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         dtype=DTYPES[dtype], family=family,
         head_dim=None if fam["head_dim"] * heads == hidden else fam["head_dim"],
-        qk_layernorm=fam["qk_layernorm"], qkv_bias=variant.pop("qkv_bias", fam["qkv_bias"]),
+        qk_layernorm=variant.pop("qk_layernorm", fam["qk_layernorm"]),
+        qkv_bias=variant.pop("qkv_bias", fam["qkv_bias"]),
         sliding_window=fam["sliding_window"], yarn=yarn, rotary_percent=float(prf), **moe,
         **variant)
 
@@ -345,7 +361,7 @@ def megatron_args(g: LlamaGeometry) -> List[str]:
         out += ["--rotary-percent", repr(g.rotary_percent)]
     if not g.tie_embeddings:
         out.append("--untie-embeddings-and-output-weights")
-    return out + moe_flags(g)
+    return out + mla_flags(g) + moe_flags(g)
 
 
 def transformer_config_kwargs(g: LlamaGeometry, *, tp: int = 1, metp: int = 1,
@@ -372,6 +388,7 @@ def transformer_config_kwargs(g: LlamaGeometry, *, tp: int = 1, metp: int = 1,
         fp16=dtype == torch.float16,
         **moe_config_kwargs(g, ep=ep, dispatcher=dispatcher))
     out.update(gpt_oss_config_kwargs(g))  # gpt-oss: quick-GeGLU in place of SiLU, sinks
+    out.update(mla_config_kwargs(g))  # DeepSeek: MLATransformerConfig's fields
     return out
 
 
@@ -410,7 +427,7 @@ def pretrain_gpt_sh_model(g: LlamaGeometry, load_dir: str, *, tp: int = 1, metp:
         extra += ["--rotary-percent", repr(g.rotary_percent)]
     if g.quick_geglu:
         extra += gpt_oss_flags(g)
-    extra += moe_flags(g)
+    extra += mla_flags(g) + moe_flags(g)
     lines = [
         "# shellcheck shell=bash disable=SC2034  # sourced by scripts/pretrain_gpt.sh",
         f"# Written by `python -m megatron_metp.tools.hf import`: the converted {g.family} "
@@ -429,7 +446,9 @@ def pretrain_gpt_sh_model(g: LlamaGeometry, load_dir: str, *, tp: int = 1, metp:
         f': "${{NUM_LAYERS:={g.num_layers}}}" "${{HIDDEN_SIZE:={g.hidden_size}}}" '
         f'"${{FFN_HIDDEN_SIZE:={g.ffn_hidden_size}}}"',
         f': "${{NUM_ATTENTION_HEADS:={g.num_attention_heads}}}" '
-        f'"${{NUM_QUERY_GROUPS:={g.num_query_groups}}}" "${{ROTARY_BASE:={g.rotary_base}}}"',
+        # MLA: no --group-query-attention (Megatron-LM refuses it with MLA)
+        f'"${{NUM_QUERY_GROUPS:={"" if g.multi_latent_attention else g.num_query_groups}}}" '
+        f'"${{ROTARY_BASE:={g.rotary_base}}}"',
         f': "${{SWIGLU:={int(not g.quick_geglu)}}}" "${{NORMALIZATION:=RMSNorm}}" '
         f'"${{POSITION_EMBEDDING_TYPE:={"yarn" if g.yarn else "rope"}}}" '
         f'"${{DISABLE_BIAS_LINEAR:={int(not g.linear_bias)}}}"',

@@ -64,7 +64,8 @@ from .config import (HFConfigError, LlamaGeometry, geometry_from_hf, gpt_model_k
                      set_yarn_config, transformer_config_kwargs)
 from .layout import hf_to_megatron, megatron_shapes, megatron_to_hf
 from .moe_layout import FP32_BUFFERS
-from .from_args import moe_args_problems
+from .deepseek import DEEPSEEK_FAMILIES
+from .from_args import mla_args_problems, moe_args_problems
 from .moe import MOE_FAMILIES
 from .output import staged_dir
 from .tokenizer_export import TOKENIZER_FILES, plan_tokenizer
@@ -104,6 +105,22 @@ def read_safetensors(hf_dir: str) -> Dict[str, torch.Tensor]:
 
 # ---------------------------------------------------------------- the Megatron model
 
+def check_release(g: LlamaGeometry) -> None:
+    """Refuse a geometry the installed megatron-core cannot build as the model: MLA without a
+    query latent on 0.19 (:func:`megatron_metp.megatron.mla.fuses_query_norm`)."""
+    if g.multi_latent_attention and g.q_lora_rank is None:
+        from ...megatron.mla import fuses_query_norm
+
+        if fuses_query_norm():
+            raise HFConfigError(
+                "config.json: q_lora_rank = null (no query latent, DeepSeek-V2-Lite's form) "
+                "with this megatron-core (0.19): under --qk-layernorm (which the latent kv norm "
+                "needs) it puts an RMSNorm on the query projection that the model does not "
+                "have, so no Megatron model of this release holds it; convert and train with "
+                "megatron-core 0.16 (Megatron-LM core_v0.16.1), whose MLA applies no query "
+                "norm without a query latent")
+
+
 def build_model(g: LlamaGeometry, *, groups=None, vocab_parallel: bool = False,
                 moe_token_dispatcher: str = "allgather", weight_ring: bool = True):
     """The megatron-core ``GPTModel`` this geometry converts to, on the initialised parallel
@@ -118,13 +135,13 @@ def build_model(g: LlamaGeometry, *, groups=None, vocab_parallel: bool = False,
     with ``groups``: the ring self-attention baseline (weights replicated, the K/V ring). Weights
     are left uninitialised (load them)."""
     from megatron.core import parallel_state as ps
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from .deepseek import config_class
 
     tp = ps.get_tensor_model_parallel_world_size()
     metp = ps.get_context_parallel_world_size()
     ep = ps.get_expert_model_parallel_world_size()
-    cfg = TransformerConfig(**transformer_config_kwargs(g, tp=tp, metp=metp, ep=ep,
-                                                        dispatcher=moe_token_dispatcher))
+    cfg = config_class(g)(**transformer_config_kwargs(g, tp=tp, metp=metp, ep=ep,
+                                                      dispatcher=moe_token_dispatcher))
     set_yarn_config(cfg, g)
     if groups is None and vocab_parallel:
         raise ValueError("vocab_parallel needs the METP groups")
@@ -139,6 +156,13 @@ def build_model(g: LlamaGeometry, *, groups=None, vocab_parallel: bool = False,
                      vocab_parallel=vocab_parallel, rope_recipe=rope_recipe(),
                      rope_recipe_source="METP_ROPE_RECIPE=megatron")
     model_kwargs = gpt_model_kwargs(g)
+    check_release(g)
+    if groups is None and g.multi_latent_attention:
+        # stock MLA: megatron-core's local DotProductAttention takes no separate k/v head dims;
+        # the model saves and loads weights, its forward is not run (mla.without_core_attention)
+        from ...megatron.mla import without_core_attention
+
+        model_kwargs["spec_transform"] = without_core_attention
     return build_metp_gpt(cfg, groups, settings, normalization="RMSNorm",
                           pre_process=ps.is_pipeline_first_stage(),
                           post_process=ps.is_pipeline_last_stage(), **model_kwargs)
@@ -257,6 +281,7 @@ def import_hf(hf_dir: str, out_dir: str, *, make_vocab_size_divisible_by: int = 
                          tensor_model_parallel_size=tensor_model_parallel_size,
                          metp_parallel_size=metp_parallel_size, seq_length=seq_length)
     _check_out(out_dir, force, keep=(hf_dir,))
+    check_release(g)  # before a weight is read
     hf = read_checked_safetensors(hf_dir, g, cfg)  # files, index, names, shapes, dtypes, values
     params = hf_to_megatron(hf, g)
     dtype = hf["model.embed_tokens.weight"].dtype
@@ -267,8 +292,11 @@ def import_hf(hf_dir: str, out_dir: str, *, make_vocab_size_divisible_by: int = 
         _write_import(stage, hf_dir, g, params, out_dir,
                       tp=tensor_model_parallel_size, metp=metp_parallel_size)
     flags = megatron_args(g)
-    log(f"wrote {out_dir}: {g.num_layers} layers, hidden {g.hidden_size}, "
-        f"{g.num_attention_heads} heads / {g.num_query_groups} K/V groups, FFN "
+    attn = (f"{g.num_attention_heads} heads of multi-latent attention (kv latent "
+            f"{g.kv_lora_rank}, query latent {g.q_lora_rank or 'none'})"
+            if g.multi_latent_attention else
+            f"{g.num_attention_heads} heads / {g.num_query_groups} K/V groups")
+    log(f"wrote {out_dir}: {g.num_layers} layers, hidden {g.hidden_size}, {attn}, FFN "
         f"{g.ffn_hidden_size}, vocabulary {g.vocab_size} padded to {g.padded_vocab_size} "
         f"(multiple of {g.vocab_multiple}), {'tied' if g.tie_embeddings else 'untied'}, {g.dtype}")
     log("pretrain_gpt.py flags: " + " ".join(flags) + f" --load {out_dir} --finetune (or "
@@ -339,6 +367,8 @@ def _export_config(path: str, cfg_dir: Optional[str]):
     problems = family_problems(saved, cfg.get("model_type")) if saved is not None else []
     if saved is not None and cfg.get("model_type") in MOE_FAMILIES:
         problems += moe_args_problems(cfg, saved)
+    if saved is not None and cfg.get("model_type") in DEEPSEEK_FAMILIES:
+        problems += mla_args_problems(cfg, saved)
     elif saved is not None and saved.get("num_experts"):
         problems.append(f"--num-experts {saved['num_experts']}: config.json is a dense "
                         f"{cfg.get('model_type')!r}; pass the MoE model's config.json")

@@ -18,6 +18,9 @@ glm4_moe   ``Glm4MoeForCausalLM``  q/k/v bias when ``attention_bias`` (``--add-q
                                    expert and a sigmoid router (:mod:`.moe`)
 gpt_oss    ``GptOssForCausalLM``   biases everywhere, attention sinks, the experts' clamped
                                    quick-GeGLU, alternating sliding windows (:mod:`.gpt_oss`)
+deepseek_  ``DeepseekV2ForCausalLM`` multi-latent attention (:mod:`.deepseek`), leading dense
+v2, v3     ``DeepseekV3ForCausalLM`` layers, a shared expert; V2 a softmax router, V3 GLM-4.5's
+                                   sigmoid router (:mod:`.moe`)
 =========  ======================  ==========================================================
 
 All four: ``head_dim`` may differ from ``hidden_size / num_attention_heads`` (``--kv-channels``;
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from .deepseek import DEEPSEEK_FAMILIES
 from .errors import HFConfigError
 from .moe import MOE_FAMILIES, MOE_MARKERS, moe_family_hint
 
@@ -47,7 +51,8 @@ DENSE_FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
 FAMILIES = {**DENSE_FAMILIES, **MOE_FAMILIES}
 
 _DENSE_ONLY = ("mixture-of-experts fields in a dense family's config (only model_type "
-               "'qwen3_moe', 'mixtral', 'qwen2_moe', 'glm4_moe' and 'gpt_oss' convert as MoE)")
+               "'qwen3_moe', 'mixtral', 'qwen2_moe', 'glm4_moe', 'gpt_oss', 'deepseek_v2' and "
+               "'deepseek_v3' convert as MoE)")
 #: fields of other variants that no METP layer implements, refused whenever set (MoE fields in a
 #: dense family, soft-capping, other attention forms): field → why
 UNSUPPORTED_FIELDS = {
@@ -57,8 +62,10 @@ UNSUPPORTED_FIELDS = {
     "final_logit_softcapping": "final logit soft-capping (Gemma 2): Megatron's output layer "
                                "has none",
     "query_pre_attn_scalar": "a softmax scale other than 1/sqrt(head_dim) (Gemma 2)",
-    "kv_lora_rank": "multi-latent attention (DeepSeek): refused with METP",
-    "q_lora_rank": "multi-latent attention (DeepSeek): refused with METP",
+    "kv_lora_rank": "multi-latent attention, which converts for model_type 'deepseek_v2' and "
+                    "'deepseek_v3' only",
+    "q_lora_rank": "multi-latent attention, which converts for model_type 'deepseek_v2' and "
+                   "'deepseek_v3' only",
 }
 
 
@@ -83,6 +90,8 @@ def check_family(cfg: dict) -> str:
     for name, why in UNSUPPORTED_FIELDS.items():
         if model_type in MOE_FAMILIES and name in MOE_MARKERS:
             continue  # read by moe.moe_fields
+        if model_type in DEEPSEEK_FAMILIES and name in ("kv_lora_rank", "q_lora_rank"):
+            continue  # read by deepseek.mla_fields
         if cfg.get(name) not in (None, 0, False, 0.0):
             raise _err(f"config.json: {name} = {cfg[name]!r} is not supported: {why}")
     return model_type
@@ -113,7 +122,8 @@ def family_fields(cfg: dict, family: str, *, hidden: int, heads: int, max_pos: i
                   seq_length: Optional[int] = None) -> dict:
     """``{head_dim, qk_layernorm, qkv_bias, sliding_window, max_position_embeddings}`` of a
     family's ``config.json``, every field that cannot convert refused (naming it)."""
-    head_dim = cfg.get("head_dim")
+    # DeepSeek's head_dim is its RoPE width (deepseek.mla_fields checks it)
+    head_dim = None if family in DEEPSEEK_FAMILIES else cfg.get("head_dim")
     if head_dim is None:
         if hidden % heads:
             raise _err(f"config.json: hidden_size {hidden} is not divisible by "

@@ -51,7 +51,8 @@ from .moe import (EXTRA_MOE_FLAGS, MOE_FLAGS, moe_config_from_args, moe_family_o
                   moe_family_problems, saved_moe_layers)
 from .yarn import mscale_factor
 
-__all__ = ["hf_config_from_args", "check_against_args", "family_problems", "moe_args_problems"]
+__all__ = ["hf_config_from_args", "check_against_args", "family_problems", "moe_args_problems",
+           "mla_args_problems"]
 
 #: Megatron-LM flags of :func:`~.config.megatron_args` whose ``args`` attribute is not the flag
 #: name with dashes as underscores: flag -> (attribute, value the flag sets)
@@ -64,7 +65,10 @@ _NOT_COMPARED = {"--make-vocab-size-divisible-by", "--attention-dropout", "--hid
 
 #: MoE families whose own config.json settles what the from-args rules refuse (their flags are
 #: compared with it by :func:`moe_args_problems`): family -> the saved settings it may have
-_OWN_FEATURES = {"qwen2_moe": set(), "glm4_moe": {"rotary_percent", "together"}}
+_OWN_FEATURES = {"qwen2_moe": set(), "glm4_moe": {"rotary_percent", "together"},
+                 # DeepSeek: the MLA flags are compared with the config by mla_args_problems
+                 "deepseek_v2": {"multi_latent_attention"},
+                 "deepseek_v3": {"multi_latent_attention"}}
 
 
 def family_problems(a: dict, family: str = None) -> List[str]:
@@ -109,7 +113,10 @@ def family_problems(a: dict, family: str = None) -> List[str]:
         if own and name in own:
             continue
         if v is not None and bad(v):
-            out.append(f"{flag} {v!r}: no Hugging Face Llama-family model has it")
+            hint = (" (a DeepSeek-V2/V3 config.json is not written from saved arguments: "
+                    "pass --hf-config with the model's own)"
+                    if name == "multi_latent_attention" else "")
+            out.append(f"{flag} {v!r}: no Hugging Face Llama-family model has it{hint}")
     window = a.get("window_size")
     if window is not None and (len(window) != 2 or window[1] not in (0, -1) or window[0] < 0):
         out.append(f"--window-size {tuple(window)}: only a causal window (W - 1, 0) has a "
@@ -231,6 +238,35 @@ def check_against_args(cfg: dict, a: dict) -> LlamaGeometry:
                             "arguments would not rebuild its model: " + "; ".join(diffs) +
                             "; pass --hf-config")
     return g
+
+
+def mla_args_problems(cfg: dict, saved: dict) -> List[str]:
+    """Where a DeepSeek ``config.json``'s multi-latent attention differs from a checkpoint's
+    saved Megatron-LM arguments (empty when they agree), each naming the flag."""
+    from .deepseek import mla_flags
+
+    g = geometry_from_hf(cfg, make_vocab_size_divisible_by=1, seq_length=1)
+    if not saved.get("multi_latent_attention"):
+        return [f"--multi-latent-attention: the run has none, config.json ({g.family}) has it"]
+    flags, out, i = mla_flags(g), [], 1
+    want = {"q_lora_rank": g.q_lora_rank, "qk_layernorm": True,
+            "rope_type": "yarn" if g.mla_yarn else "rope"}
+    while i < len(flags):
+        flag, value = flags[i], flags[i + 1] if i + 1 < len(flags) else None
+        if value is None or value.startswith("--"):
+            i += 1
+            continue
+        want[flag[2:].replace("-", "_")] = value
+        i += 2
+    for name, value in want.items():
+        have = saved.get(name)
+        if name == "rope_type" and have is None:
+            have = "yarn"  # Megatron's MLA default
+        if not (have is None and value is None) and (have is None or value is None or
+                                                        not _equal(have, value)):
+            out.append(f"--{name.replace('_', '-')}: saved {have!r}, config.json implies "
+                       f"{value!r}")
+    return out
 
 
 def moe_args_problems(cfg: dict, saved: dict) -> List[str]:

@@ -23,7 +23,7 @@ from .yarn import YARN_KEYS
 _SHAPE = "the model's shape (Megatron flag of the same name)"
 #: key -> what it maps to (every family has these)
 MAPPED = {
-    "model_type": "the family (one of the nine)",
+    "model_type": "the family (one of the eleven)",
     "architectures": "must hold the family's causal LM (LlamaForCausalLM, ...)",
     "vocab_size": "the embedding and output rows (Megatron pads them)",
     "hidden_size": "--hidden-size",
@@ -93,6 +93,39 @@ MAPPED_BY_FAMILY["glm4_moe"] = {
                             "the expert bias balances the load)",
     "router_aux_loss_coef": "unused while output_router_logits is false"}
 
+_MLA = {
+    "kv_lora_rank": "--kv-lora-rank (with --multi-latent-attention --qk-layernorm)",
+    "q_lora_rank": "--q-lora-rank (null: no query latent, the flag left out)",
+    "qk_nope_head_dim": "--qk-head-dim", "qk_rope_head_dim": "--qk-pos-emb-head-dim",
+    "v_head_dim": "--v-head-dim",
+    "head_dim": "must be qk_rope_head_dim (transformers writes its RoPE width there)",
+    "qk_head_dim": "must be qk_nope_head_dim + qk_rope_head_dim",
+    "num_key_value_heads": "must be num_attention_heads (MLA has no grouped K/V)",
+    "rope_scaling": "--rope-type rope, or --rope-type yarn --rotary-scaling-factor --mscale "
+                    "--mscale-all-dim (5.x: rope_parameters)",
+    "n_routed_experts": "--num-experts", "num_experts_per_tok": "--moe-router-topk",
+    "moe_intermediate_size": "--moe-ffn-hidden-size",
+    "n_shared_experts": "--moe-shared-expert-intermediate-size (x moe_intermediate_size)",
+    "first_k_dense_replace": "--moe-layer-freq (the leading dense layers)",
+    "moe_layer_freq": "must be 1 (DeepSeek's own config.json; transformers ignores it)",
+    "routed_scaling_factor": "--moe-router-topk-scaling-factor",
+    "output_router_logits": "must be false (5.x; no auxiliary loss is converted)"}
+MAPPED_BY_FAMILY["deepseek_v2"] = {
+    **_MLA, "topk_method": "'greedy', or 'group_limited_greedy': --moe-router-num-groups "
+                           "--moe-router-group-topk (when num_experts_per_tok = topk_group)",
+    "n_group": "--moe-router-num-groups (group_limited_greedy)",
+    "topk_group": "--moe-router-group-topk (group_limited_greedy)",
+    "norm_topk_prob": "must be false (transformers' DeepSeek-V2 never renormalises; the router "
+                      "is --moe-router-pre-softmax)",
+    "scoring_func": "must be 'softmax' (DeepSeek's own config.json)"}
+MAPPED_BY_FAMILY["deepseek_v3"] = {
+    **_MLA, **{k: MAPPED_BY_FAMILY["glm4_moe"][k] for k in ("n_group", "topk_group",
+                                                             "norm_topk_prob")},
+    "topk_method": "must be 'noaux_tc' (DeepSeek's own config.json): "
+                   "--moe-router-score-function sigmoid --moe-router-enable-expert-bias",
+    "scoring_func": "must be 'sigmoid' (DeepSeek's own config.json)",
+    "rope_interleave": "must be true (Megatron's MLA rotates interleaved pairs)"}
+
 _OFF = (None, 0, 0.0, False)
 #: key -> (the values METP reproduces, in words; the values, or None where the key's reader
 #: checks it with its own message)
@@ -157,7 +190,18 @@ HARMLESS_BY_FAMILY = {
     "glm4_moe": {"num_nextn_predict_layers": "multi-token-prediction layers, which "
                                              "transformers' model neither builds nor loads "
                                              "(their tensors, if present, are refused)"},
+    "deepseek_v2": {k: v for k, v in {
+        "aux_loss_alpha": "the weight of DeepSeek's auxiliary balance loss in training; "
+                          "transformers' model computes none and it changes no weight or logit "
+                          "(the converted run has --moe-aux-loss-coeff 0)",
+        "seq_aux": "whether that loss is per sequence; as aux_loss_alpha",
+        "ep_size": "DeepSeek's own code's expert-parallel size for inference; no weight or "
+                   "logit",
+        "auto_map": "the remote-code classes of DeepSeek's repository (trust_remote_code); the "
+                    "conversion follows the keys, not that code"}.items()},
 }
+HARMLESS_BY_FAMILY["deepseek_v3"] = {**HARMLESS_BY_FAMILY["deepseek_v2"],
+                                     **HARMLESS_BY_FAMILY["glm4_moe"]}
 #: family-specific checked keys (beyond CHECKED, which every family may carry)
 _FAMILY_CHECKED = {"qwen2": ("layer_types", "use_sliding_window"),
                    "qwen3": ("layer_types", "use_sliding_window"),
@@ -227,13 +271,13 @@ def markdown_table() -> str:
     """The key table as docs/huggingface.md prints it (tests/test_hf_versions.py checks that
     the doc holds exactly this): the keys of every family, then each family's own."""
     fams = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe",
-            "glm4_moe", "gpt_oss")
+            "glm4_moe", "gpt_oss", "deepseek_v2", "deepseek_v3")
     tables = {f: family_keys(f) for f in fams}
     kinds = ("mapped", "checked", "harmless")
     # common: the same in every family, or mapped by a family instead (its own row below)
     common = {kind: {k: v for k, v in tables["llama"][kind].items()
-                     if all(tables[f][kind].get(k) == v or
-                            (kind != "mapped" and k in tables[f]["mapped"]) for f in fams)}
+                     if all(tables[f][kind].get(k) == v or k in tables[f]["mapped"]
+                            for f in fams)}
               for kind in kinds}
     rows = ["| key | kind | maps to / must be / why harmless |", "|---|---|---|"]
     for kind in kinds:
@@ -245,7 +289,7 @@ def markdown_table() -> str:
     out = ["Every family (where a family maps a key, its own row below says how):", ""] + rows
     for f in fams:
         own = [f"| `{k}` | {kind} | {v} |" for kind in kinds
-               for k, v in tables[f][kind].items() if k not in common[kind]]
+               for k, v in tables[f][kind].items() if common[kind].get(k) != v]
         if own:
             out += ["", f"`{f}` also:", "", "| key | kind | maps to / must be / why |",
                     "|---|---|---|"] + own

@@ -37,6 +37,8 @@ from typing import Dict, Tuple
 import torch
 
 from .config import HFConfigError, LlamaGeometry
+from .deepseek import (hf_mla_shapes, megatron_mla_shapes, mla_hf_to_megatron,
+                       mla_megatron_to_hf)
 from .gpt_oss import (gpt_oss_hf_to_megatron, gpt_oss_megatron_to_hf, hf_gpt_oss_shapes,
                       megatron_gpt_oss_shapes)
 from .moe import is_moe_layer
@@ -106,8 +108,8 @@ def hf_names(g: LlamaGeometry) -> Dict[str, tuple]:
     out = {"model.embed_tokens.weight": (g.vocab_size, h), "model.norm.weight": (h,)}
     for i in range(g.num_layers):
         p = f"model.layers.{i}."
-        out.update({
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+        out.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
+        out.update(hf_mla_shapes(g, i) if g.multi_latent_attention else {
             p + "self_attn.q_proj.weight": (n * d, h), p + "self_attn.k_proj.weight": (k * d, h),
             p + "self_attn.v_proj.weight": (k * d, h), p + "self_attn.o_proj.weight": (h, n * d)})
         if g.family == "gpt_oss":
@@ -120,7 +122,7 @@ def hf_names(g: LlamaGeometry) -> Dict[str, tuple]:
         if g.qkv_bias:
             out.update({p + "self_attn.q_proj.bias": (n * d,), p + "self_attn.k_proj.bias": (k * d,),
                         p + "self_attn.v_proj.bias": (k * d,)})
-        if g.qk_layernorm:
+        if g.qk_layernorm and not g.multi_latent_attention:
             out.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
     if not g.tie_embeddings:
         out["lm_head.weight"] = (g.vocab_size, h)
@@ -134,8 +136,8 @@ def megatron_shapes(g: LlamaGeometry) -> Dict[str, tuple]:
            "decoder.final_layernorm.weight": (h,)}
     for i in range(g.num_layers):
         p = f"decoder.layers.{i}."
-        out.update({
-            p + "input_layernorm.weight": (h,), p + "pre_mlp_layernorm.weight": (h,),
+        out.update({p + "input_layernorm.weight": (h,), p + "pre_mlp_layernorm.weight": (h,)})
+        out.update(megatron_mla_shapes(g, i) if g.multi_latent_attention else {
             p + "self_attention.linear_qkv.weight": (g.qkv_rows, h),
             p + "self_attention.linear_proj.weight": (h, g.num_attention_heads * d)})
         if g.family == "gpt_oss":
@@ -147,7 +149,7 @@ def megatron_shapes(g: LlamaGeometry) -> Dict[str, tuple]:
                         p + "mlp.linear_fc2.weight": (h, f)})
         if g.qkv_bias:
             out[p + "self_attention.linear_qkv.bias"] = (g.qkv_rows,)
-        if g.qk_layernorm:
+        if g.qk_layernorm and not g.multi_latent_attention:
             out[p + "self_attention.q_layernorm.weight"] = (d,)
             out[p + "self_attention.k_layernorm.weight"] = (d,)
     if not g.tie_embeddings:
@@ -157,6 +159,22 @@ def megatron_shapes(g: LlamaGeometry) -> Dict[str, tuple]:
 
 #: buffers older Hugging Face Llama checkpoints carry that hold no weights (recomputed from config)
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def unexpected_hint(unexpected, g: LlamaGeometry, default: str = "") -> str:
+    """What to say about tensors a checkpoint holds beyond what its config implies: linear
+    biases, or the multi-token-prediction layers (``model.layers.<num_hidden_layers>.*``) of
+    DeepSeek-V3 and GLM-4.5 (``num_nextn_predict_layers``)."""
+    if any(k.startswith(f"model.layers.{g.num_layers}.") for k in unexpected):
+        return (f" (layer {g.num_layers} and beyond: multi-token-prediction layers "
+                f"(num_nextn_predict_layers), which transformers neither builds nor loads and "
+                f"METP does not convert (--mtp-num-layers is refused); delete their tensors "
+                f"from the safetensors to convert the model without them)")
+    if any(k.endswith(".bias") for k in unexpected):
+        return (" (linear biases: the converted run has --disable-bias-linear, with "
+                "--add-qkv-bias for Qwen2's q/k/v biases only; convert a model without other "
+                "biases)")
+    return default
 
 
 def check_hf_tensors(hf: Dict[str, Tensor], g: LlamaGeometry) -> None:
@@ -181,10 +199,7 @@ def check_hf_tensors(hf: Dict[str, Tensor], g: LlamaGeometry) -> None:
         raise HFConfigError(f"the safetensors lack {len(missing)} tensor(s) config.json implies: "
                             f"{missing[:6]}{hint}")
     if unexpected:
-        biases = [k for k in unexpected if k.endswith(".bias")]
-        hint = (" (linear biases: the converted run has --disable-bias-linear, with "
-                "--add-qkv-bias for Qwen2's q/k/v biases only; convert a model without other "
-                "biases)" if biases else "")
+        hint = unexpected_hint(unexpected, g)
         raise HFConfigError(f"the safetensors hold {len(unexpected)} tensor(s) a {g.family} of "
                             f"this config.json does not have: {unexpected[:6]}{hint}")
     bad = [(k, tuple(hf[k].shape), s) for k, s in want.items() if tuple(hf[k].shape) != s]
@@ -214,6 +229,8 @@ _QK_NORM_RENAMES = (
 
 
 def _renames(g: LlamaGeometry, i: int):
+    if g.multi_latent_attention:  # the attention's own names: .deepseek
+        return _LAYER_RENAMES[:2] + (() if is_moe_layer(g, i) else _DENSE_RENAMES)
     return (_LAYER_RENAMES + (_QK_NORM_RENAMES if g.qk_layernorm else ()) +
             (() if is_moe_layer(g, i) else _DENSE_RENAMES))
 
@@ -230,9 +247,12 @@ def hf_to_megatron(hf: Dict[str, Tensor], g: LlamaGeometry) -> Dict[str, Tensor]
         s, t = f"model.layers.{i}.", f"decoder.layers.{i}."
         for hf_name, mg_name in _renames(g, i):
             out[t + mg_name] = hf[s + hf_name].clone()
-        out[t + "self_attention.linear_qkv.weight"] = fuse_qkv(
-            hf[s + "self_attn.q_proj.weight"], hf[s + "self_attn.k_proj.weight"],
-            hf[s + "self_attn.v_proj.weight"], n, k)
+        if g.multi_latent_attention:
+            out.update(mla_hf_to_megatron(hf, g, i))
+        else:
+            out[t + "self_attention.linear_qkv.weight"] = fuse_qkv(
+                hf[s + "self_attn.q_proj.weight"], hf[s + "self_attn.k_proj.weight"],
+                hf[s + "self_attn.v_proj.weight"], n, k)
         if g.qkv_bias:
             out[t + "self_attention.linear_qkv.bias"] = fuse_qkv(
                 hf[s + "self_attn.q_proj.bias"], hf[s + "self_attn.k_proj.bias"],
@@ -273,10 +293,13 @@ def megatron_to_hf(mg: Dict[str, Tensor], g: LlamaGeometry) -> Dict[str, Tensor]
         s, t = f"decoder.layers.{i}.", f"model.layers.{i}."
         for hf_name, mg_name in _renames(g, i):
             out[t + hf_name] = mg[s + mg_name].clone()
-        q, kk, v = split_qkv(mg[s + "self_attention.linear_qkv.weight"], n, k)
-        out[t + "self_attn.q_proj.weight"] = q
-        out[t + "self_attn.k_proj.weight"] = kk
-        out[t + "self_attn.v_proj.weight"] = v
+        if g.multi_latent_attention:
+            out.update(mla_megatron_to_hf(mg, g, i))
+        else:
+            q, kk, v = split_qkv(mg[s + "self_attention.linear_qkv.weight"], n, k)
+            out[t + "self_attn.q_proj.weight"] = q
+            out[t + "self_attn.k_proj.weight"] = kk
+            out[t + "self_attn.v_proj.weight"] = v
         if g.qkv_bias:
             q, kk, v = split_qkv(mg[s + "self_attention.linear_qkv.bias"], n, k)
             out[t + "self_attn.q_proj.bias"] = q

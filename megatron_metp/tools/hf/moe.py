@@ -49,25 +49,32 @@ too, Megatron's ``--moe-input-jitter-eps`` only the router's), ``num_experts_per
 no MoE layer at all, and ``E`` not divisible by the METP size (the experts are sharded over the
 METP ranks: EP = METP); for GLM-4.5 group scores that differ (``num_experts_per_tok`` ≠ 2 ×
 ``topk_group`` with real groups), ``norm_topk_prob`` other than ``k > 1`` (megatron-core's sigmoid
-router renormalises exactly then) and ``output_router_logits``. Any other MoE family
-(``deepseek_v3``, ...) is refused by :mod:`.families`.
+router renormalises exactly then) and ``output_router_logits``. DeepSeek-V2 routes as
+``--moe-router-pre-softmax`` times ``routed_scaling_factor`` (group-limited top-k only where both
+libraries score a group alike: :func:`_softmax_group_router`), DeepSeek-V3 as GLM-4.5. Any other
+MoE family is refused by :mod:`.families`.
 """
 
 from __future__ import annotations
 
 from typing import List, Optional
 
+from .deepseek import DEEPSEEK_FAMILIES
 from .errors import HFConfigError
 
 #: MoE model_type → the causal-LM architecture that converts
 MOE_FAMILIES = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
                 "qwen2_moe": "Qwen2MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
-                "gpt_oss": "GptOssForCausalLM"}
+                "gpt_oss": "GptOssForCausalLM", **DEEPSEEK_FAMILIES}
+#: families with GLM-4.5's / DeepSeek's MoE block: leading dense layers
+#: (``first_k_dense_replace``), an ungated shared expert ``n_shared_experts`` experts wide
+_LEADING_DENSE = ("glm4_moe", *DEEPSEEK_FAMILIES)
 #: config.json key of the routed-expert count, and of their FFN width (default
 #: moe_intermediate_size), per MoE family
 _EXPERTS_KEY = {"qwen3_moe": "num_experts", "qwen2_moe": "num_experts",
                 "mixtral": "num_local_experts", "glm4_moe": "n_routed_experts",
-                "gpt_oss": "num_local_experts"}
+                "gpt_oss": "num_local_experts",
+                **{f: "n_routed_experts" for f in DEEPSEEK_FAMILIES}}
 _FFN_KEY = {"mixtral": "intermediate_size", "gpt_oss": "intermediate_size"}
 
 #: config.json fields that mark a mixture-of-experts model (of any family)
@@ -89,8 +96,13 @@ def moe_layers(cfg: dict, family: str, num_layers: int) -> List[int]:
     """1 for a MoE layer, 0 for a dense one, per layer (transformers' rule per family)."""
     if family in ("mixtral", "gpt_oss"):
         return [1] * num_layers
-    if family == "glm4_moe":  # the first first_k_dense_replace layers are dense
-        k = cfg.get("first_k_dense_replace", 1)
+    if family in _LEADING_DENSE:  # the first first_k_dense_replace layers are dense
+        k = cfg.get("first_k_dense_replace", 1 if family == "glm4_moe" else 0)
+        freq = cfg.get("moe_layer_freq", 1)  # DeepSeek's own config.json; transformers: 1
+        if freq != 1:
+            raise _err(f"config.json: moe_layer_freq = {freq!r}: transformers' {family} makes "
+                       f"every layer from first_k_dense_replace on a MoE layer (moe_layer_freq "
+                       f"1); another value means a model transformers does not build")
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise _err(f"config.json: first_k_dense_replace = {k!r} must be an integer >= 0")
         return [int(i >= k) for i in range(num_layers)]
@@ -121,7 +133,9 @@ def _shared_expert(cfg: dict, family: str, ffn: int) -> dict:
         return {"moe_shared_expert_intermediate_size":
                 _pos_int(cfg, "shared_expert_intermediate_size"),
                 "moe_shared_expert_gate": True}
-    if family == "glm4_moe":
+    if family == "deepseek_v2" and cfg.get("n_shared_experts") is None:
+        return {}  # transformers 4.x's DeepSeek-V2 builds no shared expert then
+    if family in _LEADING_DENSE:
         return {"moe_shared_expert_intermediate_size": _pos_int(cfg, "n_shared_experts", 1) * ffn,
                 "moe_shared_expert_gate": False}
     return {}
@@ -160,6 +174,58 @@ def _sigmoid_router(cfg: dict, experts: int, topk: int) -> dict:
             "moe_router_topk_scaling_factor": None if scale == 1 else float(scale)}
 
 
+def _named(cfg: dict, family: str, want: dict) -> None:
+    """DeepSeek's own router keys (``topk_method``, ``scoring_func``), which transformers'
+    configs leave out: when present they must name the router transformers builds."""
+    if family == "glm4_moe":
+        return
+    for key, value in want.items():
+        if cfg.get(key, value) != value:
+            raise _err(f"config.json: {key} = {cfg[key]!r}: transformers' {family} routes with "
+                       f"{key} {value!r} whatever it says; a model trained with another router "
+                       f"does not convert")
+
+
+def _softmax_group_router(cfg: dict, experts: int, topk: int) -> dict:
+    """DeepSeek-V2's router as Megatron's: ``p = softmax(z)`` over all experts, the top-k of
+    ``p`` (``--moe-router-pre-softmax``), not renormalised, times ``routed_scaling_factor``
+    (``--moe-router-topk-scaling-factor``); ``topk_method`` ``group_limited_greedy`` first keeps
+    the ``topk_group`` groups of ``n_group`` with the largest best expert (megatron-core:
+    ``--moe-router-num-groups``/``-group-topk``, a group's score the sum of its best
+    ``k / topk_group``: the same when ``k = topk_group``)."""
+    _named(cfg, "deepseek_v2", {"scoring_func": "softmax"})
+    method = cfg.get("topk_method", "greedy")
+    if method not in ("greedy", "group_limited_greedy"):
+        raise _err(f"config.json: topk_method = {method!r}: transformers' DeepSeek-V2 routes "
+                   f"with 'greedy' or 'group_limited_greedy' only")
+    if _norm_topk(cfg, False):
+        raise _err("config.json: norm_topk_prob = true for deepseek_v2: transformers' "
+                   "DeepSeek-V2 ignores it (its top-k weights are never renormalised) while "
+                   "DeepSeek's own code renormalises, so the model it names is ambiguous; set "
+                   "it to false (DeepSeek-V2 and V2-Lite have false)")
+    groups = limited = None
+    if method == "group_limited_greedy":
+        groups, limited = _pos_int(cfg, "n_group"), _pos_int(cfg, "topk_group")
+        if experts % groups or limited > groups or topk > limited * (experts // groups):
+            raise _err(f"config.json: n_group = {groups}, topk_group = {limited} with "
+                       f"{experts} experts and num_experts_per_tok {topk}: the groups must "
+                       f"divide the experts and the kept groups hold at least k experts")
+        if limited < groups and topk != limited:
+            raise _err(f"config.json: topk_method 'group_limited_greedy' with "
+                       f"num_experts_per_tok = {topk}, topk_group = {limited}: transformers "
+                       f"scores a group by its best expert, megatron-core "
+                       f"(--moe-router-num-groups) by the sum of its best num_experts_per_tok / "
+                       f"topk_group = {topk / limited:g}; they pick the same groups only when "
+                       f"num_experts_per_tok = topk_group")
+        if limited == groups:
+            groups = limited = None
+    scale = cfg.get("routed_scaling_factor", 1.0)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+        raise _err(f"config.json: routed_scaling_factor = {scale!r} must be a number > 0")
+    return {"moe_router_num_groups": groups, "moe_router_group_topk": limited,
+            "moe_router_topk_scaling_factor": None if scale == 1 else float(scale)}
+
+
 def moe_fields(cfg: dict, family: str, *, num_layers: int, hidden: int,
                metp_parallel_size: int) -> dict:
     """The :class:`~.config.LlamaGeometry` MoE fields of a MoE family's config:
@@ -179,12 +245,15 @@ def moe_fields(cfg: dict, family: str, *, num_layers: int, hidden: int,
                        f"transformers multiplies the experts' input by the noise too, "
                        f"Megatron's --moe-input-jitter-eps only the router's; set it to 0.0")
         pre_softmax = False
-    elif family == "glm4_moe":
+    elif family in ("glm4_moe", "deepseek_v3"):
+        _named(cfg, family, {"topk_method": "noaux_tc", "scoring_func": "sigmoid"})
         router = _sigmoid_router(cfg, experts, topk)
         pre_softmax = False
+    elif family == "deepseek_v2":
+        router, pre_softmax = _softmax_group_router(cfg, experts, topk), True
     else:
         pre_softmax = not _norm_topk(cfg, False)
-    if topk == 1 and not pre_softmax and family != "glm4_moe":
+    if topk == 1 and not pre_softmax and family not in ("glm4_moe", "deepseek_v3"):
         what = {"mixtral": "Mixtral", "gpt_oss": "gpt-oss"}.get(family, "norm_topk_prob true")
         raise _err(f"config.json: num_experts_per_tok = 1 with {what}: transformers weights "
                    f"each token's one expert by 1 (its top-1 probability divided by itself); "
@@ -199,11 +268,11 @@ def moe_fields(cfg: dict, family: str, *, num_layers: int, hidden: int,
     if not any(layers):
         raise _err("config.json: decoder_sparse_step / mlp_only_layers / first_k_dense_replace "
                    "leave no MoE layer: convert it as the dense model it is")
-    if family == "glm4_moe" and cfg.get("output_router_logits"):
-        raise _err("config.json: output_router_logits = true for glm4_moe is not supported: "
-                   "megatron-core's auxiliary loss with the sigmoid router is not transformers'; "
-                   "GLM-4.5 balances its experts with the expert bias "
-                   "(--moe-router-enable-expert-bias); set it to false")
+    if family in _LEADING_DENSE and cfg.get("output_router_logits"):
+        raise _err(f"config.json: output_router_logits = true for {family} is not supported: "
+                   f"megatron-core's auxiliary loss is not transformers' (GLM-4.5 and "
+                   f"DeepSeek-V3 balance their experts with the expert bias, "
+                   f"--moe-router-enable-expert-bias); set it to false")
     coeff = cfg.get("router_aux_loss_coef", 0.0) if cfg.get("output_router_logits") else 0.0
     if isinstance(coeff, bool) or not isinstance(coeff, (int, float)) or coeff < 0:
         raise _err(f"config.json: router_aux_loss_coef = {coeff!r} must be a number >= 0")
@@ -282,6 +351,11 @@ def moe_config_kwargs(g, *, ep: int = 1, dispatcher: str = "allgather") -> dict:
                 **_extra_moe(g))
 
 
+def hf_shared_prefix(family: str) -> str:
+    """The shared expert's module name inside transformers' MoE block."""
+    return "shared_experts." if family in _LEADING_DENSE else "shared_expert."
+
+
 def hf_moe_prefix(family: str) -> str:
     """The MoE block's module name inside a transformers decoder layer."""
     return "block_sparse_moe." if family == "mixtral" else "mlp."
@@ -301,8 +375,8 @@ def moe_family_hint(cfg: dict) -> Optional[str]:
     config has mixture-of-experts fields."""
     if any(cfg.get(k) not in (None, 0) for k in MOE_MARKERS):
         return (f"of the mixture-of-experts families only "
-                f"{', '.join(repr(f) for f in MOE_FAMILIES)} convert (multi-latent attention and "
-                f"the rest are not implemented)")
+                f"{', '.join(repr(f) for f in MOE_FAMILIES)} convert (other MoE types are not "
+                f"implemented)")
     return None
 
 

@@ -37,7 +37,7 @@ from typing import Dict
 
 import torch
 
-from .moe import hf_expert_names, hf_moe_prefix
+from .moe import hf_expert_names, hf_moe_prefix, hf_shared_prefix
 
 Tensor = torch.Tensor
 
@@ -52,10 +52,6 @@ FP32_BUFFERS = (".e_score_correction_bias",)
 _MG_SHARED = "mlp.shared_experts."
 _MG_GATE = _MG_SHARED + "gate_weight"
 _MG_BIAS = "mlp.router.expert_bias"
-
-
-def _hf_shared(family: str) -> str:
-    return "shared_experts." if family == "glm4_moe" else "shared_expert."
 
 
 def _renamed(g, i: int) -> Dict[str, tuple]:
@@ -76,7 +72,7 @@ def _mlps(g, i: int):
     out = [(f"{p}experts.{j}.", t + _mg_expert(j), g.moe_ffn_hidden_size)
            for j in range(g.num_experts)]
     if g.moe_shared_expert_intermediate_size:
-        out.append((p + _hf_shared(g.family), t + _MG_SHARED,
+        out.append((p + hf_shared_prefix(g.family), t + _MG_SHARED,
                     g.moe_shared_expert_intermediate_size))
     return out
 

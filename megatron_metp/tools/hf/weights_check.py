@@ -177,7 +177,7 @@ def check_headers(hf_dir: str, g: LlamaGeometry, cfg: dict) -> Dict[str, Tuple[s
     """Check every header (and the index) against each other and against what ``config.json``
     implies (the geometry ``g`` and its stated dtype); returns tensor -> (file, float dtype
     name) of the tensors to read. No tensor data is read."""
-    from .layout import hf_names
+    from .layout import hf_names, unexpected_hint
 
     files, wmap = checkpoint_files(hf_dir)
     config = os.path.join(hf_dir, "config.json")
@@ -220,10 +220,7 @@ def check_headers(hf_dir: str, g: LlamaGeometry, cfg: dict) -> Dict[str, Tuple[s
     unexpected = sorted(names - set(want))
     if unexpected:
         k = unexpected[0]
-        biases = [n for n in unexpected if n.endswith(".bias")]
-        hint = (" (linear biases: the converted run has --disable-bias-linear, with "
-                "--add-qkv-bias for Qwen2's q/k/v biases only; convert a model without other "
-                "biases)" if biases else ": is config.json the checkpoint's own?")
+        hint = unexpected_hint(unexpected, g, ": is config.json the checkpoint's own?")
         raise HFConfigError(f"{where[k][0]} holds tensor {k} (and {len(unexpected) - 1} more: "
                             f"{unexpected[1:6]}) that a {g.family} of {config} does not "
                             f"have{hint}")

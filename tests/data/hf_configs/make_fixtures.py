@@ -1,6 +1,6 @@
 """Write ``tests/data/hf_configs/<transformers version>/<family>.json``: the ``config.json`` that
 the installed transformers' ``save_pretrained`` writes for each tiny model of tests/hf_tiny.py
-and of tests/test_hf_moe_families.py.
+and of tests/test_hf_moe_families.py and tests/test_hf_deepseek.py.
 
 Run once per environment (the committed files came from transformers 4.57.6 and 5.25.0)::
 
@@ -46,6 +46,12 @@ def main():
         _write(out, family, lambda tmp: save_tiny(tmp, family))
     for family in MOE_FAMILIES:
         _write(out, family, lambda tmp: _make_hf(tmp, family, seed=0))
+    # DeepSeek-V2/V3 of tests/test_hf_deepseek.py (V2 without its query latent in both)
+    from tests.test_hf_deepseek import BASE as DEEPSEEK, _make_hf as make_deepseek
+
+    for family, cfg in DEEPSEEK.items():
+        _write(out, family, lambda tmp: make_deepseek(tmp, family, seed=0,
+                                                      q_lora_rank=cfg["q_lora_rank"]))
 
 
 if __name__ == "__main__":
