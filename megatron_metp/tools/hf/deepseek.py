@@ -101,12 +101,12 @@ def _dim(cfg: dict, name: str, *, optional: bool = False, even: bool = False) ->
 def _mla_yarn(rs: dict, where: str) -> dict:
     """MLATransformerConfig's YaRN fields of a ``rope_scaling`` of type yarn (module
     docstring), refusing what Megatron-LM's MLA flags cannot express, naming the key."""
-    from .yarn import YARN_KEYS, _number
+    from .yarn import YARN_KEYS, rope_number
 
     unknown = sorted(set(rs) - YARN_KEYS)
     if unknown:
         raise _err(f"config.json: {where} has {unknown} besides YaRN's keys: remove them")
-    factor = _number(rs, "factor", positive=True, where=where)
+    factor = rope_number(rs, "factor", positive=True, where=where)
     if factor is None:
         raise _err(f"config.json: {where} type 'yarn' needs a 'factor'")
     if rs.get("attention_factor") is not None:
@@ -119,8 +119,8 @@ def _mla_yarn(rs: dict, where: str) -> dict:
             raise _err(f"config.json: {where}.{key} = {got!r}: Megatron-LM's multi-latent "
                        f"attention fixes it at {want!r} (MLATransformerConfig's default, "
                        f"DeepSeek's value; no flag sets it), so this RoPE cannot be reproduced")
-    ms = _number(rs, "mscale", where=where)
-    msad = _number(rs, "mscale_all_dim", where=where)
+    ms = rope_number(rs, "mscale", where=where)
+    msad = rope_number(rs, "mscale_all_dim", where=where)
     if msad and not ms:
         raise _err(f"config.json: {where}.mscale_all_dim = {msad!r} without mscale: "
                    f"transformers then scales cos/sin by g(factor, 1) and the softmax by "

@@ -56,8 +56,8 @@ def _err(msg: str):
     return HFConfigError(msg)
 
 
-def _number(rs: dict, key: str, *, positive: bool = False,
-            where: str = "rope_scaling") -> Optional[float]:
+def rope_number(rs: dict, key: str, *, positive: bool = False,
+               where: str = "rope_scaling") -> Optional[float]:
     v = rs.get(key)
     if v is None:
         return None
@@ -87,7 +87,7 @@ def yarn_from_hf(rs: dict, max_position_embeddings: int, *, where: str = "rope_s
     names the dict in messages (transformers 5.x: ``rope_parameters``)."""
     import functools
 
-    _num = functools.partial(_number, where=where)
+    _num = functools.partial(rope_number, where=where)
     unknown = sorted(set(rs) - YARN_KEYS)
     if unknown:
         raise _err(f"config.json: {where} has {unknown} besides YaRN's keys "
