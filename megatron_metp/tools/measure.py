@@ -91,7 +91,6 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
 
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel.schedules import custom_backward, deallocate_output_tensor
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     from ..megatron.build import build_metp_gpt, model_tree_summary
     from ..megatron.training import Layout as TrainingLayout
@@ -111,7 +110,8 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
 
     layers_here = model.layers // job.pp
     vocab = P.padded_vocab(model.vocab, lay.vocab_pad)
-    cfg = TransformerConfig(
+    config_class, mla_fields = _mla_config(model)
+    cfg = config_class(
         num_layers=model.layers, hidden_size=model.hidden, num_attention_heads=model.heads,
         num_query_groups=model.groups, kv_channels=model.head_dim,
         qk_layernorm=model.qk_layernorm, add_qkv_bias=model.add_qkv_bias,
@@ -127,7 +127,8 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
         recompute_method=job.recompute_method if job.recompute == "full" else None,
         recompute_num_layers=job.recompute_num_layers if job.recompute == "full" else None,
         params_dtype=torch.bfloat16, bf16=True, pipeline_dtype=torch.bfloat16,
-        attention_softmax_in_fp32=False, batch_p2p_sync=False, **_moe_config(model, job, ep))
+        attention_softmax_in_fp32=False, batch_p2p_sync=False, **_moe_config(model, job, ep),
+        **mla_fields)
     from .plan.settings import settings_for
 
     # the ops' CPU stand-in for a GPU flash kernel (torch's fused kernel; fp32 blocks: unfused)
@@ -226,6 +227,22 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
     }
 
 
+def _mla_config(model: "P.Model"):
+    """``(config class, fields)``: megatron-core's ``MLATransformerConfig`` with the model's
+    latent ranks and head widths (plain RoPE) for multi-latent attention, else
+    ``TransformerConfig`` and none."""
+    from megatron.core.transformer.transformer_config import (MLATransformerConfig,
+                                                              TransformerConfig)
+
+    if not model.mla:
+        return TransformerConfig, {}
+    return MLATransformerConfig, dict(
+        multi_latent_attention=True, q_lora_rank=model.q_lora_rank,
+        kv_lora_rank=model.kv_lora_rank, qk_head_dim=model.qk_head_dim,
+        qk_pos_emb_head_dim=model.qk_pos_emb_head_dim, v_head_dim=model.v_head_dim,
+        rope_type="rope")
+
+
 def _moe_config(model: "P.Model", job: "P.Job", ep: int) -> Dict:
     """A MoE model's ``TransformerConfig`` fields (experts, top-k, expert FFN, layer frequency,
     EP, dispatcher); none for a dense model."""
@@ -235,9 +252,12 @@ def _moe_config(model: "P.Model", job: "P.Job", ep: int) -> Dict:
         raise ValueError("--moe-grouped-gemm: the grouped experts run on the GPU only; metp "
                          "measure builds Megatron's SequentialMLP (drop --moe-grouped-gemm, or "
                          "use metp plan for the grouped GEMM's bytes)")
+    freq = [int(f) for f in P.moe.moe_layer_flags(model)] if model.dense_layers else \
+        model.moe_layer_freq  # leading dense layers: Megatron's list form
     return dict(num_moe_experts=model.experts, moe_router_topk=model.topk,
                 moe_ffn_hidden_size=P.moe.expert_ffn(model),
-                moe_layer_freq=model.moe_layer_freq, expert_model_parallel_size=ep,
+                moe_shared_expert_intermediate_size=model.shared_ffn or None,
+                moe_layer_freq=freq, expert_model_parallel_size=ep,
                 expert_tensor_parallel_size=1,
                 moe_token_dispatcher_type=job.moe_dispatcher, moe_grouped_gemm=False,
                 moe_permute_fusion=False, moe_router_dtype=None)

@@ -299,6 +299,11 @@ def _launcher_settings(kv: Dict[str, object], model: Dict[str, object],
         job["keep_attention_output"] = keep
     if "--moe-grouped-gemm" in extra:  # a MoE config's MOE_ARGS / EXTRA_ARGS
         job["moe_grouped_gemm"] = True
+    from .mla import config_fields, layer_freq  # MLA and DeepSeekMoE flags (.mla)
+
+    if isinstance(model.get("moe_layer_freq"), str):  # MOE_LAYER_FREQ="([0]*k+[1]*m)"
+        model.update(layer_freq(model["moe_layer_freq"]))
+    model.update(config_fields(extra, kv))
     cp = int(kv.get("cp") or 1)
     if cp > 1 and int(job.get("metp") or 1) == 1:  # a stock context-parallel twin: plan it as
         job["metp"] = cp                           # mode ring (K/V ring over CP, weights whole)

@@ -77,7 +77,8 @@ def moe_layer_flags(model: Model) -> List[bool]:
     """Which layers are MoE (Megatron's ``--moe-layer-freq N``: ``i % N == 0``)."""
     if not model.moe:
         return [False] * model.layers
-    return [i % model.moe_layer_freq == 0 for i in range(model.layers)]
+    return [i >= model.dense_layers and i % model.moe_layer_freq == 0
+            for i in range(model.layers)]
 
 
 def stage_layers(model: Model, pp: int, stage: str = "first") -> Tuple[int, int]:
@@ -311,7 +312,10 @@ def params_split(model: Model, job: Job, lay, stage: str = "first") -> Dict[str,
     n_moe, n_dense = stage_layers(model, job.pp, stage)
     router, one = expert_elements(model)
     ep = expert_parallel(job, lay)
+    k = 2 if model.swiglu else 1
     return {"expert": n_moe * (model.experts // ep) * one if model.moe else 0,
+            # shared experts: a dense MLP of their width, sharded as the mode's MLP
+            "shared": n_moe * (k + 1) * model.shared_ffn * model.hidden,
             "router": n_moe * router if model.moe else 0, "dense_mlp_layers": n_dense,
             "ep": ep, "expert_dp": expert_dp(job, lay, ep)}
 
@@ -380,8 +384,8 @@ def active_twin(model: Model) -> Model:
     in place of a MoE model (the routed experts' FLOPs; the dispatch is not timed)."""
     if not model.moe:
         return model
-    return replace(model, ffn=model.topk * expert_ffn(model), experts=0, topk=0, moe_ffn=None,
-                   moe_layer_freq=1)
+    return replace(model, ffn=model.topk * expert_ffn(model) + model.shared_ffn, experts=0,
+                   topk=0, moe_ffn=None, moe_layer_freq=1, shared_ffn=0, dense_layers=0)
 
 
 def describe(model: Model, job: Job, lay, N: int) -> str:

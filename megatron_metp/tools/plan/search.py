@@ -111,8 +111,13 @@ def layouts(model: Model, gpus: int, family: str,
                     if p < 2 or rest % p:
                         continue
                     for c in _divisors(rest // p):
-                        yield "metp", dict(tp=t, metp=p, cp=c, pp=pp, dp=rest // (p * c),
-                                           vocab_parallel=True)
+                        fields = dict(tp=t, metp=p, cp=c, pp=pp, dp=rest // (p * c),
+                                      vocab_parallel=True)
+                        # MoE: EP = p, or wider (a multiple of p over METP × CP × DP,
+                        # megatron/wide_ep.py) dividing the experts
+                        for ep in ([e for e in _divisors(rest) if e % p == 0 and
+                                    model.experts % e == 0] if model.moe else [0]):
+                            yield "metp", dict(fields, ep=0 if ep == p else ep)
             elif family == "alst":
                 if t == 1 and pp == 1:  # one layout: Ulysses over every GPU
                     yield "alst", dict(tp=1, metp=gpus, pp=1, dp=1)
