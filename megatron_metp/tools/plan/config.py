@@ -289,7 +289,8 @@ def _launcher_settings(kv: Dict[str, object], model: Dict[str, object],
                          f"METP_OFFLOAD_ACTIVATIONS=1: the layers to offload need the offload; "
                          f"set METP_OFFLOAD_ACTIVATIONS=1 or drop METP_OFFLOAD_LAYERS")
     extra = str(kv.get("extra_args") or "").strip("()").split() + \
-        str(kv.get("moe_args") or "").strip("()").split()
+        str(kv.get("moe_args") or "").strip("()").split() + \
+        str(kv.get("mla_args") or "").strip("()").split()  # a DeepSeek config's MLA_ARGS
     if "--optimizer-cpu-offload" in extra:
         job["optimizer_offload"] = True  # EXTRA_ARGS=(--optimizer-cpu-offload ...)
     job.update(flag_values(extra, _FLAG_KEYS))  # after METP_MLP_TOKEN_TILE, as the launcher

@@ -144,7 +144,8 @@ def metp_phases(model: Model, n: int, ring: int, p: int, S: Dict[str, float],
     the kernel's output; backward: the fp32 ``dq_in`` and ``dL`` sums, the group's fp32 weight
     gradients (filling, in flight, kept), ``d(o_g)`` and the padded ``o_g``, ``d(o_g)``
     heads-first, the ring's fp32 ``dq`` (and the previous group's, whose name is rebound only
-    when the ring returns) and its two travelling ``dL`` sums beside the held and
+    when the ring returns; so are the previous group's ``dL`` and the previous ring step's
+    block ``dL``) and its two travelling ``dL`` sums beside the held and
     spare latent blocks, and in the block the up-projected K/V, the kernel's ``dq``, ``dk``,
     ``dv``, their fp32 copies and ``latent_grads``' reshaped ``[dk_nope ‖ dv]`` (fp32) with,
     at its larger moment, the joined tensor it was copied from, or the fp32 latent ``c``, the
@@ -178,6 +179,8 @@ def metp_phases(model: Model, n: int, ring: int, p: int, S: Dict[str, float],
             (FP32 * n * H * dq if p > 1 else 0),
         "MLA ring: held + spare latent blocks (bf16), travelling dL sums (fp32)":
             (held * BF16 + held * FP32) * n * C,
+        "MLA previous ring step's dL block and previous head group's dL (fp32, alive until "
+        "reassigned)": ((1 if ring > 1 else 0) + (1 if p > 2 else 0)) * FP32 * n * C,
         "MLA block kernel dq, dk, dv (bf16) and dk, dv in fp32":
             BF16 * n * H * (2 * dq + dvk) + FP32 * n * H * (dq + dvk),
         "MLA latent_grads: joined [dk_nope ‖ dv] reshaped, with the cat or with c, dc and dL "
@@ -286,7 +289,7 @@ def config_fields(argv: list, variables: Dict[str, object] = None) -> Dict[str, 
                                  f"--multi-latent-attention: add --multi-latent-attention "
                                  f"or drop {flag}")
     else:  # the latent norms are RMSNorm, with --qk-layernorm (megatron/mla_checks.py)
-        out.setdefault("kv_lora_rank", 512)  # Megatron-LM's default --kv-lora-rank
+        out.setdefault("kv_lora_rank", 32)  # Megatron-LM's default --kv-lora-rank
         out.update(normalization="RMSNorm", qk_layernorm=True)
     if "--moe-layer-freq" in argv:
         i = len(argv) - 1 - argv[::-1].index("--moe-layer-freq")
