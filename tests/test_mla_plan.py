@@ -193,7 +193,7 @@ def test_flags_config_round_trip_and_refusals(tmp_path):
         PM.config_fields(["--kv-lora-rank", "512"])
 
 
-#: configs/deepseek-v2-lite-8m-metp8.sh shrunk through the environment (which wins over its
+#: configs/deepseek-v2-lite-7m-metp8.sh shrunk through the environment (which wins over its
 #: defaults): 3 layers (the first dense), hidden 512, DeepSeek-V2-Lite's attention (16 heads,
 #: kv_lora_rank 512, qk 128 + 64, v 128), 8 experts of 256 top-2 + a shared expert of 512, 16K
 #: tokens on METP 2 (2 ranks); the vocabulary ring, full recompute, host offload, MoE token tiles
@@ -207,7 +207,7 @@ SMALL_V2_LITE = dict(NUM_LAYERS="3", HIDDEN_SIZE="512", FFN_HIDDEN_SIZE="1024", 
 
 def test_deepseek_v2_lite_config_dry_run_plan_and_measure_agree(patched_megatron_lm,
                                                                  monkeypatch):
-    """configs/deepseek-v2-lite-8m-metp8.sh (shrunk): Megatron-LM's dry run (its parser with
+    """configs/deepseek-v2-lite-7m-metp8.sh (shrunk): Megatron-LM's dry run (its parser with
     the MLA and DeepSeekMoE flags, validate_args, the METP MLA + MoE model provider), metp
     measure and metp plan within 3 % (measured: measure -0.00 %, plan -0.9 %); the plan reads
     the config's MLA_ARGS / MOE_ARGS as the model the dry run builds."""
@@ -218,7 +218,7 @@ def test_deepseek_v2_lite_config_dry_run_plan_and_measure_agree(patched_megatron
     for k, v in SMALL_V2_LITE.items():
         monkeypatch.setenv(k, v)
     cfg = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
-                       "deepseek-v2-lite-8m-metp8.sh")
+                       "deepseek-v2-lite-7m-metp8.sh")
     model, job = A.model_job(cfg)
     assert (model.kv_lora_rank, model.qk_head_dim, model.qk_pos_emb_head_dim, model.v_head_dim,
             model.q_lora_rank, model.shared_ffn, model.dense_layers) == \

@@ -331,3 +331,21 @@ def check(model: Model, job, mode: str, lay) -> None:
                         ("--moe-shared-expert-intermediate-size", model.shared_ffn or None)):
             if v and v % lay.p:
                 raise ValueError(f"{flag} {v} is not divisible by --metp {lay.p}")
+
+
+def describe(model: Model, job, modes) -> str:
+    """One line for the plan's header: the latent's widths and what each mode's K/V ring
+    carries per token per step."""
+    from .model import canonical, layout
+
+    kvr, dn, dr, dv, ql, C = dims(model)
+    rings = []
+    for m in modes:
+        mode, j = canonical(m, job)
+        lay = layout(mode, j)
+        if lay.c > 1:
+            rings.append(f"{m} {ring_values_per_token_step(model, mode, lay.t):,}")
+    return (f"MLA: kv_lora_rank {kvr}, q_lora_rank {ql or 'none'}, q/k {dn} + {dr} rotated, "
+            f"v {dv}; values per token per K/V ring step: "
+            + (", ".join(rings) if rings else "no K/V ring")
+            + " (METP: the latent, once per head group; stock CP: every head's K and V)")
