@@ -173,7 +173,8 @@ def test_flags_config_round_trip_and_refusals(tmp_path):
     """The MLA presets' Megatron-LM flags (``--multi-latent-attention`` with its ranks and
     widths, the leading dense layers as ``--moe-layer-freq``, the shared experts), read back from
     a written config as the same model; refused by flag: TP inside METP, the ring baseline, an
-    MLA flag without ``--multi-latent-attention``."""
+    MLA flag without ``--multi-latent-attention``, and ``metp measure`` of a stock MLA mode
+    (megatron-core's MLA needs Transformer Engine)."""
     job = P.Job(tp=1, metp=8, recompute="full", offload=True)
     flags = P.megatron_flags(V3, job, "metp")
     for f in ("--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank",
@@ -191,6 +192,10 @@ def test_flags_config_round_trip_and_refusals(tmp_path):
         cli.build_from_argv(["--preset", "moonlight-16b-a3b", "--metp", "8", "--modes", "ring"])
     with pytest.raises(ValueError, match="without --multi-latent-attention"):
         PM.config_fields(["--kv-lora-rank", "512"])
+    from megatron_metp.tools import measure as M
+
+    with pytest.raises(ValueError, match="mode tp-sp with multi-latent attention"):
+        M.measure_here(TWIN, P.Job(tp=2, metp=1), "tp-sp")  # refused before any fake rank
 
 
 #: configs/deepseek-v2-lite-7m-metp8.sh shrunk through the environment (which wins over its

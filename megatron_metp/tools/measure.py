@@ -82,6 +82,10 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
     P.validate(model, job, modes=[mode])
     asked = mode
     mode, job = P.canonical(mode, job)  # "metp+vocab" -> "metp" with job.vocab_parallel
+    if model.mla and mode != "metp":
+        raise ValueError(f"metp measure: mode {mode} with multi-latent attention is not measured "
+                         f"(megatron-core's MLASelfAttention needs Transformer Engine, absent "
+                         f"here); measure mode metp, or use metp plan for the stock modes")
     lay = P.layout(mode, job)
     world = lay.t * lay.c * job.pp
     ep = P.moe.expert_parallel(job, lay) if model.moe else 1

@@ -113,10 +113,12 @@ def layouts(model: Model, gpus: int, family: str,
                     for c in _divisors(rest // p):
                         fields = dict(tp=t, metp=p, cp=c, pp=pp, dp=rest // (p * c),
                                       vocab_parallel=True)
-                        # MoE: EP = p, or wider (a multiple of p over METP × CP × DP,
-                        # megatron/wide_ep.py) dividing the experts
+                        # MLA + MoE (DeepSeek): EP = p, or wider (a multiple of p over METP ×
+                        # CP × DP, megatron/wide_ep.py) dividing the experts (DeepSeek-V3's 256
+                        # experts do not fit 8 ranks); other MoE models: EP = p
                         for ep in ([e for e in _divisors(rest) if e % p == 0 and
-                                    model.experts % e == 0] if model.moe else [0]):
+                                    model.experts % e == 0] if model.moe and model.mla
+                                   else [0]):
                             yield "metp", dict(fields, ep=0 if ep == p else ep)
             elif family == "alst":
                 if t == 1 and pp == 1:  # one layout: Ulysses over every GPU
