@@ -18,3 +18,4 @@ source "$(dirname "${BASH_SOURCE[0]}")/models/deepseek-v2-lite.sh"
 EXTRA_ARGS=("${MLA_ARGS[@]}" "${MOE_ARGS[@]}" --optimizer-cpu-offload
             --optimizer-offload-fraction 1.0 --use-precision-aware-optimizer
             ${EXTRA_ARGS[@]+"${EXTRA_ARGS[@]}"})
+TWIN_CONFIG=deepseek-v2-lite-7m-tp4-cp2-ep8.sh

@@ -13,7 +13,7 @@
 : "${DISABLE_BIAS_LINEAR:=1}" "${UNTIE_EMBEDDINGS:=1}" "${VOCAB_SIZE:=102400}"
 : "${KV_LORA_RANK:=512}" "${QK_HEAD_DIM:=128}" "${QK_POS_EMB_HEAD_DIM:=64}" "${V_HEAD_DIM:=128}"
 : "${NUM_EXPERTS:=64}" "${MOE_ROUTER_TOPK:=6}" "${MOE_FFN_HIDDEN_SIZE:=1408}"
-: "${MOE_SHARED_EXPERT_INTERMEDIATE_SIZE:=2816}" "${MOE_LAYER_FREQ:=([0]*1+[1]*26)}"
+: "${MOE_SHARED_EXPERT_INTERMEDIATE_SIZE:=2816}" "${MOE_LAYER_FREQ:=[0]*1+[1]*26}"
 : "${MOE_TOKEN_DISPATCHER:=alltoall}"
 MLA_ARGS=(--multi-latent-attention --kv-lora-rank "$KV_LORA_RANK" --qk-head-dim "$QK_HEAD_DIM"
           --qk-pos-emb-head-dim "$QK_POS_EMB_HEAD_DIM" --v-head-dim "$V_HEAD_DIM")

@@ -133,7 +133,7 @@ def geometry(model: Model) -> List[Setting]:
     if model.moe:  # their flags travel in EXTRA_ARGS (:func:`moe_flags`)
         out += [("NUM_EXPERTS", str(model.experts), []), ("MOE_ROUTER_TOPK", str(model.topk), []),
                 ("MOE_FFN_HIDDEN_SIZE", str(model.moe_ffn or model.ffn), []),
-                ("MOE_LAYER_FREQ", str(model.moe_layer_freq), [])]
+                ("MOE_LAYER_FREQ", dense_first(model) or str(model.moe_layer_freq), [])]
     out += [
         ("SEQ_LENGTH", str(model.seq), ["--seq-length", str(model.seq),
                                         "--max-position-embeddings", str(model.seq)]),
