@@ -315,6 +315,8 @@ def build(args) -> tuple:
         if model.moe:  # Megatron runs MoE with TP > 1 only with SP; --ep: a stock layout
             modes = [m for m in modes if (m != "tp" or job.width == 1) and
                      not (job.ep and m in P.VOCAB_MODES)]
+        if model.mla:  # the ring baseline runs no MLA (plan/mla.py)
+            modes = [m for m in modes if m != "ring"]
     for m in modes:
         if m not in P.MODES + P.PEER_MODES:
             raise ValueError(f"--modes: unknown mode {m!r}; choose from "

@@ -83,6 +83,10 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
     P.validate(model, job, modes=[mode])
     asked = mode
     mode, job = P.canonical(mode, job)  # "metp+vocab" -> "metp" with job.vocab_parallel
+    if model.mla and mode != "metp":
+        raise ValueError(f"metp measure: mode {mode} with multi-latent attention is not measured "
+                         f"(megatron-core's MLASelfAttention needs Transformer Engine, absent "
+                         f"here); measure mode metp, or use metp plan for the stock modes")
     lay = P.layout(mode, job)
     world = lay.t * lay.c * job.pp
     ep = P.moe.expert_parallel(job, lay) if model.moe else 1
@@ -92,7 +96,6 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
 
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel.schedules import custom_backward, deallocate_output_tensor
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     from ..megatron.build import build_metp_gpt, model_tree_summary
     from ..megatron.training import Layout as TrainingLayout
@@ -112,7 +115,8 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
 
     layers_here = model.layers // job.pp
     vocab = P.padded_vocab(model.vocab, lay.vocab_pad)
-    cfg = TransformerConfig(
+    config_class, mla_fields = _mla_config(model)
+    cfg = config_class(
         num_layers=model.layers, hidden_size=model.hidden, num_attention_heads=model.heads,
         num_query_groups=model.groups, kv_channels=model.head_dim,
         qk_layernorm=model.qk_layernorm, add_qkv_bias=model.add_qkv_bias,
@@ -128,7 +132,8 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
         recompute_method=job.recompute_method if job.recompute == "full" else None,
         recompute_num_layers=job.recompute_num_layers if job.recompute == "full" else None,
         params_dtype=torch.bfloat16, bf16=True, pipeline_dtype=torch.bfloat16,
-        attention_softmax_in_fp32=False, batch_p2p_sync=False, **_moe_config(model, job, ep))
+        attention_softmax_in_fp32=False, batch_p2p_sync=False, **_moe_config(model, job, ep),
+        **mla_fields)
     from .plan.settings import settings_for
 
     # the ops' CPU stand-in for a GPU flash kernel (torch's fused kernel; fp32 blocks: unfused)
@@ -227,6 +232,22 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
         "seconds": round(seconds, 3),
         "tiles": FR.sampled_text(sampled), "model_tree": tree,
     }
+
+
+def _mla_config(model: "P.Model"):
+    """``(config class, fields)``: megatron-core's ``MLATransformerConfig`` with the model's
+    latent ranks and head widths (plain RoPE) for multi-latent attention, else
+    ``TransformerConfig`` and none."""
+    from megatron.core.transformer.transformer_config import (MLATransformerConfig,
+                                                              TransformerConfig)
+
+    if not model.mla:
+        return TransformerConfig, {}
+    return MLATransformerConfig, dict(
+        multi_latent_attention=True, q_lora_rank=model.q_lora_rank,
+        kv_lora_rank=model.kv_lora_rank, qk_head_dim=model.qk_head_dim,
+        qk_pos_emb_head_dim=model.qk_pos_emb_head_dim, v_head_dim=model.v_head_dim,
+        rope_type="rope")
 
 
 def _moe_config(model: "P.Model", job: "P.Job", ep: int) -> Dict:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Optional
 
+from . import mla
 from .metp import metp_phases
 from .moe import dispatch_state, moe_layer
 from .streaming import streaming_applies, streaming_phases
@@ -113,6 +114,13 @@ def _metp_stored(model: Model, job: Job, g: _Geometry, S: Dict[str, float]):
     phases (:mod:`.metp`)."""
     t, n = g.lay.t, g.n
     k = 2 if model.swiglu else 1
+    if model.mla:  # multi-latent attention (.mla): the latent ring's op
+        mla.metp_stored(model, n, S, job.recompute)
+        X = metp_phases(model, job, g.lay, n, S)
+        freed = X["attention backward (last layer)"]["(MLP and second-norm activations freed)"]
+        X.update(mla.metp_phases(model, n, g.lay.c, g.lay.p, S, job.kernel))
+        X["attention backward (last layer)"]["(MLP and second-norm activations freed)"] = freed
+        return X
     if job.recompute != "selective":  # selective core_attn: re-formed in backward instead
         S["attention outputs, every head group (bf16)"] = \
             BF16 * n * (model.heads * model.head_dim // t)
@@ -134,7 +142,11 @@ def _stock_stored(model: Model, job: Job, mode: str, g: _Geometry, S: Dict[str, 
     stock_core = mode in ("tp", "tp-sp")
     persistent, kor = 0.0, None
     S["RoPE cos/sin for q and k (bf16)"] = 4 * BF16 * (s // c) * d  # [s/c, 1, 1, d]
-    if stock_core:
+    if model.mla:  # megatron-core's MLASelfAttention (.mla)
+        S["RoPE cos/sin for q and k (bf16)"] = 4 * BF16 * (s // c) * model.qk_pos_emb_head_dim
+        mla.stock_stored(model, n, t, S)
+        persistent = BF16 * n * h if lay.sp else 0.0
+    elif stock_core:
         # v is a view of the QKV output, so it stays alive; the unfused core repeats grouped
         # k, v to the query heads (and the output is freed), flash kernels read them as
         # they are (TE, flash-attn; the fake-rank stand-in passes enable_gqa)
@@ -163,7 +175,7 @@ def _stock_stored(model: Model, job: Job, mode: str, g: _Geometry, S: Dict[str, 
         S["proj input, seq-first copy (bf16)"] = BF16 * n * hqt
         if lay.sp:
             persistent = BF16 * n * h
-    if model.qk_layernorm:
+    if model.qk_layernorm and not model.mla:
         # stock SelfAttention's q/k norms keep their inputs: q is a reshaped copy of its
         # split, k a view of the QKV projection output, which it keeps alive (counted above
         # where v's view keeps it anyway)
@@ -180,6 +192,8 @@ def _stock_stored(model: Model, job: Job, mode: str, g: _Geometry, S: Dict[str, 
     else:
         S["MLP fc1 output (bf16)"] = BF16 * n * F // t
         S["MLP GeLU output (bf16)"] = BF16 * n * F // t
+    if model.mla:
+        return mla.stock_phases(model, job, lay, n, g.nl, S, stock_phases), persistent, kor
     if stock_core:
         sbh = s * b * h
         kor = (sbh * (10 + 24 / t) if not lay.sp else sbh * 34 / t) + \
@@ -338,7 +352,7 @@ def activations(model: Model, job: Job, mode: str, seq: Optional[int] = None,
     dy = BF16 * nl * h  # the gradient arriving at a block
     off = offloaded_layers(job, g.L)
     # the streaming op runs METP's own MLP: a MoE model's layers run as separate ops
-    streaming = mode == "metp" and not model.moe and streaming_applies(job, g.lay, mode)
+    streaming = mode == "metp" and not (model.moe or model.mla) and streaming_applies(job, g.lay, mode)
     S, host_layer, shifts = recompute_and_offload(S, job, g.L, BF16 * nl * h, offloaded=off,
                                                   frees_output=mode == "metp")
     if model.moe:  # stock Megatron's dispatcher keeps its last call's routing (.moe)

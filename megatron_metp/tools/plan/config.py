@@ -7,6 +7,8 @@ import os
 import re
 from typing import Dict, List, Optional, Tuple
 
+from .config_flags import flag_values
+
 #: config keys → Model fields / Job fields (``--config`` files: key=value, YAML ``key: value``
 #: or the repo's ``configs/*.sh`` with ``: "${KEY:=value}"`` lines and ``source`` of a model file)
 _MODEL_KEYS = {
@@ -152,25 +154,6 @@ def from_config(path: str) -> Tuple[Dict[str, object], Dict[str, object]]:
     return model, job
 
 
-def flag_values(argv: List[str], flags: Dict[str, str]) -> Dict[str, int]:
-    """``{field: N}`` for each of ``flags`` (``--flag N`` or ``--flag=N``, an integer; the last
-    occurrence wins) in ``argv`` (a config's ``EXTRA_ARGS`` split); ``ValueError`` naming the
-    flag when its value is missing or not an integer."""
-    out: Dict[str, int] = {}
-    for i, word in enumerate(argv):
-        name, eq, value = word.partition("=")
-        if name not in flags:
-            continue
-        if not eq:
-            value = argv[i + 1] if i + 1 < len(argv) else ""
-        try:
-            out[flags[name]] = int(value)
-        except ValueError:
-            raise ValueError(f"{name} {value!r} in the config's EXTRA_ARGS: an integer is "
-                             f"needed (e.g. {name} 4096)") from None
-    return out
-
-
 def _selective_modules(extra: List[str], job: Dict) -> None:
     """A config's ``EXTRA_ARGS`` ``--recompute-activations`` (selective) and
     ``--recompute-modules``: ``metp plan --recompute selective`` plans Megatron's default module,
@@ -289,7 +272,8 @@ def _launcher_settings(kv: Dict[str, object], model: Dict[str, object],
                          f"METP_OFFLOAD_ACTIVATIONS=1: the layers to offload need the offload; "
                          f"set METP_OFFLOAD_ACTIVATIONS=1 or drop METP_OFFLOAD_LAYERS")
     extra = str(kv.get("extra_args") or "").strip("()").split() + \
-        str(kv.get("moe_args") or "").strip("()").split()
+        str(kv.get("moe_args") or "").strip("()").split() + \
+        str(kv.get("mla_args") or "").strip("()").split()  # a DeepSeek config's MLA_ARGS
     if "--optimizer-cpu-offload" in extra:
         job["optimizer_offload"] = True  # EXTRA_ARGS=(--optimizer-cpu-offload ...)
     job.update(flag_values(extra, _FLAG_KEYS))  # after METP_MLP_TOKEN_TILE, as the launcher
@@ -299,6 +283,11 @@ def _launcher_settings(kv: Dict[str, object], model: Dict[str, object],
         job["keep_attention_output"] = keep
     if "--moe-grouped-gemm" in extra:  # a MoE config's MOE_ARGS / EXTRA_ARGS
         job["moe_grouped_gemm"] = True
+    from .mla import config_fields, layer_freq  # MLA and DeepSeekMoE flags (.mla)
+
+    if isinstance(model.get("moe_layer_freq"), str):  # MOE_LAYER_FREQ="([0]*k+[1]*m)"
+        model.update(layer_freq(model["moe_layer_freq"]))
+    model.update(config_fields(extra, kv))
     cp = int(kv.get("cp") or 1)
     if cp > 1 and int(job.get("metp") or 1) == 1:  # a stock context-parallel twin: plan it as
         job["metp"] = cp                           # mode ring (K/V ring over CP, weights whole)

@@ -66,7 +66,8 @@ def step_cost(model: Model, job: Job, mode: str) -> Dict:
     extra = recomputed * f["forward"]
     m_, j_ = canonical(mode, job)
     lay = layout(m_, j_)
-    streaming = m_ == "metp" and not real.moe and streaming_applies(j_, lay, m_)
+    streaming = (m_ == "metp" and not real.moe and not real.mla
+                 and streaming_applies(j_, lay, m_))
     if streaming:
         # the streaming layer re-runs the attention (projections and core) but not the MLP's
         # forward (its backward pass re-forms each shard's intermediate, as always)

@@ -14,7 +14,9 @@ Per ring step one head group's K/V block of this rank's ``n`` tokens travels eac
 attention on that block is ``2·n²·b·d·a_g`` FLOPs (a causal off-diagonal block is half full, see
 :func:`.overlap.overlap_thresholds`), so the inter-node hop is hidden while
 ``n ≥ 2·(F/B_node)·g/a`` (forward; backward ×1.2), ``B_node`` the inter-node link per GPU and
-direction (:attr:`.hardware.Hardware.internode_gbps`).
+direction (:attr:`.hardware.Hardware.internode_gbps`). Multi-latent attention (:mod:`.mla`): the
+block carries ``V`` values per token (METP's latent ``C``, stock's ``A/t·(dq+dv)``) against
+``n²·a_g·(dq+dv)`` FLOPs: hidden while ``n ≥ 2·(F/B_node)·V/(a_g·(dq+dv))``.
 """
 
 from __future__ import annotations
@@ -65,6 +67,15 @@ def internode_hop(model: Model, job: Job, mode: str, seq: Optional[int] = None,
     ratio = model.groups / model.heads
     thr_f = 2 * fb * ratio
     flops = 2 * n * n * d * a_blk / b if b else 0.0  # one block's QKᵀ and P·V, half causal
+    if model.mla:  # (.mla) the block is the latent (METP) or every head's K/V (stock)
+        from .mla import ring_values_per_token_step
+
+        values, width = ring_values_per_token_step(model, mode, lay.t), \
+            model.qk_head_dim + model.qk_pos_emb_head_dim + model.v_head_dim
+        block = n * values * BF16
+        ratio = values / (a_blk * width)
+        thr_f = 2 * fb * ratio
+        flops = n * n * width * a_blk / b if b else 0.0
     transfer = block / (hw.internode_gbps * 1e9)
     compute = flops / (hw.bf16_tflops * 1e12)
     return {"ring": R, "span": span, "nodes": nodes, "crosses": int(crosses),

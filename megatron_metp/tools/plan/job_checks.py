@@ -10,6 +10,7 @@ from typing import Sequence
 from .hardware import HARDWARE
 from .model import (GiB, KEEP_AUTO, MODES, PEER_MODES, VOCAB_MODES, Job, Model, canonical,
                     layout)
+from .mla import check as check_mla
 from .moe import check as check_moe
 
 
@@ -147,6 +148,7 @@ def validate(model: Model, job: Job, modes: Sequence[str] = MODES) -> None:
     for mode in modes:
         lay = layout(mode, job)
         check_moe(model, job, mode, lay)
+        check_mla(model, job, mode, lay)
         mode = canonical(mode, job)[0]
         if lay.weight_shards == 1:
             shards_flag = "1"

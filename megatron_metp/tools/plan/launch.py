@@ -26,6 +26,7 @@ import shlex
 from dataclasses import replace
 from typing import Dict, List, Optional, Tuple
 
+from .mla import mla_flags
 from .config import KEEP_FLAG, null_tokenizer_eod, read_config
 from .partial import resolve_keep, resolve_offload
 from .recipe import merge_recipe, recipe_flags
@@ -244,8 +245,8 @@ def settings(model: Model, job: Job, mode: str) -> List[Setting]:
         chosen = resolve_keep(model, resolve_offload(model, job, mode), mode)
         job = replace(job, keep_attention_output=chosen.keep_attention_output)
     out = geometry(model) + job_settings(job, mode)
-    moe = moe_flags(model, job, mode)
-    if moe:
+    moe = moe_flags(model, job, mode) + mla_flags(model)
+    if model.moe:
         out.append(("MOE_TOKEN_DISPATCHER", job.moe_dispatcher, []))
         if canonical(mode, job)[0] != "metp" and (job.ep or 1) > 1:
             out.append(("EP", str(job.ep), []))

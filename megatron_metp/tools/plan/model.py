@@ -60,11 +60,22 @@ class Model:
     # arithmetic keeps LayerNorm without linear biases (see the presets' note below)
     normalization: str = "LayerNorm"   # --normalization LayerNorm | RMSNorm
     bias: bool = False                 # linear biases (Megatron's default; --disable-bias-linear)
+    # multi-latent attention (DeepSeek; --multi-latent-attention when kv_lora_rank > 0; .mla)
+    kv_lora_rank: int = 0              # --kv-lora-rank (0: no MLA)
+    q_lora_rank: Optional[int] = None  # --q-lora-rank (None: q projected from the hidden state)
+    qk_head_dim: int = 128             # --qk-head-dim: non-rotated q/k channels per head
+    qk_pos_emb_head_dim: int = 64      # --qk-pos-emb-head-dim: rotated ones (one shared key)
+    v_head_dim: int = 128              # --v-head-dim
 
     @property
     def moe(self) -> bool:
         """A Mixture-of-Experts model (:mod:`.moe`)."""
         return self.experts > 0
+
+    @property
+    def mla(self) -> bool:
+        """Multi-latent attention (:mod:`.mla`)."""
+        return self.kv_lora_rank > 0
 
     @property
     def groups(self) -> int:
@@ -118,6 +129,23 @@ PRESETS: Dict[str, Model] = {
     "gpt-oss-120b": Model(name="gpt-oss-120b", hidden=2880, layers=36, heads=64, query_groups=8,
                           kv_channels=64, ffn=2880, vocab=201088, seq=131072, swiglu=True,
                           tied=False, experts=128, topk=4, moe_ffn=2880),
+    # multi-latent attention + DeepSeekMoE (their config.json, docs/mla.md#presets): ffn is the
+    # leading dense layers' FFN, moe_shared_ffn = n_shared_experts × moe_intermediate_size
+    "deepseek-v2-lite": Model(name="deepseek-v2-lite", hidden=2048, layers=27, heads=16,
+                              ffn=10944, vocab=102400, seq=32768, swiglu=True, tied=False,
+                              normalization="RMSNorm", qk_layernorm=True, experts=64, topk=6,
+                              moe_ffn=1408, moe_shared_ffn=2 * 1408, moe_first_dense=1,
+                              kv_lora_rank=512),
+    "moonlight-16b-a3b": Model(name="moonlight-16b-a3b", hidden=2048, layers=27, heads=16,
+                               ffn=11264, vocab=163840, seq=8192, swiglu=True, tied=False,
+                               normalization="RMSNorm", qk_layernorm=True, experts=64, topk=6,
+                               moe_ffn=1408, moe_shared_ffn=2 * 1408, moe_first_dense=1,
+                               kv_lora_rank=512),
+    "deepseek-v3": Model(name="deepseek-v3", hidden=7168, layers=61, heads=128, ffn=18432,
+                         vocab=129280, seq=131072, swiglu=True, tied=False,
+                         normalization="RMSNorm", qk_layernorm=True, experts=256, topk=8,
+                         moe_ffn=2048, moe_shared_ffn=2048, moe_first_dense=3, kv_lora_rank=512,
+                         q_lora_rank=1536),
 }
 #: what a preset's plan does not model, printed with its plans (``metp plan``, ``--reach``,
 #: ``--fastest``)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Dict, Tuple
 
 from .model import BF16, FP32, Job, Model, canonical, layout, padded_vocab
+from .mla import attention_elements as mla_elements
 from .moe import params_split as moe_params
 
 
@@ -20,6 +21,9 @@ def layer_weights(model: Model) -> Tuple[int, int, int]:
     attn = h * (hq + 2 * hk) + hq * h + ((hq + 2 * hk) if model.add_qkv_bias else 0)
     mlp = k * model.ffn * h + model.ffn * h
     norms = 2 * 2 * h  # two LayerNorms, weight and bias
+    if model.mla:  # head-sharded up/out projections; replicated down-projections, RMSNorms
+        attn, replicated = mla_elements(model)
+        return attn, mlp, 2 * h + replicated
     if model.qk_layernorm:
         norms += 2 * 2 * d  # q and k LayerNorms of the head width
     return attn, mlp, norms
@@ -65,7 +69,7 @@ def params(model: Model, job: Job, mode: str, stage: str = "first") -> Params:
         emb += V * model.hidden // lay.vocab_shards
     if last and (not model.tied or job.pp > 1):
         emb += V * model.hidden // lay.vocab_shards
-    final = 2 * model.hidden if last else 0
+    final = (1 if model.mla else 2) * model.hidden if last else 0  # MLA: RMSNorm (no bias)
     repl = L * norms + moe["router"]
     if mode == "metp":
         sharded = (L * attn + mlp_layers * mlp + moe["shared"]) // lay.weight_shards

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from typing import Dict, List
 
+from . import mla
 from .hardware import HARDWARE
 from .host_link import host_link
 from .imbalance import ring_imbalance
@@ -129,7 +130,10 @@ def streaming_passes(model: Model, job: Job, lay, n: int, rates: Rates,
 
 
 def _attention_flops(model: Model, lay, n: int) -> float:
-    """One layer's causal attention forward on a rank: ``2·n·s·q/t`` (half of ``4·n·s·q/t``)."""
+    """One layer's causal attention forward on a rank: ``2·n·s·q/t`` (half of ``4·n·s·q/t``);
+    multi-latent attention: ``n·s·A·(dq + dv)/t`` (:mod:`.mla`)."""
+    if model.mla:
+        return mla.layer_flops(model, n, model.seq, lay.t)["core"]
     return 2 * n * model.seq * model.heads * model.head_dim / lay.t
 
 
@@ -155,8 +159,10 @@ def step_time(model: Model, job: Job, mode: str) -> Dict:
     n = model.seq * b // lay.c
     h, d = model.hidden, model.head_dim
     hk = model.groups * d // lay.t
-    # (a MoE model's layers run Megatron's checkpoint, not the streaming layer op: .moe)
-    streaming = mode == "metp" and not model.moe and streaming_applies(job, lay, mode)
+    # (a MoE model's layers run Megatron's checkpoint, not the streaming layer op: .moe; nor do
+    # MLA layers: megatron/mla.py)
+    streaming = (mode == "metp" and not model.moe and not model.mla
+                 and streaming_applies(job, lay, mode))
     # the ring and its imbalance: METP's query tiles (whole blocks without the streaming
     # layer); stock CP / ring: whole dual-chunk blocks (balanced)
     groups, tl = 1, None
@@ -171,6 +177,8 @@ def step_time(model: Model, job: Job, mode: str) -> Dict:
             imb = ring_imbalance(n // b, lay.c, n // b, n // b)
     elif mode in ("cp", "ring"):
         imb = ring_imbalance(n // b, lay.c, n // b, n // b)
+    if model.mla:  # (.mla) a ring block's values per token (2·hk/groups): latent or K/V
+        hk = mla.ring_values_per_token_step(model, mode, lay.t) * groups / 2
     fa = _attention_flops(model, lay, n)
     rf, rb, rg = (rates.attention_fwd_tflops * 1e12, rates.attention_bwd_tflops * 1e12,
                   rates.gemm_tflops * 1e12)

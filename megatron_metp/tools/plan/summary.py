@@ -76,6 +76,10 @@ def plan(model: Model, job: Job, modes: Sequence[str] = MODES) -> Dict:
         out["crossover_vs_tp_sp"] = crossover_seq(model, job, "tp-sp")
     if model.moe:
         out["moe"] = {m: moe_describe(model, *canonical(m, job)[::-1], m) for m in modes}
+    if model.mla:
+        from .mla import describe as mla_describe
+
+        out["mla"] = mla_describe(model, job, modes)
     return out
 
 
@@ -151,6 +155,8 @@ def report(model: Model, job: Job, modes: Sequence[str] = MODES,
                      f"the token dispatch (tools/plan/moe_time.py)")
     if model.name in PRESET_NOTES:
         lines.append(f"# {model.name}: {PRESET_NOTES[model.name]}")
+    if res.get("mla"):
+        lines.append(f"# {res['mla']}")
     lines.append("# all figures planned (formulas of megatron_metp/tools/plan); per rank, rank 0"
                  + (" (first pipeline stage)" if job.pp > 1 else ""))
     lines.append("")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from typing import Dict, Optional
 
+from . import mla
 from .model import BF16, FP32, Job, Model, canonical, layout
 from .streaming import streaming_applies, streaming_traffic
 from .tiles import mlp_tile_count
@@ -32,10 +33,12 @@ def traffic_per_layer(model: Model, job: Job, mode: str, seq: Optional[int] = No
             out["TP+SP: all-gather/reduce-scatter, 5 per block"] = 2 * 5 * (t - 1) * N / t
         else:
             out["TP: all-reduce fwd + bwd, per block"] = 2 * 4 * (t - 1) * N / t
-    if mode in ("ring", "cp"):
+    if mode in ("ring", "cp") and model.mla:  # every head's up-projected K/V (.mla)
+        out["K/V ring: fwd K/V, bwd K/V + fp32 dK/dV"] = mla.ring_bytes(model, mode, n, c, t=t)
+    elif mode in ("ring", "cp"):
         kva = 2 * n * (hk // t) * BF16
         out["K/V ring: fwd K/V, bwd K/V + fp32 dK/dV"] = 4 * (c - 1) * kva
-    if mode == "metp" and streaming_applies(job, lay, mode):  # the streaming layer op
+    if mode == "metp" and not model.mla and streaming_applies(job, lay, mode):  # the streaming layer op
         out.update(streaming_traffic(model, job, lay, n)["layer"])
         return out
     if mode == "metp":
@@ -44,6 +47,9 @@ def traffic_per_layer(model: Model, job: Job, mode: str, seq: Optional[int] = No
         wa = ((hq + 2 * hk) * h + h * hq) // sh * BF16
         wm = (k * F * h + F * h) // sh
         kv = 2 * n * (hk // sh) * BF16
+        if model.mla:  # the latent ring, once per head group (.mla)
+            wa = mla.attention_elements(model)[0] // sh * BF16
+            kv = mla.ring_bytes(model, mode, n, c, p=p) / (4 * p * (c - 1) or 1)
         out["attention weights: bcast fwd+bwd, fp32 reduce"] = 4 * (p - 1) * wa
         out["attention K/V ring (every head group)"] = 4 * p * (c - 1) * kv
         # token tiles (.tiles): the MLP's ring goes round once per tile
@@ -65,7 +71,7 @@ def forward_traffic_per_layer(model: Model, job: Job, mode: str,
     weights its backward passes bring anyway): nothing again."""
     mode, job = canonical(mode, job)
     lay = layout(mode, job)
-    if mode == "metp" and streaming_applies(job, lay, mode):  # its recompute: the attention's
+    if mode == "metp" and not model.mla and streaming_applies(job, lay, mode):  # its recompute: the attention's
         if kept:
             return 0.0
         s = model.seq if seq is None else seq
