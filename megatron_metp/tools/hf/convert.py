@@ -365,10 +365,11 @@ def _export_config(path: str, cfg_dir: Optional[str]):
         return hf_config_from_args(saved), saved
     cfg = read_hf_config(cfg_dir)
     problems = family_problems(saved, cfg.get("model_type")) if saved is not None else []
-    if saved is not None and cfg.get("model_type") in MOE_FAMILIES:
+    family = cfg.get("model_type")
+    if saved is not None and family in MOE_FAMILIES:
         problems += moe_args_problems(cfg, saved)
-    if saved is not None and cfg.get("model_type") in DEEPSEEK_FAMILIES:
-        problems += mla_args_problems(cfg, saved)
+        if family in DEEPSEEK_FAMILIES:
+            problems += mla_args_problems(cfg, saved)
     elif saved is not None and saved.get("num_experts"):
         problems.append(f"--num-experts {saved['num_experts']}: config.json is a dense "
                         f"{cfg.get('model_type')!r}; pass the MoE model's config.json")
