@@ -38,6 +38,9 @@ HF_TESTS = (
     "tests/test_hf_moe_families.py::test_config_from_saved_arguments",
     "tests/test_hf_moe_families.py::test_flags_of_the_published_models",
     "tests/test_hf_moe_families.py::test_both_versions_config_files_read_alike",
+    # gpt-oss: a run's saved flags against the config (5.x's rope_parameters), from-args config
+    "tests/test_hf_moe_families.py::test_export_checks_a_gpt_oss_runs_flags_against_the_config",
+    "tests/test_hf_moe_families.py::test_gpt_oss_config_from_saved_arguments",
     # DeepSeek-V2/V3: import, METP 2 logits (each release's MLASelfAttention), export, refusals
     "tests/test_hf_deepseek.py::",
 )

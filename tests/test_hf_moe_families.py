@@ -6,8 +6,10 @@ a shared expert, q/k norms, q/k/v biases, RoPE over half of each head) built in 
 converted with ``megatron_metp.tools.hf`` and run in single-rank stock megatron-core and at
 METP 2 and 3 give transformers' logits and loss (fp32, 1e-5); import then export returns every
 tensor bit for bit with the printed Megatron-LM flags; negative controls (the shared expert's
-gate negated, the router bias dropped, no top-k scaling, full RoPE) are caught; ``gpt_oss`` and
-the settings METP cannot reproduce are refused naming the feature."""
+gate negated, the router bias dropped, no top-k scaling, full RoPE) are caught; the settings
+METP cannot reproduce are refused naming the feature. A gpt-oss run's saved arguments: checked
+against the config.json on export (a mismatch names the flag and the field), or written as a
+gpt_oss config.json."""
 
 from __future__ import annotations
 
@@ -357,3 +359,95 @@ def test_both_versions_config_files_read_alike():
                 (version, family)
         if family == "glm4_moe":
             assert "--rotary-percent" in want and "partial_rotary_factor" not in cfg
+
+
+#: the saved Megatron-LM arguments (the fields export reads) of a run of GPT_OSS's import: its
+#: model.sh's flags as Megatron-LM saves them (add_qkv_bias follows --add-bias-linear)
+GPT_OSS_SAVED = dict(
+    num_layers=2, hidden_size=48, ffn_hidden_size=16, num_attention_heads=12,
+    group_query_attention=True, num_query_groups=6, kv_channels=8, normalization="RMSNorm",
+    layernorm_epsilon=1e-5, swiglu=False, squared_relu=False, quick_geglu=True,
+    glu_linear_offset=1.0, activation_func_clamp_value=7.0, softmax_type="learnable",
+    add_bias_linear=True, add_qkv_bias=True, qk_layernorm=False, position_embedding_type="yarn",
+    rotary_base=5000, rotary_percent=1.0, rotary_scaling_factor=4.0,
+    yarn_original_max_position_embeddings=16, yarn_beta_fast=32.0, yarn_beta_slow=1.0,
+    mscale=1.0, mscale_all_dim=0.0, yarn_correction_range_round_to_int=False,
+    use_rope_scaling=False, max_position_embeddings=64, window_size=None,
+    untie_embeddings_and_output_weights=True, padded_vocab_size=128, num_experts=6,
+    moe_router_topk=2, moe_ffn_hidden_size=16, moe_layer_freq=1, moe_router_pre_softmax=False,
+    moe_aux_loss_coeff=0.0, bf16=False, fp16=False)
+
+
+def test_export_checks_a_gpt_oss_runs_flags_against_the_config(tmp_path):
+    """Export of a Megatron-LM gpt-oss run's save with --hf-config: each saved model flag the
+    gpt_oss config.json implies must be its value (from_args.gpt_oss_args_problems), a mismatch
+    refused naming the flag and the field before any tensor is read; the matching arguments
+    pass every check, through export too (negative control), and a Mixtral config.json does not
+    hide the gpt-oss flags."""
+    import json
+
+    from megatron_metp.tools.hf.from_args import (family_problems, gpt_oss_args_problems,
+                                                  moe_args_problems)
+    from tests.test_hf_from_args import _fake_checkpoint
+
+    cfg, ok = _cfg("gpt_oss"), GPT_OSS_SAVED
+    assert (family_problems(ok, "gpt_oss"), gpt_oss_args_problems(cfg, ok),
+            moe_args_problems(cfg, ok)) == ([], [], [])
+    bad = gpt_oss_args_problems(cfg, dict(
+        ok, activation_func_clamp_value=5.0, softmax_type="vanilla", glu_linear_offset=0.0,
+        add_bias_linear=False, yarn_correction_range_round_to_int=True, qk_layernorm=True))
+    assert bad == [  # in the order of the import's flags
+        "--glu-linear-offset 1.0 (config.json the experts' (up + 1)): saved "
+        "glu_linear_offset = 0.0",
+        "--activation-func-clamp-value 7.0 (config.json swiglu_limit): saved "
+        "activation_func_clamp_value = 5.0",
+        "--softmax-type learnable (config.json self_attn.sinks): saved softmax_type = 'vanilla'",
+        "--add-bias-linear (config.json attention_bias (and the experts' and router's "
+        "biases)): saved add_bias_linear = False",
+        "--no-yarn-correction-range-round-to-int (config.json rope_scaling.truncate): saved "
+        "yarn_correction_range_round_to_int = True",
+        "--qk-layernorm True: config.json (gpt_oss) has none"], bad
+    assert any("--softmax-type 'learnable'" in p for p in family_problems(ok, "mixtral"))
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(cfg))
+    run, out = str(tmp_path / "run"), str(tmp_path / "out")
+    _fake_checkpoint(run, dict(ok, activation_func_clamp_value=5.0))
+    with pytest.raises(ValueError, match=r"--activation-func-clamp-value 7\.0 \(config\.json "
+                                         r"swiglu_limit\): saved activation_func_clamp_value = "
+                                         r"5\.0"):
+        H.export_hf(run, out, hf_config=str(hf))
+    assert not os.path.exists(out)
+    ok_run = str(tmp_path / "ok-run")  # the matching arguments pass every config check and
+    _fake_checkpoint(ok_run, ok)       # reach the tensors (none in this fake save)
+    with pytest.raises(ValueError, match=r"has no \.metadata: not a torch_dist checkpoint"):
+        H.export_hf(ok_run, out, hf_config=str(hf))
+
+
+def test_gpt_oss_config_from_saved_arguments():
+    """Without --hf-config a run with --quick-geglu / --softmax-type learnable is written as
+    gpt_oss: every layer full attention (METP's), swiglu_limit the clamp, YaRN as trained; it
+    imports to the flags of the config the run came from, and transformers takes it. What
+    gpt-oss lacks is refused naming the flag."""
+    import transformers
+    from megatron_metp.tools.hf.from_args import hf_config_from_args
+    from megatron_metp.tools.hf.versions import export_layout
+
+    c = hf_config_from_args(GPT_OSS_SAVED)
+    assert (c["model_type"], c["num_local_experts"], c["intermediate_size"], c["swiglu_limit"],
+            c["layer_types"], c["rope_scaling"]["truncate"]) == \
+        ("gpt_oss", 6, 16, 7.0, ["full_attention"] * 2, False)
+    assert megatron_args(geometry_from_hf(c)) == megatron_args(geometry_from_hf(_cfg("gpt_oss")))
+    t = transformers.GptOssConfig(**{k: v for k, v in export_layout(dict(c))[0].items()
+                                     if k != "model_type"})
+    assert t.layer_types == ["full_attention"] * 2 and t.num_local_experts == 6
+    for change, needle in ((dict(add_bias_linear=False), "--add-bias-linear False: gpt-oss"),
+                           (dict(quick_geglu=False), "--quick-geglu False"),
+                           (dict(activation_func_clamp_value=None),
+                            "--activation-func-clamp-value None"),
+                           (dict(moe_layer_freq=[1, 0]), "experts in every layer"),
+                           (dict(window_size=[15, 0]), "--window-size"),
+                           (dict(moe_shared_expert_intermediate_size=16),
+                            "--moe-shared-expert-intermediate-size 16")):
+        with pytest.raises(ValueError, match=needle.replace("[", r"\[")):
+            hf_config_from_args({**GPT_OSS_SAVED, **change})

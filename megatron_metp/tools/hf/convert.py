@@ -65,7 +65,7 @@ from .config import (HFConfigError, LlamaGeometry, geometry_from_hf, gpt_model_k
 from .layout import hf_to_megatron, megatron_shapes, megatron_to_hf
 from .moe_layout import FP32_BUFFERS
 from .deepseek import DEEPSEEK_FAMILIES
-from .from_args import mla_args_problems, moe_args_problems
+from .from_args import gpt_oss_args_problems, mla_args_problems, moe_args_problems
 from .moe import MOE_FAMILIES
 from .output import staged_dir
 from .tokenizer_export import TOKENIZER_FILES, plan_tokenizer
@@ -365,10 +365,13 @@ def _export_config(path: str, cfg_dir: Optional[str]):
         return hf_config_from_args(saved), saved
     cfg = read_hf_config(cfg_dir)
     problems = family_problems(saved, cfg.get("model_type")) if saved is not None else []
-    if saved is not None and cfg.get("model_type") in MOE_FAMILIES:
+    family = cfg.get("model_type")
+    if saved is not None and family in MOE_FAMILIES:
         problems += moe_args_problems(cfg, saved)
-    if saved is not None and cfg.get("model_type") in DEEPSEEK_FAMILIES:
-        problems += mla_args_problems(cfg, saved)
+        if family in DEEPSEEK_FAMILIES:
+            problems += mla_args_problems(cfg, saved)
+        elif family == "gpt_oss":
+            problems += gpt_oss_args_problems(cfg, saved)
     elif saved is not None and saved.get("num_experts"):
         problems.append(f"--num-experts {saved['num_experts']}: config.json is a dense "
                         f"{cfg.get('model_type')!r}; pass the MoE model's config.json")

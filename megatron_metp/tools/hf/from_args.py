@@ -15,6 +15,8 @@ saved args                                  family     extra ``config.json`` fie
                                                        size``, ``qkv_bias``
 ``num_experts``, the sigmoid router         glm4_moe   ``n_routed_experts``, ``n_shared_experts``,
                                                        ``first_k_dense_replace``, ``n_group``, ...
+``num_experts``, ``quick_geglu`` or         gpt_oss    ``num_local_experts``, ``swiglu_limit``,
+``softmax_type`` learnable                             ``layer_types`` (all ``full_attention``)
 ``qk_layernorm``                            qwen3      ``head_dim``
 ``add_qkv_bias``                            qwen2      (q/k/v biases)
 ``window_size = (W - 1, 0)``                mistral    ``sliding_window = W``
@@ -37,6 +39,10 @@ model that was trained. A model with no Hugging Face family (LayerNorm, GeLU, bi
 layer, learned absolute positions, shared experts, ...) is refused first, every mismatch named
 at once. The MoE flags are compared by :func:`moe_args_problems` (which layers are MoE,
 expanded from either form of ``--moe-layer-freq``).
+
+Export with ``--hf-config`` compares the saved arguments with that config: the MoE flags
+(:func:`moe_args_problems`), DeepSeek's MLA flags (:func:`mla_args_problems`) and gpt-oss's
+model flags, every one its config implies (:func:`gpt_oss_args_problems`).
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ from .moe import (EXTRA_MOE_FLAGS, MOE_FLAGS, moe_config_from_args, moe_family_o
 from .yarn import mscale_factor
 
 __all__ = ["hf_config_from_args", "check_against_args", "family_problems", "moe_args_problems",
-           "mla_args_problems"]
+           "mla_args_problems", "gpt_oss_args_problems"]
 
 #: Megatron-LM flags of :func:`~.config.megatron_args` whose ``args`` attribute is not the flag
 #: name with dashes as underscores: flag -> (attribute, value the flag sets)
@@ -68,7 +74,9 @@ _NOT_COMPARED = {"--make-vocab-size-divisible-by", "--attention-dropout", "--hid
 _OWN_FEATURES = {"qwen2_moe": set(), "glm4_moe": {"rotary_percent", "together"},
                  # DeepSeek: the MLA flags are compared with the config by mla_args_problems
                  "deepseek_v2": {"multi_latent_attention"},
-                 "deepseek_v3": {"multi_latent_attention"}}
+                 "deepseek_v3": {"multi_latent_attention"},
+                 # gpt-oss: its flags are compared with the config by gpt_oss_args_problems
+                 "gpt_oss": {"softmax_type", "swiglu", "add_bias_linear"}}
 
 
 def family_problems(a: dict, family: str = None) -> List[str]:
@@ -76,22 +84,23 @@ def family_problems(a: dict, family: str = None) -> List[str]:
     each naming the flag and what the family uses (MoE: :func:`.moe.moe_family_problems`).
     ``family``: the ``model_type`` of the config.json the export was given; ``qwen2_moe`` and
     ``glm4_moe`` (shared experts, sigmoid router, partial RoPE) are then checked against that
-    config by :func:`moe_args_problems` instead."""
+    config by :func:`moe_args_problems` instead (``gpt_oss``: :func:`gpt_oss_args_problems`)."""
     own = _OWN_FEATURES.get(family)
     out = moe_family_problems(a) if own is None else []
-    if own is None and a.get("num_experts"):  # written from the arguments (moe_family_of_args)
-        own = _OWN_FEATURES.get(moe_family_of_args(a))
+    if own is None and family is None and a.get("num_experts"):  # written from the arguments
+        own = _OWN_FEATURES.get(moe_family_of_args(a))  # (moe_family_of_args)
+    own = own or set()
     fam = "Hugging Face Llama-family models (llama, mistral, qwen2, qwen3)"
     norm = a.get("normalization", "LayerNorm")
     if norm != "RMSNorm":
         out.append(f"--normalization {norm}: {fam} use RMSNorm (train with --normalization "
                    f"RMSNorm, NORMALIZATION=RMSNorm in scripts/pretrain_gpt.sh)")
-    if not a.get("swiglu", False):
+    if not a.get("swiglu", False) and "swiglu" not in own:
         act = ("squared ReLU (--squared-relu)" if a.get("squared_relu") else
                "GeLU (Megatron's default without --swiglu)")
         out.append(f"the MLP is {act}: {fam} use SwiGLU, SiLU(x W_gate) * (x W_up) "
                    f"(train with --swiglu, SWIGLU=1)")
-    if a.get("add_bias_linear", True):
+    if a.get("add_bias_linear", True) and "add_bias_linear" not in own:
         out.append(f"biases on every linear layer (--add-bias-linear, Megatron's default): {fam} "
                    f"have none (Qwen2: on q, k, v only) (train with --disable-bias-linear, "
                    f"DISABLE_BIAS_LINEAR=1)")
@@ -110,7 +119,7 @@ def family_problems(a: dict, family: str = None) -> List[str]:
             ("softmax_type", "--softmax-type", lambda v: v not in (None, "vanilla")),
             ("window_attn_skip_freq", "--window-attn-skip-freq", lambda v: v is not None)):
         v = a.get(name)
-        if own and name in own:
+        if name in own:
             continue
         if v is not None and bad(v):
             hint = (" (a DeepSeek-V2/V3 config.json is not written from saved arguments: "
@@ -124,7 +133,7 @@ def family_problems(a: dict, family: str = None) -> List[str]:
     features = [f for f, on in (("--qk-layernorm (qwen3)", a.get("qk_layernorm")),
                                 ("--add-qkv-bias (qwen2)", a.get("add_qkv_bias")),
                                 ("--window-size (mistral)", window is not None)) if on]
-    if len(features) > 1 and not (own and "together" in own):
+    if len(features) > 1 and "together" not in own:
         out.append(f"{' and '.join(features)} together: no one Hugging Face family has both")
     return out
 
@@ -186,8 +195,8 @@ def hf_config_from_args(a: dict) -> dict:
     cfg.update(moe)
     if family == "llama":
         cfg.update(attention_bias=False, mlp_bias=False)
-    elif family in ("mixtral", "glm4_moe"):
-        pass  # moe_config_from_args wrote Mixtral's sliding_window; GLM-4.5 has none
+    elif family in ("mixtral", "glm4_moe", "gpt_oss"):
+        pass  # moe_config_from_args wrote Mixtral's sliding_window, gpt-oss's layer_types
     elif family == "mistral":
         cfg["sliding_window"] = int(window[0]) + 1  # transformers: q - k < W; Megatron: <= left
     else:
@@ -209,9 +218,10 @@ def _equal(saved, want) -> bool:
     return str(saved) == str(want)
 
 
-def check_against_args(cfg: dict, a: dict) -> LlamaGeometry:
-    """Import ``cfg`` as ``hf import`` would (its geometry and Megatron-LM flags) and check that
-    every model flag equals the saved ``args`` ``a``; returns the geometry."""
+def _flag_diffs(cfg: dict, a: dict, skip=()):
+    """``(geometry, diffs)``: import ``cfg`` as ``hf import`` would (its geometry and Megatron-LM
+    flags) and list each model flag (not in ``skip``) whose saved value in ``a`` differs, as
+    ``(flag, value, attribute, saved)`` (``value`` True for a switch)."""
     g = geometry_from_hf(cfg, make_vocab_size_divisible_by=1, seq_length=1)
     flags = megatron_args(g)
     diffs, i = [], 0
@@ -220,7 +230,7 @@ def check_against_args(cfg: dict, a: dict) -> LlamaGeometry:
         value = flags[i + 1] if i + 1 < len(flags) and not flags[i + 1].startswith("--") \
             else True
         i += 1 if value is True else 2
-        if flag in _NOT_COMPARED or flag in MOE_FLAGS:  # MoE: moe_args_problems below
+        if flag in _NOT_COMPARED or flag in MOE_FLAGS or flag in skip:  # MoE: moe_args_problems
             continue
         if flag == "--ffn-hidden-size" and g.num_experts and all(g.moe_layers):
             continue  # no dense MLP: the width sizes no layer
@@ -229,8 +239,16 @@ def check_against_args(cfg: dict, a: dict) -> LlamaGeometry:
         if flag == "--max-position-embeddings":  # the import caps it at a window (none in METP)
             want = cfg["max_position_embeddings"]
         if name not in a or not _equal(a[name], want):
-            diffs.append(f"{flag}{'' if value is True else ' ' + value} (saved: "
-                         f"{name} = {a.get(name, '<absent>')!r})")
+            diffs.append((flag, value, name, a.get(name, "<absent>")))
+    return g, diffs
+
+
+def check_against_args(cfg: dict, a: dict) -> LlamaGeometry:
+    """Import ``cfg`` as ``hf import`` would (its geometry and Megatron-LM flags) and check that
+    every model flag equals the saved ``args`` ``a``; returns the geometry."""
+    g, found = _flag_diffs(cfg, a)
+    diffs = [f"{flag}{'' if value is True else ' ' + value} (saved: {name} = {have!r})"
+             for flag, value, name, have in found]
     if g.num_experts:
         diffs += moe_args_problems(cfg, a)
     if diffs:
@@ -238,6 +256,24 @@ def check_against_args(cfg: dict, a: dict) -> LlamaGeometry:
                             "arguments would not rebuild its model: " + "; ".join(diffs) +
                             "; pass --hf-config")
     return g
+
+
+def gpt_oss_args_problems(cfg: dict, saved: dict) -> List[str]:
+    """Where a ``gpt_oss`` ``config.json`` differs from a checkpoint's saved Megatron-LM
+    arguments (empty when they agree): every model flag the config implies (biases,
+    ``--quick-geglu``, ``--glu-linear-offset``, ``--activation-func-clamp-value``,
+    ``--softmax-type``, the shape, RoPE / YaRN; ``--max-position-embeddings`` aside, which a
+    sliding window caps) and the switches it has none of (:data:`.gpt_oss.OFF_SWITCHES`), each
+    naming the flag and the config field (:data:`.gpt_oss.FIELD_OF_FLAG`). The MoE flags:
+    :func:`moe_args_problems`."""
+    from .gpt_oss import FIELD_OF_FLAG, OFF_SWITCHES
+
+    _, found = _flag_diffs(cfg, saved, skip=("--max-position-embeddings",))
+    out = [f"{flag}{'' if value is True else ' ' + value} (config.json "
+           f"{FIELD_OF_FLAG.get(flag, flag[2:].replace('-', '_'))}): saved {name} = {have!r}"
+           for flag, value, name, have in found]
+    return out + [f"{flag} {saved[name]!r}: config.json (gpt_oss) has none"
+                  for name, flag in OFF_SWITCHES if saved.get(name)]
 
 
 def mla_args_problems(cfg: dict, saved: dict) -> List[str]:

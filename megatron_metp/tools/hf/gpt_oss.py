@@ -24,11 +24,20 @@ with gate and up **interleaved** in its last axis (gate = columns ``0, 2, 4, …
 (the transpose of the de-interleaved columns), ``linear_fc1.bias [2f]``, ``linear_fc2.weight
 [h, f]`` = ``down_proj[j]ᵀ``, ``linear_fc2.bias [h]``. Routing is Mixtral's (softmax over the
 top-k logits, :mod:`.moe`), with the router bias added to the logits on both sides.
+
+Export of a Megatron-LM run's save: with a ``gpt_oss`` ``--hf-config``, every model flag that
+config implies must be the run's saved value (:func:`.from_args.gpt_oss_args_problems`; a
+mismatch names the flag and the field, :data:`FIELD_OF_FLAG`) and the switches it has none of
+(:data:`OFF_SWITCHES`) must be off. Without one, saved arguments with ``--quick-geglu`` or
+``--softmax-type learnable`` are written as ``gpt_oss`` (:func:`gpt_oss_saved_problems`,
+:func:`gpt_oss_config_from_args`): every layer ``full_attention``, the model Megatron trained
+(METP attends over the whole sequence; an import's sliding layers come back with
+``--hf-config``).
 """
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Sequence
 
 import torch
 
@@ -58,6 +67,82 @@ def gpt_oss_fields(cfg: dict) -> dict:
     return {"linear_bias": True, "qkv_bias": True, "quick_geglu": True,
             "glu_linear_offset": 1.0, "activation_func_clamp_value": float(limit),
             "softmax_type": "learnable"}
+
+
+#: Megatron-LM flag -> the ``config.json`` field (or gpt-oss feature) it comes from, for the
+#: export's messages (:func:`.from_args.gpt_oss_args_problems`); 5.x: ``rope_parameters`` for
+#: ``rope_scaling`` and ``rope_theta``
+FIELD_OF_FLAG = {
+    "--num-layers": "num_hidden_layers", "--hidden-size": "hidden_size",
+    "--num-attention-heads": "num_attention_heads",
+    "--group-query-attention": "num_key_value_heads", "--num-query-groups": "num_key_value_heads",
+    "--kv-channels": "head_dim", "--norm-epsilon": "rms_norm_eps",
+    "--untie-embeddings-and-output-weights": "tie_word_embeddings",
+    "--add-bias-linear": "attention_bias (and the experts' and router's biases)",
+    "--add-qkv-bias": "attention_bias",
+    "--quick-geglu": f"the experts' g·sigmoid(swiglu_alpha·g), swiglu_alpha {QUICK_GELU_ALPHA}",
+    "--glu-linear-offset": "the experts' (up + 1)",
+    "--activation-func-clamp-value": "swiglu_limit",
+    "--softmax-type": "self_attn.sinks", "--rotary-base": "rope_theta",
+    "--position-embedding-type": "rope_scaling",
+    "--rotary-scaling-factor": "rope_scaling.factor",
+    "--yarn-original-max-position-embeddings": "rope_scaling.original_max_position_embeddings",
+    "--yarn-beta-fast": "rope_scaling.beta_fast", "--yarn-beta-slow": "rope_scaling.beta_slow",
+    "--no-yarn-correction-range-round-to-int": "rope_scaling.truncate",
+    "--mscale": "rope_scaling.mscale / attention_factor",
+    "--mscale-all-dim": "rope_scaling.mscale_all_dim"}
+#: saved switches that a gpt_oss model has none of: (attribute, flag)
+OFF_SWITCHES = (("swiglu", "--swiglu"), ("squared_relu", "--squared-relu"),
+                ("qk_layernorm", "--qk-layernorm"), ("use_rope_scaling", "--use-rope-scaling"),
+                ("window_size", "--window-size"))
+
+
+def is_gpt_oss_args(a: dict) -> bool:
+    """Saved MoE arguments the export writes as ``gpt_oss``: the experts' quick-GeGLU or the
+    attention sinks."""
+    return bool(a.get("quick_geglu")) or a.get("softmax_type") == "learnable"
+
+
+def gpt_oss_saved_problems(a: dict, layers: Sequence[int]) -> List[str]:
+    """Why saved arguments that :func:`is_gpt_oss_args` picks are no ``gpt_oss`` model (empty
+    if they are), each naming the flag; ``layers``: 0/1 per layer, 1 = MoE."""
+    out = [f"{flag} {a.get(name)!r}: gpt-oss has {what} ({fix})"
+           for name, flag, want, what, fix in (
+               ("quick_geglu", "--quick-geglu", True, "the experts' clamped quick-GeGLU",
+                "train with --quick-geglu"),
+               ("softmax_type", "--softmax-type", "learnable", "attention sinks",
+                "train with --softmax-type learnable"),
+               ("add_bias_linear", "--add-bias-linear", True, "biases on every linear layer",
+                "train with --add-bias-linear"),
+               ("glu_linear_offset", "--glu-linear-offset", 1.0, "the experts' (up + 1)",
+                "train with --glu-linear-offset 1.0"))
+           if a.get(name) != want]
+    clamp = a.get("activation_func_clamp_value")
+    if not clamp or clamp <= 0:
+        out.append(f"--activation-func-clamp-value {clamp!r}: gpt-oss clamps the experts' "
+                   f"gate and up (swiglu_limit; train with --activation-func-clamp-value 7.0)")
+    if not all(layers):
+        out.append(f"--moe-layer-freq {a.get('moe_layer_freq')!r}: gpt-oss has experts in "
+                   f"every layer")
+    for name, flag, why in (("moe_router_pre_softmax", "--moe-router-pre-softmax",
+                             "gpt-oss renormalises its top-k"),
+                            ("qk_layernorm", "--qk-layernorm", "gpt-oss has no q/k norms"),
+                            ("window_size", "--window-size", "gpt-oss's windows slide on "
+                             "alternate layers (layer_types), not on every one")):
+        if a.get(name):
+            out.append(f"{flag} {a[name]!r}: {why}")
+    return out
+
+
+def gpt_oss_config_from_args(a: dict) -> dict:
+    """The gpt-oss ``config.json`` fields of saved arguments :func:`gpt_oss_saved_problems`
+    accepts (besides the MoE's): every layer ``full_attention`` (no window: Megatron's model);
+    ``sliding_window`` then slides no layer, but transformers builds its mask whatever the
+    layer types, so it is ``max_position_embeddings`` (a window that never binds)."""
+    return dict(attention_bias=True, swiglu_alpha=QUICK_GELU_ALPHA,
+                swiglu_limit=float(a["activation_func_clamp_value"]),
+                layer_types=["full_attention"] * a["num_layers"],
+                sliding_window=a["max_position_embeddings"])
 
 
 def gpt_oss_flags(g) -> List[str]:

@@ -61,6 +61,7 @@ from typing import List, Optional
 
 from .deepseek import DEEPSEEK_FAMILIES
 from .errors import HFConfigError
+from .gpt_oss import gpt_oss_config_from_args, gpt_oss_saved_problems, is_gpt_oss_args
 
 #: MoE model_type → the causal-LM architecture that converts
 MOE_FAMILIES = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
@@ -410,9 +411,11 @@ _ARGS_OF = {"qwen2_moe": {"moe_shared_expert_intermediate_size"},
 
 
 def moe_family_of_args(a: dict) -> str:
-    """The MoE family a run's saved arguments are written as: ``glm4_moe`` with the sigmoid
-    router, ``qwen2_moe`` with a shared expert, ``qwen3_moe`` with ``--qk-layernorm``, else
-    ``mixtral``."""
+    """The MoE family a run's saved arguments are written as: ``gpt_oss`` with ``--quick-geglu``
+    or ``--softmax-type learnable``, ``glm4_moe`` with the sigmoid router, ``qwen2_moe`` with a
+    shared expert, ``qwen3_moe`` with ``--qk-layernorm``, else ``mixtral``."""
+    if is_gpt_oss_args(a):
+        return "gpt_oss"
     if a.get("moe_router_score_function") == "sigmoid":
         return "glm4_moe"
     if a.get("moe_shared_expert_intermediate_size"):
@@ -448,7 +451,9 @@ def moe_family_problems(a: dict) -> List[str]:
            for name, flag, bad in _NO_FAMILY_MOE_ARGS
            if name not in have and a.get(name) is not None and bad(a[name])]
     layers = saved_moe_layers(a, a.get("num_layers") or 0)
-    if fam == "qwen2_moe":
+    if fam == "gpt_oss":
+        out += gpt_oss_saved_problems(a, layers)
+    elif fam == "qwen2_moe":
         if not a.get("moe_shared_expert_gate"):
             out.append(f"--moe-shared-expert-intermediate-size "
                        f"{a['moe_shared_expert_intermediate_size']!r} without "
@@ -522,6 +527,9 @@ def moe_config_from_args(a: dict, window) -> dict:
             out.update(shared_expert_intermediate_size=a["moe_shared_expert_intermediate_size"],
                        qkv_bias=bool(a.get("add_qkv_bias")))
         return out
+    if fam == "gpt_oss":
+        return dict(common, num_local_experts=experts, intermediate_size=ffn,
+                    **gpt_oss_config_from_args(a))
     return dict(common, num_local_experts=experts, intermediate_size=ffn,
                 router_jitter_noise=0.0,
                 sliding_window=None if window is None else int(window[0]) + 1)
