@@ -19,7 +19,15 @@ from __future__ import annotations
 
 import functools
 
-__all__ = ["patch_mla_core_attention"]
+__all__ = ["patch_mla_core_attention", "te_linear_is_stand_in"]
+
+
+def te_linear_is_stand_in(module) -> bool:
+    """Whether megatron-core ``module`` (``multi_latent_attention``) has ``HAVE_TE`` set while its
+    ``TELinear`` is no class (a CPU install without Transformer Engine): an
+    ``isinstance(..., TELinear)`` there raises."""
+    return bool(getattr(module, "HAVE_TE", False)) and \
+        not isinstance(getattr(module, "TELinear", None), type)
 
 
 def _with_mla_channels(init):
@@ -45,5 +53,5 @@ def patch_mla_core_attention(patch) -> None:
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     patch(DotProductAttention, "__init__", _with_mla_channels(DotProductAttention.__init__))
-    if getattr(stock, "HAVE_TE", False) and not isinstance(getattr(stock, "TELinear", None), type):
+    if te_linear_is_stand_in(stock):
         patch(stock, "HAVE_TE", False)

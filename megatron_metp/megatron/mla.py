@@ -40,6 +40,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
 from ..ops import metp_mla_attention
+from .cpu_mla import te_linear_is_stand_in
 from .groups import METPGroups
 from .head_norm import norm_kind
 from .mla_checks import mla_problems
@@ -67,7 +68,7 @@ def _stand_in_te_off():
     a ``TELinear``, so the answer is False: the flag is off while the base class is built."""
     from megatron.core.transformer import multi_latent_attention as stock
 
-    stand_in = getattr(stock, "HAVE_TE", False) and not isinstance(stock.TELinear, type)
+    stand_in = te_linear_is_stand_in(stock)
     if stand_in:
         stock.HAVE_TE = False
     try:

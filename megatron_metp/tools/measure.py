@@ -179,16 +179,8 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
             after_fwd = FR.snap(tracker, "current")
             fwd_peak = FR.snap(tracker, "peak")
             out, shape = outs.pop(0)
-            if forward_only:
-                pass
-            elif last:
-                out.float().sum().backward()
-            else:  # the gradient received from the next stage
-                grad = torch.zeros(shape, dtype=torch.bfloat16)
-                if out.numel() == 1:
-                    custom_backward(out, grad)
-                else:
-                    out.backward(grad)
+            if not forward_only:
+                _backward(out, shape, last, custom_backward)
         peak = FR.snap(tracker, "peak")
         phases = {}
         if gpt.decoder.layers and not forward_only:
@@ -248,6 +240,22 @@ def _mla_config(model: "P.Model"):
         kv_lora_rank=model.kv_lora_rank, qk_head_dim=model.qk_head_dim,
         qk_pos_emb_head_dim=model.qk_pos_emb_head_dim, v_head_dim=model.v_head_dim,
         rope_type="rope")
+
+
+def _backward(out, shape, last: bool, custom_backward) -> None:
+    """The first micro-batch's backward: from the loss on the last stage, else from the
+    gradient the next stage sends (``shape``, bf16; Megatron's ``custom_backward`` for a
+    deallocated output)."""
+    import torch
+
+    if last:
+        out.float().sum().backward()
+        return
+    grad = torch.zeros(shape, dtype=torch.bfloat16)
+    if out.numel() == 1:
+        custom_backward(out, grad)
+    else:
+        out.backward(grad)
 
 
 def _moe_config(model: "P.Model", job: "P.Job", ep: int) -> Dict:
