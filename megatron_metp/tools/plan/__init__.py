@@ -113,6 +113,8 @@ as when the plan was one module:
 ``imbalance``            the K/V ring's per-step imbalance from the op's tile plan
                          (``ops/balance.py``)
 ``optimizer_time``       ``optimizer_s()``: one Adam step, on the GPU or the host
+``collectives``          ``tp_exposed_s()``, ``grad_sync_s()``: TP collectives and the
+                         data-parallel gradient sync as Megatron's default schedule exposes them
 ``step_time``            ``step_time()``: one micro-batch's time by component, the iteration's
 ``alst``, ``alst_time``  mode ``alst``: ALST's published recipe (Ulysses + ZeRO-3 + CPU Adam +
                          host-offloaded checkpoints, FA2), memory and time

@@ -29,10 +29,14 @@ Per layer and rank (``n`` tokens through the rank, ``s`` the sequence, ``t`` TP,
   expert's; the routed experts' GEMMs at a rate for their shape and the token dispatch (exposed)
   on the busiest expert-parallel rank are components of their own (``moe_experts``,
   ``moe_dispatch_exposed``);
+* TP collectives (``tp_exposed``) and, once per iteration, the data-parallel gradient
+  reduce-scatter and parameter all-gather (``grad_sync_exposed``), as Megatron's default
+  schedule exposes them (:mod:`.collectives`);
 * the optimizer step (:func:`.optimizer_time.optimizer_s`), once per iteration.
 
-``step_s`` = the sum of the components but the optimizer; ``iteration_s = (m + pp − 1)·step_s
-+ optimizer`` for ``m`` micro-batches per iteration under 1F1B.
+``step_s`` = the sum of the components but the per-iteration ones (:data:`PER_ITERATION`);
+``iteration_s = (m + pp − 1)·step_s + optimizer + grad sync`` for ``m`` micro-batches per
+iteration under 1F1B.
 """
 
 from __future__ import annotations
@@ -45,8 +49,13 @@ from .host_link import host_link
 from .imbalance import ring_imbalance
 from .internode import GPUS_PER_NODE
 from .model import BF16, FP32, Job, Model, canonical, layout, padded_vocab
+from .collectives import collective_components
 from .optimizer_time import optimizer_s
 from .rates import ATTENTION_BWD_FLOP_RATIO, Rates, resolve_rates
+
+#: components that run once per iteration, not once per micro-batch
+PER_ITERATION = ("optimizer", "grad_sync_exposed")
+
 
 def job_rates(job: Job) -> Rates:
     """The rates of ``job``: ``--rates FILE``, else ``--kernel NAME``'s published figures, else
@@ -273,6 +282,9 @@ def step_time(model: Model, job: Job, mode: str) -> Dict:
                                + L * max(0.0, 3 * blk - b_step))
     comp["ring_exposed"] = ring_s
     comp["internode_exposed"] = inter_s
+    coll = collective_components(model, job, mode, lay, n, recomputed,
+                                 moe["moe_layers"] if moe else 0, rg)
+    comp["tp_exposed"] = coll["tp_exposed"]
     st = static_memory(model, job, mode)
     n_opt = (st["optimizer_host"] / 16) if job.optimizer_offload else (
         st["optimizer"] / 12)
@@ -280,9 +292,10 @@ def step_time(model: Model, job: Job, mode: str) -> Dict:
     opt = optimizer_s(n_opt, job, ranks_node, job.optimizer_offload, job.hardware)
     step = sum(comp.values())
     comp["optimizer"] = opt
+    comp["grad_sync_exposed"] = sync = coll["grad_sync_exposed"]
     m = job.microbatches or job.pp
-    return {"components": comp, "step_s": step, "optimizer_s": opt,
-            "iteration_s": (m + job.pp - 1) * step + opt, "microbatches": m,
+    return {"components": comp, "step_s": step, "optimizer_s": opt, "grad_sync_s": sync,
+            "iteration_s": (m + job.pp - 1) * step + opt + sync, "microbatches": m,
             "rates": {"attention_fwd_tflops": rates.attention_fwd_tflops,
                       "attention_bwd_tflops": rates.attention_bwd_tflops,
                       "gemm_tflops": rates.gemm_tflops, "kernel": rates.kernel,
