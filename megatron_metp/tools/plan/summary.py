@@ -323,9 +323,10 @@ def report(model: Model, job: Job, modes: Sequence[str] = MODES,
                 tail.append(f"  {x['pass']:<52s} ×{x['count']:<2d} {fmt_bytes(x['bytes']):>12} "
                              f"{1e3 * x['copy_s']:9,.1f} vs {1e3 * x['compute_s']:10,.1f}  {bound}")
     tail.append("# time estimates: attention causal (half the square), at the kernel's published "
-                 "rates × the ring's busiest-rank imbalance; copies and ring hops counted where "
-                 "nothing hides them; per iteration: (micro-batches + PP − 1) × micro-batch + "
-                 "optimizer step")
+                 "rates × the ring's busiest-rank imbalance; copies, ring hops and TP "
+                 "collectives counted where nothing hides them; per iteration: (micro-batches + "
+                 "PP − 1) × micro-batch + optimizer step + gradient sync (Megatron's default: "
+                 "not overlapped)")
     if res.get("crossover_vs_tp_sp") is not None:
         tail.append(f"# METP sends fewer bytes per layer than TP+SP from s ≈ "
                      f"{res['crossover_vs_tp_sp']:,} tokens on")
