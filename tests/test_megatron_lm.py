@@ -407,7 +407,7 @@ def test_patch_parses_and_touches_only_the_intended_files(tag):
         assert sum(1 for ln in h.lines if ln[0] != "+") == h.old_len, h
         assert sum(1 for ln in h.lines if ln[0] != "-") == h.new_len, h
     added = sum(1 for h in hunks for ln in h.lines if ln[0] == "+")
-    # 18: two lines in training.py hand the DDP-wrapped chunks to wire_wide_expert_parallel
+    # 18: two lines in training.py hand the DDP-wrapped chunks to wire_ddp
     assert added <= 18, f"the patch should stay tiny, it adds {added} lines"
 
 

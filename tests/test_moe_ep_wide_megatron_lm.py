@@ -1,7 +1,7 @@
 """EP wider than the METP group through Megatron-LM's own ``pretrain_gpt.py`` on 4 CPU ranks
 (issue 42): configs/tiny-cpu-metp2-ep4-moe.sh (METP 2 × DP 2, ``--expert-model-parallel-size 4``
 = 2p: one of the 4 experts per rank, the METP-sharded gradients summed over their 2 replicas by
-the patched ``setup_model_and_optimizer``'s ``wire_wide_expert_parallel``) and its stock twin
+the patched ``setup_model_and_optimizer``'s ``wire_ddp``) and its stock twin
 configs/tiny-cpu-ep4-moe.sh (DP 4, EP 4) print the same losses and grad norms (compare_tp.sh's
 table of them too) and save the same checkpoint tensors under stock's keys (the experts stacked
 by their global index); the stock twin continues from METP's checkpoint (weights only, as for

@@ -105,6 +105,9 @@ class METPMLASelfAttention(MLASelfAttention):
     docstring). ``hidden_states`` ``[s/p, b, h]`` (this rank's tokens, Megatron's CP order) →
     ``(output [s/p, b, h], linear_proj.bias)``."""
 
+    #: its forward reads its submodules' weights without calling them (.param_gather)
+    reads_submodule_weights = True
+
     def __init__(self, config, submodules, layer_number, attn_mask_type=AttnMaskType.causal,
                  cp_comm_type=None, pg_collection=None, *, groups: METPGroups, kernel=None,
                  **megatron_kwargs):

@@ -176,6 +176,8 @@ class METPSelfAttention(SelfAttention):
     """
 
     keeper = None
+    #: its forward reads its submodules' weights without calling them (.param_gather)
+    reads_submodule_weights = True
 
     def __init__(self, config, submodules, layer_number, attn_mask_type=AttnMaskType.causal,
                  cp_comm_type=None, pg_collection=None, *, groups: METPGroups, kernel=None,
@@ -249,6 +251,9 @@ class METPMLP(MLP):
 
     ``hidden_states`` ``[s/p, b, h]``; returns ``(output, linear_fc2.bias)`` like ``MLP``.
     """
+
+    #: its forward reads its submodules' weights without calling them (.param_gather)
+    reads_submodule_weights = True
 
     def __init__(self, config, submodules, is_expert=False, input_size=None, ffn_hidden_size=None,
                  tp_group=None, *, groups: METPGroups, keep_intermediate=False,

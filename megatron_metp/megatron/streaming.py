@@ -61,6 +61,12 @@ class METPTransformerLayer(TransformerLayer):
 
     stream = False
 
+    @property
+    def reads_submodule_weights(self) -> bool:
+        """Whether its forward reads its submodules' weights without calling them
+        (:mod:`.param_gather`): as the streaming layer op."""
+        return self.stream
+
     def forward(self, *args, **kwargs):
         if not self.stream:
             return super().forward(*args, **kwargs)

@@ -16,7 +16,8 @@ from ..runtime.lazy import lazy_names
 
 #: public name -> the submodule that defines it
 _WHERE = {"publish_checkpoint_manifest": "ckpt_manifest",
-          "wire_wide_expert_parallel": "build", "wrap_gpt_builder": "build",
+          "wire_ddp": "build", "wire_wide_expert_parallel": "build",
+          "wrap_gpt_builder": "build",
           "add_metp_args": "flags", "compose_extra_args_providers": "flags",
           "install_stall_watch": "parallel_state",
           "metp_expert_model_parallel_size": "parallel_state",
@@ -24,6 +25,7 @@ _WHERE = {"publish_checkpoint_manifest": "ckpt_manifest",
 
 __all__ = ["add_metp_args", "compose_extra_args_providers", "install_stall_watch",
            "metp_expert_model_parallel_size", "validate_metp_args", "wrap_gpt_builder",
-           "route_model_provider", "publish_checkpoint_manifest", "wire_wide_expert_parallel"]
+           "route_model_provider", "publish_checkpoint_manifest", "wire_ddp",
+           "wire_wide_expert_parallel"]
 
 __getattr__, __dir__ = lazy_names(__name__, _WHERE, __all__)

@@ -18,7 +18,7 @@ from .parallel_state import check_metp_parallel_state, check_placement_once
 from .settings_args import metp_settings
 from .timeouts import megatron_lm_timeout_s
 
-__all__ = ["wrap_gpt_builder", "build_metp_gpt_model"]
+__all__ = ["wrap_gpt_builder", "build_metp_gpt_model", "wire_ddp", "wire_wide_expert_parallel"]
 
 
 def wrap_gpt_builder(gpt_builder: Callable, spec_transform: Optional[Callable] = None) -> Callable:
@@ -95,12 +95,33 @@ def build_metp_gpt_model(args, pre_process, post_process, vp_stage=None, config=
         rope_scaling=args.use_rope_scaling, pg_collection=pg_collection)
 
 
-def wire_wide_expert_parallel(model) -> int:
+def wire_ddp(model) -> None:
     """Called by the patched ``setup_model_and_optimizer`` right after Megatron-LM wraps the
-    model chunks (``model``: their list) in DDP, before the optimizer is built: with
-    ``--expert-model-parallel-size`` wider than ``--metp-parallel-size``, each chunk's DDP sums
-    its METP-sharded gradients over their replicas before it reduces the expert buffers over
-    expert-DP, and marks them for the grad norm
+    model chunks (``model``: their list) in DDP, before the optimizer is built: with METP,
+    :func:`wire_wide_expert_parallel`, and each chunk's overlapped parameter all-gather
+    (``--overlap-param-gather``) made to wait for the weights METP modules read from their
+    submodules (:func:`megatron_metp.megatron.param_gather.cover_submodule_weights`). Nothing
+    otherwise (METP off, or chunks not wrapped: ``--skip-train``)."""
+    import torch.distributed as dist
+    from megatron.training import get_args
+
+    from ..megatron.param_gather import cover_submodule_weights
+
+    wire_wide_expert_parallel(model)
+    if not metp_enabled(get_args()):
+        return
+    covered = sum(cover_submodule_weights(chunk)
+                  for chunk in (model if isinstance(model, list) else [model]))
+    if covered and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(f"> METP: --overlap-param-gather: {covered} METP modules wait for their "
+              "submodules' weights", flush=True)
+
+
+def wire_wide_expert_parallel(model) -> int:
+    """Called by :func:`wire_ddp`: with ``--expert-model-parallel-size`` wider than
+    ``--metp-parallel-size``, each chunk's DDP sums its METP-sharded gradients over their
+    replicas before it reduces the expert buffers over expert-DP, and marks them for the grad
+    norm
     (:func:`megatron_metp.megatron.wide_ep.sum_metp_shards_over_replicas`). Nothing otherwise
     (METP off, a dense model, EP = p, or chunks not wrapped: ``--skip-train``). Returns how many
     parameters it covers."""

@@ -66,7 +66,7 @@ PATCHED_FILES = {
     "pretrain_gpt.py": "add_metp_args",  # both releases' patches register the flags there
     "megatron/training/arguments.py": "validate_metp_args",
     "megatron/training/initialize.py": "metp_expert_model_parallel_size",
-    "megatron/training/training.py": "wire_wide_expert_parallel",
+    "megatron/training/training.py": "wire_ddp",
 }
 
 
