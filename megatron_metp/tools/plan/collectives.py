@@ -32,8 +32,10 @@ gradient buffer (bf16 training accumulates and reduces gradients in fp32, Megatr
 default) and all-gathers the bf16 parameters after the step: ``(g − 1)/g · P · (4 + 2)`` bytes
 per rank for the ``P`` parameters a rank holds that reduce over a group of ``g`` (without the
 distributed optimizer one fp32 all-reduce, ``2(g − 1)/g · P · 4``). Megatron's default runs them
-after the last backward (no ``--overlap-grad-reduce``): exposed. The group's ring crosses the
-inter-node link when a pipeline stage spans more ranks than a node has.
+after the last backward (no ``--overlap-grad-reduce``): exposed. ``--overlap-grad-reduce
+--overlap-param-gather`` (which work with METP: ``megatron/param_gather.py``) would hide most of
+them behind the backward and the next forward; the plan does not set them. The group's ring
+crosses the inter-node link when a pipeline stage spans more ranks than a node has.
 """
 
 from __future__ import annotations
