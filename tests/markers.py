@@ -53,6 +53,10 @@ RELEASE_INDEPENDENT = {
         "[qwen3_yarn] on both releases",
     "tests/test_rope_model.py::test_pretrain_gpt_dry_run_refuses_fp32_recipe_past_2_24[stock]":
         "the same validate_args guard as the [metp-fp32-recipe] id",
+    "tests/test_megatron_lm_train.py::test_overlapped_grad_reduce_and_param_gather_train_as_"
+    "without[metp-modules]":
+        "the release's DDP hook wiring (wire_ddp in each release's patch) is checked on both "
+        "releases by the [streaming-layer] id; which METP modules the cover marks is METP's own",
     "tests/test_megatron_lm_train.py::test_resume_in_the_same_layout_is_bit_exact[tp]":
         "stock Megatron-LM's own resume; METP's sharded state dict is the [metp] id",
     "tests/test_hf_megatron_lm_families.py::test_pretrain_gpt_prints_transformers_loss_at_"
