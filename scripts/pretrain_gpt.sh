@@ -502,8 +502,8 @@ fi
 
 [[ -f "$MEGATRON_LM_DIR/pretrain_gpt.py" ]] ||
     die "MEGATRON_LM_DIR=$MEGATRON_LM_DIR is not a Megatron-LM checkout"
-grep -q megatron_metp "$MEGATRON_LM_DIR/pretrain_gpt.py" ||
-    die "$MEGATRON_LM_DIR is not patched for METP: run $METP_DIR/scripts/apply_patches.sh $MEGATRON_LM_DIR"
+# patched by this version of patches/ (an older patch lacks calls the plugin relies on)
+"$PYTHON" -m megatron_metp.megatron_lm.patch_markers "$MEGATRON_LM_DIR" || exit 1
 cd "$MEGATRON_LM_DIR"  # relative paths in the arguments are taken from here, by the ranks too
 if [[ "$MODE" == preflight || "${PREFLIGHT:-1}" != 0 ]]; then
     PRE=("$PYTHON" -m megatron_metp.megatron_lm.preflight --world-size "$WORLD_SIZE")

@@ -291,3 +291,36 @@ def test_a_metp_ring_across_nodes_and_the_exit_timer_are_refused_before_any_rank
     assert "--exit-signal-handler" in timer[0] and "--exit-interval N" in timer[0]
     stock = [a if a != "--metp-parallel-size" else "--tensor-model-parallel-size" for a in argv]
     assert preflight.job_problems([*stock, "--exit-duration-in-mins", "30"], 2, cpu=True) == []
+
+
+def test_the_launcher_refuses_a_checkout_patched_by_an_older_patch(tmp_path):
+    """A checkout whose files carry an older METP patch (here: ``training.py`` calling
+    ``wire_wide_expert_parallel`` but not ``wire_ddp``, which the overlapped parameter gather
+    needs) is refused before any rank starts, naming the file and how to patch again; the same
+    checkout with the current calls passes to the preflight (the negative control), and one with
+    no patch at all is told to run the patch script."""
+    from megatron_metp.megatron_lm.patch_markers import PATCHED_FILES
+
+    d = tmp_path / "Megatron-LM"
+    for rel, call in PATCHED_FILES.items():
+        (d / rel).parent.mkdir(parents=True, exist_ok=True)
+        (d / rel).write_text(f"# stock\n{call}(args)\n" if rel != "megatron/training/training.py"
+                             else "# stock\nwire_wide_expert_parallel(model)\n")
+
+    def launch():
+        env = dict(os.environ, MEGATRON_LM_DIR=str(d), METP_CPU="1")
+        return subprocess.run(["bash", "scripts/pretrain_gpt.sh", "--config",
+                               "configs/tiny-cpu-metp2.sh", "--preflight"], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=120)
+
+    old = launch()
+    assert old.returncode == 1
+    assert "megatron/training/training.py without the calls the current patches add" in \
+        old.stderr and "scripts/apply_patches.sh" in old.stderr, old.stderr
+    (d / "megatron/training/training.py").write_text("wire_ddp(model)\n")
+    new = launch()
+    assert new.returncode == 0 and "preflight: OK (2 ranks" in new.stderr, new.stderr
+    for rel in PATCHED_FILES:
+        (d / rel).write_text("# stock\n")
+    stock = launch()
+    assert stock.returncode == 1 and "is not patched for METP: run" in stock.stderr

@@ -52,6 +52,7 @@ import time
 from typing import Dict, List, Optional
 
 from ..megatron_lm.cpu import stub_batch_invariant_kernels
+from ..megatron_lm.patch_markers import PATCHED_FILES, problem as patch_problem  # noqa: F401
 from . import fakerank as FR
 from .dry_run_memory import inflight_microbatches, optimizer_bytes_per_param, static_memory
 from .dry_run_report import format_report
@@ -61,13 +62,6 @@ from .standins import stock_standins
 MiB = 2 ** 20
 GiB = 2 ** 30
 
-#: files the patches change, and the call each must contain once patched
-PATCHED_FILES = {
-    "pretrain_gpt.py": "add_metp_args",  # both releases' patches register the flags there
-    "megatron/training/arguments.py": "validate_metp_args",
-    "megatron/training/initialize.py": "metp_expert_model_parallel_size",
-    "megatron/training/training.py": "wire_ddp",
-}
 
 
 class DryRunError(RuntimeError):
@@ -80,18 +74,10 @@ def check_checkout(megatron_lm_dir: str) -> str:
     """Absolute path of a patched Megatron-LM checkout, or a ``DryRunError`` saying what to do."""
     if not megatron_lm_dir:
         raise DryRunError("no Megatron-LM checkout: pass --megatron-lm-dir or set MEGATRON_LM_DIR")
-    d = os.path.abspath(megatron_lm_dir)
-    if not os.path.isfile(os.path.join(d, "pretrain_gpt.py")):
-        raise DryRunError(f"{d} is not a Megatron-LM checkout (no pretrain_gpt.py)")
-    missing = []
-    for rel, needle in PATCHED_FILES.items():
-        with open(os.path.join(d, rel), encoding="utf-8") as fh:
-            if needle not in fh.read():
-                missing.append(rel)
-    if missing:
-        raise DryRunError(f"{d} is not patched for METP ({', '.join(missing)} unchanged): run "
-                          f"scripts/apply_patches.sh {d}")
-    return d
+    msg = patch_problem(megatron_lm_dir)
+    if msg:
+        raise DryRunError(msg)
+    return os.path.abspath(megatron_lm_dir)
 
 
 def _have_transformer_engine() -> bool:
