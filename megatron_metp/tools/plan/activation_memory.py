@@ -9,7 +9,7 @@ from typing import Dict, Optional
 
 from . import mla
 from .metp import metp_phases
-from .moe import dispatch_state, moe_layer
+from .moe import dispatch_state, moe_layer, mpu_buffer
 from .streaming import streaming_applies, streaming_phases
 from .model import BF16, FP32, Job, Model, canonical, layout, padded_vocab
 from .keep import kept_bytes, kept_not_re_formed, kept_split
@@ -349,6 +349,8 @@ def activations(model: Model, job: Job, mode: str, seq: Optional[int] = None,
         X, persistent, kor = _stock_stored(model, job, mode, g, S)
     if model.moe:  # Megatron's MoELayer in place of the MLP (.moe)
         X, kor = moe_layer(model, job, g.lay, stage, nl, S, X), None
+        # the allgather dispatcher's tokens in Megatron's global buffer (one per rank)
+        persistent = max(persistent, mpu_buffer(model, job, g.lay, nl))
     dy = BF16 * nl * h  # the gradient arriving at a block
     off = offloaded_layers(job, g.L)
     # the streaming op runs METP's own MLP: a MoE model's layers run as separate ops

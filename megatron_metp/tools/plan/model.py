@@ -156,8 +156,8 @@ PRESET_NOTES: Dict[str, str] = {
                     "attention's memory and time for stock Megatron too (its sinks, linear "
                     "biases and clamped SwiGLU are not in the plan's arithmetic)",
     "glm-4.5-air": "GLM-4.5-Air's shared expert is planned as a dense MLP of 1408 beside the "
-                   "routed experts (its weights and time; its activations are not counted); "
-                   "its MTP layer is not planned",
+                   "routed experts (its weights, activations and time); its MTP layer is not "
+                   "planned",
 }
 
 

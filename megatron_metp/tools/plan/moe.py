@@ -37,8 +37,9 @@ the fewest tiles within ``METP_TILE_BUDGET_MIB``, 1 GiB). ``--no-moe-token-tiles
 tile (``METP_MOE_TOKEN_TILES=1``).
 
 **Dispatcher buffers** of one pass of ``N`` tokens over ``ep`` ranks (:func:`dispatcher`):
-allgather: the gathered tokens ``[N·ep, h]`` (bf16) with the gathered probabilities and routing
-map ``[N·ep, E]`` (fp32 + bool), the combine's output ``[N·ep, h]`` before its reduce-scatter,
+allgather: the gathered probabilities and routing map ``[N·ep, E]`` (fp32 + bool; the gathered
+tokens ``[N·ep, h]`` go to Megatron's persistent global buffer, held for the step:
+:func:`mpu_buffer`), the combine's output ``[N·ep, h]`` before its reduce-scatter,
 and in the backward the gathered output gradient and the input gradient before its
 reduce-scatter (``[N·ep, h]`` each); alltoall: the permuted rows sent ``[N·k, h]``, and in the
 combine and the backward the ``[r, h]`` rows beside the ``[N·k, h]`` ones exchanged (the
@@ -46,8 +47,10 @@ received ``[r, h]`` of the dispatch are the experts' stored input). With EP 1 no
 exchanged: the permutation's input gradient ``[N, h]``.
 
 **Activations** (:func:`moe_layer`): a MoE layer stores the router's ``[N, E]`` logits,
-probabilities and routing map and, with one tile, ``r`` routed rows of ``2h + 6f′ + 4`` bytes;
-the last layer's
+probabilities and routing map, with one tile ``r`` routed rows of ``2h + 6f′ + 4`` bytes, and
+its shared expert's tensors (:func:`shared_stored`: stock's fc1 output and fc2 input; none under
+METP); the shared expert's forward and backward are phases of their own
+(:func:`shared_phases`); the last layer's
 MLP phases become the MoE's (forward: the output ``[N, h]`` and the combine's buffers; backward:
 the gradients of the routed rows, the dispatcher's backward buffers and one expert's bf16 weight
 gradient; with tiles, one tile's rows re-formed and their gradients); the attention backward runs after the MoE's stored tensors are freed. Under full recompute stock
@@ -67,7 +70,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Dict, List, Tuple
 
+from .metp import metp_phases
 from .model import BF16, FP32, Job, Model
+from .stock import stock_mlp_phases
 
 #: phase and stored-item names
 MOE_FREED = "(MoE layer's stored activations freed)"
@@ -172,16 +177,17 @@ def tile_tokens(model: Model, job: Job, lay, N: int) -> int:
 def dispatcher(model: Model, job: Job, ep: int, N: int) -> Dict[str, Dict[str, float]]:
     """The dispatcher's buffers of one pass of ``N`` tokens beyond the routed rows the experts
     keep: ``{"dispatch": ..., "combine": ..., "backward": ...}`` (bytes; see the module
-    docstring). With one rank in the group nothing is gathered or exchanged: the backward's
-    input gradient ``[N, h]`` (the permutation's) is all."""
+    docstring; the allgather's gathered tokens are in :func:`mpu_buffer`, not here). With one
+    rank in the group nothing is gathered or exchanged: the backward's input gradient ``[N, h]``
+    (the permutation's) is all."""
     h, E = model.hidden, model.experts
     if ep == 1:
         return {"dispatch": {}, "combine": {},
                 "backward": {"the permutation's input gradient [N, h] (bf16)": BF16 * N * h}}
     if job.moe_dispatcher == "allgather":
         g = N * ep
-        return {"dispatch": {"allgather: gathered tokens [N·ep, h] (bf16)": BF16 * g * h,
-                             "allgather: gathered probabilities and routing map [N·ep, E] "
+        # (the gathered tokens [N·ep, h] land in Megatron's global buffer: :func:`mpu_buffer`)
+        return {"dispatch": {"allgather: gathered probabilities and routing map [N·ep, E] "
                              "(fp32 + bool)": (FP32 + 1) * g * E},
                 "combine": {"allgather: combined output [N·ep, h] before its reduce-scatter "
                             "(bf16)": BF16 * g * h},
@@ -196,8 +202,71 @@ def dispatcher(model: Model, job: Job, ep: int, N: int) -> Dict[str, Dict[str, f
                          "back [N·k, h] (bf16)": BF16 * r * h + sent}}
 
 
+def mpu_buffer(model: Model, job: Job, lay, N: int) -> float:
+    """Bytes of Megatron's global ``"mpu"`` buffer that the allgather dispatcher gathers a
+    pass's tokens into (``gather_from_sequence_parallel_region(..., use_global_buffer=True)``
+    over the TP × EP group, expert TP 1): ``[T·ep, h]`` bf16, ``T`` the tokens of one pass (one
+    MoE tile under METP, else ``N``), allocated at the first MoE layer's dispatch and held for
+    the whole step (the same buffer as stock SP's all-gathers: the larger sets its size). None
+    with EP 1 (nothing gathered) or the alltoall dispatcher."""
+    ep = expert_parallel(job, lay)
+    if not model.moe or job.moe_dispatcher != "allgather" or ep == 1:
+        return 0.0
+    return BF16 * tile_tokens(model, job, lay, N) * ep * model.hidden
+
+
+def shared_stored(model: Model, lay, N: int) -> Dict[str, float]:
+    """What a MoE layer's shared expert (``--moe-shared-expert-intermediate-size F_s``) keeps
+    for its backward beyond the pre-MLP norm's output it reads (counted with the norms).
+
+    Stock Megatron's ``SharedExpertMLP`` is an ``MLP`` of width ``F_s``, TP-sharded as the
+    dense one and on all ``n`` tokens of the TP group (SP all-gathers its input, saving the
+    local shard: the norm output): fc1's output ``[n, k·F_s/t]`` (gate|up; the fused SwiGLU
+    keeps only its input) and fc2's input ``[n, F_s/t]`` (bf16). METP's
+    :class:`~megatron_metp.megatron.shared_expert.METPSharedExpertMLP` runs the METP MLP op,
+    which saves its input and its weights only and re-forms ``x·W1ᵀ`` in the backward
+    (``--keep-intermediate`` is refused with experts): nothing more. The optional sigmoid gate
+    (``--moe-shared-expert-gate``, not a plan setting) would add its ``[N, h]`` ungated output
+    and ``[N, 1]`` score."""
+    Fs = model.moe_shared_ffn
+    if not model.moe or not Fs or lay.mode in ("metp", "metp+vocab"):
+        return {}
+    n = N * lay.t if lay.sp else N  # the TP group's tokens (SP: the shard's N gathered)
+    if model.swiglu:
+        return {"MoE shared expert: fc1 output, gate|up (bf16)": BF16 * n * 2 * Fs // lay.t,
+                "MoE shared expert: silu(gate)·up = fc2 input (bf16)": BF16 * n * Fs // lay.t}
+    return {"MoE shared expert: fc1 output (bf16)": BF16 * n * Fs // lay.t,
+            "MoE shared expert: GeLU output (bf16)": BF16 * n * Fs // lay.t}
+
+
+def shared_phases(model: Model, job: Job, lay, N: int, S: Dict[str, float],
+                  routed: float) -> Dict[str, Dict[str, float]]:
+    """The shared expert's forward and backward transients in the last MoE layer, relative to
+    everything stored: the mode's MLP of width ``F_s`` (METP's op, :func:`.metp.metp_phases`;
+    stock's, :func:`.stock.stock_mlp_phases`). Its forward runs before the router (nothing of
+    the router's and routed experts' ``routed`` bytes formed yet), its backward after theirs
+    (freed by then; the routed part's input gradient ``[N, h]`` held to be summed with the
+    shared expert's)."""
+    if not model.moe_shared_ffn:
+        return {}
+    twin = replace(model, ffn=model.moe_shared_ffn)
+    if lay.mode in ("metp", "metp+vocab"):
+        ph = metp_phases(twin, job, lay, N, S)
+        fwd, bwd = ph["MLP forward (last layer)"], ph["MLP backward (last layer)"]
+    else:
+        ph = stock_mlp_phases(twin, lay, N * lay.t if lay.sp else N, N)
+        fwd, bwd = ph["forward"], ph["backward"]
+    return {"MLP shared expert forward (last layer)":
+            dict({"(MoE router and routed experts' tensors not formed yet)": -routed}, **fwd),
+            "MLP shared expert backward (last layer)":
+            dict({"(MoE router and routed experts' tensors freed)": -routed,
+                  "the routed part's input gradient [tokens, h], held (bf16)":
+                      BF16 * N * model.hidden}, **bwd)}
+
+
 def moe_stored(model: Model, job: Job, lay, N: int) -> Dict[str, float]:
-    """What one MoE layer keeps for its backward beyond its norms (one micro-batch)."""
+    """What one MoE layer keeps for its backward beyond its norms (one micro-batch): the
+    router's, the routed rows' (untiled) and the shared expert's (:func:`shared_stored`)."""
     S = {"MoE router: logits, probabilities and routing map [tokens, E] (bf16, fp32, bool)":
          (BF16 + FP32 + 1) * N * model.experts,
          "MoE router: top-k indices (int64)": 8 * N * model.topk}
@@ -205,6 +274,7 @@ def moe_stored(model: Model, job: Job, lay, N: int) -> Dict[str, float]:
         stored, _ = routed_row_bytes(model)
         S["MoE routed rows: experts' input, fc1's output, fc2's input, probability"] = \
             routed_rows(model, job, N) * stored
+    S.update(shared_stored(model, lay, N))
     return S
 
 
@@ -238,6 +308,8 @@ def moe_phases(model: Model, job: Job, lay, N: int) -> Dict[str, Dict[str, float
     else:
         fwd = {"MoE output [tokens, h] (bf16)": out_n, **disp["combine"]}
         bwd = dict(grads, **disp["backward"], **wgrad)
+    if model.moe_shared_ffn:  # computed first, added to the routed output at the end
+        fwd["the shared expert's output [tokens, h], held (bf16)"] = out_n
     return {"MLP forward (last layer)": fwd, "MLP backward (last layer)": bwd}
 
 
@@ -292,8 +364,9 @@ def moe_layer(model: Model, job: Job, lay, stage: str, N: int, S: Dict[str, floa
               X: Dict[str, Dict[str, float]]) -> Dict[str, Dict[str, float]]:
     """Turn the mode's dense layer (stored ``S``, updated in place; phases ``X``) into the
     stage's MoE layers: the dense MLP's stored tensors weighted by the stage's dense share, the
-    MoE's by its MoE share; the last layer's MLP phases the MoE's when it is a MoE layer, its
-    attention backward after the MoE's stored tensors are freed. Returns the phases."""
+    MoE's (router, routed rows, shared expert) by its MoE share; the last layer's MLP phases the
+    MoE's and its shared expert's when it is a MoE layer, its attention backward after the MoE's
+    stored tensors are freed. Returns the phases."""
     n_moe, n_dense = stage_layers(model, job.pp, stage)
     L = n_moe + n_dense
     if not n_moe:
@@ -309,6 +382,8 @@ def moe_layer(model: Model, job: Job, lay, stage: str, N: int, S: Dict[str, floa
         return X
     X = dict(X)
     X.update(moe_phases(model, job, lay, N))
+    X.update(shared_phases(model, job, lay, N, S, sum(moe.values()) -
+                           sum(shared_stored(model, lay, N).values())))
     att = "attention backward (last layer)"
     if att in X:
         X[att] = dict(X[att], **{MOE_FREED: -sum(moe.values())})

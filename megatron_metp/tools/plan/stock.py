@@ -13,22 +13,16 @@ def _mlp_part(S: Dict[str, float]) -> float:
     return sum(v for k, v in S.items() if k.startswith("MLP"))
 
 
-def stock_phases(model, job, lay, n, nl, S, stock_core) -> Dict[str, Dict[str, float]]:
-    """Backward transients of the last layer of a stock-layer mode (Megatron linears)."""
-    t = lay.t
-    h, A, G, d, F = model.hidden, model.heads, model.groups, model.head_dim, model.ffn
-    hq, hk = A * d, G * d
-    hqt, hkt, At = hq // t, hk // t, A // t
-    b = job.micro_batch
-    s = n * lay.c // b
+def stock_mlp_phases(model, lay, n, nl) -> Dict[str, Dict[str, float]]:
+    """A stock Megatron MLP of width ``model.ffn`` (TP-sharded, SP when ``lay.sp``; the dense
+    MLP, or a MoE layer's shared expert, ``SharedExpertMLP``): ``{"backward": ..., "forward":
+    ...}``, its buffers at the largest step beyond what it saved. Backward, step by step: fc2
+    ``dA = dy·W2`` (+ SP: ``dy`` all-gathered) and ``dW2``; the activation ``dZ`` while ``dA``
+    is alive and the activation output (saved for fc2) is gone (fc1's ``dX`` and ``dW1`` are
+    smaller). Forward: fc2's output ``[n, h]`` before TP's all-reduce / SP's reduce-scatter and
+    the reduce-scatter's output ``[nl, h]``."""
+    t, h, F = lay.t, model.hidden, model.ffn
     gather = BF16 * n * h if lay.sp else 0  # SP: the gradient all-gathered to all tokens
-    mlp_saved = _mlp_part(S)
-    half_ln = (S["norm inputs (2 LayerNorms)"] + S["norm outputs (2 LayerNorms)"]
-               + S["norm statistics (fp32)"]) / 2
-    ph: Dict[str, Dict[str, float]] = {}
-    # MLP backward, step by step (each step's buffers; the largest step counts):
-    # fc2: dA = dy·W2 (+ SP: dy all-gathered) and dW2; activation: dZ while dA is alive and the
-    # activation output (saved for fc2) is gone; fc1: dX (+ SP reduce-scatter) and dW1.
     dA = BF16 * n * F // t
     dW2 = BF16 * h * F // t
     if model.swiglu:
@@ -38,7 +32,25 @@ def stock_phases(model, job, lay, n, nl, S, stock_core) -> Dict[str, Dict[str, f
     steps = [dict({"d(fc2 input) (bf16)": dA, "dW2 (bf16)": dW2},
                   **({"SP gradient all-gather (bf16)": gather} if gather else {})),
              act_step]
-    ph["MLP backward (last layer)"] = max(steps, key=lambda d_: sum(d_.values()))
+    forward = dict({"fc2 output before the TP reduction (bf16)": BF16 * n * h},
+                   **({"SP reduce-scatter output (bf16)": BF16 * nl * h} if lay.sp else {}))
+    return {"backward": max(steps, key=lambda d_: sum(d_.values())), "forward": forward}
+
+
+def stock_phases(model, job, lay, n, nl, S, stock_core) -> Dict[str, Dict[str, float]]:
+    """Backward transients of the last layer of a stock-layer mode (Megatron linears)."""
+    t = lay.t
+    h, A, G, d = model.hidden, model.heads, model.groups, model.head_dim
+    hq, hk = A * d, G * d
+    hqt, hkt, At = hq // t, hk // t, A // t
+    b = job.micro_batch
+    s = n * lay.c // b
+    gather = BF16 * n * h if lay.sp else 0  # SP: the gradient all-gathered to all tokens
+    mlp_saved = _mlp_part(S)
+    half_ln = (S["norm inputs (2 LayerNorms)"] + S["norm outputs (2 LayerNorms)"]
+               + S["norm statistics (fp32)"]) / 2
+    mlp = stock_mlp_phases(model, lay, n, nl)
+    ph: Dict[str, Dict[str, float]] = {"MLP backward (last layer)": mlp["backward"]}
     # attention backward (after the MLP and its norm are done): linear_proj, core, QKV
     base = {"(MLP and second-norm activations freed)": -(mlp_saved + half_ln)}
     dproj = BF16 * n * hqt
@@ -59,10 +71,11 @@ def stock_phases(model, job, lay, n, nl, S, stock_core) -> Dict[str, Dict[str, f
     ph["attention backward (last layer)"] = dict(base, **step)
     # end of the last layer's forward: the MLP output (before TP's all-reduce / SP's
     # reduce-scatter) and the layer output (the next stage's input, or the final norm's)
+    fwd = mlp["forward"]  # (the layer output after fc2's output, as Megatron forms them)
     ph["MLP forward (last layer)"] = dict(
-        {"fc2 output before the TP reduction (bf16)": BF16 * n * h,
-         "layer output (bf16)": BF16 * nl * h},
-        **({"SP reduce-scatter output (bf16)": BF16 * nl * h} if lay.sp else {}))
+        {k: v for k, v in fwd.items() if k.startswith("fc2")},
+        **{"layer output (bf16)": BF16 * nl * h},
+        **{k: v for k, v in fwd.items() if not k.startswith("fc2")})
     # attention forward of the last layer, where it holds more than its stored activations
     later = mlp_saved + half_ln
     if stock_core and job.kernel == "unfused":
