@@ -31,13 +31,13 @@ def metp_phases(model, job, lay, n, S) -> Dict[str, Dict[str, float]]:
 
     # MLP: weight ring (own packed + held, bf16), travelling gradient sum (two fp32 buffers),
     # then one shard's z (recomputed unless kept), f(z), d(f(z)) and dz (the dx / dW GEMMs
-    # accumulate in place); token tiles (.tiles): per tile of R rows, the whole dx output kept
-    R = mlp_tile_rows(n, h, f, k, job.keep_intermediate, job.mlp_token_tile)
-    tiled = R < n
-    z = 0 if job.keep_intermediate else BF16 * R * k * f
-    a = BF16 * R * f
-    dz = BF16 * R * k * f
-    halves = 2 * BF16 * R * f if model.swiglu else 0
+    # accumulate in place); token tiles (.tiles): per tile of Rm rows, the whole dx output kept
+    Rm = mlp_tile_rows(n, h, f, k, job.keep_intermediate, job.mlp_token_tile)
+    tiled = Rm < n
+    z = 0 if job.keep_intermediate else BF16 * Rm * k * f
+    a = BF16 * Rm * f
+    dz = BF16 * Rm * k * f
+    halves = 2 * BF16 * Rm * f if model.swiglu else 0
     ring = ({"MLP weight ring: own packed + held shard (bf16)": 2 * BF16 * Wm,
              "MLP gradient sum: two travelling buffers (fp32)": 2 * FP32 * Wm}
             if p > 1 else {"MLP gradient sum (fp32)": FP32 * Wm})
@@ -46,7 +46,7 @@ def metp_phases(model, job, lay, n, S) -> Dict[str, Dict[str, float]]:
     steps = [z + a + a + halves + dz,
              z + a + dz]
     mlp_dx = ({"dx output, filled tile by tile (bf16)": BF16 * n * h,
-               f"dx accumulator of one tile of {R:,} rows (fp32)": FP32 * R * h}
+               f"dx accumulator of one tile of {Rm:,} rows (fp32)": FP32 * Rm * h}
               if tiled else dxacc)
     ph["MLP backward (last layer)"] = dict(mlp_dx, **ring, **{
         "one shard's z, f(z) and dz": max(steps)})
@@ -67,8 +67,9 @@ def metp_phases(model, job, lay, n, S) -> Dict[str, Dict[str, float]]:
         common["pre-norm q, k, v of the head group (bf16, --qk-layernorm)"] = \
             BF16 * n * (hqg + 2 * hkg)
     common["o_g seq-first copy, d(o_g) (bf16)"] = 2 * BF16 * n * hqg
+    # (the METP op holds both dK/dV sum buffers from its first off-diagonal step on; measured)
     ring_step = dict(common, **{"d(o_g) heads-first (bf16)": BF16 * n * hqg},
-                     **ring_backward_buffers(n, hqg, hkg, Ag, R, job))
+                     **ring_backward_buffers(n, hqg, hkg, Ag, R, job, off_diagonal_sums=2))
     grads32 = FP32 * n * (hqg + 2 * hkg)  # dq, dk, dv in fp32 (after RoPE: new dq, dk)
     rope_step = dict(common, **{"ring dq, dk, dv (fp32)": grads32,
                                 "RoPE transpose of dq: temporaries and result (fp32)":
@@ -101,8 +102,8 @@ def metp_phases(model, job, lay, n, S) -> Dict[str, Dict[str, float]]:
     # ... and the MLP forward: y in fp32 (accumulated in place), the weight ring, z and f(z)
     mlp_fwd = {"(kept z of the last layer not formed yet)":
                -S.get("MLP x·W1ᵀ of every shard (keep_intermediate)", 0),
-               "y accumulator (fp32)": FP32 * R * h,
-               "one shard's z and f(z) (bf16)": BF16 * R * k * f + BF16 * R * f}
+               "y accumulator (fp32)": FP32 * Rm * h,
+               "one shard's z and f(z) (bf16)": BF16 * Rm * k * f + BF16 * Rm * f}
     if tiled:
         mlp_fwd["y output, filled tile by tile (bf16)"] = BF16 * n * h
     if p > 1:

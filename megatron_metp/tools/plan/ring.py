@@ -29,7 +29,7 @@ def ring_forward_buffers(n, hq, hk, A, p, job) -> Dict[str, float]:
     return out
 
 
-def ring_backward_buffers(n, hq, hk, A, p, job) -> Dict[str, float]:
+def ring_backward_buffers(n, hq, hk, A, p, job, off_diagonal_sums: int = 0) -> Dict[str, float]:
     """Buffers of ``ops.ring_attention.ring_attention_backward`` for ``n`` local tokens (``b``
     folded in) of ``hq``/``hk`` query/key widths and ``A`` heads, at its largest step on rank 0.
 
@@ -39,7 +39,10 @@ def ring_backward_buffers(n, hq, hk, A, p, job) -> Dict[str, float]:
     half of the queries against all keys, so the kernel gets contiguous copies of the query,
     output and output-gradient halves), then ``p−2`` … 1 (the same shape, both sum buffers
     alive), then its own diagonal block (all × all, causal, both buffers). GQA: the block kernel
-    expands K/V to the query heads and folds dK/dV back.
+    expands K/V to the query heads and folds dK/dV back. ``off_diagonal_sums``: the sum buffers
+    alive at an off-diagonal step when the caller knows them (the METP attention op: both, at
+    any ring size, as ``metp measure`` finds at METP 2: tests/test_partial_plan.py); by default
+    the second one only past a ring of 2.
     """
     b = job.micro_batch
     gqa = hk < hq
@@ -72,6 +75,6 @@ def ring_backward_buffers(n, hq, hk, A, p, job) -> Dict[str, float]:
     steps.append(diag)
     if p > 1:
         off = dict(base, **kernel(n // 2, n, True))
-        off["dK/dV travelling sum (fp32)"] = (2 if p > 2 else 1) * ts
+        off["dK/dV travelling sum (fp32)"] = (off_diagonal_sums or (2 if p > 2 else 1)) * ts
         steps.append(off)
     return max(steps, key=lambda d_: sum(d_.values()))
