@@ -128,9 +128,8 @@ def test_relative_paths_are_taken_from_the_submit_folder(tmp_path):
 def _checkout(tmp_path, yarn):
     tmp_path.mkdir(exist_ok=True)
     mlm, bin_dir = _fake_launch(tmp_path)
-    (mlm / "megatron" / "training").mkdir(parents=True)
-    (mlm / "megatron" / "training" / "arguments.py").write_text(
-        "p.add_argument('--yarn-beta-fast')\n" if yarn else "p.add_argument('--rope')\n")
+    with open(mlm / "megatron" / "training" / "arguments.py", "a") as fh:  # (patched by it)
+        fh.write("p.add_argument('--yarn-beta-fast')\n" if yarn else "p.add_argument('--rope')\n")
     return mlm, bin_dir
 
 

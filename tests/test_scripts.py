@@ -211,9 +211,13 @@ def test_run_mode_refuses_an_unpatched_checkout(tmp_path):
 
 def _fake_launch(tmp_path):
     """A patched-looking Megatron-LM checkout and a torchrun/srun that only record their call."""
+    from megatron_metp.megatron_lm.patch_markers import PATCHED_FILES
+
     mlm = tmp_path / "Megatron-LM"
-    mlm.mkdir()
-    (mlm / "pretrain_gpt.py").write_text("# patched: megatron_metp\n")
+    for rel, call in PATCHED_FILES.items():  # each file with the current patch's call
+        (mlm / rel).parent.mkdir(parents=True, exist_ok=True)
+        with open(mlm / rel, "a") as fh:  # (a caller may have written the file already)
+            fh.write(f"# patched: megatron_metp.{call}\n")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for tool in ("torchrun", "srun"):
