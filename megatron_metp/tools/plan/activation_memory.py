@@ -9,7 +9,7 @@ from typing import Dict, Optional
 
 from . import mla
 from .metp import metp_phases
-from .moe import dispatch_state, moe_layer, mpu_buffer
+from .moe import dispatch_state, held_gradients, moe_layer, mpu_buffer
 from .streaming import streaming_applies, streaming_phases
 from .model import BF16, FP32, Job, Model, canonical, layout, padded_vocab
 from .keep import kept_bytes, kept_not_re_formed, kept_split
@@ -389,6 +389,11 @@ def activations(model: Model, job: Job, mode: str, seq: Optional[int] = None,
     elif g.last:
         phases.update(_output_layer_phases(model, g))
     phases.update(_layer_phases(model, g, X, shifts, head, dy))
+    held = held_gradients(model, job, g.lay, stage, dy) if model.moe else 0.0
+    if held:  # the first layer's backward: the last layer's phases and the gradients held above
+        phases.update({k.replace("(last layer)", "(first layer)"): dict(
+            v, **{"input gradients of the MoE layers done, held by their dispatchers": held})
+            for k, v in list(phases.items()) if "(last layer)" in k and "forward" not in k})
     phases.update(_embedding_phases(model, g, S, head, dy))
     inflight = job.inflight if g.first else 1
     # the streaming layer's stashes live in one layer's forward or backward: the final norm's

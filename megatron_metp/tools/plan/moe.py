@@ -293,6 +293,23 @@ def dispatch_state(model: Model, job: Job, lay, stage: str, N: int) -> Dict[str,
             b * n_moe / (n_moe + n_dense)}
 
 
+def held_gradients(model: Model, job: Job, lay, stage: str, dy: float) -> float:
+    """Bytes the first layer's backward holds beyond the last layer's under stock full
+    recompute: the dispatcher of every MoE layer whose backward is done keeps its recompute
+    call's probabilities (alltoall ``probs``, allgather ``local_probs``) until the next step,
+    and with them their autograd graph down to the checkpoint's detached input, whose ``.grad``
+    (that layer's input gradient ``[N, h]``, ``dy``) stays alive; the layer just above the
+    first one's is the first one's incoming gradient (counted). Measured: 4 MoE layers, the
+    first layer's re-run forward 2 such gradients above the last layer's. Mode ``metp`` drops
+    the dispatch state after each call (:func:`dispatch_state`): none."""
+    if not dispatch_state(model, job, lay, stage, 1):
+        return 0.0
+    L = model.layers // job.pp
+    flags = moe_layer_flags(model)
+    flags = flags[:L] if stage == "first" or job.pp == 1 else flags[-L:]
+    return sum(flags[2:]) * dy
+
+
 def moe_layer(model: Model, job: Job, lay, stage: str, N: int, S: Dict[str, float],
               X: Dict[str, Dict[str, float]]) -> Dict[str, Dict[str, float]]:
     """Turn the mode's dense layer (stored ``S``, updated in place; phases ``X``) into the
