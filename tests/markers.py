@@ -142,6 +142,7 @@ SLOW_FIXTURES = {
     "tests/test_hf_moe_families.py::models": 11.5,
     "tests/test_moe_plan.py::measured": 6.5,
     "tests/test_moe_shared_plan.py::measured": 6.0,
+    "tests/test_moe_stock_recompute_plan.py::measured": 9.1,
     "tests/test_plan.py::measured": 40.4,
     "tests/test_recompute.py::metp2": 19.5,
     "tests/test_hf.py::models": 9.3,

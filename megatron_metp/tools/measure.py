@@ -102,8 +102,10 @@ def measure_here(model: "P.Model", job: "P.Job", mode: str, *, cpu_matmul: bool 
     from ..megatron.training import init_parallel
     from ..runtime.offload import ActivationOffloader
 
-    # METP folds its groups into parallel_state; the stock modes are TP(+SP) x CP there
-    if model.moe and mode != "metp" and ep > 1:  # stock expert parallelism (parallel folding)
+    # METP folds its groups into parallel_state; the stock modes are TP(+SP) x CP there; stock
+    # experts with expert TP 1 as the config says (also at EP 1 under TP: parallel_state's
+    # default expert TP would be TP, gathering the experts' tokens over the TP group)
+    if model.moe and mode != "metp" and (ep > 1 or lay.t > 1):
         groups = _init_stock_ep(lay, job, ep)
     else:
         wide = mode == "metp" and model.moe and ep > lay.p  # EP wider than METP (wide_ep)

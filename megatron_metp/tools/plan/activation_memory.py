@@ -9,7 +9,7 @@ from typing import Dict, Optional
 
 from . import mla
 from .metp import metp_phases
-from .moe import dispatch_state, moe_layer, mpu_buffer
+from .moe import dispatch_state, held_gradients, moe_layer, mpu_buffer
 from .streaming import streaming_applies, streaming_phases
 from .model import BF16, FP32, Job, Model, canonical, layout, padded_vocab
 from .keep import kept_bytes, kept_not_re_formed, kept_split
@@ -178,8 +178,11 @@ def _stock_stored(model: Model, job: Job, mode: str, g: _Geometry, S: Dict[str, 
     if model.qk_layernorm and not model.mla:
         # stock SelfAttention's q/k norms keep their inputs: q is a reshaped copy of its
         # split, k a view of the QKV projection output, which it keeps alive (counted above
-        # where v's view keeps it anyway)
-        S["q norm input: q's reshaped copy (bf16)"] = BF16 * n * hqt
+        # where v's view keeps it anyway); q's split [s, b, G/t, (A/G)·d] reshapes to
+        # [s, b, A/t, d] as a view, no copy, when either of its middle sizes is 1: one query
+        # group on the rank (G = t; measured: TP 4 of 4 groups) or one head per group (A = G)
+        if G // t > 1 and gqa:
+            S["q norm input: q's reshaped copy (bf16)"] = BF16 * n * hqt
         if not stock_core or (gqa and not flash):
             S["QKV projection output, kept by k's norm (bf16)"] = \
                 BF16 * n * (hq + 2 * hk) // t
@@ -283,8 +286,11 @@ def _layer_phases(model: Model, g: _Geometry, X, shifts, head, dy: float):
             ph["re-formed by recompute / brought back from the host"] = shift
         phases[name] = ph
         if forward and shifts.get("recompute") is not None:  # run again in backward
+            # beside the gradient arriving at the chunk, which Megatron's
+            # CheckpointFunction.backward holds while it re-runs the forward
             phases[name.replace("forward", "recompute")] = dict(
-                ph, **{"re-formed by recompute / brought back from the host":
+                ph, **{"incoming gradient [tokens, h] (bf16)": dy,
+                       "re-formed by recompute / brought back from the host":
                        shifts["recompute"]})
     if not g.last:
         phases = {k: {kk: vv for kk, vv in v.items() if kk != HEAD_FREED}
@@ -383,6 +389,11 @@ def activations(model: Model, job: Job, mode: str, seq: Optional[int] = None,
     elif g.last:
         phases.update(_output_layer_phases(model, g))
     phases.update(_layer_phases(model, g, X, shifts, head, dy))
+    held = held_gradients(model, job, g.lay, stage, dy) if model.moe else 0.0
+    if held:  # the first layer's backward: the last layer's phases and the gradients held above
+        phases.update({k.replace("(last layer)", "(first layer)"): dict(
+            v, **{"input gradients of the MoE layers done, held by their dispatchers": held})
+            for k, v in list(phases.items()) if "(last layer)" in k and "forward" not in k})
     phases.update(_embedding_phases(model, g, S, head, dy))
     inflight = job.inflight if g.first else 1
     # the streaming layer's stashes live in one layer's forward or backward: the final norm's

@@ -25,7 +25,7 @@ probability (4 B); the backward adds the experts' output gradient (``2h``) and t
 and fc1-output gradients (``(2k + 2)·f′``): with ``--moe-grouped-gemm`` (every expert at once)
 that is issue 30's ``n·k·(4h + 12f′)`` (17 GiB per 131,072 tokens per rank for Qwen3-30B-A3B);
 Megatron's default ``SequentialMLP`` runs the experts one after another, so only one expert's
-gradients are alive beside the output gradient (:func:`backward_rows`).
+gradients are alive beside the output gradient (:func:`.moe_steps.backward_rows`).
 
 **MoE token tiles** (mode ``metp``, :class:`megatron_metp.megatron.moe_tiles.TiledMoELayer`):
 the router runs once over the rank's tokens, the routed part over ``T`` tiles of
@@ -36,15 +36,7 @@ the tiles); ``T`` as the layer resolves it (:func:`tile_count`: ``METP_MOE_TOKEN
 the fewest tiles within ``METP_TILE_BUDGET_MIB``, 1 GiB). ``--no-moe-token-tiles`` plans one
 tile (``METP_MOE_TOKEN_TILES=1``).
 
-**Dispatcher buffers** of one pass of ``N`` tokens over ``ep`` ranks (:func:`dispatcher`):
-allgather: the gathered probabilities and routing map ``[N·ep, E]`` (fp32 + bool; the gathered
-tokens ``[N·ep, h]`` go to Megatron's persistent global buffer, held for the step:
-:func:`mpu_buffer`), the combine's output ``[N·ep, h]`` before its reduce-scatter,
-and in the backward the gathered output gradient and the input gradient before its
-reduce-scatter (``[N·ep, h]`` each); alltoall: the permuted rows sent ``[N·k, h]``, and in the
-combine and the backward the ``[r, h]`` rows beside the ``[N·k, h]`` ones exchanged (the
-received ``[r, h]`` of the dispatch are the experts' stored input). With EP 1 nothing is
-exchanged: the permutation's input gradient ``[N, h]``.
+**Dispatcher buffers and the MoE layer's forward and backward steps**: :mod:`.moe_steps`.
 
 **Activations** (:func:`moe_layer`): a MoE layer stores the router's ``[N, E]`` logits,
 probabilities and routing map, with one tile ``r`` routed rows of ``2h + 6f′ + 4`` bytes, and
@@ -72,6 +64,8 @@ from typing import Dict, List, Tuple
 
 from .metp import metp_phases
 from .model import BF16, FP32, Job, Model
+from .moe_steps import (backward_rows, dispatcher, expert_ffn, moe_backward, moe_forward,
+                        routed_rows)
 from .stock import stock_mlp_phases
 
 #: phase and stored-item names
@@ -101,10 +95,6 @@ def stage_layers(model: Model, pp: int, stage: str = "first") -> Tuple[int, int]
     flags = moe_layer_flags(model)
     flags = flags[:L] if stage == "first" or pp == 1 else flags[-L:]
     return sum(flags), L - sum(flags)
-
-
-def expert_ffn(model: Model) -> int:
-    return model.moe_ffn or model.ffn
 
 
 def expert_elements(model: Model) -> Tuple[int, int]:
@@ -141,11 +131,6 @@ def routed_row_bytes(model: Model) -> Tuple[int, int]:
     return BF16 * (h + k * f + f) + FP32, BF16 * (h + k * f + f)
 
 
-def routed_rows(model: Model, job: Job, tokens: int) -> float:
-    """Routed rows the busiest EP rank runs for ``tokens`` tokens: ``tokens·k·imbalance``."""
-    return tokens * model.topk * job.moe_imbalance
-
-
 def tiled(job: Job, lay) -> bool:
     """Whether the MoE layers run :class:`~megatron_metp.megatron.moe_tiles.TiledMoELayer`
     (mode ``metp``; stock Megatron's ``MoELayer`` never tiles)."""
@@ -172,34 +157,6 @@ def tile_count(model: Model, job: Job, lay, N: int) -> int:
 def tile_tokens(model: Model, job: Job, lay, N: int) -> int:
     """Tokens of the largest MoE tile (the op's balanced tiles: ``ceil(N/T)``)."""
     return -(-N // tile_count(model, job, lay, N))
-
-
-def dispatcher(model: Model, job: Job, ep: int, N: int) -> Dict[str, Dict[str, float]]:
-    """The dispatcher's buffers of one pass of ``N`` tokens beyond the routed rows the experts
-    keep: ``{"dispatch": ..., "combine": ..., "backward": ...}`` (bytes; see the module
-    docstring; the allgather's gathered tokens are in :func:`mpu_buffer`, not here). With one
-    rank in the group nothing is gathered or exchanged: the backward's input gradient ``[N, h]``
-    (the permutation's) is all."""
-    h, E = model.hidden, model.experts
-    if ep == 1:
-        return {"dispatch": {}, "combine": {},
-                "backward": {"the permutation's input gradient [N, h] (bf16)": BF16 * N * h}}
-    if job.moe_dispatcher == "allgather":
-        g = N * ep
-        # (the gathered tokens [N·ep, h] land in Megatron's global buffer: :func:`mpu_buffer`)
-        return {"dispatch": {"allgather: gathered probabilities and routing map [N·ep, E] "
-                             "(fp32 + bool)": (FP32 + 1) * g * E},
-                "combine": {"allgather: combined output [N·ep, h] before its reduce-scatter "
-                            "(bf16)": BF16 * g * h},
-                "backward": {"allgather: gathered output gradient and input gradient "
-                             "[N·ep, h] (bf16)": 2 * BF16 * g * h}}
-    r = routed_rows(model, job, N)
-    sent = BF16 * N * model.topk * h
-    return {"dispatch": {"alltoall: permuted rows sent [N·k, h] (bf16)": sent},
-            "combine": {"alltoall: the experts' output [r, h] and the rows received back "
-                        "[N·k, h] (bf16)": BF16 * r * h + sent},
-            "backward": {"alltoall: the experts' input gradient [r, h] and the rows received "
-                         "back [N·k, h] (bf16)": BF16 * r * h + sent}}
 
 
 def mpu_buffer(model: Model, job: Job, lay, N: int) -> float:
@@ -303,37 +260,13 @@ def moe_phases(model: Model, job: Job, lay, N: int) -> Dict[str, Dict[str, float
                "this rank's experts' weight gradients, summed over the tiles (bf16)":
                    BF16 * local * one,
                f"{tile}: routed rows re-formed": rt * stored,
-               **{f"{tile}: {k_}": v for k_, v in grads.items()},
-               **disp["backward"], **wgrad}
+               **{f"{tile}: {k_}": v for k_, v in moe_backward(grads, disp, wgrad).items()}}
     else:
-        fwd = {"MoE output [tokens, h] (bf16)": out_n, **disp["combine"]}
-        bwd = dict(grads, **disp["backward"], **wgrad)
+        fwd = moe_forward(model, job, ep, N)
+        bwd = moe_backward(grads, disp, wgrad)
     if model.moe_shared_ffn:  # computed first, added to the routed output at the end
         fwd["the shared expert's output [tokens, h], held (bf16)"] = out_n
     return {"MLP forward (last layer)": fwd, "MLP backward (last layer)": bwd}
-
-
-def backward_rows(model: Model, job: Job, ep: int, rows: float) -> Dict[str, float]:
-    """The routed rows' backward at its largest step, beyond what they store: the experts'
-    output gradient ``[rows, h]`` and either every expert's activation and fc1-output gradients
-    at once (``--moe-grouped-gemm``: ``(2k + 2)·f′`` per row, the issue's ``4h + 12f′`` in all)
-    or, expert after expert (``SequentialMLP``, Megatron's default), one expert's, while the
-    input gradients of the experts done replace their freed activations (``2h`` per row over
-    the ``(2k + 2)·f′`` they free, when larger)."""
-    h, f = model.hidden, expert_ffn(model)
-    k = 2 if model.swiglu else 1
-    act = BF16 * (k * f + f)
-    out = {"experts' output gradient [routed rows, h] (bf16)": BF16 * rows * h}
-    if job.moe_grouped_gemm:
-        out["every expert's activation and fc1-output gradients (bf16, grouped GEMM)"] = \
-            rows * act
-        return out
-    local = max(1, model.experts // ep)
-    out["one expert's activation, fc1-output and input gradients (bf16)"] = \
-        rows / local * (act + BF16 * h)
-    out["input gradients of the experts done over their freed activations (bf16)"] = \
-        rows * max(0, BF16 * h - act)
-    return out
 
 
 def dispatch_state(model: Model, job: Job, lay, stage: str, N: int) -> Dict[str, float]:
@@ -358,6 +291,23 @@ def dispatch_state(model: Model, job: Job, lay, stage: str, N: int) -> Dict[str,
         what = "probabilities, routing map, indices"
     return {f"MoE dispatcher's last call kept to the recompute ({what})":
             b * n_moe / (n_moe + n_dense)}
+
+
+def held_gradients(model: Model, job: Job, lay, stage: str, dy: float) -> float:
+    """Bytes the first layer's backward holds beyond the last layer's under stock full
+    recompute: the dispatcher of every MoE layer whose backward is done keeps its recompute
+    call's probabilities (alltoall ``probs``, allgather ``local_probs``) until the next step,
+    and with them their autograd graph down to the checkpoint's detached input, whose ``.grad``
+    (that layer's input gradient ``[N, h]``, ``dy``) stays alive; the layer just above the
+    first one's is the first one's incoming gradient (counted). Measured: 4 MoE layers, the
+    first layer's re-run forward 2 such gradients above the last layer's. Mode ``metp`` drops
+    the dispatch state after each call (:func:`dispatch_state`): none."""
+    if not dispatch_state(model, job, lay, stage, 1):
+        return 0.0
+    L = model.layers // job.pp
+    flags = moe_layer_flags(model)
+    flags = flags[:L] if stage == "first" or job.pp == 1 else flags[-L:]
+    return sum(flags[2:]) * dy
 
 
 def moe_layer(model: Model, job: Job, lay, stage: str, N: int, S: Dict[str, float],
