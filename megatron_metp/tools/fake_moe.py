@@ -102,6 +102,17 @@ def _sort_chunks(input, split_sizes, sorted_idxs, probs=None, fused=False):
     return out, probs
 
 
+def _empty_aux_log(moe_utils) -> None:
+    """Drop Megatron's layer-wise MoE aux-loss log, whose entries are sized by the first model
+    that logs (a later, deeper model would index past them): core_v0.16.1's dict, core_v0.19.0's
+    ``moe_logging`` tracker (its legacy dict view is a copy)."""
+    try:
+        from megatron.core.transformer.moe import moe_logging
+    except ImportError:  # core_v0.16.1
+        moe_utils.get_moe_layer_wise_logging_tracker().clear()
+    else:
+        moe_logging.set_moe_metrics_tracker(moe_logging.MoEMetricsTracker())
+
 @contextlib.contextmanager
 def balanced_routing(imbalance: float = 1.0) -> Iterator[None]:
     """Patch megatron-core's dispatchers for one fake measurement (see the module docstring);
@@ -169,11 +180,10 @@ def balanced_routing(imbalance: float = 1.0) -> Iterator[None]:
     AG.dispatch_postprocess = ag_dispatch_postprocess
     A2A.preprocess = a2a_preprocess
     A2A._maybe_dtoh_and_synchronize = a2a_sync
-    aux_log = moe_utils.get_moe_layer_wise_logging_tracker()  # {loss name: {"values": [L]}}
-    aux_log.clear()
+    _empty_aux_log(moe_utils)
     try:
         yield
     finally:
-        aux_log.clear()  # (fake tensors)
+        _empty_aux_log(moe_utils)  # (fake tensors)
         for owner, name, value in saved:
             setattr(owner, name, value)
