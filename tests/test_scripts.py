@@ -728,7 +728,9 @@ def test_format_report():
 def test_dry_run_needs_a_patched_checkout(tmp_path, capsys):
     assert dry_run.main(["--megatron-lm-dir", str(tmp_path)]) == 1
     assert "not a Megatron-LM checkout" in capsys.readouterr().err
-    for rel in dry_run.PATCHED_FILES:
+    from megatron_metp.megatron_lm.patch_markers import PATCHED_FILES
+
+    for rel in PATCHED_FILES:
         os.makedirs(os.path.dirname(tmp_path / rel), exist_ok=True)
         (tmp_path / rel).write_text("# stock\n")
     with pytest.raises(dry_run.DryRunError, match="not patched for METP.*apply_patches.sh"):

@@ -52,7 +52,7 @@ import time
 from typing import Dict, List, Optional
 
 from ..megatron_lm.cpu import stub_batch_invariant_kernels
-from ..megatron_lm.patch_markers import PATCHED_FILES, problem as patch_problem  # noqa: F401
+from ..megatron_lm.patch_markers import problem as patch_problem
 from . import fakerank as FR
 from .dry_run_memory import inflight_microbatches, optimizer_bytes_per_param, static_memory
 from .dry_run_report import format_report

@@ -45,6 +45,7 @@ from typing import Dict
 from .hardware import HARDWARE
 from .internode import GPUS_PER_NODE
 from .model import BF16, FP32, Job, Model
+from .parameters import params
 
 
 def tp_exposed_s(model: Model, job: Job, lay, n: int, recomputed: int, moe_layers: int,
@@ -81,17 +82,9 @@ def tp_exposed_s(model: Model, job: Job, lay, n: int, recomputed: int, moe_layer
 def grad_sync_s(model: Model, job: Job, mode: str) -> float:
     """Exposed seconds of one iteration's data-parallel gradient reduction and parameter
     gather on a rank (module docstring), from :func:`.parameters.params`' groups."""
-    from .parameters import params
-
-    p = params(model, job, mode)
-    if mode == "metp":
-        classes = ((p.sharded, p.dp_sharded),
-                   (p.total - p.sharded - p.expert, p.dp_replicated),
-                   (p.expert, p.dp_expert))
-    else:
-        classes = ((p.total - p.expert, p.dp_sharded), (p.expert, p.dp_expert))
     per = FP32 + BF16 if job.distributed_optimizer else 2 * FP32
-    nbytes = sum((g - 1) / g * P * per for P, g in classes if g > 1)
+    nbytes = sum((g - 1) / g * P * per for P, g in params(model, job, mode).reduce_groups()
+                 if g > 1)
     if not nbytes:
         return 0.0
     hw = HARDWARE[job.hardware]

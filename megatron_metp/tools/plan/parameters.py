@@ -51,6 +51,15 @@ class Params:
         """Elements whose gradients are reduced over ``dp_sharded`` (METP-sharded ones)."""
         return self.layer_sharded + (self.embedding if self.embedding_sharded else 0)
 
+    def reduce_groups(self) -> Tuple[Tuple[int, int], ...]:
+        """``(elements, data-parallel group size)`` of each class of parameters by the group
+        that reduces their gradients (and that the distributed optimizer shards them over):
+        the sharded ones, the replicated ones, the experts. (Stock modes reduce both of the
+        first two over the same group.)"""
+        return ((self.sharded, self.dp_sharded),
+                (self.total - self.sharded - self.expert, self.dp_replicated),
+                (self.expert, self.dp_expert))
+
 
 def params(model: Model, job: Job, mode: str, stage: str = "first") -> Params:
     """Parameter elements held by one rank of ``stage`` ("first" or "last" pipeline stage)."""
@@ -107,15 +116,9 @@ def static_memory(model: Model, job: Job, mode: str, stage: str = "first") -> Di
     embedding and output layer — DP×ring for parameters replicated over a ring)."""
     mode, job = canonical(mode, job)
     p = params(model, job, mode, stage)
-    sharded = p.sharded
-    repl = p.total - sharded - p.expert
     opt_plain = 12 * p.total
     # MoE experts (.moe): sharded over expert-DP (METP: CP × DP; stock: TP·CP·DP / EP)
-    experts = 12 * p.expert / p.dp_expert
-    if mode == "metp":
-        opt_dist = 12 * sharded / p.dp_sharded + 12 * repl / p.dp_replicated + experts
-    else:
-        opt_dist = 12 * (p.total - p.expert) / p.dp_sharded + experts
+    opt_dist = sum(12 * n / g for n, g in p.reduce_groups())
     opt = opt_dist if job.distributed_optimizer else opt_plain
     host = 0.0
     if job.optimizer_offload:  # Megatron's --optimizer-cpu-offload (offload fraction 1.0)

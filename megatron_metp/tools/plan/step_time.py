@@ -44,12 +44,12 @@ from __future__ import annotations
 from typing import Dict, List
 
 from . import mla
+from .collectives import collective_components
 from .hardware import HARDWARE
 from .host_link import host_link
 from .imbalance import ring_imbalance
 from .internode import GPUS_PER_NODE
 from .model import BF16, FP32, Job, Model, canonical, layout, padded_vocab
-from .collectives import collective_components
 from .optimizer_time import optimizer_s
 from .rates import ATTENTION_BWD_FLOP_RATIO, Rates, resolve_rates
 
